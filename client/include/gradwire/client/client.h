@@ -1,0 +1,99 @@
+// C++ client of gradwire-server. Every call has a deadline (ClientOptions::timeout) and returns
+// an absl::Status whose code is the gRPC status code and whose message names the method.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gradwire/v1/service.grpc.pb.h"
+
+namespace gradwire::client {
+
+// How float tensors travel to the server.
+enum class WireDType { kF32, kBF16, kF16 };
+
+// A float32 host tensor, row-major.
+struct HostTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+
+  int64_t numel() const;
+  static HostTensor Zeros(std::vector<int64_t> shape);
+};
+
+// HostTensor -> wire tensor in `dtype`.
+v1::Tensor ToWire(const HostTensor& t, WireDType dtype);
+// Wire tensor (any dtype, FP8 included) -> HostTensor; INVALID_ARGUMENT when malformed.
+absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t);
+v1::DType ToProto(WireDType dtype);
+
+struct ClientOptions {
+  std::string server = "127.0.0.1:50051";      // host:port of gradwire-server
+  std::chrono::milliseconds timeout{30000};    // deadline of each call
+  WireDType wire_dtype = WireDType::kF32;      // dtype of activations and gradients both ways
+  int max_message_mib = 64;                    // largest message sent or received
+};
+
+struct ForwardResult {
+  HostTensor output;
+  std::string context_id;  // empty for inference
+  uint64_t weight_version = 0;
+};
+
+struct BackwardOptions {
+  bool retain = false;           // keep the context for another backward
+  bool skip_grad_input = false;  // first layer: no grad_input needed
+};
+
+struct Weights {
+  HostTensor weight;
+  std::optional<HostTensor> bias;
+  uint64_t weight_version = 0;
+};
+
+class Client {
+ public:
+  explicit Client(ClientOptions options);
+  ~Client();
+
+  const ClientOptions& options() const { return options_; }
+
+  // Waits until the channel is connected; UNAVAILABLE naming the server if it is not by then.
+  absl::Status WaitForReady(std::chrono::milliseconds timeout);
+
+  absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  absl::StatusOr<v1::ModuleInfo> CreateModule(const v1::ModuleSpec& spec);
+  absl::StatusOr<std::vector<v1::ModuleInfo>> ListModules();
+  absl::Status DeleteModule(const std::string& module_id);
+
+  absl::StatusOr<ForwardResult> Forward(const std::string& module_id, const HostTensor& input,
+                                        bool training);
+  // Returns grad_input (empty shape with skip_grad_input).
+  absl::StatusOr<HostTensor> Backward(const std::string& context_id,
+                                      const HostTensor& grad_output,
+                                      BackwardOptions options = {});
+  absl::Status ReleaseContext(const std::string& context_id);
+
+  // Applies the accumulated gradients with SGD; returns the new weight version.
+  absl::StatusOr<uint64_t> ApplySgd(const std::string& module_id, float learning_rate);
+  absl::StatusOr<Weights> GetWeights(const std::string& module_id);
+  absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const HostTensor& weight,
+                                      const std::optional<HostTensor>& bias);
+
+  // The raw stub, for calls the wrapper does not cover.
+  v1::Gradwire::Stub& stub() { return *stub_; }
+
+ private:
+  void Prepare(grpc::ClientContext* ctx) const;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Gradwire::Stub> stub_;
+};
+
+}  // namespace gradwire::client

@@ -1,0 +1,264 @@
+#include "gradwire/client/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "gradwire/kernels/dtype.h"
+#include "gradwire/kernels/quantize.h"
+
+namespace gradwire::client {
+namespace {
+
+absl::Status FromGrpc(const char* method, const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(method, ": ", s.error_message()));
+}
+
+}  // namespace
+
+int64_t HostTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return shape.empty() ? 0 : n;
+}
+
+HostTensor HostTensor::Zeros(std::vector<int64_t> shape) {
+  HostTensor t;
+  t.shape = std::move(shape);
+  t.data.assign(size_t(t.numel()), 0.0f);
+  return t;
+}
+
+v1::DType ToProto(WireDType dtype) {
+  switch (dtype) {
+    case WireDType::kBF16:
+      return v1::BF16;
+    case WireDType::kF16:
+      return v1::F16;
+    default:
+      return v1::F32;
+  }
+}
+
+v1::Tensor ToWire(const HostTensor& t, WireDType dtype) {
+  v1::Tensor out;
+  out.set_dtype(ToProto(dtype));
+  out.mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+  const int64_t n = int64_t(t.data.size());
+  std::string* bytes = out.mutable_data();
+  if (dtype == WireDType::kF32) {
+    bytes->assign(reinterpret_cast<const char*>(t.data.data()), size_t(n) * sizeof(float));
+    return out;
+  }
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  if (dtype == WireDType::kBF16) {
+    kernels::FloatToBf16(t.data.data(), n, bits.data());
+  } else {
+    kernels::FloatToHalf(t.data.data(), n, bits.data());
+  }
+  bytes->assign(reinterpret_cast<const char*>(bits.data()), bits.size() * sizeof(uint16_t));
+  return out;
+}
+
+absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t) {
+  HostTensor out;
+  out.shape.assign(t.shape().begin(), t.shape().end());
+  const int64_t n = out.numel();
+  int64_t element_size = 0;
+  switch (t.dtype()) {
+    case v1::F32:
+      element_size = 4;
+      break;
+    case v1::BF16:
+    case v1::F16:
+      element_size = 2;
+      break;
+    case v1::FP8_E4M3:
+    case v1::FP8_E5M2:
+      element_size = 1;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("response tensor has unknown dtype ", int(t.dtype())));
+  }
+  if (int64_t(t.data().size()) != n * element_size) {
+    return absl::InvalidArgumentError(absl::StrCat("response tensor has ", t.data().size(),
+                                                   " bytes, its shape needs ", n * element_size));
+  }
+  out.data.resize(size_t(n));
+  const char* src = t.data().data();
+  if (t.dtype() == v1::F32) {
+    std::memcpy(out.data.data(), src, size_t(n) * sizeof(float));
+  } else if (element_size == 2) {
+    std::vector<uint16_t> bits(static_cast<size_t>(n));
+    std::memcpy(bits.data(), src, size_t(n) * sizeof(uint16_t));
+    if (t.dtype() == v1::BF16) {
+      kernels::Bf16ToFloat(bits.data(), n, out.data.data());
+    } else {
+      kernels::HalfToFloat(bits.data(), n, out.data.data());
+    }
+  } else {
+    kernels::DequantizeFp8(reinterpret_cast<const uint8_t*>(src), n, t.scale_inv(),
+                           t.dtype() == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3
+                                                     : kernels::Fp8Format::kE5M2,
+                           out.data.data());
+  }
+  return out;
+}
+
+Client::Client(ClientOptions options) : options_(std::move(options)) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options_.max_message_mib << 20);
+  args.SetMaxSendMessageSize(options_.max_message_mib << 20);
+  channel_ = grpc::CreateCustomChannel(options_.server, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Gradwire::NewStub(channel_);
+}
+
+Client::~Client() = default;
+
+void Client::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+}
+
+absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
+  if (channel_->WaitForConnected(std::chrono::system_clock::now() + timeout)) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat("cannot connect to gradwire-server at ",
+                                             options_.server, " within ", timeout.count(),
+                                             " ms"));
+}
+
+absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::GetServerInfoResponse resp;
+  if (auto s = FromGrpc("GetServerInfo", stub_->GetServerInfo(&ctx, {}, &resp)); !s.ok()) {
+    return s;
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::CreateModuleRequest req;
+  *req.mutable_spec() = spec;
+  v1::CreateModuleResponse resp;
+  if (auto s = FromGrpc("CreateModule", stub_->CreateModule(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  return resp.module();
+}
+
+absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ListModulesResponse resp;
+  if (auto s = FromGrpc("ListModules", stub_->ListModules(&ctx, {}, &resp)); !s.ok()) return s;
+  return std::vector<v1::ModuleInfo>(resp.modules().begin(), resp.modules().end());
+}
+
+absl::Status Client::DeleteModule(const std::string& module_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::DeleteModuleRequest req;
+  req.set_module_id(module_id);
+  v1::DeleteModuleResponse resp;
+  return FromGrpc("DeleteModule", stub_->DeleteModule(&ctx, req, &resp));
+}
+
+absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id,
+                                              const HostTensor& input, bool training) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ForwardRequest req;
+  req.set_module_id(module_id);
+  *req.mutable_input() = ToWire(input, options_.wire_dtype);
+  req.set_training(training);
+  req.set_output_dtype(ToProto(options_.wire_dtype));
+  v1::ForwardResponse resp;
+  if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) return s;
+  auto output = FromWire(resp.output());
+  if (!output.ok()) return output.status();
+  return ForwardResult{*std::move(output), resp.context_id(), resp.weight_version()};
+}
+
+absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
+                                            const HostTensor& grad_output,
+                                            BackwardOptions options) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::BackwardRequest req;
+  req.set_context_id(context_id);
+  *req.mutable_grad_output() = ToWire(grad_output, options_.wire_dtype);
+  req.set_retain(options.retain);
+  req.set_skip_grad_input(options.skip_grad_input);
+  req.set_grad_input_dtype(ToProto(options_.wire_dtype));
+  v1::BackwardResponse resp;
+  if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
+  if (!resp.has_grad_input()) return HostTensor{};
+  return FromWire(resp.grad_input());
+}
+
+absl::Status Client::ReleaseContext(const std::string& context_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ReleaseContextRequest req;
+  req.set_context_id(context_id);
+  v1::ReleaseContextResponse resp;
+  return FromGrpc("ReleaseContext", stub_->ReleaseContext(&ctx, req, &resp));
+}
+
+absl::StatusOr<uint64_t> Client::ApplySgd(const std::string& module_id, float learning_rate) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ApplyGradientsRequest req;
+  req.set_module_id(module_id);
+  req.mutable_sgd()->set_learning_rate(learning_rate);
+  v1::ApplyGradientsResponse resp;
+  if (auto s = FromGrpc("ApplyGradients", stub_->ApplyGradients(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  return resp.weight_version();
+}
+
+absl::StatusOr<Weights> Client::GetWeights(const std::string& module_id) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::GetWeightsRequest req;
+  req.set_module_id(module_id);
+  req.set_dtype(v1::F32);
+  v1::GetWeightsResponse resp;
+  if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) return s;
+  Weights out;
+  auto weight = FromWire(resp.weight());
+  if (!weight.ok()) return weight.status();
+  out.weight = *std::move(weight);
+  if (resp.has_bias()) {
+    auto bias = FromWire(resp.bias());
+    if (!bias.ok()) return bias.status();
+    out.bias = *std::move(bias);
+  }
+  out.weight_version = resp.weight_version();
+  return out;
+}
+
+absl::StatusOr<uint64_t> Client::SetWeights(const std::string& module_id,
+                                            const HostTensor& weight,
+                                            const std::optional<HostTensor>& bias) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::SetWeightsRequest req;
+  req.set_module_id(module_id);
+  *req.mutable_weight() = ToWire(weight, WireDType::kF32);
+  if (bias) *req.mutable_bias() = ToWire(*bias, WireDType::kF32);
+  v1::SetWeightsResponse resp;
+  if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) return s;
+  return resp.weight_version();
+}
+
+}  // namespace gradwire::client

@@ -1,0 +1,31 @@
+// An FP8-quantized matrix with everything that travels with it: the rowwise codes, the
+// transposed (columnwise) codes a GEMM reducing over rows needs, the scale_inv of the cast and the
+// amax of the source. Either copy may be absent; nothing is stored twice.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "gradwire/kernels/fp8.h"
+
+namespace gradwire::core {
+
+struct Fp8Tensor {
+  at::Tensor rowwise;     // uint8 [rows, cols], or undefined
+  at::Tensor columnwise;  // uint8 [cols, rows], or undefined
+  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
+  float scale_inv = 1.0f;  // real value = decode(code) * scale_inv
+  float amax = 0.0f;       // amax of the tensor that was cast
+  int64_t rows = 0;
+  int64_t cols = 0;
+
+  bool has_rowwise() const { return rowwise.defined(); }
+  bool has_columnwise() const { return columnwise.defined(); }
+  // Bytes of FP8 codes held (both copies).
+  int64_t bytes() const {
+    return (has_rowwise() ? rows * cols : 0) + (has_columnwise() ? rows * cols : 0);
+  }
+};
+
+}  // namespace gradwire::core

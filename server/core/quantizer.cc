@@ -1,0 +1,42 @@
+#include "server/core/quantizer.h"
+
+#include <ATen/ATen.h>
+
+#include "gradwire/kernels/quantize.h"
+
+namespace gradwire::core {
+
+absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
+                                   CastUsage usage) {
+  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || !x.is_cpu()) {
+    return absl::InternalError("Quantize expects a contiguous 2-D float32 CPU tensor");
+  }
+  if (!usage.rowwise && !usage.columnwise) {
+    return absl::InternalError("Quantize asked for neither rowwise nor columnwise data");
+  }
+  Fp8Tensor out;
+  out.format = config.format;
+  out.rows = x.size(0);
+  out.cols = x.size(1);
+  const auto options = at::TensorOptions().dtype(at::kByte);
+  if (usage.rowwise) out.rowwise = at::empty({out.rows, out.cols}, options);
+  if (usage.columnwise) out.columnwise = at::empty({out.cols, out.rows}, options);
+  const float* data = x.data_ptr<float>();
+  out.amax = kernels::Amax(data, x.numel());
+  const float scale = kernels::ComputeScale(out.amax, config.format, config.margin);
+  out.scale_inv = 1.0f / scale;
+  kernels::QuantizeFp8(data, out.rows, out.cols, scale, config.format,
+                       usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr,
+                       usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr, nullptr);
+  return out;
+}
+
+at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) {
+  const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
+  at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));
+  kernels::DequantizeFp8(codes.data_ptr<uint8_t>(), codes.numel(), t.scale_inv, t.format,
+                         out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace gradwire::core

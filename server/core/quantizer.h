@@ -1,0 +1,31 @@
+// Casting fp32 tensors to FP8 with a recipe's scale.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "gradwire/kernels/fp8.h"
+#include "server/core/fp8_tensor.h"
+
+namespace gradwire::core {
+
+// Per-tensor current scaling: the scale comes from the tensor's own amax.
+struct QuantizerConfig {
+  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
+  int margin = 0;  // headroom in powers of two
+};
+
+// Which copies of the FP8 data a cast writes.
+struct CastUsage {
+  bool rowwise = true;
+  bool columnwise = false;
+};
+
+// Casts x (float32, 2-D, contiguous, CPU) to FP8 under `config`.
+absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
+                                   CastUsage usage);
+
+// Decodes one stored copy back to float32 (rowwise: [rows, cols]; else [cols, rows]).
+at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise);
+
+}  // namespace gradwire::core

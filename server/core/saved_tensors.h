@@ -1,0 +1,15 @@
+// What a training forward leaves for its backward. Modules derive their own saved state.
+#pragma once
+
+#include <cstdint>
+
+namespace gradwire::core {
+
+class SavedTensors {
+ public:
+  virtual ~SavedTensors() = default;
+  // Bytes of tensor memory this context owns (shared workspaces are not counted).
+  virtual int64_t bytes() const = 0;
+};
+
+}  // namespace gradwire::core

@@ -1,0 +1,148 @@
+// gradwire-server: hosts FP8 modules and serves them over gRPC.
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "server/core/executor.h"
+#include "server/core/module_host.h"
+#include "server/rpc/service.h"
+#ifdef GRADWIRE_HAVE_CUDA
+#include "device_query.h"
+#endif
+
+namespace {
+
+struct ServerFlags {
+  std::string listen = "127.0.0.1:50051";  // loopback unless told otherwise
+  std::string device = "auto";             // auto | cpu | cuda
+  std::string log_level = "info";
+  int max_message_mib = 64;                 // largest request/response message
+  double shutdown_grace_s = 10.0;           // in-flight calls get this long on SIGINT/SIGTERM
+};
+
+// Replaces a trailing ":0" port with the port the server actually bound.
+std::string BoundAddress(const std::string& listen, int port) {
+  const auto colon = listen.rfind(':');
+  if (colon == std::string::npos) return listen;
+  return listen.substr(0, colon + 1) + std::to_string(port);
+}
+
+std::string CpuDescription() {
+  return "host CPU, reference FP8 backend (" + std::to_string(std::thread::hardware_concurrency()) +
+         " hardware threads)";
+}
+
+// Resolves --device into (device, description) or exits with a message.
+bool ResolveDevice(const std::string& requested, std::string* device, std::string* description) {
+  if (requested == "cpu") {
+    *device = "cpu";
+    *description = CpuDescription();
+    return true;
+  }
+#ifdef GRADWIRE_HAVE_CUDA
+  std::string why;
+  const int count = gradwire::kernels::cuda::DeviceCount(&why);
+  if (requested == "cuda") {
+    if (count == 0) {
+      spdlog::error("--device cuda: no usable CUDA device ({})", why);
+    } else {
+      spdlog::error("--device cuda: found {}, but this build has no CUDA module kernels yet; "
+                    "use --device cpu",
+                    gradwire::kernels::cuda::DeviceDescription(0));
+    }
+    return false;
+  }
+  spdlog::info("--device auto: {}; using the CPU backend",
+               count == 0 ? "no usable CUDA device (" + why + ")"
+                          : "CUDA module kernels are not in this build");
+#else
+  if (requested == "cuda") {
+    spdlog::error("--device cuda: this gradwire-server was built without CUDA (GRADWIRE_CUDA=OFF)");
+    return false;
+  }
+#endif
+  *device = "cpu";
+  *description = CpuDescription();
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ServerFlags flags;
+  CLI::App app{"gradwire-server: hosts FP8 Linear modules (E4M3 forward, E5M2 gradients) and "
+               "runs them forward and backward for remote clients over gRPC."};
+  app.add_option("--listen", flags.listen,
+                 "address to serve on, host:port (port 0 picks a free port; the log says which)")
+      ->capture_default_str();
+  app.add_option("--device", flags.device,
+                 "compute device: cpu, cuda, or auto (cuda when usable, else cpu)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
+      ->capture_default_str();
+  app.add_option("--max-message-mib", flags.max_message_mib,
+                 "largest gRPC message accepted or sent, in MiB")
+      ->check(CLI::Range(1, 2047))
+      ->capture_default_str();
+  app.add_option("--shutdown-grace", flags.shutdown_grace_s,
+                 "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_level(spdlog::level::from_str(flags.log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ gradwire-server: %v");
+
+  // Signals are taken by sigwait below; block them before any thread starts so none gets them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::string device, description;
+  if (!ResolveDevice(flags.device, &device, &description)) return 2;
+
+  gradwire::core::ModuleHost host;
+  auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
+  gradwire::rpc::GradwireService service(host, *executor,
+                                         {GRADWIRE_VERSION, device, description});
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(flags.max_message_mib << 20);
+  builder.SetMaxSendMessageSize(flags.max_message_mib << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    spdlog::error("cannot listen on {} (address in use, or not an address of this host?)",
+                  flags.listen);
+    return 1;
+  }
+  spdlog::info("gradwire {} on {}: {}", GRADWIRE_VERSION, device, description);
+  spdlog::info("listening on {}", BoundAddress(flags.listen, port));
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  spdlog::info("received {}, shutting down (grace {:.1f} s)", strsignal(signal_number),
+               flags.shutdown_grace_s);
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(flags.shutdown_grace_s * 1000));
+  server->Shutdown(deadline);  // refuses new calls; cancels what is still running at the deadline
+  server->Wait();
+  executor.reset();  // drains tasks the cancelled calls left behind
+  const auto stats = host.Stats();
+  spdlog::info("stopped: {} modules, {} live contexts dropped", stats.modules,
+               stats.live_contexts);
+  return 0;
+}

@@ -1,0 +1,67 @@
+// The gRPC callback service: translates requests into ModuleHost calls, runs them on the device
+// executor (reactors never block) and finishes each RPC from the executor with a mapped status.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "gradwire/v1/service.grpc.pb.h"
+#include "server/core/executor.h"
+#include "server/core/module_host.h"
+
+namespace gradwire::rpc {
+
+struct ServiceOptions {
+  std::string version;      // reported by GetServerInfo
+  std::string device;       // "cpu" or "cuda:N"
+  std::string device_name;  // human-readable description of the device
+};
+
+class GradwireService final : public v1::Gradwire::CallbackService {
+ public:
+  // `host` and `executor` must outlive the service.
+  GradwireService(core::ModuleHost& host, core::DeviceExecutor& executor, ServiceOptions options);
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* req,
+                                          v1::GetServerInfoResponse* resp) override;
+  grpc::ServerUnaryReactor* CreateModule(grpc::CallbackServerContext* ctx,
+                                         const v1::CreateModuleRequest* req,
+                                         v1::CreateModuleResponse* resp) override;
+  grpc::ServerUnaryReactor* ListModules(grpc::CallbackServerContext* ctx,
+                                        const v1::ListModulesRequest* req,
+                                        v1::ListModulesResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteModule(grpc::CallbackServerContext* ctx,
+                                         const v1::DeleteModuleRequest* req,
+                                         v1::DeleteModuleResponse* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
+                                    const v1::ForwardRequest* req,
+                                    v1::ForwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* ctx,
+                                     const v1::BackwardRequest* req,
+                                     v1::BackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx,
+                                           const v1::ReleaseContextRequest* req,
+                                           v1::ReleaseContextResponse* resp) override;
+  grpc::ServerUnaryReactor* ApplyGradients(grpc::CallbackServerContext* ctx,
+                                           const v1::ApplyGradientsRequest* req,
+                                           v1::ApplyGradientsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetWeights(grpc::CallbackServerContext* ctx,
+                                       const v1::GetWeightsRequest* req,
+                                       v1::GetWeightsResponse* resp) override;
+  grpc::ServerUnaryReactor* SetWeights(grpc::CallbackServerContext* ctx,
+                                       const v1::SetWeightsRequest* req,
+                                       v1::SetWeightsResponse* resp) override;
+
+ private:
+  // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
+  // `work` become INTERNAL; a call cancelled before it starts is not run.
+  grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
+                                        std::function<absl::Status()> work);
+
+  core::ModuleHost& host_;
+  core::DeviceExecutor& executor_;
+  const ServiceOptions options_;
+};
+
+}  // namespace gradwire::rpc
