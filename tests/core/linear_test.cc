@@ -1,0 +1,197 @@
+// FP8 Linear forward/backward against float64 references: tight against the product of the
+// dequantized FP8 operands, and within TE's FP8 tolerances against the unquantized product.
+#include <gtest/gtest.h>
+
+#include <tuple>
+
+#include "server/core/linear.h"
+#include "test_util.h"
+
+namespace gradwire::core {
+namespace {
+
+using gradwire::testing::AllClose;
+using gradwire::testing::AllCloseToSum;
+using gradwire::testing::RandN;
+using kernels::Fp8Format;
+
+const QuantizerConfig kE4M3{Fp8Format::kE4M3, 0};
+const QuantizerConfig kE5M2{Fp8Format::kE5M2, 0};
+
+// Tolerances of TE's FP8 tests (per value: rtol is one FP8 ulp of relative spacing). A GEMM
+// output is a sum, so atol is applied in units of the sum's magnitude (AllCloseToSum).
+constexpr double kE4M3Rtol = 0.125, kE4M3Atol = 0.0675;
+constexpr double kE5M2Rtol = 0.25, kE5M2Atol = 0.125;
+
+at::Tensor Dq(const at::Tensor& x, const QuantizerConfig& q) {
+  auto t = Quantize(x.contiguous(), q, {true, false});
+  EXPECT_TRUE(t.ok());
+  return Dequantize(*t, /*rowwise=*/true).to(at::kDouble);
+}
+
+// Tight bound for an fp32-accumulated product of the given (float64) operands.
+::testing::AssertionResult CloseToProduct(const at::Tensor& actual, const at::Tensor& expected,
+                                          const at::Tensor& magnitude, int64_t k) {
+  const double eps = (double(k) / 8 + 4) * 0x1.0p-23;
+  const at::Tensor excess =
+      (actual.to(at::kDouble) - expected).abs() - (eps * magnitude + 1e-12);
+  const double worst = excess.max().item<double>();
+  if (worst <= 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "exceeds fp32-accumulation bound by " << worst;
+}
+
+// (M tokens, K in_features, N out_features, bias)
+class LinearTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, bool>> {
+ protected:
+  void SetUp() override {
+    std::tie(m_, k_, n_, has_bias_) = GetParam();
+    x_ = RandN({m_, k_});
+    w_ = RandN({n_, k_}, 1.0 / std::sqrt(double(k_)));
+    if (has_bias_) b_ = RandN({n_});
+    dy_ = RandN({m_, n_});
+  }
+
+  LinearFwdResult Forward(bool training) {
+    LinearFwdArgs args;
+    args.input = x_;
+    args.weight = w_;
+    args.bias = b_;
+    args.weight_version = 1;
+    args.input_quantizer = kE4M3;
+    args.weight_quantizer = kE4M3;
+    args.training = training;
+    auto r = LinearForward(args);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *std::move(r);
+  }
+
+  int64_t m_, k_, n_;
+  bool has_bias_;
+  at::Tensor x_, w_, b_, dy_;
+};
+
+TEST_P(LinearTest, ForwardMatchesFloat64References) {
+  for (bool training : {false, true}) {
+    const LinearFwdResult r = Forward(training);
+    ASSERT_EQ(r.output.sizes(), (at::IntArrayRef{m_, n_}));
+    const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3);
+    at::Tensor ref = at::matmul(xq, wq.t());
+    at::Tensor magnitude = at::matmul(xq.abs(), wq.abs().t());
+    if (has_bias_) {
+      ref = ref + b_.to(at::kDouble);
+      magnitude = magnitude + b_.to(at::kDouble).abs();
+    }
+    EXPECT_TRUE(CloseToProduct(r.output, ref, magnitude, k_));
+    const at::Tensor xd = x_.to(at::kDouble), wd = w_.to(at::kDouble);
+    at::Tensor exact = at::matmul(xd, wd.t());
+    at::Tensor terms = at::matmul(xd.abs(), wd.abs().t());
+    if (has_bias_) {
+      exact = exact + b_.to(at::kDouble);
+      terms = terms + b_.to(at::kDouble).abs();
+    }
+    EXPECT_TRUE(AllCloseToSum(r.output, exact, terms, kE4M3Rtol, kE4M3Atol));
+  }
+}
+
+TEST_P(LinearTest, BackwardMatchesFloat64References) {
+  const LinearFwdResult fwd = Forward(/*training=*/true);
+  ASSERT_TRUE(fwd.saved);
+  at::Tensor weight_grad = RandN({n_, k_});  // accumulation target, not zero
+  const at::Tensor weight_grad_before = weight_grad.clone();
+  at::Tensor bias_grad;
+  if (has_bias_) bias_grad = RandN({n_});
+  const at::Tensor bias_grad_before = has_bias_ ? bias_grad.clone() : at::Tensor();
+
+  LinearBwdArgs args;
+  args.grad_output = dy_;
+  args.saved = fwd.saved.get();
+  args.grad_quantizer = kE5M2;
+  args.compute_grad_input = true;
+  args.weight_grad = weight_grad;
+  args.bias_grad = bias_grad;
+  auto r = LinearBackward(args);
+  ASSERT_TRUE(r.ok()) << r.status();
+
+  const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3), dyq = Dq(dy_, kE5M2);
+  // dgrad
+  EXPECT_TRUE(CloseToProduct(r->grad_input, at::matmul(dyq, wq),
+                             at::matmul(dyq.abs(), wq.abs()), n_));
+  const at::Tensor xd = x_.to(at::kDouble), wd = w_.to(at::kDouble), dyd = dy_.to(at::kDouble);
+  EXPECT_TRUE(AllCloseToSum(r->grad_input, at::matmul(dyd, wd), at::matmul(dyd.abs(), wd.abs()),
+                            kE5M2Rtol, kE5M2Atol));
+  // wgrad, accumulated
+  const at::Tensor dw = weight_grad.to(at::kDouble) - weight_grad_before.to(at::kDouble);
+  EXPECT_TRUE(CloseToProduct(weight_grad, weight_grad_before.to(at::kDouble) +
+                                              at::matmul(dyq.t(), xq),
+                             weight_grad_before.to(at::kDouble).abs() +
+                                 at::matmul(dyq.abs().t(), xq.abs()),
+                             m_));
+  EXPECT_TRUE(AllCloseToSum(dw, at::matmul(dyd.t(), xd), at::matmul(dyd.abs().t(), xd.abs()),
+                            kE5M2Rtol, kE5M2Atol));
+  // dbias from the unquantized gradient
+  if (has_bias_) {
+    const at::Tensor db = bias_grad.to(at::kDouble) - bias_grad_before.to(at::kDouble);
+    EXPECT_TRUE(AllClose(db, dy_.to(at::kDouble).sum(0), 1e-5, 1e-5));
+  }
+}
+
+TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
+  const LinearFwdResult inference = Forward(false);
+  EXPECT_FALSE(inference.saved);
+  EXPECT_FALSE(inference.workspace->weight.has_columnwise());
+  const LinearFwdResult training = Forward(true);
+  ASSERT_TRUE(training.saved);
+  const LinearSaved& saved = *training.saved;
+  EXPECT_FALSE(saved.input.has_rowwise());
+  ASSERT_TRUE(saved.input.has_columnwise());
+  EXPECT_EQ(saved.input.columnwise.sizes(), (at::IntArrayRef{k_, m_}));
+  EXPECT_EQ(saved.bytes(), m_ * k_);  // one byte per input element, nothing twice
+  EXPECT_EQ(saved.workspace, training.workspace);
+  EXPECT_TRUE(training.workspace->weight.has_columnwise());
+}
+
+TEST_P(LinearTest, SkippingGradInputStillAccumulatesWeightGradient) {
+  const LinearFwdResult fwd = Forward(true);
+  at::Tensor weight_grad = at::zeros({n_, k_}, at::kFloat);
+  LinearBwdArgs args;
+  args.grad_output = dy_;
+  args.saved = fwd.saved.get();
+  args.grad_quantizer = kE5M2;
+  args.compute_grad_input = false;
+  args.weight_grad = weight_grad;
+  auto r = LinearBackward(args);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->grad_input.defined());
+  const at::Tensor xd = x_.to(at::kDouble), dyd = dy_.to(at::kDouble);
+  EXPECT_TRUE(AllCloseToSum(weight_grad, at::matmul(dyd.t(), xd),
+                            at::matmul(dyd.abs().t(), xd.abs()), kE5M2Rtol, kE5M2Atol));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LinearTest,
+    ::testing::Values(std::make_tuple(1, 1, 1, true), std::make_tuple(1, 64, 3, false),
+                      std::make_tuple(7, 13, 5, true), std::make_tuple(31, 17, 1, true),
+                      std::make_tuple(3, 1, 29, false), std::make_tuple(64, 128, 96, true)),
+    [](const auto& info) {
+      return "M" + std::to_string(std::get<0>(info.param)) + "_K" +
+             std::to_string(std::get<1>(info.param)) + "_N" +
+             std::to_string(std::get<2>(info.param)) +
+             (std::get<3>(info.param) ? "_bias" : "_nobias");
+    });
+
+TEST(WorkspaceTest, UsableOnlyForItsVersionAndTrainingNeedsColumnwise) {
+  auto ws = std::make_shared<LinearWorkspace>();
+  ws->weight_version = 3;
+  ws->weight.rows = ws->weight.cols = 2;
+  ws->weight.rowwise = at::zeros({2, 2}, at::kByte);
+  EXPECT_TRUE(WorkspaceUsable(ws, 3, /*training=*/false));
+  EXPECT_FALSE(WorkspaceUsable(ws, 3, /*training=*/true));
+  EXPECT_FALSE(WorkspaceUsable(ws, 4, false));
+  EXPECT_FALSE(WorkspaceUsable(nullptr, 3, false));
+  ws->weight.columnwise = at::zeros({2, 2}, at::kByte);
+  EXPECT_TRUE(WorkspaceUsable(ws, 3, true));
+  EXPECT_TRUE(WorkspaceUsable(ws, 3, false));
+}
+
+}  // namespace
+}  // namespace gradwire::core

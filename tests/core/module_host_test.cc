@@ -1,0 +1,228 @@
+// Module host: the weight-workspace cache, the context store's lifetimes, SGD and weights.
+#include <gtest/gtest.h>
+
+#include "server/core/linear.h"
+#include "server/core/module_host.h"
+#include "test_util.h"
+
+namespace gradwire::core {
+namespace {
+
+using gradwire::testing::RandN;
+
+class ModuleHostTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ModuleSpec spec;
+    spec.in_features = 24;
+    spec.out_features = 10;
+    spec.bias = true;
+    spec.seed = 42;
+    auto info = host_.Create(spec);
+    ASSERT_TRUE(info.ok()) << info.status();
+    id_ = info->module_id;
+    EXPECT_EQ(info->weight_version, 1u);
+  }
+
+  ForwardOutput Fwd(bool training, int64_t rows = 5) {
+    auto out = host_.Forward(id_, RandN({rows, 24}), training);
+    EXPECT_TRUE(out.ok()) << out.status();
+    return *std::move(out);
+  }
+
+  const WorkspacePtr& SavedWorkspace(const std::string& ctx) {
+    auto saved = host_.contexts().Peek(ctx).lock();
+    EXPECT_TRUE(saved);
+    return dynamic_cast<const LinearSaved&>(*saved).workspace;
+  }
+
+  ModuleHost host_;
+  std::string id_;
+};
+
+TEST_F(ModuleHostTest, WorkspaceHitOnSameVersion) {
+  Fwd(false);
+  Fwd(false);
+  Fwd(false);
+  EXPECT_EQ(host_.Stats().workspace_builds, 1);
+  EXPECT_EQ(host_.Stats().workspace_hits, 2);
+}
+
+TEST_F(ModuleHostTest, WorkspaceMissAfterVersionBump) {
+  Fwd(false);
+  ASSERT_TRUE(host_.ApplySgd(id_, 0.1f).ok());
+  Fwd(false);
+  EXPECT_EQ(host_.Stats().workspace_builds, 2);
+  ASSERT_TRUE(host_.SetWeights(id_, RandN({10, 24}), RandN({10})).ok());
+  Fwd(false);
+  EXPECT_EQ(host_.Stats().workspace_builds, 3);
+  EXPECT_EQ(host_.Stats().workspace_hits, 0);
+}
+
+TEST_F(ModuleHostTest, InferenceWorkspaceIsAMissForTraining) {
+  Fwd(false);  // builds rowwise only
+  const ForwardOutput t = Fwd(true);
+  EXPECT_EQ(host_.Stats().workspace_builds, 2);
+  EXPECT_TRUE(SavedWorkspace(t.context_id)->weight.has_columnwise());
+  Fwd(false);  // the training workspace serves inference too
+  EXPECT_EQ(host_.Stats().workspace_builds, 2);
+  EXPECT_EQ(host_.Stats().workspace_hits, 1);
+}
+
+TEST_F(ModuleHostTest, MicrobatchesQuantizeTheWeightsOncePerVersion) {
+  std::vector<std::string> contexts;
+  for (int i = 0; i < 4; ++i) contexts.push_back(Fwd(true).context_id);
+  for (const auto& ctx : contexts) ASSERT_TRUE(host_.Backward(ctx, RandN({5, 10}), false, false).ok());
+  EXPECT_EQ(host_.Stats().workspace_builds, 1);
+  EXPECT_EQ(host_.Stats().workspace_hits, 3);
+}
+
+TEST_F(ModuleHostTest, ContextKeepsItsVersionsWorkspaceUntilBackward) {
+  const ForwardOutput old_fwd = Fwd(true);
+  std::weak_ptr<const LinearWorkspace> v1 = SavedWorkspace(old_fwd.context_id);
+  ASSERT_TRUE(host_.ApplySgd(id_, 0.5f).ok());
+  const ForwardOutput new_fwd = Fwd(true);
+  EXPECT_EQ(new_fwd.weight_version, 2u);
+  ASSERT_FALSE(v1.expired());  // only the old context holds it now
+  EXPECT_EQ(v1.lock()->weight_version, 1u);
+  EXPECT_EQ(SavedWorkspace(new_fwd.context_id)->weight_version, 2u);
+  ASSERT_TRUE(host_.Backward(old_fwd.context_id, RandN({5, 10}), false, false).ok());
+  EXPECT_TRUE(v1.expired());
+}
+
+TEST_F(ModuleHostTest, InferenceCreatesNoContext) {
+  const ForwardOutput out = Fwd(false);
+  EXPECT_TRUE(out.context_id.empty());
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+  EXPECT_EQ(host_.Stats().context_bytes, 0);
+}
+
+TEST_F(ModuleHostTest, BackwardReleasesSavedBytesBeforeReturning) {
+  const ForwardOutput out = Fwd(true, /*rows=*/7);
+  EXPECT_EQ(out.context_id.size(), 32u);  // 128 random bits in hex
+  EXPECT_EQ(host_.Stats().live_contexts, 1);
+  EXPECT_EQ(host_.Stats().context_bytes, 7 * 24);
+  std::weak_ptr<SavedTensors> saved = host_.contexts().Peek(out.context_id);
+  ASSERT_FALSE(saved.expired());
+  auto grad = host_.Backward(out.context_id, RandN({7, 10}), false, false);
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_TRUE(saved.expired()) << "saved tensors outlived Backward";
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+  EXPECT_EQ(host_.Stats().context_bytes, 0);
+}
+
+TEST_F(ModuleHostTest, SecondBackwardIsFailedPrecondition) {
+  const ForwardOutput out = Fwd(true);
+  ASSERT_TRUE(host_.Backward(out.context_id, RandN({5, 10}), false, false).ok());
+  auto again = host_.Backward(out.context_id, RandN({5, 10}), false, false);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("already consumed"), std::string::npos);
+  EXPECT_EQ(host_.Backward("0123456789abcdef0123456789abcdef", RandN({5, 10}), false, false)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ModuleHostTest, RetainAllowsAnotherBackwardWithTheSameResult) {
+  const ForwardOutput out = Fwd(true);
+  const at::Tensor dy = RandN({5, 10});
+  auto first = host_.Backward(out.context_id, dy, /*retain=*/true, false);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 1);
+  auto second = host_.Backward(out.context_id, dy, /*retain=*/false, false);
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(at::equal(*first, *second));
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+  EXPECT_EQ(host_.Backward(out.context_id, dy, false, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ModuleHostTest, FailedBackwardLeavesTheContextAndGradientsAsTheyWere) {
+  const ForwardOutput out = Fwd(true);
+  auto bad = host_.Backward(out.context_id, RandN({5, 11}), false, false);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("grad_output.shape must be [5, 10]"), std::string::npos)
+      << bad.status();
+  EXPECT_EQ(host_.Stats().live_contexts, 1);
+  // Gradients untouched: an SGD step now leaves the weights as they are.
+  const WeightsCopy before = *host_.GetWeights(id_);
+  ASSERT_TRUE(host_.ApplySgd(id_, 1.0f).ok());
+  EXPECT_TRUE(at::equal(host_.GetWeights(id_)->weight, before.weight));
+  EXPECT_TRUE(host_.Backward(out.context_id, RandN({5, 10}), false, false).ok());
+}
+
+TEST_F(ModuleHostTest, ReleaseAndDeleteFreeContexts) {
+  const ForwardOutput a = Fwd(true), b = Fwd(true), c = Fwd(true);
+  EXPECT_EQ(host_.Stats().live_contexts, 3);
+  EXPECT_TRUE(host_.ReleaseContext(a.context_id).ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 2);
+  EXPECT_EQ(host_.ReleaseContext("nope").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(host_.Backward(a.context_id, RandN({5, 10}), false, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(host_.Delete(id_).ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+  EXPECT_EQ(host_.Stats().context_bytes, 0);
+  EXPECT_EQ(host_.Backward(b.context_id, RandN({5, 10}), false, false).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ModuleHostTest, SgdAppliesAccumulatedGradientsAndZeroesThem) {
+  const WeightsCopy w0 = *host_.GetWeights(id_);
+  const at::Tensor x = RandN({5, 24}), dy = RandN({5, 10});
+  for (int micro = 0; micro < 2; ++micro) {
+    auto out = host_.Forward(id_, x, true);
+    ASSERT_TRUE(host_.Backward(out->context_id, dy, false, true).ok());
+  }
+  auto version = host_.ApplySgd(id_, 0.25f);
+  ASSERT_TRUE(version.ok());
+  EXPECT_EQ(*version, 2u);
+  const WeightsCopy w1 = *host_.GetWeights(id_);
+  // Two identical microbatches: the bias moved by 2 * lr * sum(dy) exactly as fp32 computes it.
+  const at::Tensor expected_bias = w0.bias - 0.25f * (dy.sum(0) + dy.sum(0));
+  EXPECT_TRUE(at::allclose(w1.bias, expected_bias, 1e-5, 1e-6));
+  const at::Tensor dw = (w0.weight - w1.weight) / 0.25;
+  EXPECT_TRUE(gradwire::testing::AllCloseToSum(dw, 2 * at::matmul(dy.t(), x),
+                                               2 * at::matmul(dy.abs().t(), x.abs()), 0.25, 0.125));
+  // Gradients were zeroed: another step changes nothing.
+  ASSERT_TRUE(host_.ApplySgd(id_, 0.25f).ok());
+  EXPECT_TRUE(at::equal(host_.GetWeights(id_)->weight, w1.weight));
+}
+
+TEST_F(ModuleHostTest, SameSeedGivesSameWeights) {
+  ModuleSpec spec;
+  spec.in_features = 24;
+  spec.out_features = 10;
+  spec.seed = 42;
+  auto other = host_.Create(spec);
+  ASSERT_TRUE(other.ok());
+  EXPECT_TRUE(at::equal(host_.GetWeights(id_)->weight, host_.GetWeights(other->module_id)->weight));
+  const float bound = 1.0f / std::sqrt(24.0f);
+  EXPECT_LE(host_.GetWeights(id_)->weight.abs().max().item<float>(), bound);
+}
+
+TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
+  ModuleSpec bad;
+  bad.in_features = 0;
+  bad.out_features = 4;
+  EXPECT_EQ(host_.Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host_.Forward(id_, RandN({5, 23}), true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host_.Forward("missing", RandN({5, 24}), true).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(host_.ApplySgd(id_, -1.0f).status().code(), absl::StatusCode::kInvalidArgument);
+  at::Tensor nan_weight = RandN({10, 24});
+  nan_weight[3][4] = NAN;
+  const WeightsCopy before = *host_.GetWeights(id_);
+  auto set = host_.SetWeights(id_, nan_weight, RandN({10}));
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host_.SetWeights(id_, RandN({10, 24}), at::Tensor()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const WeightsCopy after = *host_.GetWeights(id_);
+  EXPECT_TRUE(at::equal(before.weight, after.weight));
+  EXPECT_EQ(after.weight_version, 1u);
+  EXPECT_EQ(host_.Stats().modules, 1);
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+}
+
+}  // namespace
+}  // namespace gradwire::core

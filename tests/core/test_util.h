@@ -1,0 +1,57 @@
+// Helpers for core tests: fresh random tensors and float64 references.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <random>
+
+namespace gradwire::testing {
+
+inline at::Generator& Gen() {
+  static at::Generator gen = [] {
+    auto g = at::detail::createCPUGenerator(std::random_device{}());
+    return g;
+  }();
+  return gen;
+}
+
+// float32 N(0, stddev) of `shape`, fresh each call.
+inline at::Tensor RandN(at::IntArrayRef shape, double stddev = 1.0) {
+  return at::normal(0.0, stddev, shape, Gen(), at::TensorOptions().dtype(at::kFloat));
+}
+
+// |actual - expected| <= atol + rtol * |expected| elementwise (TE's allclose).
+inline ::testing::AssertionResult AllClose(const at::Tensor& actual, const at::Tensor& expected,
+                                           double rtol, double atol) {
+  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
+  if (a.sizes() != e.sizes()) return ::testing::AssertionFailure() << "shapes differ";
+  const at::Tensor excess = (a - e).abs() - (atol + rtol * e.abs());
+  const double worst = excess.max().item<double>();
+  if (worst <= 0) return ::testing::AssertionSuccess();
+  const int64_t at_index = excess.argmax().item<int64_t>();
+  return ::testing::AssertionFailure()
+         << "element " << at_index << ": " << a.flatten()[at_index].item<double>() << " vs "
+         << e.flatten()[at_index].item<double>() << " (rtol " << rtol << ", atol " << atol
+         << ", over by " << worst << ")";
+}
+
+// For sums (GEMM outputs): |actual - expected| <= atol * terms + rtol * |expected|, where
+// terms = sum of |summands| of each element. An FP8 cast with relative error r per value moves a
+// sum by at most ~2r * terms, so this is the per-value tolerance carried through the sum.
+inline ::testing::AssertionResult AllCloseToSum(const at::Tensor& actual,
+                                                const at::Tensor& expected,
+                                                const at::Tensor& terms, double rtol,
+                                                double atol) {
+  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
+  if (a.sizes() != e.sizes()) return ::testing::AssertionFailure() << "shapes differ";
+  const at::Tensor excess = (a - e).abs() - (atol * terms.to(at::kDouble) + rtol * e.abs());
+  const double worst = excess.max().item<double>();
+  if (worst <= 0) return ::testing::AssertionSuccess();
+  const int64_t at_index = excess.argmax().item<int64_t>();
+  return ::testing::AssertionFailure()
+         << "element " << at_index << ": " << a.flatten()[at_index].item<double>() << " vs "
+         << e.flatten()[at_index].item<double>() << " (terms "
+         << terms.flatten()[at_index].item<double>() << ", over by " << worst << ")";
+}
+
+}  // namespace gradwire::testing
