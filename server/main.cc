@@ -118,6 +118,8 @@ int main(int argc, char** argv) {
 
   grpc::ServerBuilder builder;
   int port = 0;
+  // One process per port: without this a second server would silently share the port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(flags.max_message_mib << 20);

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# End to end with the real binaries: start gradwire-server on a free loopback port, run the CLI
+# against it (info, demo), check the demo's loss falls, stop the server with SIGTERM and check it
+# exits cleanly. Also checks the server's and CLI's answers to bad flags and unreachable servers.
+#   usage: cli_e2e.sh PATH/gradwire-server PATH/gradwire
+set -euo pipefail
+server_bin=$1
+cli_bin=$2
+tmp=$(mktemp -d)
+server_pid=""
+cleanup() {
+  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then kill -9 "$server_pid"; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+passed=0
+failed=0
+check() {  # check NAME CONDITION-COMMAND...
+  local name=$1
+  shift
+  if "$@"; then
+    passed=$((passed + 1))
+    echo "ok   $name"
+  else
+    failed=$((failed + 1))
+    echo "FAIL $name"
+  fi
+}
+
+# Starts a server with the given flags, waits for its "listening on" line, sets $addr.
+start_server() {
+  "$server_bin" "$@" >"$tmp/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 100); do
+    if grep -q 'listening on' "$tmp/server.log"; then break; fi
+    if ! kill -0 "$server_pid" 2>/dev/null; then break; fi
+    sleep 0.1
+  done
+  addr=$(sed -n 's/.*listening on //p' "$tmp/server.log" | head -1)
+  [ -n "$addr" ] || { echo "server did not start:"; cat "$tmp/server.log"; exit 1; }
+}
+
+start_server --listen 127.0.0.1:0
+echo "server at $addr"
+check "server binds loopback" grep -q "listening on 127.0.0.1:" "$tmp/server.log"
+
+"$cli_bin" info --server "$addr" >"$tmp/info.txt"
+check "info names the device" grep -q '^device *cpu' "$tmp/info.txt"
+
+"$cli_bin" demo --server "$addr" --steps 200 --json >"$tmp/demo.json" 2>"$tmp/demo.err"
+cat "$tmp/demo.json"
+json_field() { grep -o "\"$1\":[-0-9.eE+]*" "$tmp/demo.json" | cut -d: -f2; }
+initial=$(json_field initial_loss)
+final=$(json_field final_loss)
+steps=$(json_field steps)
+check "demo ran 200 steps" [ "$steps" = 200 ]
+check "demo loss fell by well over half ($initial -> $final)" \
+  awk -v i="$initial" -v f="$final" 'BEGIN { exit !(i > 0 && f < 0.4 * i) }'
+check "demo showed progress" grep -q 'training' "$tmp/demo.err"
+"$cli_bin" info --server "$addr" --json >"$tmp/info.json"
+check "demo cleaned up its modules and contexts" \
+  grep -q '"live_contexts":0,"module_list":\[\],"modules":0' "$tmp/info.json"
+
+# A second server on the same port is refused with a clear message.
+port=${addr##*:}
+set +e
+"$server_bin" --listen "127.0.0.1:$port" >"$tmp/second.log" 2>&1
+rc=$?
+set -e
+check "busy port: exit 1" [ "$rc" = 1 ]
+check "busy port: says why" grep -q "cannot listen on 127.0.0.1:$port" "$tmp/second.log"
+
+kill -TERM "$server_pid"
+set +e
+wait "$server_pid"
+rc=$?
+set -e
+server_pid=""
+check "SIGTERM: exit 0" [ "$rc" = 0 ]
+check "SIGTERM: logged shutdown" grep -q "shutting down" "$tmp/server.log"
+check "SIGTERM: stopped" grep -q "stopped:" "$tmp/server.log"
+
+set +e
+"$cli_bin" info --server "127.0.0.1:$port" --timeout 1 >"$tmp/unreach.txt" 2>&1
+rc=$?
+"$server_bin" --device bogus >"$tmp/bogus.txt" 2>&1
+rc_bogus=$?
+"$server_bin" --device cuda --listen 127.0.0.1:0 >"$tmp/cuda.txt" 2>&1
+rc_cuda=$?
+"$server_bin" --help >"$tmp/help.txt" 2>&1
+rc_help=$?
+set -e
+check "unreachable server: exit 1" [ "$rc" = 1 ]
+check "unreachable server: UNAVAILABLE" grep -q "UNAVAILABLE" "$tmp/unreach.txt"
+check "bad --device refused" [ "$rc_bogus" != 0 ]
+check "--device cuda without usable CUDA kernels: exit 2 with reason" \
+  bash -c "[ $rc_cuda = 2 ] && grep -q -- '--device cuda' '$tmp/cuda.txt'"
+check "--help exits 0" [ "$rc_help" = 0 ]
+for flag in --listen --device --log-level --max-message-mib --shutdown-grace; do
+  check "--help documents $flag" grep -q -- "$flag" "$tmp/help.txt"
+done
+
+echo "e2e: $passed passed, $failed failed"
+[ "$failed" = 0 ]

@@ -1,0 +1,410 @@
+// The real service over a real TCP loopback port, driven through the C++ client library.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "gradwire/client/client.h"
+#include "gradwire/kernels/fp8.h"
+#include "server/core/executor.h"
+#include "server/core/module_host.h"
+#include "server/rpc/service.h"
+
+namespace gradwire {
+namespace {
+
+using client::HostTensor;
+
+HostTensor Random(std::vector<int64_t> shape) {
+  static std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  HostTensor t = HostTensor::Zeros(std::move(shape));
+  for (float& v : t.data) v = dist(rng);
+  return t;
+}
+
+at::Tensor ToAt(const HostTensor& t) {
+  return at::from_blob(const_cast<float*>(t.data.data()), t.shape, at::kFloat).clone();
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    executor_ = std::make_unique<core::DeviceExecutor>("cpu");
+    service_ = std::make_unique<rpc::GradwireService>(
+        host_, *executor_, rpc::ServiceOptions{"test", "cpu", "test CPU"});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_TRUE(server_);
+    ASSERT_GT(port, 0);
+    client::ClientOptions options;
+    options.server = "127.0.0.1:" + std::to_string(port);
+    options.timeout = std::chrono::seconds(20);
+    client_ = std::make_unique<client::Client>(options);
+    ASSERT_TRUE(client_->WaitForReady(std::chrono::seconds(10)).ok());
+    module_ = CreateLinear(12, 6, true, 5);
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    server_.reset();
+    executor_.reset();
+  }
+
+  std::string CreateLinear(int64_t in, int64_t out, bool bias, uint64_t seed) {
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(in);
+    spec.set_out_features(out);
+    spec.set_bias(bias);
+    spec.set_seed(seed);
+    auto info = client_->CreateModule(spec);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->module_id() : "";
+  }
+
+  // A valid training step works (the server still serves after whatever came before).
+  void ExpectServes() {
+    auto fwd = client_->Forward(module_, Random({3, 12}), true);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    auto bwd = client_->Backward(fwd->context_id, Random({3, 6}));
+    ASSERT_TRUE(bwd.ok()) << bwd.status();
+  }
+
+  // Sends a raw Forward request and returns its status.
+  grpc::Status RawForward(const v1::ForwardRequest& req) {
+    grpc::ClientContext ctx;
+    v1::ForwardResponse resp;
+    return client_->stub().Forward(&ctx, req, &resp);
+  }
+
+  v1::ForwardRequest ValidForward() {
+    v1::ForwardRequest req;
+    req.set_module_id(module_);
+    *req.mutable_input() = client::ToWire(Random({2, 12}), client::WireDType::kF32);
+    req.set_training(true);
+    return req;
+  }
+
+  core::ModuleHost host_;
+  std::unique_ptr<core::DeviceExecutor> executor_;
+  std::unique_ptr<rpc::GradwireService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<client::Client> client_;
+  std::string module_;
+};
+
+TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
+  auto info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->device(), "cpu");
+  EXPECT_EQ(info->modules(), 1);
+  ASSERT_EQ(info->module_kinds_size(), 1);
+  EXPECT_EQ(info->module_kinds(0), v1::LINEAR);
+}
+
+TEST_F(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
+  // The same seed in a local host gives the same module: the wire must not change a bit.
+  core::ModuleHost local;
+  core::ModuleSpec spec;
+  spec.in_features = 12;
+  spec.out_features = 6;
+  spec.bias = true;
+  spec.seed = 5;
+  const std::string local_id = local.Create(spec)->module_id;
+
+  const HostTensor x = Random({4, 12}), dy = Random({4, 6});
+  auto remote_fwd = client_->Forward(module_, x, /*training=*/true);
+  ASSERT_TRUE(remote_fwd.ok()) << remote_fwd.status();
+  EXPECT_EQ(remote_fwd->context_id.size(), 32u);
+  EXPECT_EQ(remote_fwd->weight_version, 1u);
+  auto local_fwd = local.Forward(local_id, ToAt(x), true);
+  ASSERT_TRUE(local_fwd.ok());
+  EXPECT_TRUE(at::equal(ToAt(remote_fwd->output), local_fwd->output));
+  EXPECT_EQ(host_.Stats().live_contexts, 1);
+
+  auto remote_dx = client_->Backward(remote_fwd->context_id, dy);
+  ASSERT_TRUE(remote_dx.ok()) << remote_dx.status();
+  EXPECT_EQ(host_.Stats().live_contexts, 0);  // freed before the reply
+  EXPECT_EQ(host_.Stats().context_bytes, 0);
+  auto local_dx = local.Backward(local_fwd->context_id, ToAt(dy), false, false);
+  ASSERT_TRUE(local_dx.ok());
+  EXPECT_TRUE(at::equal(ToAt(*remote_dx), *local_dx));
+
+  auto version = client_->ApplySgd(module_, 0.1f);
+  ASSERT_TRUE(version.ok());
+  EXPECT_EQ(*version, 2u);
+  ASSERT_TRUE(local.ApplySgd(local_id, 0.1f).ok());
+  auto weights = client_->GetWeights(module_);
+  ASSERT_TRUE(weights.ok());
+  EXPECT_EQ(weights->weight_version, 2u);
+  EXPECT_TRUE(at::equal(ToAt(weights->weight), local.GetWeights(local_id)->weight));
+  ASSERT_TRUE(weights->bias.has_value());
+  EXPECT_TRUE(at::equal(ToAt(*weights->bias), local.GetWeights(local_id)->bias));
+}
+
+TEST_F(ServiceTest, InferenceForwardCreatesNoContext) {
+  auto fwd = client_->Forward(module_, Random({5, 12}), /*training=*/false);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_TRUE(fwd->context_id.empty());
+  EXPECT_EQ(fwd->output.shape, (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+}
+
+TEST_F(ServiceTest, LeadingDimensionsArePreserved) {
+  auto fwd = client_->Forward(module_, Random({2, 3, 12}), true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ(fwd->output.shape, (std::vector<int64_t>{2, 3, 6}));
+  auto dx = client_->Backward(fwd->context_id, Random({2, 3, 6}));
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  EXPECT_EQ(dx->shape, (std::vector<int64_t>{2, 3, 12}));
+}
+
+TEST_F(ServiceTest, SetWeightsThenGetWeightsRoundTripsAndBumpsVersion) {
+  const HostTensor w = Random({6, 12}), b = Random({6});
+  auto version = client_->SetWeights(module_, w, b);
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 2u);
+  auto got = client_->GetWeights(module_);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->weight.data, w.data);
+  EXPECT_EQ(got->bias->data, b.data);
+}
+
+TEST_F(ServiceTest, SixteenBitWireDtypesStayCloseToF32) {
+  const HostTensor x = Random({8, 12});
+  auto f32 = client_->Forward(module_, x, false);
+  ASSERT_TRUE(f32.ok());
+  for (auto dtype : {client::WireDType::kBF16, client::WireDType::kF16}) {
+    client::ClientOptions options = client_->options();
+    options.wire_dtype = dtype;
+    client::Client narrow(options);
+    auto out = narrow.Forward(module_, x, false);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < x.data.size() && i < out->output.data.size(); ++i) {
+      // bf16 input rounding can move an FP8 code by one step; bound by an E4M3 step.
+      EXPECT_NEAR(out->output.data[i], f32->output.data[i],
+                  0.15 * std::fabs(f32->output.data[i]) + 0.15);
+    }
+  }
+}
+
+TEST_F(ServiceTest, ListAndDeleteModules) {
+  const std::string other = CreateLinear(3, 2, false, 1);
+  auto list = client_->ListModules();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->size(), 2u);
+  auto fwd = client_->Forward(other, Random({1, 3}), true);
+  ASSERT_TRUE(fwd.ok());
+  ASSERT_TRUE(client_->DeleteModule(other).ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 0);  // its context went with it
+  EXPECT_EQ(client_->DeleteModule(other).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ListModules()->size(), 1u);
+}
+
+TEST_F(ServiceTest, DoubleBackwardIsFailedPreconditionAndRetainAllowsIt) {
+  auto fwd = client_->Forward(module_, Random({2, 12}), true);
+  ASSERT_TRUE(fwd.ok());
+  client::BackwardOptions retain;
+  retain.retain = true;
+  ASSERT_TRUE(client_->Backward(fwd->context_id, Random({2, 6}), retain).ok());
+  ASSERT_TRUE(client_->Backward(fwd->context_id, Random({2, 6})).ok());
+  auto third = client_->Backward(fwd->context_id, Random({2, 6}));
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(third.status().message().find("retain"), std::string::npos);
+  ExpectServes();
+}
+
+TEST_F(ServiceTest, ReleaseContextFreesIt) {
+  auto fwd = client_->Forward(module_, Random({2, 12}), true);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 1);
+  ASSERT_TRUE(client_->ReleaseContext(fwd->context_id).ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+  EXPECT_EQ(client_->ReleaseContext("ffffffffffffffffffffffffffffffff").code(),
+            absl::StatusCode::kNotFound);
+}
+
+// One malformed request: how to break a valid Forward, the code and the words expected.
+struct BadForward {
+  const char* name;
+  void (*mutate)(v1::ForwardRequest*);
+  grpc::StatusCode code;
+  const char* message;
+};
+
+const BadForward kBadForwards[] = {
+    {"unset dtype", [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+     grpc::INVALID_ARGUMENT, "input.dtype"},
+    {"unknown dtype", [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(static_cast<v1::DType>(42)); },
+     grpc::INVALID_ARGUMENT, "input.dtype"},
+    {"wrong dtype for the bytes",
+     [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(v1::BF16); },
+     grpc::INVALID_ARGUMENT, "input.data has 96 bytes"},
+    {"shape mismatch with the module",
+     [](v1::ForwardRequest* r) {
+       r->mutable_input()->set_shape(0, 4);
+       r->mutable_input()->set_shape(1, 6);
+     },
+     grpc::INVALID_ARGUMENT, "input.shape must be [..., 12]"},
+    {"byte length not matching shape",
+     [](v1::ForwardRequest* r) { r->mutable_input()->mutable_data()->resize(95); },
+     grpc::INVALID_ARGUMENT, "input.data has 95 bytes"},
+    {"zero dimension", [](v1::ForwardRequest* r) { r->mutable_input()->set_shape(0, 0); },
+     grpc::INVALID_ARGUMENT, "input.shape[0] must be >= 1"},
+    {"negative dimension", [](v1::ForwardRequest* r) { r->mutable_input()->set_shape(1, -12); },
+     grpc::INVALID_ARGUMENT, "input.shape[1] must be >= 1"},
+    {"huge dimensions",
+     [](v1::ForwardRequest* r) {
+       r->mutable_input()->set_shape(0, int64_t(1) << 40);
+       r->mutable_input()->set_shape(1, int64_t(1) << 40);
+     },
+     grpc::INVALID_ARGUMENT, "elements"},
+    {"no shape", [](v1::ForwardRequest* r) { r->mutable_input()->clear_shape(); },
+     grpc::INVALID_ARGUMENT, "input.shape is empty"},
+    {"no input", [](v1::ForwardRequest* r) { r->clear_input(); }, grpc::INVALID_ARGUMENT,
+     "input is required"},
+    {"no module id", [](v1::ForwardRequest* r) { r->clear_module_id(); }, grpc::INVALID_ARGUMENT,
+     "module_id is required"},
+    {"unknown module", [](v1::ForwardRequest* r) { r->set_module_id("not-a-module"); },
+     grpc::NOT_FOUND, "module_id not-a-module"},
+    {"FP8 without scale_inv",
+     [](v1::ForwardRequest* r) {
+       r->mutable_input()->set_dtype(v1::FP8_E4M3);
+       r->mutable_input()->mutable_data()->resize(24);
+     },
+     grpc::INVALID_ARGUMENT, "input.scale_inv"},
+    {"FP8 with NaN scale_inv",
+     [](v1::ForwardRequest* r) {
+       r->mutable_input()->set_dtype(v1::FP8_E5M2);
+       r->mutable_input()->mutable_data()->resize(24);
+       r->mutable_input()->set_scale_inv(NAN);
+     },
+     grpc::INVALID_ARGUMENT, "input.scale_inv"},
+    {"FP8 output dtype", [](v1::ForwardRequest* r) { r->set_output_dtype(v1::FP8_E4M3); },
+     grpc::INVALID_ARGUMENT, "output_dtype"},
+};
+
+TEST_F(ServiceTest, BadForwardsGetClearErrorsAndChangeNothing) {
+  const auto before = host_.Stats();
+  const auto weights_before = client_->GetWeights(module_);
+  ASSERT_TRUE(weights_before.ok());
+  for (const BadForward& bad : kBadForwards) {
+    SCOPED_TRACE(bad.name);
+    v1::ForwardRequest req = ValidForward();
+    bad.mutate(&req);
+    const grpc::Status status = RawForward(req);
+    EXPECT_EQ(status.error_code(), bad.code) << status.error_message();
+    EXPECT_NE(status.error_message().find(bad.message), std::string::npos)
+        << "message: " << status.error_message();
+    const auto after = host_.Stats();
+    EXPECT_EQ(after.live_contexts, before.live_contexts);
+    EXPECT_EQ(after.modules, before.modules);
+    EXPECT_EQ(after.workspace_builds + after.workspace_hits,
+              before.workspace_builds + before.workspace_hits);
+  }
+  EXPECT_EQ(client_->GetWeights(module_)->weight.data, weights_before->weight.data);
+  ExpectServes();
+}
+
+TEST_F(ServiceTest, BadBackwardsLeaveTheContextUsable) {
+  auto fwd = client_->Forward(module_, Random({2, 12}), true);
+  ASSERT_TRUE(fwd.ok());
+  struct Case {
+    const char* name;
+    std::string context_id;
+    HostTensor grad;
+    grpc::StatusCode code;
+    const char* message;
+  } cases[] = {
+      {"shape mismatch", fwd->context_id, Random({2, 7}), grpc::INVALID_ARGUMENT,
+       "grad_output.shape must be [2, 6]"},
+      {"rank mismatch", fwd->context_id, Random({12}), grpc::INVALID_ARGUMENT,
+       "grad_output.shape must be [2, 6]"},
+      {"unknown context", "00000000000000000000000000000000", Random({2, 6}), grpc::NOT_FOUND,
+       "context_id 00000000000000000000000000000000"},
+      {"empty context id", "", Random({2, 6}), grpc::INVALID_ARGUMENT, "context_id is required"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto result = client_->Backward(c.context_id, c.grad);
+    EXPECT_EQ(int(result.status().code()), int(c.code)) << result.status();
+    EXPECT_NE(result.status().message().find(c.message), std::string::npos) << result.status();
+    EXPECT_EQ(host_.Stats().live_contexts, 1);
+  }
+  // Malformed bytes.
+  v1::BackwardRequest req;
+  req.set_context_id(fwd->context_id);
+  *req.mutable_grad_output() = client::ToWire(Random({2, 6}), client::WireDType::kF32);
+  req.mutable_grad_output()->mutable_data()->resize(10);
+  grpc::ClientContext ctx;
+  v1::BackwardResponse resp;
+  const grpc::Status status = client_->stub().Backward(&ctx, req, &resp);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("grad_output.data has 10 bytes"), std::string::npos);
+  // The context survived every bad call and still runs its backward.
+  ASSERT_TRUE(client_->Backward(fwd->context_id, Random({2, 6})).ok());
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+}
+
+TEST_F(ServiceTest, BadModuleAndOptimizerRequests) {
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LINEAR);
+  spec.set_in_features(0);
+  spec.set_out_features(3);
+  auto created = client_->CreateModule(spec);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(created.status().message().find("spec.in_features"), std::string::npos);
+  spec.set_in_features(3);
+  spec.set_kind(v1::MODULE_KIND_UNSPECIFIED);
+  created = client_->CreateModule(spec);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(created.status().message().find("spec.kind"), std::string::npos);
+  spec.set_kind(v1::LINEAR);
+  spec.set_out_features(1 << 20);
+  EXPECT_EQ(client_->CreateModule(spec).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host_.Stats().modules, 1);
+
+  auto sgd = client_->ApplySgd(module_, 0.0f);
+  EXPECT_EQ(sgd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(sgd.status().message().find("sgd.learning_rate"), std::string::npos);
+  EXPECT_EQ(client_->ApplySgd("nope", 0.1f).status().code(), absl::StatusCode::kNotFound);
+
+  auto set = client_->SetWeights(module_, Random({12, 6}), Random({6}));
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(set.status().message().find("weight.shape must be [6, 12]"), std::string::npos);
+  set = client_->SetWeights(module_, Random({6, 12}), std::nullopt);
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(set.status().message().find("bias is required"), std::string::npos);
+  EXPECT_EQ(client_->GetWeights(module_)->weight_version, 1u);
+  ExpectServes();
+}
+
+TEST_F(ServiceTest, ConcurrentClientsAreAllServed) {
+  constexpr int kThreads = 6, kSteps = 10;
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int s = 0; s < kSteps; ++s) {
+        auto fwd = client_->Forward(module_, Random({3, 12}), true);
+        if (!fwd.ok()) continue;
+        if (client_->Backward(fwd->context_id, Random({3, 6})).ok()) ok.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kThreads * kSteps);
+  EXPECT_EQ(host_.Stats().live_contexts, 0);
+}
+
+}  // namespace
+}  // namespace gradwire
