@@ -22,8 +22,8 @@ struct ServerFlags {
   std::string listen = "127.0.0.1:50051";  // loopback unless told otherwise
   std::string device = "auto";             // auto | cpu | cuda
   std::string log_level = "info";
-  int max_message_mib = 64;                 // largest request/response message
-  double shutdown_grace_s = 10.0;           // in-flight calls get this long on SIGINT/SIGTERM
+  int max_message_mib = 64;        // largest request/response message
+  double shutdown_grace_s = 10.0;  // in-flight calls get this long on SIGINT/SIGTERM
 };
 
 // Replaces a trailing ":0" port with the port the server actually bound.
@@ -52,9 +52,10 @@ bool ResolveDevice(const std::string& requested, std::string* device, std::strin
     if (count == 0) {
       spdlog::error("--device cuda: no usable CUDA device ({})", why);
     } else {
-      spdlog::error("--device cuda: found {}, but this build has no CUDA module kernels yet; "
-                    "use --device cpu",
-                    gradwire::kernels::cuda::DeviceDescription(0));
+      spdlog::error(
+          "--device cuda: found {}, but this build has no CUDA module kernels yet; "
+          "use --device cpu",
+          gradwire::kernels::cuda::DeviceDescription(0));
     }
     return false;
   }
@@ -76,8 +77,9 @@ bool ResolveDevice(const std::string& requested, std::string* device, std::strin
 
 int main(int argc, char** argv) {
   ServerFlags flags;
-  CLI::App app{"gradwire-server: hosts FP8 Linear modules (E4M3 forward, E5M2 gradients) and "
-               "runs them forward and backward for remote clients over gRPC."};
+  CLI::App app{
+      "gradwire-server: hosts FP8 Linear modules (E4M3 forward, E5M2 gradients) and "
+      "runs them forward and backward for remote clients over gRPC."};
   app.add_option("--listen", flags.listen,
                  "address to serve on, host:port (port 0 picks a free port; the log says which)")
       ->capture_default_str();
@@ -113,8 +115,7 @@ int main(int argc, char** argv) {
 
   gradwire::core::ModuleHost host;
   auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
-  gradwire::rpc::GradwireService service(host, *executor,
-                                         {GRADWIRE_VERSION, device, description});
+  gradwire::rpc::GradwireService service(host, *executor, {GRADWIRE_VERSION, device, description});
 
   grpc::ServerBuilder builder;
   int port = 0;
@@ -144,7 +145,6 @@ int main(int argc, char** argv) {
   server->Wait();
   executor.reset();  // drains tasks the cancelled calls left behind
   const auto stats = host.Stats();
-  spdlog::info("stopped: {} modules, {} live contexts dropped", stats.modules,
-               stats.live_contexts);
+  spdlog::info("stopped: {} modules, {} live contexts dropped", stats.modules, stats.live_contexts);
   return 0;
 }

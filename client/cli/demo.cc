@@ -163,8 +163,8 @@ absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& o,
     if (!after.ok()) return after.status();
     result.final_loss = MeanSquaredError(*after, eval_y);
     if (progress) {
-      bar.Finish(absl::StrFormat("held-out loss %.5f -> %.5f", result.initial_loss,
-                                 result.final_loss));
+      bar.Finish(
+          absl::StrFormat("held-out loss %.5f -> %.5f", result.initial_loss, result.final_loss));
     }
     return result;
   };

@@ -11,8 +11,8 @@
 namespace gradwire::cli {
 
 struct DemoOptions {
-  int64_t steps = 200;         // training steps (one forward+backward+SGD per layer)
-  int64_t batch = 64;          // samples per step
+  int64_t steps = 200;  // training steps (one forward+backward+SGD per layer)
+  int64_t batch = 64;   // samples per step
   int64_t in_features = 16;
   int64_t hidden = 64;
   int64_t out_features = 4;

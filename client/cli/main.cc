@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
-
 #include <nlohmann/json.hpp>
 
 #include "demo.h"
@@ -70,10 +69,10 @@ int RunDemo(Client& client, const gradwire::cli::DemoOptions& options, bool json
                "demo: Linear(%lld->%lld) -> ReLU (client) -> Linear(%lld->%lld) on %s (%s), "
                "batch %lld, SGD lr %g, %lld steps\n",
                static_cast<long long>(options.in_features), static_cast<long long>(options.hidden),
-               static_cast<long long>(options.hidden),
-               static_cast<long long>(options.out_features), client.options().server.c_str(),
-               info->device().c_str(), static_cast<long long>(options.batch),
-               options.learning_rate, static_cast<long long>(options.steps));
+               static_cast<long long>(options.hidden), static_cast<long long>(options.out_features),
+               client.options().server.c_str(), info->device().c_str(),
+               static_cast<long long>(options.batch), options.learning_rate,
+               static_cast<long long>(options.steps));
   auto result = gradwire::cli::RunDemo(client, options, stderr);
   if (!result.ok()) return Fail(result.status());
   if (json) {

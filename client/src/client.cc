@@ -101,10 +101,10 @@ absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t) {
       kernels::HalfToFloat(bits.data(), n, out.data.data());
     }
   } else {
-    kernels::DequantizeFp8(reinterpret_cast<const uint8_t*>(src), n, t.scale_inv(),
-                           t.dtype() == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3
-                                                     : kernels::Fp8Format::kE5M2,
-                           out.data.data());
+    kernels::DequantizeFp8(
+        reinterpret_cast<const uint8_t*>(src), n, t.scale_inv(),
+        t.dtype() == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
+        out.data.data());
   }
   return out;
 }
@@ -128,8 +128,7 @@ absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
     return absl::OkStatus();
   }
   return absl::UnavailableError(absl::StrCat("cannot connect to gradwire-server at ",
-                                             options_.server, " within ", timeout.count(),
-                                             " ms"));
+                                             options_.server, " within ", timeout.count(), " ms"));
 }
 
 absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
@@ -171,8 +170,8 @@ absl::Status Client::DeleteModule(const std::string& module_id) {
   return FromGrpc("DeleteModule", stub_->DeleteModule(&ctx, req, &resp));
 }
 
-absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id,
-                                              const HostTensor& input, bool training) {
+absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, const HostTensor& input,
+                                              bool training) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::ForwardRequest req;
@@ -247,8 +246,7 @@ absl::StatusOr<Weights> Client::GetWeights(const std::string& module_id) {
   return out;
 }
 
-absl::StatusOr<uint64_t> Client::SetWeights(const std::string& module_id,
-                                            const HostTensor& weight,
+absl::StatusOr<uint64_t> Client::SetWeights(const std::string& module_id, const HostTensor& weight,
                                             const std::optional<HostTensor>& bias) {
   grpc::ClientContext ctx;
   Prepare(&ctx);

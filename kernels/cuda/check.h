@@ -23,9 +23,9 @@ class CudaError : public std::runtime_error {
 
 }  // namespace gradwire::kernels::cuda
 
-#define GRADWIRE_CUDA_CHECK(call)                                                            \
-  do {                                                                                       \
-    const cudaError_t gradwire_status_ = (call);                                             \
-    if (gradwire_status_ != cudaSuccess)                                                     \
+#define GRADWIRE_CUDA_CHECK(call)                                                              \
+  do {                                                                                         \
+    const cudaError_t gradwire_status_ = (call);                                               \
+    if (gradwire_status_ != cudaSuccess)                                                       \
       throw ::gradwire::kernels::cuda::CudaError(gradwire_status_, #call, __FILE__, __LINE__); \
   } while (0)

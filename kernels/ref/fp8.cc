@@ -35,9 +35,7 @@ std::array<float, 256> BuildTable(Fp8Format format) {
 
 }  // namespace
 
-const char* Fp8FormatName(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? "E4M3" : "E5M2";
-}
+const char* Fp8FormatName(Fp8Format format) { return format == Fp8Format::kE4M3 ? "E4M3" : "E5M2"; }
 
 uint8_t EncodeFp8(float value, Fp8Format format) {
   const FormatTraits t = Traits(format);

@@ -32,8 +32,7 @@ void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8For
   if (amax) *amax = saw_nan ? NAN : running;
 }
 
-void DequantizeFp8(const uint8_t* codes, int64_t n, float scale_inv, Fp8Format format,
-                   float* out) {
+void DequantizeFp8(const uint8_t* codes, int64_t n, float scale_inv, Fp8Format format, float* out) {
   const float* table = DecodeTable(format);
   for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * scale_inv;
 }

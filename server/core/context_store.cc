@@ -91,8 +91,7 @@ int64_t ContextStore::ReleaseModule(const std::string& module_id) {
   return released;
 }
 
-void ContextStore::EraseLocked(std::unordered_map<std::string, Entry>::iterator it,
-                               bool remember) {
+void ContextStore::EraseLocked(std::unordered_map<std::string, Entry>::iterator it, bool remember) {
   live_bytes_ -= it->second.bytes;
   if (remember) {
     consumed_.insert(it->first);

@@ -36,20 +36,20 @@ struct LinearSaved final : SavedTensors {
 };
 
 struct LinearFwdArgs {
-  at::Tensor input;           // float32 [M, K], contiguous
-  at::Tensor weight;          // float32 [N, K] master weight
-  at::Tensor bias;            // float32 [N], or undefined
+  at::Tensor input;   // float32 [M, K], contiguous
+  at::Tensor weight;  // float32 [N, K] master weight
+  at::Tensor bias;    // float32 [N], or undefined
   uint64_t weight_version = 0;
-  WorkspacePtr workspace;     // cached FP8 weight, may be null or stale
+  WorkspacePtr workspace;            // cached FP8 weight, may be null or stale
   QuantizerConfig input_quantizer;   // E4M3
   QuantizerConfig weight_quantizer;  // E4M3
   bool training = false;
 };
 
 struct LinearFwdResult {
-  at::Tensor output;                  // float32 [M, N]
-  WorkspacePtr workspace;             // args.workspace when usable, else a new one
-  bool workspace_built = false;       // true on a cache miss
+  at::Tensor output;                   // float32 [M, N]
+  WorkspacePtr workspace;              // args.workspace when usable, else a new one
+  bool workspace_built = false;        // true on a cache miss
   std::shared_ptr<LinearSaved> saved;  // training only
 };
 

@@ -14,7 +14,7 @@ namespace gradwire::core {
 
 struct ModuleHost::Module {
   ModuleSpec spec;
-  mutable std::mutex mu;  // guards everything below
+  mutable std::mutex mu;   // guards everything below
   at::Tensor weight;       // fp32 master weight [N, K]
   at::Tensor bias;         // fp32 [N] or undefined
   at::Tensor weight_grad;  // fp32 [N, K], accumulated by backwards
@@ -37,8 +37,8 @@ std::string ShapeString(at::IntArrayRef shape) {
 
 absl::Status CheckFeatures(const char* field, int64_t value) {
   if (value < 1 || value > ModuleHost::kMaxFeatures) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be in [1, ",
-                                                   ModuleHost::kMaxFeatures, "], got ", value));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be in [1, ", ModuleHost::kMaxFeatures, "], got ", value));
   }
   return absl::OkStatus();
 }
@@ -235,8 +235,7 @@ absl::Status ModuleHost::ReleaseContext(const std::string& context_id) {
   return contexts_.Release(context_id);
 }
 
-absl::StatusOr<uint64_t> ModuleHost::ApplySgd(const std::string& module_id,
-                                              float learning_rate) {
+absl::StatusOr<uint64_t> ModuleHost::ApplySgd(const std::string& module_id, float learning_rate) {
   if (!(learning_rate > 0.0f) || !std::isfinite(learning_rate)) {
     return absl::InvalidArgumentError(
         absl::StrCat("sgd.learning_rate must be finite and > 0, got ", learning_rate));
@@ -263,8 +262,7 @@ absl::StatusOr<WeightsCopy> ModuleHost::GetWeights(const std::string& module_id)
 }
 
 absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
-                                                const at::Tensor& weight,
-                                                const at::Tensor& bias) {
+                                                const at::Tensor& weight, const at::Tensor& bias) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   const int64_t n = m->spec.out_features, k = m->spec.in_features;
   GW_RETURN_IF_ERROR(CheckFloat32("weight", weight));

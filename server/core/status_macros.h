@@ -8,10 +8,10 @@
 #define GW_STATUS_CONCAT(a, b) GW_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the current function when `expr` (an absl::Status) is not OK.
-#define GW_RETURN_IF_ERROR(expr)                  \
-  do {                                            \
-    ::absl::Status gw_status_ = (expr);           \
-    if (!gw_status_.ok()) return gw_status_;      \
+#define GW_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status gw_status_ = (expr);      \
+    if (!gw_status_.ok()) return gw_status_; \
   } while (0)
 
 // `lhs = value of expr` (an absl::StatusOr), or return its error.

@@ -27,8 +27,8 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
       break;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("spec.kind must be LINEAR, got ",
-                       v1::ModuleKind_Name(p.kind()).empty() ? std::to_string(int(p.kind()))
+          absl::StrCat("spec.kind must be LINEAR, got ", v1::ModuleKind_Name(p.kind()).empty()
+                                                             ? std::to_string(int(p.kind()))
                                                              : v1::ModuleKind_Name(p.kind())));
   }
   switch (p.recipe().scaling()) {
@@ -36,8 +36,8 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
     case v1::CURRENT:
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "spec.recipe.scaling must be CURRENT, got ", int(p.recipe().scaling())));
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.recipe.scaling must be CURRENT, got ", int(p.recipe().scaling())));
   }
   spec.in_features = p.in_features();
   spec.out_features = p.out_features();
@@ -126,8 +126,8 @@ grpc::ServerUnaryReactor* GradwireService::CreateModule(grpc::CallbackServerCont
     GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
     GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Create(spec));
     InfoToProto(info, resp->mutable_module());
-    spdlog::info("created Linear {} ({} -> {}, bias {}) as module {}", spec.name,
-                 spec.in_features, spec.out_features, spec.bias, info.module_id);
+    spdlog::info("created Linear {} ({} -> {}, bias {}) as module {}", spec.name, spec.in_features,
+                 spec.out_features, spec.bias, info.module_id);
     return absl::OkStatus();
   });
 }
@@ -162,8 +162,8 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
     GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req->input(), "input"));
     GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
                         host_.Forward(req->module_id(), input, req->training()));
-    GW_RETURN_IF_ERROR(EncodeTensor(out.output, req->output_dtype(), "output_dtype",
-                                    resp->mutable_output()));
+    GW_RETURN_IF_ERROR(
+        EncodeTensor(out.output, req->output_dtype(), "output_dtype", resp->mutable_output()));
     resp->set_context_id(out.context_id);
     resp->set_weight_version(out.weight_version);
     return absl::OkStatus();
@@ -178,9 +178,9 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
     if (!req->has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
     GW_RETURN_IF_ERROR(CheckOutputDType(req->grad_input_dtype(), "grad_input_dtype"));
     GW_ASSIGN_OR_RETURN(at::Tensor grad_output, DecodeTensor(req->grad_output(), "grad_output"));
-    GW_ASSIGN_OR_RETURN(at::Tensor grad_input,
-                        host_.Backward(req->context_id(), grad_output, req->retain(),
-                                       req->skip_grad_input()));
+    GW_ASSIGN_OR_RETURN(
+        at::Tensor grad_input,
+        host_.Backward(req->context_id(), grad_output, req->retain(), req->skip_grad_input()));
     if (grad_input.defined()) {
       GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req->grad_input_dtype(), "grad_input_dtype",
                                       resp->mutable_grad_input()));

@@ -34,8 +34,7 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   grpc::ServerUnaryReactor* DeleteModule(grpc::CallbackServerContext* ctx,
                                          const v1::DeleteModuleRequest* req,
                                          v1::DeleteModuleResponse* resp) override;
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx,
-                                    const v1::ForwardRequest* req,
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
                                     v1::ForwardResponse* resp) override;
   grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* ctx,
                                      const v1::BackwardRequest* req,

@@ -45,8 +45,9 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& t, absl::string_view f
                                                        : v1::DType_Name(t.dtype())));
   }
   if (t.shape_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".shape is empty; a tensor needs at "
-                                                          "least one dimension"));
+    return absl::InvalidArgumentError(absl::StrCat(field,
+                                                   ".shape is empty; a tensor needs at "
+                                                   "least one dimension"));
   }
   std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   int64_t numel = 1;
@@ -70,8 +71,8 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& t, absl::string_view f
   }
   const bool fp8 = t.dtype() == v1::FP8_E4M3 || t.dtype() == v1::FP8_E5M2;
   if (fp8 && !(std::isfinite(t.scale_inv()) && t.scale_inv() > 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".scale_inv must be finite and > 0 for FP8 data, got ", t.scale_inv()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".scale_inv must be finite and > 0 for FP8 data, got ", t.scale_inv()));
   }
   const void* bytes = t.data().data();
   if (t.dtype() == v1::F32) {
@@ -86,7 +87,8 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& t, absl::string_view f
   at::Tensor out = at::empty(shape, Float32());
   float* dst = out.data_ptr<float>();
   if (t.dtype() == v1::BF16 || t.dtype() == v1::F16) {
-    std::vector<uint16_t> bits(static_cast<size_t>(numel));  // the bytes may be unaligned for uint16_t
+    std::vector<uint16_t> bits(
+        static_cast<size_t>(numel));  // the bytes may be unaligned for uint16_t
     std::memcpy(bits.data(), bytes, size_t(expected_bytes));
     if (t.dtype() == v1::BF16) {
       kernels::Bf16ToFloat(bits.data(), numel, dst);

@@ -4,9 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "absl/strings/string_view.h"
-
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "gradwire/v1/tensor.pb.h"
 
 namespace gradwire::rpc {

@@ -1,9 +1,9 @@
 // The context store on its own: ids, byte accounting, states.
+#include "server/core/context_store.h"
+
 #include <gtest/gtest.h>
 
 #include <set>
-
-#include "server/core/context_store.h"
 
 namespace gradwire::core {
 namespace {

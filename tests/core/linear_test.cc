@@ -1,10 +1,11 @@
 // FP8 Linear forward/backward against float64 references: tight against the product of the
 // dequantized FP8 operands, and within TE's FP8 tolerances against the unquantized product.
+#include "server/core/linear.h"
+
 #include <gtest/gtest.h>
 
 #include <tuple>
 
-#include "server/core/linear.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -33,8 +34,7 @@ at::Tensor Dq(const at::Tensor& x, const QuantizerConfig& q) {
 ::testing::AssertionResult CloseToProduct(const at::Tensor& actual, const at::Tensor& expected,
                                           const at::Tensor& magnitude, int64_t k) {
   const double eps = (double(k) / 8 + 4) * 0x1.0p-23;
-  const at::Tensor excess =
-      (actual.to(at::kDouble) - expected).abs() - (eps * magnitude + 1e-12);
+  const at::Tensor excess = (actual.to(at::kDouble) - expected).abs() - (eps * magnitude + 1e-12);
   const double worst = excess.max().item<double>();
   if (worst <= 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "exceeds fp32-accumulation bound by " << worst;
@@ -114,18 +114,16 @@ TEST_P(LinearTest, BackwardMatchesFloat64References) {
 
   const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3), dyq = Dq(dy_, kE5M2);
   // dgrad
-  EXPECT_TRUE(CloseToProduct(r->grad_input, at::matmul(dyq, wq),
-                             at::matmul(dyq.abs(), wq.abs()), n_));
+  EXPECT_TRUE(
+      CloseToProduct(r->grad_input, at::matmul(dyq, wq), at::matmul(dyq.abs(), wq.abs()), n_));
   const at::Tensor xd = x_.to(at::kDouble), wd = w_.to(at::kDouble), dyd = dy_.to(at::kDouble);
   EXPECT_TRUE(AllCloseToSum(r->grad_input, at::matmul(dyd, wd), at::matmul(dyd.abs(), wd.abs()),
                             kE5M2Rtol, kE5M2Atol));
   // wgrad, accumulated
   const at::Tensor dw = weight_grad.to(at::kDouble) - weight_grad_before.to(at::kDouble);
-  EXPECT_TRUE(CloseToProduct(weight_grad, weight_grad_before.to(at::kDouble) +
-                                              at::matmul(dyq.t(), xq),
-                             weight_grad_before.to(at::kDouble).abs() +
-                                 at::matmul(dyq.abs().t(), xq.abs()),
-                             m_));
+  EXPECT_TRUE(CloseToProduct(
+      weight_grad, weight_grad_before.to(at::kDouble) + at::matmul(dyq.t(), xq),
+      weight_grad_before.to(at::kDouble).abs() + at::matmul(dyq.abs().t(), xq.abs()), m_));
   EXPECT_TRUE(AllCloseToSum(dw, at::matmul(dyd.t(), xd), at::matmul(dyd.abs().t(), xd.abs()),
                             kE5M2Rtol, kE5M2Atol));
   // dbias from the unquantized gradient

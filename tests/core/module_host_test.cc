@@ -1,8 +1,9 @@
 // Module host: the weight-workspace cache, the context store's lifetimes, SGD and weights.
+#include "server/core/module_host.h"
+
 #include <gtest/gtest.h>
 
 #include "server/core/linear.h"
-#include "server/core/module_host.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -72,7 +73,8 @@ TEST_F(ModuleHostTest, InferenceWorkspaceIsAMissForTraining) {
 TEST_F(ModuleHostTest, MicrobatchesQuantizeTheWeightsOncePerVersion) {
   std::vector<std::string> contexts;
   for (int i = 0; i < 4; ++i) contexts.push_back(Fwd(true).context_id);
-  for (const auto& ctx : contexts) ASSERT_TRUE(host_.Backward(ctx, RandN({5, 10}), false, false).ok());
+  for (const auto& ctx : contexts)
+    ASSERT_TRUE(host_.Backward(ctx, RandN({5, 10}), false, false).ok());
   EXPECT_EQ(host_.Stats().workspace_builds, 1);
   EXPECT_EQ(host_.Stats().workspace_hits, 3);
 }

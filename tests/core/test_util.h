@@ -39,9 +39,8 @@ inline ::testing::AssertionResult AllClose(const at::Tensor& actual, const at::T
 // terms = sum of |summands| of each element. An FP8 cast with relative error r per value moves a
 // sum by at most ~2r * terms, so this is the per-value tolerance carried through the sum.
 inline ::testing::AssertionResult AllCloseToSum(const at::Tensor& actual,
-                                                const at::Tensor& expected,
-                                                const at::Tensor& terms, double rtol,
-                                                double atol) {
+                                                const at::Tensor& expected, const at::Tensor& terms,
+                                                double rtol, double atol) {
   const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
   if (a.sizes() != e.sizes()) return ::testing::AssertionFailure() << "shapes differ";
   const at::Tensor excess = (a - e).abs() - (atol * terms.to(at::kDouble) + rtol * e.abs());

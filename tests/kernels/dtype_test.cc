@@ -1,11 +1,11 @@
 // bf16 / half conversions used on the wire, against float64 round-to-nearest-even models.
+#include "gradwire/kernels/dtype.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
-
-#include "gradwire/kernels/dtype.h"
 
 namespace gradwire::kernels {
 namespace {
@@ -29,8 +29,8 @@ TEST(DtypeTest, Bf16RoundsToNearestEvenAndRoundTrips) {
   }
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
   EXPECT_EQ(Bf16ToFloat(FloatToBf16(INFINITY)), INFINITY);
-  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.00390625f)), 1.0f);        // tie, even is down
-  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.01171875f)), 1.015625f);   // tie, even is up
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.00390625f)), 1.0f);       // tie, even is down
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.01171875f)), 1.015625f);  // tie, even is up
 }
 
 TEST(DtypeTest, HalfRoundsToNearestEvenIncludingSubnormalsAndOverflow) {
@@ -46,8 +46,8 @@ TEST(DtypeTest, HalfRoundsToNearestEvenIncludingSubnormalsAndOverflow) {
     ASSERT_EQ(FloatToHalf(v), bits);
     ASSERT_EQ(HalfToFloat(uint16_t(bits)), v);
   }
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0);        // half the min subnormal: tie to 0
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.5f, -24)), 2);        // tie between 1 and 2: even
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0);  // half the min subnormal: tie to 0
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.5f, -24)), 2);  // tie between 1 and 2: even
   EXPECT_EQ(HalfToFloat(FloatToHalf(65504.0f)), 65504.0f);
   EXPECT_EQ(HalfToFloat(FloatToHalf(65519.0f)), 65504.0f);
   EXPECT_EQ(HalfToFloat(FloatToHalf(65520.0f)), INFINITY);

@@ -117,8 +117,8 @@ TEST_P(Fp8CodecTest, LimitsAreTheFormatsOwn) {
   }
   EXPECT_EQ(double(Fp8Max(f.format)), max);
   EXPECT_EQ(f.format == Fp8Format::kE4M3 ? 448.0 : 57344.0, max);
-  EXPECT_EQ(min_subnormal, f.format == Fp8Format::kE4M3 ? std::ldexp(1.0, -9)
-                                                         : std::ldexp(1.0, -16));
+  EXPECT_EQ(min_subnormal,
+            f.format == Fp8Format::kE4M3 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -16));
 }
 
 std::vector<float> EdgeValues(const FormatModel& f) {
@@ -136,7 +136,7 @@ std::vector<float> EdgeValues(const FormatModel& f) {
     out.push_back(std::nextafter(v, INFINITY));
     if (i + 1 < finite.size()) {
       const float mid = float((finite[i] + finite[i + 1]) / 2);  // exact: one more bit
-      out.push_back(mid);  // a tie
+      out.push_back(mid);                                        // a tie
       out.push_back(std::nextafter(mid, 0.0f));
       out.push_back(std::nextafter(mid, INFINITY));
     }

@@ -1,4 +1,6 @@
 // Reference FP8 GEMM and casts against float64 on the dequantized operands.
+#include "gradwire/kernels/gemm.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,7 +8,6 @@
 #include <tuple>
 #include <vector>
 
-#include "gradwire/kernels/gemm.h"
 #include "gradwire/kernels/quantize.h"
 
 namespace gradwire::kernels {
@@ -121,7 +122,8 @@ TEST_P(Fp8GemmTest, MatchesFloat64OnDequantizedOperands) {
             magnitude += std::fabs(prod);
           }
           if (use_bias) ref += bias[size_t(j)], magnitude += std::fabs(bias[size_t(j)]);
-          if (accumulate) ref += start[size_t(i * n + j)], magnitude += std::fabs(start[size_t(i * n + j)]);
+          if (accumulate)
+            ref += start[size_t(i * n + j)], magnitude += std::fabs(start[size_t(i * n + j)]);
           // fp32 accumulation in 8 lanes: error grows with k/8 ulps of the magnitude.
           const double tol = (double(k) / 8 + 4) * std::ldexp(1.0, -23) * magnitude + 1e-30;
           ASSERT_NEAR(c[size_t(i * n + j)], ref, tol)
@@ -132,10 +134,11 @@ TEST_P(Fp8GemmTest, MatchesFloat64OnDequantizedOperands) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapesAndLayouts, Fp8GemmTest,
-    ::testing::Combine(::testing::Values(1, 7, 33), ::testing::Values(1, 5, 64),
-                       ::testing::Values(1, 13, 128), ::testing::Bool(), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(ShapesAndLayouts, Fp8GemmTest,
+                         ::testing::Combine(::testing::Values(1, 7, 33),
+                                            ::testing::Values(1, 5, 64),
+                                            ::testing::Values(1, 13, 128), ::testing::Bool(),
+                                            ::testing::Bool()));
 
 }  // namespace
 }  // namespace gradwire::kernels

@@ -1,8 +1,9 @@
 // The real service over a real TCP loopback port, driven through the C++ client library.
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
+#include "server/rpc/service.h"
 
 #include <ATen/ATen.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
@@ -12,7 +13,6 @@
 #include "gradwire/kernels/fp8.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
-#include "server/rpc/service.h"
 
 namespace gradwire {
 namespace {
@@ -242,13 +242,15 @@ struct BadForward {
 };
 
 const BadForward kBadForwards[] = {
-    {"unset dtype", [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+    {"unset dtype",
+     [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(v1::DTYPE_UNSPECIFIED); },
      grpc::INVALID_ARGUMENT, "input.dtype"},
-    {"unknown dtype", [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(static_cast<v1::DType>(42)); },
+    {"unknown dtype",
+     [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(static_cast<v1::DType>(42)); },
      grpc::INVALID_ARGUMENT, "input.dtype"},
     {"wrong dtype for the bytes",
-     [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(v1::BF16); },
-     grpc::INVALID_ARGUMENT, "input.data has 96 bytes"},
+     [](v1::ForwardRequest* r) { r->mutable_input()->set_dtype(v1::BF16); }, grpc::INVALID_ARGUMENT,
+     "input.data has 96 bytes"},
     {"shape mismatch with the module",
      [](v1::ForwardRequest* r) {
        r->mutable_input()->set_shape(0, 4);

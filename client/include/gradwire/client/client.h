@@ -33,10 +33,10 @@ absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t);
 v1::DType ToProto(WireDType dtype);
 
 struct ClientOptions {
-  std::string server = "127.0.0.1:50051";      // host:port of gradwire-server
-  std::chrono::milliseconds timeout{30000};    // deadline of each call
-  WireDType wire_dtype = WireDType::kF32;      // dtype of activations and gradients both ways
-  int max_message_mib = 64;                    // largest message sent or received
+  std::string server = "127.0.0.1:50051";    // host:port of gradwire-server
+  std::chrono::milliseconds timeout{30000};  // deadline of each call
+  WireDType wire_dtype = WireDType::kF32;    // dtype of activations and gradients both ways
+  int max_message_mib = 64;                  // largest message sent or received
 };
 
 struct ForwardResult {
@@ -74,8 +74,7 @@ class Client {
   absl::StatusOr<ForwardResult> Forward(const std::string& module_id, const HostTensor& input,
                                         bool training);
   // Returns grad_input (empty shape with skip_grad_input).
-  absl::StatusOr<HostTensor> Backward(const std::string& context_id,
-                                      const HostTensor& grad_output,
+  absl::StatusOr<HostTensor> Backward(const std::string& context_id, const HostTensor& grad_output,
                                       BackwardOptions options = {});
   absl::Status ReleaseContext(const std::string& context_id);
 

@@ -32,9 +32,9 @@ struct Fp8GemmArgs {
   int64_t m = 0;
   int64_t n = 0;
   int64_t k = 0;
-  float* c = nullptr;            // host, [m, n] row-major fp32
-  const float* bias = nullptr;   // host, [n], or nullptr
-  bool accumulate = false;       // C += result instead of C = result
+  float* c = nullptr;           // host, [m, n] row-major fp32
+  const float* bias = nullptr;  // host, [n], or nullptr
+  bool accumulate = false;      // C += result instead of C = result
 };
 
 void Fp8Gemm(const Fp8GemmArgs& args);
