@@ -150,7 +150,7 @@ absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& o,
       auto dx = client.Backward(h->context_id, *da, first_layer);
       if (!dx.ok()) return dx.status();
       for (const std::string& id : {student.fc1, student.fc2}) {
-        auto version = client.ApplySgd(id, o.learning_rate);
+        auto version = client.ApplyGradients(id, o.learning_rate);
         if (!version.ok()) return version.status();
       }
       if (progress) bar.Update(step + 1, absl::StrFormat("loss %.5f", loss));

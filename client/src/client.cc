@@ -17,7 +17,25 @@ absl::Status FromGrpc(const char* method, const grpc::Status& s) {
                       absl::StrCat(method, ": ", s.error_message()));
 }
 
+absl::StatusOr<NamedTensors> FromWireNamed(
+    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& named) {
+  NamedTensors out;
+  for (const v1::NamedTensor& n : named) {
+    auto t = FromWire(n.tensor());
+    if (!t.ok()) return t.status();
+    out.tensors.emplace_back(n.name(), *std::move(t));
+  }
+  return out;
+}
+
 }  // namespace
+
+const HostTensor* NamedTensors::Find(const std::string& name) const {
+  for (const auto& [n, t] : tensors) {
+    if (n == name) return &t;
+  }
+  return nullptr;
+}
 
 int64_t HostTensor::numel() const {
   int64_t n = 1;
@@ -183,7 +201,13 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
   if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) return s;
   auto output = FromWire(resp.output());
   if (!output.ok()) return output.status();
-  return ForwardResult{*std::move(output), resp.context_id(), resp.weight_version()};
+  ForwardResult result{*std::move(output), resp.context_id(), resp.weight_version(), {}};
+  if (resp.has_layernorm_output()) {
+    auto ln = FromWire(resp.layernorm_output());
+    if (!ln.ok()) return ln.status();
+    result.layernorm_output = *std::move(ln);
+  }
+  return result;
 }
 
 absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
@@ -197,6 +221,10 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   req.set_retain(options.retain);
   req.set_skip_grad_input(options.skip_grad_input);
   req.set_grad_input_dtype(ToProto(options_.wire_dtype));
+  if (options.grad_layernorm_output) {
+    *req.mutable_grad_layernorm_output() =
+        ToWire(*options.grad_layernorm_output, options_.wire_dtype);
+  }
   v1::BackwardResponse resp;
   if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
   if (!resp.has_grad_input()) return HostTensor{};
@@ -212,12 +240,12 @@ absl::Status Client::ReleaseContext(const std::string& context_id) {
   return FromGrpc("ReleaseContext", stub_->ReleaseContext(&ctx, req, &resp));
 }
 
-absl::StatusOr<uint64_t> Client::ApplySgd(const std::string& module_id, float learning_rate) {
+absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, float learning_rate) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::ApplyGradientsRequest req;
   req.set_module_id(module_id);
-  req.mutable_sgd()->set_learning_rate(learning_rate);
+  req.set_learning_rate(learning_rate);
   v1::ApplyGradientsResponse resp;
   if (auto s = FromGrpc("ApplyGradients", stub_->ApplyGradients(&ctx, req, &resp)); !s.ok()) {
     return s;
@@ -225,7 +253,25 @@ absl::StatusOr<uint64_t> Client::ApplySgd(const std::string& module_id, float le
   return resp.weight_version();
 }
 
-absl::StatusOr<Weights> Client::GetWeights(const std::string& module_id) {
+absl::StatusOr<NamedTensors> Client::GetGradients(const std::string& module_id, bool zero) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::GetGradientsRequest req;
+  req.set_module_id(module_id);
+  req.set_zero(zero);
+  req.set_dtype(v1::F32);
+  v1::GetGradientsResponse resp;
+  if (auto s = FromGrpc("GetGradients", stub_->GetGradients(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  auto out = FromWireNamed(resp.gradients());
+  if (!out.ok()) return out.status();
+  out->weight_version = resp.weight_version();
+  out->accumulated_backwards = resp.accumulated_backwards();
+  return out;
+}
+
+absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::GetWeightsRequest req;
@@ -233,27 +279,24 @@ absl::StatusOr<Weights> Client::GetWeights(const std::string& module_id) {
   req.set_dtype(v1::F32);
   v1::GetWeightsResponse resp;
   if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) return s;
-  Weights out;
-  auto weight = FromWire(resp.weight());
-  if (!weight.ok()) return weight.status();
-  out.weight = *std::move(weight);
-  if (resp.has_bias()) {
-    auto bias = FromWire(resp.bias());
-    if (!bias.ok()) return bias.status();
-    out.bias = *std::move(bias);
-  }
-  out.weight_version = resp.weight_version();
+  auto out = FromWireNamed(resp.parameters());
+  if (!out.ok()) return out.status();
+  out->weight_version = resp.weight_version();
   return out;
 }
 
-absl::StatusOr<uint64_t> Client::SetWeights(const std::string& module_id, const HostTensor& weight,
-                                            const std::optional<HostTensor>& bias) {
+absl::StatusOr<uint64_t> Client::SetWeights(
+    const std::string& module_id,
+    const std::vector<std::pair<std::string, HostTensor>>& parameters) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::SetWeightsRequest req;
   req.set_module_id(module_id);
-  *req.mutable_weight() = ToWire(weight, WireDType::kF32);
-  if (bias) *req.mutable_bias() = ToWire(*bias, WireDType::kF32);
+  for (const auto& [name, tensor] : parameters) {
+    v1::NamedTensor* named = req.add_parameters();
+    named->set_name(name);
+    *named->mutable_tensor() = ToWire(tensor, WireDType::kF32);
+  }
   v1::SetWeightsResponse resp;
   if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) return s;
   return resp.weight_version();

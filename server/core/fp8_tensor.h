@@ -15,7 +15,8 @@ struct Fp8Tensor {
   at::Tensor rowwise;     // uint8 [rows, cols], or undefined
   at::Tensor columnwise;  // uint8 [cols, rows], or undefined
   kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
-  float scale_inv = 1.0f;  // real value = decode(code) * scale_inv
+  float scale = 1.0f;      // the scale the cast multiplied by
+  float scale_inv = 1.0f;  // 1 / scale: real value = decode(code) * scale_inv
   float amax = 0.0f;       // amax of the tensor that was cast
   int64_t rows = 0;
   int64_t cols = 0;

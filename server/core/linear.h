@@ -11,27 +11,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/core/fp8_tensor.h"
-#include "server/core/quantizer.h"
+#include "server/core/fp8_ops.h"
 #include "server/core/saved_tensors.h"
 
 namespace gradwire::core {
 
-// The FP8 weight of one weight version.
-struct LinearWorkspace {
-  uint64_t weight_version = 0;
-  Fp8Tensor weight;  // rowwise [N, K] always; columnwise [K, N] when built for training
-  int64_t bytes() const { return weight.bytes(); }
-};
-using WorkspacePtr = std::shared_ptr<const LinearWorkspace>;
-
-// True when `ws` can serve a forward of `weight_version` (training needs the columnwise copy).
-bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool training);
-
 struct LinearSaved final : SavedTensors {
   Fp8Tensor input;         // columnwise only: X^T [K, M], what wgrad reads
   WorkspacePtr workspace;  // the weight version this forward used (its columnwise copy for dgrad)
-  std::vector<int64_t> input_shape;  // as the client sent it: [..., K]
   int64_t bytes() const override { return input.bytes(); }
 };
 
@@ -51,6 +38,8 @@ struct LinearFwdResult {
   WorkspacePtr workspace;              // args.workspace when usable, else a new one
   bool workspace_built = false;        // true on a cache miss
   std::shared_ptr<LinearSaved> saved;  // training only
+  float input_amax = 0.0f;
+  float weight_amax = 0.0f;
 };
 
 absl::StatusOr<LinearFwdResult> LinearForward(const LinearFwdArgs& args);
@@ -66,6 +55,7 @@ struct LinearBwdArgs {
 
 struct LinearBwdResult {
   at::Tensor grad_input;  // float32 [M, K], undefined unless compute_grad_input
+  float grad_output_amax = 0.0f;
 };
 
 absl::StatusOr<LinearBwdResult> LinearBackward(const LinearBwdArgs& args);

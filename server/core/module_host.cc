@@ -3,31 +3,39 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/kernels/random.h"
+#include "server/core/layernorm_linear.h"
+#include "server/core/layernorm_mlp.h"
 #include "server/core/linear.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
 
-struct ModuleHost::Module {
-  ModuleSpec spec;
-  mutable std::mutex mu;   // guards everything below
-  at::Tensor weight;       // fp32 master weight [N, K]
-  at::Tensor bias;         // fp32 [N] or undefined
-  at::Tensor weight_grad;  // fp32 [N, K], accumulated by backwards
-  at::Tensor bias_grad;    // fp32 [N] or undefined
-  uint64_t version = 1;
-  WorkspacePtr workspace;  // the cached FP8 weight (latest version built)
-};
-
 namespace {
 
-constexpr kernels::Fp8Format kForwardFormat = kernels::Fp8Format::kE4M3;
-constexpr kernels::Fp8Format kGradFormat = kernels::Fp8Format::kE5M2;
+using kernels::Fp8Format;
+
 constexpr int kMaxMargin = 32;
+constexpr int64_t kMaxHistory = 1 << 16;
+
+// Tensor roles of each kind, in the order of Module::scaling.
+enum LinearRole { kIn = 0, kWeight = 1, kGrad = 2 };
+enum MlpRole { kFc1In = 0, kFc1Weight, kFc2In, kFc2Weight, kFc1Grad, kFc2Grad };
+
+struct RoleDef {
+  const char* name;
+  Fp8Format format;
+};
+const std::vector<RoleDef> kLinearRoles = {
+    {"input", Fp8Format::kE4M3}, {"weight", Fp8Format::kE4M3}, {"grad_output", Fp8Format::kE5M2}};
+const std::vector<RoleDef> kMlpRoles = {
+    {"fc1_input", Fp8Format::kE4M3},       {"fc1_weight", Fp8Format::kE4M3},
+    {"fc2_input", Fp8Format::kE4M3},       {"fc2_weight", Fp8Format::kE4M3},
+    {"fc1_grad_output", Fp8Format::kE5M2}, {"fc2_grad_output", Fp8Format::kE5M2}};
 
 at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
 
@@ -35,23 +43,121 @@ std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::Status CheckFeatures(const char* field, int64_t value) {
-  if (value < 1 || value > ModuleHost::kMaxFeatures) {
+absl::Status CheckRange(const char* field, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, " must be in [1, ", ModuleHost::kMaxFeatures, "], got ", value));
+        absl::StrCat(field, " must be in [", lo, ", ", hi, "], got ", value));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckFloat32(const char* field, const at::Tensor& t) {
+absl::Status CheckOpen01(const char* field, float value, bool zero_ok) {
+  if (!(value >= 0.0f && value < 1.0f) || (!zero_ok && value == 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be in ", zero_ok ? "[0, 1)" : "(0, 1)", ", got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPositive(const char* field, float value) {
+  if (!(value > 0.0f) || !std::isfinite(value)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be finite and > 0, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNonNegative(const char* field, float value) {
+  if (!(value >= 0.0f) || !std::isfinite(value)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be finite and >= 0, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSpec(const ModuleSpec& s) {
+  GW_RETURN_IF_ERROR(CheckRange("spec.in_features", s.in_features, 1, ModuleHost::kMaxFeatures));
+  GW_RETURN_IF_ERROR(CheckRange("spec.out_features", s.out_features, 1, ModuleHost::kMaxFeatures));
+  if (s.kind == ModuleKind::kLayerNormMlp) {
+    GW_RETURN_IF_ERROR(
+        CheckRange("spec.ffn_features", s.ffn_features, 1, ModuleHost::kMaxFeatures));
+  } else if (s.ffn_features != 0) {
+    return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
+  }
+  if (s.kind != ModuleKind::kLayerNormMlp && s.activation != kernels::Activation::kGelu) {
+    return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
+  }
+  if (s.kind == ModuleKind::kLinear &&
+      (s.zero_centered_gamma || s.return_layernorm_output || s.checkpoint)) {
+    return absl::InvalidArgumentError(
+        "spec.zero_centered_gamma, return_layernorm_output and checkpoint are for the LayerNorm "
+        "modules");
+  }
+  GW_RETURN_IF_ERROR(CheckPositive("spec.layernorm_eps", s.layernorm_eps));
+  GW_RETURN_IF_ERROR(CheckRange("spec.recipe.margin", s.recipe.margin, 0, kMaxMargin));
+  GW_RETURN_IF_ERROR(
+      CheckRange("spec.recipe.amax_history_len", s.recipe.history_len, 1, kMaxHistory));
+  if (s.optimizer.kind == OptimizerConfig::Kind::kSgd) {
+    GW_RETURN_IF_ERROR(
+        CheckPositive("spec.optimizer.sgd.learning_rate", s.optimizer.sgd.learning_rate));
+    GW_RETURN_IF_ERROR(CheckOpen01("spec.optimizer.sgd.momentum", s.optimizer.sgd.momentum, true));
+    GW_RETURN_IF_ERROR(
+        CheckNonNegative("spec.optimizer.sgd.weight_decay", s.optimizer.sgd.weight_decay));
+  } else {
+    const AdamWConfig& a = s.optimizer.adamw;
+    GW_RETURN_IF_ERROR(CheckPositive("spec.optimizer.adamw.learning_rate", a.learning_rate));
+    GW_RETURN_IF_ERROR(CheckOpen01("spec.optimizer.adamw.beta1", a.beta1, true));
+    GW_RETURN_IF_ERROR(CheckOpen01("spec.optimizer.adamw.beta2", a.beta2, true));
+    GW_RETURN_IF_ERROR(CheckPositive("spec.optimizer.adamw.eps", a.eps));
+    GW_RETURN_IF_ERROR(CheckNonNegative("spec.optimizer.adamw.weight_decay", a.weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+// Parameter shapes of a spec, in order: (name, shape, fan_in or 0 for LayerNorm params).
+struct ParamDef {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t fan_in;  // > 0: uniform(+-1/sqrt(fan_in)); 0: LayerNorm gamma; -1: LayerNorm beta
+};
+
+std::vector<ParamDef> ParamDefs(const ModuleSpec& s) {
+  std::vector<ParamDef> defs;
+  const int64_t k = s.in_features, n = s.out_features;
+  if (s.kind != ModuleKind::kLinear) {
+    defs.push_back({"layer_norm_weight", {k}, 0});
+    defs.push_back({"layer_norm_bias", {k}, -1});
+  }
+  if (s.kind == ModuleKind::kLayerNormMlp) {
+    const int64_t f = s.ffn_features, f1 = kernels::IsGated(s.activation) ? 2 * f : f;
+    defs.push_back({"fc1_weight", {f1, k}, k});
+    if (s.bias) defs.push_back({"fc1_bias", {f1}, k});
+    defs.push_back({"fc2_weight", {n, f}, f});
+    if (s.bias) defs.push_back({"fc2_bias", {n}, f});
+  } else {
+    defs.push_back({"weight", {n, k}, k});
+    if (s.bias) defs.push_back({"bias", {n}, k});
+  }
+  return defs;
+}
+
+absl::Status CheckInputTensor(const char* field, const at::Tensor& t, int64_t last_dim,
+                              const char* what) {
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
   if (t.scalar_type() != at::kFloat) {
     return absl::InvalidArgumentError(absl::StrCat(field, " must be float32"));
   }
+  if (t.dim() < 1 || t.size(-1) != last_dim || t.numel() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape must be [..., ", last_dim,
+                                                   "] (the module's ", what, "), got ",
+                                                   ShapeString(t.sizes())));
+  }
   return absl::OkStatus();
 }
 
-absl::Status CheckShape(const char* field, const at::Tensor& t, at::IntArrayRef expected) {
+absl::Status CheckExactShape(const char* field, const at::Tensor& t, at::IntArrayRef expected) {
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
+  if (t.scalar_type() != at::kFloat) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be float32"));
+  }
   if (t.sizes() != expected) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape must be ", ShapeString(expected),
                                                    ", got ", ShapeString(t.sizes())));
@@ -59,7 +165,7 @@ absl::Status CheckShape(const char* field, const at::Tensor& t, at::IntArrayRef 
   return absl::OkStatus();
 }
 
-absl::Status CheckFinite(const char* field, const at::Tensor& t) {
+absl::Status CheckFinite(const std::string& field, const at::Tensor& t) {
   const float* p = t.data_ptr<float>();
   for (int64_t i = 0, n = t.numel(); i < n; ++i) {
     if (!std::isfinite(p[i])) {
@@ -70,32 +176,103 @@ absl::Status CheckFinite(const char* field, const at::Tensor& t) {
   return absl::OkStatus();
 }
 
-// Flattens [..., last] to a contiguous float32 [rows, last] (a view when already contiguous).
-at::Tensor As2D(const at::Tensor& t) { return t.contiguous().reshape({-1, t.size(-1)}); }
-
 }  // namespace
+
+const char* ModuleKindName(ModuleKind kind) {
+  switch (kind) {
+    case ModuleKind::kLinear:
+      return "Linear";
+    case ModuleKind::kLayerNormLinear:
+      return "LayerNormLinear";
+    case ModuleKind::kLayerNormMlp:
+      return "LayerNormMLP";
+  }
+  return "unknown";
+}
+
+struct ModuleHost::Module {
+  struct Param {
+    std::string name;
+    at::Tensor value;  // fp32 master copy
+    at::Tensor grad;   // fp32, accumulated by backwards
+    OptimizerSlots slots;
+  };
+
+  ModuleSpec spec;
+  mutable std::mutex mu;  // guards everything below
+  std::vector<Param> params;
+  std::vector<ScalingState> scaling;  // one per tensor role (kLinearRoles / kMlpRoles)
+  std::vector<std::string> role_names;
+  uint64_t version = 1;
+  int64_t optimizer_steps = 0;
+  int64_t accumulated_backwards = 0;
+  WorkspacePtr workspace;  // the cached FP8 weights (latest version built)
+
+  const Param* Find(const std::string& name) const {
+    for (const Param& p : params) {
+      if (p.name == name) return &p;
+    }
+    return nullptr;
+  }
+  at::Tensor Value(const char* name) const {
+    const Param* p = Find(name);
+    return p ? p->value : at::Tensor();
+  }
+  at::Tensor Grad(const char* name) const {
+    const Param* p = Find(name);
+    return p ? p->grad : at::Tensor();
+  }
+  LayerNormParams Ln() const {
+    return LayerNormParams{Value("layer_norm_weight"), Value("layer_norm_bias"), spec.layernorm_eps,
+                           spec.zero_centered_gamma};
+  }
+  // Ends a step of the given roles: records their amaxes and rolls their histories.
+  void EndStep(std::initializer_list<std::pair<int, float>> amaxes) {
+    for (const auto& [role, amax] : amaxes) {
+      scaling[size_t(role)].Record(amax);
+      scaling[size_t(role)].Roll();
+    }
+  }
+};
 
 ModuleHost::ModuleHost() = default;
 ModuleHost::~ModuleHost() = default;
 
 absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec) {
-  GW_RETURN_IF_ERROR(CheckFeatures("spec.in_features", spec.in_features));
-  GW_RETURN_IF_ERROR(CheckFeatures("spec.out_features", spec.out_features));
-  if (spec.margin < 0 || spec.margin > kMaxMargin) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.recipe.margin must be in [0, ", kMaxMargin, "], got ", spec.margin));
+  GW_RETURN_IF_ERROR(ValidateSpec(spec));
+  const std::vector<ParamDef> defs = ParamDefs(spec);
+  int64_t total = 0;
+  for (const ParamDef& d : defs) {
+    int64_t n = 1;
+    for (int64_t x : d.shape) n *= x;
+    total += n;
+  }
+  if (total > kMaxParameters) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec asks for ", total, " parameters; a module may have at most ", kMaxParameters));
   }
   auto m = std::make_shared<Module>();
   m->spec = spec;
-  const int64_t n = spec.out_features, k = spec.in_features;
-  const float bound = 1.0f / std::sqrt(float(k));
-  m->weight = at::empty({n, k}, Float32());
-  kernels::FillUniform(m->weight.data_ptr<float>(), n * k, spec.seed, /*stream=*/0, -bound, bound);
-  m->weight_grad = at::zeros({n, k}, Float32());
-  if (spec.bias) {
-    m->bias = at::empty({n}, Float32());
-    kernels::FillUniform(m->bias.data_ptr<float>(), n, spec.seed, /*stream=*/1, -bound, bound);
-    m->bias_grad = at::zeros({n}, Float32());
+  uint64_t stream = 0;
+  for (const ParamDef& d : defs) {
+    Module::Param p;
+    p.name = d.name;
+    p.value = at::empty(d.shape, Float32());
+    if (d.fan_in > 0) {
+      const float bound = 1.0f / std::sqrt(float(d.fan_in));
+      kernels::FillUniform(p.value.data_ptr<float>(), p.value.numel(), spec.seed, stream, -bound,
+                           bound);
+    } else {
+      p.value.fill_(d.fan_in == 0 && !spec.zero_centered_gamma ? 1.0f : 0.0f);
+    }
+    ++stream;
+    p.grad = at::zeros(d.shape, Float32());
+    m->params.push_back(std::move(p));
+  }
+  const auto& roles = spec.kind == ModuleKind::kLayerNormMlp ? kMlpRoles : kLinearRoles;
+  for (const RoleDef& r : roles) {
+    m->scaling.emplace_back(r.format, spec.recipe);
+    m->role_names.push_back(r.name);
   }
   std::lock_guard<std::mutex> lock(mu_);
   std::string id;
@@ -118,7 +295,9 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::Find(
 }
 
 ModuleInfo ModuleHost::InfoLocked(const std::string& id, const Module& m) const {
-  return ModuleInfo{id, m.spec, m.version, contexts_.live_contexts(id)};
+  ModuleInfo info{id, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps, {}};
+  for (const auto& p : m.params) info.parameter_names.push_back(p.name);
+  return info;
 }
 
 absl::StatusOr<ModuleInfo> ModuleHost::Info(const std::string& module_id) const {
@@ -155,37 +334,88 @@ absl::Status ModuleHost::Delete(const std::string& module_id) {
 absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
                                                   const at::Tensor& input, bool training) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
-  GW_RETURN_IF_ERROR(CheckFloat32("input", input));
-  if (input.dim() < 1 || input.size(-1) != m->spec.in_features) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("input.shape must be [..., ", m->spec.in_features,
-                     "] (the module's in_features), got ", ShapeString(input.sizes())));
-  }
-  if (input.numel() == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("input.shape ", ShapeString(input.sizes()), " has no elements"));
-  }
+  GW_RETURN_IF_ERROR(CheckInputTensor("input", input, m->spec.in_features, "in_features"));
   std::lock_guard<std::mutex> lock(m->mu);
-  LinearFwdArgs args;
-  args.input = As2D(input);
-  args.weight = m->weight;
-  args.bias = m->bias;
-  args.weight_version = m->version;
-  args.workspace = m->workspace;
-  args.input_quantizer = {kForwardFormat, m->spec.margin};
-  args.weight_quantizer = {kForwardFormat, m->spec.margin};
-  args.training = training;
-  GW_ASSIGN_OR_RETURN(LinearFwdResult result, LinearForward(args));
-  (result.workspace_built ? workspace_builds_ : workspace_hits_).fetch_add(1);
-  m->workspace = result.workspace;
+  const ModuleSpec& spec = m->spec;
+  const at::Tensor x = As2D(input);
   ForwardOutput out;
+  std::shared_ptr<SavedTensors> saved;
+  WorkspacePtr workspace;
+  bool built = false;
+  at::Tensor y, ln_out;
+  switch (spec.kind) {
+    case ModuleKind::kLinear: {
+      LinearFwdArgs args;
+      args.input = x;
+      args.weight = m->Value("weight");
+      args.bias = m->Value("bias");
+      args.weight_version = m->version;
+      args.workspace = m->workspace;
+      args.input_quantizer = m->scaling[kIn].Quantizer();
+      args.weight_quantizer = m->scaling[kWeight].Quantizer();
+      args.training = training;
+      GW_ASSIGN_OR_RETURN(LinearFwdResult r, LinearForward(args));
+      m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
+      y = r.output, workspace = r.workspace, built = r.workspace_built, saved = r.saved;
+      break;
+    }
+    case ModuleKind::kLayerNormLinear: {
+      LayerNormLinearFwdArgs args;
+      args.input = x;
+      args.ln = m->Ln();
+      args.weight = m->Value("weight");
+      args.bias = m->Value("bias");
+      args.weight_version = m->version;
+      args.workspace = m->workspace;
+      args.input_quantizer = m->scaling[kIn].Quantizer();
+      args.weight_quantizer = m->scaling[kWeight].Quantizer();
+      args.training = training;
+      args.return_layernorm_output = spec.return_layernorm_output;
+      args.checkpoint = spec.checkpoint;
+      GW_ASSIGN_OR_RETURN(LayerNormLinearFwdResult r, LayerNormLinearForward(args));
+      m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
+      y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
+      built = r.workspace_built, saved = r.saved;
+      break;
+    }
+    case ModuleKind::kLayerNormMlp: {
+      LayerNormMlpFwdArgs args;
+      args.input = x;
+      args.ln = m->Ln();
+      args.fc1_weight = m->Value("fc1_weight");
+      args.fc1_bias = m->Value("fc1_bias");
+      args.fc2_weight = m->Value("fc2_weight");
+      args.fc2_bias = m->Value("fc2_bias");
+      args.activation = spec.activation;
+      args.weight_version = m->version;
+      args.workspace = m->workspace;
+      args.fc1_input_quantizer = m->scaling[kFc1In].Quantizer();
+      args.fc1_weight_quantizer = m->scaling[kFc1Weight].Quantizer();
+      args.fc2_input_quantizer = m->scaling[kFc2In].Quantizer();
+      args.fc2_weight_quantizer = m->scaling[kFc2Weight].Quantizer();
+      args.training = training;
+      args.return_layernorm_output = spec.return_layernorm_output;
+      args.checkpoint = spec.checkpoint;
+      GW_ASSIGN_OR_RETURN(LayerNormMlpFwdResult r, LayerNormMlpForward(args));
+      m->EndStep({{kFc1In, r.fc1_input_amax},
+                  {kFc1Weight, r.fc1_weight_amax},
+                  {kFc2In, r.fc2_input_amax},
+                  {kFc2Weight, r.fc2_weight_amax}});
+      y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
+      built = r.workspace_built, saved = r.saved;
+      break;
+    }
+  }
+  (built ? workspace_builds_ : workspace_hits_).fetch_add(1);
+  m->workspace = workspace;
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
-  out_shape.back() = m->spec.out_features;
-  out.output = result.output.reshape(out_shape);
+  out_shape.back() = spec.out_features;
+  out.output = y.reshape(out_shape);
+  if (ln_out.defined()) out.layernorm_output = ln_out.reshape(input.sizes());
   out.weight_version = m->version;
   if (training) {
-    result.saved->input_shape.assign(input.sizes().begin(), input.sizes().end());
-    out.context_id = contexts_.Put(module_id, m->version, std::move(result.saved));
+    saved->input_shape.assign(input.sizes().begin(), input.sizes().end());
+    out.context_id = contexts_.Put(module_id, m->version, std::move(saved));
   }
   return out;
 }
@@ -193,41 +423,118 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
 absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
                                                 const at::Tensor& grad_output, bool retain,
                                                 bool skip_grad_input) {
+  BackwardInput in;
+  in.grad_output = grad_output;
+  in.retain = retain;
+  in.skip_grad_input = skip_grad_input;
+  return Backward(context_id, in);
+}
+
+absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
+                                                const BackwardInput& in) {
   GW_ASSIGN_OR_RETURN(ContextStore::Lease lease, contexts_.Acquire(context_id));
   // Until Finish(consumed=true), every exit leaves the context as it was.
   auto fail = [&](absl::Status status) {
     lease.saved.reset();
-    contexts_.Finish(context_id, /*consumed=*/false, retain);
+    contexts_.Finish(context_id, /*consumed=*/false, in.retain);
     return status;
   };
   auto found = Find(lease.module_id);
   if (!found.ok()) return fail(found.status());
   std::shared_ptr<Module> m = *std::move(found);
-  const auto* saved = dynamic_cast<const LinearSaved*>(lease.saved.get());
-  if (saved == nullptr) return fail(absl::InternalError("context does not hold Linear tensors"));
-  std::vector<int64_t> expected = saved->input_shape;
+  const std::vector<int64_t>& input_shape = lease.saved->input_shape;
+  std::vector<int64_t> expected = input_shape;
   expected.back() = m->spec.out_features;
-  if (auto s = CheckFloat32("grad_output", grad_output); !s.ok()) return fail(s);
-  if (auto s = CheckShape("grad_output", grad_output, expected); !s.ok()) return fail(s);
-
+  if (auto s = CheckExactShape("grad_output", in.grad_output, expected); !s.ok()) return fail(s);
+  if (in.grad_layernorm_output.defined()) {
+    if (!m->spec.return_layernorm_output) {
+      return fail(absl::InvalidArgumentError(
+          "grad_layernorm_output is only for modules created with return_layernorm_output"));
+    }
+    if (auto s = CheckExactShape("grad_layernorm_output", in.grad_layernorm_output, input_shape);
+        !s.ok()) {
+      return fail(s);
+    }
+  }
   at::Tensor grad_input;
   {
     std::lock_guard<std::mutex> lock(m->mu);
-    LinearBwdArgs args;
-    args.grad_output = As2D(grad_output);
-    args.saved = saved;
-    args.grad_quantizer = {kGradFormat, m->spec.margin};
-    args.compute_grad_input = !skip_grad_input;
-    args.weight_grad = m->weight_grad;
-    args.bias_grad = m->bias_grad;
-    auto result = LinearBackward(args);
-    if (!result.ok()) return fail(result.status());
-    if (!skip_grad_input) grad_input = result->grad_input.reshape(saved->input_shape);
+    if (m->spec.max_staleness >= 0 &&
+        m->version - lease.weight_version > uint64_t(m->spec.max_staleness)) {
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat("context_id ", context_id, " was made under weight version ",
+                       lease.weight_version, "; the module is at version ", m->version,
+                       " and allows max_staleness ", m->spec.max_staleness)));
+    }
+    const at::Tensor dy = As2D(in.grad_output);
+    const at::Tensor d_ln =
+        in.grad_layernorm_output.defined() ? As2D(in.grad_layernorm_output) : at::Tensor();
+    switch (m->spec.kind) {
+      case ModuleKind::kLinear: {
+        LinearBwdArgs args;
+        args.grad_output = dy;
+        args.saved = dynamic_cast<const LinearSaved*>(lease.saved.get());
+        args.grad_quantizer = m->scaling[kGrad].Quantizer();
+        args.compute_grad_input = !in.skip_grad_input;
+        args.weight_grad = m->Grad("weight");
+        args.bias_grad = m->Grad("bias");
+        if (!args.saved) return fail(absl::InternalError("context is not a Linear context"));
+        auto r = LinearBackward(args);
+        if (!r.ok()) return fail(r.status());
+        m->EndStep({{kGrad, r->grad_output_amax}});
+        grad_input = r->grad_input;
+        break;
+      }
+      case ModuleKind::kLayerNormLinear: {
+        LayerNormLinearBwdArgs args;
+        args.grad_output = dy;
+        args.grad_layernorm_output = d_ln;
+        args.saved = dynamic_cast<const LayerNormLinearSaved*>(lease.saved.get());
+        args.ln = m->Ln();
+        args.grad_quantizer = m->scaling[kGrad].Quantizer();
+        args.compute_grad_input = !in.skip_grad_input;
+        args.weight_grad = m->Grad("weight");
+        args.bias_grad = m->Grad("bias");
+        args.gamma_grad = m->Grad("layer_norm_weight");
+        args.beta_grad = m->Grad("layer_norm_bias");
+        if (!args.saved) return fail(absl::InternalError("context is not a LayerNormLinear one"));
+        auto r = LayerNormLinearBackward(args);
+        if (!r.ok()) return fail(r.status());
+        m->EndStep({{kGrad, r->grad_output_amax}});
+        grad_input = r->grad_input;
+        break;
+      }
+      case ModuleKind::kLayerNormMlp: {
+        LayerNormMlpBwdArgs args;
+        args.grad_output = dy;
+        args.grad_layernorm_output = d_ln;
+        args.saved = dynamic_cast<const LayerNormMlpSaved*>(lease.saved.get());
+        args.ln = m->Ln();
+        args.fc1_bias = m->Value("fc1_bias");
+        args.activation = m->spec.activation;
+        args.fc1_grad_quantizer = m->scaling[kFc1Grad].Quantizer();
+        args.fc2_grad_quantizer = m->scaling[kFc2Grad].Quantizer();
+        args.compute_grad_input = !in.skip_grad_input;
+        args.gamma_grad = m->Grad("layer_norm_weight");
+        args.beta_grad = m->Grad("layer_norm_bias");
+        args.fc1_weight_grad = m->Grad("fc1_weight");
+        args.fc1_bias_grad = m->Grad("fc1_bias");
+        args.fc2_weight_grad = m->Grad("fc2_weight");
+        args.fc2_bias_grad = m->Grad("fc2_bias");
+        if (!args.saved) return fail(absl::InternalError("context is not a LayerNormMLP one"));
+        auto r = LayerNormMlpBackward(args);
+        if (!r.ok()) return fail(r.status());
+        m->EndStep({{kFc1Grad, r->fc1_grad_amax}, {kFc2Grad, r->fc2_grad_amax}});
+        grad_input = r->grad_input;
+        break;
+      }
+    }
+    ++m->accumulated_backwards;
   }
+  if (grad_input.defined()) grad_input = grad_input.reshape(input_shape);
   // Free the saved tensors now, before the caller sends the reply.
-  saved = nullptr;
   lease.saved.reset();
-  contexts_.Finish(context_id, /*consumed=*/true, retain);
+  contexts_.Finish(context_id, /*consumed=*/true, in.retain);
   return grad_input;
 }
 
@@ -235,53 +542,83 @@ absl::Status ModuleHost::ReleaseContext(const std::string& context_id) {
   return contexts_.Release(context_id);
 }
 
-absl::StatusOr<uint64_t> ModuleHost::ApplySgd(const std::string& module_id, float learning_rate) {
-  if (!(learning_rate > 0.0f) || !std::isfinite(learning_rate)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sgd.learning_rate must be finite and > 0, got ", learning_rate));
-  }
+absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id,
+                                                    float learning_rate) {
+  if (learning_rate != 0.0f) GW_RETURN_IF_ERROR(CheckPositive("learning_rate", learning_rate));
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
-  m->weight.sub_(m->weight_grad, learning_rate);
-  m->weight_grad.zero_();
-  if (m->bias.defined()) {
-    m->bias.sub_(m->bias_grad, learning_rate);
-    m->bias_grad.zero_();
+  const float lr = learning_rate > 0.0f ? learning_rate : m->spec.optimizer.learning_rate();
+  ++m->optimizer_steps;
+  for (Module::Param& p : m->params) {
+    OptimizerStep(m->spec.optimizer, lr, m->optimizer_steps, p.value, p.grad, p.slots);
+    p.grad.zero_();
   }
+  m->accumulated_backwards = 0;
   return ++m->version;
 }
 
-absl::StatusOr<WeightsCopy> ModuleHost::GetWeights(const std::string& module_id) const {
+absl::StatusOr<ParametersCopy> ModuleHost::GetGradients(const std::string& module_id, bool zero) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
-  WeightsCopy out;
-  out.weight = m->weight.clone();
-  if (m->bias.defined()) out.bias = m->bias.clone();
+  ParametersCopy out;
+  for (Module::Param& p : m->params) {
+    out.tensors.emplace_back(p.name, p.grad.clone());
+    if (zero) p.grad.zero_();
+  }
+  out.weight_version = m->version;
+  out.accumulated_backwards = m->accumulated_backwards;
+  if (zero) m->accumulated_backwards = 0;
+  return out;
+}
+
+absl::StatusOr<ParametersCopy> ModuleHost::GetWeights(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  std::lock_guard<std::mutex> lock(m->mu);
+  ParametersCopy out;
+  for (const Module::Param& p : m->params) out.tensors.emplace_back(p.name, p.value.clone());
   out.weight_version = m->version;
   return out;
 }
 
 absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
-                                                const at::Tensor& weight, const at::Tensor& bias) {
+                                                const NamedTensors& params) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
-  const int64_t n = m->spec.out_features, k = m->spec.in_features;
-  GW_RETURN_IF_ERROR(CheckFloat32("weight", weight));
-  GW_RETURN_IF_ERROR(CheckShape("weight", weight, {n, k}));
-  at::Tensor w = weight.contiguous();
-  GW_RETURN_IF_ERROR(CheckFinite("weight", w));
-  at::Tensor b;
-  if (m->spec.bias) {
-    GW_RETURN_IF_ERROR(CheckFloat32("bias", bias));
-    GW_RETURN_IF_ERROR(CheckShape("bias", bias, {n}));
-    b = bias.contiguous();
-    GW_RETURN_IF_ERROR(CheckFinite("bias", b));
-  } else if (bias.defined()) {
-    return absl::InvalidArgumentError("bias must be unset: the module was created without bias");
+  if (params.empty()) return absl::InvalidArgumentError("parameters is empty: nothing to set");
+  std::vector<std::string> names;
+  for (const auto& p : m->params) names.push_back(p.name);
+  std::vector<std::pair<size_t, at::Tensor>> checked;
+  std::set<std::string> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, tensor] = params[i];
+    const std::string field = absl::StrCat("parameters[", i, "] (", name, ")");
+    size_t index = 0;
+    while (index < names.size() && names[index] != name) ++index;
+    if (index == names.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": not a parameter of this ",
+                                                     ModuleKindName(m->spec.kind), "; it has ",
+                                                     absl::StrJoin(names, ", ")));
+    }
+    if (!seen.insert(name).second) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": given twice"));
+    }
+    GW_RETURN_IF_ERROR(CheckExactShape(field.c_str(), tensor, m->params[index].value.sizes()));
+    at::Tensor t = tensor.contiguous();
+    GW_RETURN_IF_ERROR(CheckFinite(field, t));
+    checked.emplace_back(index, t);
   }
   std::lock_guard<std::mutex> lock(m->mu);
-  m->weight.copy_(w);
-  if (b.defined()) m->bias.copy_(b);
+  for (const auto& [index, t] : checked) m->params[index].value.copy_(t);
   return ++m->version;
+}
+
+absl::StatusOr<std::vector<RoleScaling>> ModuleHost::Scaling(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  std::lock_guard<std::mutex> lock(m->mu);
+  std::vector<RoleScaling> out;
+  for (size_t i = 0; i < m->scaling.size(); ++i) {
+    out.push_back({m->role_names[i], m->scaling[i].scale(), m->scaling[i].history()});
+  }
+  return out;
 }
 
 HostStats ModuleHost::Stats() const {

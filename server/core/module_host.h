@@ -1,52 +1,85 @@
-// The module host: owns the modules, their fp32 master weights and gradient buffers, the FP8
-// weight-workspace cache (outside the compute functions) and the saved-context store.
-// Transport-free; thread-safe.
+// The module host: owns the modules, their fp32 master weights, gradient buffers and optimizer
+// state, the FP8 weight-workspace cache (outside the compute functions), the FP8 scaling state of
+// every tensor role, and the saved-context store. Transport-free; thread-safe.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gradwire/kernels/activation.h"
 #include "server/core/context_store.h"
+#include "server/core/optimizer.h"
+#include "server/core/recipe.h"
 
 namespace gradwire::core {
 
-enum class ModuleKind { kLinear };
+enum class ModuleKind { kLinear, kLayerNormLinear, kLayerNormMlp };
+const char* ModuleKindName(ModuleKind kind);
 
 struct ModuleSpec {
   ModuleKind kind = ModuleKind::kLinear;
   int64_t in_features = 0;
   int64_t out_features = 0;
+  int64_t ffn_features = 0;  // LayerNormMLP: the activation's output width
   bool bias = true;
-  int margin = 0;     // FP8 scale headroom in powers of two (current scaling)
-  uint64_t seed = 0;  // deterministic initialisation
-  std::string name;   // free-form label
+  kernels::Activation activation = kernels::Activation::kGelu;  // LayerNormMLP
+  float layernorm_eps = 1e-5f;
+  bool zero_centered_gamma = false;
+  bool return_layernorm_output = false;
+  bool checkpoint = false;  // selective recompute
+  RecipeConfig recipe;
+  OptimizerConfig optimizer;
+  int64_t max_staleness = -1;  // < 0: a backward may come from any older weight version
+  uint64_t seed = 0;           // deterministic initialisation
+  std::string name;            // free-form label
 };
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct ModuleInfo {
   std::string module_id;
   ModuleSpec spec;
   uint64_t weight_version = 0;
   int64_t live_contexts = 0;
+  int64_t optimizer_steps = 0;
+  std::vector<std::string> parameter_names;
 };
 
 struct ForwardOutput {
-  at::Tensor output;       // float32 [..., out_features]
-  std::string context_id;  // empty for inference
+  at::Tensor output;            // float32 [..., out_features]
+  at::Tensor layernorm_output;  // float32 [..., in_features] with return_layernorm_output
+  std::string context_id;       // empty for inference
   uint64_t weight_version = 0;
 };
 
-struct WeightsCopy {
-  at::Tensor weight;  // float32 [out_features, in_features]
-  at::Tensor bias;    // float32 [out_features], undefined without bias
+struct BackwardInput {
+  at::Tensor grad_output;            // float32, the shape of that forward's output
+  at::Tensor grad_layernorm_output;  // optional, the shape of the forward's input
+  bool retain = false;
+  bool skip_grad_input = false;
+};
+
+struct ParametersCopy {
+  NamedTensors tensors;  // float32, in the module's parameter order
   uint64_t weight_version = 0;
+  int64_t accumulated_backwards = 0;  // gradients only
+};
+
+// One tensor role's FP8 scaling state, for inspection.
+struct RoleScaling {
+  std::string role;  // "input", "weight", "grad_output"; "fc1_input", ... for LayerNormMLP
+  float scale = 1.0f;
+  std::deque<float> history;  // most recent first
 };
 
 struct HostStats {
@@ -59,38 +92,41 @@ struct HostStats {
 
 class ModuleHost {
  public:
-  // Largest in/out feature count a module may have.
   static constexpr int64_t kMaxFeatures = 1 << 16;
+  static constexpr int64_t kMaxParameters = int64_t(1) << 28;  // 1 GiB of fp32 per module
 
   ModuleHost();
   ~ModuleHost();
 
-  // Validates `spec`, initialises weights from spec.seed: W and b uniform in
-  // [-1/sqrt(in), 1/sqrt(in)) (the usual Linear initialisation), gradients zero, version 1.
+  // Validates `spec` and initialises the parameters from spec.seed: weights and biases uniform in
+  // [-1/sqrt(fan_in), 1/sqrt(fan_in)), LayerNorm gamma 1 (0 when zero-centered) and beta 0.
   absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec);
   absl::StatusOr<ModuleInfo> Info(const std::string& module_id) const;
   std::vector<ModuleInfo> List() const;
   // Deletes the module and releases its contexts.
   absl::Status Delete(const std::string& module_id);
 
-  // input: float32 [..., in_features] on the host. Training stores the saved tensors under a new
-  // context id; inference creates nothing.
+  // input: float32 [..., in_features]. Training stores the saved tensors under a new context id;
+  // inference creates nothing.
   absl::StatusOr<ForwardOutput> Forward(const std::string& module_id, const at::Tensor& input,
                                         bool training);
-  // grad_output: float32, the shape of that forward's output. Accumulates dW (and db) into the
-  // module's gradient buffers; the context is freed before this returns unless `retain`.
-  // Returns grad_input [..., in_features], or an undefined tensor with skip_grad_input.
+  // Accumulates the parameter gradients into the module's buffers; the context is freed before
+  // this returns unless `retain`. Returns grad_input (undefined with skip_grad_input).
+  absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const BackwardInput& in);
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const at::Tensor& grad_output,
                                       bool retain, bool skip_grad_input);
   absl::Status ReleaseContext(const std::string& context_id);
 
-  // w -= lr * dW (and b), zero the gradients, bump the weight version; returns the new version.
-  absl::StatusOr<uint64_t> ApplySgd(const std::string& module_id, float learning_rate);
-  absl::StatusOr<WeightsCopy> GetWeights(const std::string& module_id) const;
-  // Replaces the weights (float32; bias iff the module has one); returns the new version.
-  absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const at::Tensor& weight,
-                                      const at::Tensor& bias);
+  // One optimizer step on the accumulated gradients, which are then zeroed; bumps the weight
+  // version and returns it. learning_rate > 0 overrides the configured rate.
+  absl::StatusOr<uint64_t> ApplyGradients(const std::string& module_id, float learning_rate = 0);
+  absl::StatusOr<ParametersCopy> GetGradients(const std::string& module_id, bool zero);
+  absl::StatusOr<ParametersCopy> GetWeights(const std::string& module_id) const;
+  // Replaces the named parameters (float32, exact shapes, finite); all are checked before any
+  // changes. Bumps the weight version and returns it.
+  absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const NamedTensors& params);
 
+  absl::StatusOr<std::vector<RoleScaling>> Scaling(const std::string& module_id) const;
   HostStats Stats() const;
   const ContextStore& contexts() const { return contexts_; }
 

@@ -22,12 +22,21 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
   if (usage.rowwise) out.rowwise = at::empty({out.rows, out.cols}, options);
   if (usage.columnwise) out.columnwise = at::empty({out.cols, out.rows}, options);
   const float* data = x.data_ptr<float>();
+  uint8_t* rowwise = usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr;
+  uint8_t* columnwise = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
+  if (config.scale > 0.0f) {  // delayed: the scale is given; amax comes out of the same pass
+    kernels::QuantizeFp8(data, out.rows, out.cols, config.scale, config.format, rowwise, columnwise,
+                         &out.amax);
+    out.scale = config.scale;
+    out.scale_inv = 1.0f / config.scale;
+    return out;
+  }
   out.amax = kernels::Amax(data, x.numel());
   const float scale = kernels::ComputeScale(out.amax, config.format, config.margin);
+  out.scale = scale;
   out.scale_inv = 1.0f / scale;
-  kernels::QuantizeFp8(data, out.rows, out.cols, scale, config.format,
-                       usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr,
-                       usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr, nullptr);
+  kernels::QuantizeFp8(data, out.rows, out.cols, scale, config.format, rowwise, columnwise,
+                       nullptr);
   return out;
 }
 

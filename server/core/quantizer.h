@@ -9,10 +9,13 @@
 
 namespace gradwire::core {
 
-// Per-tensor current scaling: the scale comes from the tensor's own amax.
+// How one cast chooses its scale.
 struct QuantizerConfig {
   kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
-  int margin = 0;  // headroom in powers of two
+  int margin = 0;  // headroom in powers of two (current scaling)
+  // > 0: cast with exactly this scale (delayed scaling: it came from the amax history).
+  // 0: current scaling, the scale comes from the tensor's own amax.
+  float scale = 0.0f;
 };
 
 // Which copies of the FP8 data a cast writes.
@@ -21,7 +24,8 @@ struct CastUsage {
   bool columnwise = false;
 };
 
-// Casts x (float32, 2-D, contiguous, CPU) to FP8 under `config`.
+// Casts x (float32, 2-D, contiguous, CPU) to FP8 under `config`. The result's amax is the amax of
+// x whatever the recipe, so delayed scaling can record it.
 absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
                                    CastUsage usage);
 

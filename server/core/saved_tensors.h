@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace gradwire::core {
 
@@ -10,6 +11,8 @@ class SavedTensors {
   virtual ~SavedTensors() = default;
   // Bytes of tensor memory this context owns (shared workspaces are not counted).
   virtual int64_t bytes() const = 0;
+
+  std::vector<int64_t> input_shape;  // the forward input as the client sent it: [..., K]
 };
 
 }  // namespace gradwire::core

@@ -19,48 +19,162 @@ absl::Status RequireId(absl::string_view field, const std::string& id) {
   return absl::OkStatus();
 }
 
+std::string EnumName(const std::string& name, int value) {
+  return name.empty() ? std::to_string(value) : name;
+}
+
 absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
   core::ModuleSpec spec;
   switch (p.kind()) {
     case v1::LINEAR:
       spec.kind = core::ModuleKind::kLinear;
       break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("spec.kind must be LINEAR, got ", v1::ModuleKind_Name(p.kind()).empty()
-                                                             ? std::to_string(int(p.kind()))
-                                                             : v1::ModuleKind_Name(p.kind())));
-  }
-  switch (p.recipe().scaling()) {
-    case v1::SCALING_RECIPE_UNSPECIFIED:
-    case v1::CURRENT:
+    case v1::LAYERNORM_LINEAR:
+      spec.kind = core::ModuleKind::kLayerNormLinear;
+      break;
+    case v1::LAYERNORM_MLP:
+      spec.kind = core::ModuleKind::kLayerNormMlp;
       break;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("spec.recipe.scaling must be CURRENT, got ", int(p.recipe().scaling())));
+          absl::StrCat("spec.kind must be LINEAR, LAYERNORM_LINEAR or LAYERNORM_MLP, got ",
+                       EnumName(v1::ModuleKind_Name(p.kind()), p.kind())));
+  }
+  switch (p.activation()) {
+    case v1::ACTIVATION_UNSPECIFIED:
+    case v1::GELU:
+      spec.activation = kernels::Activation::kGelu;
+      break;
+    case v1::RELU:
+      spec.activation = kernels::Activation::kRelu;
+      break;
+    case v1::SWIGLU:
+      spec.activation = kernels::Activation::kSwiglu;
+      break;
+    case v1::GEGLU:
+      spec.activation = kernels::Activation::kGeglu;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec.activation must be GELU, RELU, SWIGLU or GEGLU, got ", int(p.activation())));
+  }
+  const v1::Fp8Recipe& r = p.recipe();
+  switch (r.scaling()) {
+    case v1::SCALING_RECIPE_UNSPECIFIED:
+    case v1::CURRENT:
+      spec.recipe.mode = core::ScalingMode::kCurrent;
+      break;
+    case v1::DELAYED:
+      spec.recipe.mode = core::ScalingMode::kDelayed;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.recipe.scaling must be CURRENT or DELAYED, got ", int(r.scaling())));
+  }
+  switch (r.amax_compute_algo()) {
+    case v1::AMAX_COMPUTE_ALGO_UNSPECIFIED:
+    case v1::MAX:
+      spec.recipe.algo = core::AmaxAlgo::kMax;
+      break;
+    case v1::MOST_RECENT:
+      spec.recipe.algo = core::AmaxAlgo::kMostRecent;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.recipe.amax_compute_algo must be MAX or MOST_RECENT, got ",
+                       int(r.amax_compute_algo())));
+  }
+  spec.recipe.margin = r.margin();
+  spec.recipe.history_len = r.amax_history_len() == 0 ? 1024 : r.amax_history_len();
+  if (p.optimizer().has_adamw()) {
+    const v1::AdamWConfig& a = p.optimizer().adamw();
+    spec.optimizer.kind = core::OptimizerConfig::Kind::kAdamW;
+    spec.optimizer.adamw.learning_rate = a.learning_rate();
+    if (a.beta1() != 0) spec.optimizer.adamw.beta1 = a.beta1();
+    if (a.beta2() != 0) spec.optimizer.adamw.beta2 = a.beta2();
+    if (a.eps() != 0) spec.optimizer.adamw.eps = a.eps();
+    spec.optimizer.adamw.weight_decay = a.weight_decay();
+  } else if (p.optimizer().has_sgd()) {
+    const v1::SgdConfig& g = p.optimizer().sgd();
+    spec.optimizer.sgd.learning_rate = g.learning_rate();
+    spec.optimizer.sgd.momentum = g.momentum();
+    spec.optimizer.sgd.weight_decay = g.weight_decay();
+    spec.optimizer.sgd.nesterov = g.nesterov();
   }
   spec.in_features = p.in_features();
   spec.out_features = p.out_features();
+  spec.ffn_features = p.ffn_features();
   spec.bias = p.bias();
-  spec.margin = p.recipe().margin();
+  spec.layernorm_eps = p.layernorm_eps() == 0 ? 1e-5f : p.layernorm_eps();
+  spec.zero_centered_gamma = p.zero_centered_gamma();
+  spec.return_layernorm_output = p.return_layernorm_output();
+  spec.checkpoint = p.checkpoint();
+  spec.max_staleness = p.max_staleness() < 0 ? -1 : p.max_staleness();
   spec.seed = p.seed();
   spec.name = p.name();
   return spec;
 }
 
+v1::ModuleSpec SpecToProto(const core::ModuleSpec& s) {
+  v1::ModuleSpec p;
+  static constexpr v1::ModuleKind kKinds[] = {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP};
+  static constexpr v1::Activation kActivations[] = {v1::GELU, v1::RELU, v1::SWIGLU, v1::GEGLU};
+  p.set_kind(kKinds[int(s.kind)]);
+  p.set_in_features(s.in_features);
+  p.set_out_features(s.out_features);
+  p.set_bias(s.bias);
+  v1::Fp8Recipe* r = p.mutable_recipe();
+  r->set_scaling(s.recipe.mode == core::ScalingMode::kDelayed ? v1::DELAYED : v1::CURRENT);
+  r->set_margin(s.recipe.margin);
+  r->set_amax_history_len(int32_t(s.recipe.history_len));
+  r->set_amax_compute_algo(s.recipe.algo == core::AmaxAlgo::kMax ? v1::MAX : v1::MOST_RECENT);
+  p.set_seed(s.seed);
+  p.set_name(s.name);
+  if (s.kind == core::ModuleKind::kLayerNormMlp) {
+    p.set_ffn_features(s.ffn_features);
+    p.set_activation(kActivations[int(s.activation)]);
+  }
+  if (s.kind != core::ModuleKind::kLinear) {
+    p.set_layernorm_eps(s.layernorm_eps);
+    p.set_zero_centered_gamma(s.zero_centered_gamma);
+    p.set_return_layernorm_output(s.return_layernorm_output);
+    p.set_checkpoint(s.checkpoint);
+  }
+  if (s.optimizer.kind == core::OptimizerConfig::Kind::kAdamW) {
+    v1::AdamWConfig* a = p.mutable_optimizer()->mutable_adamw();
+    a->set_learning_rate(s.optimizer.adamw.learning_rate);
+    a->set_beta1(s.optimizer.adamw.beta1);
+    a->set_beta2(s.optimizer.adamw.beta2);
+    a->set_eps(s.optimizer.adamw.eps);
+    a->set_weight_decay(s.optimizer.adamw.weight_decay);
+  } else {
+    v1::SgdConfig* g = p.mutable_optimizer()->mutable_sgd();
+    g->set_learning_rate(s.optimizer.sgd.learning_rate);
+    g->set_momentum(s.optimizer.sgd.momentum);
+    g->set_weight_decay(s.optimizer.sgd.weight_decay);
+    g->set_nesterov(s.optimizer.sgd.nesterov);
+  }
+  p.set_max_staleness(s.max_staleness);
+  return p;
+}
+
 void InfoToProto(const core::ModuleInfo& info, v1::ModuleInfo* out) {
   out->set_module_id(info.module_id);
-  v1::ModuleSpec* spec = out->mutable_spec();
-  spec->set_kind(v1::LINEAR);
-  spec->set_in_features(info.spec.in_features);
-  spec->set_out_features(info.spec.out_features);
-  spec->set_bias(info.spec.bias);
-  spec->mutable_recipe()->set_scaling(v1::CURRENT);
-  spec->mutable_recipe()->set_margin(info.spec.margin);
-  spec->set_seed(info.spec.seed);
-  spec->set_name(info.spec.name);
+  *out->mutable_spec() = SpecToProto(info.spec);
   out->set_weight_version(info.weight_version);
   out->set_live_contexts(info.live_contexts);
+  out->set_optimizer_steps(info.optimizer_steps);
+  for (const std::string& name : info.parameter_names) out->add_parameter_names(name);
+}
+
+absl::Status EncodeNamed(const core::NamedTensors& tensors, v1::DType dtype,
+                         google::protobuf::RepeatedPtrField<v1::NamedTensor>* out) {
+  for (const auto& [name, tensor] : tensors) {
+    v1::NamedTensor* named = out->Add();
+    named->set_name(name);
+    GW_RETURN_IF_ERROR(EncodeTensor(tensor, dtype, "dtype", named->mutable_tensor()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -110,6 +224,8 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_device(options_.device);
   resp->set_device_name(options_.device_name);
   resp->add_module_kinds(v1::LINEAR);
+  resp->add_module_kinds(v1::LAYERNORM_LINEAR);
+  resp->add_module_kinds(v1::LAYERNORM_MLP);
   resp->set_modules(stats.modules);
   resp->set_live_contexts(stats.live_contexts);
   resp->set_context_bytes(stats.context_bytes);
@@ -136,7 +252,9 @@ grpc::ServerUnaryReactor* GradwireService::ListModules(grpc::CallbackServerConte
                                                        const v1::ListModulesRequest*,
                                                        v1::ListModulesResponse* resp) {
   return RunOnDevice(ctx, "ListModules", [this, resp]() -> absl::Status {
-    for (const core::ModuleInfo& info : host_.List()) InfoToProto(info, resp->add_modules());
+    for (const core::ModuleInfo& info : host_.List()) {
+      InfoToProto(info, resp->add_modules());
+    }
     return absl::OkStatus();
   });
 }
@@ -164,6 +282,10 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
                         host_.Forward(req->module_id(), input, req->training()));
     GW_RETURN_IF_ERROR(
         EncodeTensor(out.output, req->output_dtype(), "output_dtype", resp->mutable_output()));
+    if (out.layernorm_output.defined()) {
+      GW_RETURN_IF_ERROR(EncodeTensor(out.layernorm_output, req->output_dtype(), "output_dtype",
+                                      resp->mutable_layernorm_output()));
+    }
     resp->set_context_id(out.context_id);
     resp->set_weight_version(out.weight_version);
     return absl::OkStatus();
@@ -203,12 +325,25 @@ grpc::ServerUnaryReactor* GradwireService::ApplyGradients(grpc::CallbackServerCo
                                                           v1::ApplyGradientsResponse* resp) {
   return RunOnDevice(ctx, "ApplyGradients", [this, req, resp]() -> absl::Status {
     GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    if (!req->has_sgd()) {
-      return absl::InvalidArgumentError("optimizer is required (sgd is the one supported)");
-    }
     GW_ASSIGN_OR_RETURN(uint64_t version,
-                        host_.ApplySgd(req->module_id(), req->sgd().learning_rate()));
+                        host_.ApplyGradients(req->module_id(), req->learning_rate()));
     resp->set_weight_version(version);
+    GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Info(req->module_id()));
+    resp->set_optimizer_steps(info.optimizer_steps);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* GradwireService::GetGradients(grpc::CallbackServerContext* ctx,
+                                                        const v1::GetGradientsRequest* req,
+                                                        v1::GetGradientsResponse* resp) {
+  return RunOnDevice(ctx, "GetGradients", [this, req, resp]() -> absl::Status {
+    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+    GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
+    GW_ASSIGN_OR_RETURN(core::ParametersCopy g, host_.GetGradients(req->module_id(), req->zero()));
+    GW_RETURN_IF_ERROR(EncodeNamed(g.tensors, req->dtype(), resp->mutable_gradients()));
+    resp->set_weight_version(g.weight_version);
+    resp->set_accumulated_backwards(g.accumulated_backwards);
     return absl::OkStatus();
   });
 }
@@ -219,11 +354,8 @@ grpc::ServerUnaryReactor* GradwireService::GetWeights(grpc::CallbackServerContex
   return RunOnDevice(ctx, "GetWeights", [this, req, resp]() -> absl::Status {
     GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
     GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
-    GW_ASSIGN_OR_RETURN(core::WeightsCopy w, host_.GetWeights(req->module_id()));
-    GW_RETURN_IF_ERROR(EncodeTensor(w.weight, req->dtype(), "dtype", resp->mutable_weight()));
-    if (w.bias.defined()) {
-      GW_RETURN_IF_ERROR(EncodeTensor(w.bias, req->dtype(), "dtype", resp->mutable_bias()));
-    }
+    GW_ASSIGN_OR_RETURN(core::ParametersCopy w, host_.GetWeights(req->module_id()));
+    GW_RETURN_IF_ERROR(EncodeNamed(w.tensors, req->dtype(), resp->mutable_parameters()));
     resp->set_weight_version(w.weight_version);
     return absl::OkStatus();
   });
@@ -234,13 +366,14 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
                                                       v1::SetWeightsResponse* resp) {
   return RunOnDevice(ctx, "SetWeights", [this, req, resp]() -> absl::Status {
     GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    if (!req->has_weight()) return absl::InvalidArgumentError("weight is required");
-    GW_ASSIGN_OR_RETURN(at::Tensor weight, DecodeTensor(req->weight(), "weight"));
-    at::Tensor bias;
-    if (req->has_bias()) {
-      GW_ASSIGN_OR_RETURN(bias, DecodeTensor(req->bias(), "bias"));
+    core::NamedTensors params;
+    for (int i = 0; i < req->parameters_size(); ++i) {
+      const v1::NamedTensor& named = req->parameters(i);
+      GW_ASSIGN_OR_RETURN(at::Tensor t,
+                          DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
+      params.emplace_back(named.name(), t);
     }
-    GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), weight, bias));
+    GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), params));
     resp->set_weight_version(version);
     return absl::OkStatus();
   });

@@ -45,6 +45,9 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   grpc::ServerUnaryReactor* ApplyGradients(grpc::CallbackServerContext* ctx,
                                            const v1::ApplyGradientsRequest* req,
                                            v1::ApplyGradientsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetGradients(grpc::CallbackServerContext* ctx,
+                                         const v1::GetGradientsRequest* req,
+                                         v1::GetGradientsResponse* resp) override;
   grpc::ServerUnaryReactor* GetWeights(grpc::CallbackServerContext* ctx,
                                        const v1::GetWeightsRequest* req,
                                        v1::GetWeightsResponse* resp) override;

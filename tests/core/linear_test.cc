@@ -136,7 +136,7 @@ TEST_P(LinearTest, BackwardMatchesFloat64References) {
 TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
   const LinearFwdResult inference = Forward(false);
   EXPECT_FALSE(inference.saved);
-  EXPECT_FALSE(inference.workspace->weight.has_columnwise());
+  EXPECT_FALSE(inference.workspace->weights[0].has_columnwise());
   const LinearFwdResult training = Forward(true);
   ASSERT_TRUE(training.saved);
   const LinearSaved& saved = *training.saved;
@@ -145,7 +145,7 @@ TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
   EXPECT_EQ(saved.input.columnwise.sizes(), (at::IntArrayRef{k_, m_}));
   EXPECT_EQ(saved.bytes(), m_ * k_);  // one byte per input element, nothing twice
   EXPECT_EQ(saved.workspace, training.workspace);
-  EXPECT_TRUE(training.workspace->weight.has_columnwise());
+  EXPECT_TRUE(training.workspace->weights[0].has_columnwise());
 }
 
 TEST_P(LinearTest, SkippingGradInputStillAccumulatesWeightGradient) {
@@ -178,15 +178,16 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(WorkspaceTest, UsableOnlyForItsVersionAndTrainingNeedsColumnwise) {
-  auto ws = std::make_shared<LinearWorkspace>();
+  auto ws = std::make_shared<WeightWorkspace>();
   ws->weight_version = 3;
-  ws->weight.rows = ws->weight.cols = 2;
-  ws->weight.rowwise = at::zeros({2, 2}, at::kByte);
+  ws->weights.resize(1);
+  ws->weights[0].rows = ws->weights[0].cols = 2;
+  ws->weights[0].rowwise = at::zeros({2, 2}, at::kByte);
   EXPECT_TRUE(WorkspaceUsable(ws, 3, /*training=*/false));
   EXPECT_FALSE(WorkspaceUsable(ws, 3, /*training=*/true));
   EXPECT_FALSE(WorkspaceUsable(ws, 4, false));
   EXPECT_FALSE(WorkspaceUsable(nullptr, 3, false));
-  ws->weight.columnwise = at::zeros({2, 2}, at::kByte);
+  ws->weights[0].columnwise = at::zeros({2, 2}, at::kByte);
   EXPECT_TRUE(WorkspaceUsable(ws, 3, true));
   EXPECT_TRUE(WorkspaceUsable(ws, 3, false));
 }

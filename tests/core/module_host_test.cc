@@ -11,6 +11,14 @@ namespace {
 
 using gradwire::testing::RandN;
 
+at::Tensor Get(const ParametersCopy& p, const std::string& name) {
+  for (const auto& [n, t] : p.tensors) {
+    if (n == name) return t;
+  }
+  ADD_FAILURE() << "no parameter " << name;
+  return at::Tensor();
+}
+
 class ModuleHostTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -51,10 +59,10 @@ TEST_F(ModuleHostTest, WorkspaceHitOnSameVersion) {
 
 TEST_F(ModuleHostTest, WorkspaceMissAfterVersionBump) {
   Fwd(false);
-  ASSERT_TRUE(host_.ApplySgd(id_, 0.1f).ok());
+  ASSERT_TRUE(host_.ApplyGradients(id_, 0.1f).ok());
   Fwd(false);
   EXPECT_EQ(host_.Stats().workspace_builds, 2);
-  ASSERT_TRUE(host_.SetWeights(id_, RandN({10, 24}), RandN({10})).ok());
+  ASSERT_TRUE(host_.SetWeights(id_, {{"weight", RandN({10, 24})}, {"bias", RandN({10})}}).ok());
   Fwd(false);
   EXPECT_EQ(host_.Stats().workspace_builds, 3);
   EXPECT_EQ(host_.Stats().workspace_hits, 0);
@@ -64,7 +72,7 @@ TEST_F(ModuleHostTest, InferenceWorkspaceIsAMissForTraining) {
   Fwd(false);  // builds rowwise only
   const ForwardOutput t = Fwd(true);
   EXPECT_EQ(host_.Stats().workspace_builds, 2);
-  EXPECT_TRUE(SavedWorkspace(t.context_id)->weight.has_columnwise());
+  EXPECT_TRUE(SavedWorkspace(t.context_id)->has_columnwise());
   Fwd(false);  // the training workspace serves inference too
   EXPECT_EQ(host_.Stats().workspace_builds, 2);
   EXPECT_EQ(host_.Stats().workspace_hits, 1);
@@ -81,8 +89,8 @@ TEST_F(ModuleHostTest, MicrobatchesQuantizeTheWeightsOncePerVersion) {
 
 TEST_F(ModuleHostTest, ContextKeepsItsVersionsWorkspaceUntilBackward) {
   const ForwardOutput old_fwd = Fwd(true);
-  std::weak_ptr<const LinearWorkspace> v1 = SavedWorkspace(old_fwd.context_id);
-  ASSERT_TRUE(host_.ApplySgd(id_, 0.5f).ok());
+  std::weak_ptr<const WeightWorkspace> v1 = SavedWorkspace(old_fwd.context_id);
+  ASSERT_TRUE(host_.ApplyGradients(id_, 0.5f).ok());
   const ForwardOutput new_fwd = Fwd(true);
   EXPECT_EQ(new_fwd.weight_version, 2u);
   ASSERT_FALSE(v1.expired());  // only the old context holds it now
@@ -147,9 +155,9 @@ TEST_F(ModuleHostTest, FailedBackwardLeavesTheContextAndGradientsAsTheyWere) {
       << bad.status();
   EXPECT_EQ(host_.Stats().live_contexts, 1);
   // Gradients untouched: an SGD step now leaves the weights as they are.
-  const WeightsCopy before = *host_.GetWeights(id_);
-  ASSERT_TRUE(host_.ApplySgd(id_, 1.0f).ok());
-  EXPECT_TRUE(at::equal(host_.GetWeights(id_)->weight, before.weight));
+  const ParametersCopy before = *host_.GetWeights(id_);
+  ASSERT_TRUE(host_.ApplyGradients(id_, 1.0f).ok());
+  EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"), Get(before, "weight")));
   EXPECT_TRUE(host_.Backward(out.context_id, RandN({5, 10}), false, false).ok());
 }
 
@@ -169,25 +177,25 @@ TEST_F(ModuleHostTest, ReleaseAndDeleteFreeContexts) {
 }
 
 TEST_F(ModuleHostTest, SgdAppliesAccumulatedGradientsAndZeroesThem) {
-  const WeightsCopy w0 = *host_.GetWeights(id_);
+  const ParametersCopy w0 = *host_.GetWeights(id_);
   const at::Tensor x = RandN({5, 24}), dy = RandN({5, 10});
   for (int micro = 0; micro < 2; ++micro) {
     auto out = host_.Forward(id_, x, true);
     ASSERT_TRUE(host_.Backward(out->context_id, dy, false, true).ok());
   }
-  auto version = host_.ApplySgd(id_, 0.25f);
+  auto version = host_.ApplyGradients(id_, 0.25f);
   ASSERT_TRUE(version.ok());
   EXPECT_EQ(*version, 2u);
-  const WeightsCopy w1 = *host_.GetWeights(id_);
+  const ParametersCopy w1 = *host_.GetWeights(id_);
   // Two identical microbatches: the bias moved by 2 * lr * sum(dy) exactly as fp32 computes it.
-  const at::Tensor expected_bias = w0.bias - 0.25f * (dy.sum(0) + dy.sum(0));
-  EXPECT_TRUE(at::allclose(w1.bias, expected_bias, 1e-5, 1e-6));
-  const at::Tensor dw = (w0.weight - w1.weight) / 0.25;
+  const at::Tensor expected_bias = Get(w0, "bias") - 0.25f * (dy.sum(0) + dy.sum(0));
+  EXPECT_TRUE(at::allclose(Get(w1, "bias"), expected_bias, 1e-5, 1e-6));
+  const at::Tensor dw = (Get(w0, "weight") - Get(w1, "weight")) / 0.25;
   EXPECT_TRUE(gradwire::testing::AllCloseToSum(dw, 2 * at::matmul(dy.t(), x),
                                                2 * at::matmul(dy.abs().t(), x.abs()), 0.25, 0.125));
   // Gradients were zeroed: another step changes nothing.
-  ASSERT_TRUE(host_.ApplySgd(id_, 0.25f).ok());
-  EXPECT_TRUE(at::equal(host_.GetWeights(id_)->weight, w1.weight));
+  ASSERT_TRUE(host_.ApplyGradients(id_, 0.25f).ok());
+  EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"), Get(w1, "weight")));
 }
 
 TEST_F(ModuleHostTest, SameSeedGivesSameWeights) {
@@ -197,9 +205,10 @@ TEST_F(ModuleHostTest, SameSeedGivesSameWeights) {
   spec.seed = 42;
   auto other = host_.Create(spec);
   ASSERT_TRUE(other.ok());
-  EXPECT_TRUE(at::equal(host_.GetWeights(id_)->weight, host_.GetWeights(other->module_id)->weight));
+  EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"),
+                        Get(*host_.GetWeights(other->module_id), "weight")));
   const float bound = 1.0f / std::sqrt(24.0f);
-  EXPECT_LE(host_.GetWeights(id_)->weight.abs().max().item<float>(), bound);
+  EXPECT_LE(Get(*host_.GetWeights(id_), "weight").abs().max().item<float>(), bound);
 }
 
 TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
@@ -211,16 +220,25 @@ TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(host_.Forward("missing", RandN({5, 24}), true).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(host_.ApplySgd(id_, -1.0f).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host_.ApplyGradients(id_, -1.0f).status().code(), absl::StatusCode::kInvalidArgument);
   at::Tensor nan_weight = RandN({10, 24});
   nan_weight[3][4] = NAN;
-  const WeightsCopy before = *host_.GetWeights(id_);
-  auto set = host_.SetWeights(id_, nan_weight, RandN({10}));
+  const ParametersCopy before = *host_.GetWeights(id_);
+  auto set = host_.SetWeights(
+      id_, {{"weight", RandN({10, 24})}, {"bias", RandN({10})}, {"weight", nan_weight}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(host_.SetWeights(id_, RandN({10, 24}), at::Tensor()).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  const WeightsCopy after = *host_.GetWeights(id_);
-  EXPECT_TRUE(at::equal(before.weight, after.weight));
+  EXPECT_NE(set.status().message().find("given twice"), std::string::npos) << set.status();
+  set = host_.SetWeights(id_, {{"bias", RandN({10})}, {"weight", nan_weight}});
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(set.status().message().find("must be finite"), std::string::npos) << set.status();
+  set = host_.SetWeights(id_, {{"bias", RandN({10})}, {"fc1_weight", RandN({10, 24})}});
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(set.status().message().find("not a parameter"), std::string::npos) << set.status();
+  set = host_.SetWeights(id_, {{"bias", RandN({11})}});
+  EXPECT_NE(set.status().message().find("shape must be [10]"), std::string::npos) << set.status();
+  const ParametersCopy after = *host_.GetWeights(id_);
+  EXPECT_TRUE(at::equal(Get(before, "weight"), Get(after, "weight")) &&
+              at::equal(Get(before, "bias"), Get(after, "bias")));
   EXPECT_EQ(after.weight_version, 1u);
   EXPECT_EQ(host_.Stats().modules, 1);
   EXPECT_EQ(host_.Stats().live_contexts, 0);

@@ -107,8 +107,9 @@ TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->device(), "cpu");
   EXPECT_EQ(info->modules(), 1);
-  ASSERT_EQ(info->module_kinds_size(), 1);
+  ASSERT_EQ(info->module_kinds_size(), 3);
   EXPECT_EQ(info->module_kinds(0), v1::LINEAR);
+  EXPECT_EQ(info->module_kinds(2), v1::LAYERNORM_MLP);
 }
 
 TEST_F(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
@@ -139,16 +140,19 @@ TEST_F(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
   ASSERT_TRUE(local_dx.ok());
   EXPECT_TRUE(at::equal(ToAt(*remote_dx), *local_dx));
 
-  auto version = client_->ApplySgd(module_, 0.1f);
+  auto version = client_->ApplyGradients(module_, 0.1f);
   ASSERT_TRUE(version.ok());
   EXPECT_EQ(*version, 2u);
-  ASSERT_TRUE(local.ApplySgd(local_id, 0.1f).ok());
+  ASSERT_TRUE(local.ApplyGradients(local_id, 0.1f).ok());
   auto weights = client_->GetWeights(module_);
   ASSERT_TRUE(weights.ok());
   EXPECT_EQ(weights->weight_version, 2u);
-  EXPECT_TRUE(at::equal(ToAt(weights->weight), local.GetWeights(local_id)->weight));
-  ASSERT_TRUE(weights->bias.has_value());
-  EXPECT_TRUE(at::equal(ToAt(*weights->bias), local.GetWeights(local_id)->bias));
+  const core::ParametersCopy local_weights = *local.GetWeights(local_id);
+  ASSERT_EQ(weights->tensors.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(weights->tensors[i].first, local_weights.tensors[i].first);
+    EXPECT_TRUE(at::equal(ToAt(weights->tensors[i].second), local_weights.tensors[i].second));
+  }
 }
 
 TEST_F(ServiceTest, InferenceForwardCreatesNoContext) {
@@ -170,13 +174,20 @@ TEST_F(ServiceTest, LeadingDimensionsArePreserved) {
 
 TEST_F(ServiceTest, SetWeightsThenGetWeightsRoundTripsAndBumpsVersion) {
   const HostTensor w = Random({6, 12}), b = Random({6});
-  auto version = client_->SetWeights(module_, w, b);
+  auto version = client_->SetWeights(module_, {{"weight", w}, {"bias", b}});
   ASSERT_TRUE(version.ok()) << version.status();
   EXPECT_EQ(*version, 2u);
   auto got = client_->GetWeights(module_);
   ASSERT_TRUE(got.ok());
-  EXPECT_EQ(got->weight.data, w.data);
-  EXPECT_EQ(got->bias->data, b.data);
+  EXPECT_EQ(got->Find("weight")->data, w.data);
+  EXPECT_EQ(got->Find("bias")->data, b.data);
+  // A subset: only the bias.
+  const HostTensor b2 = Random({6});
+  ASSERT_TRUE(client_->SetWeights(module_, {{"bias", b2}}).ok());
+  got = client_->GetWeights(module_);
+  EXPECT_EQ(got->Find("weight")->data, w.data);
+  EXPECT_EQ(got->Find("bias")->data, b2.data);
+  EXPECT_EQ(got->weight_version, 3u);
 }
 
 TEST_F(ServiceTest, SixteenBitWireDtypesStayCloseToF32) {
@@ -313,7 +324,8 @@ TEST_F(ServiceTest, BadForwardsGetClearErrorsAndChangeNothing) {
     EXPECT_EQ(after.workspace_builds + after.workspace_hits,
               before.workspace_builds + before.workspace_hits);
   }
-  EXPECT_EQ(client_->GetWeights(module_)->weight.data, weights_before->weight.data);
+  EXPECT_EQ(client_->GetWeights(module_)->Find("weight")->data,
+            weights_before->Find("weight")->data);
   ExpectServes();
 }
 
@@ -375,18 +387,23 @@ TEST_F(ServiceTest, BadModuleAndOptimizerRequests) {
   EXPECT_EQ(client_->CreateModule(spec).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(host_.Stats().modules, 1);
 
-  auto sgd = client_->ApplySgd(module_, 0.0f);
+  auto sgd = client_->ApplyGradients(module_, 0.0f);
+  EXPECT_EQ(sgd.status().code(), absl::StatusCode::kOk);  // 0 keeps the configured rate
+  sgd = client_->ApplyGradients(module_, -1.0f);
   EXPECT_EQ(sgd.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(sgd.status().message().find("sgd.learning_rate"), std::string::npos);
-  EXPECT_EQ(client_->ApplySgd("nope", 0.1f).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(sgd.status().message().find("learning_rate"), std::string::npos);
+  EXPECT_EQ(client_->ApplyGradients("nope", 0.1f).status().code(), absl::StatusCode::kNotFound);
 
-  auto set = client_->SetWeights(module_, Random({12, 6}), Random({6}));
+  auto set = client_->SetWeights(module_, {{"weight", Random({12, 6})}, {"bias", Random({6})}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(set.status().message().find("weight.shape must be [6, 12]"), std::string::npos);
-  set = client_->SetWeights(module_, Random({6, 12}), std::nullopt);
+  EXPECT_NE(set.status().message().find("(weight).shape must be [6, 12]"), std::string::npos)
+      << set.status();
+  set = client_->SetWeights(module_, {{"gamma", Random({6})}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(set.status().message().find("bias is required"), std::string::npos);
-  EXPECT_EQ(client_->GetWeights(module_)->weight_version, 1u);
+  EXPECT_NE(set.status().message().find("not a parameter"), std::string::npos);
+  set = client_->SetWeights(module_, {});
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->GetWeights(module_)->weight_version, 2u);  // only the valid apply
   ExpectServes();
 }
 

@@ -43,17 +43,22 @@ struct ForwardResult {
   HostTensor output;
   std::string context_id;  // empty for inference
   uint64_t weight_version = 0;
+  std::optional<HostTensor> layernorm_output;  // modules with return_layernorm_output
 };
 
 struct BackwardOptions {
-  bool retain = false;           // keep the context for another backward
-  bool skip_grad_input = false;  // first layer: no grad_input needed
+  bool retain = false;                              // keep the context for another backward
+  bool skip_grad_input = false;                     // first layer: no grad_input needed
+  std::optional<HostTensor> grad_layernorm_output;  // with return_layernorm_output
 };
 
-struct Weights {
-  HostTensor weight;
-  std::optional<HostTensor> bias;
+// Parameters (or their gradients) by name, in the module's order.
+struct NamedTensors {
+  std::vector<std::pair<std::string, HostTensor>> tensors;
   uint64_t weight_version = 0;
+  int64_t accumulated_backwards = 0;  // gradients only
+  // nullptr when there is no such parameter.
+  const HostTensor* Find(const std::string& name) const;
 };
 
 class Client {
@@ -78,11 +83,16 @@ class Client {
                                       BackwardOptions options = {});
   absl::Status ReleaseContext(const std::string& context_id);
 
-  // Applies the accumulated gradients with SGD; returns the new weight version.
-  absl::StatusOr<uint64_t> ApplySgd(const std::string& module_id, float learning_rate);
-  absl::StatusOr<Weights> GetWeights(const std::string& module_id);
-  absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const HostTensor& weight,
-                                      const std::optional<HostTensor>& bias);
+  // Applies the accumulated gradients with the module's optimizer (learning_rate > 0 overrides
+  // its rate for this step); returns the new weight version.
+  absl::StatusOr<uint64_t> ApplyGradients(const std::string& module_id, float learning_rate = 0.0f);
+  // The accumulated gradients; zero=true also clears them on the server.
+  absl::StatusOr<NamedTensors> GetGradients(const std::string& module_id, bool zero = false);
+  absl::StatusOr<NamedTensors> GetWeights(const std::string& module_id);
+  // Replaces the named parameters (any subset); returns the new weight version.
+  absl::StatusOr<uint64_t> SetWeights(
+      const std::string& module_id,
+      const std::vector<std::pair<std::string, HostTensor>>& parameters);
 
   // The raw stub, for calls the wrapper does not cover.
   v1::Gradwire::Stub& stub() { return *stub_; }

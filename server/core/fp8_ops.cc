@@ -1,0 +1,108 @@
+#include "server/core/fp8_ops.h"
+
+#include <ATen/ATen.h>
+
+#include "gradwire/kernels/gemm.h"
+#include "gradwire/kernels/quantize.h"
+#include "server/core/status_macros.h"
+
+namespace gradwire::core {
+namespace {
+
+kernels::Fp8Operand Operand(const at::Tensor& codes, const Fp8Tensor& t, bool transposed) {
+  return kernels::Fp8Operand{codes.data_ptr<uint8_t>(), t.format, t.scale_inv, transposed};
+}
+
+at::Tensor EmptyFloat(int64_t rows, int64_t cols) {
+  return at::empty({rows, cols}, at::TensorOptions().dtype(at::kFloat));
+}
+
+}  // namespace
+
+bool WeightWorkspace::has_columnwise() const {
+  for (const Fp8Tensor& w : weights) {
+    if (!w.has_columnwise()) return false;
+  }
+  return true;
+}
+
+int64_t WeightWorkspace::bytes() const {
+  int64_t total = 0;
+  for (const Fp8Tensor& w : weights) total += w.bytes();
+  return total;
+}
+
+bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool training) {
+  return ws && ws->weight_version == weight_version && !ws->weights.empty() &&
+         (!training || ws->has_columnwise());
+}
+
+absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(
+    const WorkspacePtr& cached, uint64_t weight_version, bool training,
+    const std::vector<at::Tensor>& weights, const std::vector<QuantizerConfig>& quantizers) {
+  if (WorkspaceUsable(cached, weight_version, training) &&
+      cached->weights.size() == weights.size()) {
+    return WorkspaceResult{cached, false};
+  }
+  if (weights.size() != quantizers.size()) {
+    return absl::InternalError("GetOrBuildWorkspace: one quantizer per weight");
+  }
+  auto ws = std::make_shared<WeightWorkspace>();
+  ws->weight_version = weight_version;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    GW_ASSIGN_OR_RETURN(Fp8Tensor w, Quantize(weights[i], quantizers[i], {true, training}));
+    ws->weights.push_back(std::move(w));
+  }
+  return WorkspaceResult{std::move(ws), true};
+}
+
+at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) {
+  at::Tensor y = EmptyFloat(x.rows, w.rows);
+  kernels::Fp8GemmArgs gemm;
+  gemm.a = Operand(x.rowwise, x, /*transposed=*/false);
+  gemm.b = Operand(w.rowwise, w, /*transposed=*/true);
+  gemm.m = x.rows;
+  gemm.n = w.rows;
+  gemm.k = x.cols;
+  gemm.c = y.data_ptr<float>();
+  gemm.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  kernels::Fp8Gemm(gemm);
+  return y;
+}
+
+at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) {
+  at::Tensor dx = EmptyFloat(dy.rows, w.cols);
+  kernels::Fp8GemmArgs gemm;
+  gemm.a = Operand(dy.rowwise, dy, false);
+  gemm.b = Operand(w.columnwise, w, true);  // W^T stored [K, N]: contiguous along N
+  gemm.m = dy.rows;
+  gemm.n = w.cols;
+  gemm.k = dy.cols;
+  gemm.c = dx.data_ptr<float>();
+  kernels::Fp8Gemm(gemm);
+  return dx;
+}
+
+void Fp8WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) {
+  kernels::Fp8GemmArgs gemm;
+  gemm.a = Operand(dy.columnwise, dy, false);  // dY^T stored [N, M]
+  gemm.b = Operand(x.columnwise, x, true);     // X^T stored [K, M]
+  gemm.m = dy.cols;
+  gemm.n = x.cols;
+  gemm.k = dy.rows;
+  gemm.c = acc.data_ptr<float>();
+  gemm.accumulate = true;
+  kernels::Fp8Gemm(gemm);
+}
+
+void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) {
+  const int64_t rows = g.size(0), cols = g.size(1);
+  std::vector<float> sums(static_cast<size_t>(cols));
+  kernels::ColumnSums(g.data_ptr<float>(), rows, cols, sums.data());
+  float* out = acc.data_ptr<float>();
+  for (int64_t c = 0; c < cols; ++c) out[c] += sums[size_t(c)];
+}
+
+at::Tensor As2D(const at::Tensor& t) { return t.contiguous().reshape({-1, t.size(-1)}); }
+
+}  // namespace gradwire::core

@@ -1,0 +1,99 @@
+#include "server/core/layernorm_linear.h"
+
+#include <ATen/ATen.h>
+
+#include "gradwire/kernels/layernorm.h"
+#include "server/core/status_macros.h"
+
+namespace gradwire::core {
+
+LayerNormOut RunLayerNorm(const at::Tensor& x, const LayerNormParams& ln) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  LayerNormOut out{at::empty({m, k}, f32), at::empty({m}, f32), at::empty({m}, f32)};
+  kernels::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
+                            ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma,
+                            out.y.data_ptr<float>(), out.mu.data_ptr<float>(),
+                            out.rstd.data_ptr<float>());
+  return out;
+}
+
+at::Tensor RunLayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+                                const at::Tensor& rstd, const LayerNormParams& ln,
+                                at::Tensor& gamma_grad, at::Tensor& beta_grad) {
+  at::Tensor dx = at::empty_like(x);
+  kernels::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
+                             rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0),
+                             x.size(1), ln.zero_centered_gamma, dx.data_ptr<float>(),
+                             gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>());
+  return dx;
+}
+
+int64_t LayerNormLinearSaved::bytes() const {
+  return input.numel() * 4 + mu.numel() * 4 + rstd.numel() * 4 + ln_out.bytes();
+}
+
+absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
+    const LayerNormLinearFwdArgs& args) {
+  LayerNormLinearFwdResult result;
+  GW_ASSIGN_OR_RETURN(WorkspaceResult ws,
+                      GetOrBuildWorkspace(args.workspace, args.weight_version, args.training,
+                                          {args.weight}, {args.weight_quantizer}));
+  result.workspace = std::move(ws.workspace);
+  result.workspace_built = ws.built;
+  LayerNormOut ln = RunLayerNorm(args.input, args.ln);
+  const bool keep_columnwise = args.training && !args.checkpoint;
+  GW_ASSIGN_OR_RETURN(Fp8Tensor x, Quantize(ln.y, args.input_quantizer, {true, keep_columnwise}));
+  const Fp8Tensor& w = result.workspace->weights[0];
+  result.output = Fp8Fprop(x, w, args.bias);
+  result.input_amax = x.amax;
+  result.weight_amax = w.amax;
+  if (args.return_layernorm_output) result.layernorm_output = ln.y;
+  if (args.training) {
+    auto saved = std::make_shared<LayerNormLinearSaved>();
+    saved->input = args.input.clone();  // own it: the request's bytes do not outlive the call
+    saved->mu = ln.mu;
+    saved->rstd = ln.rstd;
+    saved->input_quantizer = args.input_quantizer;
+    saved->input_quantizer.scale = x.scale;  // replay exactly this cast
+    if (keep_columnwise) {
+      x.rowwise = at::Tensor();
+      saved->ln_out = std::move(x);
+    }
+    saved->workspace = result.workspace;
+    result.saved = std::move(saved);
+  }
+  return result;
+}
+
+absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
+    const LayerNormLinearBwdArgs& args) {
+  const LayerNormLinearSaved& saved = *args.saved;
+  const Fp8Tensor& w = saved.workspace->weights[0];
+  Fp8Tensor recomputed;
+  const Fp8Tensor* ln_out = &saved.ln_out;
+  if (!saved.ln_out.has_columnwise()) {  // checkpointed: redo LayerNorm and its cast
+    LayerNormParams ln = args.ln;
+    LayerNormOut again = RunLayerNorm(saved.input, ln);
+    GW_ASSIGN_OR_RETURN(recomputed, Quantize(again.y, saved.input_quantizer, {false, true}));
+    ln_out = &recomputed;
+  }
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dy, Quantize(args.grad_output, args.grad_quantizer, {true, true}));
+  LayerNormLinearBwdResult result;
+  result.grad_output_amax = dy.amax;
+  at::Tensor d_ln = Fp8Dgrad(dy, w);  // LayerNorm's parameters need it even without grad_input
+  if (args.grad_layernorm_output.defined()) d_ln.add_(args.grad_layernorm_output);
+  at::Tensor weight_grad = args.weight_grad;
+  Fp8WgradAccumulate(dy, *ln_out, weight_grad);
+  if (args.bias_grad.defined()) {
+    at::Tensor bias_grad = args.bias_grad;
+    AccumulateBiasGrad(args.grad_output, bias_grad);
+  }
+  at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
+  at::Tensor dx =
+      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, args.ln, gamma_grad, beta_grad);
+  if (args.compute_grad_input) result.grad_input = dx;
+  return result;
+}
+
+}  // namespace gradwire::core

@@ -1,0 +1,86 @@
+// FP8 LayerNormLinear: y = LayerNorm(x) W^T + b. LayerNorm runs in fp32; its output is cast to
+// E4M3 for the GEMM; gradients are cast to E5M2.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/core/fp8_ops.h"
+#include "server/core/saved_tensors.h"
+
+namespace gradwire::core {
+
+struct LayerNormParams {
+  at::Tensor gamma;  // float32 [K]
+  at::Tensor beta;   // float32 [K]
+  float eps = 1e-5f;
+  bool zero_centered_gamma = false;  // the scale is 1 + gamma
+};
+
+struct LayerNormLinearSaved final : SavedTensors {
+  at::Tensor input;     // float32 [M, K]: LayerNorm backward (and the recompute) read it
+  at::Tensor mu, rstd;  // float32 [M]
+  Fp8Tensor ln_out;     // columnwise [K, M] for wgrad; absent when checkpointed
+  QuantizerConfig input_quantizer;  // the exact cast of the forward, for the recompute
+  WorkspacePtr workspace;
+  int64_t bytes() const override;
+};
+
+struct LayerNormLinearFwdArgs {
+  at::Tensor input;  // float32 [M, K]
+  LayerNormParams ln;
+  at::Tensor weight;  // float32 [N, K]
+  at::Tensor bias;    // float32 [N] or undefined
+  uint64_t weight_version = 0;
+  WorkspacePtr workspace;
+  QuantizerConfig input_quantizer;   // E4M3, casts the LayerNorm output
+  QuantizerConfig weight_quantizer;  // E4M3
+  bool training = false;
+  bool return_layernorm_output = false;
+  bool checkpoint = false;  // save only the input (+ mu, rstd); backward recomputes the rest
+};
+
+struct LayerNormLinearFwdResult {
+  at::Tensor output;            // float32 [M, N]
+  at::Tensor layernorm_output;  // float32 [M, K] when asked for
+  WorkspacePtr workspace;
+  bool workspace_built = false;
+  std::shared_ptr<LayerNormLinearSaved> saved;
+  float input_amax = 0.0f;
+  float weight_amax = 0.0f;
+};
+
+absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(const LayerNormLinearFwdArgs& args);
+
+struct LayerNormLinearBwdArgs {
+  at::Tensor grad_output;            // float32 [M, N]
+  at::Tensor grad_layernorm_output;  // float32 [M, K] or undefined
+  const LayerNormLinearSaved* saved = nullptr;
+  LayerNormParams ln;              // gamma for the backward (eps unused)
+  QuantizerConfig grad_quantizer;  // E5M2
+  bool compute_grad_input = true;
+  at::Tensor weight_grad, bias_grad, gamma_grad, beta_grad;  // accumulated into
+};
+
+struct LayerNormLinearBwdResult {
+  at::Tensor grad_input;  // float32 [M, K]
+  float grad_output_amax = 0.0f;
+};
+
+absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
+    const LayerNormLinearBwdArgs& args);
+
+// LayerNorm forward into fresh tensors: (y [M, K], mu [M], rstd [M]).
+struct LayerNormOut {
+  at::Tensor y, mu, rstd;
+};
+LayerNormOut RunLayerNorm(const at::Tensor& x, const LayerNormParams& ln);
+// LayerNorm backward: returns dx and accumulates gamma_grad / beta_grad.
+at::Tensor RunLayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+                                const at::Tensor& rstd, const LayerNormParams& ln,
+                                at::Tensor& gamma_grad, at::Tensor& beta_grad);
+
+}  // namespace gradwire::core
