@@ -19,8 +19,8 @@ using kernels::Fp8Format;
 const QuantizerConfig kE4M3{Fp8Format::kE4M3, 0};
 const QuantizerConfig kE5M2{Fp8Format::kE5M2, 0};
 
-// Tolerances of TE's FP8 tests (per value: rtol is one FP8 ulp of relative spacing). A GEMM
-// output is a sum, so atol is applied in units of the sum's magnitude (AllCloseToSum).
+// Tolerances of TE's FP8 tests; on GEMM outputs rtol applies to the sum of |terms|
+// (AllCloseToSum).
 constexpr double kE4M3Rtol = 0.125, kE4M3Atol = 0.0675;
 constexpr double kE5M2Rtol = 0.25, kE5M2Atol = 0.125;
 

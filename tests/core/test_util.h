@@ -35,15 +35,16 @@ inline ::testing::AssertionResult AllClose(const at::Tensor& actual, const at::T
          << ", over by " << worst << ")";
 }
 
-// For sums (GEMM outputs): |actual - expected| <= atol * terms + rtol * |expected|, where
-// terms = sum of |summands| of each element. An FP8 cast with relative error r per value moves a
-// sum by at most ~2r * terms, so this is the per-value tolerance carried through the sum.
+// TE's allclose carried over to sums (GEMM outputs): |actual - expected| <= atol + rtol * terms,
+// where terms = the sum of |summands| of each element. For a single summand this is exactly
+// |a - e| <= atol + rtol * |e|; for a sum, an FP8 rounding of relative size r per value moves
+// the result by at most ~r * terms, however much the summands cancel.
 inline ::testing::AssertionResult AllCloseToSum(const at::Tensor& actual,
                                                 const at::Tensor& expected, const at::Tensor& terms,
                                                 double rtol, double atol) {
   const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
   if (a.sizes() != e.sizes()) return ::testing::AssertionFailure() << "shapes differ";
-  const at::Tensor excess = (a - e).abs() - (atol * terms.to(at::kDouble) + rtol * e.abs());
+  const at::Tensor excess = (a - e).abs() - (atol + rtol * terms.to(at::kDouble));
   const double worst = excess.max().item<double>();
   if (worst <= 0) return ::testing::AssertionSuccess();
   const int64_t at_index = excess.argmax().item<int64_t>();
