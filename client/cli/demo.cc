@@ -59,29 +59,134 @@ double MeanSquaredError(const HostTensor& y, const HostTensor& target) {
   return sum / double(y.data.size());
 }
 
-void Relu(HostTensor& t) {
-  for (float& v : t.data) v = std::max(v, 0.0f);
+v1::ModuleSpec BaseSpec(const DemoOptions& o, uint64_t seed, const char* name) {
+  v1::ModuleSpec spec;
+  spec.set_bias(true);
+  spec.mutable_recipe()->set_scaling(o.recipe == "delayed" ? v1::DELAYED : v1::CURRENT);
+  spec.mutable_optimizer()->mutable_sgd()->set_learning_rate(o.learning_rate);
+  spec.set_seed(seed);
+  spec.set_name(name);
+  return spec;
 }
 
-// The remote student: Linear -> ReLU (here) -> Linear.
-struct Student {
-  client::Client& client;
-  std::string fc1, fc2;
+// Modules created on the server and deleted with the model.
+class RemoteModel : public DemoModel {
+ public:
+  RemoteModel(client::Client& client, bool keep) : client_(client), keep_(keep) {}
+  ~RemoteModel() override {
+    if (keep_) return;
+    for (const std::string& id : ids_) (void)client_.DeleteModule(id);
+  }
+  std::vector<std::string> module_ids() const override { return ids_; }
+  absl::Status Step(float learning_rate) override {
+    for (const std::string& id : ids_) {
+      auto version = client_.ApplyGradients(id, learning_rate);
+      if (!version.ok()) return version.status();
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Create(const v1::ModuleSpec& spec) {
+    auto info = client_.CreateModule(spec);
+    if (!info.ok()) return info.status();
+    ids_.push_back(info->module_id());
+    return absl::OkStatus();
+  }
 
-  absl::StatusOr<HostTensor> Predict(const HostTensor& x) {
-    auto h = client.Forward(fc1, x, /*training=*/false);
+ protected:
+  client::Client& client_;
+  bool keep_;
+  std::vector<std::string> ids_;
+};
+
+// Linear -> ReLU (here) -> Linear.
+class RemoteTwoLinear final : public RemoteModel {
+ public:
+  using RemoteModel::RemoteModel;
+  absl::StatusOr<HostTensor> Forward(const HostTensor& x, bool training) override {
+    auto h = client_.Forward(ids_[0], x, training);
     if (!h.ok()) return h.status();
-    Relu(h->output);
-    auto y = client.Forward(fc2, h->output, /*training=*/false);
+    HostTensor a = h->output;
+    for (float& v : a.data) v = std::max(v, 0.0f);
+    auto y = client_.Forward(ids_[1], a, training);
     if (!y.ok()) return y.status();
+    if (training) {
+      pre_activation_ = std::move(h->output);
+      contexts_ = {h->context_id, y->context_id};
+    }
     return std::move(y->output);
   }
+  absl::Status Backward(const HostTensor& dy) override {
+    auto da = client_.Backward(contexts_[1], dy);
+    if (!da.ok()) return da.status();
+    for (size_t i = 0; i < da->data.size(); ++i) {
+      if (pre_activation_.data[i] <= 0.0f) da->data[i] = 0.0f;  // ReLU'
+    }
+    client::BackwardOptions first_layer;
+    first_layer.skip_grad_input = true;
+    return client_.Backward(contexts_[0], *da, first_layer).status();
+  }
+
+ private:
+  HostTensor pre_activation_;
+  std::vector<std::string> contexts_;
+};
+
+// One LayerNormMLP.
+class RemoteMlp final : public RemoteModel {
+ public:
+  using RemoteModel::RemoteModel;
+  absl::StatusOr<HostTensor> Forward(const HostTensor& x, bool training) override {
+    auto y = client_.Forward(ids_[0], x, training);
+    if (!y.ok()) return y.status();
+    if (training) context_ = y->context_id;
+    return std::move(y->output);
+  }
+  absl::Status Backward(const HostTensor& dy) override {
+    client::BackwardOptions first_layer;
+    first_layer.skip_grad_input = true;
+    return client_.Backward(context_, dy, first_layer).status();
+  }
+
+ private:
+  std::string context_;
 };
 
 }  // namespace
 
-absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& o,
-                                   std::FILE* progress) {
+absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Client& client,
+                                                           const DemoOptions& o) {
+  if (o.recipe != "current" && o.recipe != "delayed") {
+    return absl::InvalidArgumentError(absl::StrCat("recipe must be current or delayed, got ", o.recipe));
+  }
+  if (o.model == "linear") {
+    auto model = std::make_unique<RemoteTwoLinear>(client, o.keep_modules);
+    v1::ModuleSpec fc1 = BaseSpec(o, o.seed * 2 + 1, "demo.fc1");
+    fc1.set_kind(v1::LINEAR);
+    fc1.set_in_features(o.in_features);
+    fc1.set_out_features(o.hidden);
+    v1::ModuleSpec fc2 = BaseSpec(o, o.seed * 2 + 2, "demo.fc2");
+    fc2.set_kind(v1::LINEAR);
+    fc2.set_in_features(o.hidden);
+    fc2.set_out_features(o.out_features);
+    if (auto s = model->Create(fc1); !s.ok()) return s;
+    if (auto s = model->Create(fc2); !s.ok()) return s;  // the destructor deletes fc1
+    return std::unique_ptr<DemoModel>(std::move(model));
+  }
+  if (o.model == "mlp") {
+    auto model = std::make_unique<RemoteMlp>(client, o.keep_modules);
+    v1::ModuleSpec mlp = BaseSpec(o, o.seed * 2 + 1, "demo.mlp");
+    mlp.set_kind(v1::LAYERNORM_MLP);
+    mlp.set_in_features(o.in_features);
+    mlp.set_ffn_features(o.hidden);
+    mlp.set_out_features(o.out_features);
+    mlp.set_activation(v1::GELU);
+    if (auto s = model->Create(mlp); !s.ok()) return s;
+    return std::unique_ptr<DemoModel>(std::move(model));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("model must be linear or mlp, got ", o.model));
+}
+
+absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& o, std::FILE* progress) {
   if (o.steps < 1 || o.batch < 1 || !(o.learning_rate > 0)) {
     return absl::InvalidArgumentError("demo needs steps >= 1, batch >= 1 and learning_rate > 0");
   }
@@ -91,86 +196,48 @@ absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& o,
   const HostTensor eval_x = Normal({256, o.in_features}, o.seed, kEvalStream, 1.0f);
   const HostTensor eval_y = teacher(eval_x);
 
-  auto make_spec = [&](int64_t in, int64_t out, uint64_t seed, const char* name) {
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(in);
-    spec.set_out_features(out);
-    spec.set_bias(true);
-    spec.mutable_recipe()->set_scaling(v1::CURRENT);
-    spec.set_seed(seed);
-    spec.set_name(name);
-    return spec;
-  };
-  auto fc1 = client.CreateModule(make_spec(o.in_features, o.hidden, o.seed * 2 + 1, "demo.fc1"));
-  if (!fc1.ok()) return fc1.status();
-  auto fc2 = client.CreateModule(make_spec(o.hidden, o.out_features, o.seed * 2 + 2, "demo.fc2"));
-  if (!fc2.ok()) {
-    (void)client.DeleteModule(fc1->module_id());
-    return fc2.status();
-  }
-  Student student{client, fc1->module_id(), fc2->module_id()};
-  auto cleanup = [&] {
-    if (o.keep_modules) return;
-    (void)client.DeleteModule(student.fc1);
-    (void)client.DeleteModule(student.fc2);
-  };
-  auto run = [&]() -> absl::StatusOr<DemoResult> {
-    DemoResult result;
-    auto before = student.Predict(eval_x);
-    if (!before.ok()) return before.status();
-    result.initial_loss = MeanSquaredError(*before, eval_y);
+  DemoResult result;
+  result.module_ids = model.module_ids();
+  auto before = model.Forward(eval_x, /*training=*/false);
+  if (!before.ok()) return before.status();
+  result.initial_loss = MeanSquaredError(*before, eval_y);
 
-    ProgressBar bar(progress ? progress : stderr, o.steps, "training");
-    const auto start = std::chrono::steady_clock::now();
-    for (int64_t step = 0; step < o.steps; ++step) {
-      const HostTensor x =
-          Normal({o.batch, o.in_features}, o.seed, kTrainStreamBase + uint64_t(step), 1.0f);
-      const HostTensor target = teacher(x);
-      auto h = client.Forward(student.fc1, x, /*training=*/true);
-      if (!h.ok()) return h.status();
-      HostTensor a = h->output;
-      Relu(a);
-      auto y = client.Forward(student.fc2, a, /*training=*/true);
-      if (!y.ok()) return y.status();
-      const double loss = MeanSquaredError(y->output, target);
-      // d(mean (y - t)^2)/dy = 2 (y - t) / numel
-      HostTensor dy = HostTensor::Zeros(y->output.shape);
-      const float k = 2.0f / float(dy.numel());
-      for (size_t i = 0; i < dy.data.size(); ++i) {
-        dy.data[i] = k * (y->output.data[i] - target.data[i]);
-      }
-      auto da = client.Backward(y->context_id, dy);
-      if (!da.ok()) return da.status();
-      for (size_t i = 0; i < da->data.size(); ++i) {
-        if (h->output.data[i] <= 0.0f) da->data[i] = 0.0f;  // ReLU'
-      }
-      client::BackwardOptions first_layer;
-      first_layer.skip_grad_input = true;
-      auto dx = client.Backward(h->context_id, *da, first_layer);
-      if (!dx.ok()) return dx.status();
-      for (const std::string& id : {student.fc1, student.fc2}) {
-        auto version = client.ApplyGradients(id, o.learning_rate);
-        if (!version.ok()) return version.status();
-      }
-      if (progress) bar.Update(step + 1, absl::StrFormat("loss %.5f", loss));
-    }
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    result.steps = o.steps;
-    result.steps_per_s = double(o.steps) / seconds;
-    auto after = student.Predict(eval_x);
-    if (!after.ok()) return after.status();
-    result.final_loss = MeanSquaredError(*after, eval_y);
-    if (progress) {
-      bar.Finish(
-          absl::StrFormat("held-out loss %.5f -> %.5f", result.initial_loss, result.final_loss));
-    }
-    return result;
-  };
-  auto result = run();
-  cleanup();
+  ProgressBar bar(progress ? progress : stderr, o.steps, "training");
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const HostTensor x =
+        Normal({o.batch, o.in_features}, o.seed, kTrainStreamBase + uint64_t(step), 1.0f);
+    const HostTensor target = teacher(x);
+    auto y = model.Forward(x, /*training=*/true);
+    if (!y.ok()) return y.status();
+    const double loss = MeanSquaredError(*y, target);
+    // d(mean (y - t)^2)/dy = 2 (y - t) / numel
+    HostTensor dy = HostTensor::Zeros(y->shape);
+    const float k = 2.0f / float(dy.numel());
+    for (size_t i = 0; i < dy.data.size(); ++i) dy.data[i] = k * (y->data[i] - target.data[i]);
+    if (auto s = model.Backward(dy); !s.ok()) return s;
+    if (auto s = model.Step(o.learning_rate); !s.ok()) return s;
+    if (progress) bar.Update(step + 1, absl::StrFormat("loss %.5f", loss));
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.steps = o.steps;
+  result.steps_per_s = double(o.steps) / seconds;
+  auto after = model.Forward(eval_x, /*training=*/false);
+  if (!after.ok()) return after.status();
+  result.final_loss = MeanSquaredError(*after, eval_y);
+  if (progress) {
+    bar.Finish(absl::StrFormat("held-out loss %.5f -> %.5f", result.initial_loss,
+                               result.final_loss));
+  }
   return result;
+}
+
+absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& options,
+                                   std::FILE* progress) {
+  auto model = MakeRemoteModel(client, options);
+  if (!model.ok()) return model.status();
+  return Train(**model, options, progress);
 }
 
 }  // namespace gradwire::cli

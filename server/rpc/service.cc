@@ -242,8 +242,11 @@ grpc::ServerUnaryReactor* GradwireService::CreateModule(grpc::CallbackServerCont
     GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
     GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Create(spec));
     InfoToProto(info, resp->mutable_module());
-    spdlog::info("created Linear {} ({} -> {}, bias {}) as module {}", spec.name, spec.in_features,
-                 spec.out_features, spec.bias, info.module_id);
+    spdlog::info("created {} '{}' ({} -> {}, bias {}, {} scaling) as module {}",
+                 core::ModuleKindName(spec.kind), spec.name, spec.in_features, spec.out_features,
+                 spec.bias,
+                 spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
+                 info.module_id);
     return absl::OkStatus();
   });
 }

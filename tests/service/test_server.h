@@ -1,0 +1,44 @@
+// A real gradwire service on a real TCP loopback port (127.0.0.1:0), for tests.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "server/core/executor.h"
+#include "server/core/module_host.h"
+#include "server/rpc/service.h"
+
+namespace gradwire::testing {
+
+class TestServer {
+ public:
+  TestServer() {
+    executor_ = std::make_unique<core::DeviceExecutor>("cpu");
+    service_ = std::make_unique<rpc::GradwireService>(
+        host_, *executor_, rpc::ServiceOptions{"test", "cpu", "test CPU"});
+    grpc::ServerBuilder builder;
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+  }
+  ~TestServer() {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    server_.reset();
+    executor_.reset();
+  }
+  bool ok() const { return server_ != nullptr && port_ > 0; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  core::ModuleHost& host() { return host_; }
+
+ private:
+  core::ModuleHost host_;
+  std::unique_ptr<core::DeviceExecutor> executor_;
+  std::unique_ptr<rpc::GradwireService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace gradwire::testing
