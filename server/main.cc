@@ -24,6 +24,8 @@ struct ServerFlags {
   std::string log_level = "info";
   int max_message_mib = 64;        // largest request/response message
   double shutdown_grace_s = 10.0;  // in-flight calls get this long on SIGINT/SIGTERM
+  std::string checkpoint_dir;      // empty: modules live only in memory
+  int64_t checkpoint_every = 100;  // optimizer steps between a module's checkpoints
 };
 
 // Replaces a trailing ":0" port with the port the server actually bound.
@@ -98,6 +100,13 @@ int main(int argc, char** argv) {
                  "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
+  app.add_option("--checkpoint-dir", flags.checkpoint_dir,
+                 "directory for module checkpoints: restored at start, written on create, weight "
+                 "upload, every --checkpoint-every optimizer steps and at shutdown (off if empty)");
+  app.add_option("--checkpoint-every", flags.checkpoint_every,
+                 "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
@@ -114,8 +123,24 @@ int main(int argc, char** argv) {
   if (!ResolveDevice(flags.device, &device, &description)) return 2;
 
   gradwire::core::ModuleHost host;
+  std::unique_ptr<gradwire::core::Checkpointer> checkpointer;
+  if (!flags.checkpoint_dir.empty()) {
+    checkpointer = std::make_unique<gradwire::core::Checkpointer>(flags.checkpoint_dir,
+                                                                  flags.checkpoint_every);
+    if (auto s = checkpointer->Prepare(); !s.ok()) {
+      spdlog::error("{}", std::string(s.message()));
+      return 1;
+    }
+    auto restored = checkpointer->RestoreAll(host);
+    if (!restored.ok()) {  // serving half a model would be worse than not starting
+      spdlog::error("cannot restore checkpoints: {}", std::string(restored.status().message()));
+      return 1;
+    }
+    spdlog::info("restored {} modules from {}", *restored, flags.checkpoint_dir);
+  }
   auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
-  gradwire::rpc::GradwireService service(host, *executor, {GRADWIRE_VERSION, device, description});
+  gradwire::rpc::GradwireService service(
+      host, *executor, {GRADWIRE_VERSION, device, description, checkpointer.get()});
 
   grpc::ServerBuilder builder;
   int port = 0;
@@ -144,7 +169,17 @@ int main(int argc, char** argv) {
   server->Shutdown(deadline);  // refuses new calls; cancels what is still running at the deadline
   server->Wait();
   executor.reset();  // drains tasks the cancelled calls left behind
+  int exit_code = 0;
+  if (checkpointer) {
+    auto saved = checkpointer->SaveAll(host);
+    if (saved.ok()) {
+      spdlog::info("checkpointed {} modules to {}", *saved, flags.checkpoint_dir);
+    } else {
+      spdlog::error("final checkpoint failed: {}", std::string(saved.status().message()));
+      exit_code = 1;
+    }
+  }
   const auto stats = host.Stats();
   spdlog::info("stopped: {} modules, {} live contexts dropped", stats.modules, stats.live_contexts);
-  return 0;
+  return exit_code;
 }

@@ -156,7 +156,8 @@ class RemoteMlp final : public RemoteModel {
 absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Client& client,
                                                            const DemoOptions& o) {
   if (o.recipe != "current" && o.recipe != "delayed") {
-    return absl::InvalidArgumentError(absl::StrCat("recipe must be current or delayed, got ", o.recipe));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recipe must be current or delayed, got ", o.recipe));
   }
   if (o.model == "linear") {
     auto model = std::make_unique<RemoteTwoLinear>(client, o.keep_modules);
@@ -227,8 +228,8 @@ absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& o, std::FI
   if (!after.ok()) return after.status();
   result.final_loss = MeanSquaredError(*after, eval_y);
   if (progress) {
-    bar.Finish(absl::StrFormat("held-out loss %.5f -> %.5f", result.initial_loss,
-                               result.final_loss));
+    bar.Finish(
+        absl::StrFormat("held-out loss %.5f -> %.5f", result.initial_loss, result.final_loss));
   }
   return result;
 }

@@ -18,16 +18,16 @@
 namespace gradwire::cli {
 
 struct DemoOptions {
-  std::string model = "linear";  // "linear" or "mlp"
+  std::string model = "linear";    // "linear" or "mlp"
   std::string recipe = "current";  // FP8 scaling: "current" or "delayed"
-  int64_t steps = 200;           // training steps (forward + backward + optimizer step)
-  int64_t batch = 64;            // samples per step
+  int64_t steps = 200;             // training steps (forward + backward + optimizer step)
+  int64_t batch = 64;              // samples per step
   int64_t in_features = 16;
-  int64_t hidden = 64;           // hidden width (the MLP's ffn_features)
+  int64_t hidden = 64;  // hidden width (the MLP's ffn_features)
   int64_t out_features = 4;
-  float learning_rate = 0.5f;    // SGD on the mean squared error
-  uint64_t seed = 7;             // data, teacher and initial weights
-  bool keep_modules = false;     // leave the modules on the server afterwards
+  float learning_rate = 0.5f;  // SGD on the mean squared error
+  uint64_t seed = 7;           // data, teacher and initial weights
+  bool keep_modules = false;   // leave the modules on the server afterwards
 };
 
 struct DemoResult {
@@ -56,8 +56,7 @@ absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Client& clien
                                                            const DemoOptions& options);
 
 // The training loop on the demo's data. Progress goes to `progress` (nullptr: silent).
-absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& options,
-                                 std::FILE* progress);
+absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& options, std::FILE* progress);
 
 // MakeRemoteModel + Train.
 absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& options,

@@ -7,6 +7,7 @@
 
 #include "demo.h"
 #include "gradwire/client/client.h"
+#include "weights.h"
 
 namespace {
 
@@ -65,13 +66,19 @@ int RunInfo(Client& client, bool json) {
 int RunDemo(Client& client, const gradwire::cli::DemoOptions& options, bool json) {
   auto info = client.GetServerInfo();
   if (!info.ok()) return Fail(info.status());
-  std::fprintf(stderr,
-               "demo: Linear(%lld->%lld) -> ReLU (client) -> Linear(%lld->%lld) on %s (%s), "
-               "batch %lld, SGD lr %g, %lld steps\n",
-               static_cast<long long>(options.in_features), static_cast<long long>(options.hidden),
-               static_cast<long long>(options.hidden), static_cast<long long>(options.out_features),
-               client.options().server.c_str(), info->device().c_str(),
-               static_cast<long long>(options.batch), options.learning_rate,
+  const auto in = static_cast<long long>(options.in_features);
+  const auto hidden = static_cast<long long>(options.hidden);
+  const auto out = static_cast<long long>(options.out_features);
+  char model[160];
+  if (options.model == "mlp") {
+    std::snprintf(model, sizeof model, "LayerNormMLP(%lld->%lld->%lld, gelu)", in, hidden, out);
+  } else {
+    std::snprintf(model, sizeof model, "Linear(%lld->%lld) -> ReLU (client) -> Linear(%lld->%lld)",
+                  in, hidden, hidden, out);
+  }
+  std::fprintf(stderr, "demo: %s, FP8 %s scaling, on %s (%s), batch %lld, SGD lr %g, %lld steps\n",
+               model, options.recipe.c_str(), client.options().server.c_str(),
+               info->device().c_str(), static_cast<long long>(options.batch), options.learning_rate,
                static_cast<long long>(options.steps));
   auto result = gradwire::cli::RunDemo(client, options, stderr);
   if (!result.ok()) return Fail(result.status());
@@ -87,6 +94,22 @@ int RunDemo(Client& client, const gradwire::cli::DemoOptions& options, bool json
                 100.0 * (1.0 - result->final_loss / result->initial_loss),
                 static_cast<long long>(result->steps), result->steps_per_s);
   }
+  return 0;
+}
+
+int RunWeightsExport(Client& client, const std::string& module_id, const std::string& path,
+                     bool json) {
+  auto result = gradwire::cli::ExportWeights(client, module_id, path);
+  if (!result.ok()) return Fail(result.status());
+  std::cout << gradwire::cli::FormatExportResult(*result, json) << "\n";
+  return 0;
+}
+
+int RunWeightsImport(Client& client, const std::string& module_id, const std::string& path,
+                     const gradwire::cli::ImportOptions& options, bool json) {
+  auto result = gradwire::cli::ImportWeights(client, module_id, path, options);
+  if (!result.ok()) return Fail(result.status());
+  std::cout << gradwire::cli::FormatImportResult(*result, json) << "\n";
   return 0;
 }
 
@@ -113,11 +136,18 @@ int main(int argc, char** argv) {
 
   gradwire::cli::DemoOptions demo_options;
   std::string wire = "f32";
-  CLI::App* demo = app.add_subcommand(
-      "demo",
-      "train a small two-layer model whose Linear layers live on the server (synthetic "
-      "regression, SGD); prints the held-out loss before and after");
+  CLI::App* demo =
+      app.add_subcommand("demo",
+                         "train a small model whose layers live on the server (synthetic "
+                         "regression, SGD); prints the held-out loss before and after");
   add_common(demo);
+  demo->add_option("--model", demo_options.model,
+                   "linear: Linear -> ReLU (client) -> Linear; mlp: one LayerNormMLP")
+      ->check(CLI::IsMember({"linear", "mlp"}))
+      ->capture_default_str();
+  demo->add_option("--recipe", demo_options.recipe, "FP8 scaling recipe of the modules")
+      ->check(CLI::IsMember({"current", "delayed"}))
+      ->capture_default_str();
   demo->add_option("--steps", demo_options.steps, "training steps")
       ->check(CLI::Range(int64_t(1), int64_t(1000000)))
       ->capture_default_str();
@@ -138,6 +168,37 @@ int main(int argc, char** argv) {
   demo->add_flag("--keep-modules", demo_options.keep_modules,
                  "leave the demo's modules on the server");
 
+  std::string module_id;
+  std::string weights_path;
+  gradwire::cli::ImportOptions import_options;
+  CLI::App* weights = app.add_subcommand(
+      "weights", "copy a module's parameters to or from a safetensors file (float32, by name)");
+  weights->require_subcommand(1);
+  CLI::App* weights_export = weights->add_subcommand(
+      "export",
+      "write every parameter of a module to FILE as an F32 tensor named as the server names it "
+      "(weight, bias, layer_norm_weight, fc1_weight, ...), exactly the float32 values the server "
+      "holds; the metadata records the module id, weight version and shape of the module. FILE "
+      "is replaced atomically");
+  add_common(weights_export);
+  weights_export->add_option("--module", module_id, "id of the module (see `gradwire info`)")
+      ->required();
+  weights_export->add_option("FILE", weights_path, "safetensors file to write")->required();
+  CLI::App* weights_import = weights->add_subcommand(
+      "import",
+      "replace a module's parameters with the tensors of FILE and print the new weight version. "
+      "Every tensor must be a parameter of the module with exactly its shape, finite, and F32 "
+      "(BF16 and F16 are widened exactly; FP8 is refused); unless --partial, every parameter "
+      "must be there. The file is checked before anything is sent, and a file that does not fit "
+      "leaves the module unchanged");
+  add_common(weights_import);
+  weights_import->add_option("--module", module_id, "id of the module (see `gradwire info`)")
+      ->required();
+  weights_import->add_option("FILE", weights_path, "safetensors file to read")->required();
+  weights_import->add_flag("--partial", import_options.partial,
+                           "accept a file with only some of the parameters; the others keep "
+                           "their values");
+
   CLI11_PARSE(app, argc, argv);
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.wire_dtype = wire == "bf16"  ? gradwire::client::WireDType::kBF16
@@ -146,5 +207,9 @@ int main(int argc, char** argv) {
   Client client(options);
   if (auto s = client.WaitForReady(options.timeout); !s.ok()) return Fail(s);
   if (*info) return RunInfo(client, json);
+  if (*weights_export) return RunWeightsExport(client, module_id, weights_path, json);
+  if (*weights_import) {
+    return RunWeightsImport(client, module_id, weights_path, import_options, json);
+  }
   return RunDemo(client, demo_options, json);
 }

@@ -239,6 +239,18 @@ ModuleHost::ModuleHost() = default;
 ModuleHost::~ModuleHost() = default;
 
 absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec) {
+  GW_ASSIGN_OR_RETURN(std::shared_ptr<Module> m, NewModule(spec));
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string id;
+  do {
+    id = RandomId128();
+  } while (modules_.count(id));
+  modules_.emplace(id, m);
+  std::lock_guard<std::mutex> module_lock(m->mu);
+  return InfoLocked(id, *m);
+}
+
+absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(const ModuleSpec& spec) {
   GW_RETURN_IF_ERROR(ValidateSpec(spec));
   const std::vector<ParamDef> defs = ParamDefs(spec);
   int64_t total = 0;
@@ -274,14 +286,7 @@ absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec) {
     m->scaling.emplace_back(r.format, spec.recipe);
     m->role_names.push_back(r.name);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  std::string id;
-  do {
-    id = RandomId128();
-  } while (modules_.count(id));
-  modules_.emplace(id, m);
-  std::lock_guard<std::mutex> module_lock(m->mu);
-  return InfoLocked(id, *m);
+  return m;
 }
 
 absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::Find(
@@ -619,6 +624,67 @@ absl::StatusOr<std::vector<RoleScaling>> ModuleHost::Scaling(const std::string& 
     out.push_back({m->role_names[i], m->scaling[i].scale(), m->scaling[i].history()});
   }
   return out;
+}
+
+absl::StatusOr<ModuleState> ModuleHost::ExportState(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  std::lock_guard<std::mutex> lock(m->mu);
+  ModuleState state;
+  state.module_id = module_id;
+  state.spec = m->spec;
+  state.weight_version = m->version;
+  state.optimizer_steps = m->optimizer_steps;
+  for (const Module::Param& p : m->params) {
+    state.parameters.emplace_back(p.name, p.value.clone());
+    if (p.slots.first.defined()) {
+      state.optimizer_slots.emplace_back(p.name + ".first", p.slots.first.clone());
+    }
+    if (p.slots.second.defined()) {
+      state.optimizer_slots.emplace_back(p.name + ".second", p.slots.second.clone());
+    }
+  }
+  for (size_t i = 0; i < m->scaling.size(); ++i) {
+    state.scaling.push_back({m->role_names[i], m->scaling[i].scale(), m->scaling[i].history()});
+  }
+  return state;
+}
+
+absl::Status ModuleHost::ImportState(const ModuleState& state) {
+  if (state.module_id.empty()) return absl::InvalidArgumentError("module_id is required");
+  GW_ASSIGN_OR_RETURN(std::shared_ptr<Module> m, NewModule(state.spec));
+  auto find = [](const NamedTensors& list, const std::string& name) -> const at::Tensor* {
+    for (const auto& [n, t] : list) {
+      if (n == name) return &t;
+    }
+    return nullptr;
+  };
+  for (Module::Param& p : m->params) {
+    const at::Tensor* value = find(state.parameters, p.name);
+    if (!value) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, " is missing"));
+    }
+    GW_RETURN_IF_ERROR(CheckExactShape(p.name.c_str(), *value, p.value.sizes()));
+    p.value.copy_(*value);
+    for (auto [suffix, slot] :
+         {std::pair{".first", &p.slots.first}, {".second", &p.slots.second}}) {
+      if (const at::Tensor* t = find(state.optimizer_slots, p.name + suffix)) {
+        GW_RETURN_IF_ERROR(CheckExactShape((p.name + suffix).c_str(), *t, p.value.sizes()));
+        *slot = t->clone();
+      }
+    }
+  }
+  for (const RoleScaling& r : state.scaling) {
+    for (size_t i = 0; i < m->role_names.size(); ++i) {
+      if (m->role_names[i] == r.role) m->scaling[i].Set(r.history, r.scale);
+    }
+  }
+  m->version = state.weight_version;
+  m->optimizer_steps = state.optimizer_steps;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!modules_.emplace(state.module_id, m).second) {
+    return absl::AlreadyExistsError(absl::StrCat("module_id ", state.module_id, " exists"));
+  }
+  return absl::OkStatus();
 }
 
 HostStats ModuleHost::Stats() const {

@@ -82,6 +82,18 @@ struct RoleScaling {
   std::deque<float> history;  // most recent first
 };
 
+// Everything that defines a module between steps (accumulated gradients are not part of it):
+// what a checkpoint holds.
+struct ModuleState {
+  std::string module_id;
+  ModuleSpec spec;
+  uint64_t weight_version = 0;
+  int64_t optimizer_steps = 0;
+  NamedTensors parameters;       // float32, the module's order
+  NamedTensors optimizer_slots;  // "<param>.first" / "<param>.second" where allocated
+  std::vector<RoleScaling> scaling;
+};
+
 struct HostStats {
   int64_t modules = 0;
   int64_t live_contexts = 0;
@@ -127,11 +139,19 @@ class ModuleHost {
   absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const NamedTensors& params);
 
   absl::StatusOr<std::vector<RoleScaling>> Scaling(const std::string& module_id) const;
+
+  // A copy of the module's state (checkpoints).
+  absl::StatusOr<ModuleState> ExportState(const std::string& module_id) const;
+  // Re-creates a module from a state under its original id: the spec is validated, every
+  // parameter must be present with its shape; ALREADY_EXISTS when the id is taken.
+  absl::Status ImportState(const ModuleState& state);
   HostStats Stats() const;
   const ContextStore& contexts() const { return contexts_; }
 
  private:
   struct Module;
+  // A validated, initialised module not yet in the map.
+  static absl::StatusOr<std::shared_ptr<Module>> NewModule(const ModuleSpec& spec);
   absl::StatusOr<std::shared_ptr<Module>> Find(const std::string& module_id) const;
   ModuleInfo InfoLocked(const std::string& id, const Module& m) const;
 

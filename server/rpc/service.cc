@@ -183,6 +183,13 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
                                  ServiceOptions options)
     : host_(host), executor_(executor), options_(std::move(options)) {}
 
+void GradwireService::Persist(const std::string& module_id) const {
+  if (!options_.checkpointer) return;
+  if (auto s = options_.checkpointer->Save(host_, module_id); !s.ok()) {
+    spdlog::warn("checkpoint of module {} failed: {}", module_id, std::string(s.message()));
+  }
+}
+
 grpc::ServerUnaryReactor* GradwireService::RunOnDevice(grpc::CallbackServerContext* ctx,
                                                        const char* method,
                                                        std::function<absl::Status()> work) {
@@ -242,10 +249,10 @@ grpc::ServerUnaryReactor* GradwireService::CreateModule(grpc::CallbackServerCont
     GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
     GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Create(spec));
     InfoToProto(info, resp->mutable_module());
+    Persist(info.module_id);
     spdlog::info("created {} '{}' ({} -> {}, bias {}, {} scaling) as module {}",
                  core::ModuleKindName(spec.kind), spec.name, spec.in_features, spec.out_features,
-                 spec.bias,
-                 spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
+                 spec.bias, spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
                  info.module_id);
     return absl::OkStatus();
   });
@@ -268,6 +275,11 @@ grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerCont
   return RunOnDevice(ctx, "DeleteModule", [this, req]() -> absl::Status {
     GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
     GW_RETURN_IF_ERROR(host_.Delete(req->module_id()));
+    if (options_.checkpointer) {
+      if (auto s = options_.checkpointer->Remove(req->module_id()); !s.ok()) {
+        spdlog::warn("{}", std::string(s.message()));
+      }
+    }
     spdlog::info("deleted module {}", req->module_id());
     return absl::OkStatus();
   });
@@ -333,6 +345,9 @@ grpc::ServerUnaryReactor* GradwireService::ApplyGradients(grpc::CallbackServerCo
     resp->set_weight_version(version);
     GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Info(req->module_id()));
     resp->set_optimizer_steps(info.optimizer_steps);
+    if (options_.checkpointer && options_.checkpointer->Due(info.optimizer_steps)) {
+      Persist(req->module_id());
+    }
     return absl::OkStatus();
   });
 }
@@ -378,6 +393,7 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
     }
     GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), params));
     resp->set_weight_version(version);
+    Persist(req->module_id());
     return absl::OkStatus();
   });
 }

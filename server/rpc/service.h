@@ -6,6 +6,7 @@
 #include <string>
 
 #include "gradwire/v1/service.grpc.pb.h"
+#include "server/core/checkpoint.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 
@@ -15,6 +16,8 @@ struct ServiceOptions {
   std::string version;      // reported by GetServerInfo
   std::string device;       // "cpu" or "cuda:N"
   std::string device_name;  // human-readable description of the device
+  // Persists modules on create, weight upload, delete and every N optimizer steps; null: none.
+  const core::Checkpointer* checkpointer = nullptr;
 };
 
 class GradwireService final : public v1::Gradwire::CallbackService {
@@ -60,6 +63,10 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   // `work` become INTERNAL; a call cancelled before it starts is not run.
   grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
                                         std::function<absl::Status()> work);
+
+  // Saves a module's checkpoint when checkpoints are on; a failure is logged, not returned (the
+  // call itself succeeded, and the next save retries).
+  void Persist(const std::string& module_id) const;
 
   core::ModuleHost& host_;
   core::DeviceExecutor& executor_;

@@ -165,7 +165,9 @@ TEST_P(LayerNormLinearTest, ForwardAndBackwardMatchFloat64) {
   ASSERT_TRUE(bwd.ok()) << bwd.status();
   EXPECT_TRUE(AllCloseToSum(ba.weight_grad, w64u.grad(),
                             at::matmul(D(dy).abs().t(), ln64.detach().abs()), 0.25, 0.125));
-  if (has_bias) EXPECT_TRUE(AllClose(ba.bias_grad, b64.grad(), 1e-5, 1e-5));
+  if (has_bias) {
+    EXPECT_TRUE(AllClose(ba.bias_grad, b64.grad(), 1e-5, 1e-5));
+  }
   EXPECT_TRUE(NormwiseClose(bwd->grad_input, x64.grad(), 0.25));
   EXPECT_TRUE(NormwiseClose(ba.gamma_grad, g64.grad(), 0.25));
   EXPECT_TRUE(NormwiseClose(ba.beta_grad, be64.grad(), 0.25));

@@ -1,9 +1,8 @@
 // Convergence parity: the demo's remote LayerNormMLP trained in FP8 (both recipes) ends within 5%
 // of the same model trained locally in float32 (ATen autograd) from the same initial weights, on
 // the same data with the same SGD.
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 
@@ -38,8 +37,8 @@ class LocalMlp final : public cli::DemoModel {
   }
   absl::StatusOr<HostTensor> Forward(const HostTensor& x, bool training) override {
     const at::Tensor in = ToAt(x);
-    at::Tensor ln = at::layer_norm(in, {in.size(1)}, P("layer_norm_weight"), P("layer_norm_bias"),
-                                   1e-5);
+    at::Tensor ln =
+        at::layer_norm(in, {in.size(1)}, P("layer_norm_weight"), P("layer_norm_bias"), 1e-5);
     at::Tensor h = at::gelu(at::matmul(ln, P("fc1_weight").t()) + P("fc1_bias"), "tanh");
     at::Tensor y = at::matmul(h, P("fc2_weight").t()) + P("fc2_bias");
     if (training) last_ = y;
@@ -94,8 +93,8 @@ TEST_P(DemoParityTest, Fp8LayerNormMlpEndsWithinFivePercentOfFloat32) {
   ASSERT_TRUE(fp8.ok()) << fp8.status();
   auto f32 = cli::Train(local, options, nullptr);
   ASSERT_TRUE(f32.ok()) << f32.status();
-  std::printf("recipe %s: FP8 loss %.6f -> %.6f, float32 loss %.6f -> %.6f (%.2f%%)\n",
-              GetParam(), fp8->initial_loss, fp8->final_loss, f32->initial_loss, f32->final_loss,
+  std::printf("recipe %s: FP8 loss %.6f -> %.6f, float32 loss %.6f -> %.6f (%.2f%%)\n", GetParam(),
+              fp8->initial_loss, fp8->final_loss, f32->initial_loss, f32->final_loss,
               100.0 * (fp8->final_loss / f32->final_loss - 1.0));
   EXPECT_NEAR(fp8->initial_loss, f32->initial_loss, 0.05 * f32->initial_loss);
   EXPECT_LT(f32->final_loss, 0.3 * f32->initial_loss);  // it did learn
