@@ -39,7 +39,8 @@ bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool train
 
 absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(
     const WorkspacePtr& cached, uint64_t weight_version, bool training,
-    const std::vector<at::Tensor>& weights, const std::vector<QuantizerConfig>& quantizers) {
+    const std::vector<at::Tensor>& weights, const std::vector<QuantizerConfig>& quantizers,
+    const std::vector<at::Tensor>& aux) {
   if (WorkspaceUsable(cached, weight_version, training) &&
       cached->weights.size() == weights.size()) {
     return WorkspaceResult{cached, false};
@@ -53,6 +54,7 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(
     GW_ASSIGN_OR_RETURN(Fp8Tensor w, Quantize(weights[i], quantizers[i], {true, training}));
     ws->weights.push_back(std::move(w));
   }
+  for (const at::Tensor& t : aux) ws->aux.push_back(t.defined() ? t.clone() : at::Tensor());
   return WorkspaceResult{std::move(ws), true};
 }
 

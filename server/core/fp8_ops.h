@@ -15,10 +15,13 @@
 
 namespace gradwire::core {
 
-// The FP8 weights of one weight version of a module (one per linear layer, in order).
+// What a backward needs from the weights of one weight version: the FP8 weights (one per linear
+// layer, in order) and fp32 copies of the small parameters it reads (LayerNorm gamma and beta,
+// FC1's bias), so a context keeps computing with its own version after an optimizer step.
 struct WeightWorkspace {
   uint64_t weight_version = 0;
   std::vector<Fp8Tensor> weights;  // rowwise always; columnwise too when built for training
+  std::vector<at::Tensor> aux;     // fp32 copies, in the order the module passed them
   bool has_columnwise() const;
   int64_t bytes() const;
 };
@@ -32,11 +35,13 @@ struct WorkspaceResult {
   bool built = false;  // a cache miss: the weights were cast now
 };
 
-// Returns `cached` when usable, else casts `weights` (float32 [N, K] each) with `quantizers`.
+// Returns `cached` when usable, else casts `weights` (float32 [N, K] each) with `quantizers` and
+// copies `aux` (undefined entries stay undefined).
 absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
                                                     uint64_t weight_version, bool training,
                                                     const std::vector<at::Tensor>& weights,
-                                                    const std::vector<QuantizerConfig>& quantizers);
+                                                    const std::vector<QuantizerConfig>& quantizers,
+                                                    const std::vector<at::Tensor>& aux = {});
 
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]); x and w rowwise. fp32 out.
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias);

@@ -38,7 +38,8 @@ absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
   LayerNormLinearFwdResult result;
   GW_ASSIGN_OR_RETURN(WorkspaceResult ws,
                       GetOrBuildWorkspace(args.workspace, args.weight_version, args.training,
-                                          {args.weight}, {args.weight_quantizer}));
+                                          {args.weight}, {args.weight_quantizer},
+                                          {args.ln.gamma, args.ln.beta}));
   result.workspace = std::move(ws.workspace);
   result.workspace_built = ws.built;
   LayerNormOut ln = RunLayerNorm(args.input, args.ln);
@@ -70,10 +71,13 @@ absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
     const LayerNormLinearBwdArgs& args) {
   const LayerNormLinearSaved& saved = *args.saved;
   const Fp8Tensor& w = saved.workspace->weights[0];
+  // The LayerNorm parameters of the forward's weight version.
+  LayerNormParams ln = args.ln;
+  ln.gamma = saved.workspace->aux[0];
+  ln.beta = saved.workspace->aux[1];
   Fp8Tensor recomputed;
   const Fp8Tensor* ln_out = &saved.ln_out;
   if (!saved.ln_out.has_columnwise()) {  // checkpointed: redo LayerNorm and its cast
-    LayerNormParams ln = args.ln;
     LayerNormOut again = RunLayerNorm(saved.input, ln);
     GW_ASSIGN_OR_RETURN(recomputed, Quantize(again.y, saved.input_quantizer, {false, true}));
     ln_out = &recomputed;
@@ -91,7 +95,7 @@ absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
   }
   at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
   at::Tensor dx =
-      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, args.ln, gamma_grad, beta_grad);
+      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
 }

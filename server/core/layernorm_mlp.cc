@@ -49,7 +49,8 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
   GW_ASSIGN_OR_RETURN(WorkspaceResult ws,
                       GetOrBuildWorkspace(args.workspace, args.weight_version, args.training,
                                           {args.fc1_weight, args.fc2_weight},
-                                          {args.fc1_weight_quantizer, args.fc2_weight_quantizer}));
+                                          {args.fc1_weight_quantizer, args.fc2_weight_quantizer},
+                          {args.ln.gamma, args.ln.beta, args.fc1_bias}));
   result.workspace = std::move(ws.workspace);
   result.workspace_built = ws.built;
   const Fp8Tensor& w1 = result.workspace->weights[0];
@@ -93,14 +94,19 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
   const Fp8Tensor& w1 = saved.workspace->weights[0];
   const Fp8Tensor& w2 = saved.workspace->weights[1];
   const int64_t ffn = w2.cols;
+  // The LayerNorm parameters and FC1 bias of the forward's weight version.
+  LayerNormParams ln = args.ln;
+  ln.gamma = saved.workspace->aux[0];
+  ln.beta = saved.workspace->aux[1];
+  const at::Tensor& fc1_bias = saved.workspace->aux[2];
   MlpHidden recomputed;
   const Fp8Tensor* ln_q = &saved.ln_out;
   const at::Tensor* fc1_out = &saved.fc1_out;
   const Fp8Tensor* act_q = &saved.act_out;
   if (!saved.fc1_out.defined()) {  // checkpointed: replay the forward's exact casts
-    LayerNormOut ln = RunLayerNorm(saved.input, args.ln);
+    LayerNormOut again = RunLayerNorm(saved.input, ln);
     GW_ASSIGN_OR_RETURN(
-        recomputed, Hidden(ln.y, w1, args.fc1_bias, args.activation, ffn, saved.fc1_input_quantizer,
+        recomputed, Hidden(again.y, w1, fc1_bias, args.activation, ffn, saved.fc1_input_quantizer,
                            saved.fc2_input_quantizer, {true, true}));
     ln_q = &recomputed.ln_q;
     fc1_out = &recomputed.fc1_out;
@@ -136,7 +142,7 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
   // LayerNorm
   at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
   at::Tensor dx =
-      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, args.ln, gamma_grad, beta_grad);
+      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
 }

@@ -60,8 +60,7 @@ struct LayerNormMlpBwdArgs {
   at::Tensor grad_output;            // float32 [M, N]
   at::Tensor grad_layernorm_output;  // float32 [M, K] or undefined
   const LayerNormMlpSaved* saved = nullptr;
-  LayerNormParams ln;
-  at::Tensor fc1_bias;  // for the checkpoint recompute (undefined without bias)
+  LayerNormParams ln;  // eps and zero_centered_gamma; gamma/beta come from the saved workspace
   kernels::Activation activation = kernels::Activation::kGelu;
   QuantizerConfig fc1_grad_quantizer, fc2_grad_quantizer;  // E5M2
   bool compute_grad_input = true;

@@ -515,7 +515,6 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
         args.grad_layernorm_output = d_ln;
         args.saved = dynamic_cast<const LayerNormMlpSaved*>(lease.saved.get());
         args.ln = m->Ln();
-        args.fc1_bias = m->Value("fc1_bias");
         args.activation = m->spec.activation;
         args.fc1_grad_quantizer = m->scaling[kFc1Grad].Quantizer();
         args.fc2_grad_quantizer = m->scaling[kFc2Grad].Quantizer();

@@ -227,7 +227,6 @@ class LayerNormMlpTest : public ::testing::TestWithParam<MlpCase> {
     b.grad_output = dy_;
     b.saved = saved;
     b.ln = ln_;
-    b.fc1_bias = b1_;
     b.activation = GetParam().act;
     b.fc1_grad_quantizer = b.fc2_grad_quantizer = kE5M2;
     Grads g;

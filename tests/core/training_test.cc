@@ -232,6 +232,32 @@ TEST(HostTrainingTest, MaxStalenessRefusesOldContextsNamingBothVersions) {
   }
 }
 
+TEST(HostTrainingTest, StaleContextComputesWithItsOwnVersionsParameters) {
+  for (ModuleKind kind : {ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    ModuleSpec spec = LinearSpec(12, 6);
+    spec.kind = kind;
+    spec.ffn_features = kind == ModuleKind::kLayerNormMlp ? 10 : 0;
+    spec.checkpoint = kind == ModuleKind::kLayerNormMlp;  // the recompute too
+    const at::Tensor x = RandN({4, 12}), dy = RandN({4, 6});
+    // Host 1: context A, then another step changes every parameter, then A's backward.
+    ModuleHost one;
+    const std::string id1 = one.Create(spec)->module_id;
+    auto a = one.Forward(id1, x, true);
+    auto b = one.Forward(id1, RandN({4, 12}), true);
+    ASSERT_TRUE(one.Backward(b->context_id, RandN({4, 6}), false, false).ok());
+    ASSERT_TRUE(one.ApplyGradients(id1, 0.5f).ok());
+    auto stale = one.Backward(a->context_id, dy, false, false);
+    ASSERT_TRUE(stale.ok()) << stale.status();
+    // Host 2: the same module and context A's backward right away.
+    ModuleHost two;
+    const std::string id2 = two.Create(spec)->module_id;
+    auto a2 = two.Forward(id2, x, true);
+    auto fresh = two.Backward(a2->context_id, dy, false, false);
+    ASSERT_TRUE(fresh.ok());
+    EXPECT_TRUE(at::equal(*stale, *fresh)) << ModuleKindName(kind);
+  }
+}
+
 TEST(HostTrainingTest, GetGradientsReturnsTheAccumulationAndCanZeroIt) {
   ModuleHost host;
   const std::string id = host.Create(LinearSpec(8, 4))->module_id;

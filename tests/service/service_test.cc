@@ -13,6 +13,7 @@
 #include "gradwire/kernels/fp8.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
+#include "test_server.h"
 
 namespace gradwire {
 namespace {
@@ -34,29 +35,13 @@ at::Tensor ToAt(const HostTensor& t) {
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    executor_ = std::make_unique<core::DeviceExecutor>("cpu");
-    service_ = std::make_unique<rpc::GradwireService>(
-        host_, *executor_, rpc::ServiceOptions{"test", "cpu", "test CPU"});
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_TRUE(server_);
-    ASSERT_GT(port, 0);
+    ASSERT_TRUE(server_.ok());
     client::ClientOptions options;
-    options.server = "127.0.0.1:" + std::to_string(port);
+    options.server = server_.address();
     options.timeout = std::chrono::seconds(20);
     client_ = std::make_unique<client::Client>(options);
     ASSERT_TRUE(client_->WaitForReady(std::chrono::seconds(10)).ok());
     module_ = CreateLinear(12, 6, true, 5);
-  }
-
-  void TearDown() override {
-    client_.reset();
-    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    server_.reset();
-    executor_.reset();
   }
 
   std::string CreateLinear(int64_t in, int64_t out, bool bias, uint64_t seed) {
@@ -94,10 +79,8 @@ class ServiceTest : public ::testing::Test {
     return req;
   }
 
-  core::ModuleHost host_;
-  std::unique_ptr<core::DeviceExecutor> executor_;
-  std::unique_ptr<rpc::GradwireService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  testing::TestServer server_;
+  core::ModuleHost& host_ = server_.host();
   std::unique_ptr<client::Client> client_;
   std::string module_;
 };
@@ -404,6 +387,104 @@ TEST_F(ServiceTest, BadModuleAndOptimizerRequests) {
   set = client_->SetWeights(module_, {});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->GetWeights(module_)->weight_version, 2u);  // only the valid apply
+  ExpectServes();
+}
+
+TEST_F(ServiceTest, LayerNormMlpOverTheWire) {
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LAYERNORM_MLP);
+  spec.set_in_features(12);
+  spec.set_ffn_features(20);
+  spec.set_out_features(12);
+  spec.set_activation(v1::SWIGLU);
+  spec.set_bias(true);
+  spec.set_return_layernorm_output(true);
+  spec.mutable_recipe()->set_scaling(v1::DELAYED);
+  spec.mutable_recipe()->set_amax_compute_algo(v1::MOST_RECENT);
+  spec.mutable_optimizer()->mutable_adamw()->set_learning_rate(1e-3f);
+  auto info = client_->CreateModule(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->spec().ffn_features(), 20);
+  EXPECT_EQ(info->spec().activation(), v1::SWIGLU);
+  EXPECT_EQ(info->spec().recipe().amax_history_len(), 1024);  // the default, made explicit
+  EXPECT_EQ(info->spec().optimizer().adamw().beta2(), 0.999f);
+  EXPECT_EQ(info->parameter_names_size(), 6);
+  auto fwd = client_->Forward(info->module_id(), Random({3, 4, 12}), true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ(fwd->output.shape, (std::vector<int64_t>{3, 4, 12}));
+  ASSERT_TRUE(fwd->layernorm_output.has_value());
+  EXPECT_EQ(fwd->layernorm_output->shape, (std::vector<int64_t>{3, 4, 12}));
+  client::BackwardOptions options;
+  options.grad_layernorm_output = Random({3, 4, 12});
+  auto dx = client_->Backward(fwd->context_id, Random({3, 4, 12}), options);
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  EXPECT_EQ(dx->shape, (std::vector<int64_t>{3, 4, 12}));
+  auto grads = client_->GetGradients(info->module_id(), /*zero=*/true);
+  ASSERT_TRUE(grads.ok());
+  EXPECT_EQ(grads->accumulated_backwards, 1);
+  ASSERT_NE(grads->Find("fc1_weight"), nullptr);
+  EXPECT_EQ(grads->Find("fc1_weight")->shape, (std::vector<int64_t>{40, 12}));  // gated: 2 x ffn
+  EXPECT_EQ(client_->ApplyGradients(info->module_id()).value(), 2u);
+}
+
+TEST_F(ServiceTest, BadModuleSpecsNameTheField) {
+  struct Case {
+    const char* name;
+    void (*mutate)(v1::ModuleSpec*);
+    const char* message;
+  } cases[] = {
+      {"MLP without ffn", [](v1::ModuleSpec* s) { s->set_kind(v1::LAYERNORM_MLP); },
+       "spec.ffn_features"},
+      {"activation on Linear", [](v1::ModuleSpec* s) { s->set_activation(v1::RELU); },
+       "spec.activation"},
+      {"unknown activation",
+       [](v1::ModuleSpec* s) { s->set_activation(static_cast<v1::Activation>(77)); },
+       "spec.activation"},
+      {"unknown recipe",
+       [](v1::ModuleSpec* s) {
+         s->mutable_recipe()->set_scaling(static_cast<v1::ScalingRecipe>(9));
+       },
+       "spec.recipe.scaling"},
+      {"negative margin", [](v1::ModuleSpec* s) { s->mutable_recipe()->set_margin(-1); },
+       "spec.recipe.margin"},
+      {"huge history",
+       [](v1::ModuleSpec* s) { s->mutable_recipe()->set_amax_history_len(1 << 20); },
+       "spec.recipe.amax_history_len"},
+      {"negative lr",
+       [](v1::ModuleSpec* s) { s->mutable_optimizer()->mutable_sgd()->set_learning_rate(-1); },
+       "spec.optimizer.sgd.learning_rate"},
+      {"momentum 1",
+       [](v1::ModuleSpec* s) {
+         s->mutable_optimizer()->mutable_sgd()->set_learning_rate(0.1f);
+         s->mutable_optimizer()->mutable_sgd()->set_momentum(1.0f);
+       },
+       "spec.optimizer.sgd.momentum"},
+      {"adamw beta1 > 1",
+       [](v1::ModuleSpec* s) {
+         s->mutable_optimizer()->mutable_adamw()->set_learning_rate(0.1f);
+         s->mutable_optimizer()->mutable_adamw()->set_beta1(1.5f);
+       },
+       "spec.optimizer.adamw.beta1"},
+      {"checkpoint on Linear", [](v1::ModuleSpec* s) { s->set_checkpoint(true); }, "checkpoint"},
+      {"negative eps",
+       [](v1::ModuleSpec* s) {
+         s->set_kind(v1::LAYERNORM_LINEAR);
+         s->set_layernorm_eps(-1e-5f);
+       },
+       "spec.layernorm_eps"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(4);
+    spec.set_out_features(4);
+    c.mutate(&spec);
+    auto created = client_->CreateModule(spec);
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(created.status().message().find(c.message), std::string::npos) << created.status();
+  }
+  EXPECT_EQ(host_.Stats().modules, 1);
   ExpectServes();
 }
 
