@@ -6,39 +6,8 @@
 set -euo pipefail
 server_bin=$1
 cli_bin=$2
-tmp=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then kill -9 "$server_pid"; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-passed=0
-failed=0
-check() {  # check NAME CONDITION-COMMAND...
-  local name=$1
-  shift
-  if "$@"; then
-    passed=$((passed + 1))
-    echo "ok   $name"
-  else
-    failed=$((failed + 1))
-    echo "FAIL $name"
-  fi
-}
-
-# Starts a server with the given flags, waits for its "listening on" line, sets $addr.
-start_server() {
-  "$server_bin" "$@" >"$tmp/server.log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 1 100); do
-    if grep -q 'listening on' "$tmp/server.log"; then break; fi
-    if ! kill -0 "$server_pid" 2>/dev/null; then break; fi
-    sleep 0.1
-  done
-  addr=$(sed -n 's/.*listening on //p' "$tmp/server.log" | head -1)
-  [ -n "$addr" ] || { echo "server did not start:"; cat "$tmp/server.log"; exit 1; }
-}
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
 start_server --listen 127.0.0.1:0
 echo "server at $addr"
@@ -100,5 +69,4 @@ for flag in --listen --device --log-level --max-message-mib --shutdown-grace; do
   check "--help documents $flag" grep -q -- "$flag" "$tmp/help.txt"
 done
 
-echo "e2e: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+finish

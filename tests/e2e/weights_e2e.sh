@@ -10,38 +10,8 @@
 set -euo pipefail
 server_bin=$1
 cli_bin=$2
-tmp=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then kill -9 "$server_pid"; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-passed=0
-failed=0
-check() {  # check NAME CONDITION-COMMAND...
-  local name=$1
-  shift
-  if "$@"; then
-    passed=$((passed + 1))
-    echo "ok   $name"
-  else
-    failed=$((failed + 1))
-    echo "FAIL $name"
-  fi
-}
-
-start_server() {
-  "$server_bin" "$@" >"$tmp/server.log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 1 100); do
-    if grep -q 'listening on' "$tmp/server.log"; then break; fi
-    if ! kill -0 "$server_pid" 2>/dev/null; then break; fi
-    sleep 0.1
-  done
-  addr=$(sed -n 's/.*listening on //p' "$tmp/server.log" | head -1)
-  [ -n "$addr" ] || { echo "server did not start:"; cat "$tmp/server.log"; exit 1; }
-}
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
 # cli NAME ARGS...: runs the CLI against the server, stdout to $tmp/NAME.out, stderr to
 # $tmp/NAME.err, exit status to $rc, without stopping the script when it fails.
@@ -265,5 +235,4 @@ set -e
 server_pid=""
 check "SIGTERM: exit 0" [ "$rc" = 0 ]
 
-echo "e2e: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+finish
