@@ -1,5 +1,7 @@
 // gradwire-server: hosts FP8 modules and serves them over gRPC.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -142,6 +144,10 @@ int main(int argc, char** argv) {
   gradwire::rpc::GradwireService service(
       host, *executor, {GRADWIRE_VERSION, device, description, checkpointer.get()});
 
+  // Standard discovery: grpc.health.v1 (probes, `gradwire health`) and server reflection (generic
+  // tools can list and call the API).
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   // One process per port: without this a second server would silently share the port.
@@ -157,6 +163,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   spdlog::info("gradwire {} on {}: {}", GRADWIRE_VERSION, device, description);
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(gradwire::v1::Gradwire::service_full_name(), true);
+  health->SetServingStatus(true);  // "" and every service named so far
   spdlog::info("listening on {}", BoundAddress(flags.listen, port));
 
   int signal_number = 0;
@@ -166,6 +175,7 @@ int main(int argc, char** argv) {
   const auto deadline =
       std::chrono::system_clock::now() +
       std::chrono::milliseconds(static_cast<int64_t>(flags.shutdown_grace_s * 1000));
+  health->SetServingStatus(false);  // probes see NOT_SERVING while in-flight calls drain
   server->Shutdown(deadline);  // refuses new calls; cancels what is still running at the deadline
   server->Wait();
   executor.reset();  // drains tasks the cancelled calls left behind

@@ -20,6 +20,22 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
+// Exit 0 only when the service is SERVING: the contract of a container or Kubernetes probe.
+int RunHealth(Client& client, const std::string& service, bool json) {
+  auto status = client.CheckHealth(service);
+  if (!status.ok()) return Fail(status.status());
+  if (json) {
+    std::cout << nlohmann::json{{"server", client.options().server},
+                                {"service", service},
+                                {"status", *status}}
+                     .dump()
+              << "\n";
+  } else {
+    std::printf("%s\n", status->c_str());
+  }
+  return *status == "SERVING" ? 0 : 1;
+}
+
 int RunInfo(Client& client, bool json) {
   auto info = client.GetServerInfo();
   if (!info.ok()) return Fail(info.status());
@@ -134,6 +150,15 @@ int main(int argc, char** argv) {
   CLI::App* info = app.add_subcommand("info", "show the server's device, modules and contexts");
   add_common(info);
 
+  std::string health_service;
+  CLI::App* health = app.add_subcommand(
+      "health",
+      "ask the server's grpc.health.v1 service; prints SERVING/NOT_SERVING and exits 0 only when "
+      "SERVING (for scripts and container probes)");
+  add_common(health);
+  health->add_option("--service", health_service,
+                     "service to ask about, e.g. gradwire.v1.Gradwire (default: the whole server)");
+
   gradwire::cli::DemoOptions demo_options;
   std::string wire = "f32";
   CLI::App* demo =
@@ -207,6 +232,7 @@ int main(int argc, char** argv) {
   Client client(options);
   if (auto s = client.WaitForReady(options.timeout); !s.ok()) return Fail(s);
   if (*info) return RunInfo(client, json);
+  if (*health) return RunHealth(client, health_service, json);
   if (*weights_export) return RunWeightsExport(client, module_id, weights_path, json);
   if (*weights_import) {
     return RunWeightsImport(client, module_id, weights_path, import_options, json);

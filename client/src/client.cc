@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/quantize.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 namespace gradwire::client {
 namespace {
@@ -157,6 +158,17 @@ absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
     return s;
   }
   return resp;
+}
+
+absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  ::grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  ::grpc::health::v1::HealthCheckResponse resp;
+  auto stub = ::grpc::health::v1::Health::NewStub(channel_);
+  if (auto s = FromGrpc("Health.Check", stub->Check(&ctx, req, &resp)); !s.ok()) return s;
+  return ::grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
 absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) {

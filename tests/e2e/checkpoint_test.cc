@@ -16,72 +16,13 @@
 #include <thread>
 
 #include "gradwire/client/client.h"
-
-extern char** environ;
+#include "server_process.h"
 
 namespace gradwire {
 namespace {
 
 using client::HostTensor;
-
-// A gradwire-server child process; its log goes to a file.
-class ServerProcess {
- public:
-  ServerProcess(const std::string& base, const std::string& checkpoint_dir) {
-    log_ = base + "/server-" + std::to_string(++starts_) + ".log";
-    std::vector<std::string> args = {GRADWIRE_SERVER_BIN,
-                                     "--listen",
-                                     "127.0.0.1:0",
-                                     "--checkpoint-dir",
-                                     checkpoint_dir,
-                                     "--checkpoint-every",
-                                     "2",
-                                     "--log-level",
-                                     "info"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ), 0);
-    posix_spawn_file_actions_destroy(&actions);
-    for (int i = 0; i < 200 && address_.empty(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      const std::string text = Log();
-      const auto at = text.find("listening on ");
-      if (at != std::string::npos) {
-        address_ = text.substr(at + 13, text.find('\n', at) - at - 13);
-      }
-    }
-    EXPECT_FALSE(address_.empty()) << Log();
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) Signal(SIGKILL);
-  }
-  // Sends `sig` and returns the exit status (or 128 + signal).
-  int Signal(int sig) {
-    kill(pid_, sig);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  std::string Log() const {
-    std::ifstream in(log_);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-  const std::string& address() const { return address_; }
-
- private:
-  static inline int starts_ = 0;
-  pid_t pid_ = -1;
-  std::string log_;
-  std::string address_;
-};
+using testing::ServerProcess;
 
 HostTensor Random(std::vector<int64_t> shape, std::mt19937& rng) {
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -107,7 +48,7 @@ TEST(CheckpointTest, SigkillLosesNothingCheckpointedAndShutdownSavesAll) {
   std::string id;
   client::NamedTensors checkpointed;
   {
-    ServerProcess server(base, dir);
+    ServerProcess server(base, {"--checkpoint-dir", dir, "--checkpoint-every", "2"});
     client::ClientOptions options;
     options.server = server.address();
     client::Client client(options);
@@ -139,7 +80,7 @@ TEST(CheckpointTest, SigkillLosesNothingCheckpointedAndShutdownSavesAll) {
     EXPECT_EQ(server.Signal(SIGKILL), 128 + SIGKILL);
   }
   {
-    ServerProcess server(base, dir);
+    ServerProcess server(base, {"--checkpoint-dir", dir, "--checkpoint-every", "2"});
     EXPECT_NE(server.Log().find("restored 1 modules"), std::string::npos) << server.Log();
     client::ClientOptions options;
     options.server = server.address();
@@ -163,7 +104,7 @@ TEST(CheckpointTest, SigkillLosesNothingCheckpointedAndShutdownSavesAll) {
     EXPECT_EQ(server.Signal(SIGTERM), 0) << server.Log();
   }
   {
-    ServerProcess server(base, dir);
+    ServerProcess server(base, {"--checkpoint-dir", dir, "--checkpoint-every", "2"});
     client::ClientOptions options;
     options.server = server.address();
     client::Client client(options);
@@ -175,7 +116,7 @@ TEST(CheckpointTest, SigkillLosesNothingCheckpointedAndShutdownSavesAll) {
     EXPECT_EQ(server.Signal(SIGTERM), 0);
   }
   {
-    ServerProcess server(base, dir);
+    ServerProcess server(base, {"--checkpoint-dir", dir, "--checkpoint-every", "2"});
     EXPECT_NE(server.Log().find("restored 0 modules"), std::string::npos) << server.Log();
     EXPECT_EQ(server.Signal(SIGTERM), 0);
   }

@@ -30,6 +30,12 @@ check "demo showed progress" grep -q 'training' "$tmp/demo.err"
 check "demo cleaned up its modules and contexts" \
   grep -q '"live_contexts":0,"module_list":\[\],"modules":0' "$tmp/info.json"
 
+# Health, as a container probe sees it: exit 0 only when SERVING.
+check "health: SERVING, exit 0" bash -c "'$cli_bin' health --server '$addr' | grep -qx SERVING"
+check "health of the gradwire service" \
+  "$cli_bin" health --server "$addr" --service gradwire.v1.Gradwire
+check "health of an unknown service: exit 1" bash -c "! '$cli_bin' health --server '$addr' --service nope 2>/dev/null"
+
 # A second server on the same port is refused with a clear message.
 port=${addr##*:}
 set +e
@@ -61,6 +67,7 @@ rc_help=$?
 set -e
 check "unreachable server: exit 1" [ "$rc" = 1 ]
 check "unreachable server: UNAVAILABLE" grep -q "UNAVAILABLE" "$tmp/unreach.txt"
+check "health of a stopped server: exit 1" bash -c "! '$cli_bin' health --server '127.0.0.1:$port' --timeout 1 2>/dev/null"
 check "bad --device refused" [ "$rc_bogus" != 0 ]
 check "--device cuda without usable CUDA kernels: exit 2 with reason" \
   bash -c "[ $rc_cuda = 2 ] && grep -q -- '--device cuda' '$tmp/cuda.txt'"

@@ -72,6 +72,9 @@ class Client {
   absl::Status WaitForReady(std::chrono::milliseconds timeout);
 
   absl::StatusOr<v1::GetServerInfoResponse> GetServerInfo();
+  // grpc.health.v1 Check of `service` ("" is the server as a whole): "SERVING", "NOT_SERVING" or
+  // "UNKNOWN"; NOT_FOUND when the server does not know the service.
+  absl::StatusOr<std::string> CheckHealth(const std::string& service = "");
   absl::StatusOr<v1::ModuleInfo> CreateModule(const v1::ModuleSpec& spec);
   absl::StatusOr<std::vector<v1::ModuleInfo>> ListModules();
   absl::Status DeleteModule(const std::string& module_id);
