@@ -2,6 +2,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <httplib.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +14,7 @@
 
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
+#include "server/metrics.h"
 #include "server/rpc/service.h"
 #ifdef GRADWIRE_HAVE_CUDA
 #include "device_query.h"
@@ -26,6 +28,7 @@ struct ServerFlags {
   std::string log_level = "info";
   int max_message_mib = 64;        // largest request/response message
   double shutdown_grace_s = 10.0;  // in-flight calls get this long on SIGINT/SIGTERM
+  std::string metrics_listen;      // host:port of the Prometheus endpoint; empty: off
   std::string checkpoint_dir;      // empty: modules live only in memory
   int64_t checkpoint_every = 100;  // optimizer steps between a module's checkpoints
 };
@@ -102,6 +105,9 @@ int main(int argc, char** argv) {
                  "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
+  app.add_option("--metrics-listen", flags.metrics_listen,
+                 "serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; off if "
+                 "empty)");
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "directory for module checkpoints: restored at start, written on create, weight "
                  "upload, every --checkpoint-every optimizer steps and at shutdown (off if empty)");
@@ -141,8 +147,35 @@ int main(int argc, char** argv) {
     spdlog::info("restored {} modules from {}", *restored, flags.checkpoint_dir);
   }
   auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
-  gradwire::rpc::GradwireService service(
-      host, *executor, {GRADWIRE_VERSION, device, description, checkpointer.get()});
+  gradwire::server::Metrics metrics;
+  gradwire::rpc::ServiceOptions service_options{GRADWIRE_VERSION, device, description,
+                                                checkpointer.get()};
+  service_options.on_rpc_done = [&metrics](const char* method, absl::StatusCode code,
+                                           double seconds) {
+    metrics.ObserveRpc(method, code, seconds);
+  };
+  gradwire::rpc::GradwireService service(host, *executor, std::move(service_options));
+
+  // The metrics endpoint: its own small HTTP server thread, off the gRPC path.
+  httplib::Server http;
+  std::thread http_thread;
+  if (!flags.metrics_listen.empty()) {
+    const auto colon = flags.metrics_listen.rfind(':');
+    const std::string http_host = flags.metrics_listen.substr(0, colon);
+    const int wanted =
+        colon == std::string::npos ? -1 : std::atoi(flags.metrics_listen.c_str() + colon + 1);
+    http.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics.Render(host), "text/plain; version=0.0.4");
+    });
+    const int bound = wanted == 0 ? http.bind_to_any_port(http_host)
+                                  : (http.bind_to_port(http_host, wanted) ? wanted : -1);
+    if (colon == std::string::npos || wanted < 0 || bound <= 0) {
+      spdlog::error("cannot serve metrics on {} (want HOST:PORT, free port)", flags.metrics_listen);
+      return 1;
+    }
+    http_thread = std::thread([&http] { http.listen_after_bind(); });
+    spdlog::info("metrics on http://{}:{}/metrics", http_host, bound);
+  }
 
   // Standard discovery: grpc.health.v1 (probes, `gradwire health`) and server reflection (generic
   // tools can list and call the API).
@@ -179,6 +212,10 @@ int main(int argc, char** argv) {
   server->Shutdown(deadline);  // refuses new calls; cancels what is still running at the deadline
   server->Wait();
   executor.reset();  // drains tasks the cancelled calls left behind
+  if (http_thread.joinable()) {
+    http.stop();
+    http_thread.join();
+  }
   int exit_code = 0;
   if (checkpointer) {
     auto saved = checkpointer->SaveAll(host);

@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <chrono>
+
 #include "gradwire/kernels/gemm.h"
 #include "gradwire/kernels/quantize.h"
 #include "server/core/status_macros.h"
@@ -17,7 +20,27 @@ at::Tensor EmptyFloat(int64_t rows, int64_t cols) {
   return at::empty({rows, cols}, at::TensorOptions().dtype(at::kFloat));
 }
 
+std::atomic<double> g_gemm_flops{0};
+std::atomic<double> g_gemm_seconds{0};
+
+void Add(std::atomic<double>& counter, double value) {
+  double seen = counter.load(std::memory_order_relaxed);
+  while (!counter.compare_exchange_weak(seen, seen + value, std::memory_order_relaxed)) {
+  }
+}
+
+// Runs one GEMM and counts its work.
+void RunGemm(const kernels::Fp8GemmArgs& gemm) {
+  const auto start = std::chrono::steady_clock::now();
+  kernels::Fp8Gemm(gemm);
+  Add(g_gemm_seconds,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  Add(g_gemm_flops, 2.0 * double(gemm.m) * double(gemm.n) * double(gemm.k));
+}
+
 }  // namespace
+
+GemmCounters GemmTotals() { return {g_gemm_flops.load(), g_gemm_seconds.load()}; }
 
 bool WeightWorkspace::has_columnwise() const {
   for (const Fp8Tensor& w : weights) {
@@ -37,10 +60,11 @@ bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool train
          (!training || ws->has_columnwise());
 }
 
-absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(
-    const WorkspacePtr& cached, uint64_t weight_version, bool training,
-    const std::vector<at::Tensor>& weights, const std::vector<QuantizerConfig>& quantizers,
-    const std::vector<at::Tensor>& aux) {
+absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
+                                                    uint64_t weight_version, bool training,
+                                                    const std::vector<at::Tensor>& weights,
+                                                    const std::vector<QuantizerConfig>& quantizers,
+                                                    const std::vector<at::Tensor>& aux) {
   if (WorkspaceUsable(cached, weight_version, training) &&
       cached->weights.size() == weights.size()) {
     return WorkspaceResult{cached, false};
@@ -68,7 +92,7 @@ at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bi
   gemm.k = x.cols;
   gemm.c = y.data_ptr<float>();
   gemm.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  kernels::Fp8Gemm(gemm);
+  RunGemm(gemm);
   return y;
 }
 
@@ -81,7 +105,7 @@ at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) {
   gemm.n = w.cols;
   gemm.k = dy.cols;
   gemm.c = dx.data_ptr<float>();
-  kernels::Fp8Gemm(gemm);
+  RunGemm(gemm);
   return dx;
 }
 
@@ -94,7 +118,7 @@ void Fp8WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc
   gemm.k = dy.rows;
   gemm.c = acc.data_ptr<float>();
   gemm.accumulate = true;
-  kernels::Fp8Gemm(gemm);
+  RunGemm(gemm);
 }
 
 void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) {

@@ -55,6 +55,13 @@ void Fp8WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc
 // acc[N] += column sums of g[M, N] (fp32, unquantized).
 void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc);
 
+// FP8 GEMM work since the process started (all threads): what metrics report as achieved FLOP/s.
+struct GemmCounters {
+  double flops = 0;    // 2 * m * n * k per GEMM
+  double seconds = 0;  // wall time inside the GEMMs
+};
+GemmCounters GemmTotals();
+
 // Flattens [..., last] to a contiguous float32 [rows, last].
 at::Tensor As2D(const at::Tensor& t);
 

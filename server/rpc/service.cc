@@ -195,7 +195,7 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(grpc::CallbackServerConte
                                                        std::function<absl::Status()> work) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto queued_at = std::chrono::steady_clock::now();
-  executor_.Submit([ctx, reactor, method, queued_at, work = std::move(work)] {
+  executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work)] {
     absl::Status status;
     if (ctx->IsCancelled()) {
       status = absl::CancelledError(absl::StrCat(method, " was cancelled before it started"));
@@ -217,6 +217,7 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(grpc::CallbackServerConte
       spdlog::info("{} {} in {:.2f} ms: {}", method, absl::StatusCodeToString(status.code()), ms,
                    std::string(status.message()));
     }
+    if (options_.on_rpc_done) options_.on_rpc_done(method, status.code(), ms / 1000.0);
     reactor->Finish(ToGrpc(status));
   });
   return reactor;
@@ -226,6 +227,7 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
                                                          const v1::GetServerInfoRequest*,
                                                          v1::GetServerInfoResponse* resp) {
   // Counters only: cheap and lock-light, so it answers in the reactor even while compute runs.
+  const auto start = std::chrono::steady_clock::now();
   const core::HostStats stats = host_.Stats();
   resp->set_version(options_.version);
   resp->set_device(options_.device);
@@ -236,6 +238,11 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_modules(stats.modules);
   resp->set_live_contexts(stats.live_contexts);
   resp->set_context_bytes(stats.context_bytes);
+  if (options_.on_rpc_done) {
+    options_.on_rpc_done(
+        "GetServerInfo", absl::StatusCode::kOk,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -18,6 +18,8 @@ struct ServiceOptions {
   std::string device_name;  // human-readable description of the device
   // Persists modules on create, weight upload, delete and every N optimizer steps; null: none.
   const core::Checkpointer* checkpointer = nullptr;
+  // Called once per finished RPC with its method, status and seconds since arrival (metrics).
+  std::function<void(const char* method, absl::StatusCode code, double seconds)> on_rpc_done;
 };
 
 class GradwireService final : public v1::Gradwire::CallbackService {

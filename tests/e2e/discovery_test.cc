@@ -1,9 +1,14 @@
-// Discovery with the real gradwire-server binary: grpc.health.v1 and server reflection.
+// Discovery and observability with the real gradwire-server binary: grpc.health.v1, server
+// reflection and the Prometheus metrics endpoint.
 #include <google/protobuf/descriptor.pb.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include <cstdlib>
+#include <map>
+#include <regex>
+#include <sstream>
 
 #include "gradwire/client/client.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
@@ -77,6 +82,80 @@ TEST_F(DiscoveryTest, HealthIsServingForTheServerAndTheGradwireService) {
   EXPECT_EQ(client.CheckHealth("").value_or("error"), "SERVING");
   EXPECT_EQ(client.CheckHealth("gradwire.v1.Gradwire").value_or("error"), "SERVING");
   EXPECT_EQ(client.CheckHealth("no.such.Service").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace gradwire
+
+namespace gradwire {
+namespace {
+
+// name{labels} value, as the Prometheus text format writes a sample.
+const std::regex kSample(
+    R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (-?[0-9.]+(e[-+]?[0-9]+)?|NaN|[+-]Inf)$)");
+
+TEST(MetricsTest, PrometheusEndpointCountsCallsAndShowsState) {
+  char dir[] = "/tmp/gradwire-metrics-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  ServerProcess server(dir, {"--metrics-listen", "127.0.0.1:0"});
+  const std::string log = server.Log();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(metrics on http://([0-9.]+):([0-9]+)/)")))
+      << log;
+  const std::string host = m[1];
+  const int port = std::stoi(m[2]);
+
+  client::ClientOptions options;
+  options.server = server.address();
+  client::Client client(options);
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LINEAR);
+  spec.set_in_features(8);
+  spec.set_out_features(4);
+  spec.set_name("probe");
+  spec.mutable_recipe()->set_scaling(v1::DELAYED);
+  auto info = client.CreateModule(spec);
+  ASSERT_TRUE(info.ok());
+  client::HostTensor x = client::HostTensor::Zeros({3, 8});
+  for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = 0.25f * float(i % 7) - 0.6f;
+  for (int i = 0; i < 2; ++i) {
+    auto f = client.Forward(info->module_id(), x, true);
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE(client.Backward(f->context_id, client::HostTensor::Zeros({3, 4})).ok());
+  }
+  EXPECT_FALSE(client.Forward("nope", x, false).ok());
+
+  httplib::Client http(host, port);
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  std::map<std::string, std::string> samples;
+  std::istringstream lines(res->body);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::smatch s;
+    ASSERT_TRUE(std::regex_match(line, s, kSample)) << "not a sample: " << line;
+    samples[std::string(s[1]) + std::string(s[2])] = s[3];
+  }
+  EXPECT_EQ(samples["gradwire_rpc_total{method=\"Forward\",code=\"OK\"}"], "2");
+  EXPECT_EQ(samples["gradwire_rpc_total{method=\"Forward\",code=\"NOT_FOUND\"}"], "1");
+  EXPECT_EQ(samples["gradwire_rpc_total{method=\"Backward\",code=\"OK\"}"], "2");
+  EXPECT_EQ(samples["gradwire_rpc_duration_seconds_count{method=\"Forward\"}"], "3");
+  EXPECT_EQ(samples["gradwire_rpc_duration_seconds_bucket{method=\"Forward\",le=\"+Inf\"}"], "3");
+  EXPECT_EQ(samples["gradwire_live_contexts"], "0");
+  EXPECT_EQ(samples["gradwire_workspace_builds_total"], "1");
+  EXPECT_EQ(samples["gradwire_workspace_hits_total"], "1");
+  EXPECT_EQ(samples["gradwire_module_weight_version{module=\"" + info->module_id() +
+                    "\",name=\"probe\"}"],
+            "1");
+  // Delayed scaling: after two steps the input scale is 448 / amax(x) = 448 / 0.9.
+  const std::string role = "{module=\"" + info->module_id() + "\",name=\"probe\",role=\"input\"}";
+  EXPECT_NEAR(std::stod(samples["gradwire_fp8_scale" + role]), 448.0 / 0.9, 1e-3);
+  EXPECT_NEAR(std::stod(samples["gradwire_fp8_amax" + role]), 0.9, 1e-6);
+  EXPECT_GT(std::stod(samples["gradwire_gemm_flops_total"]), 0.0);
+  EXPECT_EQ(server.Signal(SIGKILL), 128 + SIGKILL);
+  EXPECT_EQ(std::system((std::string("rm -rf ") + dir).c_str()), 0);
 }
 
 }  // namespace

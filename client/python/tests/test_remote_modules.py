@@ -1,0 +1,176 @@
+"""Remote modules from PyTorch: gradients against float64 references, context lifetimes,
+weights in safetensors, and the digits example in a shortened form."""
+
+import gc
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradwire
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+
+E4M3 = (4, 3, 448.0)
+E5M2 = (5, 2, 57344.0)
+
+
+def fake_fp8(x: torch.Tensor, fmt) -> torch.Tensor:
+    """float64 value of x cast to FP8 with per-tensor current scaling (as the server casts it):
+    round to nearest even at the format's precision, saturate, then undo the scale."""
+    exponent_bits, mantissa_bits, fp8_max = fmt
+    x = x.detach().float()
+    amax = x.abs().max().item()
+    scale = torch.tensor(fp8_max / amax if amax > 0 else 1.0, dtype=torch.float32)
+    v = (x * scale).double()  # the multiply happens in fp32 on the server
+    a = v.abs()
+    min_exp = 2 - (1 << (exponent_bits - 1))
+    exp = torch.floor(torch.log2(a.clamp(min=2.0 ** min_exp))).clamp(min=min_exp)
+    quantum = torch.pow(2.0, exp - mantissa_bits)
+    r = torch.round(a / quantum) * quantum
+    r = torch.where(a >= fp8_max, torch.tensor(fp8_max, dtype=torch.float64), r.clamp(max=fp8_max))
+    return torch.sign(v) * r * (1.0 / scale).double()
+
+
+def live_contexts(client):
+    return client.server_info().live_contexts
+
+
+def close_to_sum(actual, expected, terms, rel=2e-5):
+    """Within fp32 accumulation error of a sum whose |terms| add up to ``terms``."""
+    excess = (actual.double() - expected).abs() - (rel * terms + 1e-6)
+    return excess.max().item() <= 0
+
+
+def test_linear_gradients_match_float64_on_dequantized_operands(client):
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    m = gradwire.RemoteLinear(client, 24, 10, seed=3)
+    w = m.get_weights()
+    x = torch.randn(7, 24, requires_grad=True)
+    dy = torch.randn(7, 10)
+    y = m(x)
+    assert live_contexts(client) == 1
+    y.backward(dy)
+    assert live_contexts(client) == 0  # backward freed the context
+
+    xq, wq, dyq = fake_fp8(x, E4M3), fake_fp8(w["weight"], E4M3), fake_fp8(dy, E5M2)
+    b = w["bias"].double()
+    assert close_to_sum(y.detach(), xq @ wq.T + b, xq.abs() @ wq.abs().T + b.abs())
+    assert close_to_sum(x.grad, dyq @ wq, dyq.abs() @ wq.abs())
+    g = m.get_gradients()
+    assert close_to_sum(g["weight"], dyq.T @ xq, dyq.abs().T @ xq.abs())
+    assert torch.allclose(g["bias"].double(), dy.double().sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_mlp_gradients_match_float64_autograd(client):
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    m = gradwire.RemoteLayerNormMLP(client, 32, 48, activation="swiglu", seed=5)
+    w = {k: v.double().requires_grad_() for k, v in m.get_weights().items()}
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    dy = torch.randn(2, 9, 32)
+    m(x).backward(dy)
+
+    x64 = x.detach().double().requires_grad_()
+    h = F.layer_norm(x64, (32,), w["layer_norm_weight"], w["layer_norm_bias"], 1e-5)
+    h = F.linear(h, w["fc1_weight"], w["fc1_bias"])
+    a, gate = h.chunk(2, dim=-1)
+    y64 = F.linear(F.silu(a) * gate, w["fc2_weight"], w["fc2_bias"])
+    y64.backward(dy.double())
+    rel = (x.grad.double() - x64.grad).norm() / x64.grad.norm()
+    assert rel < 0.25, f"grad_input relative error {rel:.3f}"
+    grads = m.get_gradients()
+    for name in ("fc1_weight", "fc2_weight", "layer_norm_weight"):
+        rel = (grads[name].double() - w[name].grad).norm() / w[name].grad.norm()
+        assert rel < 0.25, f"{name} relative error {rel:.3f}"
+
+
+def test_no_grad_and_eval_forwards_leave_nothing_on_the_server(client):
+    m = gradwire.RemoteLinear(client, 8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.no_grad():
+        y = m(x)
+    assert not y.requires_grad
+    m.eval()
+    y = m(x)
+    assert y.grad_fn is None
+    assert live_contexts(client) == 0
+
+
+def test_dropping_a_graph_releases_its_context(client):
+    m = gradwire.RemoteLinear(client, 8, 4)
+    y = m(torch.randn(3, 8, requires_grad=True))
+    assert live_contexts(client) == 1
+    del y
+    gc.collect()
+    assert live_contexts(client) == 0
+
+
+def test_first_layer_without_input_grad_still_trains(client):
+    m = gradwire.RemoteLinear(client, 8, 4, learning_rate=0.1)
+    before = m.get_weights()["weight"]
+    x = torch.randn(16, 8)  # data: no gradient wanted
+    (m(x) ** 2).mean().backward()
+    assert m.get_gradients()["weight"].abs().sum() > 0
+    assert m.apply_gradients() == 2
+    assert not torch.equal(m.get_weights()["weight"], before)
+
+
+def test_server_errors_become_exceptions_and_change_nothing(client):
+    m = gradwire.RemoteLinear(client, 8, 4)
+    with pytest.raises(gradwire.GradwireError) as e:
+        m(torch.randn(3, 7))
+    assert e.value.code == "INVALID_ARGUMENT" and "input.shape" in e.value.message
+    assert live_contexts(client) == 0
+
+
+def test_safetensors_round_trip_is_bit_exact(client):
+    a = gradwire.RemoteLayerNormLinear(client, 12, 6, seed=1)
+    b = gradwire.RemoteLayerNormLinear(client, 12, 6, seed=2)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "a.safetensors")
+        a.export_safetensors(path)
+        b.import_safetensors(path)
+    wa, wb = a.get_weights(), b.get_weights()
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_bf16_wire_trains_too(server):
+    c = gradwire.Client(server, wire_dtype="bf16")
+    m = gradwire.RemoteLinear(c, 8, 4)
+    x = torch.randn(5, 8, requires_grad=True)
+    m(x).sum().backward()
+    assert x.grad.shape == (5, 8) and x.grad.abs().sum() > 0
+    c.close()
+
+
+def test_digits_example_shortened(client):
+    import digits
+    history = digits.train(client, epochs=4, seed=0, log=lambda s: None)
+    assert history["fp8_acc"][-1] >= 0.90, history
+    assert abs(history["fp8_acc"][-1] - history["f32_acc"][-1]) <= 0.02, history
+
+
+def test_safetensors_files_interoperate_with_the_cli(client, server):
+    import subprocess
+    from conftest import CLI_BIN
+    from gradwire import safetensors
+    a = gradwire.RemoteLinear(client, 8, 4, seed=1)
+    b = gradwire.RemoteLinear(client, 8, 4, seed=2)
+    with tempfile.TemporaryDirectory() as d:
+        ours, theirs = os.path.join(d, "py.safetensors"), os.path.join(d, "cli.safetensors")
+        a.export_safetensors(ours)
+        run = subprocess.run([CLI_BIN, "weights", "import", "--server", server, "--module",
+                              b.module_id, ours], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        assert all(torch.equal(a.get_weights()[k], b.get_weights()[k]) for k in ("weight", "bias"))
+        run = subprocess.run([CLI_BIN, "weights", "export", "--server", server, "--module",
+                              b.module_id, theirs], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        tensors, metadata = safetensors.load(theirs)
+        assert metadata["module_id"] == b.module_id
+        assert torch.equal(tensors["weight"], a.get_weights()["weight"])

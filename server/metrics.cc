@@ -1,0 +1,121 @@
+#include "server/metrics.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "server/core/fp8_ops.h"
+
+namespace gradwire::server {
+namespace {
+
+// Label values escape backslash, quote and newline.
+std::string Escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+std::string Number(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  std::ostringstream s;
+  s.precision(17);
+  s << v;
+  return s.str();
+}
+
+void Header(std::ostringstream& out, const char* name, const char* type, const char* help) {
+  out << "# HELP " << name << ' ' << help << "\n# TYPE " << name << ' ' << type << '\n';
+}
+
+}  // namespace
+
+void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++calls_[{method, absl::StatusCodeToString(code)}];
+  Histogram& h = latency_[method];
+  size_t b = 0;
+  while (b < kBuckets.size() && seconds > kBuckets[b]) ++b;
+  if (b < kBuckets.size()) ++h.buckets[b];
+  ++h.count;
+  h.sum += seconds;
+}
+
+std::string Metrics::Render(const core::ModuleHost& host) const {
+  std::ostringstream out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Header(out, "gradwire_rpc_total", "counter", "RPCs finished, by method and status code.");
+    for (const auto& [key, n] : calls_) {
+      out << "gradwire_rpc_total{method=\"" << Escape(key.first) << "\",code=\""
+          << Escape(key.second) << "\"} " << n << '\n';
+    }
+    Header(out, "gradwire_rpc_duration_seconds", "histogram",
+           "Time from a call's arrival to its status, by method.");
+    for (const auto& [method, h] : latency_) {
+      int64_t cumulative = 0;
+      for (size_t b = 0; b < kBuckets.size(); ++b) {
+        cumulative += h.buckets[b];
+        out << "gradwire_rpc_duration_seconds_bucket{method=\"" << Escape(method) << "\",le=\""
+            << Number(kBuckets[b]) << "\"} " << cumulative << '\n';
+      }
+      out << "gradwire_rpc_duration_seconds_bucket{method=\"" << Escape(method)
+          << "\",le=\"+Inf\"} " << h.count << '\n';
+      out << "gradwire_rpc_duration_seconds_sum{method=\"" << Escape(method) << "\"} "
+          << Number(h.sum) << '\n';
+      out << "gradwire_rpc_duration_seconds_count{method=\"" << Escape(method) << "\"} " << h.count
+          << '\n';
+    }
+  }
+  const core::HostStats stats = host.Stats();
+  Header(out, "gradwire_modules", "gauge", "Modules hosted.");
+  out << "gradwire_modules " << stats.modules << '\n';
+  Header(out, "gradwire_live_contexts", "gauge", "Training contexts waiting for a backward.");
+  out << "gradwire_live_contexts " << stats.live_contexts << '\n';
+  Header(out, "gradwire_context_bytes", "gauge", "Bytes of saved tensors held by live contexts.");
+  out << "gradwire_context_bytes{memory=\"host\"} " << stats.context_bytes << '\n';
+  Header(out, "gradwire_workspace_builds_total", "counter",
+         "FP8 weight casts: weight-workspace cache misses.");
+  out << "gradwire_workspace_builds_total " << stats.workspace_builds << '\n';
+  Header(out, "gradwire_workspace_hits_total", "counter", "Weight-workspace cache hits.");
+  out << "gradwire_workspace_hits_total " << stats.workspace_hits << '\n';
+  const core::GemmCounters gemm = core::GemmTotals();
+  Header(out, "gradwire_gemm_flops_total", "counter", "Floating-point operations of FP8 GEMMs.");
+  out << "gradwire_gemm_flops_total " << Number(gemm.flops) << '\n';
+  Header(out, "gradwire_gemm_seconds_total", "counter",
+         "Time spent in FP8 GEMMs (achieved FLOP/s = rate(flops) / rate(seconds)).");
+  out << "gradwire_gemm_seconds_total " << Number(gemm.seconds) << '\n';
+
+  Header(out, "gradwire_module_weight_version", "gauge", "Weight version of each module.");
+  std::ostringstream scale, amax;
+  for (const core::ModuleInfo& m : host.List()) {
+    const std::string labels =
+        "module=\"" + Escape(m.module_id) + "\",name=\"" + Escape(m.spec.name) + "\"";
+    out << "gradwire_module_weight_version{" << labels << "} " << m.weight_version << '\n';
+    auto roles = host.Scaling(m.module_id);
+    if (!roles.ok()) continue;  // deleted meanwhile
+    for (const core::RoleScaling& r : *roles) {
+      const std::string role = labels + ",role=\"" + Escape(r.role) + "\"";
+      scale << "gradwire_fp8_scale{" << role << "} " << Number(r.scale) << '\n';
+      if (!r.history.empty()) {
+        amax << "gradwire_fp8_amax{" << role << "} " << Number(r.history.front()) << '\n';
+      }
+    }
+  }
+  Header(
+      out, "gradwire_fp8_scale", "gauge",
+      "Scale the next cast of each tensor role uses (delayed scaling), 1 under current scaling.");
+  out << scale.str();
+  Header(out, "gradwire_fp8_amax", "gauge", "Amax of the last step's cast of each tensor role.");
+  out << amax.str();
+  return out.str();
+}
+
+}  // namespace gradwire::server
