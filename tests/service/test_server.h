@@ -17,7 +17,7 @@ class TestServer {
   TestServer() {
     executor_ = std::make_unique<core::DeviceExecutor>("cpu");
     service_ = std::make_unique<rpc::GradwireService>(
-        host_, *executor_, rpc::ServiceOptions{"test", "cpu", "test CPU"});
+        host_, *executor_, rpc::ServiceOptions{"test", "cpu", "test CPU", nullptr, {}});
     grpc::ServerBuilder builder;
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
