@@ -3,6 +3,8 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <httplib.h>
+#include <spdlog/pattern_formatter.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -26,12 +28,80 @@ struct ServerFlags {
   std::string listen = "127.0.0.1:50051";  // loopback unless told otherwise
   std::string device = "auto";             // auto | cpu | cuda
   std::string log_level = "info";
-  int max_message_mib = 64;        // largest request/response message
-  double shutdown_grace_s = 10.0;  // in-flight calls get this long on SIGINT/SIGTERM
-  std::string metrics_listen;      // host:port of the Prometheus endpoint; empty: off
-  std::string checkpoint_dir;      // empty: modules live only in memory
-  int64_t checkpoint_every = 100;  // optimizer steps between a module's checkpoints
+  std::string log_format = "text";  // text | json (one JSON object a line)
+  int max_message_mib = 64;         // largest request/response message
+  double shutdown_grace_s = 10.0;   // in-flight calls get this long on SIGINT/SIGTERM
+  std::string metrics_listen;       // host:port of the Prometheus endpoint; empty: off
+  std::string checkpoint_dir;       // empty: modules live only in memory
+  int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
 };
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += char(c);
+        }
+    }
+  }
+  return out;
+}
+
+// %* in a pattern: the message, escaped for a JSON string.
+class JsonMessageFlag : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&,
+              spdlog::memory_buf_t& dest) override {
+    const std::string escaped = JsonEscape(std::string(msg.payload.data(), msg.payload.size()));
+    dest.append(escaped.data(), escaped.data() + escaped.size());
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override {
+    return std::make_unique<JsonMessageFlag>();
+  }
+};
+
+// One line per RPC with its request-scoped fields: debug when OK, info when not.
+void LogRpc(const gradwire::rpc::RpcRecord& r, bool json) {
+  const bool ok = r.code == absl::StatusCode::kOk;
+  const auto level = ok ? spdlog::level::debug : spdlog::level::info;
+  if (!spdlog::should_log(level)) return;
+  const std::string code = absl::StatusCodeToString(r.code);
+  const double ms = r.seconds * 1000.0;
+  if (!json) {
+    spdlog::log(level, "{} {} in {:.2f} ms{}{}{}{}", r.method, code, ms,
+                r.module_id.empty() ? "" : " module=", r.module_id,
+                r.context_id.empty() ? "" : " context=", r.context_id);
+    if (!ok) spdlog::log(level, "  {}: {}", r.method, r.message);
+    return;
+  }
+  // The "rpc" logger's pattern opens the object with time and level; the fields follow.
+  static const std::shared_ptr<spdlog::logger> rpc = [] {
+    auto logger = spdlog::stdout_color_mt("rpc");
+    logger->set_pattern(R"({"time":"%Y-%m-%dT%H:%M:%S.%e","level":"%l",%v})");
+    logger->set_level(spdlog::get_level());
+    return logger;
+  }();
+  rpc->log(level,
+           R"("msg":"rpc","method":"{}","code":"{}","duration_ms":{:.3f},"module":"{}",)"
+           R"("context":"{}","error":"{}")",
+           r.method, code, ms, JsonEscape(r.module_id), JsonEscape(r.context_id),
+           JsonEscape(r.message));
+}
 
 // Replaces a trailing ":0" port with the port the server actually bound.
 std::string BoundAddress(const std::string& listen, int port) {
@@ -97,6 +167,11 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
+  app.add_option("--log-format", flags.log_format,
+                 "text, or json: one JSON object a line (time, level, msg; RPC lines also carry "
+                 "method, code, duration_ms, module, context)")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
   app.add_option("--max-message-mib", flags.max_message_mib,
                  "largest gRPC message accepted or sent, in MiB")
       ->check(CLI::Range(1, 2047))
@@ -118,7 +193,15 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ gradwire-server: %v");
+  const bool json_logs = flags.log_format == "json";
+  if (json_logs) {
+    auto formatter = std::make_unique<spdlog::pattern_formatter>();
+    formatter->add_flag<JsonMessageFlag>('*').set_pattern(
+        R"({"time":"%Y-%m-%dT%H:%M:%S.%e","level":"%l","msg":"%*"})");
+    spdlog::set_formatter(std::move(formatter));
+  } else {
+    spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ gradwire-server: %v");
+  }
 
   // Signals are taken by sigwait below; block them before any thread starts so none gets them.
   sigset_t signals;
@@ -150,9 +233,9 @@ int main(int argc, char** argv) {
   gradwire::server::Metrics metrics;
   gradwire::rpc::ServiceOptions service_options{GRADWIRE_VERSION, device, description,
                                                 checkpointer.get()};
-  service_options.on_rpc_done = [&metrics](const char* method, absl::StatusCode code,
-                                           double seconds) {
-    metrics.ObserveRpc(method, code, seconds);
+  service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
+    metrics.ObserveRpc(r.method, r.code, r.seconds);
+    LogRpc(r, json_logs);
   };
   gradwire::rpc::GradwireService service(host, *executor, std::move(service_options));
 

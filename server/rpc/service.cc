@@ -192,10 +192,13 @@ void GradwireService::Persist(const std::string& module_id) const {
 
 grpc::ServerUnaryReactor* GradwireService::RunOnDevice(grpc::CallbackServerContext* ctx,
                                                        const char* method,
-                                                       std::function<absl::Status()> work) {
+                                                       std::function<absl::Status()> work,
+                                                       std::string module_id,
+                                                       std::string context_id) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto queued_at = std::chrono::steady_clock::now();
-  executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work)] {
+  executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work),
+                    module_id = std::move(module_id), context_id = std::move(context_id)] {
     absl::Status status;
     if (ctx->IsCancelled()) {
       status = absl::CancelledError(absl::StrCat(method, " was cancelled before it started"));
@@ -208,16 +211,17 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(grpc::CallbackServerConte
         status = absl::InternalError(absl::StrCat(method, " failed with an unknown exception"));
       }
     }
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - queued_at)
-            .count();
-    if (status.ok()) {
-      spdlog::debug("{} OK in {:.2f} ms", method, ms);
-    } else {
-      spdlog::info("{} {} in {:.2f} ms: {}", method, absl::StatusCodeToString(status.code()), ms,
-                   std::string(status.message()));
+    if (options_.on_rpc_done) {
+      RpcRecord record;
+      record.method = method;
+      record.code = status.code();
+      record.message = std::string(status.message());
+      record.seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_at).count();
+      record.module_id = module_id;
+      record.context_id = context_id;
+      options_.on_rpc_done(record);
     }
-    if (options_.on_rpc_done) options_.on_rpc_done(method, status.code(), ms / 1000.0);
     reactor->Finish(ToGrpc(status));
   });
   return reactor;
@@ -239,9 +243,11 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_live_contexts(stats.live_contexts);
   resp->set_context_bytes(stats.context_bytes);
   if (options_.on_rpc_done) {
-    options_.on_rpc_done(
-        "GetServerInfo", absl::StatusCode::kOk,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    RpcRecord record;
+    record.method = "GetServerInfo";
+    record.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    options_.on_rpc_done(record);
   }
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
@@ -279,130 +285,157 @@ grpc::ServerUnaryReactor* GradwireService::ListModules(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerContext* ctx,
                                                         const v1::DeleteModuleRequest* req,
                                                         v1::DeleteModuleResponse*) {
-  return RunOnDevice(ctx, "DeleteModule", [this, req]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    GW_RETURN_IF_ERROR(host_.Delete(req->module_id()));
-    if (options_.checkpointer) {
-      if (auto s = options_.checkpointer->Remove(req->module_id()); !s.ok()) {
-        spdlog::warn("{}", std::string(s.message()));
-      }
-    }
-    spdlog::info("deleted module {}", req->module_id());
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "DeleteModule",
+      [this, req]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+        GW_RETURN_IF_ERROR(host_.Delete(req->module_id()));
+        if (options_.checkpointer) {
+          if (auto s = options_.checkpointer->Remove(req->module_id()); !s.ok()) {
+            spdlog::warn("{}", std::string(s.message()));
+          }
+        }
+        spdlog::info("deleted module {}", req->module_id());
+        return absl::OkStatus();
+      },
+      req->module_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* ctx,
                                                    const v1::ForwardRequest* req,
                                                    v1::ForwardResponse* resp) {
-  return RunOnDevice(ctx, "Forward", [this, req, resp]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    if (!req->has_input()) return absl::InvalidArgumentError("input is required");
-    GW_RETURN_IF_ERROR(CheckOutputDType(req->output_dtype(), "output_dtype"));
-    GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req->input(), "input"));
-    GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
-                        host_.Forward(req->module_id(), input, req->training()));
-    GW_RETURN_IF_ERROR(
-        EncodeTensor(out.output, req->output_dtype(), "output_dtype", resp->mutable_output()));
-    if (out.layernorm_output.defined()) {
-      GW_RETURN_IF_ERROR(EncodeTensor(out.layernorm_output, req->output_dtype(), "output_dtype",
-                                      resp->mutable_layernorm_output()));
-    }
-    resp->set_context_id(out.context_id);
-    resp->set_weight_version(out.weight_version);
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "Forward",
+      [this, req, resp]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+        if (!req->has_input()) return absl::InvalidArgumentError("input is required");
+        GW_RETURN_IF_ERROR(CheckOutputDType(req->output_dtype(), "output_dtype"));
+        GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req->input(), "input"));
+        GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
+                            host_.Forward(req->module_id(), input, req->training()));
+        GW_RETURN_IF_ERROR(
+            EncodeTensor(out.output, req->output_dtype(), "output_dtype", resp->mutable_output()));
+        if (out.layernorm_output.defined()) {
+          GW_RETURN_IF_ERROR(EncodeTensor(out.layernorm_output, req->output_dtype(), "output_dtype",
+                                          resp->mutable_layernorm_output()));
+        }
+        resp->set_context_id(out.context_id);
+        resp->set_weight_version(out.weight_version);
+        return absl::OkStatus();
+      },
+      req->module_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext* ctx,
                                                     const v1::BackwardRequest* req,
                                                     v1::BackwardResponse* resp) {
-  return RunOnDevice(ctx, "Backward", [this, req, resp]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("context_id", req->context_id()));
-    if (!req->has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
-    GW_RETURN_IF_ERROR(CheckOutputDType(req->grad_input_dtype(), "grad_input_dtype"));
-    GW_ASSIGN_OR_RETURN(at::Tensor grad_output, DecodeTensor(req->grad_output(), "grad_output"));
-    GW_ASSIGN_OR_RETURN(
-        at::Tensor grad_input,
-        host_.Backward(req->context_id(), grad_output, req->retain(), req->skip_grad_input()));
-    if (grad_input.defined()) {
-      GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req->grad_input_dtype(), "grad_input_dtype",
-                                      resp->mutable_grad_input()));
-    }
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "Backward",
+      [this, req, resp]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("context_id", req->context_id()));
+        if (!req->has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
+        GW_RETURN_IF_ERROR(CheckOutputDType(req->grad_input_dtype(), "grad_input_dtype"));
+        GW_ASSIGN_OR_RETURN(at::Tensor grad_output,
+                            DecodeTensor(req->grad_output(), "grad_output"));
+        GW_ASSIGN_OR_RETURN(
+            at::Tensor grad_input,
+            host_.Backward(req->context_id(), grad_output, req->retain(), req->skip_grad_input()));
+        if (grad_input.defined()) {
+          GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req->grad_input_dtype(), "grad_input_dtype",
+                                          resp->mutable_grad_input()));
+        }
+        return absl::OkStatus();
+      },
+      {}, req->context_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerContext* ctx,
                                                           const v1::ReleaseContextRequest* req,
                                                           v1::ReleaseContextResponse*) {
-  return RunOnDevice(ctx, "ReleaseContext", [this, req]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("context_id", req->context_id()));
-    return host_.ReleaseContext(req->context_id());
-  });
+  return RunOnDevice(
+      ctx, "ReleaseContext",
+      [this, req]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("context_id", req->context_id()));
+        return host_.ReleaseContext(req->context_id());
+      },
+      {}, req->context_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::ApplyGradients(grpc::CallbackServerContext* ctx,
                                                           const v1::ApplyGradientsRequest* req,
                                                           v1::ApplyGradientsResponse* resp) {
-  return RunOnDevice(ctx, "ApplyGradients", [this, req, resp]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    GW_ASSIGN_OR_RETURN(uint64_t version,
-                        host_.ApplyGradients(req->module_id(), req->learning_rate()));
-    resp->set_weight_version(version);
-    GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Info(req->module_id()));
-    resp->set_optimizer_steps(info.optimizer_steps);
-    if (options_.checkpointer && options_.checkpointer->Due(info.optimizer_steps)) {
-      Persist(req->module_id());
-    }
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "ApplyGradients",
+      [this, req, resp]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+        GW_ASSIGN_OR_RETURN(uint64_t version,
+                            host_.ApplyGradients(req->module_id(), req->learning_rate()));
+        resp->set_weight_version(version);
+        GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Info(req->module_id()));
+        resp->set_optimizer_steps(info.optimizer_steps);
+        if (options_.checkpointer && options_.checkpointer->Due(info.optimizer_steps)) {
+          Persist(req->module_id());
+        }
+        return absl::OkStatus();
+      },
+      req->module_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::GetGradients(grpc::CallbackServerContext* ctx,
                                                         const v1::GetGradientsRequest* req,
                                                         v1::GetGradientsResponse* resp) {
-  return RunOnDevice(ctx, "GetGradients", [this, req, resp]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
-    GW_ASSIGN_OR_RETURN(core::ParametersCopy g, host_.GetGradients(req->module_id(), req->zero()));
-    GW_RETURN_IF_ERROR(EncodeNamed(g.tensors, req->dtype(), resp->mutable_gradients()));
-    resp->set_weight_version(g.weight_version);
-    resp->set_accumulated_backwards(g.accumulated_backwards);
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "GetGradients",
+      [this, req, resp]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+        GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
+        GW_ASSIGN_OR_RETURN(core::ParametersCopy g,
+                            host_.GetGradients(req->module_id(), req->zero()));
+        GW_RETURN_IF_ERROR(EncodeNamed(g.tensors, req->dtype(), resp->mutable_gradients()));
+        resp->set_weight_version(g.weight_version);
+        resp->set_accumulated_backwards(g.accumulated_backwards);
+        return absl::OkStatus();
+      },
+      req->module_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::GetWeights(grpc::CallbackServerContext* ctx,
                                                       const v1::GetWeightsRequest* req,
                                                       v1::GetWeightsResponse* resp) {
-  return RunOnDevice(ctx, "GetWeights", [this, req, resp]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
-    GW_ASSIGN_OR_RETURN(core::ParametersCopy w, host_.GetWeights(req->module_id()));
-    GW_RETURN_IF_ERROR(EncodeNamed(w.tensors, req->dtype(), resp->mutable_parameters()));
-    resp->set_weight_version(w.weight_version);
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "GetWeights",
+      [this, req, resp]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+        GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
+        GW_ASSIGN_OR_RETURN(core::ParametersCopy w, host_.GetWeights(req->module_id()));
+        GW_RETURN_IF_ERROR(EncodeNamed(w.tensors, req->dtype(), resp->mutable_parameters()));
+        resp->set_weight_version(w.weight_version);
+        return absl::OkStatus();
+      },
+      req->module_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContext* ctx,
                                                       const v1::SetWeightsRequest* req,
                                                       v1::SetWeightsResponse* resp) {
-  return RunOnDevice(ctx, "SetWeights", [this, req, resp]() -> absl::Status {
-    GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
-    core::NamedTensors params;
-    for (int i = 0; i < req->parameters_size(); ++i) {
-      const v1::NamedTensor& named = req->parameters(i);
-      GW_ASSIGN_OR_RETURN(at::Tensor t,
-                          DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
-      params.emplace_back(named.name(), t);
-    }
-    GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), params));
-    resp->set_weight_version(version);
-    Persist(req->module_id());
-    return absl::OkStatus();
-  });
+  return RunOnDevice(
+      ctx, "SetWeights",
+      [this, req, resp]() -> absl::Status {
+        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+        core::NamedTensors params;
+        for (int i = 0; i < req->parameters_size(); ++i) {
+          const v1::NamedTensor& named = req->parameters(i);
+          GW_ASSIGN_OR_RETURN(
+              at::Tensor t,
+              DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
+          params.emplace_back(named.name(), t);
+        }
+        GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), params));
+        resp->set_weight_version(version);
+        Persist(req->module_id());
+        return absl::OkStatus();
+      },
+      req->module_id());
 }
 
 }  // namespace gradwire::rpc

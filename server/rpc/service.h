@@ -12,14 +12,24 @@
 
 namespace gradwire::rpc {
 
+// One finished RPC, for logs and metrics.
+struct RpcRecord {
+  const char* method = "";
+  absl::StatusCode code = absl::StatusCode::kOk;
+  std::string message;     // the status message (empty when OK)
+  double seconds = 0;      // from arrival to status
+  std::string module_id;   // from the request, where it names one
+  std::string context_id;  // from the request, where it names one
+};
+
 struct ServiceOptions {
   std::string version;      // reported by GetServerInfo
   std::string device;       // "cpu" or "cuda:N"
   std::string device_name;  // human-readable description of the device
   // Persists modules on create, weight upload, delete and every N optimizer steps; null: none.
   const core::Checkpointer* checkpointer = nullptr;
-  // Called once per finished RPC with its method, status and seconds since arrival (metrics).
-  std::function<void(const char* method, absl::StatusCode code, double seconds)> on_rpc_done;
+  // Called once per finished RPC (request-scoped logs, metrics); may be empty.
+  std::function<void(const RpcRecord&)> on_rpc_done;
 };
 
 class GradwireService final : public v1::Gradwire::CallbackService {
@@ -63,8 +73,10 @@ class GradwireService final : public v1::Gradwire::CallbackService {
  private:
   // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
   // `work` become INTERNAL; a call cancelled before it starts is not run.
+  // `module_id` / `context_id` name what the request is about, for the RpcRecord.
   grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
-                                        std::function<absl::Status()> work);
+                                        std::function<absl::Status()> work,
+                                        std::string module_id = {}, std::string context_id = {});
 
   // Saves a module's checkpoint when checkpoints are on; a failure is logged, not returned (the
   // call itself succeeded, and the next save retries).

@@ -55,6 +55,18 @@ check "SIGTERM: exit 0" [ "$rc" = 0 ]
 check "SIGTERM: logged shutdown" grep -q "shutting down" "$tmp/server.log"
 check "SIGTERM: stopped" grep -q "stopped:" "$tmp/server.log"
 
+# JSON logs: every line one object, RPC lines with their request-scoped fields.
+start_server --listen 127.0.0.1:0 --log-format json --log-level debug
+"$cli_bin" demo --server "$addr" --steps 3 >/dev/null 2>&1
+kill -TERM "$server_pid"
+wait "$server_pid" || true
+server_pid=""
+check "json logs: every line is an object" \
+  bash -c "! grep -qv '^{\"time\":\"[^\"]*\",\"level\":\"[a-z]*\",.*}\$' '$tmp/server.log'"
+check "json logs: a Forward line with its module" \
+  grep -q '"msg":"rpc","method":"Forward","code":"OK","duration_ms":[0-9.]*,"module":"[0-9a-f]\{32\}"' \
+  "$tmp/server.log"
+
 set +e
 "$cli_bin" info --server "127.0.0.1:$port" --timeout 1 >"$tmp/unreach.txt" 2>&1
 rc=$?
