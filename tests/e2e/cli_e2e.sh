@@ -45,22 +45,14 @@ set -e
 check "busy port: exit 1" [ "$rc" = 1 ]
 check "busy port: says why" grep -q "cannot listen on 127.0.0.1:$port" "$tmp/second.log"
 
-kill -TERM "$server_pid"
-set +e
-wait "$server_pid"
-rc=$?
-set -e
-server_pid=""
-check "SIGTERM: exit 0" [ "$rc" = 0 ]
+stop_server
 check "SIGTERM: logged shutdown" grep -q "shutting down" "$tmp/server.log"
 check "SIGTERM: stopped" grep -q "stopped:" "$tmp/server.log"
 
 # JSON logs: every line one object, RPC lines with their request-scoped fields.
 start_server --listen 127.0.0.1:0 --log-format json --log-level debug
 "$cli_bin" demo --server "$addr" --steps 3 >/dev/null 2>&1
-kill -TERM "$server_pid"
-wait "$server_pid" || true
-server_pid=""
+stop_server
 check "json logs: every line is an object" \
   bash -c "! grep -qv '^{\"time\":\"[^\"]*\",\"level\":\"[a-z]*\",.*}\$' '$tmp/server.log'"
 check "json logs: a Forward line with its module" \

@@ -34,6 +34,15 @@ start_server() {
   [ -n "$addr" ] || { echo "server did not start:"; cat "$tmp/server.log"; exit 1; }
 }
 
+# Stops the server with SIGTERM and checks that it exits 0.
+stop_server() {
+  kill -TERM "$server_pid"
+  local rc=0
+  wait "$server_pid" || rc=$?
+  server_pid=""
+  check "SIGTERM: exit 0" [ "$rc" = 0 ]
+}
+
 # Prints the summary line and fails the script when any check failed.
 finish() {
   echo "e2e: $passed passed, $failed failed"

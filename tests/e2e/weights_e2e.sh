@@ -227,12 +227,6 @@ check "export --help documents --module, --json and FILE" \
   bash -c "[ $rc = 0 ] && grep -q -- '--module' '$tmp/help_export.out' &&
            grep -q -- '--json' '$tmp/help_export.out' && grep -q FILE '$tmp/help_export.out'"
 
-kill -TERM "$server_pid"
-set +e
-wait "$server_pid"
-rc=$?
-set -e
-server_pid=""
-check "SIGTERM: exit 0" [ "$rc" = 0 ]
+stop_server
 
 finish
