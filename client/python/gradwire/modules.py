@@ -44,8 +44,8 @@ class _RemoteFunction(torch.autograd.Function):
         del anchor  # only there so autograd records the call when x needs no gradient
         out, context_id, _ = module.client.forward(module.module_id, x, training=True)
         ctx.remote = _Context(module.client, context_id)
-        ctx.input_dtype = x.dtype
-        return out.to(x.dtype)
+        ctx.input_dtype, ctx.input_device = x.dtype, x.device
+        return out.to(device=x.device, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -53,7 +53,7 @@ class _RemoteFunction(torch.autograd.Function):
                                          skip_grad_input=not ctx.needs_input_grad[0])
         ctx.remote = None
         if grad_input is not None:
-            grad_input = grad_input.to(ctx.input_dtype)
+            grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
         return grad_input, None, None
 
 
@@ -87,7 +87,7 @@ class RemoteModule(torch.nn.Module):
         if self.training and torch.is_grad_enabled():
             return _RemoteFunction.apply(x, self._anchor, self)
         out, _, _ = self.client.forward(self.module_id, x, training=False)
-        return out.to(x.dtype)
+        return out.to(device=x.device, dtype=x.dtype)
 
     def apply_gradients(self, learning_rate: float = 0.0) -> int:
         """One optimizer step on the server; returns the new weight version."""

@@ -174,3 +174,12 @@ def test_safetensors_files_interoperate_with_the_cli(client, server):
         tensors, metadata = safetensors.load(theirs)
         assert metadata["module_id"] == b.module_id
         assert torch.equal(tensors["weight"], a.get_weights()["weight"])
+
+
+def test_output_and_grad_follow_the_input_dtype(client):
+    m = gradwire.RemoteLinear(client, 8, 4)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = m(x)
+    assert y.dtype == torch.float64
+    y.sum().backward()
+    assert x.grad.dtype == torch.float64 and x.grad.abs().sum() > 0
