@@ -10,7 +10,9 @@
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -32,6 +34,10 @@ struct ServerFlags {
   int max_message_mib = 64;         // largest request/response message
   double shutdown_grace_s = 10.0;   // in-flight calls get this long on SIGINT/SIGTERM
   std::string metrics_listen;       // host:port of the Prometheus endpoint; empty: off
+  std::string tls_cert;             // PEM certificate chain; with tls_key: serve TLS
+  std::string tls_key;              // PEM private key
+  std::string tls_client_ca;        // PEM CA bundle: require and verify client certificates
+  bool insecure = false;            // allow plaintext on a non-loopback address
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
 };
@@ -101,6 +107,17 @@ void LogRpc(const gradwire::rpc::RpcRecord& r, bool json) {
            R"("context":"{}","error":"{}")",
            r.method, code, ms, JsonEscape(r.module_id), JsonEscape(r.context_id),
            JsonEscape(r.message));
+}
+
+// Whether host:port names this machine's loopback interface only.
+bool IsLoopback(const std::string& listen) {
+  const auto colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0 ||
+         host.rfind("ipv4:127.", 0) == 0;
 }
 
 // Replaces a trailing ":0" port with the port the server actually bound.
@@ -180,6 +197,15 @@ int main(int argc, char** argv) {
                  "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
+  app.add_option("--tls-cert", flags.tls_cert, "PEM certificate chain: serve TLS (with --tls-key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", flags.tls_key, "PEM private key of --tls-cert")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", flags.tls_client_ca,
+                 "PEM CA bundle: mutual TLS, every client must present a certificate it signed")
+      ->check(CLI::ExistingFile);
+  app.add_flag("--insecure", flags.insecure,
+               "allow a non-loopback --listen address without TLS (refused by default)");
   app.add_option("--metrics-listen", flags.metrics_listen,
                  "serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; off if "
                  "empty)");
@@ -231,8 +257,8 @@ int main(int argc, char** argv) {
   }
   auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
   gradwire::server::Metrics metrics;
-  gradwire::rpc::ServiceOptions service_options{GRADWIRE_VERSION, device, description,
-                                                checkpointer.get()};
+  gradwire::rpc::ServiceOptions service_options{
+      GRADWIRE_VERSION, device, description, checkpointer.get(), {}};
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);
@@ -264,11 +290,41 @@ int main(int argc, char** argv) {
   // tools can list and call the API).
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  const bool tls = !flags.tls_cert.empty() || !flags.tls_key.empty();
+  if (!IsLoopback(flags.listen) && !tls && !flags.insecure) {
+    spdlog::error(
+        "refusing to serve plaintext on {}: it is not a loopback address; give --tls-cert and "
+        "--tls-key, or --insecure if the network is trusted",
+        flags.listen);
+    return 2;
+  }
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!flags.tls_cert.empty() || !flags.tls_key.empty() || !flags.tls_client_ca.empty()) {
+    if (flags.tls_cert.empty() || flags.tls_key.empty()) {
+      spdlog::error("TLS needs both --tls-cert and --tls-key");
+      return 2;
+    }
+    auto read = [](const std::string& path) {
+      std::ifstream in(path);
+      std::stringstream text;
+      text << in.rdbuf();
+      return text.str();
+    };
+    grpc::SslServerCredentialsOptions tls(
+        flags.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                    : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    tls.pem_root_certs = flags.tls_client_ca.empty() ? "" : read(flags.tls_client_ca);
+    tls.pem_key_cert_pairs.push_back({read(flags.tls_key), read(flags.tls_cert)});
+    credentials = grpc::SslServerCredentials(tls);
+    spdlog::info("TLS on{}", flags.tls_client_ca.empty()
+                                 ? ""
+                                 : " with client certificates required (mutual TLS)");
+  }
   grpc::ServerBuilder builder;
   int port = 0;
   // One process per port: without this a second server would silently share the port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.listen, credentials, &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(flags.max_message_mib << 20);
   builder.SetMaxSendMessageSize(flags.max_message_mib << 20);

@@ -145,6 +145,14 @@ int main(int argc, char** argv) {
         ->check(CLI::PositiveNumber)
         ->capture_default_str();
     cmd->add_flag("--json", json, "print one JSON line instead of text");
+    cmd->add_option("--tls-ca", options.tls_ca_file,
+                    "PEM CA bundle that signed the server's certificate: connect with TLS")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--tls-cert", options.tls_cert_file,
+                    "PEM client certificate, for a server that requires mutual TLS")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--tls-key", options.tls_key_file, "PEM private key of --tls-cert")
+        ->check(CLI::ExistingFile);
   };
 
   CLI::App* info = app.add_subcommand("info", "show the server's device, modules and contexts");

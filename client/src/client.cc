@@ -3,6 +3,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/dtype.h"
@@ -128,11 +131,34 @@ absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t) {
   return out;
 }
 
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Credentials(const ClientOptions& o) {
+  if (o.tls_ca_file.empty() && o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions tls;
+  if (!o.tls_ca_file.empty()) tls.pem_root_certs = ReadFile(o.tls_ca_file);
+  if (!o.tls_cert_file.empty()) tls.pem_cert_chain = ReadFile(o.tls_cert_file);
+  if (!o.tls_key_file.empty()) tls.pem_private_key = ReadFile(o.tls_key_file);
+  return grpc::SslCredentials(tls);
+}
+
+}  // namespace
+
 Client::Client(ClientOptions options) : options_(std::move(options)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options_.max_message_mib << 20);
   args.SetMaxSendMessageSize(options_.max_message_mib << 20);
-  channel_ = grpc::CreateCustomChannel(options_.server, grpc::InsecureChannelCredentials(), args);
+  channel_ = grpc::CreateCustomChannel(options_.server, Credentials(options_), args);
   stub_ = v1::Gradwire::NewStub(channel_);
 }
 

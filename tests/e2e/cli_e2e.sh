@@ -76,7 +76,9 @@ check "bad --device refused" [ "$rc_bogus" != 0 ]
 check "--device cuda without usable CUDA kernels: exit 2 with reason" \
   bash -c "[ $rc_cuda = 2 ] && grep -q -- '--device cuda' '$tmp/cuda.txt'"
 check "--help exits 0" [ "$rc_help" = 0 ]
-for flag in --listen --device --log-level --max-message-mib --shutdown-grace; do
+for flag in --listen --device --log-level --log-format --max-message-mib --shutdown-grace \
+  --tls-cert --tls-key --tls-client-ca --insecure --metrics-listen --checkpoint-dir \
+  --checkpoint-every; do
   check "--help documents $flag" grep -q -- "$flag" "$tmp/help.txt"
 done
 

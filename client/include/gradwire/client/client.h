@@ -37,6 +37,11 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{30000};  // deadline of each call
   WireDType wire_dtype = WireDType::kF32;    // dtype of activations and gradients both ways
   int max_message_mib = 64;                  // largest message sent or received
+  // TLS: a PEM CA bundle that signed the server's certificate turns TLS on; a PEM client
+  // certificate and key answer a server that requires mutual TLS. Empty: plaintext.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
 
 struct ForwardResult {
@@ -63,6 +68,7 @@ struct NamedTensors {
 
 class Client {
  public:
+  // Throws std::runtime_error when a TLS file cannot be read.
   explicit Client(ClientOptions options);
   ~Client();
 
