@@ -36,10 +36,10 @@ int64_t LayerNormLinearSaved::bytes() const {
 absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
     const LayerNormLinearFwdArgs& args) {
   LayerNormLinearFwdResult result;
-  GW_ASSIGN_OR_RETURN(WorkspaceResult ws,
-                      GetOrBuildWorkspace(args.workspace, args.weight_version, args.training,
-                                          {args.weight}, {args.weight_quantizer},
-                                          {args.ln.gamma, args.ln.beta}));
+  GW_ASSIGN_OR_RETURN(
+      WorkspaceResult ws,
+      GetOrBuildWorkspace(args.workspace, args.weight_version, args.training, {args.weight},
+                          {args.weight_quantizer}, {args.ln.gamma, args.ln.beta}));
   result.workspace = std::move(ws.workspace);
   result.workspace_built = ws.built;
   LayerNormOut ln = RunLayerNorm(args.input, args.ln);

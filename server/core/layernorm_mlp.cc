@@ -50,7 +50,7 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
                       GetOrBuildWorkspace(args.workspace, args.weight_version, args.training,
                                           {args.fc1_weight, args.fc2_weight},
                                           {args.fc1_weight_quantizer, args.fc2_weight_quantizer},
-                          {args.ln.gamma, args.ln.beta, args.fc1_bias}));
+                                          {args.ln.gamma, args.ln.beta, args.fc1_bias}));
   result.workspace = std::move(ws.workspace);
   result.workspace_built = ws.built;
   const Fp8Tensor& w1 = result.workspace->weights[0];
