@@ -55,8 +55,7 @@ absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
     saved->input = args.input.clone();  // own it: the request's bytes do not outlive the call
     saved->mu = ln.mu;
     saved->rstd = ln.rstd;
-    saved->input_quantizer = args.input_quantizer;
-    saved->input_quantizer.scale = x.scale;  // replay exactly this cast
+    saved->input_quantizer = ReplayOf(args.input_quantizer, x);
     if (keep_columnwise) {
       x.rowwise = at::Tensor();
       saved->ln_out = std::move(x);

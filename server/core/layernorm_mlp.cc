@@ -72,10 +72,8 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
     saved->input = args.input.clone();  // own it: the request's bytes do not outlive the call
     saved->mu = ln.mu;
     saved->rstd = ln.rstd;
-    saved->fc1_input_quantizer = args.fc1_input_quantizer;
-    saved->fc1_input_quantizer.scale = h.ln_q.scale;
-    saved->fc2_input_quantizer = args.fc2_input_quantizer;
-    saved->fc2_input_quantizer.scale = h.act_q.scale;
+    saved->fc1_input_quantizer = ReplayOf(args.fc1_input_quantizer, h.ln_q);
+    saved->fc2_input_quantizer = ReplayOf(args.fc2_input_quantizer, h.act_q);
     if (keep) {
       h.ln_q.rowwise = at::Tensor();
       h.act_q.rowwise = at::Tensor();

@@ -29,6 +29,14 @@ struct CastUsage {
 absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
                                    CastUsage usage);
 
+// The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
+// backward must use so its FP8 data is bit-identical to the forward's.
+inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {
+  QuantizerConfig replay = config;
+  replay.scale = cast.scale;
+  return replay;
+}
+
 // Decodes one stored copy back to float32 (rowwise: [rows, cols]; else [cols, rows]).
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise);
 

@@ -19,8 +19,8 @@ using gradwire::testing::RandN;
 using kernels::Activation;
 using kernels::Fp8Format;
 
-const QuantizerConfig kE4M3{Fp8Format::kE4M3, 0, 0.0f};
-const QuantizerConfig kE5M2{Fp8Format::kE5M2, 0, 0.0f};
+using gradwire::testing::kE4M3;
+using gradwire::testing::kE5M2;
 
 at::Tensor D(const at::Tensor& t) { return t.to(at::kDouble); }
 

@@ -16,8 +16,8 @@ using gradwire::testing::AllCloseToSum;
 using gradwire::testing::RandN;
 using kernels::Fp8Format;
 
-const QuantizerConfig kE4M3{Fp8Format::kE4M3, 0};
-const QuantizerConfig kE5M2{Fp8Format::kE5M2, 0};
+using gradwire::testing::kE4M3;
+using gradwire::testing::kE5M2;
 
 // Tolerances of TE's FP8 tests; on GEMM outputs rtol applies to the sum of |terms|
 // (AllCloseToSum).

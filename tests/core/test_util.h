@@ -5,7 +5,13 @@
 
 #include <random>
 
+#include "server/core/quantizer.h"
+
 namespace gradwire::testing {
+
+// Current-scaling casts of the HYBRID recipe.
+inline const core::QuantizerConfig kE4M3{kernels::Fp8Format::kE4M3, 0, 0.0f};
+inline const core::QuantizerConfig kE5M2{kernels::Fp8Format::kE5M2, 0, 0.0f};
 
 inline at::Generator& Gen() {
   static at::Generator gen = [] {
