@@ -8,17 +8,22 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 #include "server/metrics.h"
+#include "server/rpc/auth.h"
 #include "server/rpc/service.h"
 #ifdef GRADWIRE_HAVE_CUDA
 #include "device_query.h"
@@ -40,7 +45,94 @@ struct ServerFlags {
   bool insecure = false;            // allow plaintext on a non-loopback address
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
+  std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required
+  std::vector<std::string> tokens;  // TENANT:TOKEN entries (environment or config file)
+  std::string config;               // TOML file mirroring these flags
+  bool print_config = false;        // print the effective configuration and exit
 };
+
+std::string JsonEscape(const std::string& s);
+
+// Every flag may also come from the environment as GRADWIRE_SERVER_<FLAG> (upper case, - as _).
+std::string EnvName(const std::string& long_name) {
+  std::string env = "GRADWIRE_SERVER_";
+  for (char c : long_name)
+    env += c == '-' ? '_' : char(std::toupper(static_cast<unsigned char>(c)));
+  return env;
+}
+
+// Options that are not configuration (never read from the environment or a file).
+bool IsMeta(const CLI::Option* opt) {
+  const std::string name = opt->get_name(false, true);
+  return name == "--help" || name == "--config" || name == "--print-config";
+}
+
+// Fills every option not given as a flag or in the environment from the TOML file at `path`:
+// flags > environment > file. Unknown keys and [sections] are errors that name the key; an empty
+// string leaves the default (as an empty environment variable does).
+void ApplyConfigFile(CLI::App& app, const std::string& path) {
+  CLI::ConfigTOML reader;
+  std::vector<CLI::ConfigItem> items;
+  try {
+    items = reader.from_file(path);
+  } catch (const CLI::FileError&) {
+    throw CLI::ValidationError("--config", "cannot read " + path);
+  }
+  for (const CLI::ConfigItem& item : items) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    std::string key = item.name;
+    std::replace(key.begin(), key.end(), '_', '-');
+    if (!item.parents.empty()) {
+      throw CLI::ValidationError("--config",
+                                 path + ": unknown key '" + item.fullname() +
+                                     "' (sections are not used; write flags at the top level)");
+    }
+    CLI::Option* opt = app.get_option_no_throw("--" + key);
+    if (opt == nullptr || IsMeta(opt)) {
+      throw CLI::ValidationError("--config", path + ": unknown key '" + item.name +
+                                                 "' (keys are the flag names, e.g. listen, "
+                                                 "log-level; see --help)");
+    }
+    if (opt->count() > 0) continue;  // given as a flag or in the environment
+    if (item.inputs.empty() || (item.inputs.size() == 1 && item.inputs[0].empty())) {
+      continue;  // key = "" or key = []: the default
+    }
+    if (opt->get_expected_min() == 0) {
+      opt->add_result(opt->get_flag_value(key, reader.to_flag(item)));
+    } else {
+      opt->add_result(item.inputs);
+    }
+    opt->run_callback();
+  }
+}
+
+// The effective configuration as a TOML file --config accepts; token values masked.
+std::string RenderConfig(const ServerFlags& f) {
+  auto quote = [](const std::string& v) { return "\"" + JsonEscape(v) + "\""; };
+  std::ostringstream out;
+  out << "# gradwire-server effective configuration (flags > GRADWIRE_SERVER_* > --config file)\n";
+  out << "listen = " << quote(f.listen) << "\n";
+  out << "device = " << quote(f.device) << "\n";
+  out << "log-level = " << quote(f.log_level) << "\n";
+  out << "log-format = " << quote(f.log_format) << "\n";
+  out << "max-message-mib = " << f.max_message_mib << "\n";
+  out << "shutdown-grace = " << f.shutdown_grace_s << "\n";
+  out << "tls-cert = " << quote(f.tls_cert) << "\n";
+  out << "tls-key = " << quote(f.tls_key) << "\n";
+  out << "tls-client-ca = " << quote(f.tls_client_ca) << "\n";
+  out << "insecure = " << (f.insecure ? "true" : "false") << "\n";
+  out << "metrics-listen = " << quote(f.metrics_listen) << "\n";
+  out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
+  out << "checkpoint-every = " << f.checkpoint_every << "\n";
+  out << "tokens-file = " << quote(f.tokens_file) << "\n";
+  out << "tokens = [";
+  for (size_t i = 0; i < f.tokens.size(); ++i) {
+    const auto colon = f.tokens[i].find(':');
+    out << (i ? ", " : "") << quote(f.tokens[i].substr(0, colon) + ":****");
+  }
+  out << "]\n";
+  return out.str();
+}
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -89,9 +181,10 @@ void LogRpc(const gradwire::rpc::RpcRecord& r, bool json) {
   const std::string code = absl::StatusCodeToString(r.code);
   const double ms = r.seconds * 1000.0;
   if (!json) {
-    spdlog::log(level, "{} {} in {:.2f} ms{}{}{}{}", r.method, code, ms,
+    spdlog::log(level, "{} {} in {:.2f} ms{}{}{}{}{}{}", r.method, code, ms,
                 r.module_id.empty() ? "" : " module=", r.module_id,
-                r.context_id.empty() ? "" : " context=", r.context_id);
+                r.context_id.empty() ? "" : " context=", r.context_id,
+                r.tenant.empty() ? "" : " tenant=", r.tenant);
     if (!ok) spdlog::log(level, "  {}: {}", r.method, r.message);
     return;
   }
@@ -104,9 +197,9 @@ void LogRpc(const gradwire::rpc::RpcRecord& r, bool json) {
   }();
   rpc->log(level,
            R"("msg":"rpc","method":"{}","code":"{}","duration_ms":{:.3f},"module":"{}",)"
-           R"("context":"{}","error":"{}")",
+           R"("context":"{}","tenant":"{}","error":"{}")",
            r.method, code, ms, JsonEscape(r.module_id), JsonEscape(r.context_id),
-           JsonEscape(r.message));
+           JsonEscape(r.tenant), JsonEscape(r.message));
 }
 
 // Whether host:port names this machine's loopback interface only.
@@ -204,8 +297,9 @@ int main(int argc, char** argv) {
   app.add_option("--tls-client-ca", flags.tls_client_ca,
                  "PEM CA bundle: mutual TLS, every client must present a certificate it signed")
       ->check(CLI::ExistingFile);
-  app.add_flag("--insecure", flags.insecure,
-               "allow a non-loopback --listen address without TLS (refused by default)");
+  app.add_flag(
+      "--insecure", flags.insecure,
+      "allow a non-loopback --listen address without TLS and bearer tokens (refused by default)");
   app.add_option("--metrics-listen", flags.metrics_listen,
                  "serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; off if "
                  "empty)");
@@ -216,7 +310,40 @@ int main(int argc, char** argv) {
                  "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--tokens-file", flags.tokens_file,
+                 "require bearer tokens: a file of \"TENANT TOKEN\" lines (# comments). Every "
+                 "module and context belongs to the tenant that created it; other tenants get "
+                 "NOT_FOUND")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tokens", flags.tokens,
+                 "require bearer tokens given as TENANT:TOKEN entries, comma-separated (meant for "
+                 "GRADWIRE_SERVER_TOKENS or the config file: a command line is visible to other "
+                 "users)")
+      ->delimiter(',');
+  for (CLI::Option* opt : app.get_options()) {
+    if (!IsMeta(opt)) opt->envname(EnvName(opt->get_name(false, false).substr(2)));
+  }
+  app.add_option(
+         "--config", flags.config,
+         "TOML file of flag values (keys are flag names: listen = \"0.0.0.0:50051\"); flags "
+         "and GRADWIRE_SERVER_* variables override it; unknown keys are errors")
+      ->envname("GRADWIRE_SERVER_CONFIG")
+      ->check(CLI::ExistingFile);
+  app.add_flag("--print-config", flags.print_config,
+               "print the effective configuration (tokens masked) as TOML and exit");
+  app.footer(
+      "Every flag can also be set as GRADWIRE_SERVER_<FLAG> (e.g. GRADWIRE_SERVER_LISTEN) or as a "
+      "key of the --config file; precedence: flags > environment > file.");
+  try {
+    app.parse(argc, argv);
+    if (!flags.config.empty()) ApplyConfigFile(app, flags.config);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (flags.print_config) {
+    std::fputs(RenderConfig(flags).c_str(), stdout);
+    return 0;
+  }
 
   spdlog::set_level(spdlog::level::from_str(flags.log_level));
   const bool json_logs = flags.log_format == "json";
@@ -239,6 +366,50 @@ int main(int argc, char** argv) {
   std::string device, description;
   if (!ResolveDevice(flags.device, &device, &description)) return 2;
 
+  std::unique_ptr<gradwire::rpc::Authenticator> authenticator;
+  if (!flags.tokens_file.empty() || !flags.tokens.empty()) {
+    std::vector<std::pair<std::string, std::string>> entries;
+    if (!flags.tokens_file.empty()) {
+      auto read = gradwire::rpc::Authenticator::ReadTokensFile(flags.tokens_file);
+      if (!read.ok()) {
+        spdlog::error("{}", std::string(read.status().message()));
+        return 2;
+      }
+      entries = std::move(*read);
+    }
+    for (const std::string& entry : flags.tokens) {
+      auto parsed = gradwire::rpc::Authenticator::ParseInline(entry);
+      if (!parsed.ok()) {
+        spdlog::error("{}", std::string(parsed.status().message()));
+        return 2;
+      }
+      entries.push_back(std::move(*parsed));
+    }
+    auto made = gradwire::rpc::Authenticator::FromEntries(entries);
+    if (!made.ok()) {
+      spdlog::error("{}", std::string(made.status().message()));
+      return 2;
+    }
+    authenticator = std::make_unique<gradwire::rpc::Authenticator>(std::move(*made));
+    const auto tenants = authenticator->Tenants();
+    std::string names;
+    for (const auto& t : tenants) names += (names.empty() ? "" : ", ") + t;
+    spdlog::info("bearer tokens required: {} tokens for {} tenants ({})", authenticator->size(),
+                 tenants.size(), names);
+  }
+  const bool tls = !flags.tls_cert.empty() || !flags.tls_key.empty();
+  const bool tokens = authenticator != nullptr;
+  if (!IsLoopback(flags.listen) && !(tls && tokens) && !flags.insecure) {
+    spdlog::error(
+        "refusing to serve on {} without {}: it is not a loopback address; give --tls-cert, "
+        "--tls-key and --tokens-file, or --insecure if the network is trusted",
+        flags.listen,
+        tls      ? "bearer tokens"
+        : tokens ? "TLS"
+                 : "TLS and bearer tokens");
+    return 2;
+  }
+
   gradwire::core::ModuleHost host;
   std::unique_ptr<gradwire::core::Checkpointer> checkpointer;
   if (!flags.checkpoint_dir.empty()) {
@@ -258,7 +429,7 @@ int main(int argc, char** argv) {
   auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
   gradwire::server::Metrics metrics;
   gradwire::rpc::ServiceOptions service_options{
-      GRADWIRE_VERSION, device, description, checkpointer.get(), {}};
+      GRADWIRE_VERSION, device, description, checkpointer.get(), authenticator.get(), {}};
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);
@@ -290,14 +461,6 @@ int main(int argc, char** argv) {
   // tools can list and call the API).
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  const bool tls = !flags.tls_cert.empty() || !flags.tls_key.empty();
-  if (!IsLoopback(flags.listen) && !tls && !flags.insecure) {
-    spdlog::error(
-        "refusing to serve plaintext on {}: it is not a loopback address; give --tls-cert and "
-        "--tls-key, or --insecure if the network is trusted",
-        flags.listen);
-    return 2;
-  }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!flags.tls_cert.empty() || !flags.tls_key.empty() || !flags.tls_client_ca.empty()) {
     if (flags.tls_cert.empty() || flags.tls_key.empty()) {

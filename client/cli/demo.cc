@@ -72,12 +72,14 @@ v1::ModuleSpec BaseSpec(const DemoOptions& o, uint64_t seed, const char* name) {
 // Modules created on the server and deleted with the model.
 class RemoteModel : public DemoModel {
  public:
-  RemoteModel(client::Client& client, bool keep) : client_(client), keep_(keep) {}
+  RemoteModel(client::Cluster& client, bool keep, std::vector<int> placement)
+      : client_(client), keep_(keep), placement_(std::move(placement)) {}
   ~RemoteModel() override {
     if (keep_) return;
     for (const std::string& id : ids_) (void)client_.DeleteModule(id);
   }
   std::vector<std::string> module_ids() const override { return ids_; }
+  std::vector<std::string> module_servers() const override { return servers_; }
   absl::Status Step(float learning_rate) override {
     for (const std::string& id : ids_) {
       auto version = client_.ApplyGradients(id, learning_rate);
@@ -86,16 +88,27 @@ class RemoteModel : public DemoModel {
     return absl::OkStatus();
   }
   absl::Status Create(const v1::ModuleSpec& spec) {
-    auto info = client_.CreateModule(spec);
+    const size_t index = ids_.size();
+    if (!placement_.empty() && index >= placement_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("placement names ", placement_.size(),
+                                                     " servers; the model has more modules"));
+    }
+    auto info = client_.CreateModule(
+        spec, placement_.empty() ? client::Cluster::kRoundRobin : placement_[index]);
     if (!info.ok()) return info.status();
     ids_.push_back(info->module_id());
+    auto where = client_.Locate(info->module_id());
+    if (!where.ok()) return where.status();
+    servers_.push_back(client_.address(*where));
     return absl::OkStatus();
   }
 
  protected:
-  client::Client& client_;
+  client::Cluster& client_;
   bool keep_;
+  std::vector<int> placement_;
   std::vector<std::string> ids_;
+  std::vector<std::string> servers_;
 };
 
 // Linear -> ReLU (here) -> Linear.
@@ -153,14 +166,17 @@ class RemoteMlp final : public RemoteModel {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Client& client,
+absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Cluster& client,
                                                            const DemoOptions& o) {
   if (o.recipe != "current" && o.recipe != "delayed") {
     return absl::InvalidArgumentError(
         absl::StrCat("recipe must be current or delayed, got ", o.recipe));
   }
   if (o.model == "linear") {
-    auto model = std::make_unique<RemoteTwoLinear>(client, o.keep_modules);
+    auto model = std::make_unique<RemoteTwoLinear>(client, o.keep_modules, o.placement);
+    if (o.placement.size() > 2) {
+      return absl::InvalidArgumentError("--model linear has 2 modules; placement names more");
+    }
     v1::ModuleSpec fc1 = BaseSpec(o, o.seed * 2 + 1, "demo.fc1");
     fc1.set_kind(v1::LINEAR);
     fc1.set_in_features(o.in_features);
@@ -174,7 +190,10 @@ absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Client& clien
     return std::unique_ptr<DemoModel>(std::move(model));
   }
   if (o.model == "mlp") {
-    auto model = std::make_unique<RemoteMlp>(client, o.keep_modules);
+    auto model = std::make_unique<RemoteMlp>(client, o.keep_modules, o.placement);
+    if (o.placement.size() > 1) {
+      return absl::InvalidArgumentError("--model mlp has 1 module; placement names more");
+    }
     v1::ModuleSpec mlp = BaseSpec(o, o.seed * 2 + 1, "demo.mlp");
     mlp.set_kind(v1::LAYERNORM_MLP);
     mlp.set_in_features(o.in_features);
@@ -199,6 +218,7 @@ absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& o, std::FI
 
   DemoResult result;
   result.module_ids = model.module_ids();
+  result.module_servers = model.module_servers();
   auto before = model.Forward(eval_x, /*training=*/false);
   if (!before.ok()) return before.status();
   result.initial_loss = MeanSquaredError(*before, eval_y);
@@ -234,9 +254,9 @@ absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& o, std::FI
   return result;
 }
 
-absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& options,
+absl::StatusOr<DemoResult> RunDemo(client::Cluster& cluster, const DemoOptions& options,
                                    std::FILE* progress) {
-  auto model = MakeRemoteModel(client, options);
+  auto model = MakeRemoteModel(cluster, options);
   if (!model.ok()) return model.status();
   return Train(**model, options, progress);
 }

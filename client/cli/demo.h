@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/client/client.h"
+#include "gradwire/client/cluster.h"
 
 namespace gradwire::cli {
 
@@ -28,6 +29,8 @@ struct DemoOptions {
   float learning_rate = 0.5f;  // SGD on the mean squared error
   uint64_t seed = 7;           // data, teacher and initial weights
   bool keep_modules = false;   // leave the modules on the server afterwards
+  // Server index of each module, in order (fc1, fc2 / mlp); empty: round-robin over the servers.
+  std::vector<int> placement;
 };
 
 struct DemoResult {
@@ -36,6 +39,7 @@ struct DemoResult {
   int64_t steps = 0;
   double steps_per_s = 0;
   std::vector<std::string> module_ids;
+  std::vector<std::string> module_servers;  // where each module lived
 };
 
 // A model the demo can train: forward, backward of the last training forward, optimizer step.
@@ -48,18 +52,20 @@ class DemoModel {
   virtual absl::Status Backward(const client::HostTensor& grad_output) = 0;
   virtual absl::Status Step(float learning_rate) = 0;
   virtual std::vector<std::string> module_ids() const { return {}; }
+  virtual std::vector<std::string> module_servers() const { return {}; }
 };
 
-// Creates the remote model of options.model on the server behind `client`. Its destructor deletes
-// the modules unless keep_modules.
-absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Client& client,
+// Creates the remote model of options.model on the servers of `cluster` (options.placement, or
+// round-robin): a two-module model spans two servers when there are two. Every backward goes to
+// the server of its forward. Its destructor deletes the modules unless keep_modules.
+absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Cluster& cluster,
                                                            const DemoOptions& options);
 
 // The training loop on the demo's data. Progress goes to `progress` (nullptr: silent).
 absl::StatusOr<DemoResult> Train(DemoModel& model, const DemoOptions& options, std::FILE* progress);
 
 // MakeRemoteModel + Train.
-absl::StatusOr<DemoResult> RunDemo(client::Client& client, const DemoOptions& options,
+absl::StatusOr<DemoResult> RunDemo(client::Cluster& cluster, const DemoOptions& options,
                                    std::FILE* progress);
 
 }  // namespace gradwire::cli

@@ -1,12 +1,16 @@
 // gradwire: command-line client of gradwire-server.
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "demo.h"
 #include "gradwire/client/client.h"
+#include "gradwire/client/cluster.h"
 #include "weights.h"
 
 namespace {
@@ -79,7 +83,9 @@ int RunInfo(Client& client, bool json) {
   return 0;
 }
 
-int RunDemo(Client& client, const gradwire::cli::DemoOptions& options, bool json) {
+int RunDemo(gradwire::client::Cluster& cluster, const gradwire::cli::DemoOptions& options,
+            bool json) {
+  Client& client = cluster.endpoint(0);
   auto info = client.GetServerInfo();
   if (!info.ok()) return Fail(info.status());
   const auto in = static_cast<long long>(options.in_features);
@@ -92,17 +98,31 @@ int RunDemo(Client& client, const gradwire::cli::DemoOptions& options, bool json
     std::snprintf(model, sizeof model, "Linear(%lld->%lld) -> ReLU (client) -> Linear(%lld->%lld)",
                   in, hidden, hidden, out);
   }
+  std::string servers;
+  for (size_t i = 0; i < cluster.size(); ++i) servers += (i ? ", " : "") + cluster.address(i);
   std::fprintf(stderr, "demo: %s, FP8 %s scaling, on %s (%s), batch %lld, SGD lr %g, %lld steps\n",
-               model, options.recipe.c_str(), client.options().server.c_str(),
-               info->device().c_str(), static_cast<long long>(options.batch), options.learning_rate,
+               model, options.recipe.c_str(), servers.c_str(), info->device().c_str(),
+               static_cast<long long>(options.batch), options.learning_rate,
                static_cast<long long>(options.steps));
-  auto result = gradwire::cli::RunDemo(client, options, stderr);
+  auto result = gradwire::cli::RunDemo(cluster, options, stderr);
   if (!result.ok()) return Fail(result.status());
+  if (cluster.size() > 1 && !json) {
+    for (size_t i = 0; i < result->module_ids.size(); ++i) {
+      std::fprintf(stderr, "module %s on %s\n", result->module_ids[i].c_str(),
+                   result->module_servers[i].c_str());
+    }
+  }
   if (json) {
+    nlohmann::json placed = nlohmann::json::array();
+    for (size_t i = 0; i < result->module_ids.size(); ++i) {
+      placed.push_back(
+          {{"module_id", result->module_ids[i]}, {"server", result->module_servers[i]}});
+    }
     nlohmann::json out = {{"initial_loss", result->initial_loss},
                           {"final_loss", result->final_loss},
                           {"steps", result->steps},
-                          {"steps_per_s", result->steps_per_s}};
+                          {"steps_per_s", result->steps_per_s},
+                          {"modules", placed}};
     std::cout << out.dump() << "\n";
   } else {
     std::printf("held-out loss %.6f -> %.6f (%.1f%% lower), %lld steps at %.1f steps/s\n",
@@ -137,9 +157,12 @@ int main(int argc, char** argv) {
   ClientOptions options;
   double timeout_s = 30;
   bool json = false;
+  std::string token_file;
 
   auto add_common = [&](CLI::App* cmd) {
-    cmd->add_option("--server", options.server, "gradwire-server address, host:port")
+    cmd->add_option("--server", options.server,
+                    "gradwire-server address, host:port; several, comma-separated, spread the "
+                    "demo's modules over them and let info/health/weights ask each")
         ->capture_default_str();
     cmd->add_option("--timeout", timeout_s, "deadline of each call, seconds")
         ->check(CLI::PositiveNumber)
@@ -152,6 +175,13 @@ int main(int argc, char** argv) {
                     "PEM client certificate, for a server that requires mutual TLS")
         ->check(CLI::ExistingFile);
     cmd->add_option("--tls-key", options.tls_key_file, "PEM private key of --tls-cert")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--tls-server-name", options.tls_server_name,
+                    "name to verify in the server's certificate instead of the --server host "
+                    "(e.g. a probe dialing 127.0.0.1)");
+    cmd->add_option("--token-file", token_file,
+                    "file holding the bearer token for a server that requires tokens (or set "
+                    "GRADWIRE_TOKEN)")
         ->check(CLI::ExistingFile);
   };
 
@@ -200,6 +230,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   demo->add_flag("--keep-modules", demo_options.keep_modules,
                  "leave the demo's modules on the server");
+  demo->add_option("--placement", demo_options.placement,
+                   "server index (0-based, in --server order) of each module, e.g. 1,0 puts fc1 "
+                   "on the second server; default: round-robin")
+      ->delimiter(',')
+      ->check(CLI::NonNegativeNumber);
 
   std::string module_id;
   std::string weights_path;
@@ -233,17 +268,51 @@ int main(int argc, char** argv) {
                            "their values");
 
   CLI11_PARSE(app, argc, argv);
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    std::getline(in, options.token);
+    while (!options.token.empty() &&
+           std::isspace(static_cast<unsigned char>(options.token.back()))) {
+      options.token.pop_back();
+    }
+    if (options.token.empty()) {
+      std::fprintf(stderr, "gradwire: --token-file %s: the first line holds no token\n",
+                   token_file.c_str());
+      return 2;
+    }
+  } else if (const char* env = std::getenv("GRADWIRE_TOKEN"); env != nullptr) {
+    options.token = env;
+  }
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.wire_dtype = wire == "bf16"  ? gradwire::client::WireDType::kBF16
                        : wire == "f16" ? gradwire::client::WireDType::kF16
                                        : gradwire::client::WireDType::kF32;
-  Client client(options);
-  if (auto s = client.WaitForReady(options.timeout); !s.ok()) return Fail(s);
-  if (*info) return RunInfo(client, json);
-  if (*health) return RunHealth(client, health_service, json);
-  if (*weights_export) return RunWeightsExport(client, module_id, weights_path, json);
-  if (*weights_import) {
+  auto endpoints = gradwire::client::Cluster::ParseEndpoints(options.server);
+  if (!endpoints.ok()) return Fail(endpoints.status());
+  gradwire::client::Cluster cluster(options, *endpoints);
+  if (auto s = cluster.WaitForReady(options.timeout); !s.ok()) return Fail(s);
+  for (int placed : demo_options.placement) {
+    if (size_t(placed) >= cluster.size()) {
+      std::fprintf(stderr, "gradwire: --placement %d: there are %zu servers (0..%zu)\n", placed,
+                   cluster.size(), cluster.size() - 1);
+      return 2;
+    }
+  }
+  if (*info || *health) {
+    int rc = 0;
+    for (size_t i = 0; i < cluster.size(); ++i) {
+      const int one = *info ? RunInfo(cluster.endpoint(i), json)
+                            : RunHealth(cluster.endpoint(i), health_service, json);
+      rc = rc ? rc : one;
+    }
+    return rc;
+  }
+  if (*weights_export || *weights_import) {
+    auto where = cluster.Locate(module_id);
+    if (!where.ok()) return Fail(where.status());
+    Client& client = cluster.endpoint(*where);
+    if (*weights_export) return RunWeightsExport(client, module_id, weights_path, json);
     return RunWeightsImport(client, module_id, weights_path, import_options, json);
   }
-  return RunDemo(client, demo_options, json);
+  return RunDemo(cluster, demo_options, json);
 }

@@ -158,6 +158,9 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options_.max_message_mib << 20);
   args.SetMaxSendMessageSize(options_.max_message_mib << 20);
+  if (!options_.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options_.tls_server_name);
+  }
   channel_ = grpc::CreateCustomChannel(options_.server, Credentials(options_), args);
   stub_ = v1::Gradwire::NewStub(channel_);
 }
@@ -166,6 +169,7 @@ Client::~Client() = default;
 
 void Client::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
 absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {

@@ -143,6 +143,7 @@ absl::Status Checkpointer::Save(const ModuleState& state) const {
       {"format", "gradwire-checkpoint"},
       {"format_version", std::to_string(kFormatVersion)},
       {"module_id", state.module_id},
+      {"tenant", state.tenant},
       {"weight_version", std::to_string(state.weight_version)},
       {"optimizer_steps", std::to_string(state.optimizer_steps)},
       {"spec", SpecToJson(state.spec).dump()},
@@ -194,6 +195,7 @@ absl::StatusOr<int64_t> Checkpointer::RestoreAll(ModuleHost& host) const {
         return absl::DataLossError(absl::StrCat(path, " is not a gradwire checkpoint"));
       }
       state.module_id = metadata.at("module_id");
+      if (auto t = metadata.find("tenant"); t != metadata.end()) state.tenant = t->second;
       state.weight_version = std::stoull(metadata.at("weight_version"));
       state.optimizer_steps = std::stoll(metadata.at("optimizer_steps"));
       state.spec = SpecFromJson(json::parse(metadata.at("spec")));

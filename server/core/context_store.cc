@@ -18,9 +18,10 @@ std::string RandomId128() {
 }
 
 std::string ContextStore::Put(std::string module_id, uint64_t weight_version,
-                              std::shared_ptr<SavedTensors> saved) {
+                              std::shared_ptr<SavedTensors> saved, std::string tenant) {
   Entry entry;
   entry.module_id = std::move(module_id);
+  entry.tenant = std::move(tenant);
   entry.weight_version = weight_version;
   entry.bytes = saved->bytes();
   entry.saved = std::move(saved);
@@ -32,6 +33,21 @@ std::string ContextStore::Put(std::string module_id, uint64_t weight_version,
   live_bytes_ += entry.bytes;
   entries_.emplace(id, std::move(entry));
   return id;
+}
+
+absl::Status ContextStore::CheckTenant(const std::string& context_id,
+                                       const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string* owner = nullptr;
+  if (auto it = entries_.find(context_id); it != entries_.end()) {
+    owner = &it->second.tenant;
+  } else if (auto c = consumed_.find(context_id); c != consumed_.end()) {
+    owner = &c->second;
+  }
+  if (owner == nullptr || *owner != tenant) {
+    return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ContextStore::Lease> ContextStore::Acquire(const std::string& context_id) {
@@ -94,7 +110,7 @@ int64_t ContextStore::ReleaseModule(const std::string& module_id) {
 void ContextStore::EraseLocked(std::unordered_map<std::string, Entry>::iterator it, bool remember) {
   live_bytes_ -= it->second.bytes;
   if (remember) {
-    consumed_.insert(it->first);
+    consumed_.emplace(it->first, it->second.tenant);
     consumed_order_.push_back(it->first);
     if (consumed_order_.size() > kConsumedMemory) {
       consumed_.erase(consumed_order_.front());

@@ -8,7 +8,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "absl/status/statusor.h"
 #include "server/core/saved_tensors.h"
@@ -29,8 +28,13 @@ class ContextStore {
   };
 
   // Stores `saved` under a fresh random 128-bit id (32 hex digits) and returns the id.
+  // `tenant` owns the context (the module's tenant); see CheckTenant.
   std::string Put(std::string module_id, uint64_t weight_version,
-                  std::shared_ptr<SavedTensors> saved);
+                  std::shared_ptr<SavedTensors> saved, std::string tenant = {});
+
+  // NOT_FOUND, worded exactly as for an unknown id, unless `context_id` is a live or consumed
+  // context of `tenant`: another tenant learns nothing about the id.
+  absl::Status CheckTenant(const std::string& context_id, const std::string& tenant) const;
 
   // Checks a context out for a backward. NOT_FOUND for an unknown id; FAILED_PRECONDITION when it
   // was consumed already or another backward on it is running.
@@ -60,6 +64,7 @@ class ContextStore {
  private:
   struct Entry {
     std::string module_id;
+    std::string tenant;
     uint64_t weight_version = 0;
     std::shared_ptr<SavedTensors> saved;
     int64_t bytes = 0;
@@ -70,7 +75,7 @@ class ContextStore {
 
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> entries_;
-  std::unordered_set<std::string> consumed_;
+  std::unordered_map<std::string, std::string> consumed_;  // id -> tenant
   std::deque<std::string> consumed_order_;
   int64_t live_bytes_ = 0;
 };

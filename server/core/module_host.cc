@@ -199,6 +199,7 @@ struct ModuleHost::Module {
   };
 
   ModuleSpec spec;
+  std::string tenant;     // set before the module is shared, then constant
   mutable std::mutex mu;  // guards everything below
   std::vector<Param> params;
   std::vector<ScalingState> scaling;  // one per tensor role (kLinearRoles / kMlpRoles)
@@ -238,8 +239,9 @@ struct ModuleHost::Module {
 ModuleHost::ModuleHost() = default;
 ModuleHost::~ModuleHost() = default;
 
-absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec) {
+absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std::string& tenant) {
   GW_ASSIGN_OR_RETURN(std::shared_ptr<Module> m, NewModule(spec));
+  m->tenant = tenant;
   std::lock_guard<std::mutex> lock(mu_);
   std::string id;
   do {
@@ -300,7 +302,8 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::Find(
 }
 
 ModuleInfo ModuleHost::InfoLocked(const std::string& id, const Module& m) const {
-  ModuleInfo info{id, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps, {}};
+  ModuleInfo info{id, m.tenant, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps,
+                  {}};
   for (const auto& p : m.params) info.parameter_names.push_back(p.name);
   return info;
 }
@@ -311,7 +314,17 @@ absl::StatusOr<ModuleInfo> ModuleHost::Info(const std::string& module_id) const 
   return InfoLocked(module_id, *m);
 }
 
-std::vector<ModuleInfo> ModuleHost::List() const {
+absl::Status ModuleHost::CheckTenant(const std::string& module_id,
+                                     const std::string& tenant) const {
+  auto m = Find(module_id);
+  if (!m.ok()) return m.status();
+  if ((*m)->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<ModuleInfo> ModuleHost::List(const std::string* tenant) const {
   std::map<std::string, std::shared_ptr<Module>> snapshot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -319,6 +332,7 @@ std::vector<ModuleInfo> ModuleHost::List() const {
   }
   std::vector<ModuleInfo> out;
   for (const auto& [id, m] : snapshot) {
+    if (tenant != nullptr && m->tenant != *tenant) continue;
     std::lock_guard<std::mutex> lock(m->mu);
     out.push_back(InfoLocked(id, *m));
   }
@@ -420,7 +434,7 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
   out.weight_version = m->version;
   if (training) {
     saved->input_shape.assign(input.sizes().begin(), input.sizes().end());
-    out.context_id = contexts_.Put(module_id, m->version, std::move(saved));
+    out.context_id = contexts_.Put(module_id, m->version, std::move(saved), m->tenant);
   }
   return out;
 }
@@ -630,6 +644,7 @@ absl::StatusOr<ModuleState> ModuleHost::ExportState(const std::string& module_id
   std::lock_guard<std::mutex> lock(m->mu);
   ModuleState state;
   state.module_id = module_id;
+  state.tenant = m->tenant;
   state.spec = m->spec;
   state.weight_version = m->version;
   state.optimizer_steps = m->optimizer_steps;
@@ -651,6 +666,7 @@ absl::StatusOr<ModuleState> ModuleHost::ExportState(const std::string& module_id
 absl::Status ModuleHost::ImportState(const ModuleState& state) {
   if (state.module_id.empty()) return absl::InvalidArgumentError("module_id is required");
   GW_ASSIGN_OR_RETURN(std::shared_ptr<Module> m, NewModule(state.spec));
+  m->tenant = state.tenant;
   auto find = [](const NamedTensors& list, const std::string& name) -> const at::Tensor* {
     for (const auto& [n, t] : list) {
       if (n == name) return &t;

@@ -48,6 +48,7 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct ModuleInfo {
   std::string module_id;
+  std::string tenant;  // owner; empty when the server runs without tokens
   ModuleSpec spec;
   uint64_t weight_version = 0;
   int64_t live_contexts = 0;
@@ -86,6 +87,7 @@ struct RoleScaling {
 // what a checkpoint holds.
 struct ModuleState {
   std::string module_id;
+  std::string tenant;
   ModuleSpec spec;
   uint64_t weight_version = 0;
   int64_t optimizer_steps = 0;
@@ -112,9 +114,18 @@ class ModuleHost {
 
   // Validates `spec` and initialises the parameters from spec.seed: weights and biases uniform in
   // [-1/sqrt(fan_in), 1/sqrt(fan_in)), LayerNorm gamma 1 (0 when zero-centered) and beta 0.
-  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec);
+  // The module belongs to `tenant`, and so does every context its forwards create.
+  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant = {});
   absl::StatusOr<ModuleInfo> Info(const std::string& module_id) const;
-  std::vector<ModuleInfo> List() const;
+  // Every module, or only those of `*tenant`.
+  std::vector<ModuleInfo> List(const std::string* tenant = nullptr) const;
+
+  // Tenant isolation: NOT_FOUND, worded exactly as for an unknown id, unless the module (or the
+  // context) belongs to `tenant`. Ownership never changes, so a check before the call suffices.
+  absl::Status CheckTenant(const std::string& module_id, const std::string& tenant) const;
+  absl::Status CheckContextTenant(const std::string& context_id, const std::string& tenant) const {
+    return contexts_.CheckTenant(context_id, tenant);
+  }
   // Deletes the module and releases its contexts.
   absl::Status Delete(const std::string& module_id);
 

@@ -190,38 +190,76 @@ void GradwireService::Persist(const std::string& module_id) const {
   }
 }
 
-grpc::ServerUnaryReactor* GradwireService::RunOnDevice(grpc::CallbackServerContext* ctx,
-                                                       const char* method,
-                                                       std::function<absl::Status()> work,
-                                                       std::string module_id,
-                                                       std::string context_id) {
+absl::StatusOr<Caller> GradwireService::Authenticate(const grpc::CallbackServerContext* ctx) const {
+  Caller caller;
+  if (options_.authenticator == nullptr) return caller;
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find("authorization");
+  const std::string_view header = it == metadata.end()
+                                      ? std::string_view()
+                                      : std::string_view(it->second.data(), it->second.size());
+  GW_ASSIGN_OR_RETURN(caller.tenant, options_.authenticator->Authenticate(header));
+  caller.isolated = true;
+  return caller;
+}
+
+absl::Status GradwireService::CheckModule(const Caller& caller,
+                                          const std::string& module_id) const {
+  GW_RETURN_IF_ERROR(RequireId("module_id", module_id));
+  return caller.isolated ? host_.CheckTenant(module_id, caller.tenant) : absl::OkStatus();
+}
+
+absl::Status GradwireService::CheckContext(const Caller& caller,
+                                           const std::string& context_id) const {
+  GW_RETURN_IF_ERROR(RequireId("context_id", context_id));
+  return caller.isolated ? host_.CheckContextTenant(context_id, caller.tenant) : absl::OkStatus();
+}
+
+void GradwireService::Report(const char* method, const absl::Status& status, double seconds,
+                             const std::string& module_id, const std::string& context_id,
+                             const std::string& tenant) const {
+  if (!options_.on_rpc_done) return;
+  RpcRecord record;
+  record.method = method;
+  record.code = status.code();
+  record.message = std::string(status.message());
+  record.seconds = seconds;
+  record.module_id = module_id;
+  record.context_id = context_id;
+  record.tenant = tenant;
+  options_.on_rpc_done(record);
+}
+
+grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
+    grpc::CallbackServerContext* ctx, const char* method,
+    std::function<absl::Status(const Caller&)> work, std::string module_id,
+    std::string context_id) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto queued_at = std::chrono::steady_clock::now();
+  absl::StatusOr<Caller> caller = Authenticate(ctx);
+  if (!caller.ok()) {
+    Report(method, caller.status(), 0.0, module_id, context_id, {});
+    reactor->Finish(ToGrpc(caller.status()));
+    return reactor;
+  }
   executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work),
-                    module_id = std::move(module_id), context_id = std::move(context_id)] {
+                    caller = std::move(*caller), module_id = std::move(module_id),
+                    context_id = std::move(context_id)] {
     absl::Status status;
     if (ctx->IsCancelled()) {
       status = absl::CancelledError(absl::StrCat(method, " was cancelled before it started"));
     } else {
       try {
-        status = work();
+        status = work(caller);
       } catch (const std::exception& e) {
         status = absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
       } catch (...) {
         status = absl::InternalError(absl::StrCat(method, " failed with an unknown exception"));
       }
     }
-    if (options_.on_rpc_done) {
-      RpcRecord record;
-      record.method = method;
-      record.code = status.code();
-      record.message = std::string(status.message());
-      record.seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_at).count();
-      record.module_id = module_id;
-      record.context_id = context_id;
-      options_.on_rpc_done(record);
-    }
+    Report(method, status,
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_at).count(),
+           module_id, context_id, caller.tenant);
     reactor->Finish(ToGrpc(status));
   });
   return reactor;
@@ -232,6 +270,13 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
                                                          v1::GetServerInfoResponse* resp) {
   // Counters only: cheap and lock-light, so it answers in the reactor even while compute runs.
   const auto start = std::chrono::steady_clock::now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::StatusOr<Caller> caller = Authenticate(ctx);
+  if (!caller.ok()) {
+    Report("GetServerInfo", caller.status(), 0.0, {}, {}, {});
+    reactor->Finish(ToGrpc(caller.status()));
+    return reactor;
+  }
   const core::HostStats stats = host_.Stats();
   resp->set_version(options_.version);
   resp->set_device(options_.device);
@@ -242,14 +287,9 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_modules(stats.modules);
   resp->set_live_contexts(stats.live_contexts);
   resp->set_context_bytes(stats.context_bytes);
-  if (options_.on_rpc_done) {
-    RpcRecord record;
-    record.method = "GetServerInfo";
-    record.seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    options_.on_rpc_done(record);
-  }
-  auto* reactor = ctx->DefaultReactor();
+  Report("GetServerInfo", absl::OkStatus(),
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), {}, {},
+         caller->tenant);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -257,16 +297,16 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* GradwireService::CreateModule(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateModuleRequest* req,
                                                         v1::CreateModuleResponse* resp) {
-  return RunOnDevice(ctx, "CreateModule", [this, req, resp]() -> absl::Status {
+  return RunOnDevice(ctx, "CreateModule", [this, req, resp](const Caller& caller) -> absl::Status {
     if (!req->has_spec()) return absl::InvalidArgumentError("spec is required");
     GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
-    GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Create(spec));
+    GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Create(spec, caller.tenant));
     InfoToProto(info, resp->mutable_module());
     Persist(info.module_id);
-    spdlog::info("created {} '{}' ({} -> {}, bias {}, {} scaling) as module {}",
+    spdlog::info("created {} '{}' ({} -> {}, bias {}, {} scaling) as module {}{}{}",
                  core::ModuleKindName(spec.kind), spec.name, spec.in_features, spec.out_features,
                  spec.bias, spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
-                 info.module_id);
+                 info.module_id, caller.isolated ? " of tenant " : "", caller.tenant);
     return absl::OkStatus();
   });
 }
@@ -274,8 +314,8 @@ grpc::ServerUnaryReactor* GradwireService::CreateModule(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* GradwireService::ListModules(grpc::CallbackServerContext* ctx,
                                                        const v1::ListModulesRequest*,
                                                        v1::ListModulesResponse* resp) {
-  return RunOnDevice(ctx, "ListModules", [this, resp]() -> absl::Status {
-    for (const core::ModuleInfo& info : host_.List()) {
+  return RunOnDevice(ctx, "ListModules", [this, resp](const Caller& caller) -> absl::Status {
+    for (const core::ModuleInfo& info : host_.List(caller.isolated ? &caller.tenant : nullptr)) {
       InfoToProto(info, resp->add_modules());
     }
     return absl::OkStatus();
@@ -287,8 +327,8 @@ grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerCont
                                                         v1::DeleteModuleResponse*) {
   return RunOnDevice(
       ctx, "DeleteModule",
-      [this, req]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+      [this, req](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_RETURN_IF_ERROR(host_.Delete(req->module_id()));
         if (options_.checkpointer) {
           if (auto s = options_.checkpointer->Remove(req->module_id()); !s.ok()) {
@@ -306,8 +346,8 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
                                                    v1::ForwardResponse* resp) {
   return RunOnDevice(
       ctx, "Forward",
-      [this, req, resp]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+      [this, req, resp](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         if (!req->has_input()) return absl::InvalidArgumentError("input is required");
         GW_RETURN_IF_ERROR(CheckOutputDType(req->output_dtype(), "output_dtype"));
         GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req->input(), "input"));
@@ -331,8 +371,8 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
                                                     v1::BackwardResponse* resp) {
   return RunOnDevice(
       ctx, "Backward",
-      [this, req, resp]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("context_id", req->context_id()));
+      [this, req, resp](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckContext(caller, req->context_id()));
         if (!req->has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
         GW_RETURN_IF_ERROR(CheckOutputDType(req->grad_input_dtype(), "grad_input_dtype"));
         GW_ASSIGN_OR_RETURN(at::Tensor grad_output,
@@ -354,8 +394,8 @@ grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerCo
                                                           v1::ReleaseContextResponse*) {
   return RunOnDevice(
       ctx, "ReleaseContext",
-      [this, req]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("context_id", req->context_id()));
+      [this, req](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckContext(caller, req->context_id()));
         return host_.ReleaseContext(req->context_id());
       },
       {}, req->context_id());
@@ -366,8 +406,8 @@ grpc::ServerUnaryReactor* GradwireService::ApplyGradients(grpc::CallbackServerCo
                                                           v1::ApplyGradientsResponse* resp) {
   return RunOnDevice(
       ctx, "ApplyGradients",
-      [this, req, resp]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+      [this, req, resp](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_ASSIGN_OR_RETURN(uint64_t version,
                             host_.ApplyGradients(req->module_id(), req->learning_rate()));
         resp->set_weight_version(version);
@@ -386,8 +426,8 @@ grpc::ServerUnaryReactor* GradwireService::GetGradients(grpc::CallbackServerCont
                                                         v1::GetGradientsResponse* resp) {
   return RunOnDevice(
       ctx, "GetGradients",
-      [this, req, resp]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+      [this, req, resp](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
         GW_ASSIGN_OR_RETURN(core::ParametersCopy g,
                             host_.GetGradients(req->module_id(), req->zero()));
@@ -404,8 +444,8 @@ grpc::ServerUnaryReactor* GradwireService::GetWeights(grpc::CallbackServerContex
                                                       v1::GetWeightsResponse* resp) {
   return RunOnDevice(
       ctx, "GetWeights",
-      [this, req, resp]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+      [this, req, resp](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
         GW_ASSIGN_OR_RETURN(core::ParametersCopy w, host_.GetWeights(req->module_id()));
         GW_RETURN_IF_ERROR(EncodeNamed(w.tensors, req->dtype(), resp->mutable_parameters()));
@@ -420,8 +460,8 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
                                                       v1::SetWeightsResponse* resp) {
   return RunOnDevice(
       ctx, "SetWeights",
-      [this, req, resp]() -> absl::Status {
-        GW_RETURN_IF_ERROR(RequireId("module_id", req->module_id()));
+      [this, req, resp](const Caller& caller) -> absl::Status {
+        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         core::NamedTensors params;
         for (int i = 0; i < req->parameters_size(); ++i) {
           const v1::NamedTensor& named = req->parameters(i);

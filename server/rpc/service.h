@@ -9,6 +9,7 @@
 #include "server/core/checkpoint.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
+#include "server/rpc/auth.h"
 
 namespace gradwire::rpc {
 
@@ -20,6 +21,14 @@ struct RpcRecord {
   double seconds = 0;      // from arrival to status
   std::string module_id;   // from the request, where it names one
   std::string context_id;  // from the request, where it names one
+  std::string tenant;      // the caller's tenant when tokens are on
+};
+
+// Who is calling. Without tokens every caller sees every module (`isolated` false); with tokens
+// a caller sees only its tenant's modules and contexts.
+struct Caller {
+  bool isolated = false;
+  std::string tenant;
 };
 
 struct ServiceOptions {
@@ -28,6 +37,8 @@ struct ServiceOptions {
   std::string device_name;  // human-readable description of the device
   // Persists modules on create, weight upload, delete and every N optimizer steps; null: none.
   const core::Checkpointer* checkpointer = nullptr;
+  // Bearer tokens and their tenants; null: no authentication, no isolation.
+  const Authenticator* authenticator = nullptr;
   // Called once per finished RPC (request-scoped logs, metrics); may be empty.
   std::function<void(const RpcRecord&)> on_rpc_done;
 };
@@ -74,9 +85,18 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
   // `work` become INTERNAL; a call cancelled before it starts is not run.
   // `module_id` / `context_id` name what the request is about, for the RpcRecord.
+  // The caller is authenticated first (in the reactor); an unauthenticated call never queues.
   grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
-                                        std::function<absl::Status()> work,
+                                        std::function<absl::Status(const Caller&)> work,
                                         std::string module_id = {}, std::string context_id = {});
+
+  absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
+  // NOT_FOUND (as for an unknown id) when the caller's tenant does not own the id.
+  absl::Status CheckModule(const Caller& caller, const std::string& module_id) const;
+  absl::Status CheckContext(const Caller& caller, const std::string& context_id) const;
+  void Report(const char* method, const absl::Status& status, double seconds,
+              const std::string& module_id, const std::string& context_id,
+              const std::string& tenant) const;
 
   // Saves a module's checkpoint when checkpoints are on; a failure is logged, not returned (the
   // call itself succeeded, and the next save retries).

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include "server/core/checkpoint.h"
 #include "server/core/linear.h"
 #include "test_util.h"
 
@@ -242,6 +243,50 @@ TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
   EXPECT_EQ(after.weight_version, 1u);
   EXPECT_EQ(host_.Stats().modules, 1);
   EXPECT_EQ(host_.Stats().live_contexts, 0);
+}
+
+}  // namespace
+}  // namespace gradwire::core
+
+namespace gradwire::core {
+namespace {
+
+TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
+  ModuleHost host;
+  ModuleSpec spec;
+  spec.in_features = 8;
+  spec.out_features = 4;
+  auto mine = host.Create(spec, "alice");
+  auto theirs = host.Create(spec, "bob");
+  ASSERT_TRUE(mine.ok() && theirs.ok());
+  EXPECT_TRUE(host.CheckTenant(mine->module_id, "alice").ok());
+  const absl::Status foreign = host.CheckTenant(mine->module_id, "bob");
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(host.CheckTenant("nope", "bob").code(), absl::StatusCode::kNotFound);
+  const std::string alice = "alice";
+  ASSERT_EQ(host.List(&alice).size(), 1u);
+  EXPECT_EQ(host.List(&alice)[0].module_id, mine->module_id);
+  EXPECT_EQ(host.List().size(), 2u);
+
+  auto fwd = host.Forward(mine->module_id, gradwire::testing::RandN({3, 8}), true);
+  ASSERT_TRUE(fwd.ok());
+  EXPECT_TRUE(host.CheckContextTenant(fwd->context_id, "alice").ok());
+  EXPECT_EQ(host.CheckContextTenant(fwd->context_id, "bob").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(host.Backward(fwd->context_id, gradwire::testing::RandN({3, 4}), false, false).ok());
+  // Consumed: still alice's (she gets FAILED_PRECONDITION on a second backward), not bob's.
+  EXPECT_TRUE(host.CheckContextTenant(fwd->context_id, "alice").ok());
+  EXPECT_EQ(host.CheckContextTenant(fwd->context_id, "bob").code(), absl::StatusCode::kNotFound);
+
+  // The owner survives a checkpoint and restore.
+  const std::string dir = ::testing::TempDir() + "/tenant-checkpoints-" + mine->module_id;
+  Checkpointer checkpointer(dir, 0);
+  ASSERT_TRUE(checkpointer.Prepare().ok());
+  ASSERT_TRUE(checkpointer.Save(host, mine->module_id).ok());
+  ModuleHost restored;
+  ASSERT_EQ(*checkpointer.RestoreAll(restored), 1);
+  EXPECT_EQ(restored.Info(mine->module_id)->tenant, "alice");
+  EXPECT_EQ(restored.CheckTenant(mine->module_id, "bob").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(checkpointer.Remove(mine->module_id).ok());
 }
 
 }  // namespace

@@ -30,7 +30,7 @@ start_server() {
     if ! kill -0 "$server_pid" 2>/dev/null; then break; fi
     sleep 0.1
   done
-  addr=$(sed -n 's/.*listening on //p' "$tmp/server.log" | head -1)
+  addr=$(sed -n 's/.*listening on \([^" ]*\).*/\1/p' "$tmp/server.log" | head -1)
   [ -n "$addr" ] || { echo "server did not start:"; cat "$tmp/server.log"; exit 1; }
 }
 

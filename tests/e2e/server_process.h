@@ -24,7 +24,9 @@ class ServerProcess {
  public:
   // Starts the server with --listen 127.0.0.1:0 and `flags`; its log goes to `log_dir`.
   ServerProcess(const std::string& log_dir, const std::vector<std::string>& flags) {
-    log_ = log_dir + "/server-" + std::to_string(++starts_) + ".log";
+    // The test process id keeps parallel test processes (ctest -j) off each other's logs.
+    log_ =
+        log_dir + "/server-" + std::to_string(getpid()) + "-" + std::to_string(++starts_) + ".log";
     std::vector<std::string> args = {GRADWIRE_SERVER_BIN, "--listen", "127.0.0.1:0"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;

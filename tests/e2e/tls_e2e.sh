@@ -24,7 +24,7 @@ make_cert() {  # make_cert NAME CA EXTENSIONS
 }
 make_ca ca
 make_ca stranger
-make_cert server ca "subjectAltName=IP:127.0.0.1
+make_cert server ca "subjectAltName=IP:127.0.0.1,DNS:gradwire.test
 extendedKeyUsage=serverAuth"
 make_cert client ca "extendedKeyUsage=clientAuth"
 make_cert impostor stranger "extendedKeyUsage=clientAuth"
@@ -39,6 +39,10 @@ check "tls: plaintext client is refused" \
   bash -c "! '$cli_bin' health --server '$addr' --timeout 3 >/dev/null 2>&1"
 check "tls: client trusting another CA is refused" \
   bash -c "! '$cli_bin' health --server '$addr' --timeout 3 --tls-ca '$pki/stranger.crt' >/dev/null 2>&1"
+check "tls: --tls-server-name verifies another name of the certificate" \
+  health --tls-ca "$pki/ca.crt" --tls-server-name gradwire.test
+check "tls: --tls-server-name the certificate lacks is refused" \
+  bash -c "! '$cli_bin' health --server '$addr' --timeout 3 --tls-ca '$pki/ca.crt' --tls-server-name other.test >/dev/null 2>&1"
 check "tls: demo trains over TLS" \
   bash -c "'$cli_bin' demo --server '$addr' --steps 20 --json --tls-ca '$pki/ca.crt' 2>/dev/null | grep -q final_loss"
 stop_server
@@ -63,12 +67,25 @@ set -e
 check "tls: --tls-cert without --tls-key is refused" \
   bash -c "[ $rc = 2 ] && grep -q 'both --tls-cert and --tls-key' '$tmp/half.log'"
 
-# Secure by default: plaintext only on loopback unless --insecure.
-set +e
-"$server_bin" --listen 0.0.0.0:0 >"$tmp/open.log" 2>&1
-rc=$?
-set -e
-check "plaintext on a non-loopback address is refused" \
-  bash -c "[ $rc = 2 ] && grep -q 'refusing to serve plaintext on 0.0.0.0:0' '$tmp/open.log'"
+# Secure by default: a non-loopback address needs TLS and bearer tokens, unless --insecure.
+echo "tenant-a tenant-a-0123456789abcdef" >"$tmp/tokens"
+refused() {  # refused WHAT FLAGS...: the server exits 2 naming WHAT it lacks
+  local what=$1
+  shift
+  local rc=0
+  "$server_bin" --listen 0.0.0.0:0 "$@" >"$tmp/open.log" 2>&1 || rc=$?
+  [ "$rc" = 2 ] && grep -q "refusing to serve on 0.0.0.0:0 without $what" "$tmp/open.log"
+}
+check "non-loopback without TLS or tokens is refused" refused "TLS and bearer tokens"
+check "non-loopback with TLS but no tokens is refused" refused "bearer tokens" \
+  --tls-cert "$pki/server.crt" --tls-key "$pki/server.key"
+check "non-loopback with tokens but no TLS is refused" refused "TLS" --tokens-file "$tmp/tokens"
+start_server --listen 0.0.0.0:0 --tls-cert "$pki/server.crt" --tls-key "$pki/server.key" \
+  --tokens-file "$tmp/tokens"
+check "non-loopback with TLS and tokens serves" grep -q "listening on 0.0.0.0:" "$tmp/server.log"
+stop_server
+start_server --listen 0.0.0.0:0 --insecure
+check "non-loopback plaintext with --insecure serves" grep -q "listening on 0.0.0.0:" "$tmp/server.log"
+stop_server
 
 finish

@@ -76,14 +76,15 @@ TEST_P(DemoParityTest, Fp8LayerNormMlpEndsWithinFivePercentOfFloat32) {
   ASSERT_TRUE(server.ok());
   client::ClientOptions copts;
   copts.server = server.address();
-  client::Client client(copts);
+  client::Cluster cluster(copts, {server.address()});
+  client::Client& client = cluster.endpoint(0);
   cli::DemoOptions options;
   options.model = "mlp";
   options.recipe = GetParam();
   options.steps = 300;
   options.learning_rate = 0.5f;
 
-  auto remote = cli::MakeRemoteModel(client, options);
+  auto remote = cli::MakeRemoteModel(cluster, options);
   ASSERT_TRUE(remote.ok()) << remote.status();
   auto init = client.GetWeights((*remote)->module_ids().at(0));
   ASSERT_TRUE(init.ok());

@@ -14,10 +14,15 @@ namespace gradwire::testing {
 
 class TestServer {
  public:
-  TestServer() {
+  // With `authenticator`, calls need bearer tokens and tenants are isolated.
+  explicit TestServer(const rpc::Authenticator* authenticator = nullptr) {
     executor_ = std::make_unique<core::DeviceExecutor>("cpu");
-    service_ = std::make_unique<rpc::GradwireService>(
-        host_, *executor_, rpc::ServiceOptions{"test", "cpu", "test CPU", nullptr, {}});
+    rpc::ServiceOptions options;
+    options.version = "test";
+    options.device = "cpu";
+    options.device_name = "test CPU";
+    options.authenticator = authenticator;
+    service_ = std::make_unique<rpc::GradwireService>(host_, *executor_, std::move(options));
     grpc::ServerBuilder builder;
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);

@@ -1,5 +1,7 @@
 """A thin Python client of gradwire-server (gRPC)."""
 
+import os
+
 import grpc
 import torch
 
@@ -21,16 +23,20 @@ class Client:
     """Connection to one gradwire-server. Every call has a deadline of ``timeout`` seconds.
 
     ``wire_dtype`` ("f32", "bf16" or "f16") is how activations and gradients travel; bf16 halves
-    the bytes at a small cost in accuracy.
+    the bytes at a small cost in accuracy. ``token`` is the bearer token for a server that
+    requires tokens (default: the ``GRADWIRE_TOKEN`` environment variable, if set).
     """
 
     def __init__(self, server: str = "127.0.0.1:50051", timeout: float = 30.0,
-                 wire_dtype: str = "f32", max_message_mib: int = 64):
+                 wire_dtype: str = "f32", max_message_mib: int = 64, token: str = None):
         if wire_dtype not in wire.WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {sorted(wire.WIRE_DTYPES)}")
         self.server = server
         self.timeout = timeout
         self.wire_dtype = wire_dtype
+        if token is None:
+            token = os.environ.get("GRADWIRE_TOKEN") or None
+        self._metadata = (("authorization", "Bearer " + token),) if token else None
         limit = max_message_mib << 20
         self._channel = grpc.insecure_channel(server, options=[
             ("grpc.max_send_message_length", limit),
@@ -43,7 +49,8 @@ class Client:
 
     def _call(self, method: str, request):
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout)
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
         except grpc.RpcError as e:
             raise GradwireError(method, e.code().name, e.details()) from None
 

@@ -14,11 +14,11 @@ SERVER_BIN = os.environ.get("GRADWIRE_SERVER_BIN",
 CLI_BIN = os.environ.get("GRADWIRE_CLI_BIN", os.path.join(ROOT, "build/client/gradwire"))
 
 
-@pytest.fixture(scope="session")
-def server():
-    """A real gradwire-server on a free loopback port for the whole session."""
+def _start_server(*extra, env=None):
+    """Starts gradwire-server on a free loopback port; yields its address, then stops it."""
     log = tempfile.NamedTemporaryFile(prefix="gradwire-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([SERVER_BIN, "--listen", "127.0.0.1:0"], stdout=log, stderr=log)
+    proc = subprocess.Popen([SERVER_BIN, "--listen", "127.0.0.1:0", *extra], stdout=log,
+                            stderr=log, env=env)
     address = None
     for _ in range(200):
         with open(log.name) as f:
@@ -37,6 +37,23 @@ def server():
     proc.terminate()
     proc.wait(timeout=30)
     os.unlink(log.name)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A real gradwire-server on a free loopback port for the whole session."""
+    yield from _start_server()
+
+
+TENANT_TOKENS = {"alice": "alice-" + os.urandom(12).hex(), "bob": "bob-" + os.urandom(12).hex()}
+
+
+@pytest.fixture(scope="session")
+def token_server():
+    """A gradwire-server that requires bearer tokens (tenants alice and bob)."""
+    env = dict(os.environ)
+    env["GRADWIRE_SERVER_TOKENS"] = ",".join(f"{t}:{k}" for t, k in TENANT_TOKENS.items())
+    yield from _start_server(env=env)
 
 
 @pytest.fixture

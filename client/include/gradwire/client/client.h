@@ -42,6 +42,12 @@ struct ClientOptions {
   std::string tls_ca_file;
   std::string tls_cert_file;
   std::string tls_key_file;
+  // The name the server's certificate must carry, when it is not the host of `server` (a probe
+  // that dials 127.0.0.1 inside a pod whose certificate names the service).
+  std::string tls_server_name;
+  // Bearer token for a server that requires tokens: sent as "authorization: Bearer TOKEN" on every
+  // call (health checks too; the server ignores it there).
+  std::string token;
 };
 
 struct ForwardResult {

@@ -1,0 +1,48 @@
+// Bearer-token authentication: tokens map to tenants; every module and context belongs to the
+// tenant that created it. Tokens are kept only as SHA-256 digests and compared in constant time.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace gradwire::rpc {
+
+class Authenticator {
+ public:
+  static constexpr size_t kMinTokenLength = 16;
+  static constexpr size_t kMaxTenantLength = 64;
+
+  // One (tenant, token) per entry. Tenants are 1-64 of [A-Za-z0-9._-]; tokens at least 16
+  // characters of A-Z a-z 0-9 . _ - ~ + / = (base64, base64url, hex), each used once. Errors never
+  // contain a token.
+  static absl::StatusOr<Authenticator> FromEntries(
+      const std::vector<std::pair<std::string, std::string>>& entries);
+
+  // A tokens file: one "TENANT TOKEN" per line; blank lines and lines starting with # are skipped.
+  static absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadTokensFile(
+      const std::string& path);
+
+  // "TENANT:TOKEN" (the --tokens option's form).
+  static absl::StatusOr<std::pair<std::string, std::string>> ParseInline(std::string_view entry);
+
+  // The tenant of an `authorization` header value "Bearer TOKEN"; UNAUTHENTICATED otherwise. Every
+  // stored token is compared, whatever matches, so timing does not tell which one did.
+  absl::StatusOr<std::string> Authenticate(std::string_view authorization) const;
+
+  size_t size() const { return entries_.size(); }
+  // Distinct tenants, sorted (for the startup log).
+  std::vector<std::string> Tenants() const;
+
+ private:
+  using Digest = std::array<uint8_t, 32>;
+  static Digest Sha256(std::string_view data);
+  std::vector<std::pair<Digest, std::string>> entries_;  // token digest -> tenant
+};
+
+}  // namespace gradwire::rpc

@@ -1,0 +1,249 @@
+// Bearer tokens and tenant isolation: the Authenticator on its own, then the real service over
+// loopback with two tenants.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "gradwire/client/client.h"
+#include "server/rpc/auth.h"
+#include "test_server.h"
+
+namespace gradwire {
+namespace {
+
+using client::HostTensor;
+using rpc::Authenticator;
+
+constexpr char kAliceToken[] = "alice-0123456789abcdef";
+constexpr char kBobToken[] = "bob-fedcba9876543210xyz";
+
+HostTensor Random(std::vector<int64_t> shape) {
+  static std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  HostTensor t = HostTensor::Zeros(std::move(shape));
+  for (float& v : t.data) v = dist(rng);
+  return t;
+}
+
+std::string WriteTemp(const std::string& text) {
+  char path[] = "/tmp/gradwire-tokens-XXXXXX";
+  const int fd = mkstemp(path);
+  EXPECT_GE(fd, 0);
+  close(fd);
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(AuthenticatorTest, MapsTokensToTenants) {
+  auto auth = Authenticator::FromEntries({{"alice", kAliceToken}, {"bob", kBobToken}});
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  EXPECT_EQ(*auth->Authenticate(std::string("Bearer ") + kAliceToken), "alice");
+  EXPECT_EQ(*auth->Authenticate(std::string("Bearer ") + kBobToken), "bob");
+  EXPECT_EQ(auth->Tenants(), (std::vector<std::string>{"alice", "bob"}));
+}
+
+TEST(AuthenticatorTest, RejectsMissingMalformedAndWrongTokens) {
+  auto auth = Authenticator::FromEntries({{"alice", kAliceToken}});
+  ASSERT_TRUE(auth.ok());
+  for (const std::string& header :
+       {std::string(), std::string("Bearer "), std::string(kAliceToken),
+        std::string("bearer ") + kAliceToken, std::string("Basic ") + kAliceToken,
+        std::string("Bearer ") + kAliceToken + "x", std::string("Bearer ") + kBobToken,
+        std::string("Bearer ") + std::string(kAliceToken).substr(1)}) {
+    auto tenant = auth->Authenticate(header);
+    ASSERT_FALSE(tenant.ok()) << header;
+    EXPECT_EQ(tenant.status().code(), absl::StatusCode::kUnauthenticated);
+    // The message never repeats what was presented.
+    EXPECT_EQ(std::string(tenant.status().message()).find("0123456789"), std::string::npos);
+  }
+}
+
+TEST(AuthenticatorTest, RejectsBadEntriesWithoutEchoingTokens) {
+  struct Case {
+    std::vector<std::pair<std::string, std::string>> entries;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {{}, "no tokens"},
+      {{{"", kAliceToken}}, "tenant"},
+      {{{"al ice", kAliceToken}}, "tenant"},
+      {{{std::string(65, 'a'), kAliceToken}}, "tenant"},
+      {{{"alice", "short-secret"}}, "at least 16"},
+      {{{"alice", "has space in the token"}}, "at least 16"},
+      {{{"alice", kAliceToken}, {"bob", kAliceToken}}, "repeats the token of tenant alice"},
+  };
+  for (const Case& c : cases) {
+    auto auth = Authenticator::FromEntries(c.entries);
+    ASSERT_FALSE(auth.ok()) << c.expect;
+    EXPECT_EQ(auth.status().code(), absl::StatusCode::kInvalidArgument);
+    const std::string message(auth.status().message());
+    EXPECT_NE(message.find(c.expect), std::string::npos) << message;
+    for (const auto& [tenant, token] : c.entries) {
+      EXPECT_EQ(message.find(token), std::string::npos) << message;
+    }
+  }
+}
+
+TEST(AuthenticatorTest, ReadsTokensFiles) {
+  const std::string good = WriteTemp(std::string("# tenants\n\nalice ") + kAliceToken +
+                                     "\n  bob\t" + kBobToken + "  \r\n");
+  auto entries = Authenticator::ReadTokensFile(good);
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  ASSERT_EQ(entries->size(), 2u);
+  EXPECT_EQ((*entries)[1].first, "bob");
+  EXPECT_EQ((*entries)[1].second, kBobToken);
+  std::remove(good.c_str());
+
+  for (const std::string& text :
+       {std::string("alice\n"), std::string("# only comments\n"), std::string("alice a b c\n")}) {
+    const std::string path = WriteTemp(text);
+    auto bad = Authenticator::ReadTokensFile(path);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    std::remove(path.c_str());
+  }
+  EXPECT_EQ(Authenticator::ReadTokensFile("/nonexistent/tokens").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_FALSE(Authenticator::ParseInline("alice").ok());
+  EXPECT_FALSE(Authenticator::ParseInline(":token").ok());
+  EXPECT_EQ(Authenticator::ParseInline("alice:tok:en")->second, "tok:en");
+}
+
+class TenantTest : public ::testing::Test {
+ protected:
+  static std::unique_ptr<client::Client> Connect(const std::string& address, std::string token) {
+    client::ClientOptions options;
+    options.server = address;
+    options.timeout = std::chrono::seconds(20);
+    options.token = std::move(token);
+    auto c = std::make_unique<client::Client>(options);
+    EXPECT_TRUE(c->WaitForReady(std::chrono::seconds(10)).ok());
+    return c;
+  }
+
+  void SetUp() override {
+    auto made = Authenticator::FromEntries({{"alice", kAliceToken}, {"bob", kBobToken}});
+    ASSERT_TRUE(made.ok());
+    auth_ = std::make_unique<Authenticator>(std::move(*made));
+    server_ = std::make_unique<testing::TestServer>(auth_.get());
+    ASSERT_TRUE(server_->ok());
+    alice_ = Connect(server_->address(), kAliceToken);
+    bob_ = Connect(server_->address(), kBobToken);
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(16);
+    spec.set_out_features(8);
+    spec.set_bias(true);
+    spec.set_seed(3);
+    auto info = alice_->CreateModule(spec);
+    ASSERT_TRUE(info.ok()) << info.status();
+    module_ = info->module_id();
+    auto fwd = alice_->Forward(module_, Random({4, 16}), true);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    context_ = fwd->context_id;
+  }
+
+  std::unique_ptr<Authenticator> auth_;
+  std::unique_ptr<testing::TestServer> server_;
+  std::unique_ptr<client::Client> alice_, bob_;
+  std::string module_, context_;
+};
+
+// The status another tenant gets must be the one an id that never existed gets.
+void ExpectSameNotFound(const absl::Status& foreign, const absl::Status& unknown,
+                        const std::string& foreign_id, const std::string& unknown_id) {
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kNotFound) << foreign;
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  std::string a(foreign.message()), b(unknown.message());
+  a.replace(a.find(foreign_id), foreign_id.size(), "ID");
+  b.replace(b.find(unknown_id), unknown_id.size(), "ID");
+  EXPECT_EQ(a, b);
+}
+
+TEST_F(TenantTest, AnotherTenantsModuleIdIsNotFound) {
+  const std::string unknown = "0123456789abcdef0123456789abcdef";
+  ExpectSameNotFound(bob_->Forward(module_, Random({4, 16}), true).status(),
+                     bob_->Forward(unknown, Random({4, 16}), true).status(), module_, unknown);
+  ExpectSameNotFound(bob_->GetWeights(module_).status(), bob_->GetWeights(unknown).status(),
+                     module_, unknown);
+  ExpectSameNotFound(bob_->SetWeights(module_, {{"bias", Random({8})}}).status(),
+                     bob_->SetWeights(unknown, {{"bias", Random({8})}}).status(), module_, unknown);
+  ExpectSameNotFound(bob_->GetGradients(module_, true).status(),
+                     bob_->GetGradients(unknown, true).status(), module_, unknown);
+  ExpectSameNotFound(bob_->ApplyGradients(module_).status(), bob_->ApplyGradients(unknown).status(),
+                     module_, unknown);
+  ExpectSameNotFound(bob_->DeleteModule(module_), bob_->DeleteModule(unknown), module_, unknown);
+  auto bobs = bob_->ListModules();
+  ASSERT_TRUE(bobs.ok());
+  EXPECT_TRUE(bobs->empty());
+
+  // Nothing bob tried changed alice's module.
+  auto info = alice_->ListModules();
+  ASSERT_TRUE(info.ok());
+  ASSERT_EQ(info->size(), 1u);
+  EXPECT_EQ((*info)[0].weight_version(), 1u);
+  EXPECT_EQ((*info)[0].live_contexts(), 1);
+}
+
+TEST_F(TenantTest, AnotherTenantsContextIdIsNotFoundLiveOrConsumed) {
+  const std::string unknown = "fedcba9876543210fedcba9876543210";
+  ExpectSameNotFound(bob_->Backward(context_, Random({4, 8})).status(),
+                     bob_->Backward(unknown, Random({4, 8})).status(), context_, unknown);
+  ExpectSameNotFound(bob_->ReleaseContext(context_), bob_->ReleaseContext(unknown), context_,
+                     unknown);
+  // Alice's backward still finds her context, then it is consumed.
+  ASSERT_TRUE(alice_->Backward(context_, Random({4, 8})).ok());
+  // A consumed context is FAILED_PRECONDITION for its owner, NOT_FOUND for everybody else.
+  EXPECT_EQ(alice_->Backward(context_, Random({4, 8})).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ExpectSameNotFound(bob_->Backward(context_, Random({4, 8})).status(),
+                     bob_->Backward(unknown, Random({4, 8})).status(), context_, unknown);
+}
+
+TEST_F(TenantTest, EachTenantWorksOnItsOwnModules) {
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LINEAR);
+  spec.set_in_features(16);
+  spec.set_out_features(16);
+  auto bobs = bob_->CreateModule(spec);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  auto fwd = bob_->Forward(bobs->module_id(), Random({2, 16}), true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_TRUE(bob_->Backward(fwd->context_id, Random({2, 16})).ok());
+  EXPECT_TRUE(bob_->ApplyGradients(bobs->module_id()).ok());
+  EXPECT_EQ(alice_->GetWeights(bobs->module_id()).status().code(), absl::StatusCode::kNotFound);
+  auto alices = alice_->ListModules();
+  ASSERT_TRUE(alices.ok());
+  ASSERT_EQ(alices->size(), 1u);
+  EXPECT_EQ((*alices)[0].module_id(), module_);
+  // Both tenants' modules exist on the server.
+  EXPECT_EQ(server_->host().List().size(), 2u);
+  EXPECT_EQ(server_->host().Info(module_)->tenant, "alice");
+  EXPECT_EQ(server_->host().Info(bobs->module_id())->tenant, "bob");
+}
+
+TEST_F(TenantTest, CallsWithoutAValidTokenAreUnauthenticatedAndChangeNothing) {
+  auto anonymous = Connect(server_->address(), "");
+  auto forger = Connect(server_->address(), "alice-0123456789abcdeX");
+  for (client::Client* c : {anonymous.get(), forger.get()}) {
+    EXPECT_EQ(c->GetServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->ListModules().status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->Forward(module_, Random({4, 16}), true).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->Backward(context_, Random({4, 8})).status().code(),
+              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(c->DeleteModule(module_).code(), absl::StatusCode::kUnauthenticated);
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(4);
+    spec.set_out_features(4);
+    EXPECT_EQ(c->CreateModule(spec).status().code(), absl::StatusCode::kUnauthenticated);
+  }
+  EXPECT_EQ(server_->host().List().size(), 1u);
+  EXPECT_EQ(server_->host().Stats().live_contexts, 1);
+  EXPECT_TRUE(alice_->Backward(context_, Random({4, 8})).ok());
+}
+
+}  // namespace
+}  // namespace gradwire
