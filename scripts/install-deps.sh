@@ -9,7 +9,11 @@ packages=(
   libcpp-httplib-dev libssl-dev openssl
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest
+  yamllint docker-compose
 )
+# kubectl for the deploy/ checks: Debian's kubernetes-client, unless a kubectl is installed already
+# (another kubectl package owns the same path).
+command -v kubectl >/dev/null || packages+=(kubernetes-client)
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Checks deploy/: yamllint (strict) on every YAML file; `kubectl kustomize` builds the base and
+# each overlay (with throwaway Secret files) into the objects an operator expects; the ConfigMap's
+# server.toml is a configuration the real server accepts; the compose file is valid.
+#   usage: validate.sh PATH/gradwire-server
+set -euo pipefail
+server_bin=$1
+root=$(cd "$(dirname "$0")/../.." && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0
+failed=0
+check() {
+  local name=$1
+  shift
+  if "$@"; then
+    passed=$((passed + 1))
+    echo "ok   $name"
+  else
+    failed=$((failed + 1))
+    echo "FAIL $name"
+  fi
+}
+need() { command -v "$1" >/dev/null || { echo "validate: $1 not found (scripts/install-deps.sh installs it)"; exit 1; }; }
+need yamllint
+kubectl=${KUBECTL:-kubectl}  # KUBECTL=... checks another release (e.g. Debian's 1.20)
+need "$kubectl"
+
+mapfile -t yamls < <(find "$root/deploy" -name '*.yaml' -o -name '*.yml' | sort)
+check "yamllint --strict on ${#yamls[@]} files" \
+  yamllint --strict -c "$root/deploy/.yamllint" "${yamls[@]}"
+
+cp -r "$root/deploy/k8s" "$tmp/k8s"
+for f in tls.crt tls.key ca.crt tokens.txt; do echo "placeholder" >"$tmp/k8s/overlays/example/$f"; done
+build() { "$kubectl" kustomize "$tmp/k8s/$1" 2>"$tmp/kustomize.err"; }
+for overlay in base overlays/example overlays/cpu; do
+  check "kustomize builds $overlay" bash -c "$(declare -f build); tmp='$tmp' kubectl='$kubectl'; build $overlay >'$tmp/${overlay//\//_}.yaml'"
+done
+out="$tmp/overlays_example.yaml"
+has() { grep -qE "$1" "$2"; }
+check "example: a StatefulSet" has '^kind: StatefulSet$' "$out"
+check "example: a headless Service" has '^  clusterIP: None$' "$out"
+check "example: a PodDisruptionBudget" has '^kind: PodDisruptionBudget$' "$out"
+check "example: a ConfigMap with server.toml" has '^  server.toml: \|$' "$out"
+check "example: a Secret with TLS and tokens" \
+  bash -c "grep -q '^kind: Secret$' '$out' && grep -q 'tokens.txt:' '$out' && grep -q 'tls.key:' '$out'"
+check "example: the pods mount the generated Secret and ConfigMap by their hashed names" \
+  bash -c "grep -qE 'secretName: gradwire-secret-[a-z0-9]+$' '$out' && grep -qE '^ +name: gradwire-config-[a-z0-9]+$' '$out'"
+check "example: one GPU per server" has 'nvidia.com/gpu: 1$' "$out"
+check "example: resource requests" has '^ +memory: 32Gi$' "$out"
+check "example: readiness, liveness and startup probes" \
+  bash -c "grep -q readinessProbe: '$out' && grep -q livenessProbe: '$out' && grep -q startupProbe: '$out'"
+check "example: a volume claim for checkpoints" has '^  volumeClaimTemplates:$' "$out"
+check "example: the image is set by the overlay" has 'image: registry.example.com/gradwire:0.1.0-cuda$' "$out"
+check "example: everything in namespace gradwire" \
+  bash -c "[ \$(grep -c '^  namespace: gradwire$' '$out') -ge 5 ]"
+check "cpu: no GPU, the cpu image" \
+  bash -c "! grep -q nvidia.com/gpu '$tmp/overlays_cpu.yaml' && grep -q 'gradwire:0.1.0-cpu$' '$tmp/overlays_cpu.yaml'"
+
+# The ConfigMap's configuration is one the server accepts (secret paths pointed at real files).
+sed -e "s#/etc/gradwire/secret/#$tmp/k8s/overlays/example/#" "$root/deploy/k8s/base/server.toml" >"$tmp/server.toml"
+check "server.toml: gradwire-server accepts it" \
+  bash -c "'$server_bin' --config '$tmp/server.toml' --print-config >'$tmp/printed.toml'"
+check "server.toml: TLS and tokens on" \
+  bash -c "grep -q '^tokens-file = \"$tmp' '$tmp/printed.toml' && grep -q '^tls-cert = \"$tmp' '$tmp/printed.toml'"
+
+if command -v docker-compose >/dev/null; then
+  check "compose file is valid" docker-compose -f "$root/deploy/compose.yaml" config -q
+else
+  echo "skip compose file check: docker-compose not installed"
+fi
+check "Dockerfile has the cpu and cuda targets" \
+  bash -c "grep -qE '^FROM .* AS cpu$' '$root/Dockerfile' && grep -qE '^FROM .* AS cuda$' '$root/Dockerfile'"
+check ".dockerignore keeps build trees and .git out" \
+  bash -c "grep -qx '.git' '$root/.dockerignore' && grep -qx 'build\*' '$root/.dockerignore'"
+
+echo "deploy: $passed passed, $failed failed"
+[ "$failed" = 0 ]
