@@ -9,7 +9,7 @@ packages=(
   libcpp-httplib-dev libssl-dev openssl
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest
-  yamllint docker-compose
+  yamllint docker-compose gnuplot-nox
 )
 # kubectl for the deploy/ checks: Debian's kubernetes-client, unless a kubectl is installed already
 # (another kubectl package owns the same path).

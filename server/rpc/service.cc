@@ -347,6 +347,7 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
   return RunOnDevice(
       ctx, "Forward",
       [this, req, resp](const Caller& caller) -> absl::Status {
+        const auto start = std::chrono::steady_clock::now();
         GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         if (!req->has_input()) return absl::InvalidArgumentError("input is required");
         GW_RETURN_IF_ERROR(CheckOutputDType(req->output_dtype(), "output_dtype"));
@@ -361,6 +362,8 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
         }
         resp->set_context_id(out.context_id);
         resp->set_weight_version(out.weight_version);
+        resp->set_server_seconds(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         return absl::OkStatus();
       },
       req->module_id());
@@ -372,6 +375,7 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
   return RunOnDevice(
       ctx, "Backward",
       [this, req, resp](const Caller& caller) -> absl::Status {
+        const auto start = std::chrono::steady_clock::now();
         GW_RETURN_IF_ERROR(CheckContext(caller, req->context_id()));
         if (!req->has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
         GW_RETURN_IF_ERROR(CheckOutputDType(req->grad_input_dtype(), "grad_input_dtype"));
@@ -384,6 +388,8 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
           GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req->grad_input_dtype(), "grad_input_dtype",
                                           resp->mutable_grad_input()));
         }
+        resp->set_server_seconds(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         return absl::OkStatus();
       },
       {}, req->context_id());

@@ -1,0 +1,93 @@
+#include "inprocess.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gradwire/kernels/random.h"
+#include "server/core/module_host.h"
+
+namespace gradwire::load {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+at::Tensor Random(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
+  at::Tensor t = at::empty({rows, cols}, at::kFloat);
+  kernels::FillNormal(t.data_ptr<float>(), t.numel(), seed, stream);
+  return t;
+}
+
+class HostBaseline final : public InProcess {
+ public:
+  absl::Status Init(const v1::ModuleSpec& p, const std::string& flow, int64_t rows, int workers,
+                    uint64_t seed) {
+    core::ModuleSpec spec;
+    spec.kind = p.kind() == v1::LAYERNORM_MLP      ? core::ModuleKind::kLayerNormMlp
+                : p.kind() == v1::LAYERNORM_LINEAR ? core::ModuleKind::kLayerNormLinear
+                                                   : core::ModuleKind::kLinear;
+    spec.in_features = p.in_features();
+    spec.out_features = p.out_features();
+    spec.ffn_features = p.ffn_features();
+    spec.bias = p.bias();
+    spec.recipe.mode = p.recipe().scaling() == v1::DELAYED ? core::ScalingMode::kDelayed
+                                                           : core::ScalingMode::kCurrent;
+    spec.seed = p.seed();
+    auto info = host_.Create(spec);
+    if (!info.ok()) return info.status();
+    id_ = info->module_id;
+    step_ = flow == "step";
+    for (int w = 0; w < workers; ++w) {
+      inputs_.push_back(Random(rows, spec.in_features, seed, 2 * uint64_t(w)));
+      grads_.push_back(Random(rows, spec.out_features, seed, 2 * uint64_t(w) + 1));
+    }
+    return absl::OkStatus();
+  }
+
+  OpOutcome Run(int worker) override {
+    OpOutcome o;
+    const auto t0 = Clock::now();
+    auto fwd = host_.Forward(id_, inputs_[worker], step_);
+    const auto t1 = Clock::now();
+    if (!fwd.ok()) {
+      o.code = absl::StatusCodeToString(fwd.status().code());
+      return o;
+    }
+    o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
+    o.bytes = int64_t(inputs_[worker].nbytes() + fwd->output.nbytes());
+    if (step_) {
+      auto grad = host_.Backward(fwd->context_id, grads_[worker], false, false);
+      const auto t2 = Clock::now();
+      if (!grad.ok()) {
+        o.code = absl::StatusCodeToString(grad.status().code());
+        return o;
+      }
+      o.stage_seconds[1] = std::chrono::duration<double>(t2 - t1).count();
+      o.bytes += int64_t(grads_[worker].nbytes() + grad->nbytes());
+    }
+    return o;
+  }
+
+ private:
+  core::ModuleHost host_;
+  std::string id_;
+  bool step_ = false;
+  std::vector<at::Tensor> inputs_, grads_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<InProcess>> InProcess::Make(const v1::ModuleSpec& spec,
+                                                           const std::string& flow, int64_t rows,
+                                                           int workers, uint64_t seed) {
+  if (flow != "forward" && flow != "step") {
+    return absl::InvalidArgumentError(absl::StrCat("no in-process baseline for flow ", flow));
+  }
+  auto b = std::make_unique<HostBaseline>();
+  if (auto s = b->Init(spec, flow, rows, workers, seed); !s.ok()) return s;
+  return std::unique_ptr<InProcess>(std::move(b));
+}
+
+}  // namespace gradwire::load

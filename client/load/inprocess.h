@@ -1,0 +1,24 @@
+// The in-process baseline: the same module and flow run on a ModuleHost in this process, without
+// gRPC, so network and service overhead is a ratio measured in one run. (Links libtorch.)
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "gradwire/v1/module.pb.h"
+#include "runner.h"
+
+namespace gradwire::load {
+
+class InProcess {
+ public:
+  virtual ~InProcess() = default;
+  // flow: "forward" or "step"; input rows x spec.in_features, fresh random values.
+  static absl::StatusOr<std::unique_ptr<InProcess>> Make(const v1::ModuleSpec& spec,
+                                                         const std::string& flow, int64_t rows,
+                                                         int workers, uint64_t seed);
+  virtual OpOutcome Run(int worker) = 0;
+};
+
+}  // namespace gradwire::load

@@ -1,0 +1,538 @@
+// gradwire-load: drives a gradwire server with forwards or training steps and reports latency
+// percentiles, throughput and status codes, next to an in-process run of the same module and an
+// empty-RPC run on the same server.
+#include <grpcpp/grpcpp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "gradwire/client/client.h"
+#include "gradwire/kernels/random.h"
+#include "inprocess.h"
+#include "progress.h"
+#include "runner.h"
+#include "stats.h"
+
+namespace {
+
+using gradwire::client::Client;
+using gradwire::client::ClientOptions;
+using gradwire::client::HostTensor;
+using gradwire::load::OpOutcome;
+using gradwire::load::RunConfig;
+using gradwire::load::RunResult;
+namespace v1 = gradwire::v1;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string flow = "forward";  // forward | step | empty | stream
+  std::string module_id;         // an existing module; else one is created from the spec below
+  std::string kind = "linear";   // linear | layernorm-linear | layernorm-mlp
+  int64_t in_features = 1024, out_features = 1024, ffn_features = 4096;
+  bool bias = true;
+  std::string recipe = "current";
+  int64_t rows = 1;
+  std::string wire = "f32";
+  RunConfig run;
+  std::string arrivals = "constant";
+  std::vector<int> sweep;
+  bool baselines = false;
+  std::string json_path, csv_path, plot_path;
+  bool keep_module = false;
+  int rounds = 1;  // repeat remote / in-process / empty interleaved, merging each mode's samples
+};
+
+// Appends `b`'s samples and counts to `a` (one mode's runs over several rounds).
+void Merge(RunResult& a, const RunResult& b) {
+  a.seconds += b.seconds;
+  a.requests += b.requests;
+  a.ok += b.ok;
+  for (const auto& [code, n] : b.codes) a.codes[code] += n;
+  a.latency.insert(a.latency.end(), b.latency.begin(), b.latency.end());
+  for (int s = 0; s < 2; ++s)
+    a.stage[s].insert(a.stage[s].end(), b.stage[s].begin(), b.stage[s].end());
+  a.server_seconds += b.server_seconds;
+  a.bytes += b.bytes;
+  a.max_send_lag = std::max(a.max_send_lag, b.max_send_lag);
+}
+
+std::string CodeName(grpc::StatusCode code) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
+HostTensor Random(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
+  HostTensor t = HostTensor::Zeros({rows, cols});
+  gradwire::kernels::FillNormal(t.data.data(), t.numel(), seed, stream);
+  return t;
+}
+
+// Forwards, steps or empty RPCs against the server, with requests encoded once per worker.
+class RemoteOps {
+ public:
+  RemoteOps(Client& client, const Options& o, const std::string& module_id, int64_t in, int64_t out,
+            int workers)
+      : client_(client), flow_(o.flow) {
+    const auto dtype = o.wire == "bf16"  ? gradwire::client::WireDType::kBF16
+                       : o.wire == "f16" ? gradwire::client::WireDType::kF16
+                                         : gradwire::client::WireDType::kF32;
+    for (int w = 0; w < workers; ++w) {
+      v1::ForwardRequest f;
+      f.set_module_id(module_id);
+      f.set_training(o.flow == "step");
+      f.set_output_dtype(gradwire::client::ToProto(dtype));
+      *f.mutable_input() = ToWire(Random(o.rows, in, o.run.seed, 2 * uint64_t(w)), dtype);
+      fwd_.push_back(std::move(f));
+      v1::BackwardRequest b;
+      b.set_grad_input_dtype(gradwire::client::ToProto(dtype));
+      *b.mutable_grad_output() =
+          ToWire(Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1), dtype);
+      bwd_.push_back(std::move(b));
+    }
+  }
+
+  OpOutcome Run(int w) {
+    OpOutcome o;
+    if (flow_ == "empty") {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      v1::GetServerInfoResponse resp;
+      const grpc::Status s = client_.stub().GetServerInfo(&ctx, v1::GetServerInfoRequest(), &resp);
+      o.code = CodeName(s.error_code());
+      return o;
+    }
+    const auto t0 = Clock::now();
+    v1::ForwardResponse fr;
+    {
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      const grpc::Status s = client_.stub().Forward(&ctx, fwd_[w], &fr);
+      if (!s.ok()) {
+        o.code = CodeName(s.error_code());
+        return o;
+      }
+    }
+    const auto t1 = Clock::now();
+    o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
+    o.server_seconds = fr.server_seconds();
+    o.bytes = int64_t(fwd_[w].input().data().size() + fr.output().data().size());
+    if (flow_ == "step") {
+      bwd_[w].set_context_id(fr.context_id());
+      v1::BackwardResponse br;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      const grpc::Status s = client_.stub().Backward(&ctx, bwd_[w], &br);
+      if (!s.ok()) {
+        o.code = CodeName(s.error_code());
+        return o;
+      }
+      o.stage_seconds[1] = std::chrono::duration<double>(Clock::now() - t1).count();
+      o.server_seconds += br.server_seconds();
+      o.bytes += int64_t(bwd_[w].grad_output().data().size() + br.grad_input().data().size());
+    }
+    return o;
+  }
+
+ private:
+  void Prepare(grpc::ClientContext* ctx) const {
+    ctx->set_deadline(std::chrono::system_clock::now() + client_.options().timeout);
+    if (!client_.options().token.empty()) {
+      ctx->AddMetadata("authorization", "Bearer " + client_.options().token);
+    }
+  }
+
+  Client& client_;
+  std::string flow_;
+  std::vector<v1::ForwardRequest> fwd_;
+  std::vector<v1::BackwardRequest> bwd_;
+};
+
+struct Row {
+  std::string mode;  // remote | in-process | empty-rpc
+  int concurrency = 0;
+  double rate = 0;
+  RunResult result;
+};
+
+double Ms(double s) { return s * 1000.0; }
+
+nlohmann::json SummaryJson(const gradwire::load::LatencySummary& s) {
+  return {{"count", s.count},    {"mean_ms", Ms(s.mean)}, {"p50_ms", Ms(s.p50)},
+          {"p90_ms", Ms(s.p90)}, {"p99_ms", Ms(s.p99)},   {"p999_ms", Ms(s.p999)},
+          {"max_ms", Ms(s.max)}};
+}
+
+nlohmann::json RowJson(const Row& r) {
+  const RunResult& x = r.result;
+  nlohmann::json j = {
+      {"mode", r.mode},
+      {"concurrency", r.concurrency},
+      {"rate", r.rate},
+      {"seconds", x.seconds},
+      {"requests", x.requests},
+      {"ok", x.ok},
+      {"requests_per_s", x.seconds > 0 ? double(x.requests) / x.seconds : 0},
+      {"payload_bytes_per_s", x.seconds > 0 ? double(x.bytes) / x.seconds : 0},
+      {"server_compute_ms_mean", x.requests ? Ms(x.server_seconds / double(x.requests)) : 0},
+      {"codes", x.codes},
+      {"latency", SummaryJson(gradwire::load::Summarize(x.latency))},
+      {"forward", SummaryJson(gradwire::load::Summarize(x.stage[0]))},
+      {"backward", SummaryJson(gradwire::load::Summarize(x.stage[1]))}};
+  if (r.rate > 0) j["max_send_lag_ms"] = Ms(x.max_send_lag);
+  return j;
+}
+
+void PrintTable(const std::vector<Row>& rows, const std::string& flow) {
+  std::printf("\n%-11s %5s %8s %10s %10s %9s %9s %9s %9s %9s %9s %9s  %s\n", "mode", "conc", "rate",
+              flow == "step" ? "steps/s" : "req/s", "MB/s", "p50 ms", "p90 ms", "p99 ms",
+              "p99.9 ms", "max ms", "fwd p50", "bwd p50", "codes");
+  for (const Row& r : rows) {
+    const RunResult& x = r.result;
+    const auto s = gradwire::load::Summarize(x.latency);
+    const auto f = gradwire::load::Summarize(x.stage[0]);
+    const auto b = gradwire::load::Summarize(x.stage[1]);
+    std::string codes;
+    for (const auto& [code, n] : x.codes)
+      codes += (codes.empty() ? "" : " ") + code + "=" + std::to_string(n);
+    std::printf("%-11s %5d %8s %10.1f %10.2f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f  %s\n",
+                r.mode.c_str(), r.concurrency,
+                r.rate > 0 ? std::to_string(int64_t(r.rate)).c_str() : "closed",
+                x.seconds > 0 ? double(x.requests) / x.seconds : 0.0,
+                x.seconds > 0 ? double(x.bytes) / x.seconds / 1e6 : 0.0, Ms(s.p50), Ms(s.p90),
+                Ms(s.p99), Ms(s.p999), Ms(s.max), Ms(f.p50), Ms(b.p50), codes.c_str());
+  }
+}
+
+// Ratios of the remote runs to their baselines at the same concurrency.
+nlohmann::json Ratios(const std::vector<Row>& rows) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Row& r : rows) {
+    if (r.mode != "remote") continue;
+    nlohmann::json j = {{"concurrency", r.concurrency}};
+    const double rate = r.result.seconds > 0 ? double(r.result.requests) / r.result.seconds : 0;
+    const double p50 = gradwire::load::Summarize(r.result.latency).p50;
+    for (const Row& b : rows) {
+      if (b.concurrency != r.concurrency || b.mode == "remote") continue;
+      const double brate = b.result.seconds > 0 ? double(b.result.requests) / b.result.seconds : 0;
+      const double bp50 = gradwire::load::Summarize(b.result.latency).p50;
+      if (b.mode == "empty-rpc") j["rate_vs_empty_rpc"] = brate > 0 ? rate / brate : 0;
+      if (b.mode == "in-process") {
+        j["p50_latency_vs_in_process"] = bp50 > 0 ? p50 / bp50 : 0;
+        j["rate_vs_in_process"] = brate > 0 ? rate / brate : 0;
+      }
+    }
+    out.push_back(j);
+  }
+  return out;
+}
+
+int Plot(const std::vector<Row>& rows, const std::string& path) {
+  const std::string data = path + ".dat";
+  {
+    std::ofstream out(data);
+    out << "# requests_per_s p50_ms p90_ms p99_ms p999_ms concurrency\n";
+    for (const Row& r : rows) {
+      if (r.mode != "remote") continue;
+      const auto s = gradwire::load::Summarize(r.result.latency);
+      out << (r.result.seconds > 0 ? double(r.result.requests) / r.result.seconds : 0) << " "
+          << Ms(s.p50) << " " << Ms(s.p90) << " " << Ms(s.p99) << " " << Ms(s.p999) << " "
+          << r.concurrency << "\n";
+    }
+  }
+  const std::string script = path + ".gp";
+  {
+    std::ofstream gp(script);
+    gp << "set terminal pngcairo size 900,600\nset output '" << path << "'\n"
+       << "set title 'gradwire-load: latency percentiles against throughput'\n"
+       << "set xlabel 'requests/s'\nset ylabel 'latency (ms)'\nset logscale y\nset grid\n"
+       << "set key left top\n"
+       << "plot '" << data << "' using 1:2 with linespoints title 'p50', '' using 1:3 with "
+       << "linespoints title 'p90', '' using 1:4 with linespoints title 'p99', '' using 1:5 with "
+       << "linespoints title 'p99.9', '' using 1:2:(sprintf('c=%d', $6)) with labels offset 0,1 "
+          "notitle\n";
+  }
+  const std::string cmd = "gnuplot '" + script + "'";
+  if (std::system(cmd.c_str()) != 0) {
+    std::fprintf(stderr, "gradwire-load: gnuplot failed (is it installed?): %s\n", cmd.c_str());
+    return 1;
+  }
+  std::remove(script.c_str());
+  std::remove(data.c_str());
+  std::fprintf(stderr, "plot written to %s\n", path.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  ClientOptions copts;
+  double timeout_s = 30;
+  std::string token_file;
+  CLI::App app{
+      "gradwire-load: load-tests a gradwire server with forwards (inference) or training steps "
+      "(forward, then backward on its context) and reports latency percentiles, throughput and "
+      "status codes; --baselines adds the same module run in this process and an empty RPC on "
+      "the same server, measured in the same run."};
+  app.add_option("--server", copts.server, "gradwire-server address, host:port")
+      ->capture_default_str();
+  app.add_option("--timeout", timeout_s, "deadline of each call, seconds")->capture_default_str();
+  app.add_option("--token-file", token_file, "bearer token file (or GRADWIRE_TOKEN)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-ca", copts.tls_ca_file, "PEM CA of the server's certificate: use TLS")
+      ->check(CLI::ExistingFile);
+  app.add_option("--flow", o.flow,
+                 "forward: inference forwards; step: training forward then backward on its "
+                 "context; empty: an empty RPC (GetServerInfo); stream: the bidi training stream")
+      ->check(CLI::IsMember({"forward", "step", "empty", "stream"}))
+      ->capture_default_str();
+  app.add_option("--module", o.module_id, "use this existing module instead of creating one");
+  app.add_option("--kind", o.kind, "module to create: linear, layernorm-linear, layernorm-mlp")
+      ->check(CLI::IsMember({"linear", "layernorm-linear", "layernorm-mlp"}))
+      ->capture_default_str();
+  app.add_option("--in", o.in_features, "in_features")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--out", o.out_features, "out_features")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--ffn", o.ffn_features, "ffn_features (layernorm-mlp)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--recipe", o.recipe, "FP8 scaling: current or delayed")
+      ->check(CLI::IsMember({"current", "delayed"}))
+      ->capture_default_str();
+  app.add_option("--rows", o.rows, "rows (tokens) per request")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--wire-dtype", o.wire, "dtype of activations and gradients on the wire")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
+  app.add_option("--concurrency,-c", o.run.concurrency,
+                 "closed loop: requests in flight; with --rate: most in flight")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--rate", o.run.rate,
+                 "open loop: requests per second (latency from intended send)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--arrivals", o.arrivals, "open-loop arrivals: constant or poisson")
+      ->check(CLI::IsMember({"constant", "poisson"}))
+      ->capture_default_str();
+  app.add_option("--duration", o.run.duration_s, "measured seconds (after warm-up)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--count", o.run.count, "measured requests (instead of --duration)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", o.run.warmup_s, "seconds of unmeasured warm-up")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--sweep", o.sweep, "closed-loop concurrency sweep, e.g. 1,8,64")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096));
+  app.add_flag("--baselines", o.baselines,
+               "also run the in-process module and the empty RPC at each concurrency");
+  app.add_option("--seed", o.run.seed, "seed of the inputs and Poisson arrivals")
+      ->capture_default_str();
+  app.add_option("--json", o.json_path, "write the results as JSON to FILE (- for stdout)");
+  app.add_option("--csv", o.csv_path, "write one CSV line per run to FILE");
+  app.add_option("--plot", o.plot_path,
+                 "draw latency percentiles against throughput (PNG, gnuplot)");
+  app.add_flag("--keep-module", o.keep_module, "leave the created module on the server");
+  app.add_option("--rounds", o.rounds,
+                 "repeat each concurrency's runs (remote, then the baselines) this many times, "
+                 "interleaved, and merge them: on a noisy machine the modes then see the same "
+                 "conditions")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  if (o.flow == "stream") {
+    std::fprintf(stderr,
+                 "gradwire-load: --flow stream needs the bidi training stream, which this "
+                 "gradwire release does not have yet; use --flow step\n");
+    return 2;
+  }
+  o.run.poisson = o.arrivals == "poisson";
+  if (o.sweep.empty()) o.sweep = {o.run.concurrency};
+  if (o.run.rate > 0 && o.sweep.size() > 1) {
+    std::fprintf(stderr,
+                 "gradwire-load: --sweep is a closed-loop concurrency sweep; drop --rate\n");
+    return 2;
+  }
+  if (!o.plot_path.empty() && o.sweep.size() < 2) {
+    std::fprintf(stderr, "gradwire-load: --plot draws a sweep; give --sweep with 2+ values\n");
+    return 2;
+  }
+  copts.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    std::getline(in, copts.token);
+    while (!copts.token.empty() && std::isspace(static_cast<unsigned char>(copts.token.back()))) {
+      copts.token.pop_back();
+    }
+  } else if (const char* env = std::getenv("GRADWIRE_TOKEN")) {
+    copts.token = env;
+  }
+  Client client(copts);
+  if (auto s = client.WaitForReady(copts.timeout); !s.ok()) {
+    std::fprintf(stderr, "gradwire-load: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+
+  // The module: an existing one (its spec from the server) or a new one.
+  v1::ModuleSpec spec;
+  std::string module_id = o.module_id;
+  bool created = false;
+  if (!module_id.empty()) {
+    auto modules = client.ListModules();
+    if (!modules.ok()) {
+      std::fprintf(stderr, "gradwire-load: %s\n", std::string(modules.status().message()).c_str());
+      return 1;
+    }
+    bool found = false;
+    for (const auto& m : *modules) {
+      if (m.module_id() == module_id) {
+        spec = m.spec();
+        found = true;
+      }
+    }
+    if (!found) {
+      std::fprintf(stderr, "gradwire-load: module %s is not on %s\n", module_id.c_str(),
+                   copts.server.c_str());
+      return 1;
+    }
+  } else {
+    spec.set_kind(o.kind == "layernorm-mlp"      ? v1::LAYERNORM_MLP
+                  : o.kind == "layernorm-linear" ? v1::LAYERNORM_LINEAR
+                                                 : v1::LINEAR);
+    spec.set_in_features(o.in_features);
+    spec.set_out_features(o.out_features);
+    if (o.kind == "layernorm-mlp") spec.set_ffn_features(o.ffn_features);
+    spec.set_bias(o.bias);
+    spec.mutable_recipe()->set_scaling(o.recipe == "delayed" ? v1::DELAYED : v1::CURRENT);
+    spec.set_seed(o.run.seed);
+    spec.set_name("gradwire-load");
+    if (o.flow != "empty" || o.baselines) {
+      auto info = client.CreateModule(spec);
+      if (!info.ok()) {
+        std::fprintf(stderr, "gradwire-load: %s\n", std::string(info.status().message()).c_str());
+        return 1;
+      }
+      module_id = info->module_id();
+      created = true;
+    }
+  }
+  std::fprintf(stderr, "gradwire-load: %s on %s, module %s (%lld -> %lld), %lld rows, wire %s\n",
+               o.flow.c_str(), copts.server.c_str(), module_id.c_str(),
+               static_cast<long long>(spec.in_features()),
+               static_cast<long long>(spec.out_features()), static_cast<long long>(o.rows),
+               o.wire.c_str());
+
+  std::vector<Row> rows;
+  auto run_one = [&](const std::string& mode, int concurrency,
+                     const std::function<OpOutcome(int)>& op) {
+    RunConfig c = o.run;
+    c.concurrency = concurrency;
+    const std::string label = mode + " c=" + std::to_string(concurrency);
+    gradwire::cli::ProgressBar bar(stderr, 1000, label);
+    RunResult result = gradwire::load::Run(c, op, [&](double f, int64_t n) {
+      bar.Update(int64_t(f * 1000), std::to_string(n) + " requests");
+    });
+    bar.Finish(std::to_string(result.requests) + " requests");
+    for (Row& r : rows) {
+      if (r.mode == mode && r.concurrency == concurrency) {
+        Merge(r.result, result);
+        return;
+      }
+    }
+    rows.push_back(Row{mode, concurrency, c.rate, std::move(result)});
+  };
+  int rc = 0;
+  for (int concurrency : o.sweep) {
+    for (int round = 0; round < o.rounds && rc == 0; ++round) {
+      const int workers = concurrency;
+      RemoteOps remote(client, o, module_id, spec.in_features(), spec.out_features(), workers);
+      run_one(o.flow == "empty" ? "empty-rpc" : "remote", concurrency,
+              [&](int w) { return remote.Run(w); });
+      if (o.baselines && o.flow != "empty") {
+        auto local = gradwire::load::InProcess::Make(spec, o.flow, o.rows, workers, o.run.seed);
+        if (!local.ok()) {
+          std::fprintf(stderr, "gradwire-load: %s\n",
+                       std::string(local.status().message()).c_str());
+          rc = 1;
+          break;
+        }
+        run_one("in-process", concurrency, [&](int w) { return (*local)->Run(w); });
+        Options empty = o;
+        empty.flow = "empty";
+        RemoteOps ping(client, empty, module_id, spec.in_features(), spec.out_features(), workers);
+        run_one("empty-rpc", concurrency, [&](int w) { return ping.Run(w); });
+      }
+    }
+  }
+  // The server's own view after the runs.
+  nlohmann::json server_view;
+  if (auto info = client.GetServerInfo(); info.ok()) {
+    server_view = {{"device", info->device()},
+                   {"modules", info->modules()},
+                   {"live_contexts", info->live_contexts()},
+                   {"context_bytes", info->context_bytes()}};
+  }
+  if (created && !o.keep_module) (void)client.DeleteModule(module_id);
+
+  PrintTable(rows, o.flow);
+  const nlohmann::json ratios = Ratios(rows);
+  for (const auto& r : ratios)
+    std::printf("ratios at concurrency %s: %s\n", r["concurrency"].dump().c_str(),
+                r.dump().c_str());
+  if (!server_view.is_null())
+    std::printf("server after the runs: %s\n", server_view.dump().c_str());
+
+  nlohmann::json report = {{"flow", o.flow},
+                           {"server", copts.server},
+                           {"module_id", module_id},
+                           {"in_features", spec.in_features()},
+                           {"out_features", spec.out_features()},
+                           {"rows", o.rows},
+                           {"wire_dtype", o.wire},
+                           {"warmup_s", o.run.warmup_s},
+                           {"arrivals", o.run.rate > 0 ? o.arrivals : "closed-loop"},
+                           {"runs", nlohmann::json::array()},
+                           {"ratios", ratios},
+                           {"server_view", server_view}};
+  for (const Row& r : rows) report["runs"].push_back(RowJson(r));
+  if (!o.json_path.empty()) {
+    if (o.json_path == "-") {
+      std::cout << report.dump(2) << "\n";
+    } else {
+      std::ofstream(o.json_path) << report.dump(2) << "\n";
+    }
+  }
+  if (!o.csv_path.empty()) {
+    std::ofstream csv(o.csv_path);
+    csv << "mode,concurrency,rate,seconds,requests,ok,requests_per_s,payload_bytes_per_s,p50_ms,"
+           "p90_ms,p99_ms,p999_ms,max_ms,forward_p50_ms,backward_p50_ms\n";
+    for (const Row& r : rows) {
+      const nlohmann::json j = RowJson(r);
+      csv << r.mode << "," << r.concurrency << "," << r.rate << "," << j["seconds"] << ","
+          << j["requests"] << "," << j["ok"] << "," << j["requests_per_s"] << ","
+          << j["payload_bytes_per_s"] << "," << j["latency"]["p50_ms"] << ","
+          << j["latency"]["p90_ms"] << "," << j["latency"]["p99_ms"] << ","
+          << j["latency"]["p999_ms"] << "," << j["latency"]["max_ms"] << ","
+          << j["forward"]["p50_ms"] << "," << j["backward"]["p50_ms"] << "\n";
+    }
+  }
+  if (!o.plot_path.empty() && Plot(rows, o.plot_path) != 0) rc = 1;
+  for (const Row& r : rows) {
+    if (r.result.ok != r.result.requests) rc = rc ? rc : 3;  // errors: non-zero exit
+  }
+  return rc;
+}
