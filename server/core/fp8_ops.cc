@@ -13,7 +13,21 @@ namespace gradwire::core {
 namespace {
 
 kernels::Fp8Operand Operand(const at::Tensor& codes, const Fp8Tensor& t, bool transposed) {
-  return kernels::Fp8Operand{codes.data_ptr<uint8_t>(), t.format, t.scale_inv, transposed};
+  kernels::Fp8Operand op{codes.data_ptr<uint8_t>(), t.format, t.scale_inv, transposed, nullptr};
+  const auto& decoded = codes.is_same(t.rowwise) ? t.rowwise_decoded : t.columnwise_decoded;
+  if (decoded) op.decoded = decoded->data();
+  return op;
+}
+
+// The codes of `codes` decoded to floats in storage order (no scale).
+std::shared_ptr<const std::vector<float>> Decoded(const at::Tensor& codes,
+                                                  kernels::Fp8Format format) {
+  if (!codes.defined()) return nullptr;
+  const float* table = kernels::DecodeTable(format);
+  const uint8_t* data = codes.data_ptr<uint8_t>();
+  auto out = std::make_shared<std::vector<float>>(static_cast<size_t>(codes.numel()));
+  for (int64_t i = 0; i < codes.numel(); ++i) (*out)[size_t(i)] = table[data[i]];
+  return out;
 }
 
 at::Tensor EmptyFloat(int64_t rows, int64_t cols) {
@@ -76,6 +90,9 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
   ws->weight_version = weight_version;
   for (size_t i = 0; i < weights.size(); ++i) {
     GW_ASSIGN_OR_RETURN(Fp8Tensor w, Quantize(weights[i], quantizers[i], {true, training}));
+    // Decoded once per weight version, for every GEMM of every request until the next version.
+    w.rowwise_decoded = Decoded(w.rowwise, w.format);
+    w.columnwise_decoded = Decoded(w.columnwise, w.format);
     ws->weights.push_back(std::move(w));
   }
   for (const at::Tensor& t : aux) ws->aux.push_back(t.defined() ? t.clone() : at::Tensor());

@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "gradwire/kernels/fp8.h"
 
@@ -20,6 +22,11 @@ struct Fp8Tensor {
   float amax = 0.0f;       // amax of the tensor that was cast
   int64_t rows = 0;
   int64_t cols = 0;
+  // Optional decoded copies (codes as floats, without the scale, in storage order) that the
+  // reference GEMM reads instead of decoding per call: the weight workspace fills them once per
+  // weight version. Empty for activations.
+  std::shared_ptr<const std::vector<float>> rowwise_decoded;
+  std::shared_ptr<const std::vector<float>> columnwise_decoded;
 
   bool has_rowwise() const { return rowwise.defined(); }
   bool has_columnwise() const { return columnwise.defined(); }

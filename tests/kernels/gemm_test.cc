@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -139,6 +140,52 @@ INSTANTIATE_TEST_SUITE_P(ShapesAndLayouts, Fp8GemmTest,
                                             ::testing::Values(1, 5, 64),
                                             ::testing::Values(1, 13, 128), ::testing::Bool(),
                                             ::testing::Bool()));
+
+}  // namespace
+}  // namespace gradwire::kernels
+
+namespace gradwire::kernels {
+namespace {
+
+// A pre-decoded operand (a cached weight's) gives bit-identical results to decoding per call, in
+// the two layouts that read it (A rowwise, B transposed), and is ignored in the others.
+TEST(Fp8GemmDecodedTest, PreDecodedOperandsAreBitIdentical) {
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1024, 1024}, {5, 17, 33},
+                         {64, 48, 80}, {3, 7, 1}}) {
+    for (bool a_t : {false, true}) {
+      for (bool b_t : {false, true}) {
+        float sa = 0, sb = 0;
+        const auto a = RandomCodes(m * k, Fp8Format::kE4M3, &sa);
+        const auto b = RandomCodes(n * k, Fp8Format::kE5M2, &sb);
+        std::vector<float> a_dec(a.size()), b_dec(b.size());
+        for (size_t i = 0; i < a.size(); ++i) a_dec[i] = DecodeTable(Fp8Format::kE4M3)[a[i]];
+        for (size_t i = 0; i < b.size(); ++i) b_dec[i] = DecodeTable(Fp8Format::kE5M2)[b[i]];
+        const std::vector<float> bias = RandomNormal(n, 1.0f);
+        std::vector<float> plain(size_t(m * n)), cached(size_t(m * n));
+        Fp8GemmArgs g;
+        g.a = {a.data(), Fp8Format::kE4M3, sa, a_t};
+        g.b = {b.data(), Fp8Format::kE5M2, sb, b_t};
+        g.m = m;
+        g.n = n;
+        g.k = k;
+        g.bias = bias.data();
+        g.c = plain.data();
+        Fp8Gemm(g);
+        g.a.decoded = a_dec.data();
+        g.b.decoded = b_dec.data();
+        g.c = cached.data();
+        Fp8Gemm(g);
+        for (size_t i = 0; i < plain.size(); ++i) {
+          uint32_t x, y;
+          std::memcpy(&x, &plain[i], 4);
+          std::memcpy(&y, &cached[i], 4);
+          ASSERT_EQ(x, y)
+              << m << "x" << n << "x" << k << " a_t " << a_t << " b_t " << b_t << " at " << i;
+        }
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace gradwire::kernels

@@ -24,6 +24,10 @@ struct Fp8Operand {
   Fp8Format format = Fp8Format::kE4M3;
   float scale_inv = 1.0f;  // real value = decode(code) * scale_inv
   bool transposed = false;
+  // Optional: the codes already decoded (without the scale), element for element in storage
+  // order, e.g. a cached weight's. Used when the operand is contiguous along k as stored (A not
+  // transposed, B transposed); the result is the same, only the per-call decode is saved.
+  const float* decoded = nullptr;
 };
 
 struct Fp8GemmArgs {
