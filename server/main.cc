@@ -45,6 +45,7 @@ struct ServerFlags {
   bool insecure = false;            // allow plaintext on a non-loopback address
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
+  int stream_read_ahead = 8;        // Train-stream requests read ahead of their responses
   std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required
   std::vector<std::string> tokens;  // TENANT:TOKEN entries (environment or config file)
   std::string config;               // TOML file mirroring these flags
@@ -124,6 +125,7 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "metrics-listen = " << quote(f.metrics_listen) << "\n";
   out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
+  out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "tokens-file = " << quote(f.tokens_file) << "\n";
   out << "tokens = [";
   for (size_t i = 0; i < f.tokens.size(); ++i) {
@@ -310,6 +312,11 @@ int main(int argc, char** argv) {
                  "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
       ->capture_default_str();
+  app.add_option("--stream-read-ahead", flags.stream_read_ahead,
+                 "requests of a Train stream read ahead of the responses written: a fast client "
+                 "cannot make the server buffer more")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
   app.add_option("--tokens-file", flags.tokens_file,
                  "require bearer tokens: a file of \"TENANT TOKEN\" lines (# comments). Every "
                  "module and context belongs to the tenant that created it; other tenants get "
@@ -430,6 +437,7 @@ int main(int argc, char** argv) {
   gradwire::server::Metrics metrics;
   gradwire::rpc::ServiceOptions service_options{
       GRADWIRE_VERSION, device, description, checkpointer.get(), authenticator.get(), {}};
+  service_options.stream_read_ahead = flags.stream_read_ahead;
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);

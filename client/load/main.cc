@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -87,7 +88,7 @@ class RemoteOps {
     for (int w = 0; w < workers; ++w) {
       v1::ForwardRequest f;
       f.set_module_id(module_id);
-      f.set_training(o.flow == "step");
+      f.set_training(o.flow == "step" || o.flow == "stream");
       f.set_output_dtype(gradwire::client::ToProto(dtype));
       *f.mutable_input() = ToWire(Random(o.rows, in, o.run.seed, 2 * uint64_t(w)), dtype);
       fwd_.push_back(std::move(f));
@@ -99,8 +100,15 @@ class RemoteOps {
     }
   }
 
+  ~RemoteOps() {
+    for (auto& s : streams_) {
+      if (s) (void)s->Finish();
+    }
+  }
+
   OpOutcome Run(int w) {
     OpOutcome o;
+    if (flow_ == "stream") return RunStream(w);
     if (flow_ == "empty") {
       grpc::ClientContext ctx;
       Prepare(&ctx);
@@ -142,6 +150,49 @@ class RemoteOps {
   }
 
  private:
+  // A step (forward, then backward on its context) on this worker's Train stream.
+  OpOutcome RunStream(int w) {
+    OpOutcome o;
+    if (streams_.empty()) streams_.resize(fwd_.size());
+    if (!streams_[w]) streams_[w] = client_.OpenTrainStream();
+    gradwire::client::TrainStream& stream = *streams_[w];
+    const auto t0 = Clock::now();
+    v1::TrainRequest req;
+    req.set_request_id(next_id_++);
+    *req.mutable_forward() = fwd_[w];
+    auto fail = [&](const std::string& code) {
+      o.code = code;
+      streams_[w].reset();  // a broken stream: the next step opens another
+      return o;
+    };
+    if (!stream.Send(req)) return fail("UNAVAILABLE");
+    auto fr = stream.Read();
+    if (!fr) return fail("UNAVAILABLE");
+    if (fr->code() != 0) {
+      o.code = CodeName(static_cast<grpc::StatusCode>(fr->code()));
+      return o;
+    }
+    const auto t1 = Clock::now();
+    o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
+    o.server_seconds = fr->forward().server_seconds();
+    o.bytes = int64_t(fwd_[w].input().data().size() + fr->forward().output().data().size());
+    req.set_request_id(next_id_++);
+    *req.mutable_backward() = bwd_[w];
+    req.mutable_backward()->set_context_id(fr->forward().context_id());
+    if (!stream.Send(req)) return fail("UNAVAILABLE");
+    auto br = stream.Read();
+    if (!br) return fail("UNAVAILABLE");
+    if (br->code() != 0) {
+      o.code = CodeName(static_cast<grpc::StatusCode>(br->code()));
+      return o;
+    }
+    o.stage_seconds[1] = std::chrono::duration<double>(Clock::now() - t1).count();
+    o.server_seconds += br->backward().server_seconds();
+    o.bytes +=
+        int64_t(bwd_[w].grad_output().data().size() + br->backward().grad_input().data().size());
+    return o;
+  }
+
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() + client_.options().timeout);
     if (!client_.options().token.empty()) {
@@ -153,6 +204,8 @@ class RemoteOps {
   std::string flow_;
   std::vector<v1::ForwardRequest> fwd_;
   std::vector<v1::BackwardRequest> bwd_;
+  std::vector<std::unique_ptr<gradwire::client::TrainStream>> streams_;  // stream flow, per worker
+  std::atomic<uint64_t> next_id_{1};
 };
 
 struct Row {
@@ -192,8 +245,8 @@ nlohmann::json RowJson(const Row& r) {
 
 void PrintTable(const std::vector<Row>& rows, const std::string& flow) {
   std::printf("\n%-11s %5s %8s %10s %10s %9s %9s %9s %9s %9s %9s %9s  %s\n", "mode", "conc", "rate",
-              flow == "step" ? "steps/s" : "req/s", "MB/s", "p50 ms", "p90 ms", "p99 ms",
-              "p99.9 ms", "max ms", "fwd p50", "bwd p50", "codes");
+              (flow == "step" || flow == "stream") ? "steps/s" : "req/s", "MB/s", "p50 ms",
+              "p90 ms", "p99 ms", "p99.9 ms", "max ms", "fwd p50", "bwd p50", "codes");
   for (const Row& r : rows) {
     const RunResult& x = r.result;
     const auto s = gradwire::load::Summarize(x.latency);
@@ -291,7 +344,8 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--flow", o.flow,
                  "forward: inference forwards; step: training forward then backward on its "
-                 "context; empty: an empty RPC (GetServerInfo); stream: the bidi training stream")
+                 "context (two unary calls); stream: the same step on one Train stream per "
+                 "worker; empty: an empty RPC (GetServerInfo)")
       ->check(CLI::IsMember({"forward", "step", "empty", "stream"}))
       ->capture_default_str();
   app.add_option("--module", o.module_id, "use this existing module instead of creating one");
@@ -354,12 +408,6 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  if (o.flow == "stream") {
-    std::fprintf(stderr,
-                 "gradwire-load: --flow stream needs the bidi training stream, which this "
-                 "gradwire release does not have yet; use --flow step\n");
-    return 2;
-  }
   o.run.poisson = o.arrivals == "poisson";
   if (o.sweep.empty()) o.sweep = {o.run.concurrency};
   if (o.run.rate > 0 && o.sweep.size() > 1) {
@@ -463,7 +511,8 @@ int main(int argc, char** argv) {
       run_one(o.flow == "empty" ? "empty-rpc" : "remote", concurrency,
               [&](int w) { return remote.Run(w); });
       if (o.baselines && o.flow != "empty") {
-        auto local = gradwire::load::InProcess::Make(spec, o.flow, o.rows, workers, o.run.seed);
+        auto local = gradwire::load::InProcess::Make(spec, o.flow == "stream" ? "step" : o.flow,
+                                                     o.rows, workers, o.run.seed);
         if (!local.ok()) {
           std::fprintf(stderr, "gradwire-load: %s\n",
                        std::string(local.status().message()).c_str());

@@ -341,31 +341,58 @@ grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerCont
       req->module_id());
 }
 
+absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
+                                        v1::ForwardResponse* resp) {
+  const auto start = std::chrono::steady_clock::now();
+  GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
+  if (!req.has_input()) return absl::InvalidArgumentError("input is required");
+  GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
+  GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req.input(), "input"));
+  GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
+                      host_.Forward(req.module_id(), input, req.training()));
+  GW_RETURN_IF_ERROR(
+      EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output()));
+  if (out.layernorm_output.defined()) {
+    GW_RETURN_IF_ERROR(EncodeTensor(out.layernorm_output, req.output_dtype(), "output_dtype",
+                                    resp->mutable_layernorm_output()));
+  }
+  resp->set_context_id(out.context_id);
+  resp->set_weight_version(out.weight_version);
+  resp->set_server_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
+                                         v1::BackwardResponse* resp) {
+  const auto start = std::chrono::steady_clock::now();
+  GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
+  if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
+  GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
+  GW_ASSIGN_OR_RETURN(at::Tensor grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  GW_ASSIGN_OR_RETURN(at::Tensor grad_input, host_.Backward(req.context_id(), grad_output,
+                                                            req.retain(), req.skip_grad_input()));
+  if (grad_input.defined()) {
+    GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req.grad_input_dtype(), "grad_input_dtype",
+                                    resp->mutable_grad_input()));
+  }
+  resp->set_server_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::DoRelease(const Caller& caller,
+                                        const v1::ReleaseContextRequest& req) {
+  GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
+  return host_.ReleaseContext(req.context_id());
+}
+
 grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* ctx,
                                                    const v1::ForwardRequest* req,
                                                    v1::ForwardResponse* resp) {
   return RunOnDevice(
       ctx, "Forward",
-      [this, req, resp](const Caller& caller) -> absl::Status {
-        const auto start = std::chrono::steady_clock::now();
-        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
-        if (!req->has_input()) return absl::InvalidArgumentError("input is required");
-        GW_RETURN_IF_ERROR(CheckOutputDType(req->output_dtype(), "output_dtype"));
-        GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req->input(), "input"));
-        GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
-                            host_.Forward(req->module_id(), input, req->training()));
-        GW_RETURN_IF_ERROR(
-            EncodeTensor(out.output, req->output_dtype(), "output_dtype", resp->mutable_output()));
-        if (out.layernorm_output.defined()) {
-          GW_RETURN_IF_ERROR(EncodeTensor(out.layernorm_output, req->output_dtype(), "output_dtype",
-                                          resp->mutable_layernorm_output()));
-        }
-        resp->set_context_id(out.context_id);
-        resp->set_weight_version(out.weight_version);
-        resp->set_server_seconds(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        return absl::OkStatus();
-      },
+      [this, req, resp](const Caller& caller) { return DoForward(caller, *req, resp); },
       req->module_id());
 }
 
@@ -374,36 +401,15 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
                                                     v1::BackwardResponse* resp) {
   return RunOnDevice(
       ctx, "Backward",
-      [this, req, resp](const Caller& caller) -> absl::Status {
-        const auto start = std::chrono::steady_clock::now();
-        GW_RETURN_IF_ERROR(CheckContext(caller, req->context_id()));
-        if (!req->has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
-        GW_RETURN_IF_ERROR(CheckOutputDType(req->grad_input_dtype(), "grad_input_dtype"));
-        GW_ASSIGN_OR_RETURN(at::Tensor grad_output,
-                            DecodeTensor(req->grad_output(), "grad_output"));
-        GW_ASSIGN_OR_RETURN(
-            at::Tensor grad_input,
-            host_.Backward(req->context_id(), grad_output, req->retain(), req->skip_grad_input()));
-        if (grad_input.defined()) {
-          GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req->grad_input_dtype(), "grad_input_dtype",
-                                          resp->mutable_grad_input()));
-        }
-        resp->set_server_seconds(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        return absl::OkStatus();
-      },
-      {}, req->context_id());
+      [this, req, resp](const Caller& caller) { return DoBackward(caller, *req, resp); }, {},
+      req->context_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerContext* ctx,
                                                           const v1::ReleaseContextRequest* req,
                                                           v1::ReleaseContextResponse*) {
   return RunOnDevice(
-      ctx, "ReleaseContext",
-      [this, req](const Caller& caller) -> absl::Status {
-        GW_RETURN_IF_ERROR(CheckContext(caller, req->context_id()));
-        return host_.ReleaseContext(req->context_id());
-      },
+      ctx, "ReleaseContext", [this, req](const Caller& caller) { return DoRelease(caller, *req); },
       {}, req->context_id());
 }
 

@@ -2,6 +2,7 @@
 // executor (reactors never block) and finishes each RPC from the executor with a mapped status.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <string>
 
@@ -41,7 +42,11 @@ struct ServiceOptions {
   const Authenticator* authenticator = nullptr;
   // Called once per finished RPC (request-scoped logs, metrics); may be empty.
   std::function<void(const RpcRecord&)> on_rpc_done;
+  // Train streams: requests read ahead of the responses written (flow control).
+  int stream_read_ahead = 8;
 };
+
+class TrainReactor;
 
 class GradwireService final : public v1::Gradwire::CallbackService {
  public:
@@ -68,6 +73,8 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx,
                                            const v1::ReleaseContextRequest* req,
                                            v1::ReleaseContextResponse* resp) override;
+  grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse>* Train(
+      grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* ApplyGradients(grpc::CallbackServerContext* ctx,
                                            const v1::ApplyGradientsRequest* req,
                                            v1::ApplyGradientsResponse* resp) override;
@@ -81,7 +88,20 @@ class GradwireService final : public v1::Gradwire::CallbackService {
                                        const v1::SetWeightsRequest* req,
                                        v1::SetWeightsResponse* resp) override;
 
+  // Train-stream requests read so far, streams open now (tests, metrics).
+  int64_t stream_requests_read() const { return stream_requests_read_.load(); }
+  int64_t streams_open() const { return streams_open_.load(); }
+
  private:
+  friend class TrainReactor;
+
+  // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls and Train.
+  absl::Status DoForward(const Caller& caller, const v1::ForwardRequest& req,
+                         v1::ForwardResponse* resp);
+  absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
+                          v1::BackwardResponse* resp);
+  absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
+
   // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
   // `work` become INTERNAL; a call cancelled before it starts is not run.
   // `module_id` / `context_id` name what the request is about, for the RpcRecord.
@@ -105,6 +125,8 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   core::ModuleHost& host_;
   core::DeviceExecutor& executor_;
   const ServiceOptions options_;
+  std::atomic<int64_t> stream_requests_read_{0};
+  std::atomic<int64_t> streams_open_{0};
 };
 
 }  // namespace gradwire::rpc

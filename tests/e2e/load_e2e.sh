@@ -56,13 +56,22 @@ import json; r = json.load(open('$tmp/sweep.json'))
 assert [x['concurrency'] for x in r['runs']] == [1, 2, 4], r['runs']"
 check "sweep: the plot is a PNG" bash -c "head -c 8 '$tmp/sweep.png' | grep -q PNG"
 
+"$load_bin" "${common[@]}" --flow stream --count 30 --concurrency 2 --baselines \
+  --json "$tmp/stream.json" >/dev/null 2>&1
+check "stream: steps on Train streams, every context consumed" /usr/bin/python3 - "$tmp/stream.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+modes = {x["mode"]: x for x in r["runs"]}
+remote = modes["remote"]
+assert r["flow"] == "stream" and remote["ok"] == 30 and remote["codes"] == {"OK": 30}, remote
+assert remote["forward"]["count"] == 30 and remote["backward"]["count"] == 30, remote
+assert modes["in-process"]["ok"] == 30, modes["in-process"]
+assert r["server_view"]["live_contexts"] == 0, r["server_view"]
+PY
 set +e
-"$load_bin" --server "$addr" --flow stream >"$tmp/stream.out" 2>&1
-rc=$?
 "$load_bin" --server "$addr" --module 0123456789abcdef0123456789abcdef >"$tmp/nomod.out" 2>&1
 rc2=$?
 set -e
-check "stream flow: a clear refusal" bash -c "[ $rc = 2 ] && grep -q 'bidi training stream' '$tmp/stream.out'"
 check "unknown module: a clear error" bash -c "[ $rc2 = 1 ] && grep -q 'is not on' '$tmp/nomod.out'"
 check "the created modules are deleted" bash -c "'$load_bin' --server '$addr' --flow empty --count 5 --json - 2>/dev/null | grep -q '\"modules\": 0'"
 stop_server

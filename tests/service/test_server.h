@@ -15,13 +15,15 @@ namespace gradwire::testing {
 class TestServer {
  public:
   // With `authenticator`, calls need bearer tokens and tenants are isolated.
-  explicit TestServer(const rpc::Authenticator* authenticator = nullptr) {
+  explicit TestServer(const rpc::Authenticator* authenticator = nullptr,
+                      int stream_read_ahead = 8) {
     executor_ = std::make_unique<core::DeviceExecutor>("cpu");
     rpc::ServiceOptions options;
     options.version = "test";
     options.device = "cpu";
     options.device_name = "test CPU";
     options.authenticator = authenticator;
+    options.stream_read_ahead = stream_read_ahead;
     service_ = std::make_unique<rpc::GradwireService>(host_, *executor_, std::move(options));
     grpc::ServerBuilder builder;
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -37,6 +39,8 @@ class TestServer {
   bool ok() const { return server_ != nullptr && port_ > 0; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   core::ModuleHost& host() { return host_; }
+  core::DeviceExecutor& executor() { return *executor_; }
+  rpc::GradwireService& service() { return *service_; }
 
  private:
   core::ModuleHost host_;

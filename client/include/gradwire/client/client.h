@@ -72,6 +72,36 @@ struct NamedTensors {
   const HostTensor* Find(const std::string& name) const;
 };
 
+// One Train stream: a client pipelines forwards, backwards and releases, each tagged with a
+// request id that its response carries back. Send and Read may be used from two threads (one
+// each). Ending or cancelling the stream makes the server release every context it created and
+// did not consume.
+class TrainStream {
+ public:
+  ~TrainStream();
+  // False when the stream is broken; Finish then says why.
+  bool Send(const v1::TrainRequest& request);
+  bool SendForward(uint64_t request_id, const std::string& module_id, const HostTensor& input,
+                   bool training);
+  bool SendBackward(uint64_t request_id, const std::string& context_id,
+                    const HostTensor& grad_output, BackwardOptions options = {});
+  // The next response (completion order, which on one server is request order); nullopt when the
+  // server ended the stream.
+  std::optional<v1::TrainResponse> Read();
+  // Half-closes (no more requests), reads what is left and returns the stream's status.
+  absl::Status Finish();
+  // Ends the stream now from the client side.
+  void Cancel();
+
+ private:
+  friend class Client;
+  TrainStream() = default;
+  WireDType wire_dtype_ = WireDType::kF32;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::TrainRequest, v1::TrainResponse>> stream_;
+  bool writes_done_ = false;
+};
+
 class Client {
  public:
   // Throws std::runtime_error when a TLS file cannot be read.
@@ -97,6 +127,8 @@ class Client {
   absl::StatusOr<HostTensor> Backward(const std::string& context_id, const HostTensor& grad_output,
                                       BackwardOptions options = {});
   absl::Status ReleaseContext(const std::string& context_id);
+  // Opens a Train stream (no deadline: it lives until Finish or Cancel).
+  std::unique_ptr<TrainStream> OpenTrainStream();
 
   // Applies the accumulated gradients with the module's optimizer (learning_rate > 0 overrides
   // its rate for this step); returns the new weight version.
