@@ -82,9 +82,15 @@ class RemoteOps {
   RemoteOps(Client& client, const Options& o, const std::string& module_id, int64_t in, int64_t out,
             int workers)
       : client_(client), flow_(o.flow) {
-    const auto dtype = o.wire == "bf16"  ? gradwire::client::WireDType::kBF16
-                       : o.wire == "f16" ? gradwire::client::WireDType::kF16
-                                         : gradwire::client::WireDType::kF32;
+    using gradwire::client::WireDType;
+    // Activations (input, output) and gradients (grad_output, grad_input); "fp8" is E4M3 for
+    // activations and E5M2 for gradients.
+    const WireDType dtype = o.wire == "bf16"                      ? WireDType::kBF16
+                            : o.wire == "f16"                     ? WireDType::kF16
+                            : o.wire == "e4m3" || o.wire == "fp8" ? WireDType::kFp8E4M3
+                            : o.wire == "e5m2"                    ? WireDType::kFp8E5M2
+                                                                  : WireDType::kF32;
+    const WireDType grad_dtype = o.wire == "fp8" ? WireDType::kFp8E5M2 : dtype;
     for (int w = 0; w < workers; ++w) {
       v1::ForwardRequest f;
       f.set_module_id(module_id);
@@ -93,9 +99,9 @@ class RemoteOps {
       *f.mutable_input() = ToWire(Random(o.rows, in, o.run.seed, 2 * uint64_t(w)), dtype);
       fwd_.push_back(std::move(f));
       v1::BackwardRequest b;
-      b.set_grad_input_dtype(gradwire::client::ToProto(dtype));
+      b.set_grad_input_dtype(gradwire::client::ToProto(grad_dtype));
       *b.mutable_grad_output() =
-          ToWire(Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1), dtype);
+          ToWire(Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1), grad_dtype);
       bwd_.push_back(std::move(b));
     }
   }
@@ -367,8 +373,10 @@ int main(int argc, char** argv) {
   app.add_option("--rows", o.rows, "rows (tokens) per request")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--wire-dtype", o.wire, "dtype of activations and gradients on the wire")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+  app.add_option("--wire-dtype", o.wire,
+                 "dtype of activations and gradients on the wire; fp8: activations E4M3 and "
+                 "gradients E5M2 (a quarter of F32's bytes)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8", "e4m3", "e5m2"}))
       ->capture_default_str();
   app.add_option("--concurrency,-c", o.run.concurrency,
                  "closed loop: requests in flight; with --rate: most in flight")

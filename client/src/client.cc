@@ -60,6 +60,10 @@ v1::DType ToProto(WireDType dtype) {
       return v1::BF16;
     case WireDType::kF16:
       return v1::F16;
+    case WireDType::kFp8E4M3:
+      return v1::FP8_E4M3;
+    case WireDType::kFp8E5M2:
+      return v1::FP8_E5M2;
     default:
       return v1::F32;
   }
@@ -73,6 +77,16 @@ v1::Tensor ToWire(const HostTensor& t, WireDType dtype) {
   std::string* bytes = out.mutable_data();
   if (dtype == WireDType::kF32) {
     bytes->assign(reinterpret_cast<const char*>(t.data.data()), size_t(n) * sizeof(float));
+    return out;
+  }
+  if (dtype == WireDType::kFp8E4M3 || dtype == WireDType::kFp8E5M2) {
+    const auto format =
+        dtype == WireDType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
+    const float scale = kernels::ComputeScale(kernels::Amax(t.data.data(), n), format, 0);
+    bytes->resize(size_t(n));
+    kernels::QuantizeFp8(t.data.data(), 1, n, scale, format,
+                         reinterpret_cast<uint8_t*>(bytes->data()), nullptr, nullptr);
+    out.set_scale_inv(1.0f / scale);
     return out;
   }
   std::vector<uint16_t> bits(static_cast<size_t>(n));

@@ -17,8 +17,13 @@ absl::StatusOr<LinearFwdResult> LinearForward(const LinearFwdArgs& args) {
   result.workspace = std::move(ws.workspace);
   result.workspace_built = ws.built;
   // Training keeps X^T for wgrad; the rowwise copy only lives for this GEMM.
-  GW_ASSIGN_OR_RETURN(Fp8Tensor x, Quantize(args.input, args.input_quantizer,
-                                            {/*rowwise=*/true, /*columnwise=*/args.training}));
+  Fp8Tensor x;
+  if (args.input_fp8 != nullptr) {
+    x = *args.input_fp8;
+  } else {
+    GW_ASSIGN_OR_RETURN(x, Quantize(args.input, args.input_quantizer,
+                                    {/*rowwise=*/true, /*columnwise=*/args.training}));
+  }
   const Fp8Tensor& w = result.workspace->weights[0];
   result.output = Fp8Fprop(x, w, args.bias);
   result.input_amax = x.amax;

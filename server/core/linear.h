@@ -31,6 +31,9 @@ struct LinearFwdArgs {
   QuantizerConfig input_quantizer;   // E4M3
   QuantizerConfig weight_quantizer;  // E4M3
   bool training = false;
+  // The input as it arrived in FP8 (codes + scale_inv), to be used without re-quantizing; when
+  // set, `input` is its dequantized copy and input_quantizer is not used.
+  const Fp8Tensor* input_fp8 = nullptr;
 };
 
 struct LinearFwdResult {

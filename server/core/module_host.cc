@@ -351,7 +351,8 @@ absl::Status ModuleHost::Delete(const std::string& module_id) {
 }
 
 absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
-                                                  const at::Tensor& input, bool training) {
+                                                  const at::Tensor& input, bool training,
+                                                  const Fp8Tensor* input_fp8) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   GW_RETURN_IF_ERROR(CheckInputTensor("input", input, m->spec.in_features, "in_features"));
   std::lock_guard<std::mutex> lock(m->mu);
@@ -373,6 +374,12 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
       args.input_quantizer = m->scaling[kIn].Quantizer();
       args.weight_quantizer = m->scaling[kWeight].Quantizer();
       args.training = training;
+      if (input_fp8 != nullptr) {
+        if (input_fp8->rows != x.size(0) || input_fp8->cols != x.size(1)) {
+          return absl::InternalError("Forward: FP8 input codes do not match the input's shape");
+        }
+        args.input_fp8 = input_fp8;
+      }
       GW_ASSIGN_OR_RETURN(LinearFwdResult r, LinearForward(args));
       m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
       y = r.output, workspace = r.workspace, built = r.workspace_built, saved = r.saved;

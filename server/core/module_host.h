@@ -23,6 +23,8 @@
 
 namespace gradwire::core {
 
+struct Fp8Tensor;
+
 enum class ModuleKind { kLinear, kLayerNormLinear, kLayerNormMlp };
 const char* ModuleKindName(ModuleKind kind);
 
@@ -131,8 +133,11 @@ class ModuleHost {
 
   // input: float32 [..., in_features]. Training stores the saved tensors under a new context id;
   // inference creates nothing.
+  // `input_fp8` (optional): the input as it arrived in FP8, [rows, in_features] codes with their
+  // scale_inv and `input` its dequantized copy. A Linear uses the codes as they are (no
+  // re-quantization); the LayerNorm modules normalise the dequantized values first.
   absl::StatusOr<ForwardOutput> Forward(const std::string& module_id, const at::Tensor& input,
-                                        bool training);
+                                        bool training, const Fp8Tensor* input_fp8 = nullptr);
   // Accumulates the parameter gradients into the module's buffers; the context is freed before
   // this returns unless `retain`. Returns grad_input (undefined with skip_grad_input).
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const BackwardInput& in);

@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
 #include "gradwire/kernels/quantize.h"
 
 namespace gradwire::core {
@@ -37,6 +41,33 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
   out.scale_inv = 1.0f / scale;
   kernels::QuantizeFp8(data, out.rows, out.cols, scale, config.format, rowwise, columnwise,
                        nullptr);
+  return out;
+}
+
+Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::Fp8Format format,
+                    float scale_inv, CastUsage usage) {
+  Fp8Tensor out;
+  out.format = format;
+  out.rows = rows;
+  out.cols = cols;
+  out.scale_inv = scale_inv;
+  out.scale = 1.0f / scale_inv;
+  const auto options = at::TensorOptions().dtype(at::kByte);
+  const float* table = kernels::DecodeTable(format);
+  float amax = 0.0f;
+  for (int64_t i = 0; i < rows * cols; ++i) amax = std::max(amax, std::fabs(table[codes[i]]));
+  out.amax = amax * scale_inv;
+  if (usage.rowwise) {
+    out.rowwise = at::empty({rows, cols}, options);
+    std::memcpy(out.rowwise.data_ptr<uint8_t>(), codes, size_t(rows * cols));
+  }
+  if (usage.columnwise) {
+    out.columnwise = at::empty({cols, rows}, options);
+    uint8_t* t = out.columnwise.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = codes[r * cols + c];
+    }
+  }
   return out;
 }
 

@@ -29,6 +29,12 @@ struct CastUsage {
 absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
                                    CastUsage usage);
 
+// An FP8 tensor from codes that arrived already cast (rows x cols, row-major) with their
+// scale_inv: used as they are, nothing re-quantized. The columnwise copy is the exact transpose;
+// amax is the largest |decoded value| x scale_inv.
+Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::Fp8Format format,
+                    float scale_inv, CastUsage usage);
+
 // The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
 // backward must use so its FP8 data is bit-identical to the forward's.
 inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {

@@ -5,8 +5,10 @@
 
 #include <chrono>
 #include <exception>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/quantizer.h"
 #include "server/core/status_macros.h"
 #include "server/rpc/status_map.h"
 #include "server/rpc/tensor_codec.h"
@@ -348,8 +350,18 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
   GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
   GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req.input(), "input"));
+  // FP8 input (codes + scale_inv) is used as it came, not re-quantized.
+  std::optional<core::Fp8Tensor> fp8;
+  const v1::DType dtype = req.input().dtype();
+  if ((dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2) && input.dim() >= 1) {
+    const int64_t cols = input.size(-1);
+    fp8 = core::FromCodes(
+        reinterpret_cast<const uint8_t*>(req.input().data().data()), input.numel() / cols, cols,
+        dtype == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
+        req.input().scale_inv(), {true, req.training()});
+  }
   GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
-                      host_.Forward(req.module_id(), input, req.training()));
+                      host_.Forward(req.module_id(), input, req.training(), fp8 ? &*fp8 : nullptr));
   GW_RETURN_IF_ERROR(
       EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output()));
   if (out.layernorm_output.defined()) {

@@ -110,10 +110,12 @@ absl::Status CheckOutputDType(v1::DType dtype, absl::string_view field) {
     case v1::F32:
     case v1::BF16:
     case v1::F16:
+    case v1::FP8_E4M3:
+    case v1::FP8_E5M2:
       return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          field, " must be F32, BF16 or F16 (or unset for F32), got ",
+          field, " must be F32, BF16, F16, FP8_E4M3 or FP8_E5M2 (or unset for F32), got ",
           v1::DType_Name(dtype).empty() ? std::to_string(int(dtype)) : v1::DType_Name(dtype)));
   }
 }
@@ -131,6 +133,14 @@ absl::Status EncodeTensor(const at::Tensor& t, v1::DType dtype, absl::string_vie
   const float* p = src.data_ptr<float>();
   if (dtype == v1::F32) {
     std::memcpy(data->data(), p, size_t(n) * sizeof(float));
+  } else if (dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2) {
+    // Current scaling of this tensor alone; the scale_inv travels with the codes.
+    const auto format =
+        dtype == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
+    const float scale = kernels::ComputeScale(kernels::Amax(p, n), format, 0);
+    kernels::QuantizeFp8(p, 1, n, scale, format, reinterpret_cast<uint8_t*>(data->data()), nullptr,
+                         nullptr);
+    out->set_scale_inv(1.0f / scale);
   } else {
     std::vector<uint16_t> bits(static_cast<size_t>(n));
     if (dtype == v1::BF16) {

@@ -18,7 +18,8 @@ inline constexpr int64_t kMaxTensorElements = int64_t(1) << 31;
 // `field` names the tensor in error messages ("input", "grad_output", ...).
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& t, absl::string_view field);
 
-// Encodes a float32 host tensor as `dtype` (F32, BF16 or F16; DTYPE_UNSPECIFIED means F32).
+// Encodes a float32 host tensor as `dtype` (F32, BF16, F16, or FP8_E4M3 / FP8_E5M2 with a
+// current-scaling scale_inv of its own; DTYPE_UNSPECIFIED means F32).
 absl::Status EncodeTensor(const at::Tensor& t, v1::DType dtype, absl::string_view field,
                           v1::Tensor* out);
 

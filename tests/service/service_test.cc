@@ -285,8 +285,9 @@ const BadForward kBadForwards[] = {
        r->mutable_input()->set_scale_inv(NAN);
      },
      grpc::INVALID_ARGUMENT, "input.scale_inv"},
-    {"FP8 output dtype", [](v1::ForwardRequest* r) { r->set_output_dtype(v1::FP8_E4M3); },
-     grpc::INVALID_ARGUMENT, "output_dtype"},
+    {"unknown output dtype",
+     [](v1::ForwardRequest* r) { r->set_output_dtype(static_cast<v1::DType>(99)); },
+     grpc::INVALID_ARGUMENT, "output_dtype must be F32, BF16, F16, FP8_E4M3 or FP8_E5M2"},
 };
 
 TEST_F(ServiceTest, BadForwardsGetClearErrorsAndChangeNothing) {

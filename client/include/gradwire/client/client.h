@@ -14,8 +14,10 @@
 
 namespace gradwire::client {
 
-// How float tensors travel to the server.
-enum class WireDType { kF32, kBF16, kF16 };
+// How float tensors travel to the server. The FP8 kinds are cast with a current-scaling scale of
+// their own (amax of the tensor maps to the format's largest value), sent with its scale_inv; the
+// server uses FP8 input codes as they are. Activations are usually E4M3, gradients E5M2.
+enum class WireDType { kF32, kBF16, kF16, kFp8E4M3, kFp8E5M2 };
 
 // A float32 host tensor, row-major.
 struct HostTensor {
