@@ -16,6 +16,13 @@
 namespace gradwire::rpc {
 namespace {
 
+// Whether nobody waits for this call any more: cancelled, or past its deadline (checked directly,
+// so work stops even before gRPC has processed the deadline's cancellation).
+bool Abandoned(const grpc::CallbackServerContext* ctx) {
+  return ctx != nullptr &&
+         (ctx->IsCancelled() || ctx->deadline() <= std::chrono::system_clock::now());
+}
+
 absl::Status RequireId(absl::string_view field, const std::string& id) {
   if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
   return absl::OkStatus();
@@ -248,7 +255,7 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
                     caller = std::move(*caller), module_id = std::move(module_id),
                     context_id = std::move(context_id)] {
     absl::Status status;
-    if (ctx->IsCancelled()) {
+    if (Abandoned(ctx)) {
       status = absl::CancelledError(absl::StrCat(method, " was cancelled before it started"));
     } else {
       try {
@@ -344,7 +351,8 @@ grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerCont
 }
 
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                                        v1::ForwardResponse* resp) {
+                                        v1::ForwardResponse* resp,
+                                        const grpc::CallbackServerContext* ctx) {
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
@@ -360,13 +368,32 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
         dtype == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
         req.input().scale_inv(), {true, req.training()});
   }
+  if (Abandoned(ctx)) {  // stop before the compute
+    return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
+  }
   GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
                       host_.Forward(req.module_id(), input, req.training(), fp8 ? &*fp8 : nullptr));
-  GW_RETURN_IF_ERROR(
-      EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output()));
+  // From here a failure must not leave the context behind: nobody would ever consume it.
+  auto fail = [&](absl::Status status) {
+    if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);
+    resp->Clear();
+    return status;
+  };
+  if (Abandoned(ctx)) {
+    return fail(absl::CancelledError(
+        "Forward was cancelled or passed its deadline during the compute; its context was "
+        "released"));
+  }
+  if (auto s = EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output());
+      !s.ok()) {
+    return fail(s);
+  }
   if (out.layernorm_output.defined()) {
-    GW_RETURN_IF_ERROR(EncodeTensor(out.layernorm_output, req.output_dtype(), "output_dtype",
-                                    resp->mutable_layernorm_output()));
+    if (auto s = EncodeTensor(out.layernorm_output, req.output_dtype(), "output_dtype",
+                              resp->mutable_layernorm_output());
+        !s.ok()) {
+      return fail(s);
+    }
   }
   resp->set_context_id(out.context_id);
   resp->set_weight_version(out.weight_version);
@@ -376,12 +403,16 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
 }
 
 absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                                         v1::BackwardResponse* resp) {
+                                         v1::BackwardResponse* resp,
+                                         const grpc::CallbackServerContext* ctx) {
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
   GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
   GW_ASSIGN_OR_RETURN(at::Tensor grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  if (Abandoned(ctx)) {  // the context stays for a retry
+    return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
+  }
   GW_ASSIGN_OR_RETURN(at::Tensor grad_input, host_.Backward(req.context_id(), grad_output,
                                                             req.retain(), req.skip_grad_input()));
   if (grad_input.defined()) {
@@ -404,7 +435,7 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
                                                    v1::ForwardResponse* resp) {
   return RunOnDevice(
       ctx, "Forward",
-      [this, req, resp](const Caller& caller) { return DoForward(caller, *req, resp); },
+      [this, ctx, req, resp](const Caller& caller) { return DoForward(caller, *req, resp, ctx); },
       req->module_id());
 }
 
@@ -413,8 +444,8 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
                                                     v1::BackwardResponse* resp) {
   return RunOnDevice(
       ctx, "Backward",
-      [this, req, resp](const Caller& caller) { return DoBackward(caller, *req, resp); }, {},
-      req->context_id());
+      [this, ctx, req, resp](const Caller& caller) { return DoBackward(caller, *req, resp, ctx); },
+      {}, req->context_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerContext* ctx,

@@ -96,10 +96,12 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   friend class TrainReactor;
 
   // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls and Train.
+  // `ctx` (may be null) is checked before the compute, and for a forward after it too: a
+  // cancelled or timed-out forward leaves no context behind.
   absl::Status DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                         v1::ForwardResponse* resp);
+                         v1::ForwardResponse* resp, const grpc::CallbackServerContext* ctx);
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                          v1::BackwardResponse* resp);
+                          v1::BackwardResponse* resp, const grpc::CallbackServerContext* ctx);
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
 
   // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from

@@ -110,14 +110,14 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
       try {
         switch (req.op_case()) {
           case v1::TrainRequest::kForward:
-            status = service_.DoForward(caller_, req.forward(), resp.mutable_forward());
+            status = service_.DoForward(caller_, req.forward(), resp.mutable_forward(), ctx_);
             if (status.ok() && !resp.forward().context_id().empty()) {
               std::lock_guard<std::mutex> lock(mu_);
               contexts_.insert(resp.forward().context_id());
             }
             break;
           case v1::TrainRequest::kBackward:
-            status = service_.DoBackward(caller_, req.backward(), resp.mutable_backward());
+            status = service_.DoBackward(caller_, req.backward(), resp.mutable_backward(), ctx_);
             if (status.ok() && !req.backward().retain()) {
               std::lock_guard<std::mutex> lock(mu_);
               contexts_.erase(req.backward().context_id());

@@ -29,6 +29,8 @@ class TestServer {
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(service_.get());
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.SetMaxSendMessageSize(64 << 20);
     server_ = builder.BuildAndStart();
   }
   ~TestServer() {

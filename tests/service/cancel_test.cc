@@ -1,0 +1,146 @@
+// Deadlines and cancellation: a forward cancelled or past its deadline leaves no context and no
+// partial state, whether it was still queued or already computing.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "gradwire/client/client.h"
+#include "test_server.h"
+
+namespace gradwire {
+namespace {
+
+using client::HostTensor;
+
+HostTensor Random(std::vector<int64_t> shape) {
+  static std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  HostTensor t = HostTensor::Zeros(std::move(shape));
+  for (float& v : t.data) v = dist(rng);
+  return t;
+}
+
+bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
+  for (int i = 0; i < ms / 10; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return done();
+}
+
+class CancelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.ok());
+    client::ClientOptions options;
+    options.server = server_.address();
+    client_ = std::make_unique<client::Client>(options);
+    ASSERT_TRUE(client_->WaitForReady(std::chrono::seconds(10)).ok());
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(1024);
+    spec.set_out_features(1024);
+    spec.set_seed(3);
+    module_ = client_->CreateModule(spec)->module_id();
+  }
+
+  v1::ForwardRequest Request(int64_t rows) {
+    v1::ForwardRequest req;
+    req.set_module_id(module_);
+    req.set_training(true);
+    *req.mutable_input() = client::ToWire(Random({rows, 1024}), client::WireDType::kF32);
+    return req;
+  }
+
+  // Time of one training forward of `rows` rows, measured here.
+  double ForwardSeconds(int64_t rows) {
+    const v1::ForwardRequest req = Request(rows);
+    v1::ForwardResponse resp;
+    grpc::ClientContext ctx;
+    const auto t0 = std::chrono::steady_clock::now();
+    const grpc::Status st = client_->stub().Forward(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(client_->ReleaseContext(resp.context_id()).ok());
+    return s;
+  }
+
+  int64_t Live() { return server_.host().Stats().live_contexts; }
+  int64_t Casts() {
+    const auto s = server_.host().Stats();
+    return s.workspace_builds + s.workspace_hits;
+  }
+
+  testing::TestServer server_;
+  std::unique_ptr<client::Client> client_;
+  std::string module_;
+};
+
+TEST_F(CancelTest, ForwardPastItsDeadlineWhileQueuedIsNotRun) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  server_.executor().Submit([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return release; });
+  });
+  const int64_t casts = Casts();
+  v1::ForwardResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  const grpc::Status s = client_->stub().Forward(&ctx, Request(4), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  // The queued forward is skipped: no compute, no context.
+  EXPECT_TRUE(client_->Forward(module_, Random({2, 1024}), false).ok());  // after it in the queue
+  EXPECT_EQ(Casts(), casts + 1) << "only the later inference forward may have run";
+  EXPECT_EQ(Live(), 0);
+}
+
+TEST_F(CancelTest, ForwardPastItsDeadlineDuringComputeLeavesNoContext) {
+  // Rows enough that the compute takes several times the deadline on this machine.
+  // Rows enough that one forward takes >= 0.6 s here; the deadline is 40% of that, so it passes
+  // during the compute (the transfer and decode are a small part).
+  int64_t rows = 64;
+  double seconds = 0;
+  while ((seconds = ForwardSeconds(rows)) < 0.6 && rows < 8192) rows *= 2;
+  const int64_t casts = Casts();
+  v1::ForwardResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(int64_t(400 * seconds)));
+  const grpc::Status s = client_->stub().Forward(&ctx, Request(rows), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The compute ran (it had started) and its context was released when it saw the deadline.
+  EXPECT_TRUE(WaitFor([&] { return Casts() == casts + 1; }));
+  EXPECT_TRUE(client_->Forward(module_, Random({2, 1024}), false).ok());  // queued behind it
+  EXPECT_EQ(Live(), 0);
+}
+
+TEST_F(CancelTest, ClientCancelDuringComputeLeavesNoContext) {
+  int64_t rows = 64;
+  double seconds = 0;
+  while ((seconds = ForwardSeconds(rows)) < 0.6 && rows < 8192) rows *= 2;
+  v1::ForwardResponse resp;
+  grpc::ClientContext ctx;
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(int64_t(400 * seconds)));
+    ctx.TryCancel();
+  });
+  const grpc::Status s = client_->stub().Forward(&ctx, Request(rows), &resp);
+  canceller.join();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(client_->Forward(module_, Random({2, 1024}), false).ok());
+  EXPECT_TRUE(WaitFor([&] { return Live() == 0; }));
+  EXPECT_EQ(Live(), 0);
+}
+
+}  // namespace
+}  // namespace gradwire
