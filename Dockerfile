@@ -30,10 +30,11 @@ ENV CCACHE_DIR=/root/.cache/ccache
 RUN --mount=type=cache,target=/root/.cache/ccache \
     cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADWIRE_BUILD_TESTS=OFF \
       -DGRADWIRE_CUDA=OFF \
-    && cmake --build /build -j"$(nproc)" --target gradwire-server gradwire \
+    && cmake --build /build -j"$(nproc)" --target gradwire-server gradwire gradwire-load \
     && install -D -m 0755 /build/server/gradwire-server /out/gradwire-server \
     && install -D -m 0755 /build/client/gradwire /out/gradwire \
-    && strip /out/gradwire-server /out/gradwire
+    && install -D -m 0755 /build/client/gradwire-load /out/gradwire-load \
+    && strip /out/gradwire-server /out/gradwire /out/gradwire-load
 
 # ---------------------------------------------------------------------------------------------
 FROM ${DEBIAN_IMAGE} AS cpu
@@ -43,7 +44,7 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/gradwire --create-home \
          --shell /usr/sbin/nologin gradwire
-COPY --from=cpu-builder /out/gradwire-server /out/gradwire /usr/local/bin/
+COPY --from=cpu-builder /out/gradwire-server /out/gradwire /out/gradwire-load /usr/local/bin/
 USER 10001:10001
 WORKDIR /var/lib/gradwire
 VOLUME /var/lib/gradwire
@@ -78,9 +79,10 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
     cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADWIRE_BUILD_TESTS=OFF \
       -DGRADWIRE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="90" \
       -DCMAKE_PREFIX_PATH=/opt/torch/share/cmake \
-    && cmake --build /build -j"$(nproc)" --target gradwire-server gradwire \
+    && cmake --build /build -j"$(nproc)" --target gradwire-server gradwire gradwire-load \
     && install -D -m 0755 /build/server/gradwire-server /out/gradwire-server \
     && install -D -m 0755 /build/client/gradwire /out/gradwire \
+    && install -D -m 0755 /build/client/gradwire-load /out/gradwire-load \
     && mkdir -p /out/torch-lib && cp -a /opt/torch/lib/*.so* /out/torch-lib/
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/gradwire --create-home \
          --shell /usr/sbin/nologin gradwire
 COPY --from=cuda-builder /out/torch-lib/ /opt/libtorch/lib/
-COPY --from=cuda-builder /out/gradwire-server /out/gradwire /usr/local/bin/
+COPY --from=cuda-builder /out/gradwire-server /out/gradwire /out/gradwire-load /usr/local/bin/
 ENV LD_LIBRARY_PATH=/opt/libtorch/lib:${LD_LIBRARY_PATH}
 USER 10001:10001
 WORKDIR /var/lib/gradwire

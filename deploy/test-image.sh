@@ -81,7 +81,12 @@ echo "  demo: $demo_out"
 check "gradwire demo trains (final loss < half the initial)" \
   python3 -c "import json,sys; r=json.loads(sys.argv[1]); sys.exit(0 if r['final_loss'] < 0.5*r['initial_loss'] else 1)" "$demo_out"
 if [ "$engine" = podman ]; then
-  check "the image's HEALTHCHECK passes" $engine healthcheck run "$name"
+  load_out=$($engine run --rm "${once_flags[@]}" --network host \
+  --entrypoint gradwire-load "$image" --server "127.0.0.1:$port" --flow step --rows 8 --in 64 \
+  --out 32 --count 50 --warmup 0.2 --json - 2>/dev/null || true)
+check "gradwire-load runs 50 steps against it" \
+  python3 -c "import json,sys; r=json.loads(sys.argv[1]); sys.exit(0 if r['runs'][0]['ok'] == 50 else 1)" "$load_out"
+check "the image's HEALTHCHECK passes" $engine healthcheck run "$name"
 else
   sleep 12
   check "the image's HEALTHCHECK passes" \

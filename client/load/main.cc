@@ -249,10 +249,10 @@ nlohmann::json RowJson(const Row& r) {
   return j;
 }
 
-void PrintTable(const std::vector<Row>& rows, const std::string& flow) {
-  std::printf("\n%-11s %5s %8s %10s %10s %9s %9s %9s %9s %9s %9s %9s  %s\n", "mode", "conc", "rate",
-              (flow == "step" || flow == "stream") ? "steps/s" : "req/s", "MB/s", "p50 ms",
-              "p90 ms", "p99 ms", "p99.9 ms", "max ms", "fwd p50", "bwd p50", "codes");
+void PrintTable(std::FILE* out, const std::vector<Row>& rows, const std::string& flow) {
+  std::fprintf(out, "\n%-11s %5s %8s %10s %10s %9s %9s %9s %9s %9s %9s %9s  %s\n", "mode", "conc",
+               "rate", (flow == "step" || flow == "stream") ? "steps/s" : "req/s", "MB/s", "p50 ms",
+               "p90 ms", "p99 ms", "p99.9 ms", "max ms", "fwd p50", "bwd p50", "codes");
   for (const Row& r : rows) {
     const RunResult& x = r.result;
     const auto s = gradwire::load::Summarize(x.latency);
@@ -261,12 +261,12 @@ void PrintTable(const std::vector<Row>& rows, const std::string& flow) {
     std::string codes;
     for (const auto& [code, n] : x.codes)
       codes += (codes.empty() ? "" : " ") + code + "=" + std::to_string(n);
-    std::printf("%-11s %5d %8s %10.1f %10.2f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f  %s\n",
-                r.mode.c_str(), r.concurrency,
-                r.rate > 0 ? std::to_string(int64_t(r.rate)).c_str() : "closed",
-                x.seconds > 0 ? double(x.requests) / x.seconds : 0.0,
-                x.seconds > 0 ? double(x.bytes) / x.seconds / 1e6 : 0.0, Ms(s.p50), Ms(s.p90),
-                Ms(s.p99), Ms(s.p999), Ms(s.max), Ms(f.p50), Ms(b.p50), codes.c_str());
+    std::fprintf(out, "%-11s %5d %8s %10.1f %10.2f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f  %s\n",
+                 r.mode.c_str(), r.concurrency,
+                 r.rate > 0 ? std::to_string(int64_t(r.rate)).c_str() : "closed",
+                 x.seconds > 0 ? double(x.requests) / x.seconds : 0.0,
+                 x.seconds > 0 ? double(x.bytes) / x.seconds / 1e6 : 0.0, Ms(s.p50), Ms(s.p90),
+                 Ms(s.p99), Ms(s.p999), Ms(s.max), Ms(f.p50), Ms(b.p50), codes.c_str());
   }
 }
 
@@ -545,13 +545,15 @@ int main(int argc, char** argv) {
   }
   if (created && !o.keep_module) (void)client.DeleteModule(module_id);
 
-  PrintTable(rows, o.flow);
+  // The table goes to stdout, or to stderr when the JSON report does.
+  std::FILE* table = o.json_path == "-" ? stderr : stdout;
+  PrintTable(table, rows, o.flow);
   const nlohmann::json ratios = Ratios(rows);
   for (const auto& r : ratios)
-    std::printf("ratios at concurrency %s: %s\n", r["concurrency"].dump().c_str(),
-                r.dump().c_str());
+    std::fprintf(table, "ratios at concurrency %s: %s\n", r["concurrency"].dump().c_str(),
+                 r.dump().c_str());
   if (!server_view.is_null())
-    std::printf("server after the runs: %s\n", server_view.dump().c_str());
+    std::fprintf(table, "server after the runs: %s\n", server_view.dump().c_str());
 
   nlohmann::json report = {{"flow", o.flow},
                            {"server", copts.server},

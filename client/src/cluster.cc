@@ -85,6 +85,16 @@ absl::StatusOr<size_t> Cluster::Locate(const std::string& module_id) {
       absl::StrCat("module_id ", module_id, " is on none of the ", clients_.size(), " servers"));
 }
 
+absl::StatusOr<size_t> Cluster::ContextServer(const std::string& context_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = contexts_.find(context_id);
+  if (it == contexts_.end()) {
+    return absl::NotFoundError(absl::StrCat("context_id ", context_id,
+                                            " was not created by a forward through this cluster"));
+  }
+  return it->second;
+}
+
 absl::StatusOr<Client*> Cluster::ForModule(const std::string& module_id) {
   auto where = Locate(module_id);
   if (!where.ok()) return where.status();
@@ -117,16 +127,9 @@ absl::StatusOr<ForwardResult> Cluster::Forward(const std::string& module_id,
 absl::StatusOr<HostTensor> Cluster::Backward(const std::string& context_id,
                                              const HostTensor& grad_output,
                                              BackwardOptions options) {
-  size_t where;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = contexts_.find(context_id);
-    if (it == contexts_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "context_id ", context_id, " was not created by a forward through this cluster"));
-    }
-    where = it->second;
-  }
+  auto found = ContextServer(context_id);
+  if (!found.ok()) return found.status();
+  const size_t where = *found;
   auto out = clients_[where]->Backward(context_id, grad_output, options);
   // A consumed context is gone on the server; so is one the server no longer knows.
   if ((out.ok() && !options.retain) || absl::IsNotFound(out.status())) {
@@ -137,16 +140,9 @@ absl::StatusOr<HostTensor> Cluster::Backward(const std::string& context_id,
 }
 
 absl::Status Cluster::ReleaseContext(const std::string& context_id) {
-  size_t where;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = contexts_.find(context_id);
-    if (it == contexts_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "context_id ", context_id, " was not created by a forward through this cluster"));
-    }
-    where = it->second;
-  }
+  auto found = ContextServer(context_id);
+  if (!found.ok()) return found.status();
+  const size_t where = *found;
   auto s = clients_[where]->ReleaseContext(context_id);
   if (s.ok() || absl::IsNotFound(s)) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -15,22 +15,8 @@ namespace {
 
 using client::HostTensor;
 
-HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  HostTensor t = HostTensor::Zeros(std::move(shape));
-  for (float& v : t.data) v = dist(rng);
-  return t;
-}
-
-bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
-  for (int i = 0; i < ms / 10; ++i) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return done();
-}
-
+using testing::Random;
+using testing::WaitFor;
 class CancelTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -93,6 +79,9 @@ TEST_F(CancelTest, ForwardPastItsDeadlineWhileQueuedIsNotRun) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   const grpc::Status s = client_->stub().Forward(&ctx, Request(4), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server's deadline is the client's plus the request's transit time (the timeout travels
+  // relative); let it pass on the server too before the executor reaches the request.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   {
     std::lock_guard<std::mutex> lock(mu);
     release = true;

@@ -20,14 +20,7 @@ namespace {
 
 using client::HostTensor;
 
-HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  HostTensor t = HostTensor::Zeros(std::move(shape));
-  for (float& v : t.data) v = dist(rng);
-  return t;
-}
-
+using testing::Random;
 at::Tensor ToAt(const HostTensor& t) {
   return at::from_blob(const_cast<float*>(t.data.data()), t.shape, at::kFloat).clone();
 }

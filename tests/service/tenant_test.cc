@@ -19,14 +19,7 @@ using rpc::Authenticator;
 constexpr char kAliceToken[] = "alice-0123456789abcdef";
 constexpr char kBobToken[] = "bob-fedcba9876543210xyz";
 
-HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  HostTensor t = HostTensor::Zeros(std::move(shape));
-  for (float& v : t.data) v = dist(rng);
-  return t;
-}
-
+using testing::Random;
 std::string WriteTemp(const std::string& text) {
   char path[] = "/tmp/gradwire-tokens-XXXXXX";
   const int fd = mkstemp(path);

@@ -3,14 +3,38 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
+#include <functional>
 #include <memory>
+#include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "gradwire/client/client.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/service.h"
 
 namespace gradwire::testing {
+
+// A fresh standard-normal host tensor (never zeros).
+inline client::HostTensor Random(std::vector<int64_t> shape) {
+  static std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  client::HostTensor t = client::HostTensor::Zeros(std::move(shape));
+  for (float& v : t.data) v = dist(rng);
+  return t;
+}
+
+// Polls `done` until it holds or `ms` pass; returns its last value.
+inline bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
+  for (int i = 0; i < ms / 5; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return done();
+}
 
 class TestServer {
  public:

@@ -15,22 +15,8 @@ namespace {
 
 using client::HostTensor;
 
-HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  HostTensor t = HostTensor::Zeros(std::move(shape));
-  for (float& v : t.data) v = dist(rng);
-  return t;
-}
-
-bool WaitFor(const std::function<bool()>& done, int ms = 5000) {
-  for (int i = 0; i < ms / 5; ++i) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return done();
-}
-
+using testing::Random;
+using testing::WaitFor;
 class TrainStreamTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(8); }

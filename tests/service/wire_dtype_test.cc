@@ -36,14 +36,7 @@ double OutputTolerance(WireDType d) {
   return tol[int(d)];
 }
 
-HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  HostTensor t = HostTensor::Zeros(std::move(shape));
-  for (float& v : t.data) v = dist(rng);
-  return t;
-}
-
+using testing::Random;
 double RelativeError(const HostTensor& a, const HostTensor& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.data.size(); ++i) {

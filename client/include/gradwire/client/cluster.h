@@ -57,6 +57,7 @@ class Cluster {
 
  private:
   absl::StatusOr<Client*> ForModule(const std::string& module_id);
+  absl::StatusOr<size_t> ContextServer(const std::string& context_id) const;
 
   std::vector<std::unique_ptr<Client>> clients_;
   mutable std::mutex mu_;                             // guards the maps and next_
