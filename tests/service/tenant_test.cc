@@ -240,3 +240,36 @@ TEST_F(TenantTest, CallsWithoutAValidTokenAreUnauthenticatedAndChangeNothing) {
 
 }  // namespace
 }  // namespace gradwire
+
+namespace gradwire {
+namespace {
+
+// The Train stream authenticates once and keeps the caller's tenant for every request on it.
+TEST_F(TenantTest, TrainStreamsAreIsolatedToo) {
+  auto bobs = bob_->OpenTrainStream();
+  ASSERT_TRUE(bobs->SendForward(1, module_, testing::Random({4, 16}), true));
+  ASSERT_TRUE(bobs->SendBackward(2, context_, testing::Random({4, 8})));
+  auto first = bobs->Read();
+  auto second = bobs->Read();
+  ASSERT_TRUE(first && second);
+  EXPECT_EQ(first->code(), int(grpc::StatusCode::NOT_FOUND));
+  EXPECT_EQ(second->code(), int(grpc::StatusCode::NOT_FOUND));
+  EXPECT_TRUE(bobs->Finish().ok());
+  // Alice's context survived bob's stream (which released only what it created: nothing).
+  auto alices = alice_->OpenTrainStream();
+  ASSERT_TRUE(alices->SendBackward(3, context_, testing::Random({4, 8})));
+  auto done = alices->Read();
+  ASSERT_TRUE(done);
+  EXPECT_EQ(done->code(), 0) << done->message();
+  EXPECT_TRUE(alices->Finish().ok());
+  // Without a token the stream itself is refused.
+  client::ClientOptions options;
+  options.server = server_->address();
+  client::Client anonymous(options);
+  auto refused = anonymous.OpenTrainStream();
+  EXPECT_FALSE(refused->Read().has_value());
+  EXPECT_EQ(refused->Finish().code(), absl::StatusCode::kUnauthenticated);
+}
+
+}  // namespace
+}  // namespace gradwire
