@@ -268,20 +268,12 @@ int main(int argc, char** argv) {
                            "their values");
 
   CLI11_PARSE(app, argc, argv);
-  if (!token_file.empty()) {
-    std::ifstream in(token_file);
-    std::getline(in, options.token);
-    while (!options.token.empty() &&
-           std::isspace(static_cast<unsigned char>(options.token.back()))) {
-      options.token.pop_back();
-    }
-    if (options.token.empty()) {
-      std::fprintf(stderr, "gradwire: --token-file %s: the first line holds no token\n",
-                   token_file.c_str());
-      return 2;
-    }
-  } else if (const char* env = std::getenv("GRADWIRE_TOKEN"); env != nullptr) {
-    options.token = env;
+  if (auto token = gradwire::client::ResolveToken(token_file); token.ok()) {
+    options.token = *std::move(token);
+  } else {
+    std::fprintf(stderr, "gradwire: --token-file: %s\n",
+                 std::string(token.status().message()).c_str());
+    return 2;
   }
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   options.wire_dtype = wire == "bf16"  ? gradwire::client::WireDType::kBF16

@@ -117,7 +117,7 @@ class RemoteOps {
     if (flow_ == "stream") return RunStream(w);
     if (flow_ == "empty") {
       grpc::ClientContext ctx;
-      Prepare(&ctx);
+      client_.PrepareContext(&ctx);
       v1::GetServerInfoResponse resp;
       const grpc::Status s = client_.stub().GetServerInfo(&ctx, v1::GetServerInfoRequest(), &resp);
       o.code = CodeName(s.error_code());
@@ -127,7 +127,7 @@ class RemoteOps {
     v1::ForwardResponse fr;
     {
       grpc::ClientContext ctx;
-      Prepare(&ctx);
+      client_.PrepareContext(&ctx);
       const grpc::Status s = client_.stub().Forward(&ctx, fwd_[w], &fr);
       if (!s.ok()) {
         o.code = CodeName(s.error_code());
@@ -142,7 +142,7 @@ class RemoteOps {
       bwd_[w].set_context_id(fr.context_id());
       v1::BackwardResponse br;
       grpc::ClientContext ctx;
-      Prepare(&ctx);
+      client_.PrepareContext(&ctx);
       const grpc::Status s = client_.stub().Backward(&ctx, bwd_[w], &br);
       if (!s.ok()) {
         o.code = CodeName(s.error_code());
@@ -197,13 +197,6 @@ class RemoteOps {
     o.bytes +=
         int64_t(bwd_[w].grad_output().data().size() + br->backward().grad_input().data().size());
     return o;
-  }
-
-  void Prepare(grpc::ClientContext* ctx) const {
-    ctx->set_deadline(std::chrono::system_clock::now() + client_.options().timeout);
-    if (!client_.options().token.empty()) {
-      ctx->AddMetadata("authorization", "Bearer " + client_.options().token);
-    }
   }
 
   Client& client_;
@@ -428,14 +421,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   copts.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
-  if (!token_file.empty()) {
-    std::ifstream in(token_file);
-    std::getline(in, copts.token);
-    while (!copts.token.empty() && std::isspace(static_cast<unsigned char>(copts.token.back()))) {
-      copts.token.pop_back();
-    }
-  } else if (const char* env = std::getenv("GRADWIRE_TOKEN")) {
-    copts.token = env;
+  if (auto token = gradwire::client::ResolveToken(token_file); token.ok()) {
+    copts.token = *std::move(token);
+  } else {
+    std::fprintf(stderr, "gradwire-load: --token-file: %s\n",
+                 std::string(token.status().message()).c_str());
+    return 2;
   }
   Client client(copts);
   if (auto s = client.WaitForReady(copts.timeout); !s.ok()) {

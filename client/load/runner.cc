@@ -59,9 +59,9 @@ class Collector {
 
 void Watch(const RunConfig& c, Clock::time_point measure_from, const Collector& collector,
            const std::atomic<bool>& stop, const std::function<void(double, int64_t)>& progress) {
+  Clock::time_point last{};
   while (!stop.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    static thread_local Clock::time_point last{};
     const auto now = Clock::now();
     if (!progress || now - last < std::chrono::milliseconds(500)) continue;
     last = now;

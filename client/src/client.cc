@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cctype>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -181,7 +183,7 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
 
 Client::~Client() = default;
 
-void Client::Prepare(grpc::ClientContext* ctx) const {
+void Client::PrepareContext(grpc::ClientContext* ctx) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
 }
@@ -196,7 +198,7 @@ absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
 
 absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::GetServerInfoResponse resp;
   if (auto s = FromGrpc("GetServerInfo", stub_->GetServerInfo(&ctx, {}, &resp)); !s.ok()) {
     return s;
@@ -206,7 +208,7 @@ absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
 
 absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   ::grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);
   ::grpc::health::v1::HealthCheckResponse resp;
@@ -217,7 +219,7 @@ absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
 
 absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::CreateModuleRequest req;
   *req.mutable_spec() = spec;
   v1::CreateModuleResponse resp;
@@ -229,7 +231,7 @@ absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) 
 
 absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::ListModulesResponse resp;
   if (auto s = FromGrpc("ListModules", stub_->ListModules(&ctx, {}, &resp)); !s.ok()) return s;
   return std::vector<v1::ModuleInfo>(resp.modules().begin(), resp.modules().end());
@@ -237,7 +239,7 @@ absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
 
 absl::Status Client::DeleteModule(const std::string& module_id) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::DeleteModuleRequest req;
   req.set_module_id(module_id);
   v1::DeleteModuleResponse resp;
@@ -247,7 +249,7 @@ absl::Status Client::DeleteModule(const std::string& module_id) {
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, const HostTensor& input,
                                               bool training) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::ForwardRequest req;
   req.set_module_id(module_id);
   *req.mutable_input() = ToWire(input, options_.wire_dtype);
@@ -270,7 +272,7 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
                                             const HostTensor& grad_output,
                                             BackwardOptions options) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::BackwardRequest req;
   req.set_context_id(context_id);
   *req.mutable_grad_output() = ToWire(grad_output, options_.wire_dtype);
@@ -285,6 +287,22 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
   if (!resp.has_grad_input()) return HostTensor{};
   return FromWire(resp.grad_input());
+}
+
+absl::StatusOr<std::string> ResolveToken(const std::string& token_file) {
+  std::string token;
+  if (token_file.empty()) {
+    const char* env = std::getenv("GRADWIRE_TOKEN");
+    return env ? std::string(env) : std::string();
+  }
+  std::ifstream in(token_file);
+  std::getline(in, token);
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file ", token_file, ": the first line holds no token"));
+  }
+  return token;
 }
 
 std::unique_ptr<TrainStream> Client::OpenTrainStream() {
@@ -354,7 +372,7 @@ void TrainStream::Cancel() { ctx_.TryCancel(); }
 
 absl::Status Client::ReleaseContext(const std::string& context_id) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::ReleaseContextRequest req;
   req.set_context_id(context_id);
   v1::ReleaseContextResponse resp;
@@ -363,7 +381,7 @@ absl::Status Client::ReleaseContext(const std::string& context_id) {
 
 absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, float learning_rate) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::ApplyGradientsRequest req;
   req.set_module_id(module_id);
   req.set_learning_rate(learning_rate);
@@ -376,7 +394,7 @@ absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, fl
 
 absl::StatusOr<NamedTensors> Client::GetGradients(const std::string& module_id, bool zero) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::GetGradientsRequest req;
   req.set_module_id(module_id);
   req.set_zero(zero);
@@ -394,7 +412,7 @@ absl::StatusOr<NamedTensors> Client::GetGradients(const std::string& module_id, 
 
 absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::GetWeightsRequest req;
   req.set_module_id(module_id);
   req.set_dtype(v1::F32);
@@ -410,7 +428,7 @@ absl::StatusOr<uint64_t> Client::SetWeights(
     const std::string& module_id,
     const std::vector<std::pair<std::string, HostTensor>>& parameters) {
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  PrepareContext(&ctx);
   v1::SetWeightsRequest req;
   req.set_module_id(module_id);
   for (const auto& [name, tensor] : parameters) {

@@ -45,7 +45,6 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     }
     ++service_.stream_requests_read_;
     ++unanswered_;
-    ++requests_;
     auto request = std::make_shared<v1::TrainRequest>(std::move(incoming_));
     incoming_.Clear();
     service_.executor_.Submit([this, request] { Process(*request); });
@@ -189,7 +188,6 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
   std::deque<v1::TrainResponse> outgoing_;  // front is being written while writing_
   std::unordered_set<std::string> contexts_;
   int unanswered_ = 0;  // read, response not yet written
-  int64_t requests_ = 0;
   bool reading_ = false;
   bool writing_ = false;
   bool read_done_ = false;

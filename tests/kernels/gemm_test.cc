@@ -150,8 +150,10 @@ namespace {
 // A pre-decoded operand (a cached weight's) gives bit-identical results to decoding per call, in
 // the two layouts that read it (A rowwise, B transposed), and is ignored in the others.
 TEST(Fp8GemmDecodedTest, PreDecodedOperandsAreBitIdentical) {
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1024, 1024}, {5, 17, 33},
-                         {64, 48, 80}, {3, 7, 1}}) {
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1024, 1024},
+                         {5, 17, 33},
+                         {64, 48, 80},
+                         {3, 7, 1}}) {
     for (bool a_t : {false, true}) {
       for (bool b_t : {false, true}) {
         float sa = 0, sb = 0;
@@ -179,8 +181,8 @@ TEST(Fp8GemmDecodedTest, PreDecodedOperandsAreBitIdentical) {
           uint32_t x, y;
           std::memcpy(&x, &plain[i], 4);
           std::memcpy(&y, &cached[i], 4);
-          ASSERT_EQ(x, y)
-              << m << "x" << n << "x" << k << " a_t " << a_t << " b_t " << b_t << " at " << i;
+          ASSERT_EQ(x, y) << m << "x" << n << "x" << k << " a_t " << a_t << " b_t " << b_t << " at "
+                          << i;
         }
       }
     }

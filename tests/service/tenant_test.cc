@@ -105,24 +105,14 @@ TEST(AuthenticatorTest, ReadsTokensFiles) {
 
 class TenantTest : public ::testing::Test {
  protected:
-  static std::unique_ptr<client::Client> Connect(const std::string& address, std::string token) {
-    client::ClientOptions options;
-    options.server = address;
-    options.timeout = std::chrono::seconds(20);
-    options.token = std::move(token);
-    auto c = std::make_unique<client::Client>(options);
-    EXPECT_TRUE(c->WaitForReady(std::chrono::seconds(10)).ok());
-    return c;
-  }
-
   void SetUp() override {
     auto made = Authenticator::FromEntries({{"alice", kAliceToken}, {"bob", kBobToken}});
     ASSERT_TRUE(made.ok());
     auth_ = std::make_unique<Authenticator>(std::move(*made));
     server_ = std::make_unique<testing::TestServer>(auth_.get());
     ASSERT_TRUE(server_->ok());
-    alice_ = Connect(server_->address(), kAliceToken);
-    bob_ = Connect(server_->address(), kBobToken);
+    alice_ = server_->Connect(kAliceToken);
+    bob_ = server_->Connect(kBobToken);
     v1::ModuleSpec spec;
     spec.set_kind(v1::LINEAR);
     spec.set_in_features(16);
@@ -217,8 +207,8 @@ TEST_F(TenantTest, EachTenantWorksOnItsOwnModules) {
 }
 
 TEST_F(TenantTest, CallsWithoutAValidTokenAreUnauthenticatedAndChangeNothing) {
-  auto anonymous = Connect(server_->address(), "");
-  auto forger = Connect(server_->address(), "alice-0123456789abcdeX");
+  auto anonymous = server_->Connect("");
+  auto forger = server_->Connect("alice-0123456789abcdeX");
   for (client::Client* c : {anonymous.get(), forger.get()}) {
     EXPECT_EQ(c->GetServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
     EXPECT_EQ(c->ListModules().status().code(), absl::StatusCode::kUnauthenticated);
@@ -263,10 +253,8 @@ TEST_F(TenantTest, TrainStreamsAreIsolatedToo) {
   EXPECT_EQ(done->code(), 0) << done->message();
   EXPECT_TRUE(alices->Finish().ok());
   // Without a token the stream itself is refused.
-  client::ClientOptions options;
-  options.server = server_->address();
-  client::Client anonymous(options);
-  auto refused = anonymous.OpenTrainStream();
+  auto anonymous = server_->Connect();
+  auto refused = anonymous->OpenTrainStream();
   EXPECT_FALSE(refused->Read().has_value());
   EXPECT_EQ(refused->Finish().code(), absl::StatusCode::kUnauthenticated);
 }

@@ -64,6 +64,16 @@ class TestServer {
   }
   bool ok() const { return server_ != nullptr && port_ > 0; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // A connected client (20 s deadlines), with `token` when given.
+  std::unique_ptr<client::Client> Connect(std::string token = {}) const {
+    client::ClientOptions options;
+    options.server = address();
+    options.timeout = std::chrono::seconds(20);
+    options.token = std::move(token);
+    auto c = std::make_unique<client::Client>(options);
+    EXPECT_TRUE(c->WaitForReady(std::chrono::seconds(10)).ok());
+    return c;
+  }
   core::ModuleHost& host() { return host_; }
   core::DeviceExecutor& executor() { return *executor_; }
   rpc::GradwireService& service() { return *service_; }

@@ -24,11 +24,7 @@ class TrainStreamTest : public ::testing::Test {
     client_.reset();
     server_ = std::make_unique<testing::TestServer>(nullptr, read_ahead);
     ASSERT_TRUE(server_->ok());
-    client::ClientOptions options;
-    options.server = server_->address();
-    options.timeout = std::chrono::seconds(20);
-    client_ = std::make_unique<client::Client>(options);
-    ASSERT_TRUE(client_->WaitForReady(std::chrono::seconds(10)).ok());
+    client_ = server_->Connect();
     v1::ModuleSpec spec;
     spec.set_kind(v1::LINEAR);
     spec.set_in_features(32);

@@ -50,10 +50,7 @@ class WireDTypeTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(server_.ok());
-    client::ClientOptions options;
-    options.server = server_.address();
-    client_ = std::make_unique<client::Client>(options);
-    ASSERT_TRUE(client_->WaitForReady(std::chrono::seconds(10)).ok());
+    client_ = server_.Connect();
     v1::ModuleSpec spec;
     spec.set_kind(v1::LINEAR);
     spec.set_in_features(64);

@@ -104,6 +104,10 @@ class TrainStream {
   bool writes_done_ = false;
 };
 
+// The bearer token a command-line tool uses: the first line of `token_file` (trailing space
+// trimmed; INVALID_ARGUMENT when unreadable or empty), or else $GRADWIRE_TOKEN, or else none.
+absl::StatusOr<std::string> ResolveToken(const std::string& token_file);
+
 class Client {
  public:
   // Throws std::runtime_error when a TLS file cannot be read.
@@ -143,12 +147,12 @@ class Client {
       const std::string& module_id,
       const std::vector<std::pair<std::string, HostTensor>>& parameters);
 
-  // The raw stub, for calls the wrapper does not cover.
+  // The raw stub, for calls the wrapper does not cover; PrepareContext gives a context of such a
+  // call the deadline and token every wrapped call has.
   v1::Gradwire::Stub& stub() { return *stub_; }
+  void PrepareContext(grpc::ClientContext* ctx) const;
 
  private:
-  void Prepare(grpc::ClientContext* ctx) const;
-
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
