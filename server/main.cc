@@ -46,6 +46,8 @@ struct ServerFlags {
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
   int stream_read_ahead = 8;        // Train-stream requests read ahead of their responses
+  int chunk_kib = 4096;             // chunks of the chunked calls, sent and accepted
+  int max_stream_mib = 4096;        // most tensor bytes one chunked request may carry
   std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required
   std::vector<std::string> tokens;  // TENANT:TOKEN entries (environment or config file)
   std::string config;               // TOML file mirroring these flags
@@ -126,6 +128,8 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
+  out << "chunk-kib = " << f.chunk_kib << "\n";
+  out << "max-stream-mib = " << f.max_stream_mib << "\n";
   out << "tokens-file = " << quote(f.tokens_file) << "\n";
   out << "tokens = [";
   for (size_t i = 0; i < f.tokens.size(); ++i) {
@@ -317,6 +321,16 @@ int main(int argc, char** argv) {
                  "cannot make the server buffer more")
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
+  app.add_option("--chunk-kib", flags.chunk_kib,
+                 "KiB per chunk of the chunked Forward/Backward/GetWeights/SetWeights calls: the "
+                 "size the server sends and the largest it accepts (must fit --max-message-mib)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--max-stream-mib", flags.max_stream_mib,
+                 "most MiB the tensors of one chunked request may add up to "
+                 "(more: RESOURCE_EXHAUSTED before any chunk is read)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--tokens-file", flags.tokens_file,
                  "require bearer tokens: a file of \"TENANT TOKEN\" lines (# comments). Every "
                  "module and context belongs to the tenant that created it; other tenants get "
@@ -369,6 +383,14 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // A chunk travels in one message with a few bytes of framing around it.
+  if ((int64_t(flags.chunk_kib) << 10) + (int64_t(64) << 10) > int64_t(flags.max_message_mib)
+                                                                   << 20) {
+    spdlog::error("--chunk-kib {} does not fit --max-message-mib {} (a chunk needs 64 KiB of room)",
+                  flags.chunk_kib, flags.max_message_mib);
+    return 2;
+  }
 
   std::string device, description;
   if (!ResolveDevice(flags.device, &device, &description)) return 2;
@@ -438,6 +460,8 @@ int main(int argc, char** argv) {
   gradwire::rpc::ServiceOptions service_options{
       GRADWIRE_VERSION, device, description, checkpointer.get(), authenticator.get(), {}};
   service_options.stream_read_ahead = flags.stream_read_ahead;
+  service_options.chunk_bytes = int64_t(flags.chunk_kib) << 10;
+  service_options.max_stream_bytes = int64_t(flags.max_stream_mib) << 20;
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);

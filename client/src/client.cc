@@ -6,12 +6,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/quantize.h"
+#include "gradwire/wire/chunking.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace gradwire::client {
@@ -32,6 +34,51 @@ absl::StatusOr<NamedTensors> FromWireNamed(
     out.tensors.emplace_back(n.name(), *std::move(t));
   }
   return out;
+}
+
+// Writes `msg` as a chunked message: header, then its tensors' bytes in chunks.
+template <typename Part, typename Msg, typename Writer>
+bool WriteChunked(Writer* writer, Msg& msg, int64_t chunk_bytes) {
+  wire::ChunkSplitter splitter(wire::Slots(msg), chunk_bytes);  // takes the data out of msg
+  Part part;
+  *part.mutable_header() = std::move(msg);
+  if (!writer->Write(part)) return false;
+  part.Clear();
+  while (splitter.Next(part.mutable_chunk())) {
+    if (!writer->Write(part)) return false;
+    part.Clear();
+  }
+  return true;
+}
+
+// Reads a chunked message into `out`. A malformed sequence is the server's fault: INTERNAL.
+template <typename Part, typename Msg, typename Reader>
+absl::Status ReadChunked(const char* method, Reader* reader, Msg* out) {
+  Part part;
+  bool started = false;
+  wire::ChunkAssembler assembler;
+  auto malformed = [method](const absl::Status& s) {
+    return absl::InternalError(
+        absl::StrCat(method, ": the server sent a malformed chunked response: ", s.message()));
+  };
+  while (reader->Read(&part)) {
+    if (part.has_header()) {
+      if (started) return malformed(absl::InvalidArgumentError("the header came twice"));
+      started = true;
+      *out = std::move(*part.mutable_header());
+      // The response's size is what the client asked for: no limit beyond the shapes' own.
+      absl::Status s = assembler.Start(wire::Slots(*out), std::numeric_limits<int64_t>::max(),
+                                       "the client's limit", std::numeric_limits<int64_t>::max());
+      if (!s.ok()) return malformed(s);
+    } else if (part.has_chunk()) {
+      if (!started) return malformed(absl::InvalidArgumentError("a chunk came before the header"));
+      if (absl::Status s = assembler.Add(part.chunk()); !s.ok()) return malformed(s);
+    }
+    part.Clear();
+  }
+  if (!started) return malformed(absl::InvalidArgumentError("no header"));
+  if (absl::Status s = assembler.Complete(); !s.ok()) return malformed(s);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -226,6 +273,7 @@ absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) 
   if (auto s = FromGrpc("CreateModule", stub_->CreateModule(&ctx, req, &resp)); !s.ok()) {
     return s;
   }
+  Remember(resp.module());
   return resp.module();
 }
 
@@ -234,6 +282,7 @@ absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
   PrepareContext(&ctx);
   v1::ListModulesResponse resp;
   if (auto s = FromGrpc("ListModules", stub_->ListModules(&ctx, {}, &resp)); !s.ok()) return s;
+  for (const v1::ModuleInfo& info : resp.modules()) Remember(info);
   return std::vector<v1::ModuleInfo>(resp.modules().begin(), resp.modules().end());
 }
 
@@ -255,8 +304,25 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
   *req.mutable_input() = ToWire(input, options_.wire_dtype);
   req.set_training(training);
   req.set_output_dtype(ToProto(options_.wire_dtype));
+  const int64_t request_bytes = int64_t(req.input().data().size());
+  int64_t response_bytes = -1;
+  if (options_.chunking == ClientOptions::Chunking::kAuto && !UseChunked(request_bytes, -1) &&
+      !input.shape.empty() && input.shape.back() > 0) {
+    if (std::optional<ModuleShape> shape = Shape(module_id)) {
+      const int64_t rows = input.numel() / input.shape.back();
+      response_bytes = rows * (shape->out + (shape->layernorm_output ? shape->in : 0)) *
+                       wire::ElementSize(ToProto(options_.wire_dtype));
+    }
+  }
   v1::ForwardResponse resp;
-  if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) return s;
+  if (UseChunked(request_bytes, response_bytes)) {
+    auto chunked = ForwardChunked(req);
+    if (!chunked.ok()) return chunked.status();
+    resp = *std::move(chunked);
+  } else if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  if (training && !resp.context_id().empty()) NoteContext(resp.context_id(), input.numel());
   auto output = FromWire(resp.output());
   if (!output.ok()) return output.status();
   ForwardResult result{*std::move(output), resp.context_id(), resp.weight_version(), {}};
@@ -283,8 +349,22 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
     *req.mutable_grad_layernorm_output() =
         ToWire(*options.grad_layernorm_output, options_.wire_dtype);
   }
+  const int64_t request_bytes =
+      int64_t(req.grad_output().data().size() + req.grad_layernorm_output().data().size());
+  const int64_t grad_input_elements = TakeContext(context_id, options.retain);
+  const int64_t response_bytes =
+      options.skip_grad_input ? 0
+      : grad_input_elements < 0
+          ? -1
+          : grad_input_elements * wire::ElementSize(ToProto(options_.wire_dtype));
   v1::BackwardResponse resp;
-  if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
+  if (UseChunked(request_bytes, response_bytes)) {
+    auto chunked = BackwardChunked(req);
+    if (!chunked.ok()) return chunked.status();
+    resp = *std::move(chunked);
+  } else if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
   if (!resp.has_grad_input()) return HostTensor{};
   return FromWire(resp.grad_input());
 }
@@ -375,6 +455,7 @@ absl::Status Client::ReleaseContext(const std::string& context_id) {
   PrepareContext(&ctx);
   v1::ReleaseContextRequest req;
   req.set_context_id(context_id);
+  (void)TakeContext(context_id, /*keep=*/false);
   v1::ReleaseContextResponse resp;
   return FromGrpc("ReleaseContext", stub_->ReleaseContext(&ctx, req, &resp));
 }
@@ -416,8 +497,22 @@ absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
   v1::GetWeightsRequest req;
   req.set_module_id(module_id);
   req.set_dtype(v1::F32);
+  int64_t response_bytes = -1;  // an upper bound of the parameters' bytes
+  if (options_.chunking == ClientOptions::Chunking::kAuto) {
+    if (std::optional<ModuleShape> m = Shape(module_id)) {
+      const int64_t fc1 = (m->gated ? 2 : 1) * m->ffn;
+      response_bytes =
+          4 * (m->in * m->out + m->out + 2 * m->in + fc1 * m->in + fc1 + m->out * m->ffn);
+    }
+  }
   v1::GetWeightsResponse resp;
-  if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) return s;
+  if (UseChunked(0, response_bytes)) {
+    auto chunked = GetWeightsChunked(req);
+    if (!chunked.ok()) return chunked.status();
+    resp = *std::move(chunked);
+  } else if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
   auto out = FromWireNamed(resp.parameters());
   if (!out.ok()) return out.status();
   out->weight_version = resp.weight_version();
@@ -436,9 +531,152 @@ absl::StatusOr<uint64_t> Client::SetWeights(
     named->set_name(name);
     *named->mutable_tensor() = ToWire(tensor, WireDType::kF32);
   }
+  int64_t request_bytes = 0;
+  for (const v1::NamedTensor& named : req.parameters()) {
+    request_bytes += int64_t(named.tensor().data().size());
+  }
   v1::SetWeightsResponse resp;
-  if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) return s;
+  if (UseChunked(request_bytes, 0)) {
+    auto chunked = SetWeightsChunked(req);
+    if (!chunked.ok()) return chunked.status();
+    resp = *std::move(chunked);
+  } else if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
   return resp.weight_version();
+}
+
+int64_t Client::chunked_calls() const {
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  return chunked_calls_;
+}
+
+bool Client::UseChunked(int64_t request_bytes, int64_t response_bytes) const {
+  switch (options_.chunking) {
+    case ClientOptions::Chunking::kAlways:
+      return true;
+    case ClientOptions::Chunking::kNever:
+      return false;
+    case ClientOptions::Chunking::kAuto:
+      break;
+  }
+  const int64_t chunk = int64_t(options_.chunk_kib) << 10;
+  return request_bytes > chunk || response_bytes > chunk;
+}
+
+void Client::Remember(const v1::ModuleInfo& info) {
+  const v1::ModuleSpec& spec = info.spec();
+  ModuleShape shape;
+  shape.in = spec.in_features();
+  shape.out = spec.out_features();
+  shape.ffn = spec.kind() == v1::LAYERNORM_MLP ? spec.ffn_features() : 0;
+  shape.layernorm_output = spec.kind() != v1::LINEAR && spec.return_layernorm_output();
+  shape.gated = spec.activation() == v1::SWIGLU || spec.activation() == v1::GEGLU;
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  modules_[info.module_id()] = shape;
+}
+
+std::optional<Client::ModuleShape> Client::Shape(const std::string& module_id) {
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    if (auto it = modules_.find(module_id); it != modules_.end()) return it->second;
+  }
+  (void)ListModules();  // fills the cache; a failure only means the size stays unknown
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  if (auto it = modules_.find(module_id); it != modules_.end()) return it->second;
+  return std::nullopt;
+}
+
+void Client::NoteContext(const std::string& context_id, int64_t grad_input_elements) {
+  constexpr size_t kMaxRemembered = 1 << 16;  // contexts never consumed must not grow this forever
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  if (!contexts_.emplace(context_id, grad_input_elements).second) return;
+  context_order_.push_back(context_id);
+  while (context_order_.size() > kMaxRemembered) {
+    contexts_.erase(context_order_.front());
+    context_order_.pop_front();
+  }
+}
+
+int64_t Client::TakeContext(const std::string& context_id, bool keep) {
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  auto it = contexts_.find(context_id);
+  if (it == contexts_.end()) return -1;
+  const int64_t elements = it->second;
+  if (!keep) contexts_.erase(it);  // context_order_ keeps the id until it ages out: harmless
+  return elements;
+}
+
+absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& req) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    ++chunked_calls_;
+  }
+  auto stream = stub_->ForwardChunked(&ctx);
+  if (WriteChunked<v1::ForwardRequestPart>(stream.get(), req, int64_t(options_.chunk_kib) << 10)) {
+    stream->WritesDone();
+  }
+  v1::ForwardResponse resp;
+  absl::Status read = ReadChunked<v1::ForwardResponsePart>("ForwardChunked", stream.get(), &resp);
+  if (!read.ok()) ctx.TryCancel();
+  if (auto s = FromGrpc("ForwardChunked", stream->Finish()); !s.ok()) return s;
+  if (!read.ok()) return read;
+  return resp;
+}
+
+absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest& req) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    ++chunked_calls_;
+  }
+  auto stream = stub_->BackwardChunked(&ctx);
+  if (WriteChunked<v1::BackwardRequestPart>(stream.get(), req, int64_t(options_.chunk_kib) << 10)) {
+    stream->WritesDone();
+  }
+  v1::BackwardResponse resp;
+  absl::Status read = ReadChunked<v1::BackwardResponsePart>("BackwardChunked", stream.get(), &resp);
+  if (!read.ok()) ctx.TryCancel();
+  if (auto s = FromGrpc("BackwardChunked", stream->Finish()); !s.ok()) return s;
+  if (!read.ok()) return read;
+  return resp;
+}
+
+absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWeightsRequest& req) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    ++chunked_calls_;
+  }
+  auto stream = stub_->GetWeightsChunked(&ctx, req);
+  v1::GetWeightsResponse resp;
+  absl::Status read =
+      ReadChunked<v1::GetWeightsResponsePart>("GetWeightsChunked", stream.get(), &resp);
+  if (!read.ok()) ctx.TryCancel();
+  if (auto s = FromGrpc("GetWeightsChunked", stream->Finish()); !s.ok()) return s;
+  if (!read.ok()) return read;
+  return resp;
+}
+
+absl::StatusOr<v1::SetWeightsResponse> Client::SetWeightsChunked(v1::SetWeightsRequest& req) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    ++chunked_calls_;
+  }
+  v1::SetWeightsResponse resp;
+  auto stream = stub_->SetWeightsChunked(&ctx, &resp);
+  if (WriteChunked<v1::SetWeightsRequestPart>(stream.get(), req,
+                                              int64_t(options_.chunk_kib) << 10)) {
+    stream->WritesDone();
+  }
+  if (auto s = FromGrpc("SetWeightsChunked", stream->Finish()); !s.ok()) return s;
+  return resp;
 }
 
 }  // namespace gradwire::client

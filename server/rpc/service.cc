@@ -494,19 +494,38 @@ grpc::ServerUnaryReactor* GradwireService::GetGradients(grpc::CallbackServerCont
       req->module_id());
 }
 
+absl::Status GradwireService::DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,
+                                           v1::GetWeightsResponse* resp) {
+  GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
+  GW_RETURN_IF_ERROR(CheckOutputDType(req.dtype(), "dtype"));
+  GW_ASSIGN_OR_RETURN(core::ParametersCopy w, host_.GetWeights(req.module_id()));
+  GW_RETURN_IF_ERROR(EncodeNamed(w.tensors, req.dtype(), resp->mutable_parameters()));
+  resp->set_weight_version(w.weight_version);
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
+                                           v1::SetWeightsResponse* resp) {
+  GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
+  core::NamedTensors params;
+  for (int i = 0; i < req.parameters_size(); ++i) {
+    const v1::NamedTensor& named = req.parameters(i);
+    GW_ASSIGN_OR_RETURN(at::Tensor t,
+                        DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
+    params.emplace_back(named.name(), t);
+  }
+  GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req.module_id(), params));
+  resp->set_weight_version(version);
+  Persist(req.module_id());
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* GradwireService::GetWeights(grpc::CallbackServerContext* ctx,
                                                       const v1::GetWeightsRequest* req,
                                                       v1::GetWeightsResponse* resp) {
   return RunOnDevice(
       ctx, "GetWeights",
-      [this, req, resp](const Caller& caller) -> absl::Status {
-        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
-        GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
-        GW_ASSIGN_OR_RETURN(core::ParametersCopy w, host_.GetWeights(req->module_id()));
-        GW_RETURN_IF_ERROR(EncodeNamed(w.tensors, req->dtype(), resp->mutable_parameters()));
-        resp->set_weight_version(w.weight_version);
-        return absl::OkStatus();
-      },
+      [this, req, resp](const Caller& caller) { return DoGetWeights(caller, *req, resp); },
       req->module_id());
 }
 
@@ -515,21 +534,7 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
                                                       v1::SetWeightsResponse* resp) {
   return RunOnDevice(
       ctx, "SetWeights",
-      [this, req, resp](const Caller& caller) -> absl::Status {
-        GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
-        core::NamedTensors params;
-        for (int i = 0; i < req->parameters_size(); ++i) {
-          const v1::NamedTensor& named = req->parameters(i);
-          GW_ASSIGN_OR_RETURN(
-              at::Tensor t,
-              DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
-          params.emplace_back(named.name(), t);
-        }
-        GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), params));
-        resp->set_weight_version(version);
-        Persist(req->module_id());
-        return absl::OkStatus();
-      },
+      [this, req, resp](const Caller& caller) { return DoSetWeights(caller, *req, resp); },
       req->module_id());
 }
 

@@ -44,9 +44,17 @@ struct ServiceOptions {
   std::function<void(const RpcRecord&)> on_rpc_done;
   // Train streams: requests read ahead of the responses written (flow control).
   int stream_read_ahead = 8;
+  // Chunked calls: the size of the chunks the server sends and the largest it accepts, and the
+  // most bytes the tensors of one chunked request may add up to.
+  int64_t chunk_bytes = int64_t(4) << 20;
+  int64_t max_stream_bytes = int64_t(4) << 30;
 };
 
 class TrainReactor;
+template <typename Req, typename ReqPart, typename Resp, typename RespPart>
+class ChunkedBidiReactor;
+class SetWeightsChunkedReactor;
+class GetWeightsChunkedReactor;
 
 class GradwireService final : public v1::Gradwire::CallbackService {
  public:
@@ -87,6 +95,14 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   grpc::ServerUnaryReactor* SetWeights(grpc::CallbackServerContext* ctx,
                                        const v1::SetWeightsRequest* req,
                                        v1::SetWeightsResponse* resp) override;
+  grpc::ServerBidiReactor<v1::ForwardRequestPart, v1::ForwardResponsePart>* ForwardChunked(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerBidiReactor<v1::BackwardRequestPart, v1::BackwardResponsePart>* BackwardChunked(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* GetWeightsChunked(
+      grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest* req) override;
+  grpc::ServerReadReactor<v1::SetWeightsRequestPart>* SetWeightsChunked(
+      grpc::CallbackServerContext* ctx, v1::SetWeightsResponse* resp) override;
 
   // Train-stream requests read so far, streams open now (tests, metrics).
   int64_t stream_requests_read() const { return stream_requests_read_.load(); }
@@ -94,6 +110,10 @@ class GradwireService final : public v1::Gradwire::CallbackService {
 
  private:
   friend class TrainReactor;
+  template <typename Req, typename ReqPart, typename Resp, typename RespPart>
+  friend class ChunkedBidiReactor;
+  friend class SetWeightsChunkedReactor;
+  friend class GetWeightsChunkedReactor;
 
   // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls and Train.
   // `ctx` (may be null) is checked before the compute, and for a forward after it too: a
@@ -103,6 +123,11 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
                           v1::BackwardResponse* resp, const grpc::CallbackServerContext* ctx);
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
+  // The bodies of GetWeights and SetWeights, shared with their chunked variants.
+  absl::Status DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,
+                            v1::GetWeightsResponse* resp);
+  absl::Status DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
+                            v1::SetWeightsResponse* resp);
 
   // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
   // `work` become INTERNAL; a call cancelled before it starts is not run.

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/quantize.h"
+#include "gradwire/wire/chunking.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the wire format is little-endian; this host would need byte swaps");
@@ -17,53 +18,16 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 namespace gradwire::rpc {
 namespace {
 
-int64_t ElementSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::F32:
-      return 4;
-    case v1::BF16:
-    case v1::F16:
-      return 2;
-    case v1::FP8_E4M3:
-    case v1::FP8_E5M2:
-      return 1;
-    default:
-      return 0;
-  }
-}
-
 at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
 
 }  // namespace
 
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& t, absl::string_view field) {
-  const int64_t element_size = ElementSize(t.dtype());
-  if (element_size == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".dtype must be one of F32, BF16, F16, FP8_E4M3, FP8_E5M2, got ",
-                     v1::DType_Name(t.dtype()).empty() ? std::to_string(int(t.dtype()))
-                                                       : v1::DType_Name(t.dtype())));
-  }
-  if (t.shape_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field,
-                                                   ".shape is empty; a tensor needs at "
-                                                   "least one dimension"));
-  }
-  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
-  int64_t numel = 1;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (shape[i] < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".shape[", i, "] must be >= 1, got ", shape[i]));
-    }
-    if (shape[i] > kMaxTensorElements / numel) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".shape [", absl::StrJoin(shape, ", "),
-                                                     "] has more than ", kMaxTensorElements,
-                                                     " elements"));
-    }
-    numel *= shape[i];
-  }
-  const int64_t expected_bytes = numel * element_size;
+  absl::StatusOr<int64_t> expected = wire::DataBytes(t, field);
+  if (!expected.ok()) return expected.status();
+  const int64_t expected_bytes = *expected;
+  const int64_t numel = expected_bytes / wire::ElementSize(t.dtype());
+  const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   if (int64_t(t.data().size()) != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".data has ", t.data().size(), " bytes; shape [", absl::StrJoin(shape, ", "),
@@ -129,7 +93,7 @@ absl::Status EncodeTensor(const at::Tensor& t, v1::DType dtype, absl::string_vie
   out->set_dtype(dtype);
   out->mutable_shape()->Assign(src.sizes().begin(), src.sizes().end());
   std::string* data = out->mutable_data();
-  data->resize(size_t(n * ElementSize(dtype)));
+  data->resize(size_t(n * wire::ElementSize(dtype)));
   const float* p = src.data_ptr<float>();
   if (dtype == v1::F32) {
     std::memcpy(data->data(), p, size_t(n) * sizeof(float));

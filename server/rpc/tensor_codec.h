@@ -7,11 +7,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "gradwire/v1/tensor.pb.h"
+#include "gradwire/wire/chunking.h"
 
 namespace gradwire::rpc {
 
 // Most elements one tensor may have (also bounds the byte arithmetic).
-inline constexpr int64_t kMaxTensorElements = int64_t(1) << 31;
+inline constexpr int64_t kMaxTensorElements = wire::kMaxTensorElements;
 
 // Decodes `t` to float32 with its shape. F32 data is viewed in place when aligned (the result
 // then borrows `t`'s bytes: keep `t` alive while the tensor is used); BF16/F16/FP8 are converted.

@@ -39,15 +39,19 @@ inline bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
 class TestServer {
  public:
   // With `authenticator`, calls need bearer tokens and tenants are isolated.
-  explicit TestServer(const rpc::Authenticator* authenticator = nullptr,
-                      int stream_read_ahead = 8) {
+  explicit TestServer(const rpc::Authenticator* authenticator = nullptr, int stream_read_ahead = 8)
+      : TestServer([&](rpc::ServiceOptions& options) {
+          options.authenticator = authenticator;
+          options.stream_read_ahead = stream_read_ahead;
+        }) {}
+  // `configure` adjusts the service's options before it starts.
+  explicit TestServer(const std::function<void(rpc::ServiceOptions&)>& configure) {
     executor_ = std::make_unique<core::DeviceExecutor>("cpu");
     rpc::ServiceOptions options;
     options.version = "test";
     options.device = "cpu";
     options.device_name = "test CPU";
-    options.authenticator = authenticator;
-    options.stream_read_ahead = stream_read_ahead;
+    configure(options);
     service_ = std::make_unique<rpc::GradwireService>(host_, *executor_, std::move(options));
     grpc::ServerBuilder builder;
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -67,9 +71,13 @@ class TestServer {
   // A connected client (20 s deadlines), with `token` when given.
   std::unique_ptr<client::Client> Connect(std::string token = {}) const {
     client::ClientOptions options;
+    options.token = std::move(token);
+    return Connect(std::move(options));
+  }
+  // A connected client with `options` (server and a 20 s deadline filled in).
+  std::unique_ptr<client::Client> Connect(client::ClientOptions options) const {
     options.server = address();
     options.timeout = std::chrono::seconds(20);
-    options.token = std::move(token);
     auto c = std::make_unique<client::Client>(options);
     EXPECT_TRUE(c->WaitForReady(std::chrono::seconds(10)).ok());
     return c;

@@ -4,9 +4,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -50,6 +53,12 @@ struct ClientOptions {
   // Bearer token for a server that requires tokens: sent as "authorization: Bearer TOKEN" on every
   // call (health checks too; the server ignores it there).
   std::string token;
+  // Tensors larger than one chunk travel on the chunked calls (ForwardChunked, ...) in chunks of
+  // this many KiB; it must not exceed the server's --chunk-kib. kAuto picks the call by the
+  // request's and the expected response's size; kAlways / kNever force one (tests, benchmarks).
+  int chunk_kib = 4096;
+  enum class Chunking { kAuto, kAlways, kNever };
+  Chunking chunking = Chunking::kAuto;
 };
 
 struct ForwardResult {
@@ -152,8 +161,37 @@ class Client {
   v1::Gradwire::Stub& stub() { return *stub_; }
   void PrepareContext(grpc::ClientContext* ctx) const;
 
+  // Calls made on the chunked variants so far (tests, benchmarks).
+  int64_t chunked_calls() const;
+
  private:
+  // What the client remembers of a module to predict response sizes.
+  struct ModuleShape {
+    int64_t in = 0, out = 0, ffn = 0;
+    bool layernorm_output = false;  // forward also returns the LayerNorm output
+    bool gated = false;             // SWIGLU / GEGLU: fc1 is twice as wide
+  };
+  // Whether a call whose request carries `request_bytes` of tensors and whose response is
+  // expected to carry `response_bytes` (-1: unknown) goes chunked.
+  bool UseChunked(int64_t request_bytes, int64_t response_bytes) const;
+  void Remember(const v1::ModuleInfo& info);
+  // The module's shape, asking the server (ListModules) once when it is not known yet.
+  std::optional<ModuleShape> Shape(const std::string& module_id);
+  void NoteContext(const std::string& context_id, int64_t grad_input_elements);
+  int64_t TakeContext(const std::string& context_id, bool keep);  // -1: unknown
+
+  absl::StatusOr<v1::ForwardResponse> ForwardChunked(v1::ForwardRequest& req);
+  absl::StatusOr<v1::BackwardResponse> BackwardChunked(v1::BackwardRequest& req);
+  absl::StatusOr<v1::GetWeightsResponse> GetWeightsChunked(const v1::GetWeightsRequest& req);
+  absl::StatusOr<v1::SetWeightsResponse> SetWeightsChunked(v1::SetWeightsRequest& req);
+
   ClientOptions options_;
+  mutable std::mutex cache_mu_;
+  std::unordered_map<std::string, ModuleShape> modules_;
+  // Training contexts this client created: elements of the forward input (= of grad_input).
+  std::unordered_map<std::string, int64_t> contexts_;
+  std::deque<std::string> context_order_;  // oldest first, to bound contexts_
+  int64_t chunked_calls_ = 0;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
 };

@@ -1,0 +1,219 @@
+#include "gradwire/wire/chunking.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace gradwire::wire {
+
+int64_t ElementSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::F32:
+      return 4;
+    case v1::BF16:
+    case v1::F16:
+      return 2;
+    case v1::FP8_E4M3:
+    case v1::FP8_E5M2:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field) {
+  const int64_t element_size = ElementSize(t.dtype());
+  if (element_size == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype must be one of F32, BF16, F16, FP8_E4M3, FP8_E5M2, got ",
+                     v1::DType_Name(t.dtype()).empty() ? std::to_string(int(t.dtype()))
+                                                       : v1::DType_Name(t.dtype())));
+  }
+  if (t.shape_size() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".shape is empty; a tensor needs at least one dimension"));
+  }
+  int64_t numel = 1;
+  for (int i = 0; i < t.shape_size(); ++i) {
+    const int64_t d = t.shape(i);
+    if (d < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shape[", i, "] must be >= 1, got ", d));
+    }
+    if (d > kMaxTensorElements / numel) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".shape [", absl::StrJoin(t.shape(), ", "), "] has more than ",
+                       kMaxTensorElements, " elements"));
+    }
+    numel *= d;
+  }
+  return numel * element_size;
+}
+
+namespace {
+
+// `mutable_x()` would create an absent field: only ask for it when the field is present.
+#define GW_ADD_IF_PRESENT(msg, name, out) \
+  if ((msg).has_##name()) (out).push_back({(msg).mutable_##name(), #name})
+
+template <typename Named>
+std::vector<TensorSlot> NamedSlots(Named* params) {
+  std::vector<TensorSlot> out;
+  for (int i = 0; i < params->size(); ++i) {
+    out.push_back(
+        {params->Mutable(i)->mutable_tensor(), absl::StrCat("parameters[", i, "].tensor")});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<TensorSlot> Slots(v1::ForwardRequest& m) {
+  std::vector<TensorSlot> out;
+  GW_ADD_IF_PRESENT(m, input, out);
+  return out;
+}
+std::vector<TensorSlot> Slots(v1::ForwardResponse& m) {
+  std::vector<TensorSlot> out;
+  GW_ADD_IF_PRESENT(m, output, out);
+  GW_ADD_IF_PRESENT(m, layernorm_output, out);
+  return out;
+}
+std::vector<TensorSlot> Slots(v1::BackwardRequest& m) {
+  std::vector<TensorSlot> out;
+  GW_ADD_IF_PRESENT(m, grad_output, out);
+  GW_ADD_IF_PRESENT(m, grad_layernorm_output, out);
+  return out;
+}
+std::vector<TensorSlot> Slots(v1::BackwardResponse& m) {
+  std::vector<TensorSlot> out;
+  GW_ADD_IF_PRESENT(m, grad_input, out);
+  return out;
+}
+std::vector<TensorSlot> Slots(v1::GetWeightsResponse& m) {
+  return NamedSlots(m.mutable_parameters());
+}
+std::vector<TensorSlot> Slots(v1::SetWeightsRequest& m) {
+  return NamedSlots(m.mutable_parameters());
+}
+
+int64_t PayloadBytes(const std::vector<TensorSlot>& slots) {
+  int64_t total = 0;
+  for (const TensorSlot& s : slots) total += int64_t(s.tensor->data().size());
+  return total;
+}
+
+ChunkSplitter::ChunkSplitter(const std::vector<TensorSlot>& slots, int64_t chunk_bytes)
+    : chunk_bytes_(std::max<int64_t>(1, chunk_bytes)) {
+  for (const TensorSlot& s : slots) {
+    data_.emplace_back();
+    data_.back().swap(*s.tensor->mutable_data());  // a move: the header keeps no data
+    total_ += int64_t(data_.back().size());
+  }
+}
+
+bool ChunkSplitter::Next(v1::TensorChunk* chunk) {
+  while (tensor_ < data_.size() && offset_ >= data_[tensor_].size()) {
+    std::string().swap(data_[tensor_]);  // sent: free it now
+    ++tensor_;
+    offset_ = 0;
+  }
+  if (tensor_ >= data_.size()) return false;
+  const std::string& d = data_[tensor_];
+  const size_t n = std::min(d.size() - offset_, size_t(chunk_bytes_));
+  chunk->set_tensor(uint32_t(tensor_));
+  chunk->set_offset(offset_);
+  chunk->set_data(d.data() + offset_, n);
+  offset_ += n;
+  return true;
+}
+
+absl::Status ChunkAssembler::Start(std::vector<TensorSlot> slots, int64_t max_total_bytes,
+                                   absl::string_view limit_name, int64_t max_chunk_bytes) {
+  std::vector<int64_t> sizes;
+  int64_t total = 0;
+  for (const TensorSlot& s : slots) {
+    if (!s.tensor->data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.field, ".data must be empty in a chunked header (",
+                       s.tensor->data().size(), " bytes given); its bytes travel in chunks"));
+    }
+    absl::StatusOr<int64_t> bytes = DataBytes(*s.tensor, s.field);
+    if (!bytes.ok()) return bytes.status();
+    sizes.push_back(*bytes);
+    total += *bytes;
+  }
+  if (total > max_total_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("the message's tensors need ", total,
+                                                     " bytes, more than ", limit_name, " (",
+                                                     max_total_bytes, " bytes)"));
+  }
+  for (size_t i = 0; i < slots.size(); ++i)
+    slots[i].tensor->mutable_data()->resize(size_t(sizes[i]));
+  slots_ = std::move(slots);
+  sizes_ = std::move(sizes);
+  max_chunk_ = max_chunk_bytes;
+  total_ = total;
+  tensor_ = 0;
+  offset_ = 0;
+  received_ = 0;
+  Advance();
+  return absl::OkStatus();
+}
+
+void ChunkAssembler::Advance() {
+  while (tensor_ < slots_.size() && offset_ >= sizes_[tensor_]) {
+    ++tensor_;
+    offset_ = 0;
+  }
+}
+
+absl::Status ChunkAssembler::Add(const v1::TensorChunk& chunk) {
+  const int64_t n = int64_t(chunk.data().size());
+  if (n == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk for tensor ", chunk.tensor(),
+                                                   " at offset ", chunk.offset(), " is empty"));
+  }
+  if (n > max_chunk_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk of ", n, " bytes is larger than the chunk limit (", max_chunk_, " bytes)"));
+  }
+  if (tensor_ >= slots_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk for tensor ", chunk.tensor(), " at offset ", chunk.offset(), " arrived after all ",
+        total_, " bytes of the message's ", slots_.size(), " tensor(s)"));
+  }
+  const TensorSlot& slot = slots_[tensor_];
+  if (chunk.tensor() != tensor_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk for tensor ", chunk.tensor(), " arrived while tensor ", tensor_, " (", slot.field,
+        ") still needs bytes from offset ", offset_, " of ", sizes_[tensor_]));
+  }
+  if (chunk.offset() != uint64_t(offset_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk of ", slot.field, " at offset ", chunk.offset(), " is out of order: ",
+        chunk.offset() < uint64_t(offset_) ? "those bytes already arrived" : "bytes are missing",
+        "; the next chunk must start at offset ", offset_));
+  }
+  if (n > sizes_[tensor_] - offset_) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk of ", slot.field, " at offset ", offset_,
+                                                   " with ", n, " bytes runs past its end (",
+                                                   sizes_[tensor_], " bytes)"));
+  }
+  std::memcpy(slot.tensor->mutable_data()->data() + offset_, chunk.data().data(), size_t(n));
+  offset_ += n;
+  received_ += n;
+  Advance();
+  return absl::OkStatus();
+}
+
+absl::Status ChunkAssembler::Complete() const {
+  if (tensor_ >= slots_.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the chunked message ended early: ", slots_[tensor_].field, " has ", offset_, " of ",
+      sizes_[tensor_], " bytes (", received_, " of ", total_, " bytes in all)"));
+}
+
+}  // namespace gradwire::wire

@@ -1,0 +1,404 @@
+// Activation bytes/s through Forward: unary vs chunked, per wire dtype, next to raw loopback TCP
+// measured in the same run. Prints a table and writes JSON; not a test (nothing here is timed
+// against a threshold).
+//
+// The server is the real service on 127.0.0.1 in this process (its own gRPC threads and device
+// executor); the module is a Linear with a narrow output (in 1024, out 8), so the response is
+// small and the request dominates. Each row reports the end-to-end rate and the rate with the
+// server's own time (decode + compute + encode, `server_seconds`) taken out.
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "gradwire/client/client.h"
+#include "gradwire/wire/chunking.h"
+#include "server/core/executor.h"
+#include "server/core/module_host.h"
+#include "server/rpc/service.h"
+#include "server/rpc/tensor_codec.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Raw loopback TCP: one connection; each round sends `bytes` and waits for a one-byte answer
+// (the same request/acknowledge shape as a Forward). Returns seconds per round, median.
+double TcpSeconds(int64_t bytes, int rounds) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      listen(listener, 1) != 0) {
+    throw std::runtime_error("loopback TCP listener failed");
+  }
+  socklen_t len = sizeof addr;
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::thread receiver([&] {
+    const int fd = accept(listener, nullptr, nullptr);
+    std::vector<char> buf(1 << 20);
+    for (int r = 0; r < rounds; ++r) {
+      int64_t got = 0;
+      while (got < bytes) {
+        const ssize_t n = read(fd, buf.data(), size_t(std::min<int64_t>(buf.size(), bytes - got)));
+        if (n <= 0) break;
+        got += n;
+      }
+      const char ack = 1;
+      (void)!write(fd, &ack, 1);
+    }
+    close(fd);
+  });
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    throw std::runtime_error("loopback TCP connect failed");
+  }
+  std::vector<char> payload(size_t(std::min<int64_t>(bytes, 4 << 20)));
+  std::mt19937 rng(1);
+  for (char& c : payload) c = char(rng());
+  std::vector<double> times;
+  for (int r = 0; r < rounds; ++r) {
+    const auto t0 = Clock::now();
+    int64_t sent = 0;
+    while (sent < bytes) {
+      const ssize_t n =
+          write(fd, payload.data(), size_t(std::min<int64_t>(payload.size(), bytes - sent)));
+      if (n <= 0) throw std::runtime_error("loopback TCP write failed");
+      sent += n;
+    }
+    char ack;
+    if (read(fd, &ack, 1) != 1) throw std::runtime_error("loopback TCP ack failed");
+    times.push_back(Since(t0));
+  }
+  close(fd);
+  receiver.join();
+  close(listener);
+  return Median(times);
+}
+
+struct Row {
+  std::string path;  // tcp | unary | chunked
+  std::string dtype;
+  int64_t bytes = 0;          // request tensor bytes
+  double seconds = 0;         // median end-to-end per request
+  double server_seconds = 0;  // median server time per request
+  double gib_s() const { return seconds > 0 ? double(bytes) / seconds / (1 << 30) : 0; }
+  double wire_gib_s() const {
+    const double t = seconds - server_seconds;
+    return t > 0 ? double(bytes) / t / (1 << 30) : 0;
+  }
+};
+
+std::string Human(int64_t bytes) {
+  char buf[32];
+  if (bytes >= (1 << 20)) {
+    std::snprintf(buf, sizeof buf, "%lld MiB", (long long)(bytes >> 20));
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld KiB", (long long)(bytes >> 10));
+  }
+  return buf;
+}
+
+// Micro-measurements of the copies the wire path avoids: an F32 request read as a view over the
+// received bytes vs copied out of them, and chunks written in place vs collected then joined.
+struct CopyFigures {
+  int64_t bytes = 0;
+  double view_s = 0, copy_s = 0, in_place_s = 0, join_s = 0;
+};
+
+CopyFigures MeasureCopies(int64_t bytes, int rounds) {
+  using namespace gradwire;
+  CopyFigures f;
+  f.bytes = bytes;
+  v1::Tensor t;
+  t.set_dtype(v1::F32);
+  t.add_shape(bytes / 4 / 1024);
+  t.add_shape(1024);
+  t.mutable_data()->resize(size_t(bytes));
+  std::mt19937 rng(2);
+  for (char& c : *t.mutable_data()) c = char(rng() & 0x3f);  // finite floats
+  std::vector<double> view, copy, in_place, join;
+  const int64_t chunk = 4 << 20;
+  for (int r = 0; r < rounds; ++r) {
+    auto t0 = Clock::now();
+    auto v = rpc::DecodeTensor(t, "input");
+    volatile float sink = v->data_ptr<float>()[0];
+    view.push_back(Since(t0));
+    t0 = Clock::now();
+    std::string copied(t.data());  // what reading without a view costs on top
+    auto c = rpc::DecodeTensor(t, "input");
+    sink = c->data_ptr<float>()[1] + float(copied[0]);
+    copy.push_back(Since(t0));
+    (void)sink;
+    // Chunks: in place (the assembler) vs collected and joined.
+    v1::Tensor header = t;
+    header.clear_data();
+    v1::ForwardRequest req;
+    *req.mutable_input() = header;
+    wire::ChunkAssembler a;
+    t0 = Clock::now();
+    (void)a.Start(wire::Slots(req), int64_t(1) << 40, "limit", chunk);
+    v1::TensorChunk piece;
+    for (int64_t off = 0; off < bytes; off += chunk) {
+      piece.set_tensor(0);
+      piece.set_offset(uint64_t(off));
+      piece.set_data(t.data().data() + off, size_t(std::min(chunk, bytes - off)));
+      (void)a.Add(piece);
+    }
+    in_place.push_back(Since(t0));
+    t0 = Clock::now();
+    std::vector<std::string> pieces;
+    for (int64_t off = 0; off < bytes; off += chunk) {
+      pieces.emplace_back(t.data().data() + off, size_t(std::min(chunk, bytes - off)));
+    }
+    std::string joined;
+    for (const std::string& p : pieces) joined += p;
+    join.push_back(Since(t0));
+  }
+  f.view_s = Median(view);
+  f.copy_s = Median(copy);
+  f.in_place_s = Median(in_place);
+  f.join_s = Median(join);
+  return f;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace gradwire;
+  CLI::App app(
+      "gradwire wire benchmark: activation bytes/s through Forward, unary vs chunked, "
+      "per wire dtype, next to raw loopback TCP");
+  int64_t min_kib = 64, max_mib = 256;
+  double seconds_per_point = 1.0;
+  std::string json_path;
+  std::vector<std::string> dtypes = {"f32", "bf16", "fp8"};
+  app.add_option("--min-kib", min_kib, "smallest request, KiB")->capture_default_str();
+  app.add_option("--max-mib", max_mib, "largest request, MiB")->capture_default_str();
+  app.add_option("--seconds", seconds_per_point,
+                 "time to spend on each point (at least 3 requests)")
+      ->capture_default_str();
+  app.add_option("--dtypes", dtypes, "wire dtypes: f32 bf16 f16 fp8")->capture_default_str();
+  app.add_option("--json", json_path, "write the results as JSON to this file");
+  CLI11_PARSE(app, argc, argv);
+
+  // The server: the real service, limits large enough for a 256 MiB unary request.
+  const int max_message_mib = int(std::max<int64_t>(64, max_mib * 2 + 16));
+  core::ModuleHost host;
+  core::DeviceExecutor executor("cpu");
+  rpc::ServiceOptions options;
+  options.version = "bench";
+  options.device = "cpu";
+  options.chunk_bytes = 4 << 20;
+  options.max_stream_bytes = int64_t(max_mib + 16) << 20;
+  rpc::GradwireService service(host, executor, options);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(max_message_mib << 20);
+  builder.SetMaxSendMessageSize(max_message_mib << 20);
+  auto server = builder.BuildAndStart();
+  if (!server) {
+    std::fprintf(stderr, "wire_bench: cannot start the server\n");
+    return 1;
+  }
+
+  auto make_client = [&](client::ClientOptions::Chunking chunking, client::WireDType dtype) {
+    client::ClientOptions o;
+    o.server = "127.0.0.1:" + std::to_string(port);
+    o.timeout = std::chrono::seconds(600);
+    o.max_message_mib = max_message_mib;
+    o.chunking = chunking;
+    o.wire_dtype = dtype;
+    return std::make_unique<client::Client>(o);
+  };
+  constexpr int64_t kIn = 1024, kOut = 8;
+  std::string module_id;
+  {
+    auto c = make_client(client::ClientOptions::Chunking::kNever, client::WireDType::kF32);
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(kIn);
+    spec.set_out_features(kOut);
+    spec.set_seed(1);
+    auto info = c->CreateModule(spec);
+    if (!info.ok()) {
+      std::fprintf(stderr, "wire_bench: %s\n", std::string(info.status().message()).c_str());
+      return 1;
+    }
+    module_id = info->module_id();
+  }
+
+  std::vector<int64_t> sizes;
+  for (int64_t b = min_kib << 10; b <= (max_mib << 20); b *= 4) sizes.push_back(b);
+  struct DType {
+    std::string name;
+    client::WireDType wire;
+    int64_t element;
+  };
+  std::vector<DType> all = {{"f32", client::WireDType::kF32, 4},
+                            {"bf16", client::WireDType::kBF16, 2},
+                            {"f16", client::WireDType::kF16, 2},
+                            {"fp8", client::WireDType::kFp8E4M3, 1}};
+  std::vector<Row> rows;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  const int total_points = int(sizes.size() * (1 + 2 * dtypes.size()));
+  int point = 0;
+  auto progress = [&](const std::string& what) {
+    ++point;
+    std::fprintf(stderr, "\r[%d/%d] %-40s", point, total_points, what.c_str());
+    std::fflush(stderr);
+  };
+
+  for (int64_t bytes : sizes) {
+    // Raw TCP first, then every dtype and path at this size.
+    progress("tcp " + Human(bytes));
+    const int tcp_rounds =
+        int(std::clamp<double>(seconds_per_point * (2e9 / double(bytes)), 3, 200));
+    Row tcp{"tcp", "-", bytes, TcpSeconds(bytes, tcp_rounds), 0};
+    rows.push_back(tcp);
+    for (const std::string& name : dtypes) {
+      auto it =
+          std::find_if(all.begin(), all.end(), [&](const DType& d) { return d.name == name; });
+      if (it == all.end()) {
+        std::fprintf(stderr, "wire_bench: unknown dtype %s\n", name.c_str());
+        return 2;
+      }
+      const int64_t row_count = std::max<int64_t>(1, bytes / (kIn * it->element));
+      client::HostTensor x = client::HostTensor::Zeros({row_count, kIn});
+      for (float& v : x.data) v = normal(rng);
+      for (auto chunking :
+           {client::ClientOptions::Chunking::kNever, client::ClientOptions::Chunking::kAlways}) {
+        const bool chunked = chunking == client::ClientOptions::Chunking::kAlways;
+        progress(std::string(chunked ? "chunked " : "unary ") + name + " " + Human(bytes));
+        auto c = make_client(chunking, it->wire);
+        // Raw stub calls so the payload is encoded once, outside the timing, as a client
+        // streaming activations it already holds on the wire would.
+        v1::ForwardRequest req;
+        req.set_module_id(module_id);
+        *req.mutable_input() = client::ToWire(x, it->wire);
+        req.set_output_dtype(client::ToProto(it->wire));
+        std::vector<double> times, server_times;
+        const auto begin = Clock::now();
+        for (int r = 0; r < 3 || Since(begin) < seconds_per_point; ++r) {
+          v1::ForwardRequest copy = req;  // consumed by the chunked writer
+          const auto t0 = Clock::now();
+          absl::StatusOr<client::ForwardResult> unused;
+          double server_s = 0;
+          if (chunked) {
+            grpc::ClientContext ctx;
+            c->PrepareContext(&ctx);
+            auto stream = c->stub().ForwardChunked(&ctx);
+            wire::ChunkSplitter splitter(wire::Slots(copy), int64_t(4) << 20);
+            v1::ForwardRequestPart part;
+            *part.mutable_header() = std::move(copy);
+            bool ok = stream->Write(part);
+            while (ok && splitter.Next(part.mutable_chunk())) ok = stream->Write(part);
+            stream->WritesDone();
+            v1::ForwardResponsePart resp;
+            while (stream->Read(&resp)) {
+              if (resp.has_header()) server_s = resp.header().server_seconds();
+            }
+            const grpc::Status s = stream->Finish();
+            if (!s.ok()) {
+              std::fprintf(stderr, "\nwire_bench: ForwardChunked: %s\n", s.error_message().c_str());
+              return 1;
+            }
+          } else {
+            grpc::ClientContext ctx;
+            c->PrepareContext(&ctx);
+            v1::ForwardResponse resp;
+            const grpc::Status s = c->stub().Forward(&ctx, copy, &resp);
+            if (!s.ok()) {
+              std::fprintf(stderr, "\nwire_bench: Forward: %s\n", s.error_message().c_str());
+              return 1;
+            }
+            server_s = resp.server_seconds();
+          }
+          times.push_back(Since(t0));
+          server_times.push_back(server_s);
+          if (r >= 200) break;
+        }
+        rows.push_back({chunked ? "chunked" : "unary", name, int64_t(req.input().data().size()),
+                        Median(times), Median(server_times)});
+      }
+    }
+  }
+  std::fprintf(stderr, "\r%-60s\r", "");
+  const CopyFigures copies = MeasureCopies(int64_t(64) << 20, 5);
+
+  // Table: per size and dtype, unary and chunked next to TCP.
+  std::printf("%-9s %-5s %10s %10s %10s %9s %12s %12s\n", "size", "dtype", "tcp GiB/s", "unary",
+              "chunked", "chk/tcp", "unary wire", "chunk wire");
+  double tcp_rate = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    if (r.path == "tcp") {
+      tcp_rate = r.gib_s();
+      continue;
+    }
+    if (r.path != "unary") continue;
+    const Row& k = rows[i + 1];
+    std::printf("%-9s %-5s %10.2f %10.2f %10.2f %9.2f %12.2f %12.2f\n", Human(r.bytes).c_str(),
+                r.dtype.c_str(), tcp_rate, r.gib_s(), k.gib_s(), k.gib_s() / tcp_rate,
+                r.wire_gib_s(), k.wire_gib_s());
+  }
+  std::printf(
+      "\n'unary'/'chunked': request bytes / end-to-end seconds; 'wire': with the server's own "
+      "time\n"
+      "(decode, compute, encode) taken out. TCP: same bytes, one-byte answer, same machine.\n");
+  std::printf(
+      "\ncopies at 64 MiB (median of 5): F32 decode as a view %.2f ms, with a copy %.2f ms;\n"
+      "chunks written in place %.2f ms, collected then joined %.2f ms\n",
+      copies.view_s * 1e3, copies.copy_s * 1e3, copies.in_place_s * 1e3, copies.join_s * 1e3);
+
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << "{\n  \"benchmark\": \"wire\",\n  \"module\": {\"kind\": \"LINEAR\", \"in\": " << kIn
+        << ", \"out\": " << kOut
+        << "},\n  \"hardware_threads\": " << std::thread::hardware_concurrency()
+        << ",\n  \"rows\": [\n";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      out << "    {\"path\": \"" << r.path << "\", \"dtype\": \"" << r.dtype
+          << "\", \"bytes\": " << r.bytes << ", \"seconds\": " << r.seconds
+          << ", \"server_seconds\": " << r.server_seconds << ", \"gib_per_s\": " << r.gib_s() << "}"
+          << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    out << "  ],\n  \"copies_64mib\": {\"decode_view_s\": " << copies.view_s
+        << ", \"decode_copy_s\": " << copies.copy_s
+        << ", \"chunks_in_place_s\": " << copies.in_place_s
+        << ", \"chunks_joined_s\": " << copies.join_s << "}\n}\n";
+    std::fprintf(stderr, "wrote %s\n", json_path.c_str());
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}
