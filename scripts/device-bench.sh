@@ -30,7 +30,7 @@ if [ "$all_tests" = 1 ]; then
   cmake --build build-device -j "$jobs"
 else
   cmake --build build-device -j "$jobs" --target kernels_test cuda_host_test cuda_kernels_test \
-    cuda_recipe_test gradwire-cuda-bench
+    cuda_core_test gradwire-cuda-bench
 fi
 
 # Tests first: a benchmark of wrong kernels is worthless. GPU tests must run here, not skip.
@@ -38,7 +38,7 @@ set +e
 if [ "$all_tests" = 1 ]; then
   (cd build-device && ctest -j 8 --timeout 900 --output-on-failure) > "$out/tests.txt" 2>&1
 else
-  for t in kernels_test cuda_host_test cuda_kernels_test cuda_recipe_test; do
+  for t in kernels_test cuda_host_test cuda_kernels_test cuda_core_test; do
     build-device/tests/$t --gtest_brief=1
   done > "$out/tests.txt" 2>&1
 fi

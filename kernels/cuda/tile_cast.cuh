@@ -107,6 +107,10 @@ static __global__ void ComputeScaleKernel(const float* amax, Fp8Format format, i
   if (scale_inv) *scale_inv = __fdiv_rn(1.0f, s);
 }
 
+static __global__ void ScaleInvKernel(const float* scale, float* scale_inv) {
+  *scale_inv = __fdiv_rn(1.0f, *scale);
+}
+
 inline void CheckShape(const char* what, int64_t rows, int64_t cols) {
   if (rows < 0 || cols < 0) {
     throw std::invalid_argument(std::string(what) + ": negative shape [" + std::to_string(rows) +
@@ -141,10 +145,13 @@ void RunTileCast(const char* what, const Loader& load, int64_t rows, int64_t col
   if (out) CheckOutput(what, *out);
   if (dbias) GRADWIRE_CUDA_CHECK(cudaMemsetAsync(dbias, 0, size_t(cols) * sizeof(float), stream));
   if (out && out->amax) GRADWIRE_CUDA_CHECK(cudaMemsetAsync(out->amax, 0, sizeof(float), stream));
-  if (rows == 0 || cols == 0) {
+  if (rows == 0 || cols == 0) {  // no elements, but the scalars are still the cast's
     if (out && out->current) {
       ComputeScaleKernel<<<1, 1, 0, stream>>>(out->amax, out->format, out->margin, out->scale,
                                               out->scale_inv);
+      GRADWIRE_CUDA_CHECK(cudaGetLastError());
+    } else if (out && out->scale_inv) {
+      ScaleInvKernel<<<1, 1, 0, stream>>>(out->scale, out->scale_inv);
       GRADWIRE_CUDA_CHECK(cudaGetLastError());
     }
     return;

@@ -30,7 +30,7 @@ using testing::RandomNormal;
 struct Shape {
   int64_t rows, cols;
 };
-const Shape kShapes[] = {{1, 1},   {1, 17},   {17, 1},     {31, 33},
+const Shape kShapes[] = {{0, 5},   {1, 1},    {1, 17},     {17, 1},     {31, 33},
                          {64, 64}, {127, 61}, {257, 1031}, {1024, 4096}};
 
 // The device results of one cast.
