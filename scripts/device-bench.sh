@@ -25,7 +25,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=cs
 
 jobs=$(nproc)
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADWIRE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure.txt"
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure.txt" 2>&1 \
+  || { tail -n 40 "$out/configure.txt"; echo "device-bench: configure failed" >&2; exit 1; }
 if [ "$all_tests" = 1 ]; then
   cmake --build build-device -j "$jobs"
 else

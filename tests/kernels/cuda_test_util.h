@@ -17,12 +17,22 @@
 
 namespace gradwire::kernels::cuda::testing {
 
-// Skips the test, naming why, when this process sees no CUDA device.
-#define GW_REQUIRE_CUDA_DEVICE()                                              \
-  do {                                                                        \
-    std::string gw_why_;                                                      \
-    if (::gradwire::kernels::cuda::DeviceCount(&gw_why_) == 0)                \
-      GTEST_SKIP() << "no CUDA device (" << gw_why_ << "): GPU test not run"; \
+// Compute capability of device 0 as major * 10 + minor (0 if it cannot be read).
+inline int DeviceArch() {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return 0;
+  return prop.major * 10 + prop.minor;
+}
+
+// Skips the test, naming why, when this process sees no CUDA device, or one older than the sm_90
+// the backend is built for (its compute_90 PTX cannot run there; FP8 tensor cores need sm_89+).
+#define GW_REQUIRE_CUDA_DEVICE()                                                              \
+  do {                                                                                        \
+    std::string gw_why_;                                                                      \
+    if (::gradwire::kernels::cuda::DeviceCount(&gw_why_) == 0)                                \
+      GTEST_SKIP() << "no CUDA device (" << gw_why_ << "): GPU test not run";                 \
+    if (const int gw_arch_ = ::gradwire::kernels::cuda::testing::DeviceArch(); gw_arch_ < 90) \
+      GTEST_SKIP() << "CUDA device is sm_" << gw_arch_ << ", the backend is built for sm_90"; \
   } while (0)
 
 // A device allocation of n elements of T, filled with a poison byte so that an element the
