@@ -1,0 +1,326 @@
+// GPU benchmark of the CUDA backend: FP8 GEMM TFLOP/s, and forward+backward step times of a
+// Linear and a LayerNormMLP composed from the backend's kernels as the modules compose them
+// (current scaling, E4M3 forward, E5M2 gradients, weights cast once as the workspace cache does).
+// Prints a table and writes JSON (--json PATH); scripts/device-bench.sh adds the PyTorch side.
+// Times are CUDA-event times averaged over --iters runs after warm-up; nothing passes or fails.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "device_query.h"
+#include "gradwire/kernels/cuda/activation.h"
+#include "gradwire/kernels/cuda/cast.h"
+#include "gradwire/kernels/cuda/gemm_lt.h"
+#include "gradwire/kernels/cuda/layernorm.h"
+
+namespace gwc = gradwire::kernels::cuda;
+using gradwire::kernels::Activation;
+using gradwire::kernels::Fp8Format;
+
+namespace {
+
+// Device memory freed at scope exit.
+struct Buf {
+  void* p = nullptr;
+  explicit Buf(size_t bytes) { GRADWIRE_CUDA_CHECK(cudaMalloc(&p, bytes)); }
+  ~Buf() { cudaFree(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+// Fills n floats with normal-ish values (sum of uniforms) from a host xorshift, uploaded once.
+void FillRandom(float* dev, size_t n, uint64_t seed, float spread) {
+  std::vector<float> host(n);
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; ++i) {
+    float acc = 0;
+    for (int j = 0; j < 3; ++j) {
+      s ^= s << 13;
+      s ^= s >> 7;
+      s ^= s << 17;
+      acc += float(s >> 40) / float(1ull << 24) - 0.5f;
+    }
+    host[i] = acc * spread;
+  }
+  GRADWIRE_CUDA_CHECK(cudaMemcpy(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+}
+
+// Average milliseconds of fn over iters runs after warmup runs, on stream.
+double TimeMs(cudaStream_t stream, int warmup, int iters, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t start, stop;
+  GRADWIRE_CUDA_CHECK(cudaEventCreate(&start));
+  GRADWIRE_CUDA_CHECK(cudaEventCreate(&stop));
+  GRADWIRE_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < iters; ++i) fn();
+  GRADWIRE_CUDA_CHECK(cudaEventRecord(stop, stream));
+  GRADWIRE_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  GRADWIRE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return double(ms) / iters;
+}
+
+// An FP8 tensor on the device: codes, transposed codes, scale, scale_inv, amax.
+struct Fp8Dev {
+  Buf data, data_t, scalars;  // scalars: scale, scale_inv, amax
+  Fp8Format format;
+  Fp8Dev(int64_t rows, int64_t cols, Fp8Format f)
+      : data(static_cast<size_t>(rows * cols)),
+        data_t(static_cast<size_t>(rows * cols)),
+        scalars(4 * sizeof(float)),
+        format(f) {}
+  float* scale() const { return scalars.as<float>(); }
+  float* scale_inv() const { return scalars.as<float>() + 1; }
+  float* amax() const { return scalars.as<float>() + 2; }
+  gwc::Fp8Output Out(bool transposed) const {
+    gwc::Fp8Output o;
+    o.format = format;
+    o.scale = scale();
+    o.current = true;
+    o.data = data.as<uint8_t>();
+    o.data_t = transposed ? data_t.as<uint8_t>() : nullptr;
+    o.amax = amax();
+    o.scale_inv = scale_inv();
+    return o;
+  }
+};
+
+gwc::LtGemmArgs Gemm(const uint8_t* a, const Fp8Dev& as, const uint8_t* b, const Fp8Dev& bs,
+                     int64_t m, int64_t n, int64_t k, float* d, bool accumulate,
+                     gwc::GemmAccumulation acc, cudaStream_t stream) {
+  gwc::LtGemmArgs g;
+  g.a = a;
+  g.a_format = as.format;
+  g.a_scale_inv = as.scale_inv();
+  g.b = b;
+  g.b_format = bs.format;
+  g.b_scale_inv = bs.scale_inv();
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.d = d;
+  g.d_type = gwc::GemmOut::kFloat32;
+  g.accumulate = accumulate;
+  g.accumulation = acc;
+  g.stream = stream;
+  return g;
+}
+
+struct GemmRow {
+  int64_t m, n, k;
+  double ms, tflops;
+};
+
+GemmRow BenchGemm(int64_t m, int64_t n, int64_t k, int iters, cudaStream_t stream) {
+  Buf fa(static_cast<size_t>(m * k) * 4), fb(static_cast<size_t>(n * k) * 4);
+  FillRandom(fa.as<float>(), size_t(m * k), 1, 2.0f);
+  FillRandom(fb.as<float>(), size_t(n * k), 2, 2.0f);
+  Fp8Dev a(m, k, Fp8Format::kE4M3), b(n, k, Fp8Format::kE4M3);
+  gwc::CastTranspose(fa.as<float>(), m, k, a.Out(false), stream);
+  gwc::CastTranspose(fb.as<float>(), n, k, b.Out(false), stream);
+  Buf d(static_cast<size_t>(m * n) * 2);
+  gwc::LtGemmArgs g = Gemm(a.data.as<uint8_t>(), a, b.data.as<uint8_t>(), b, m, n, k, nullptr,
+                           false, gwc::GemmAccumulation::kFast, stream);
+  g.d = d.p;
+  g.d_type = gwc::GemmOut::kBFloat16;  // as torch._scaled_mm is timed
+  const double ms = TimeMs(stream, 3, iters, [&] { gwc::Fp8GemmLt(g); });
+  return {m, n, k, ms, 2.0 * double(m) * double(n) * double(k) / (ms * 1e-3) / 1e12};
+}
+
+struct StepRow {
+  std::string name;
+  int64_t tokens, hidden, ffn;
+  double fwd_ms, bwd_ms, step_ms;
+};
+
+StepRow BenchLinear(int64_t tokens, int64_t h, int iters, cudaStream_t stream) {
+  const int64_t M = tokens, K = h, N = h;
+  Buf x(static_cast<size_t>(M * K) * 4), w(static_cast<size_t>(N * K) * 4),
+      y(static_cast<size_t>(M * N) * 4), dy(static_cast<size_t>(M * N) * 4),
+      dx(static_cast<size_t>(M * K) * 4), dw(static_cast<size_t>(N * K) * 4),
+      dbias(static_cast<size_t>(N) * 4);
+  FillRandom(x.as<float>(), size_t(M * K), 3, 2.0f);
+  FillRandom(w.as<float>(), size_t(N * K), 4, 0.05f);
+  FillRandom(dy.as<float>(), size_t(M * N), 5, 0.01f);
+  Fp8Dev xq(M, K, Fp8Format::kE4M3), wq(N, K, Fp8Format::kE4M3), gq(M, N, Fp8Format::kE5M2);
+  gwc::CastTranspose(w.as<float>(), N, K, wq.Out(true), stream);  // the workspace, once
+  auto fwd = [&] {
+    gwc::CastTranspose(x.as<float>(), M, K, xq.Out(true), stream);
+    gwc::Fp8GemmLt(Gemm(xq.data.as<uint8_t>(), xq, wq.data.as<uint8_t>(), wq, M, N, K,
+                        y.as<float>(), false, gwc::GemmAccumulation::kFast, stream));
+  };
+  auto bwd = [&] {
+    gwc::CastTransposeDbias(dy.as<float>(), M, N, gq.Out(true), dbias.as<float>(), stream);
+    gwc::Fp8GemmLt(Gemm(gq.data.as<uint8_t>(), gq, wq.data_t.as<uint8_t>(), wq, M, K, N,
+                        dx.as<float>(), false, gwc::GemmAccumulation::kSplit, stream));
+    gwc::Fp8GemmLt(Gemm(gq.data_t.as<uint8_t>(), gq, xq.data_t.as<uint8_t>(), xq, N, K, M,
+                        dw.as<float>(), true, gwc::GemmAccumulation::kSplit, stream));
+  };
+  StepRow row{"linear", tokens, h, 0, 0, 0, 0};
+  row.fwd_ms = TimeMs(stream, 3, iters, fwd);
+  fwd();
+  row.bwd_ms = TimeMs(stream, 3, iters, bwd);
+  row.step_ms = TimeMs(stream, 3, iters, [&] {
+    fwd();
+    bwd();
+  });
+  return row;
+}
+
+StepRow BenchLayerNormMlp(int64_t tokens, int64_t h, int64_t ffn, int iters, cudaStream_t stream) {
+  const int64_t M = tokens, H = h, F = ffn;
+  Buf x(static_cast<size_t>(M * H) * 4), gamma(static_cast<size_t>(H) * 4),
+      beta(static_cast<size_t>(H) * 4), mu(static_cast<size_t>(M) * 4),
+      rstd(static_cast<size_t>(M) * 4), w1(static_cast<size_t>(F * H) * 4),
+      w2(static_cast<size_t>(H * F) * 4), fc1_out(static_cast<size_t>(M * F) * 4),
+      y(static_cast<size_t>(M * H) * 4), dy(static_cast<size_t>(M * H) * 4),
+      d_act(static_cast<size_t>(M * F) * 4), d_ln(static_cast<size_t>(M * H) * 4),
+      dx(static_cast<size_t>(M * H) * 4), dw1(static_cast<size_t>(F * H) * 4),
+      dw2(static_cast<size_t>(H * F) * 4), db1(static_cast<size_t>(F) * 4),
+      db2(static_cast<size_t>(H) * 4), dgamma(static_cast<size_t>(H) * 4),
+      dbeta(static_cast<size_t>(H) * 4);
+  FillRandom(x.as<float>(), size_t(M * H), 6, 2.0f);
+  FillRandom(gamma.as<float>(), size_t(H), 7, 0.1f);
+  FillRandom(beta.as<float>(), size_t(H), 8, 0.1f);
+  FillRandom(w1.as<float>(), size_t(F * H), 9, 0.05f);
+  FillRandom(w2.as<float>(), size_t(H * F), 10, 0.05f);
+  FillRandom(dy.as<float>(), size_t(M * H), 11, 0.01f);
+  Fp8Dev lnq(M, H, Fp8Format::kE4M3), actq(M, F, Fp8Format::kE4M3), w1q(F, H, Fp8Format::kE4M3),
+      w2q(H, F, Fp8Format::kE4M3), gq(M, H, Fp8Format::kE5M2), hq(M, F, Fp8Format::kE5M2);
+  gwc::CastTranspose(w1.as<float>(), F, H, w1q.Out(true), stream);
+  gwc::CastTranspose(w2.as<float>(), H, F, w2q.Out(true), stream);
+  const gwc::Fp8Output ln_out = lnq.Out(true), act_out = actq.Out(true), g_out = gq.Out(true),
+                       h_out = hq.Out(true);
+  auto fwd = [&] {
+    gwc::LayerNormForward(x.as<float>(), M, H, gamma.as<float>(), beta.as<float>(), 1e-5f, false,
+                          nullptr, &ln_out, mu.as<float>(), rstd.as<float>(), stream);
+    gwc::Fp8GemmLt(Gemm(lnq.data.as<uint8_t>(), lnq, w1q.data.as<uint8_t>(), w1q, M, F, H,
+                        fc1_out.as<float>(), false, gwc::GemmAccumulation::kFast, stream));
+    gwc::ActivationForward(Activation::kGelu, fc1_out.as<float>(), M, F, nullptr, &act_out, stream);
+    gwc::Fp8GemmLt(Gemm(actq.data.as<uint8_t>(), actq, w2q.data.as<uint8_t>(), w2q, M, H, F,
+                        y.as<float>(), false, gwc::GemmAccumulation::kFast, stream));
+  };
+  auto bwd = [&] {
+    gwc::CastTransposeDbias(dy.as<float>(), M, H, g_out, db2.as<float>(), stream);
+    gwc::Fp8GemmLt(Gemm(gq.data.as<uint8_t>(), gq, w2q.data_t.as<uint8_t>(), w2q, M, F, H,
+                        d_act.as<float>(), false, gwc::GemmAccumulation::kSplit, stream));
+    gwc::Fp8GemmLt(Gemm(gq.data_t.as<uint8_t>(), gq, actq.data_t.as<uint8_t>(), actq, H, F, M,
+                        dw2.as<float>(), true, gwc::GemmAccumulation::kSplit, stream));
+    gwc::DActivationDbiasCast(Activation::kGelu, d_act.as<float>(), fc1_out.as<float>(), M, F,
+                              nullptr, &h_out, db1.as<float>(), stream);
+    gwc::Fp8GemmLt(Gemm(hq.data.as<uint8_t>(), hq, w1q.data_t.as<uint8_t>(), w1q, M, H, F,
+                        d_ln.as<float>(), false, gwc::GemmAccumulation::kSplit, stream));
+    gwc::Fp8GemmLt(Gemm(hq.data_t.as<uint8_t>(), hq, lnq.data_t.as<uint8_t>(), lnq, F, H, M,
+                        dw1.as<float>(), true, gwc::GemmAccumulation::kSplit, stream));
+    gwc::LayerNormBackward(d_ln.as<float>(), x.as<float>(), mu.as<float>(), rstd.as<float>(),
+                           gamma.as<float>(), M, H, false, dx.as<float>(), dgamma.as<float>(),
+                           dbeta.as<float>(), stream);
+  };
+  StepRow row{"layernorm_mlp", tokens, h, ffn, 0, 0, 0};
+  row.fwd_ms = TimeMs(stream, 2, iters, fwd);
+  fwd();
+  row.bwd_ms = TimeMs(stream, 2, iters, bwd);
+  row.step_ms = TimeMs(stream, 2, iters, [&] {
+    fwd();
+    bwd();
+  });
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  int iters = 20;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (arg == "--iters" && i + 1 < argc) {
+      iters = std::stoi(argv[++i]);
+    } else if (arg == "--quick") {
+      quick = true;  // small shapes: a smoke run of the whole program
+    } else {
+      std::fprintf(stderr, "usage: %s [--json PATH] [--iters N] [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  std::string why;
+  if (gwc::DeviceCount(&why) == 0) {
+    std::fprintf(stderr, "gradwire-cuda-bench: no CUDA device (%s)\n", why.c_str());
+    return 1;
+  }
+  try {
+    const std::string device = gwc::DeviceDescription(0);
+    cudaStream_t stream;
+    GRADWIRE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const int64_t s = quick ? 8 : 1;  // --quick divides every size by 8
+    std::vector<GemmRow> gemms;
+    const int64_t shapes[][3] = {
+        {4096, 4096, 4096}, {8192, 8192, 8192}, {16384, 4096, 4096}, {16384, 16384, 4096}};
+    for (const auto& shape : shapes) {
+      gemms.push_back(BenchGemm(shape[0] / s, shape[1] / s, shape[2] / s, iters, stream));
+    }
+    std::vector<StepRow> steps;
+    steps.push_back(BenchLinear(16384 / s, 4096 / s, iters, stream));
+    steps.push_back(BenchLayerNormMlp(16384 / s, 4096 / s, 16384 / s, iters, stream));
+
+    std::printf("device: %s\n\n", device.c_str());
+    std::printf("%-8s %-8s %-8s %10s %10s\n", "M", "N", "K", "ms", "TFLOP/s");
+    for (const GemmRow& g : gemms) {
+      std::printf("%-8lld %-8lld %-8lld %10.3f %10.1f\n", (long long)g.m, (long long)g.n,
+                  (long long)g.k, g.ms, g.tflops);
+    }
+    std::printf("\n%-14s %-8s %-8s %-8s %10s %10s %10s\n", "module", "tokens", "hidden", "ffn",
+                "fwd ms", "bwd ms", "step ms");
+    for (const StepRow& r : steps) {
+      std::printf("%-14s %-8lld %-8lld %-8lld %10.3f %10.3f %10.3f\n", r.name.c_str(),
+                  (long long)r.tokens, (long long)r.hidden, (long long)r.ffn, r.fwd_ms, r.bwd_ms,
+                  r.step_ms);
+    }
+    if (!json_path.empty()) {
+      FILE* f = std::fopen(json_path.c_str(), "w");
+      if (!f) {
+        std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
+        return 1;
+      }
+      std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"iters\": %d,\n  \"gemm\": [\n", device.c_str(),
+                   iters);
+      for (size_t i = 0; i < gemms.size(); ++i) {
+        const GemmRow& g = gemms[i];
+        std::fprintf(
+            f, "    {\"m\": %lld, \"n\": %lld, \"k\": %lld, \"ms\": %.6f, \"tflops\": %.3f}%s\n",
+            (long long)g.m, (long long)g.n, (long long)g.k, g.ms, g.tflops,
+            i + 1 < gemms.size() ? "," : "");
+      }
+      std::fprintf(f, "  ],\n  \"modules\": [\n");
+      for (size_t i = 0; i < steps.size(); ++i) {
+        const StepRow& r = steps[i];
+        std::fprintf(f,
+                     "    {\"name\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"ffn\": %lld, "
+                     "\"fwd_ms\": %.6f, \"bwd_ms\": %.6f, \"step_ms\": %.6f}%s\n",
+                     r.name.c_str(), (long long)r.tokens, (long long)r.hidden, (long long)r.ffn,
+                     r.fwd_ms, r.bwd_ms, r.step_ms, i + 1 < steps.size() ? "," : "");
+      }
+      std::fprintf(f, "  ]\n}\n");
+      std::fclose(f);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gradwire-cuda-bench: %s\n", e.what());
+    return 1;
+  }
+}
