@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -143,11 +144,11 @@ void RunForward(Fixture& f, v1::ForwardRequest req, uint8_t selector) {
   const v1::DType dtype = req.input().dtype();
   if (dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2) {
     const int64_t cols = input->size(-1);
-    fp8 = gradwire::core::FromCodes(
-        reinterpret_cast<const uint8_t*>(req.input().data().data()), input->numel() / cols, cols,
-        dtype == v1::FP8_E4M3 ? gradwire::kernels::Fp8Format::kE4M3
-                              : gradwire::kernels::Fp8Format::kE5M2,
-        req.input().scale_inv(), {true, req.training()});
+    fp8 = gradwire::core::FromCodes(reinterpret_cast<const uint8_t*>(req.input().data().data()),
+                                    input->numel() / cols, cols,
+                                    dtype == v1::FP8_E4M3 ? gradwire::kernels::Fp8Format::kE4M3
+                                                          : gradwire::kernels::Fp8Format::kE5M2,
+                                    req.input().scale_inv(), {true, req.training()});
   }
   auto out = f.host.Forward(req.module_id(), *input, req.training(), fp8 ? &*fp8 : nullptr);
   CheckBadInputCode(out.status(), "Forward");

@@ -3,17 +3,16 @@
 // scaling state, versions, modules, live contexts and their bytes), and that a valid forward and
 // backward on the same module succeed right after with finite results. A last test repeats every
 // case and checks that live contexts and the process's RSS stay flat.
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -328,10 +327,12 @@ std::vector<Case> Cases() {
         [module, input](Env& e) { return e.ForwardReq(module, input()); });
   };
   // --- Forward: ids and presence.
-  fwd("ForwardUnknownModule", kNotFound, "is not a module", "lin",
-      [](Env& e) { return e.ForwardReq("m-does-not-exist", Wire({2, kIn})); });
-  fwd("ForwardEmptyModuleId", kInvalid, "module_id is required", "lin",
-      [](Env& e) { return e.ForwardReq("", Wire({2, kIn})); });
+  fwd("ForwardUnknownModule", kNotFound, "is not a module", "lin", [](Env& e) {
+    return e.ForwardReq("m-does-not-exist", Wire({2, kIn}));
+  });
+  fwd("ForwardEmptyModuleId", kInvalid, "module_id is required", "lin", [](Env& e) {
+    return e.ForwardReq("", Wire({2, kIn}));
+  });
   fwd("ForwardMissingInput", kInvalid, "input is required", "lin", [](Env& e) {
     v1::ForwardRequest r = e.ForwardReq("lin", {});
     r.clear_input();
@@ -402,15 +403,16 @@ std::vector<Case> Cases() {
     t.set_dtype(v1::BF16);
     return t;
   });
-  fwd_input("ForwardWrongLastDimension", "input.shape must be [..., 16]", "lin",
-            [] { return Wire({2, kIn - 1}); });
-  fwd_input("ForwardWrongLastDimensionMlp", "input.shape must be [..., 16]", "mlp",
-            [] { return Wire({3, kOut}); });
+  fwd_input("ForwardWrongLastDimension", "input.shape must be [..., 16]", "lin", [] {
+    return Wire({2, kIn - 1});
+  });
+  fwd_input("ForwardWrongLastDimensionMlp", "input.shape must be [..., 16]", "mlp", [] {
+    return Wire({3, kOut});
+  });
   // --- Forward: FP8 scale_inv.
-  for (auto [name, value] : {std::pair{"ForwardFp8ZeroScaleInv", 0.0f},
-                             std::pair{"ForwardFp8NaNScaleInv", kNaN},
-                             std::pair{"ForwardFp8InfScaleInv", kInf},
-                             std::pair{"ForwardFp8NegativeScaleInv", -0.5f}}) {
+  for (auto [name, value] :
+       {std::pair{"ForwardFp8ZeroScaleInv", 0.0f}, std::pair{"ForwardFp8NaNScaleInv", kNaN},
+        std::pair{"ForwardFp8InfScaleInv", kInf}, std::pair{"ForwardFp8NegativeScaleInv", -0.5f}}) {
     fwd_input(name, "input.scale_inv must be finite and > 0", "lin", [value = value] {
       v1::Tensor t = Wire({2, kIn}, WireDType::kFp8E4M3);
       t.set_scale_inv(value);
@@ -432,14 +434,17 @@ std::vector<Case> Cases() {
   // --- Backward.
   auto bwd = [&](const char* name, G code, const char* msg, std::string module, Setup setup,
                  std::function<v1::BackwardRequest(Env&, const std::string&)> make) {
-    c.push_back({name, code, msg, module, setup, [make](Env& e, const std::string& ctx) {
-                   return e.Backward(make(e, ctx));
-                 }});
+    c.push_back({name, code, msg, module, setup,
+                 [make](Env& e, const std::string& ctx) { return e.Backward(make(e, ctx)); }});
   };
   bwd("BackwardUnknownContext", kNotFound, "is not a live context", "lin", Setup::kNone,
-      [](Env& e, const std::string&) { return e.BackwardReq("c-nope", Wire({2, kOut})); });
+      [](Env& e, const std::string&) {
+        return e.BackwardReq("c-nope", Wire({2, kOut}));
+      });
   bwd("BackwardEmptyContextId", kInvalid, "context_id is required", "lin", Setup::kNone,
-      [](Env& e, const std::string&) { return e.BackwardReq("", Wire({2, kOut})); });
+      [](Env& e, const std::string&) {
+        return e.BackwardReq("", Wire({2, kOut}));
+      });
   bwd("BackwardMissingGradOutput", kInvalid, "grad_output is required", "lin", Setup::kContext,
       [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, {});
@@ -447,14 +452,17 @@ std::vector<Case> Cases() {
         return r;
       });
   bwd("BackwardGradOutputWrongWidth", kInvalid, "grad_output.shape must be [2, 8]", "lin",
-      Setup::kContext,
-      [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, Wire({2, kIn})); });
+      Setup::kContext, [](Env& e, const std::string& ctx) {
+        return e.BackwardReq(ctx, Wire({2, kIn}));
+      });
   bwd("BackwardGradOutputWrongRows", kInvalid, "grad_output.shape must be [2, 8]", "lin",
-      Setup::kContext,
-      [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, Wire({3, kOut})); });
+      Setup::kContext, [](Env& e, const std::string& ctx) {
+        return e.BackwardReq(ctx, Wire({3, kOut}));
+      });
   bwd("BackwardGradOutputWrongRank", kInvalid, "grad_output.shape must be [2, 8]", "lin",
-      Setup::kContext,
-      [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, Wire({1, 2, kOut})); });
+      Setup::kContext, [](Env& e, const std::string& ctx) {
+        return e.BackwardReq(ctx, Wire({1, 2, kOut}));
+      });
   bwd("BackwardGradOutputDTypeUnspecified", kInvalid, "grad_output.dtype must be one of", "lin",
       Setup::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
@@ -473,8 +481,8 @@ std::vector<Case> Cases() {
         r.set_grad_input_dtype(static_cast<v1::DType>(-3));
         return r;
       });
-  bwd("BackwardFp8ZeroScaleInv", kInvalid, "grad_output.scale_inv must be finite and > 0",
-      "lin", Setup::kContext, [](Env& e, const std::string& ctx) {
+  bwd("BackwardFp8ZeroScaleInv", kInvalid, "grad_output.scale_inv must be finite and > 0", "lin",
+      Setup::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}, WireDType::kFp8E5M2));
         r.mutable_grad_output()->set_scale_inv(0.0f);
         return r;
@@ -484,11 +492,13 @@ std::vector<Case> Cases() {
   bwd("BackwardInfGradOutputMlp", kInvalid, "grad_output must be finite", "mlp", Setup::kContext,
       [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, WireWith(kInf, 2, kOut)); });
   bwd("BackwardTwice", G::FAILED_PRECONDITION, "was already consumed by a backward", "lin",
-      Setup::kConsumedContext,
-      [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, Wire({2, kOut})); });
+      Setup::kConsumedContext, [](Env& e, const std::string& ctx) {
+        return e.BackwardReq(ctx, Wire({2, kOut}));
+      });
   bwd("BackwardAfterRelease", G::FAILED_PRECONDITION, "was already consumed", "lin",
-      Setup::kReleasedContext,
-      [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, Wire({2, kOut})); });
+      Setup::kReleasedContext, [](Env& e, const std::string& ctx) {
+        return e.BackwardReq(ctx, Wire({2, kOut}));
+      });
   bwd("BackwardLayerNormGradOnModuleWithoutIt", kInvalid,
       "grad_layernorm_output is only for modules created with return_layernorm_output", "lnl",
       Setup::kContext, [](Env& e, const std::string& ctx) {
@@ -547,8 +557,7 @@ std::vector<Case> Cases() {
   c.push_back({"ForeignDelete", kNotFound, "is not a module", "bob", Setup::kNone,
                [](Env& e, const std::string&) { return e.Delete(e.id["bob"], e.alice.get()); }});
   // --- CreateModule: bad specs (the module count must not move).
-  auto create = [&](const char* name, const char* msg,
-                    std::function<void(v1::ModuleSpec*)> edit) {
+  auto create = [&](const char* name, const char* msg, std::function<void(v1::ModuleSpec*)> edit) {
     c.push_back({name, kInvalid, msg, "lin", Setup::kNone,
                  [edit](Env& e, const std::string&) { return e.CreateSpec(edit); }});
   };
@@ -558,9 +567,8 @@ std::vector<Case> Cases() {
          [](v1::ModuleSpec* s) { s->set_kind(v1::MODULE_KIND_UNSPECIFIED); });
   create("CreateKindOutOfEnum", "got 42",
          [](v1::ModuleSpec* s) { s->set_kind(static_cast<v1::ModuleKind>(42)); });
-  create("CreateZeroInFeatures", "spec.in_features", [](v1::ModuleSpec* s) {
-    s->set_in_features(0);
-  });
+  create("CreateZeroInFeatures", "spec.in_features",
+         [](v1::ModuleSpec* s) { s->set_in_features(0); });
   create("CreateNegativeOutFeatures", "spec.out_features",
          [](v1::ModuleSpec* s) { s->set_out_features(-8); });
   create("CreateHugeInFeatures", "spec.in_features",
@@ -569,9 +577,8 @@ std::vector<Case> Cases() {
     s->set_in_features(1 << 16);
     s->set_out_features(1 << 16);
   });
-  create("CreateMlpWithoutFfn", "spec.ffn_features", [](v1::ModuleSpec* s) {
-    s->set_kind(v1::LAYERNORM_MLP);
-  });
+  create("CreateMlpWithoutFfn", "spec.ffn_features",
+         [](v1::ModuleSpec* s) { s->set_kind(v1::LAYERNORM_MLP); });
   create("CreateLinearWithFfn", "spec.ffn_features is only for LAYERNORM_MLP",
          [](v1::ModuleSpec* s) { s->set_ffn_features(4); });
   create("CreateLinearWithActivation", "spec.activation is only for LAYERNORM_MLP",
@@ -609,11 +616,10 @@ std::vector<Case> Cases() {
     s->mutable_optimizer()->mutable_adamw()->set_learning_rate(0.001f);
     s->mutable_optimizer()->mutable_adamw()->set_beta1(1.0f);
   });
-  create("CreateAdamWNaNWeightDecay", "spec.optimizer.adamw.weight_decay",
-         [](v1::ModuleSpec* s) {
-           s->mutable_optimizer()->mutable_adamw()->set_learning_rate(0.001f);
-           s->mutable_optimizer()->mutable_adamw()->set_weight_decay(kNaN);
-         });
+  create("CreateAdamWNaNWeightDecay", "spec.optimizer.adamw.weight_decay", [](v1::ModuleSpec* s) {
+    s->mutable_optimizer()->mutable_adamw()->set_learning_rate(0.001f);
+    s->mutable_optimizer()->mutable_adamw()->set_weight_decay(kNaN);
+  });
   c.push_back({"DeleteUnknownModule", kNotFound, "is not a module", "lin", Setup::kNone,
                [](Env& e, const std::string&) { return e.Delete("m-unknown"); }});
   c.push_back({"DeleteEmptyModuleId", kInvalid, "module_id is required", "lin", Setup::kNone,
@@ -640,16 +646,16 @@ std::vector<Case> Cases() {
                [](Env& e, const std::string&) { return e.GetWeights("m-x", v1::F32); }});
   auto set = [&](const char* name, G code, const char* msg, std::string module,
                  std::function<std::vector<std::pair<std::string, v1::Tensor>>()> params) {
-    c.push_back({name, code, msg, module, Setup::kNone,
-                 [module, params](Env& e, const std::string&) {
-                   return e.SetWeightsOf(module, params());
-                 }});
+    c.push_back(
+        {name, code, msg, module, Setup::kNone, [module, params](Env& e, const std::string&) {
+           return e.SetWeightsOf(module, params());
+         }});
   };
-  set("SetWeightsUnknownModule", kNotFound, "is not a module", "m-unknown",
-      [] { return std::vector<std::pair<std::string, v1::Tensor>>{{"bias", Wire({kOut})}}; });
-  set("SetWeightsEmptyParameters", kInvalid, "parameters is empty", "lin", [] {
-    return std::vector<std::pair<std::string, v1::Tensor>>{};
+  set("SetWeightsUnknownModule", kNotFound, "is not a module", "m-unknown", [] {
+    return std::vector<std::pair<std::string, v1::Tensor>>{{"bias", Wire({kOut})}};
   });
+  set("SetWeightsEmptyParameters", kInvalid, "parameters is empty", "lin",
+      [] { return std::vector<std::pair<std::string, v1::Tensor>>{}; });
   set("SetWeightsUnknownName", kInvalid, "not a parameter of this Linear", "lin", [] {
     return std::vector<std::pair<std::string, v1::Tensor>>{{"gamma", Wire({kOut})}};
   });
@@ -666,12 +672,11 @@ std::vector<Case> Cases() {
   set("SetWeightsNaNValue", kInvalid, "must be finite", "lin", [] {
     return std::vector<std::pair<std::string, v1::Tensor>>{{"weight", WireWith(kNaN, kOut, kIn)}};
   });
-  set("SetWeightsBadTensorDType", kInvalid, "parameters[0].tensor.dtype must be one of", "lin",
-      [] {
-        v1::Tensor t = Wire({kOut});
-        t.set_dtype(static_cast<v1::DType>(31));
-        return std::vector<std::pair<std::string, v1::Tensor>>{{"bias", t}};
-      });
+  set("SetWeightsBadTensorDType", kInvalid, "parameters[0].tensor.dtype must be one of", "lin", [] {
+    v1::Tensor t = Wire({kOut});
+    t.set_dtype(static_cast<v1::DType>(31));
+    return std::vector<std::pair<std::string, v1::Tensor>>{{"bias", t}};
+  });
   set("SetWeightsFp8ZeroScaleInv", kInvalid, "parameters[0].tensor.scale_inv", "lin", [] {
     v1::Tensor t = Wire({kOut}, WireDType::kFp8E4M3);
     t.set_scale_inv(0.0f);

@@ -98,7 +98,8 @@ class Tally {
   }
   void Print() const {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [k, n] : counts_) std::printf("soak:   %-34s %10lld\n", k.c_str(), (long long)n);
+    for (const auto& [k, n] : counts_)
+      std::printf("soak:   %-34s %10lld\n", k.c_str(), (long long)n);
     for (const std::string& u : unexpected_) std::printf("soak: UNEXPECTED %s\n", u.c_str());
   }
   int64_t unexpected() const {
@@ -262,7 +263,8 @@ int main(int argc, char** argv) {
   app.add_option("--budget-metric", f.budget_metric,
                  "metric of the context memory budget (skipped while the server has none)")
       ->capture_default_str();
-  app.add_option("--budget-bytes", f.budget_bytes, "context budget in bytes (overrides the metric)");
+  app.add_option("--budget-bytes", f.budget_bytes,
+                 "context budget in bytes (overrides the metric)");
   app.add_option("--in", f.in_features, "in_features of the modules")->capture_default_str();
   app.add_option("--out", f.out_features, "out_features of the modules")->capture_default_str();
   app.add_option("--rows", f.rows, "largest batch (rows per forward)")->capture_default_str();
@@ -367,8 +369,7 @@ int main(int argc, char** argv) {
     ++failures;
   }
   std::printf("soak: context bytes max %lld, end %lld; live contexts max %lld, end %lld\n",
-              (long long)max_bytes, (long long)bytes_end, (long long)max_live,
-              (long long)live_end);
+              (long long)max_bytes, (long long)bytes_end, (long long)max_live, (long long)live_end);
   if (budget > 0) {
     std::printf("soak: context budget %lld bytes (%s): exceeded in %lld of %lld polls\n",
                 (long long)budget, budget_from_metric ? f.budget_metric.c_str() : "--budget-bytes",
@@ -381,8 +382,7 @@ int main(int argc, char** argv) {
   // Without a budget nothing evicts, so every abandoned context is still live; with one, fewer
   // may be. A cancelled forward may have finished on the server as the client gave up.
   const int64_t allowed_live = sh.abandoned.load() + sh.ambiguous.load();
-  if (live_end < 0 || live_end > allowed_live ||
-      (budget == 0 && live_end < sh.abandoned.load())) {
+  if (live_end < 0 || live_end > allowed_live || (budget == 0 && live_end < sh.abandoned.load())) {
     std::printf("soak: FAIL %lld contexts live at the end; %lld abandoned, %lld cancelled\n",
                 (long long)live_end, (long long)sh.abandoned.load(),
                 (long long)sh.ambiguous.load());
