@@ -2,15 +2,18 @@
 # Soak: starts gradwire-server (from build/) and runs gradwire-soak against it.
 #   scripts/soak.sh [seconds, default 60] [gradwire-soak flags...]
 # e.g. scripts/soak.sh 600 --clients 8 for the 10-minute run. SOAK_SERVER_FLAGS adds server flags
-# (e.g. a context memory budget); BUILD_DIR=... picks the build. Builds the two binaries first.
+# (e.g. a context memory budget); BUILD_DIR=... picks the build. Builds the two binaries first
+# unless SOAK_SKIP_BUILD is set.
 # Fails when gradwire-soak fails (see tests/soak/soak.cc) or the server dies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 build_dir=${BUILD_DIR:-build}
-[ -f "$build_dir/build.ninja" ] || ./scripts/build.sh
-cmake --build "$build_dir" -j "${JOBS:-2}" --target gradwire-server gradwire-soak
+if [ -z "${SOAK_SKIP_BUILD:-}" ]; then
+  [ -f "$build_dir/build.ninja" ] || ./scripts/build.sh
+  cmake --build "$build_dir" -j "${JOBS:-2}" --target gradwire-server gradwire-soak
+fi
 tmp=$(mktemp -d)
 server_pid=""
 cleanup() {

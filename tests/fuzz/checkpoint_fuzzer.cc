@@ -4,6 +4,7 @@
 // restored module must be one CreateModule could have made: a valid spec (enums in range), its
 // parameters with their shapes, and a working forward and backward.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <unistd.h>
 
 #include <algorithm>

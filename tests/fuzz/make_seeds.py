@@ -93,6 +93,14 @@ write("checkpoint_fuzzer", "layernorm_mlp_swiglu", checkpoint(
      ("fc1_bias", [6]), ("fc2_weight", [2, 3]), ("fc2_bias", [2])],
     roles=("fc1_input", "fc1_weight")))
 
+# Regression: a spec whose kind is out of range must be refused (it indexed past the kind names).
+write("checkpoint_fuzzer", "regression_kind_out_of_range", checkpoint(
+    spec(3, 4, 3), [("weight", [3, 4]), ("bias", [3])]))
+write("checkpoint_fuzzer", "regression_activation_out_of_range", checkpoint(
+    spec(2, 4, 2, ffn=3, activation=9),
+    [("layer_norm_weight", [4]), ("layer_norm_bias", [4]), ("fc1_weight", [3, 4]),
+     ("fc1_bias", [3]), ("fc2_weight", [2, 3]), ("fc2_bias", [2])],
+    roles=("fc1_input", "fc1_weight")))
 
 # request_fuzzer: mode byte, selector byte, then a serialized request (or a raw tensor).
 def encode(message, text):

@@ -75,6 +75,7 @@ struct Env {
     s.set_in_features(kIn);
     s.set_out_features(kOut);
     s.set_seed(11);
+    s.set_bias(true);
     s.mutable_optimizer()->mutable_sgd()->set_learning_rate(0.01f);
     s.set_kind(v1::LINEAR);
     s.mutable_recipe()->set_scaling(v1::DELAYED);  // NaN in an amax history would stick
@@ -298,17 +299,20 @@ struct Snapshot {
   }
 };
 
-enum class Setup { kNone, kContext, kConsumedContext, kReleasedContext, kBobContext };
+enum class Prep { kNone, kContext, kConsumedContext, kReleasedContext, kBobContext };
 
 struct Case {
   const char* name;
   grpc::StatusCode code;
   const char* message;  // a key part of the expected message
   std::string module;   // the module a valid call must still work on afterwards
-  Setup setup;
+  Prep setup;
   // Sends the bad request; `context` is the setup's context id (or "").
   std::function<grpc::Status(Env&, const std::string& context)> send;
 };
+
+// gtest prints a parameter when its test fails: the case's name says it all.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 using G = grpc::StatusCode;
 constexpr G kInvalid = G::INVALID_ARGUMENT;
@@ -318,7 +322,7 @@ std::vector<Case> Cases() {
   std::vector<Case> c;
   auto fwd = [&](const char* name, G code, const char* msg, std::string module,
                  std::function<v1::ForwardRequest(Env&)> make) {
-    c.push_back({name, code, msg, module, Setup::kNone,
+    c.push_back({name, code, msg, module, Prep::kNone,
                  [make](Env& e, const std::string&) { return e.Forward(make(e)); }});
   };
   auto fwd_input = [&](const char* name, const char* msg, std::string module,
@@ -432,136 +436,136 @@ std::vector<Case> Cases() {
   fwd_input("ForwardNegInfActivationMlp", "input must be finite", "mlp",
             [] { return WireWith(-kInf, 3); });
   // --- Backward.
-  auto bwd = [&](const char* name, G code, const char* msg, std::string module, Setup setup,
+  auto bwd = [&](const char* name, G code, const char* msg, std::string module, Prep setup,
                  std::function<v1::BackwardRequest(Env&, const std::string&)> make) {
     c.push_back({name, code, msg, module, setup,
                  [make](Env& e, const std::string& ctx) { return e.Backward(make(e, ctx)); }});
   };
-  bwd("BackwardUnknownContext", kNotFound, "is not a live context", "lin", Setup::kNone,
+  bwd("BackwardUnknownContext", kNotFound, "is not a live context", "lin", Prep::kNone,
       [](Env& e, const std::string&) {
         return e.BackwardReq("c-nope", Wire({2, kOut}));
       });
-  bwd("BackwardEmptyContextId", kInvalid, "context_id is required", "lin", Setup::kNone,
+  bwd("BackwardEmptyContextId", kInvalid, "context_id is required", "lin", Prep::kNone,
       [](Env& e, const std::string&) {
         return e.BackwardReq("", Wire({2, kOut}));
       });
-  bwd("BackwardMissingGradOutput", kInvalid, "grad_output is required", "lin", Setup::kContext,
+  bwd("BackwardMissingGradOutput", kInvalid, "grad_output is required", "lin", Prep::kContext,
       [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, {});
         r.clear_grad_output();
         return r;
       });
   bwd("BackwardGradOutputWrongWidth", kInvalid, "grad_output.shape must be [2, 8]", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         return e.BackwardReq(ctx, Wire({2, kIn}));
       });
   bwd("BackwardGradOutputWrongRows", kInvalid, "grad_output.shape must be [2, 8]", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         return e.BackwardReq(ctx, Wire({3, kOut}));
       });
   bwd("BackwardGradOutputWrongRank", kInvalid, "grad_output.shape must be [2, 8]", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         return e.BackwardReq(ctx, Wire({1, 2, kOut}));
       });
   bwd("BackwardGradOutputDTypeUnspecified", kInvalid, "grad_output.dtype must be one of", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         r.mutable_grad_output()->set_dtype(v1::DTYPE_UNSPECIFIED);
         return r;
       });
   bwd("BackwardGradOutputByteMismatch", kInvalid, "grad_output.data has 60 bytes", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         r.mutable_grad_output()->mutable_data()->resize(60);
         return r;
       });
-  bwd("BackwardBadGradInputDType", kInvalid, "grad_input_dtype must be", "lin", Setup::kContext,
+  bwd("BackwardBadGradInputDType", kInvalid, "grad_input_dtype must be", "lin", Prep::kContext,
       [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         r.set_grad_input_dtype(static_cast<v1::DType>(-3));
         return r;
       });
   bwd("BackwardFp8ZeroScaleInv", kInvalid, "grad_output.scale_inv must be finite and > 0", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}, WireDType::kFp8E5M2));
         r.mutable_grad_output()->set_scale_inv(0.0f);
         return r;
       });
-  bwd("BackwardNaNGradOutput", kInvalid, "grad_output must be finite", "lin", Setup::kContext,
+  bwd("BackwardNaNGradOutput", kInvalid, "grad_output must be finite", "lin", Prep::kContext,
       [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, WireWith(kNaN, 2, kOut)); });
-  bwd("BackwardInfGradOutputMlp", kInvalid, "grad_output must be finite", "mlp", Setup::kContext,
+  bwd("BackwardInfGradOutputMlp", kInvalid, "grad_output must be finite", "mlp", Prep::kContext,
       [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, WireWith(kInf, 2, kOut)); });
   bwd("BackwardTwice", G::FAILED_PRECONDITION, "was already consumed by a backward", "lin",
-      Setup::kConsumedContext, [](Env& e, const std::string& ctx) {
+      Prep::kConsumedContext, [](Env& e, const std::string& ctx) {
         return e.BackwardReq(ctx, Wire({2, kOut}));
       });
   bwd("BackwardAfterRelease", G::FAILED_PRECONDITION, "was already consumed", "lin",
-      Setup::kReleasedContext, [](Env& e, const std::string& ctx) {
+      Prep::kReleasedContext, [](Env& e, const std::string& ctx) {
         return e.BackwardReq(ctx, Wire({2, kOut}));
       });
   bwd("BackwardLayerNormGradOnModuleWithoutIt", kInvalid,
       "grad_layernorm_output is only for modules created with return_layernorm_output", "lnl",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         *r.mutable_grad_layernorm_output() = Wire({2, kIn});
         return r;
       });
   bwd("BackwardLayerNormGradOnLinear", kInvalid,
       "grad_layernorm_output is only for modules created with return_layernorm_output", "lin",
-      Setup::kContext, [](Env& e, const std::string& ctx) {
+      Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         *r.mutable_grad_layernorm_output() = Wire({2, kIn});
         return r;
       });
   bwd("BackwardLayerNormGradWrongShape", kInvalid, "grad_layernorm_output.shape must be [2, 16]",
-      "lnr", Setup::kContext, [](Env& e, const std::string& ctx) {
+      "lnr", Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         *r.mutable_grad_layernorm_output() = Wire({2, kOut});
         return r;
       });
   bwd("BackwardLayerNormGradBadDType", kInvalid, "grad_layernorm_output.dtype must be one of",
-      "lnr", Setup::kContext, [](Env& e, const std::string& ctx) {
+      "lnr", Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}));
         *r.mutable_grad_layernorm_output() = Wire({2, kIn});
         r.mutable_grad_layernorm_output()->set_dtype(static_cast<v1::DType>(8));
         return r;
       });
   // --- ReleaseContext.
-  c.push_back({"ReleaseUnknownContext", kNotFound, "is not a live context", "lin", Setup::kNone,
+  c.push_back({"ReleaseUnknownContext", kNotFound, "is not a live context", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.Release("c-unknown"); }});
-  c.push_back({"ReleaseEmptyContextId", kInvalid, "context_id is required", "lin", Setup::kNone,
+  c.push_back({"ReleaseEmptyContextId", kInvalid, "context_id is required", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.Release(""); }});
   // --- Foreign tenant: alice names bob's module or context; worded as for an unknown id.
-  c.push_back({"ForeignForward", kNotFound, "is not a module", "bob", Setup::kNone,
+  c.push_back({"ForeignForward", kNotFound, "is not a module", "bob", Prep::kNone,
                [](Env& e, const std::string&) {
                  return e.Forward(e.ForwardReq("bob", Wire({2, kIn})), e.alice.get());
                }});
-  c.push_back({"ForeignBackward", kNotFound, "is not a live context", "bob", Setup::kBobContext,
+  c.push_back({"ForeignBackward", kNotFound, "is not a live context", "bob", Prep::kBobContext,
                [](Env& e, const std::string& ctx) {
                  return e.Backward(e.BackwardReq(ctx, Wire({2, kOut})), e.alice.get());
                }});
-  c.push_back({"ForeignRelease", kNotFound, "is not a live context", "bob", Setup::kBobContext,
+  c.push_back({"ForeignRelease", kNotFound, "is not a live context", "bob", Prep::kBobContext,
                [](Env& e, const std::string& ctx) { return e.Release(ctx, e.alice.get()); }});
-  c.push_back({"ForeignSetWeights", kNotFound, "is not a module", "bob", Setup::kNone,
+  c.push_back({"ForeignSetWeights", kNotFound, "is not a module", "bob", Prep::kNone,
                [](Env& e, const std::string&) {
                  return e.SetWeightsOf("bob", {{"bias", Wire({kOut})}}, e.alice.get());
                }});
-  c.push_back({"ForeignApplyGradients", kNotFound, "is not a module", "bob", Setup::kNone,
+  c.push_back({"ForeignApplyGradients", kNotFound, "is not a module", "bob", Prep::kNone,
                [](Env& e, const std::string&) {
                  return e.ApplyGradients(e.id["bob"], 0.0f, e.alice.get());
                }});
-  c.push_back({"ForeignGetWeights", kNotFound, "is not a module", "bob", Setup::kNone,
+  c.push_back({"ForeignGetWeights", kNotFound, "is not a module", "bob", Prep::kNone,
                [](Env& e, const std::string&) {
                  return e.GetWeights(e.id["bob"], v1::F32, e.alice.get());
                }});
-  c.push_back({"ForeignDelete", kNotFound, "is not a module", "bob", Setup::kNone,
+  c.push_back({"ForeignDelete", kNotFound, "is not a module", "bob", Prep::kNone,
                [](Env& e, const std::string&) { return e.Delete(e.id["bob"], e.alice.get()); }});
   // --- CreateModule: bad specs (the module count must not move).
   auto create = [&](const char* name, const char* msg, std::function<void(v1::ModuleSpec*)> edit) {
-    c.push_back({name, kInvalid, msg, "lin", Setup::kNone,
+    c.push_back({name, kInvalid, msg, "lin", Prep::kNone,
                  [edit](Env& e, const std::string&) { return e.CreateSpec(edit); }});
   };
-  c.push_back({"CreateMissingSpec", kInvalid, "spec is required", "lin", Setup::kNone,
+  c.push_back({"CreateMissingSpec", kInvalid, "spec is required", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.CreateRaw({}); }});
   create("CreateKindUnspecified", "spec.kind must be LINEAR, LAYERNORM_LINEAR or LAYERNORM_MLP",
          [](v1::ModuleSpec* s) { s->set_kind(v1::MODULE_KIND_UNSPECIFIED); });
@@ -620,34 +624,34 @@ std::vector<Case> Cases() {
     s->mutable_optimizer()->mutable_adamw()->set_learning_rate(0.001f);
     s->mutable_optimizer()->mutable_adamw()->set_weight_decay(kNaN);
   });
-  c.push_back({"DeleteUnknownModule", kNotFound, "is not a module", "lin", Setup::kNone,
+  c.push_back({"DeleteUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.Delete("m-unknown"); }});
-  c.push_back({"DeleteEmptyModuleId", kInvalid, "module_id is required", "lin", Setup::kNone,
+  c.push_back({"DeleteEmptyModuleId", kInvalid, "module_id is required", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.Delete(""); }});
   // --- Optimizer and weights.
-  c.push_back({"ApplyGradientsUnknownModule", kNotFound, "is not a module", "lin", Setup::kNone,
+  c.push_back({"ApplyGradientsUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.ApplyGradients("m-unknown", 0); }});
   c.push_back({"ApplyGradientsNegativeLearningRate", kInvalid, "learning_rate must be finite",
-               "lin", Setup::kNone,
+               "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.ApplyGradients(e.id["lin"], -0.1f); }});
   c.push_back({"ApplyGradientsNaNLearningRate", kInvalid, "learning_rate must be finite", "lin",
-               Setup::kNone,
+               Prep::kNone,
                [](Env& e, const std::string&) { return e.ApplyGradients(e.id["lin"], kNaN); }});
-  c.push_back({"GetGradientsBadDType", kInvalid, "dtype must be", "lin", Setup::kNone,
+  c.push_back({"GetGradientsBadDType", kInvalid, "dtype must be", "lin", Prep::kNone,
                [](Env& e, const std::string&) {
                  // zero=true with a bad dtype must not zero anything either.
                  return e.GetGradients(e.id["lin"], static_cast<v1::DType>(12), true);
                }});
-  c.push_back({"GetWeightsBadDType", kInvalid, "dtype must be", "lin", Setup::kNone,
+  c.push_back({"GetWeightsBadDType", kInvalid, "dtype must be", "lin", Prep::kNone,
                [](Env& e, const std::string&) {
                  return e.GetWeights(e.id["lin"], static_cast<v1::DType>(6));
                }});
-  c.push_back({"GetWeightsUnknownModule", kNotFound, "is not a module", "lin", Setup::kNone,
+  c.push_back({"GetWeightsUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.GetWeights("m-x", v1::F32); }});
   auto set = [&](const char* name, G code, const char* msg, std::string module,
                  std::function<std::vector<std::pair<std::string, v1::Tensor>>()> params) {
     c.push_back(
-        {name, code, msg, module, Setup::kNone, [module, params](Env& e, const std::string&) {
+        {name, code, msg, module, Prep::kNone, [module, params](Env& e, const std::string&) {
            return e.SetWeightsOf(module, params());
          }});
   };
@@ -706,30 +710,31 @@ class BadInputTest : public ::testing::TestWithParam<Case> {
   }
 
   // Whatever the setup made, for the case and for its clean-up.
-  static std::string Prepare(Env& e, Setup setup) {
+  static std::string Prepare(Env& e, Prep setup) {
     switch (setup) {
-      case Setup::kNone:
+      case Prep::kNone:
         return "";
-      case Setup::kContext:
+      case Prep::kContext:
         return e.NewContext(GetParam().module);
-      case Setup::kConsumedContext: {
+      case Prep::kConsumedContext: {
         const std::string ctx = e.NewContext(GetParam().module);
         EXPECT_TRUE(e.c->Backward(ctx, Random({2, kOut})).ok());
         return ctx;
       }
-      case Setup::kReleasedContext: {
+      case Prep::kReleasedContext: {
         const std::string ctx = e.NewContext(GetParam().module);
         EXPECT_TRUE(e.c->ReleaseContext(ctx).ok());
         return ctx;
       }
-      case Setup::kBobContext:
+      case Prep::kBobContext:
         return e.NewContext("bob");
     }
     return "";
   }
 
   // A valid training forward and backward on `module`, with finite results.
-  static void ExpectValidStep(Env& e, const std::string& module) {
+  static void ExpectValidStep(Env& e, std::string module) {
+    if (!e.id.count(module)) module = "lin";  // the case named an id that does not exist
     client::Client& cl = module == "bob" || module == "alice" ? e.For(module) : *e.c;
     auto fwd = cl.Forward(e.id.at(module), Random({3, kIn}), true);
     ASSERT_TRUE(fwd.ok()) << fwd.status();
@@ -754,8 +759,8 @@ TEST_P(BadInputTest, RejectedCleanlyAndChangesNothing) {
       << "message: " << s.error_message() << "\nexpected to contain: " << c.message;
   const std::string diff = before.Diff(Snapshot::Take(e));
   EXPECT_EQ(diff, "") << "state changed";
-  if (c.setup == Setup::kContext) EXPECT_TRUE(e.c->ReleaseContext(context).ok());
-  if (c.setup == Setup::kBobContext) EXPECT_TRUE(e.bob->ReleaseContext(context).ok());
+  if (c.setup == Prep::kContext) EXPECT_TRUE(e.c->ReleaseContext(context).ok());
+  if (c.setup == Prep::kBobContext) EXPECT_TRUE(e.bob->ReleaseContext(context).ok());
   ExpectValidStep(e, c.module);
   // The bad request's context, if any, is gone and nothing else is live.
   EXPECT_EQ(e.plain->host().Stats().live_contexts, 0);
@@ -783,26 +788,26 @@ TEST(BadInputMemoryTest, RepeatedBadInputsDoNotGrowMemory) {
     for (const Case& c : cases) {
       std::string context;
       switch (c.setup) {
-        case Setup::kContext:
+        case Prep::kContext:
           context = e.NewContext(c.module);
           break;
-        case Setup::kConsumedContext:
+        case Prep::kConsumedContext:
           context = e.NewContext(c.module);
           EXPECT_TRUE(e.c->Backward(context, Random({2, kOut})).ok());
           break;
-        case Setup::kReleasedContext:
+        case Prep::kReleasedContext:
           context = e.NewContext(c.module);
           EXPECT_TRUE(e.c->ReleaseContext(context).ok());
           break;
-        case Setup::kBobContext:
+        case Prep::kBobContext:
           context = e.NewContext("bob");
           break;
-        case Setup::kNone:
+        case Prep::kNone:
           break;
       }
       EXPECT_EQ(c.send(e, context).error_code(), c.code) << c.name;
-      if (c.setup == Setup::kContext) (void)e.c->ReleaseContext(context);
-      if (c.setup == Setup::kBobContext) (void)e.bob->ReleaseContext(context);
+      if (c.setup == Prep::kContext) (void)e.c->ReleaseContext(context);
+      if (c.setup == Prep::kBobContext) (void)e.bob->ReleaseContext(context);
     }
   };
   round();

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -48,6 +49,7 @@ struct Flags {
   double optimizer_steps = 0.03;
   double inference = 0.10;
   double rss_growth = 0.05;
+  double release_abandoned_after = 5;  // 0: never (the server's budget or TTL must evict them)
   std::string bytes_metric = "gradwire_context_bytes";
   std::string budget_metric = "gradwire_context_memory_budget_bytes";
   int64_t budget_bytes = 0;
@@ -138,12 +140,16 @@ class Tally {
 grpc::StatusCode Code(const absl::Status& s) { return static_cast<grpc::StatusCode>(s.code()); }
 
 struct Shared {
+  explicit Shared(const Flags& f) : flags(f) {}
   const Flags& flags;
   std::vector<std::string> modules;  // Linear (delayed scaling), LayerNormMLP (current)
   std::vector<int64_t> in_features;
   Tally tally;
   std::atomic<bool> stop{false};
   std::atomic<int64_t> abandoned{0}, ambiguous{0}, steps{0};
+  // Abandoned contexts and when, for the release after --release-abandoned-after.
+  std::mutex abandoned_mu;
+  std::deque<std::pair<Clock::time_point, std::string>> abandoned_ids;
 };
 
 void RecordAbsl(Shared& sh, const char* op, const absl::Status& s) {
@@ -216,6 +222,7 @@ void RunClient(Shared& sh, int index) {
       if (s.ok()) {
         auto g = c.Backward(resp.context_id(), Random(rng, {rows, f.out_features}));
         RecordAbsl(sh, "Backward", g.status());
+        if (!g.ok()) RecordAbsl(sh, "ReleaseContext", c.ReleaseContext(resp.context_id()));
       } else {
         ++sh.ambiguous;
       }
@@ -224,11 +231,16 @@ void RunClient(Shared& sh, int index) {
       RecordAbsl(sh, "Forward(training)", fwd.status());
       if (!fwd.ok()) continue;
       if (u(rng) < f.abandon) {
-        ++sh.abandoned;  // never backwarded, never released: a trainer that went away
+        // Never backwarded, never released by this client: a trainer that went away.
+        ++sh.abandoned;
+        std::lock_guard<std::mutex> lock(sh.abandoned_mu);
+        sh.abandoned_ids.emplace_back(Clock::now(), fwd->context_id);
         continue;
       }
       auto g = c.Backward(fwd->context_id, Random(rng, {rows, f.out_features}));
       RecordAbsl(sh, "Backward", g.status());
+      // A failed backward keeps its context for a retry; this trainer gives up on it instead.
+      if (!g.ok()) RecordAbsl(sh, "ReleaseContext", c.ReleaseContext(fwd->context_id));
       ++sh.steps;
     }
   }
@@ -258,6 +270,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--rss-growth", f.rss_growth, "largest allowed RSS growth after the warm-up")
       ->capture_default_str();
+  app.add_option("--release-abandoned-after", f.release_abandoned_after,
+                 "release abandoned contexts after this many seconds, standing in for the "
+                 "server's eviction until it has one (0: never)")
+      ->capture_default_str();
   app.add_option("--bytes-metric", f.bytes_metric, "metric of the live context bytes")
       ->capture_default_str();
   app.add_option("--budget-metric", f.budget_metric,
@@ -273,7 +289,7 @@ int main(int argc, char** argv) {
   const double warmup =
       f.warmup_seconds > 0 ? f.warmup_seconds : std::clamp(f.seconds * 0.2, 5.0, 60.0);
 
-  Shared sh{f};
+  Shared sh(f);
   gradwire::client::ClientOptions options;
   options.server = f.server;
   Client admin(options);
@@ -288,6 +304,7 @@ int main(int argc, char** argv) {
   spec.set_kind(v1::LINEAR);
   spec.mutable_recipe()->set_scaling(v1::DELAYED);
   spec.mutable_optimizer()->mutable_sgd()->set_learning_rate(1e-4f);
+  spec.set_max_staleness(-1);  // weights change under the contexts all the time
   auto lin = admin.CreateModule(spec);
   spec.set_kind(v1::LAYERNORM_MLP);
   spec.set_ffn_features(f.ffn_features);
@@ -339,8 +356,37 @@ int main(int argc, char** argv) {
   std::vector<std::thread> clients;
   for (int i = 0; i < f.clients; ++i) clients.emplace_back(RunClient, std::ref(sh), i);
   bool warmed = false;
+  int64_t released = 0;
+  auto release_abandoned = [&] {
+    const auto cutoff =
+        Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(f.release_abandoned_after));
+    for (;;) {
+      std::string id;
+      {
+        std::lock_guard<std::mutex> lock(sh.abandoned_mu);
+        if (sh.abandoned_ids.empty() || sh.abandoned_ids.front().first > cutoff) break;
+        id = std::move(sh.abandoned_ids.front().second);
+        sh.abandoned_ids.pop_front();
+      }
+      const absl::Status s = admin.ReleaseContext(id);
+      // NOT_FOUND once the server's own eviction got there first.
+      sh.tally.Add("ReleaseContext(abandoned)", Code(s),
+                   s.ok() || s.code() == absl::StatusCode::kNotFound, std::string(s.message()));
+      ++released;
+    }
+  };
+  auto last_progress = start;
   while (Clock::now() - start < std::chrono::duration<double>(f.seconds)) {
+    if (f.release_abandoned_after > 0) release_abandoned();
     const int64_t bytes = poll();
+    if (Clock::now() - last_progress >= std::chrono::seconds(10)) {
+      last_progress = Clock::now();
+      std::fprintf(stderr, "soak: %5.0f s: %lld steps, server RSS %lld KiB, context bytes %lld\n",
+                   std::chrono::duration<double>(last_progress - start).count(),
+                   (long long)sh.steps.load(),
+                   (long long)(f.server_pid > 0 ? RssKiB(f.server_pid) : -1), (long long)bytes);
+    }
     if (!warmed && Clock::now() - start >= std::chrono::duration<double>(warmup)) {
       warmed = true;
       if (f.server_pid > 0) rss_warm = RssKiB(f.server_pid);
@@ -381,11 +427,15 @@ int main(int argc, char** argv) {
   }
   // Without a budget nothing evicts, so every abandoned context is still live; with one, fewer
   // may be. A cancelled forward may have finished on the server as the client gave up.
-  const int64_t allowed_live = sh.abandoned.load() + sh.ambiguous.load();
-  if (live_end < 0 || live_end > allowed_live || (budget == 0 && live_end < sh.abandoned.load())) {
-    std::printf("soak: FAIL %lld contexts live at the end; %lld abandoned, %lld cancelled\n",
-                (long long)live_end, (long long)sh.abandoned.load(),
-                (long long)sh.ambiguous.load());
+  const int64_t held = sh.abandoned.load() - released;
+  const int64_t allowed_live = held + sh.ambiguous.load();
+  std::printf("soak: %lld abandoned contexts released by the soak after %.0f s, %lld still held\n",
+              (long long)released, f.release_abandoned_after, (long long)held);
+  if (live_end < 0 || live_end > allowed_live || (budget == 0 && live_end < held)) {
+    std::printf(
+        "soak: FAIL %lld contexts live at the end; %lld abandoned and held, %lld "
+        "cancelled\n",
+        (long long)live_end, (long long)held, (long long)sh.ambiguous.load());
     ++failures;
   }
   if (f.server_pid > 0) {
