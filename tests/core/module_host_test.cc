@@ -267,8 +267,8 @@ TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing)
   ASSERT_TRUE(info.ok()) << info.status();
   const std::string id = info->module_id;
   ASSERT_TRUE(host.Forward(id, RandN({4, 12}), false).ok());  // some history to keep
-  const auto scaling = *host.Scaling(id);
   for (float bad : {NAN, INFINITY, -INFINITY}) {
+    const auto scaling = *host.Scaling(id);
     at::Tensor x = RandN({4, 12});
     x[2][5] = bad;
     auto fwd = host.Forward(id, x, true);

@@ -759,8 +759,12 @@ TEST_P(BadInputTest, RejectedCleanlyAndChangesNothing) {
       << "message: " << s.error_message() << "\nexpected to contain: " << c.message;
   const std::string diff = before.Diff(Snapshot::Take(e));
   EXPECT_EQ(diff, "") << "state changed";
-  if (c.setup == Prep::kContext) EXPECT_TRUE(e.c->ReleaseContext(context).ok());
-  if (c.setup == Prep::kBobContext) EXPECT_TRUE(e.bob->ReleaseContext(context).ok());
+  if (c.setup == Prep::kContext) {
+    EXPECT_TRUE(e.c->ReleaseContext(context).ok());
+  }
+  if (c.setup == Prep::kBobContext) {
+    EXPECT_TRUE(e.bob->ReleaseContext(context).ok());
+  }
   ExpectValidStep(e, c.module);
   // The bad request's context, if any, is gone and nothing else is live.
   EXPECT_EQ(e.plain->host().Stats().live_contexts, 0);

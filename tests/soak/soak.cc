@@ -42,7 +42,7 @@ struct Flags {
   std::string metrics;  // host:port of the Prometheus endpoint; empty: none
   int clients = 8;
   double seconds = 60;
-  double warmup_seconds = 0;  // 0: 20% of --seconds, between 5 and 60 s
+  double warmup_seconds = 0;  // 0: half of --seconds, between 10 and 120 s
   double abandon = 0.10;
   double cancel = 0.05;
   double weight_updates = 0.02;
@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
   app.add_option("--clients", f.clients, "concurrent clients")->capture_default_str();
   app.add_option("--seconds", f.seconds, "duration of the run")->capture_default_str();
   app.add_option("--warmup-seconds", f.warmup_seconds,
-                 "RSS baseline taken after this long (0: 20% of --seconds, 5 to 60 s)");
+                 "RSS baseline taken after this long (0: half of --seconds, 10 to 120 s)");
   app.add_option("--abandon", f.abandon, "fraction of training forwards never backwarded")
       ->capture_default_str();
   app.add_option("--cancel", f.cancel, "fraction of calls that are forwards cancelled mid-call")
@@ -287,7 +287,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed, "random seed")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   const double warmup =
-      f.warmup_seconds > 0 ? f.warmup_seconds : std::clamp(f.seconds * 0.2, 5.0, 60.0);
+      f.warmup_seconds > 0 ? f.warmup_seconds : std::clamp(f.seconds * 0.5, 10.0, 120.0);
 
   Shared sh(f);
   gradwire::client::ClientOptions options;
