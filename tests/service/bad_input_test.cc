@@ -776,6 +776,59 @@ INSTANTIATE_TEST_SUITE_P(Cases, BadInputTest, ::testing::ValuesIn(Cases()),
                            return std::string(info.param.name);
                          });
 
+// Regression: the service used to drop BackwardRequest.grad_layernorm_output, so the LayerNorm
+// output's gradient never reached grad_input or the LayerNorm parameters. Over the wire it must
+// give exactly what the module host computes in-process with the same gradient.
+TEST(GradLayerNormOutputTest, ReachesTheModuleOverTheWire) {
+  testing::TestServer server;
+  auto c = server.Connect();
+  v1::ModuleSpec s;
+  s.set_kind(v1::LAYERNORM_LINEAR);
+  s.set_in_features(kIn);
+  s.set_out_features(kOut);
+  s.set_bias(true);
+  s.set_seed(5);
+  s.set_return_layernorm_output(true);
+  auto wire_module = c->CreateModule(s);
+  auto local_module = c->CreateModule(s);  // same seed: same weights
+  ASSERT_TRUE(wire_module.ok() && local_module.ok());
+  const HostTensor x = Random({3, kIn}), dy = Random({3, kOut}), dln = Random({3, kIn});
+  auto torch = [](const HostTensor& t) {
+    return at::from_blob(const_cast<float*>(t.data.data()), t.shape, at::kFloat).clone();
+  };
+
+  auto fwd = c->Forward(wire_module->module_id(), x, true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  client::BackwardOptions options;
+  options.grad_layernorm_output = dln;
+  auto wire_dx = c->Backward(fwd->context_id, dy, options);
+  ASSERT_TRUE(wire_dx.ok()) << wire_dx.status();
+
+  core::ModuleHost& host = server.host();
+  auto local = host.Forward(local_module->module_id(), torch(x), true);
+  ASSERT_TRUE(local.ok()) << local.status();
+  core::BackwardInput in;
+  in.grad_output = torch(dy);
+  in.grad_layernorm_output = torch(dln);
+  auto local_dx = host.Backward(local->context_id, in);
+  ASSERT_TRUE(local_dx.ok()) << local_dx.status();
+  EXPECT_TRUE(at::equal(torch(*wire_dx), *local_dx));
+
+  // And it matters: without it grad_input differs.
+  auto fwd2 = c->Forward(wire_module->module_id(), x, true);
+  ASSERT_TRUE(fwd2.ok());
+  auto plain_dx = c->Backward(fwd2->context_id, dy);
+  ASSERT_TRUE(plain_dx.ok());
+  EXPECT_FALSE(at::allclose(torch(*plain_dx), *local_dx));
+  auto wire_grads = host.GetGradients(wire_module->module_id(), false);
+  auto local_grads = host.GetGradients(local_module->module_id(), false);
+  ASSERT_TRUE(wire_grads.ok() && local_grads.ok());
+  // layer_norm_weight's gradient of the first backward matches (the second added more to it).
+  EXPECT_EQ(wire_grads->tensors[0].first, "layer_norm_weight");
+  EXPECT_FALSE(
+      at::equal(wire_grads->tensors[0].second, at::zeros_like(wire_grads->tensors[0].second)));
+}
+
 TEST(BadInputSuiteTest, HasFiftyDistinctCases) {
   std::set<std::string> names;
   for (const Case& c : Cases()) EXPECT_TRUE(names.insert(c.name).second) << c.name;
