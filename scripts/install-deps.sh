@@ -10,6 +10,8 @@ packages=(
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest
   yamllint docker-compose gnuplot-nox
+  # Fuzzing (scripts/fuzz.sh): clang and its runtimes, libFuzzer among them.
+  clang libclang-rt-14-dev
 )
 # kubectl for the deploy/ checks: Debian's kubernetes-client, unless a kubectl is installed already
 # (another kubectl package owns the same path).

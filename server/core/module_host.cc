@@ -74,6 +74,18 @@ absl::Status CheckNonNegative(const char* field, float value) {
 }
 
 absl::Status ValidateSpec(const ModuleSpec& s) {
+  // The RPC layer maps only known enum values, but a checkpoint's spec is read back as integers:
+  // an unknown value would index past the tables that name them.
+  GW_RETURN_IF_ERROR(
+      CheckRange("spec.kind", int64_t(s.kind), 0, int64_t(ModuleKind::kLayerNormMlp)));
+  GW_RETURN_IF_ERROR(CheckRange("spec.activation", int64_t(s.activation), 0,
+                                int64_t(kernels::Activation::kGeglu)));
+  GW_RETURN_IF_ERROR(
+      CheckRange("spec.recipe.scaling", int64_t(s.recipe.mode), 0, int64_t(ScalingMode::kDelayed)));
+  GW_RETURN_IF_ERROR(CheckRange("spec.recipe.amax_compute_algo", int64_t(s.recipe.algo), 0,
+                                int64_t(AmaxAlgo::kMostRecent)));
+  GW_RETURN_IF_ERROR(CheckRange("spec.optimizer.kind", int64_t(s.optimizer.kind), 0,
+                                int64_t(OptimizerConfig::Kind::kAdamW)));
   GW_RETURN_IF_ERROR(CheckRange("spec.in_features", s.in_features, 1, ModuleHost::kMaxFeatures));
   GW_RETURN_IF_ERROR(CheckRange("spec.out_features", s.out_features, 1, ModuleHost::kMaxFeatures));
   if (s.kind == ModuleKind::kLayerNormMlp) {
@@ -355,6 +367,9 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
                                                   const Fp8Tensor* input_fp8) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   GW_RETURN_IF_ERROR(CheckInputTensor("input", input, m->spec.in_features, "in_features"));
+  // A NaN or inf would stick in the amax history and, through the backward, in the shared
+  // gradient buffers: refuse it before it touches any state.
+  GW_RETURN_IF_ERROR(CheckFinite("input", input.contiguous()));
   std::lock_guard<std::mutex> lock(m->mu);
   const ModuleSpec& spec = m->spec;
   const at::Tensor x = As2D(input);
@@ -472,12 +487,17 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
   std::vector<int64_t> expected = input_shape;
   expected.back() = m->spec.out_features;
   if (auto s = CheckExactShape("grad_output", in.grad_output, expected); !s.ok()) return fail(s);
+  if (auto s = CheckFinite("grad_output", in.grad_output.contiguous()); !s.ok()) return fail(s);
   if (in.grad_layernorm_output.defined()) {
     if (!m->spec.return_layernorm_output) {
       return fail(absl::InvalidArgumentError(
           "grad_layernorm_output is only for modules created with return_layernorm_output"));
     }
     if (auto s = CheckExactShape("grad_layernorm_output", in.grad_layernorm_output, input_shape);
+        !s.ok()) {
+      return fail(s);
+    }
+    if (auto s = CheckFinite("grad_layernorm_output", in.grad_layernorm_output.contiguous());
         !s.ok()) {
       return fail(s);
     }

@@ -409,12 +409,18 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
   GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
-  GW_ASSIGN_OR_RETURN(at::Tensor grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  core::BackwardInput in;
+  GW_ASSIGN_OR_RETURN(in.grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  if (req.has_grad_layernorm_output()) {
+    GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
+                        DecodeTensor(req.grad_layernorm_output(), "grad_layernorm_output"));
+  }
+  in.retain = req.retain();
+  in.skip_grad_input = req.skip_grad_input();
   if (Abandoned(ctx)) {  // the context stays for a retry
     return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
   }
-  GW_ASSIGN_OR_RETURN(at::Tensor grad_input, host_.Backward(req.context_id(), grad_output,
-                                                            req.retain(), req.skip_grad_input()));
+  GW_ASSIGN_OR_RETURN(at::Tensor grad_input, host_.Backward(req.context_id(), in));
   if (grad_input.defined()) {
     GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req.grad_input_dtype(), "grad_input_dtype",
                                     resp->mutable_grad_input()));

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <functional>
+
 #include "server/core/checkpoint.h"
 #include "server/core/linear.h"
 #include "test_util.h"
@@ -250,6 +253,86 @@ TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
 
 namespace gradwire::core {
 namespace {
+
+// A non-finite activation or gradient is refused before it reaches the amax history or the
+// gradient buffers, where it would stay.
+TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing) {
+  ModuleHost host;
+  ModuleSpec spec;
+  spec.in_features = 12;
+  spec.out_features = 6;
+  spec.recipe.mode = ScalingMode::kDelayed;
+  spec.recipe.history_len = 3;
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::string id = info->module_id;
+  ASSERT_TRUE(host.Forward(id, RandN({4, 12}), false).ok());  // some history to keep
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    const auto scaling = *host.Scaling(id);
+    at::Tensor x = RandN({4, 12});
+    x[2][5] = bad;
+    auto fwd = host.Forward(id, x, true);
+    ASSERT_EQ(fwd.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(fwd.status().message().find("input must be finite; element 29"), std::string::npos)
+        << fwd.status();
+    EXPECT_EQ(host.Stats().live_contexts, 0);
+    const auto after = *host.Scaling(id);
+    ASSERT_EQ(after.size(), scaling.size());
+    for (size_t i = 0; i < after.size(); ++i) {
+      EXPECT_EQ(after[i].scale, scaling[i].scale) << after[i].role;
+      EXPECT_EQ(after[i].history, scaling[i].history) << after[i].role;
+    }
+
+    auto ok = host.Forward(id, RandN({4, 12}), true);
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    at::Tensor dy = RandN({4, 6});
+    dy[1][1] = bad;
+    auto back = host.Backward(ok->context_id, dy, false, false);
+    ASSERT_EQ(back.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(back.status().message().find("grad_output must be finite"), std::string::npos);
+    auto grads = host.GetGradients(id, false);
+    EXPECT_EQ(grads->accumulated_backwards, 0);
+    for (const auto& [name, g] : grads->tensors) EXPECT_EQ(g.abs().sum().item<float>(), 0.0f);
+    // The context survives the refused backward and takes a good one.
+    auto good = host.Backward(ok->context_id, RandN({4, 6}), false, false);
+    ASSERT_TRUE(good.ok()) << good.status();
+    EXPECT_TRUE(at::isfinite(*good).all().item<bool>());
+    ASSERT_TRUE(host.GetGradients(id, /*zero=*/true).ok());
+  }
+}
+
+// A spec read back from a checkpoint carries its enums as integers: out-of-range values are
+// refused like any other bad spec (they would index past the tables that name them).
+TEST(ModuleHostImportTest, RefusesOutOfRangeEnumsInAState) {
+  ModuleHost host;
+  ModuleSpec spec;
+  spec.in_features = 8;
+  spec.out_features = 4;
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const ModuleState good = *host.ExportState(info->module_id);
+  struct Case {
+    const char* field;
+    std::function<void(ModuleSpec*)> edit;
+  };
+  const Case cases[] = {
+      {"spec.kind", [](ModuleSpec* s) { s->kind = ModuleKind(3); }},
+      {"spec.kind", [](ModuleSpec* s) { s->kind = ModuleKind(-1); }},
+      {"spec.activation", [](ModuleSpec* s) { s->activation = kernels::Activation(7); }},
+      {"spec.recipe.scaling", [](ModuleSpec* s) { s->recipe.mode = ScalingMode(2); }},
+      {"spec.recipe.amax_compute_algo", [](ModuleSpec* s) { s->recipe.algo = AmaxAlgo(9); }},
+      {"spec.optimizer.kind", [](ModuleSpec* s) { s->optimizer.kind = OptimizerConfig::Kind(5); }},
+  };
+  for (const Case& c : cases) {
+    ModuleState state = good;
+    state.module_id = "restored";
+    c.edit(&state.spec);
+    const absl::Status s = host.ImportState(state);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << s;
+    EXPECT_FALSE(host.Info("restored").ok());
+  }
+}
 
 TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   ModuleHost host;

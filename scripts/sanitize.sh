@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds the unit and service suites with a sanitizer and runs them with ctest.
+#   scripts/sanitize.sh asan   ASan + UBSan (UBSan aborts on the first report), in build-asan/
+#   scripts/sanitize.sh tsan   TSan, in build-tsan/
+# BUILD_DIR=... JOBS=... CTEST_ARGS="-R pattern" to override. The end-to-end, Python and deploy
+# tests are left out (GRADWIRE_E2E_TESTS=OFF): they drive separate processes and scripts.
+# Debian's libtorch and gRPC are not instrumented; tests/sanitizers/*.supp hold the suppressions
+# for their frames (see docs/reliability.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind=${1:-}
+root=$PWD
+case "$kind" in
+  asan)
+    sanitize=address
+    build_dir=${BUILD_DIR:-build-asan}
+    # detect_leaks stays on: LSan reports only what our code and gRPC leave behind at exit.
+    export ASAN_OPTIONS="detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1:abort_on_error=0:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+    export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$root/tests/sanitizers/ubsan.supp${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+    ;;
+  tsan)
+    sanitize=thread
+    build_dir=${BUILD_DIR:-build-tsan}
+    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp${TSAN_OPTIONS:+:$TSAN_OPTIONS}"
+    # libtorch's intra-op pool is uninstrumented: its workers' writes look unsynchronised to
+    # TSan. One intra-op thread keeps ATen's work on the calling (instrumented) thread.
+    export OMP_NUM_THREADS=1
+    ;;
+  *)
+    echo "usage: $0 asan|tsan" >&2
+    exit 2
+    ;;
+esac
+jobs=${JOBS:-2}
+if [ ! -f "$build_dir/build.ninja" ]; then
+  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DGRADWIRE_SANITIZE="$sanitize" -DGRADWIRE_E2E_TESTS=OFF -DGRADWIRE_CUDA=OFF
+fi
+start=$(date +%s)
+cmake --build "$build_dir" -j "$jobs"
+echo "sanitize $kind: build done in $(( $(date +%s) - start )) s ($build_dir)"
+start=$(date +%s)
+cd "$build_dir"
+# shellcheck disable=SC2086
+ctest --output-on-failure -j "$jobs" --timeout 900 ${CTEST_ARGS:-}
+echo "sanitize $kind: tests done in $(( $(date +%s) - start )) s"

@@ -1,0 +1,90 @@
+// libFuzzer target: the server's safetensors import, i.e. restoring a module from a checkpoint
+// file (Checkpointer::RestoreAll: safetensors parse, metadata JSON, spec, parameters, optimizer
+// slots and scaling state into ModuleHost::ImportState). Failures must be clean statuses; a
+// restored module must be one CreateModule could have made: a valid spec (enums in range), its
+// parameters with their shapes, and a working forward and backward.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "server/core/checkpoint.h"
+#include "server/core/module_host.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using gradwire::core::ModuleHost;
+using gradwire::core::ModuleKind;
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "checkpoint_fuzzer invariant broken: %s\n", what.c_str());
+  std::abort();
+}
+
+const std::string& Dir() {
+  static const std::string dir = [] {
+    const fs::path base = fs::is_directory("/dev/shm") ? "/dev/shm" : fs::temp_directory_path();
+    const fs::path d = base / ("gradwire-checkpoint-fuzz-" + std::to_string(getpid()));
+    fs::create_directories(d);
+    return d.string();
+  }();
+  return dir;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  at::set_num_threads(1);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  gradwire::core::Checkpointer checkpointer(Dir(), 0);
+  const std::string path = checkpointer.PathOf("m1");
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(data), std::streamsize(size));
+    if (!out) Fail("cannot write " + path);
+  }
+  ModuleHost host;
+  auto restored = checkpointer.RestoreAll(host);
+  if (!restored.ok()) {
+    const auto code = restored.status().code();
+    if (code != absl::StatusCode::kDataLoss && code != absl::StatusCode::kInvalidArgument) {
+      Fail("restore returned " + restored.status().ToString());
+    }
+    if (!host.List().empty()) Fail("a failed restore left a module");
+    return 0;
+  }
+  if (*restored != 1 || host.List().size() != 1) Fail("restored count");
+  const gradwire::core::ModuleInfo info = host.List()[0];
+  const auto& spec = info.spec;
+  if (int(spec.kind) < 0 || int(spec.kind) > int(ModuleKind::kLayerNormMlp)) {
+    Fail("restored a module of kind " + std::to_string(int(spec.kind)));
+  }
+  if (int(spec.activation) < 0 || int(spec.activation) > 3) {
+    Fail("restored a module with activation " + std::to_string(int(spec.activation)));
+  }
+  if (int(spec.recipe.mode) < 0 || int(spec.recipe.mode) > 1 || int(spec.recipe.algo) < 0 ||
+      int(spec.recipe.algo) > 1 || int(spec.optimizer.kind) < 0 || int(spec.optimizer.kind) > 1) {
+    Fail("restored a module with an out-of-range recipe or optimizer");
+  }
+  // A restored module must compute like a created one: small modules only, to stay fast.
+  if (spec.in_features * std::max(spec.out_features, spec.ffn_features) <= (1 << 16)) {
+    at::Tensor x = at::rand({2, spec.in_features});
+    auto fwd = host.Forward(info.module_id, x, true);
+    if (!fwd.ok()) Fail("forward on a restored module: " + fwd.status().ToString());
+    auto back = host.Backward(fwd->context_id, at::ones_like(fwd->output), false, false);
+    if (!back.ok()) Fail("backward on a restored module: " + back.status().ToString());
+  }
+  if (!host.ExportState(info.module_id).ok()) Fail("export of a restored module");
+  return 0;
+}

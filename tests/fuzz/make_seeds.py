@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets into tests/fuzz/corpus/ (small, committed).
+
+Run from anywhere: python3 tests/fuzz/make_seeds.py. Needs protoc (protobuf-compiler) for the
+request seeds, which are text-format protos encoded with `protoc --encode`.
+"""
+import json
+import os
+import random
+import struct
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+rng = random.Random(20261122)
+
+
+def write(target, name, data):
+    with open(os.path.join(HERE, "corpus", target, name), "wb") as f:
+        f.write(data)
+
+
+def floats(n):
+    return struct.pack("<%df" % n, *[rng.uniform(-2, 2) for _ in range(n)])
+
+
+def safetensors(tensors, metadata=None):
+    header, data = {}, b""
+    for name, dtype, shape, raw in tensors:
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    if metadata:
+        header["__metadata__"] = metadata
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+# safetensors_fuzzer: every dtype, a scalar, an empty tensor, metadata.
+write("safetensors_fuzzer", "f32_bias", safetensors(
+    [("weight", "F32", [2, 3], floats(6)), ("bias", "F32", [2], floats(2))],
+    {"format": "pt"}))
+write("safetensors_fuzzer", "all_dtypes", safetensors(
+    [("a", "BF16", [3], bytes(rng.randrange(256) for _ in range(6))),
+     ("b", "F16", [1, 2], bytes(rng.randrange(256) for _ in range(4))),
+     ("c", "F8_E4M3", [4], bytes(rng.randrange(256) for _ in range(4))),
+     ("d", "F8_E5M2", [2, 2], bytes(rng.randrange(256) for _ in range(4)))]))
+write("safetensors_fuzzer", "scalar_and_empty", safetensors(
+    [("s", "F32", [], floats(1)), ("e", "F32", [0, 3], b"")]))
+write("safetensors_fuzzer", "header_only", safetensors([], {"k": "v"}))
+
+
+def spec(kind, in_f, out_f, ffn=0, activation=0, mode=0):
+    return {"kind": kind, "in_features": in_f, "out_features": out_f, "ffn_features": ffn,
+            "bias": True, "activation": activation, "layernorm_eps": 1e-5,
+            "zero_centered_gamma": False, "return_layernorm_output": False, "checkpoint": False,
+            "recipe": {"mode": mode, "margin": 0, "history_len": 4, "algo": 0},
+            "optimizer": {"kind": 0,
+                          "sgd": {"learning_rate": 0.01, "momentum": 0.0, "weight_decay": 0.0,
+                                  "nesterov": False},
+                          "adamw": {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999,
+                                    "eps": 1e-8, "weight_decay": 0.01}},
+            "max_staleness": -1, "seed": 3, "name": "seed"}
+
+
+def checkpoint(s, params, slots=(), roles=("input", "weight", "grad_output")):
+    tensors = [("param." + n, "F32", shape, floats(_numel(shape))) for n, shape in params]
+    tensors += [("slot." + n, "F32", shape, floats(_numel(shape))) for n, shape in slots]
+    scaling = [{"role": r, "scale": 1.5, "history": [0.5, 1.0]} for r in roles]
+    return safetensors(tensors, {
+        "format": "gradwire-checkpoint", "format_version": "1", "module_id": "m1",
+        "tenant": "", "weight_version": "3", "optimizer_steps": "2",
+        "spec": json.dumps(s), "scaling": json.dumps(scaling)})
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# checkpoint_fuzzer: one restorable checkpoint per module kind.
+write("checkpoint_fuzzer", "linear", checkpoint(
+    spec(0, 4, 3), [("weight", [3, 4]), ("bias", [3])], [("weight.first", [3, 4])]))
+write("checkpoint_fuzzer", "layernorm_linear_delayed", checkpoint(
+    spec(1, 4, 2, mode=1),
+    [("layer_norm_weight", [4]), ("layer_norm_bias", [4]), ("weight", [2, 4]), ("bias", [2])]))
+write("checkpoint_fuzzer", "layernorm_mlp_swiglu", checkpoint(
+    spec(2, 4, 2, ffn=3, activation=2),
+    [("layer_norm_weight", [4]), ("layer_norm_bias", [4]), ("fc1_weight", [6, 4]),
+     ("fc1_bias", [6]), ("fc2_weight", [2, 3]), ("fc2_bias", [2])],
+    roles=("fc1_input", "fc1_weight")))
+
+# Regression: a spec whose kind is out of range must be refused (it indexed past the kind names).
+write("checkpoint_fuzzer", "regression_kind_out_of_range", checkpoint(
+    spec(3, 4, 3), [("weight", [3, 4]), ("bias", [3])]))
+write("checkpoint_fuzzer", "regression_activation_out_of_range", checkpoint(
+    spec(2, 4, 2, ffn=3, activation=9),
+    [("layer_norm_weight", [4]), ("layer_norm_bias", [4]), ("fc1_weight", [3, 4]),
+     ("fc1_bias", [3]), ("fc2_weight", [2, 3]), ("fc2_bias", [2])],
+    roles=("fc1_input", "fc1_weight")))
+
+# request_fuzzer: mode byte, selector byte, then a serialized request (or a raw tensor).
+def encode(message, text):
+    return subprocess.run(
+        ["protoc", "--proto_path=" + os.path.join(ROOT, "proto"),
+         "--encode=gradwire.v1." + message, "gradwire/v1/service.proto"],
+        input=text.encode(), capture_output=True, check=True).stdout
+
+
+def tensor_text(dtype, shape, raw, scale_inv=None):
+    data = "".join("\\%03o" % b for b in raw)
+    text = "dtype: %s %s data: \"%s\"" % (dtype, " ".join("shape: %d" % d for d in shape), data)
+    if scale_inv is not None:
+        text += " scale_inv: %g" % scale_inv
+    return text
+
+
+raw8 = bytes(rng.randrange(256) for _ in range(16))
+write("request_fuzzer", "forward_f32", bytes([0, 0]) + encode(
+    "ForwardRequest", "input { %s } training: true" % tensor_text("F32", [2, 8], floats(16))))
+write("request_fuzzer", "forward_bf16_ln", bytes([0, 1]) + encode(
+    "ForwardRequest", "input { %s } training: true output_dtype: BF16"
+    % tensor_text("BF16", [1, 8], floats(4))))
+write("request_fuzzer", "forward_fp8", bytes([0, 2]) + encode(
+    "ForwardRequest", "input { %s } output_dtype: FP8_E4M3"
+    % tensor_text("FP8_E4M3", [2, 8], raw8, 0.03125)))
+write("request_fuzzer", "backward_f32", bytes([1, 0x10]) + encode(
+    "BackwardRequest", "grad_output { %s } retain: false" % tensor_text("F32", [2, 4], floats(8))))
+write("request_fuzzer", "backward_ln_grad", bytes([1, 0x01]) + encode(
+    "BackwardRequest", "grad_output { %s } grad_layernorm_output { %s }"
+    % (tensor_text("F16", [1, 4], floats(2)), tensor_text("F32", [1, 8], floats(8)))))
+write("request_fuzzer", "set_weights", bytes([2, 0]) + encode(
+    "SetWeightsRequest", "parameters { name: \"weight\" tensor { %s } } "
+    "parameters { name: \"bias\" tensor { %s } }"
+    % (tensor_text("F32", [4, 8], floats(32)), tensor_text("F32", [4], floats(4)))))
+write("request_fuzzer", "raw_e5m2", bytes([3, 0x03, 5, 2]) + struct.pack("<qqf", 2, 8, 0.5)
+      + raw8)
+write("request_fuzzer", "raw_f16", bytes([3, 0x01, 3, 1]) + struct.pack("<qf", 8, 1.0)
+      + floats(4))

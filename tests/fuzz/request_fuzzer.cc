@@ -1,0 +1,307 @@
+// libFuzzer target: request decoding and validation. The input's first byte picks what the rest
+// is: a serialized ForwardRequest, BackwardRequest or SetWeightsRequest, or a raw wire tensor
+// (dtype, shape, scale_inv, bytes) built field by field so that byte lengths and shapes are
+// mutated independently. Each request goes through the functions the service's handlers call, in
+// their order (DecodeTensor, CheckOutputDType, FromCodes, ModuleHost::Forward / Backward /
+// SetWeights, EncodeTensor) against a fresh host with one small module of each kind.
+//
+// Beyond crashes and sanitizer reports, it checks what the service promises: only the status
+// codes of bad input (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) or OK come back, a decoded
+// tensor has exactly the bytes its shape needs, outputs have the documented shapes, and no
+// context or weight change survives a failed call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gradwire/v1/service.pb.h"
+#include "google/protobuf/stubs/logging.h"
+#include "server/core/module_host.h"
+#include "server/core/quantizer.h"
+#include "server/rpc/tensor_codec.h"
+
+namespace {
+
+using gradwire::core::ModuleHost;
+using gradwire::core::ModuleKind;
+using gradwire::core::ModuleSpec;
+namespace v1 = gradwire::v1;
+namespace rpc = gradwire::rpc;
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "request_fuzzer invariant broken: %s\n", what.c_str());
+  std::abort();
+}
+
+// The codes a malformed request may get; anything else (INTERNAL above all) is a bug.
+void CheckBadInputCode(const absl::Status& s, const char* where) {
+  switch (s.code()) {
+    case absl::StatusCode::kOk:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+      return;
+    default:
+      Fail(std::string(where) + " returned " + s.ToString());
+  }
+}
+
+struct Fixture {
+  ModuleHost host;
+  std::vector<std::string> ids;  // Linear, LayerNormLinear (+ln output), LayerNormMLP (swiglu)
+  static constexpr int64_t kIn = 8, kOut = 4;
+
+  Fixture() {
+    ModuleSpec s;
+    s.in_features = kIn;
+    s.out_features = kOut;
+    s.seed = 7;
+    s.kind = ModuleKind::kLinear;
+    Add(s);
+    s.kind = ModuleKind::kLayerNormLinear;
+    s.return_layernorm_output = true;
+    s.recipe.mode = gradwire::core::ScalingMode::kDelayed;
+    Add(s);
+    s.kind = ModuleKind::kLayerNormMlp;
+    s.return_layernorm_output = false;
+    s.ffn_features = 6;
+    s.activation = gradwire::kernels::Activation::kSwiglu;
+    Add(s);
+  }
+  void Add(const ModuleSpec& s) {
+    auto info = host.Create(s);
+    if (!info.ok()) Fail("fixture module: " + info.status().ToString());
+    ids.push_back(info->module_id);
+  }
+  // Unknown ids are worth fuzzing too, but mostly the request should reach a real module.
+  const std::string& Pick(const std::string& wire_id, uint8_t selector) const {
+    for (const std::string& id : ids) {
+      if (id == wire_id) return id;
+    }
+    return selector % 8 == 7 ? wire_id : ids[selector % ids.size()];
+  }
+  void CheckNoContexts(const char* where) const {
+    if (host.Stats().live_contexts != 0 || host.Stats().context_bytes != 0) {
+      Fail(std::string(where) + " left a context behind");
+    }
+  }
+};
+
+int64_t ElementSize(v1::DType d) {
+  switch (d) {
+    case v1::F32:
+      return 4;
+    case v1::BF16:
+    case v1::F16:
+      return 2;
+    case v1::FP8_E4M3:
+    case v1::FP8_E5M2:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+// DecodeTensor plus the checks any success must pass.
+absl::StatusOr<at::Tensor> Decode(const v1::Tensor& t, const char* field) {
+  absl::StatusOr<at::Tensor> out = rpc::DecodeTensor(t, field);
+  CheckBadInputCode(out.status(), "DecodeTensor");
+  if (!out.ok()) {
+    if (out.status().code() != absl::StatusCode::kInvalidArgument) Fail("decode code");
+    if (out.status().message().find(field) == absl::string_view::npos) {
+      Fail("decode error does not name its field: " + std::string(out.status().message()));
+    }
+    return out;
+  }
+  if (out->scalar_type() != at::kFloat || out->dim() != t.shape_size()) Fail("decoded type/rank");
+  if (out->numel() * ElementSize(t.dtype()) != int64_t(t.data().size())) Fail("decoded size");
+  for (int i = 0; i < t.shape_size(); ++i) {
+    if (out->size(i) != t.shape(i)) Fail("decoded shape");
+  }
+  // F32 decodes bit-exactly; re-encoding gives the same bytes back.
+  if (t.dtype() == v1::F32) {
+    v1::Tensor again;
+    if (!rpc::EncodeTensor(*out, v1::F32, "check", &again).ok() || again.data() != t.data()) {
+      Fail("F32 decode/encode round trip");
+    }
+  }
+  return out;
+}
+
+void RunForward(Fixture& f, v1::ForwardRequest req, uint8_t selector) {
+  req.set_module_id(f.Pick(req.module_id(), selector));
+  if (!req.has_input()) return;  // the handler answers before any decoding
+  const absl::Status dtype_ok = rpc::CheckOutputDType(req.output_dtype(), "output_dtype");
+  CheckBadInputCode(dtype_ok, "CheckOutputDType");
+  if (!dtype_ok.ok()) return;
+  absl::StatusOr<at::Tensor> input = Decode(req.input(), "input");
+  if (!input.ok()) return;
+  std::optional<gradwire::core::Fp8Tensor> fp8;
+  const v1::DType dtype = req.input().dtype();
+  if (dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2) {
+    const int64_t cols = input->size(-1);
+    fp8 = gradwire::core::FromCodes(reinterpret_cast<const uint8_t*>(req.input().data().data()),
+                                    input->numel() / cols, cols,
+                                    dtype == v1::FP8_E4M3 ? gradwire::kernels::Fp8Format::kE4M3
+                                                          : gradwire::kernels::Fp8Format::kE5M2,
+                                    req.input().scale_inv(), {true, req.training()});
+  }
+  auto out = f.host.Forward(req.module_id(), *input, req.training(), fp8 ? &*fp8 : nullptr);
+  CheckBadInputCode(out.status(), "Forward");
+  if (!out.ok()) {
+    f.CheckNoContexts("failed Forward");
+    return;
+  }
+  if (out->output.dim() != input->dim() || out->output.size(-1) != Fixture::kOut) {
+    Fail("forward output shape");
+  }
+  if (req.training() == out->context_id.empty()) Fail("context id vs training");
+  v1::Tensor encoded;
+  if (!rpc::EncodeTensor(out->output, req.output_dtype(), "output_dtype", &encoded).ok()) {
+    Fail("EncodeTensor of a valid output dtype failed");
+  }
+  if (!out->context_id.empty()) {
+    // A backward of the right shape on the context must work (and free it), whatever the input.
+    at::Tensor grad = at::ones_like(out->output);
+    auto back = f.host.Backward(out->context_id, grad, false, selector & 1);
+    if (!back.ok()) Fail("backward after a fuzzed forward: " + back.status().ToString());
+    f.CheckNoContexts("Backward");
+  }
+}
+
+void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
+  // A real context from a valid forward, so the fuzzed grad_output meets the shape checks.
+  const std::string& module_id = f.ids[selector % f.ids.size()];
+  const int64_t rows = 1 + (selector >> 4) % 4;
+  auto fwd = f.host.Forward(module_id, at::rand({rows, Fixture::kIn}), true);
+  if (!fwd.ok()) Fail("fixture forward: " + fwd.status().ToString());
+  if (!(selector & 8)) req.set_context_id(fwd->context_id);
+  const auto version_before = f.host.Info(module_id)->weight_version;
+  absl::Status status = absl::OkStatus();
+  if (!req.has_grad_output()) {
+    status = absl::InvalidArgumentError("grad_output is required");
+  } else if (auto s = rpc::CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"); !s.ok()) {
+    status = s;
+  } else {
+    absl::StatusOr<at::Tensor> grad = Decode(req.grad_output(), "grad_output");
+    gradwire::core::BackwardInput in;
+    if (grad.ok()) in.grad_output = *grad;
+    absl::StatusOr<at::Tensor> grad_ln = at::Tensor();
+    if (grad.ok() && req.has_grad_layernorm_output()) {
+      grad_ln = Decode(req.grad_layernorm_output(), "grad_layernorm_output");
+      if (grad_ln.ok()) in.grad_layernorm_output = *grad_ln;
+    }
+    status = !grad.ok() ? grad.status() : !grad_ln.ok() ? grad_ln.status() : absl::OkStatus();
+    if (status.ok()) {
+      in.retain = req.retain();
+      in.skip_grad_input = req.skip_grad_input();
+      auto back = f.host.Backward(req.context_id(), in);
+      status = back.status();
+      if (back.ok() && !in.skip_grad_input) {
+        if (back->sizes() != at::IntArrayRef({rows, Fixture::kIn})) Fail("grad_input shape");
+      }
+    }
+  }
+  CheckBadInputCode(status, "Backward");
+  if (f.host.Info(module_id)->weight_version != version_before) Fail("backward changed weights");
+  // A failed backward keeps the context (the client may retry); release whatever is left.
+  (void)f.host.ReleaseContext(fwd->context_id);
+  f.CheckNoContexts("Backward + release");
+}
+
+void RunSetWeights(Fixture& f, v1::SetWeightsRequest req, uint8_t selector) {
+  req.set_module_id(f.Pick(req.module_id(), selector));
+  auto before = f.host.GetWeights(req.module_id());
+  gradwire::core::NamedTensors params;
+  absl::Status status = absl::OkStatus();
+  for (int i = 0; i < req.parameters_size() && status.ok(); ++i) {
+    auto t = Decode(req.parameters(i).tensor(), "parameters[i].tensor");
+    if (t.ok()) {
+      params.emplace_back(req.parameters(i).name(), *t);
+    } else {
+      status = t.status();
+    }
+  }
+  if (status.ok()) status = f.host.SetWeights(req.module_id(), params).status();
+  CheckBadInputCode(status, "SetWeights");
+  if (!status.ok() && before.ok()) {
+    auto after = f.host.GetWeights(req.module_id());
+    if (!after.ok() || after->weight_version != before->weight_version) Fail("version moved");
+    for (size_t i = 0; i < before->tensors.size(); ++i) {
+      if (!at::equal(before->tensors[i].second, after->tensors[i].second)) {
+        Fail("a rejected SetWeights changed " + before->tensors[i].first);
+      }
+    }
+  }
+}
+
+// Raw tensor: [dtype][rank][rank x int64 dims, little-endian][scale_inv f32][data...].
+void RunRawTensor(Fixture& f, const uint8_t* data, size_t size, uint8_t selector) {
+  if (size < 2) return;
+  v1::Tensor t;
+  t.set_dtype(static_cast<v1::DType>(int8_t(data[0])));
+  const size_t rank = data[1] % 6;
+  data += 2, size -= 2;
+  for (size_t i = 0; i < rank; ++i) {
+    int64_t dim = 0;
+    if (size < sizeof(dim)) return;
+    std::memcpy(&dim, data, sizeof(dim));
+    data += sizeof(dim), size -= sizeof(dim);
+    t.add_shape(dim);
+  }
+  float scale_inv = 0;
+  if (size < sizeof(scale_inv)) return;
+  std::memcpy(&scale_inv, data, sizeof(scale_inv));
+  data += sizeof(scale_inv), size -= sizeof(scale_inv);
+  t.set_scale_inv(scale_inv);
+  t.set_data(reinterpret_cast<const char*>(data), size);
+  v1::ForwardRequest req;
+  *req.mutable_input() = std::move(t);
+  req.set_training(selector & 1);
+  req.set_output_dtype(static_cast<v1::DType>((selector >> 1) % 6));
+  RunForward(f, std::move(req), selector >> 4);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  at::set_num_threads(1);
+  // Parsing fuzzed bytes makes protobuf log every invalid UTF-8 string; the parse result is
+  // what matters.
+  google::protobuf::SetLogHandler(nullptr);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 2) return 0;
+  const uint8_t mode = data[0] % 4, selector = data[1];
+  data += 2, size -= 2;
+  Fixture f;
+  switch (mode) {
+    case 0: {
+      v1::ForwardRequest req;
+      if (req.ParseFromArray(data, int(size))) RunForward(f, std::move(req), selector);
+      break;
+    }
+    case 1: {
+      v1::BackwardRequest req;
+      if (req.ParseFromArray(data, int(size))) RunBackward(f, std::move(req), selector);
+      break;
+    }
+    case 2: {
+      v1::SetWeightsRequest req;
+      if (req.ParseFromArray(data, int(size))) RunSetWeights(f, std::move(req), selector);
+      break;
+    }
+    default:
+      RunRawTensor(f, data, size, selector);
+  }
+  f.CheckNoContexts("end of input");
+  return 0;
+}
