@@ -38,12 +38,21 @@ std::chrono::steady_clock::time_point ContextStore::Now() const {
   return clock_ ? clock_() : std::chrono::steady_clock::now();
 }
 
-absl::Status ContextStore::CheckFits(int64_t bytes) const {
+absl::Status ContextStore::CheckFits(int64_t bytes) {
+  absl::Status s = FitsStatus(bytes);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.rejected_too_large;
+  }
+  return s;
+}
+
+absl::Status ContextStore::FitsStatus(int64_t bytes) const {
   if (bytes > limits_.device_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this forward's saved tensors take ", bytes,
-        " bytes, more than the whole context memory budget (--context-memory ",
-        limits_.device_bytes, " bytes); send fewer rows per call"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this forward's saved tensors take ", bytes,
+                     " bytes, more than the whole context memory budget (--context-memory ",
+                     limits_.device_bytes, " bytes); send fewer rows per call"));
   }
   return absl::OkStatus();
 }
@@ -53,7 +62,7 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
                                               std::string tenant, std::string client) {
   const int64_t bytes = saved->bytes();
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto s = CheckFits(bytes); !s.ok()) {
+  if (auto s = FitsStatus(bytes); !s.ok()) {
     ++stats_.rejected_too_large;
     return s;
   }
@@ -78,8 +87,8 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
   if (!MakeDeviceRoomLocked(0, nullptr)) {
     spdlog::error("context store: device budget exceeded with every context in a backward");
   }
-  EnforceHostLocked();
-  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
+  EnforceHostLocked(nullptr);
+  NotePeaksLocked();
   return id;
 }
 
@@ -108,17 +117,16 @@ bool ContextStore::MakeDeviceRoomLocked(int64_t need, const Entry* keep) {
     }
     e.pack = *std::move(pack);
     stats_.host_bytes += e.pack->bytes();
-    stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, stats_.host_bytes);
     ++stats_.offloads;
   }
   return stats_.device_bytes + need <= limits_.device_bytes;
 }
 
-void ContextStore::EnforceHostLocked() {
+void ContextStore::EnforceHostLocked(const Entry* keep) {
   for (auto o = order_.begin(); stats_.host_bytes > limits_.host_bytes && o != order_.end();) {
     auto it = entries_.find(o->second);
     ++o;
-    if (!it->second.pack) continue;
+    if (!it->second.pack || &it->second == keep) continue;
     EraseLocked(it, /*remember=*/true, Gone::kEvictedMemory);
     ++stats_.evicted_memory;
   }
@@ -158,12 +166,12 @@ absl::Status ContextStore::GoneStatus(const std::string& context_id, Gone why) c
           "context_id ", context_id, " was evicted: unused for longer than the context TTL (",
           limits_.ttl_seconds, " s, --context-ttl); run its forward again"));
     case Gone::kEvictedMemory:
-      return absl::NotFoundError(absl::StrCat(
-          "context_id ", context_id,
-          " was evicted: context memory was full (device and host offload budgets, "
-          "--context-memory ",
-          limits_.device_bytes, " and --host-offload-memory ", limits_.host_bytes,
-          " bytes); run its forward again"));
+      return absl::NotFoundError(
+          absl::StrCat("context_id ", context_id,
+                       " was evicted: context memory was full (device and host offload budgets, "
+                       "--context-memory ",
+                       limits_.device_bytes, " and --host-offload-memory ", limits_.host_bytes,
+                       " bytes); run its forward again"));
   }
   return Unknown(context_id);
 }
@@ -197,18 +205,27 @@ absl::StatusOr<ContextStore::Lease> ContextStore::Acquire(const std::string& con
         absl::StrCat("context_id ", context_id, " has a backward running"));
   }
   if (e.pack) {
-    if (!MakeDeviceRoomLocked(e.bytes, &e)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "context_id ", context_id,
-          " is offloaded and running backwards hold the whole context memory budget "
-          "(--context-memory ",
-          limits_.device_bytes, " bytes); retry"));
+    // A swap: this context's host bytes make room for the ones that leave the device for it.
+    const int64_t packed = e.pack->bytes();
+    stats_.host_bytes -= packed;
+    const bool room = MakeDeviceRoomLocked(e.bytes, &e);
+    absl::Status unpacked = absl::OkStatus();
+    if (room) unpacked = e.pack->Unpack(*e.saved);
+    if (!room || !unpacked.ok()) {  // it stays offloaded
+      stats_.host_bytes += packed;
+      EnforceHostLocked(&e);
+      NotePeaksLocked();
+      if (!unpacked.ok()) return unpacked;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("context_id ", context_id,
+                       " is offloaded and running backwards hold the whole context memory budget "
+                       "(--context-memory ",
+                       limits_.device_bytes, " bytes); retry"));
     }
-    if (auto s = e.pack->Unpack(*e.saved); !s.ok()) return s;  // stays offloaded
-    stats_.host_bytes -= e.pack->bytes();
-    stats_.device_bytes += e.bytes;
-    stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
     e.pack.reset();
+    stats_.device_bytes += e.bytes;
+    EnforceHostLocked(&e);
+    NotePeaksLocked();
     ++stats_.restores;
   }
   e.in_backward = true;
@@ -227,7 +244,13 @@ void ContextStore::Finish(const std::string& context_id, bool consumed, bool ret
   TouchLocked(it);
   // Offloads skipped this context while its backward ran.
   MakeDeviceRoomLocked(0, nullptr);
-  EnforceHostLocked();
+  EnforceHostLocked(nullptr);
+  NotePeaksLocked();
+}
+
+void ContextStore::NotePeaksLocked() {
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
+  stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, stats_.host_bytes);
 }
 
 absl::Status ContextStore::Release(const std::string& context_id) {

@@ -44,10 +44,10 @@ struct ContextStats {
   int64_t host_bytes = 0;    // saved-tensor bytes offloaded to host memory
   int64_t peak_device_bytes = 0;
   int64_t peak_host_bytes = 0;
-  int64_t offloads = 0;        // device -> host moves
-  int64_t restores = 0;        // host -> device moves (a backward on an offloaded context)
-  int64_t evicted_ttl = 0;     // contexts evicted for being unused past the TTL
-  int64_t evicted_memory = 0;  // contexts evicted because the host budget was full
+  int64_t offloads = 0;            // device -> host moves
+  int64_t restores = 0;            // host -> device moves (a backward on an offloaded context)
+  int64_t evicted_ttl = 0;         // contexts evicted for being unused past the TTL
+  int64_t evicted_memory = 0;      // contexts evicted because the host budget was full
   int64_t rejected_too_large = 0;  // forwards whose context alone exceeded the device budget
 };
 
@@ -75,8 +75,9 @@ class ContextStore {
   // Where a context's saved tensors are.
   enum class Residence { kNone, kDevice, kHost };
 
-  // RESOURCE_EXHAUSTED when a context of `bytes` could never fit the device budget.
-  absl::Status CheckFits(int64_t bytes) const;
+  // RESOURCE_EXHAUSTED when a context of `bytes` could never fit the device budget (counted in
+  // rejected_too_large).
+  absl::Status CheckFits(int64_t bytes);
 
   // Stores `saved` under a fresh random 128-bit id (32 hex digits) and returns the id, moving
   // older contexts to host memory (and evicting) as the budgets require. `tenant` owns the
@@ -145,13 +146,17 @@ class ContextStore {
   };
   using Iter = std::unordered_map<std::string, Entry>::iterator;
 
+  absl::Status FitsStatus(int64_t bytes) const;
   std::chrono::steady_clock::time_point Now() const;
   void TouchLocked(Iter it);
   // Offloads least recently used contexts (never `keep`, never one in a backward) until `need`
   // more bytes fit the device budget; false when they cannot.
   bool MakeDeviceRoomLocked(int64_t need, const Entry* keep);
-  // Evicts least recently used offloaded contexts until the host budget holds.
-  void EnforceHostLocked();
+  // Evicts least recently used offloaded contexts (never `keep`) until the host budget holds.
+  void EnforceHostLocked(const Entry* keep);
+  // The budgets hold between public calls (within one, a swap may pass through more); peaks are
+  // taken there.
+  void NotePeaksLocked();
   void EvictExpiredLocked();
   void EraseLocked(Iter it, bool remember, Gone why);
   absl::Status GoneStatus(const std::string& context_id, Gone why) const;

@@ -101,8 +101,8 @@ struct ModuleState {
 struct HostStats {
   int64_t modules = 0;
   int64_t live_contexts = 0;
-  int64_t context_bytes = 0;  // device + host
-  ContextStats contexts;      // budgets: offloads, restores, evictions
+  int64_t context_bytes = 0;     // device + host
+  ContextStats contexts;         // budgets: offloads, restores, evictions
   int64_t workspace_builds = 0;  // FP8 weight casts (cache misses)
   int64_t workspace_hits = 0;
 };

@@ -305,8 +305,8 @@ void GradwireService::Report(const char* method, const absl::Status& status, dou
 
 grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     grpc::CallbackServerContext* ctx, const char* method,
-    std::function<absl::Status(const Caller&)> work, std::string module_id,
-    std::string context_id, const google::protobuf::Message* request) {
+    std::function<absl::Status(const Caller&)> work, std::string module_id, std::string context_id,
+    const google::protobuf::Message* request) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto queued_at = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
@@ -325,9 +325,9 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     queue_key = host_.contexts().ModuleOf(context_id);
   }
   if (!queue_key.empty() && !AdmitQueued(queue_key)) {
-    const absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
-        "module ", queue_key, " has ", options_.limits.max_queued_per_module,
-        " calls queued, the limit (--max-queued-per-module); retry with backoff"));
+    const absl::Status status = absl::ResourceExhaustedError(
+        absl::StrCat("module ", queue_key, " has ", options_.limits.max_queued_per_module,
+                     " calls queued, the limit (--max-queued-per-module); retry with backoff"));
     Report(method, status, 0.0, module_id, context_id, caller->tenant);
     reactor->Finish(ToGrpc(status));
     return reactor;
@@ -438,18 +438,19 @@ absl::Status GradwireService::CheckForwardLimits(const Caller& caller,
   const int64_t elements = ShapeElements(req.input());
   GW_RETURN_IF_ERROR(CheckElements("input", elements, limit));
   GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
-  // What the forward would build, from the rows the input declares (a wrong last dimension is
-  // the forward's INVALID_ARGUMENT).
-  const int64_t rows = elements / std::max<int64_t>(1, req.input().shape(req.input().shape_size() - 1));
   auto saturating = [](int64_t a, int64_t b) {
     return b != 0 && a > std::numeric_limits<int64_t>::max() / b
                ? std::numeric_limits<int64_t>::max()
                : a * b;
   };
-  if (req.input().shape_size() > 0) {
+  if (const int dims = req.input().shape_size(); dims > 0) {
+    // What the forward would build, from the rows the input declares (a wrong last dimension is
+    // the forward's INVALID_ARGUMENT).
+    const int64_t rows = elements / std::max<int64_t>(1, req.input().shape(dims - 1));
     GW_RETURN_IF_ERROR(CheckElements("the output", saturating(rows, spec.out_features), limit));
     if (spec.kind == core::ModuleKind::kLayerNormMlp) {
-      const int64_t f1 = kernels::IsGated(spec.activation) ? 2 * spec.ffn_features : spec.ffn_features;
+      const int64_t f1 =
+          kernels::IsGated(spec.activation) ? 2 * spec.ffn_features : spec.ffn_features;
       GW_RETURN_IF_ERROR(CheckElements("the FC1 output", saturating(rows, f1), limit));
     }
   }
@@ -457,10 +458,10 @@ absl::Status GradwireService::CheckForwardLimits(const Caller& caller,
   if (req.training() && max_contexts > 0) {
     const int64_t live = host_.contexts().live_contexts_of_client(caller.client);
     if (live >= max_contexts) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          caller.client, " has ", live, " live training contexts, the limit (",
-          "--max-contexts-per-client ", max_contexts,
-          "); run their backwards or ReleaseContext them first"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(caller.client, " has ", live, " live training contexts, the limit (",
+                       "--max-contexts-per-client ", max_contexts,
+                       "); run their backwards or ReleaseContext them first"));
     }
   }
   return absl::OkStatus();
@@ -488,9 +489,8 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   if (Abandoned(ctx)) {  // stop before the compute
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
   }
-  GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
-                      host_.Forward(req.module_id(), input, req.training(), fp8 ? &*fp8 : nullptr,
-                                    caller.client));
+  GW_ASSIGN_OR_RETURN(core::ForwardOutput out, host_.Forward(req.module_id(), input, req.training(),
+                                                             fp8 ? &*fp8 : nullptr, caller.client));
   // From here a failure must not leave the context behind: nobody would ever consume it.
   auto fail = [&](absl::Status status) {
     if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);

@@ -40,9 +40,10 @@ struct Caller {
 // Request limits; each refusal is RESOURCE_EXHAUSTED naming the flag. 0: unlimited.
 struct ServiceLimits {
   int64_t max_request_bytes = int64_t(64) << 20;  // serialized size of one request message
-  int64_t max_tensor_elements = int64_t(1) << 26;  // any tensor a call sends or makes the server build
-  int64_t max_contexts_per_client = 4096;          // live training contexts of one client
-  int64_t max_queued_per_module = 256;             // calls waiting on the executor, per module
+  int64_t max_tensor_elements = int64_t(1)
+                                << 26;     // any tensor a call sends or makes the server build
+  int64_t max_contexts_per_client = 4096;  // live training contexts of one client
+  int64_t max_queued_per_module = 256;     // calls waiting on the executor, per module
 };
 
 struct ServiceOptions {
