@@ -337,8 +337,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   app.add_option("--host-offload-memory", flags.host_offload_memory,
-                 "host memory for contexts offloaded from the device (pinned on CUDA), e.g. "
-                 "8GiB; past it the least recently used are evicted (their backward gets "
+                 "host memory for contexts offloaded from the device, e.g. 8GiB (on the CPU "
+                 "backend a separately accounted host copy); past it the least recently used are "
+                 "evicted (their backward gets "
                  "NOT_FOUND saying so); 0: no offload, evict at once")
       ->transform(CLI::AsSizeValue(true))
       ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))

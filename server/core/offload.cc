@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -12,6 +13,7 @@ namespace gradwire::core {
 
 struct HostPack::Item {
   bool defined = false;
+  at::Device device = at::kCPU;  // where the tensor lived, and goes back to
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> sizes;
   std::unique_ptr<uint8_t[]> data;
@@ -28,8 +30,9 @@ absl::StatusOr<std::unique_ptr<HostPack>> HostPack::Pack(SavedTensors& saved) {
     saved.ForEachTensor([&](at::Tensor& t) {
       Item item;
       if (t.defined()) {
-        const at::Tensor c = t.contiguous();
+        const at::Tensor c = t.to(at::kCPU).contiguous();
         item.defined = true;
+        item.device = t.device();
         item.dtype = c.scalar_type();
         item.sizes.assign(c.sizes().begin(), c.sizes().end());
         item.bytes = int64_t(c.nbytes());
@@ -55,9 +58,10 @@ absl::Status HostPack::Unpack(SavedTensors& saved) const {
         restored.emplace_back();
         continue;
       }
-      at::Tensor t = at::empty(item.sizes, at::TensorOptions().dtype(item.dtype));
-      std::memcpy(t.data_ptr(), item.data.get(), size_t(item.bytes));
-      restored.push_back(std::move(t));
+      // A view of the host buffer, copied into memory of its own on its device.
+      const at::Tensor view =
+          at::from_blob(item.data.get(), item.sizes, at::TensorOptions().dtype(item.dtype));
+      restored.push_back(item.device.is_cpu() ? view.clone() : view.to(item.device));
     }
   } catch (const std::exception& e) {
     return absl::ResourceExhaustedError(

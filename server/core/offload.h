@@ -3,8 +3,9 @@
 // memory is freed; Unpack allocates them again and copies the bytes back.
 //
 // On the CPU backend the "device" is host memory too, and the host buffers are plain heap
-// allocations accounted separately from the device budget; a CUDA backend packs into pinned
-// buffers so the copies can run asynchronously on the executor's stream.
+// allocations accounted separately from the device budget. Tensors on another device are copied
+// to host and back synchronously; a CUDA backend should pack into pinned buffers so the copies can
+// run asynchronously on the executor's stream.
 #pragma once
 
 #include <cstdint>

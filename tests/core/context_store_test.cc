@@ -306,7 +306,7 @@ TEST(ContextStoreTest, BackwardsRacingEvictionsEndCleanly) {
       }
       std::lock_guard<std::mutex> lock(ids_mu);
       ids.push_back(*id);
-      if (i % 50 == 0) fake_ms += 20;  // time passes: the TTL evicts too
+      if (i % 500 == 499) fake_ms += 100;  // now and then time jumps past the TTL
     }
     stop = true;
   });
@@ -355,7 +355,8 @@ TEST(ContextStoreTest, BackwardsRacingEvictionsEndCleanly) {
   EXPECT_EQ(bad.load(), 0);
   EXPECT_GT(ok.load(), 0);
   EXPECT_GT(s.offloads, 0);
-  EXPECT_GT(s.evicted_memory + s.evicted_ttl, 0);
+  EXPECT_GT(s.evicted_memory, 0);
+  EXPECT_GT(s.evicted_ttl, 0);
   EXPECT_LE(s.peak_device_bytes, kDevice);
   EXPECT_LE(s.peak_host_bytes, kHost);
   std::printf(
