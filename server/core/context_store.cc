@@ -106,6 +106,13 @@ bool ContextStore::MakeDeviceRoomLocked(int64_t need, const Entry* keep) {
     ++o;  // an eviction below may erase the current position
     Entry& e = it->second;
     if (&e == keep || e.in_backward || e.pack) continue;
+    if (e.bytes > limits_.host_bytes) {  // it could not stay on the host: no copy for nothing
+      stats_.device_bytes -= e.bytes;
+      e.bytes = 0;
+      EraseLocked(it, /*remember=*/true, Gone::kEvictedMemory);
+      ++stats_.evicted_memory;
+      continue;
+    }
     auto pack = HostPack::Pack(*e.saved);
     stats_.device_bytes -= e.bytes;
     if (!pack.ok()) {  // no host memory at all: the context cannot be kept
