@@ -474,8 +474,9 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
   GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
-  GW_RETURN_IF_ERROR(CheckForwardLimits(caller, req));
+  // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
   GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req.input(), "input"));
+  GW_RETURN_IF_ERROR(CheckForwardLimits(caller, req));
   // FP8 input (codes + scale_inv) is used as it came, not re-quantized.
   std::optional<core::Fp8Tensor> fp8;
   const v1::DType dtype = req.input().dtype();
@@ -527,9 +528,9 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
   GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
-  GW_RETURN_IF_ERROR(CheckElements("grad_output", ShapeElements(req.grad_output()),
-                                   options_.limits.max_tensor_elements));
   GW_ASSIGN_OR_RETURN(at::Tensor grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  GW_RETURN_IF_ERROR(
+      CheckElements("grad_output", grad_output.numel(), options_.limits.max_tensor_elements));
   if (Abandoned(ctx)) {  // the context stays for a retry
     return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
   }
@@ -640,12 +641,11 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
         core::NamedTensors params;
         for (int i = 0; i < req->parameters_size(); ++i) {
           const v1::NamedTensor& named = req->parameters(i);
-          GW_RETURN_IF_ERROR(CheckElements(absl::StrCat("parameters[", i, "].tensor"),
-                                           ShapeElements(named.tensor()),
-                                           options_.limits.max_tensor_elements));
           GW_ASSIGN_OR_RETURN(
               at::Tensor t,
               DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
+          GW_RETURN_IF_ERROR(CheckElements(absl::StrCat("parameters[", i, "].tensor"), t.numel(),
+                                           options_.limits.max_tensor_elements));
           params.emplace_back(named.name(), t);
         }
         GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req->module_id(), params));
