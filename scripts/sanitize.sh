@@ -2,7 +2,9 @@
 # Builds the unit and service suites with a sanitizer and runs them with ctest.
 #   scripts/sanitize.sh asan   ASan + UBSan (UBSan aborts on the first report), in build-asan/
 #   scripts/sanitize.sh tsan   TSan, in build-tsan/
-# BUILD_DIR=... JOBS=... CTEST_ARGS="-R pattern" to override. The end-to-end, Python and deploy
+# BUILD_DIR=... JOBS=... CTEST_ARGS="-R pattern" to override. SANITIZE_TARGETS="a_test b_test"
+# builds and runs only those test programs (CI does that in the fuzz build, which is already
+# compiled with clang, ASan and UBSan: one instrumented build serves both). The end-to-end, Python and deploy
 # tests are left out (GRADWIRE_E2E_TESTS=OFF): they drive separate processes and scripts.
 # Debian's libtorch and gRPC are not instrumented; tests/sanitizers/*.supp hold the suppressions
 # for their frames (see docs/reliability.md).
@@ -38,6 +40,29 @@ if [ ! -f "$build_dir/build.ninja" ]; then
     -DGRADWIRE_SANITIZE="$sanitize" -DGRADWIRE_E2E_TESTS=OFF -DGRADWIRE_CUDA=OFF
 fi
 start=$(date +%s)
+if [ -n "${SANITIZE_TARGETS:-}" ]; then
+  # Only these test programs: built, then run directly (gtest), each to the end.
+  # shellcheck disable=SC2086
+  cmake --build "$build_dir" -j "$jobs" --target $SANITIZE_TARGETS
+  echo "sanitize $kind: build done in $(( $(date +%s) - start )) s ($build_dir)"
+  failed=()
+  for t in $SANITIZE_TARGETS; do
+    exe=$(find "$build_dir/tests" -type f -name "$t" -perm -u+x | head -1)
+    [ -n "$exe" ] || { echo "sanitize $kind: $t was not built" >&2; exit 1; }
+    t0=$(date +%s)
+    if "$exe" --gtest_brief=1 > "$build_dir/$t.sanitize.log" 2>&1; then
+      echo "sanitize $kind: $t clean ($(grep -Eo '[0-9]+ tests?' "$build_dir/$t.sanitize.log" | tail -1), $(( $(date +%s) - t0 )) s)"
+    else
+      failed+=("$t")
+      tail -80 "$build_dir/$t.sanitize.log" >&2
+    fi
+  done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "sanitize $kind: FAILED: ${failed[*]} (logs in $build_dir/*.sanitize.log)" >&2
+    exit 1
+  fi
+  exit 0
+fi
 cmake --build "$build_dir" -j "$jobs"
 echo "sanitize $kind: build done in $(( $(date +%s) - start )) s ($build_dir)"
 start=$(date +%s)

@@ -10,11 +10,14 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -36,7 +39,16 @@ struct ServerFlags {
   std::string device = "auto";             // auto | cpu | cuda
   std::string log_level = "info";
   std::string log_format = "text";  // text | json (one JSON object a line)
-  int max_message_mib = 64;         // largest request/response message
+  int max_message_mib = 64;         // largest response message
+  // Saved-context memory (DESIGN.md, bounded memory): device budget, host offload budget, TTL.
+  int64_t context_memory = int64_t(4) << 30;
+  int64_t host_offload_memory = int64_t(8) << 30;
+  double context_ttl_s = 600;
+  // Request limits: RESOURCE_EXHAUSTED naming the flag.
+  int64_t max_request_bytes = int64_t(64) << 20;
+  int64_t max_tensor_elements = int64_t(1) << 26;
+  int64_t max_contexts_per_client = 4096;
+  int64_t max_queued_per_module = 256;
   double shutdown_grace_s = 10.0;   // in-flight calls get this long on SIGINT/SIGTERM
   std::string metrics_listen;       // host:port of the Prometheus endpoint; empty: off
   std::string tls_cert;             // PEM certificate chain; with tls_key: serve TLS
@@ -119,6 +131,13 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "log-level = " << quote(f.log_level) << "\n";
   out << "log-format = " << quote(f.log_format) << "\n";
   out << "max-message-mib = " << f.max_message_mib << "\n";
+  out << "max-request-bytes = " << f.max_request_bytes << "\n";
+  out << "max-tensor-elements = " << f.max_tensor_elements << "\n";
+  out << "max-contexts-per-client = " << f.max_contexts_per_client << "\n";
+  out << "max-queued-per-module = " << f.max_queued_per_module << "\n";
+  out << "context-memory = " << f.context_memory << "\n";
+  out << "host-offload-memory = " << f.host_offload_memory << "\n";
+  out << "context-ttl = " << f.context_ttl_s << "\n";
   out << "shutdown-grace = " << f.shutdown_grace_s << "\n";
   out << "tls-cert = " << quote(f.tls_cert) << "\n";
   out << "tls-key = " << quote(f.tls_key) << "\n";
@@ -289,8 +308,50 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
   app.add_option("--max-message-mib", flags.max_message_mib,
-                 "largest gRPC message accepted or sent, in MiB")
+                 "largest gRPC response message sent, in MiB (requests: --max-request-bytes)")
       ->check(CLI::Range(1, 2047))
+      ->capture_default_str();
+  app.add_option("--max-request-bytes", flags.max_request_bytes,
+                 "largest request message, e.g. 64MiB (bytes; KiB, MiB, GiB accepted); larger "
+                 "ones get RESOURCE_EXHAUSTED, and the transport drops ones over twice this unread")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(int64_t(1) << 10, int64_t(1) << 30))
+      ->capture_default_str();
+  app.add_option("--max-tensor-elements", flags.max_tensor_elements,
+                 "most elements of any tensor a call sends or makes the server build (forward "
+                 "output, MLP hidden layer)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 40))
+      ->capture_default_str();
+  app.add_option("--max-contexts-per-client", flags.max_contexts_per_client,
+                 "most live training contexts of one client (its tenant with tokens, else its "
+                 "address); 0: no limit")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
+      ->capture_default_str();
+  app.add_option("--max-queued-per-module", flags.max_queued_per_module,
+                 "most calls waiting for the device per module; more get RESOURCE_EXHAUSTED; 0: no "
+                 "limit")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
+      ->capture_default_str();
+  app.add_option("--context-memory", flags.context_memory,
+                 "device memory for saved tensors of training contexts, e.g. 4GiB (bytes; KiB, "
+                 "MiB, GiB accepted; on the CPU backend host memory stands for the device). Past "
+                 "it the least recently used contexts move to host memory; a forward whose "
+                 "context alone is larger gets RESOURCE_EXHAUSTED")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()))
+      ->capture_default_str();
+  app.add_option("--host-offload-memory", flags.host_offload_memory,
+                 "host memory for contexts offloaded from the device, e.g. 8GiB (on the CPU "
+                 "backend a separately accounted host copy); past it the least recently used are "
+                 "evicted (their backward gets "
+                 "NOT_FOUND saying so); 0: no offload, evict at once")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))
+      ->capture_default_str();
+  app.add_option("--context-ttl", flags.context_ttl_s,
+                 "seconds a training context may wait unused for its backward before it is "
+                 "evicted (0: never)")
+      ->check(CLI::Range(0.0, 1e9))
       ->capture_default_str();
   app.add_option("--shutdown-grace", flags.shutdown_grace_s,
                  "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
@@ -384,11 +445,15 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  // A chunk travels in one message with a few bytes of framing around it.
-  if ((int64_t(flags.chunk_kib) << 10) + (int64_t(64) << 10) > int64_t(flags.max_message_mib)
-                                                                   << 20) {
-    spdlog::error("--chunk-kib {} does not fit --max-message-mib {} (a chunk needs 64 KiB of room)",
-                  flags.chunk_kib, flags.max_message_mib);
+  // A chunk travels in one message with a few bytes of framing around it, both ways: it must fit
+  // what the server sends (--max-message-mib) and what it reads (twice --max-request-bytes).
+  const int64_t chunk_room = (int64_t(flags.chunk_kib) << 10) + (int64_t(64) << 10);
+  if (chunk_room > int64_t(flags.max_message_mib) << 20 ||
+      chunk_room > 2 * flags.max_request_bytes) {
+    spdlog::error(
+        "--chunk-kib {} does not fit --max-message-mib {} and twice --max-request-bytes {} (a "
+        "chunk needs 64 KiB of room)",
+        flags.chunk_kib, flags.max_message_mib, flags.max_request_bytes);
     return 2;
   }
 
@@ -439,7 +504,11 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  gradwire::core::ModuleHost host;
+  gradwire::core::ContextLimits context_limits;
+  context_limits.device_bytes = flags.context_memory;
+  context_limits.host_bytes = flags.host_offload_memory;
+  context_limits.ttl_seconds = flags.context_ttl_s;
+  gradwire::core::ModuleHost host(context_limits);
   std::unique_ptr<gradwire::core::Checkpointer> checkpointer;
   if (!flags.checkpoint_dir.empty()) {
     checkpointer = std::make_unique<gradwire::core::Checkpointer>(flags.checkpoint_dir,
@@ -457,11 +526,19 @@ int main(int argc, char** argv) {
   }
   auto executor = std::make_unique<gradwire::core::DeviceExecutor>(device);
   gradwire::server::Metrics metrics;
-  gradwire::rpc::ServiceOptions service_options{
-      GRADWIRE_VERSION, device, description, checkpointer.get(), authenticator.get(), {}};
+  gradwire::rpc::ServiceOptions service_options;
+  service_options.version = GRADWIRE_VERSION;
+  service_options.device = device;
+  service_options.device_name = description;
+  service_options.checkpointer = checkpointer.get();
+  service_options.authenticator = authenticator.get();
   service_options.stream_read_ahead = flags.stream_read_ahead;
   service_options.chunk_bytes = int64_t(flags.chunk_kib) << 10;
   service_options.max_stream_bytes = int64_t(flags.max_stream_mib) << 20;
+  service_options.limits.max_request_bytes = flags.max_request_bytes;
+  service_options.limits.max_tensor_elements = flags.max_tensor_elements;
+  service_options.limits.max_contexts_per_client = flags.max_contexts_per_client;
+  service_options.limits.max_queued_per_module = flags.max_queued_per_module;
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);
@@ -521,7 +598,10 @@ int main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(flags.listen, credentials, &port);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(flags.max_message_mib << 20);
+  // Twice the request limit, so a request somewhat over it is read and refused with a message
+  // naming --max-request-bytes; the transport drops anything larger unread.
+  builder.SetMaxReceiveMessageSize(
+      int(std::min<int64_t>(2 * flags.max_request_bytes, std::numeric_limits<int>::max())));
   builder.SetMaxSendMessageSize(flags.max_message_mib << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
@@ -534,6 +614,27 @@ int main(int argc, char** argv) {
   health->SetServingStatus(gradwire::v1::Gradwire::service_full_name(), true);
   health->SetServingStatus(true);  // "" and every service named so far
   spdlog::info("listening on {}", BoundAddress(flags.listen, port));
+  spdlog::info("context memory {} bytes on the device, {} bytes host offload, TTL {} s",
+               flags.context_memory, flags.host_offload_memory, flags.context_ttl_s);
+
+  // Evicts contexts past the TTL even when no call arrives to do it.
+  std::mutex janitor_mu;
+  std::condition_variable janitor_cv;
+  bool janitor_stop = false;
+  std::thread janitor;
+  if (flags.context_ttl_s > 0) {
+    const auto period = std::chrono::milliseconds(
+        std::clamp<int64_t>(int64_t(flags.context_ttl_s * 250), 10, 1000));
+    janitor = std::thread([&, period] {
+      std::unique_lock<std::mutex> lock(janitor_mu);
+      while (!janitor_cv.wait_for(lock, period, [&] { return janitor_stop; })) {
+        if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
+          spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n,
+                       flags.context_ttl_s);
+        }
+      }
+    });
+  }
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
@@ -546,6 +647,14 @@ int main(int argc, char** argv) {
   server->Shutdown(deadline);  // refuses new calls; cancels what is still running at the deadline
   server->Wait();
   executor.reset();  // drains tasks the cancelled calls left behind
+  if (janitor.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(janitor_mu);
+      janitor_stop = true;
+    }
+    janitor_cv.notify_all();
+    janitor.join();
+  }
   if (http_thread.joinable()) {
     http.stop();
     http_thread.join();

@@ -79,8 +79,31 @@ std::string Metrics::Render(const core::ModuleHost& host) const {
   out << "gradwire_modules " << stats.modules << '\n';
   Header(out, "gradwire_live_contexts", "gauge", "Training contexts waiting for a backward.");
   out << "gradwire_live_contexts " << stats.live_contexts << '\n';
-  Header(out, "gradwire_context_bytes", "gauge", "Bytes of saved tensors held by live contexts.");
-  out << "gradwire_context_bytes{memory=\"host\"} " << stats.context_bytes << '\n';
+  const core::ContextStats& c = stats.contexts;
+  Header(out, "gradwire_offloaded_contexts", "gauge",
+         "Live contexts whose saved tensors are offloaded to host memory.");
+  out << "gradwire_offloaded_contexts " << c.offloaded << '\n';
+  Header(out, "gradwire_context_bytes", "gauge",
+         "Bytes of saved tensors held by live contexts, on the device and offloaded to host.");
+  out << "gradwire_context_bytes{memory=\"device\"} " << c.device_bytes << '\n';
+  out << "gradwire_context_bytes{memory=\"host\"} " << c.host_bytes << '\n';
+  Header(out, "gradwire_context_bytes_peak", "gauge",
+         "Most bytes of saved tensors held at once since start (never above the budget).");
+  out << "gradwire_context_bytes_peak{memory=\"device\"} " << c.peak_device_bytes << '\n';
+  out << "gradwire_context_bytes_peak{memory=\"host\"} " << c.peak_host_bytes << '\n';
+  Header(out, "gradwire_context_offloads_total", "counter",
+         "Contexts moved to host memory to keep the device budget.");
+  out << "gradwire_context_offloads_total " << c.offloads << '\n';
+  Header(out, "gradwire_context_restores_total", "counter",
+         "Offloaded contexts brought back to the device for their backward.");
+  out << "gradwire_context_restores_total " << c.restores << '\n';
+  Header(out, "gradwire_context_evictions_total", "counter",
+         "Contexts evicted before their backward, by reason.");
+  out << "gradwire_context_evictions_total{reason=\"ttl\"} " << c.evicted_ttl << '\n';
+  out << "gradwire_context_evictions_total{reason=\"memory\"} " << c.evicted_memory << '\n';
+  Header(out, "gradwire_context_rejections_total", "counter",
+         "Training forwards refused because their context alone exceeded the device budget.");
+  out << "gradwire_context_rejections_total " << c.rejected_too_large << '\n';
   Header(out, "gradwire_workspace_builds_total", "counter",
          "FP8 weight casts: weight-workspace cache misses.");
   out << "gradwire_workspace_builds_total " << stats.workspace_builds << '\n';

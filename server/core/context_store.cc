@@ -1,8 +1,12 @@
 #include "server/core/context_store.h"
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/offload.h"
 
 namespace gradwire::core {
 
@@ -17,22 +21,166 @@ std::string RandomId128() {
   return id;
 }
 
-std::string ContextStore::Put(std::string module_id, uint64_t weight_version,
-                              std::shared_ptr<SavedTensors> saved, std::string tenant) {
-  Entry entry;
-  entry.module_id = std::move(module_id);
-  entry.tenant = std::move(tenant);
-  entry.weight_version = weight_version;
-  entry.bytes = saved->bytes();
-  entry.saved = std::move(saved);
+namespace {
+
+absl::Status Unknown(const std::string& context_id) {
+  return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
+}
+
+}  // namespace
+
+ContextStore::ContextStore(ContextLimits limits, Clock clock)
+    : limits_(limits), clock_(std::move(clock)) {}
+
+ContextStore::~ContextStore() = default;
+
+std::chrono::steady_clock::time_point ContextStore::Now() const {
+  return clock_ ? clock_() : std::chrono::steady_clock::now();
+}
+
+absl::Status ContextStore::CheckFits(int64_t bytes) {
+  absl::Status s = FitsStatus(bytes);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.rejected_too_large;
+  }
+  return s;
+}
+
+absl::Status ContextStore::FitsStatus(int64_t bytes) const {
+  if (bytes > limits_.device_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this forward's saved tensors take ", bytes,
+                     " bytes, more than the whole context memory budget (--context-memory ",
+                     limits_.device_bytes, " bytes); send fewer rows per call"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t weight_version,
+                                              std::shared_ptr<SavedTensors> saved,
+                                              std::string tenant, std::string client) {
+  const int64_t bytes = saved->bytes();
   std::lock_guard<std::mutex> lock(mu_);
+  if (auto s = FitsStatus(bytes); !s.ok()) {
+    ++stats_.rejected_too_large;
+    return s;
+  }
+  EvictExpiredLocked();
   std::string id;
   do {
     id = RandomId128();
-  } while (entries_.count(id) || consumed_.count(id));
-  live_bytes_ += entry.bytes;
-  entries_.emplace(id, std::move(entry));
+  } while (entries_.count(id) || gone_.count(id));
+  Entry entry;
+  entry.module_id = std::move(module_id);
+  entry.tenant = std::move(tenant);
+  entry.client = std::move(client);
+  entry.weight_version = weight_version;
+  entry.bytes = bytes;
+  entry.saved = std::move(saved);
+  ++per_client_[entry.client];
+  auto it = entries_.emplace(id, std::move(entry)).first;
+  TouchLocked(it);
+  stats_.device_bytes += bytes;
+  // Older contexts make room first; the new one itself goes to host memory only when running
+  // backwards hold the rest of the budget.
+  if (!MakeDeviceRoomLocked(0, nullptr)) {
+    spdlog::error("context store: device budget exceeded with every context in a backward");
+  }
+  EnforceHostLocked(nullptr);
+  NotePeaksLocked();
   return id;
+}
+
+void ContextStore::TouchLocked(Iter it) {
+  order_.erase(it->second.seq);
+  it->second.seq = ++next_seq_;
+  it->second.used = Now();
+  order_.emplace(it->second.seq, it->first);
+}
+
+bool ContextStore::MakeDeviceRoomLocked(int64_t need, const Entry* keep) {
+  for (auto o = order_.begin();
+       stats_.device_bytes + need > limits_.device_bytes && o != order_.end();) {
+    auto it = entries_.find(o->second);
+    ++o;  // an eviction below may erase the current position
+    Entry& e = it->second;
+    if (&e == keep || e.in_backward || e.pack) continue;
+    if (e.bytes > limits_.host_bytes) {  // it could not stay on the host: no copy for nothing
+      stats_.device_bytes -= e.bytes;
+      e.bytes = 0;
+      EraseLocked(it, /*remember=*/true, Gone::kEvictedMemory);
+      ++stats_.evicted_memory;
+      continue;
+    }
+    auto pack = HostPack::Pack(*e.saved);
+    stats_.device_bytes -= e.bytes;
+    if (!pack.ok()) {  // no host memory at all: the context cannot be kept
+      spdlog::warn("context {} evicted: {}", it->first, std::string(pack.status().message()));
+      e.bytes = 0;
+      EraseLocked(it, /*remember=*/true, Gone::kEvictedMemory);
+      ++stats_.evicted_memory;
+      continue;
+    }
+    e.pack = *std::move(pack);
+    stats_.host_bytes += e.pack->bytes();
+    ++stats_.offloads;
+  }
+  return stats_.device_bytes + need <= limits_.device_bytes;
+}
+
+void ContextStore::EnforceHostLocked(const Entry* keep) {
+  for (auto o = order_.begin(); stats_.host_bytes > limits_.host_bytes && o != order_.end();) {
+    auto it = entries_.find(o->second);
+    ++o;
+    if (!it->second.pack || &it->second == keep) continue;
+    EraseLocked(it, /*remember=*/true, Gone::kEvictedMemory);
+    ++stats_.evicted_memory;
+  }
+}
+
+void ContextStore::EvictExpiredLocked() {
+  if (limits_.ttl_seconds <= 0) return;
+  const auto now = Now();
+  const auto ttl = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(limits_.ttl_seconds));
+  for (auto o = order_.begin(); o != order_.end();) {
+    auto it = entries_.find(o->second);
+    ++o;
+    if (now - it->second.used < ttl) break;  // least recently used first: the rest are younger
+    if (it->second.in_backward) continue;    // in use; its Finish renews it
+    EraseLocked(it, /*remember=*/true, Gone::kEvictedTtl);
+    ++stats_.evicted_ttl;
+  }
+}
+
+int64_t ContextStore::EvictExpired() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t before = stats_.evicted_ttl;
+  EvictExpiredLocked();
+  return stats_.evicted_ttl - before;
+}
+
+absl::Status ContextStore::GoneStatus(const std::string& context_id, Gone why) const {
+  switch (why) {
+    case Gone::kConsumed:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "context_id ", context_id,
+          " was already consumed by a backward; set retain=true on the first backward to run "
+          "another"));
+    case Gone::kEvictedTtl:
+      return absl::NotFoundError(absl::StrCat(
+          "context_id ", context_id, " was evicted: unused for longer than the context TTL (",
+          limits_.ttl_seconds, " s, --context-ttl); run its forward again"));
+    case Gone::kEvictedMemory:
+      return absl::NotFoundError(
+          absl::StrCat("context_id ", context_id,
+                       " was evicted: context memory was full (device and host offload budgets, "
+                       "--context-memory ",
+                       limits_.device_bytes, " and --host-offload-memory ", limits_.host_bytes,
+                       " bytes); run its forward again"));
+  }
+  return Unknown(context_id);
 }
 
 absl::Status ContextStore::CheckTenant(const std::string& context_id,
@@ -41,33 +189,54 @@ absl::Status ContextStore::CheckTenant(const std::string& context_id,
   const std::string* owner = nullptr;
   if (auto it = entries_.find(context_id); it != entries_.end()) {
     owner = &it->second.tenant;
-  } else if (auto c = consumed_.find(context_id); c != consumed_.end()) {
-    owner = &c->second;
+  } else if (auto g = gone_.find(context_id); g != gone_.end()) {
+    owner = &g->second.tenant;
   }
-  if (owner == nullptr || *owner != tenant) {
-    return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
-  }
+  if (owner == nullptr || *owner != tenant) return Unknown(context_id);
   return absl::OkStatus();
 }
 
 absl::StatusOr<ContextStore::Lease> ContextStore::Acquire(const std::string& context_id) {
   std::lock_guard<std::mutex> lock(mu_);
+  EvictExpiredLocked();
   auto it = entries_.find(context_id);
   if (it == entries_.end()) {
-    if (consumed_.count(context_id)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "context_id ", context_id,
-          " was already consumed by a backward; set retain=true on the first backward to run "
-          "another"));
+    if (auto g = gone_.find(context_id); g != gone_.end()) {
+      return GoneStatus(context_id, g->second.why);
     }
-    return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
+    return Unknown(context_id);
   }
-  if (it->second.in_backward) {
+  Entry& e = it->second;
+  if (e.in_backward) {
     return absl::FailedPreconditionError(
         absl::StrCat("context_id ", context_id, " has a backward running"));
   }
-  it->second.in_backward = true;
-  return Lease{it->second.module_id, it->second.weight_version, it->second.saved};
+  if (e.pack) {
+    // A swap: this context's host bytes make room for the ones that leave the device for it.
+    const int64_t packed = e.pack->bytes();
+    stats_.host_bytes -= packed;
+    const bool room = MakeDeviceRoomLocked(e.bytes, &e);
+    absl::Status unpacked = absl::OkStatus();
+    if (room) unpacked = e.pack->Unpack(*e.saved);
+    if (!room || !unpacked.ok()) {  // it stays offloaded
+      stats_.host_bytes += packed;
+      EnforceHostLocked(&e);
+      NotePeaksLocked();
+      if (!unpacked.ok()) return unpacked;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("context_id ", context_id,
+                       " is offloaded and running backwards hold the whole context memory budget "
+                       "(--context-memory ",
+                       limits_.device_bytes, " bytes); retry"));
+    }
+    e.pack.reset();
+    stats_.device_bytes += e.bytes;
+    EnforceHostLocked(&e);
+    NotePeaksLocked();
+    ++stats_.restores;
+  }
+  e.in_backward = true;
+  return Lease{e.module_id, e.weight_version, e.saved};
 }
 
 void ContextStore::Finish(const std::string& context_id, bool consumed, bool retain) {
@@ -75,21 +244,34 @@ void ContextStore::Finish(const std::string& context_id, bool consumed, bool ret
   auto it = entries_.find(context_id);
   if (it == entries_.end()) return;
   it->second.in_backward = false;
-  if (consumed && !retain) EraseLocked(it, /*remember=*/true);
+  if (consumed && !retain) {
+    EraseLocked(it, /*remember=*/true, Gone::kConsumed);
+    return;
+  }
+  TouchLocked(it);
+  // Offloads skipped this context while its backward ran.
+  MakeDeviceRoomLocked(0, nullptr);
+  EnforceHostLocked(nullptr);
+  NotePeaksLocked();
+}
+
+void ContextStore::NotePeaksLocked() {
+  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
+  stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, stats_.host_bytes);
 }
 
 absl::Status ContextStore::Release(const std::string& context_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(context_id);
   if (it == entries_.end()) {
-    if (consumed_.count(context_id)) return absl::OkStatus();
-    return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
+    if (gone_.count(context_id)) return absl::OkStatus();
+    return Unknown(context_id);
   }
   if (it->second.in_backward) {
     return absl::FailedPreconditionError(
         absl::StrCat("context_id ", context_id, " has a backward running"));
   }
-  EraseLocked(it, /*remember=*/true);
+  EraseLocked(it, /*remember=*/true, Gone::kConsumed);
   return absl::OkStatus();
 }
 
@@ -99,7 +281,7 @@ int64_t ContextStore::ReleaseModule(const std::string& module_id) {
   for (auto it = entries_.begin(); it != entries_.end();) {
     auto next = std::next(it);
     if (it->second.module_id == module_id) {
-      EraseLocked(it, /*remember=*/false);
+      EraseLocked(it, /*remember=*/false, Gone::kConsumed);
       ++released;
     }
     it = next;
@@ -107,14 +289,23 @@ int64_t ContextStore::ReleaseModule(const std::string& module_id) {
   return released;
 }
 
-void ContextStore::EraseLocked(std::unordered_map<std::string, Entry>::iterator it, bool remember) {
-  live_bytes_ -= it->second.bytes;
+void ContextStore::EraseLocked(Iter it, bool remember, Gone why) {
+  Entry& e = it->second;
+  if (e.pack) {
+    stats_.host_bytes -= e.pack->bytes();
+  } else {
+    stats_.device_bytes -= e.bytes;
+  }
+  if (auto c = per_client_.find(e.client); c != per_client_.end() && --c->second <= 0) {
+    per_client_.erase(c);
+  }
+  order_.erase(e.seq);
   if (remember) {
-    consumed_.emplace(it->first, it->second.tenant);
-    consumed_order_.push_back(it->first);
-    if (consumed_order_.size() > kConsumedMemory) {
-      consumed_.erase(consumed_order_.front());
-      consumed_order_.pop_front();
+    gone_[it->first] = GoneEntry{e.tenant, why};
+    gone_order_.push_back(it->first);
+    if (gone_order_.size() > kGoneMemory) {
+      gone_.erase(gone_order_.front());
+      gone_order_.pop_front();
     }
   }
   entries_.erase(it);
@@ -127,7 +318,7 @@ int64_t ContextStore::live_contexts() const {
 
 int64_t ContextStore::live_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return live_bytes_;
+  return stats_.device_bytes + stats_.host_bytes;
 }
 
 int64_t ContextStore::live_contexts(const std::string& module_id) const {
@@ -135,6 +326,33 @@ int64_t ContextStore::live_contexts(const std::string& module_id) const {
   int64_t count = 0;
   for (const auto& [id, entry] : entries_) count += entry.module_id == module_id;
   return count;
+}
+
+int64_t ContextStore::live_contexts_of_client(const std::string& client) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = per_client_.find(client);
+  return it == per_client_.end() ? 0 : it->second;
+}
+
+std::string ContextStore::ModuleOf(const std::string& context_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(context_id);
+  return it == entries_.end() ? std::string() : it->second.module_id;
+}
+
+ContextStats ContextStore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ContextStats s = stats_;
+  s.live = int64_t(entries_.size());
+  for (const auto& [id, entry] : entries_) s.offloaded += entry.pack != nullptr;
+  return s;
+}
+
+ContextStore::Residence ContextStore::Locate(const std::string& context_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(context_id);
+  if (it == entries_.end()) return Residence::kNone;
+  return it->second.pack ? Residence::kHost : Residence::kDevice;
 }
 
 std::weak_ptr<SavedTensors> ContextStore::Peek(const std::string& context_id) const {

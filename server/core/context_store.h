@@ -1,9 +1,17 @@
 // Saved tensors of training forwards, kept from Forward until the matching Backward (or
-// ReleaseContext) and not one moment longer.
+// ReleaseContext) and not one moment longer, within memory budgets (DESIGN.md, bounded memory):
+//   - device budget: past it, the saved tensors of the least recently used contexts move to host
+//     memory (HostPack) and come back when their backward arrives;
+//   - host budget: past it, the least recently used offloaded contexts are evicted;
+//   - TTL: a context unused for longer is evicted, so abandoned contexts never leak.
+// A backward on an evicted context gets NOT_FOUND that says it was evicted and why.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -14,11 +22,48 @@
 
 namespace gradwire::core {
 
+class HostPack;
+
+struct ContextLimits {
+  // Bytes of saved tensors kept on the device. A single context larger than this is refused
+  // (RESOURCE_EXHAUSTED): it could never be restored for its backward.
+  int64_t device_bytes = int64_t(4) << 30;
+  // Bytes of offloaded saved tensors kept in host memory; 0: no offload, past the device budget
+  // the least recently used contexts are evicted.
+  int64_t host_bytes = int64_t(8) << 30;
+  // Seconds a context may go unused (since its forward or its last backward) before it is
+  // evicted; <= 0: never.
+  double ttl_seconds = 600;
+};
+
+// Counters of the store, for metrics and GetServerInfo.
+struct ContextStats {
+  int64_t live = 0;          // contexts waiting for a backward (on device or host)
+  int64_t offloaded = 0;     // of those, how many are in host memory now
+  int64_t device_bytes = 0;  // saved-tensor bytes on the device
+  int64_t host_bytes = 0;    // saved-tensor bytes offloaded to host memory
+  int64_t peak_device_bytes = 0;
+  int64_t peak_host_bytes = 0;
+  int64_t offloads = 0;            // device -> host moves
+  int64_t restores = 0;            // host -> device moves (a backward on an offloaded context)
+  int64_t evicted_ttl = 0;         // contexts evicted for being unused past the TTL
+  int64_t evicted_memory = 0;      // contexts evicted because the host budget was full
+  int64_t rejected_too_large = 0;  // forwards whose context alone exceeded the device budget
+};
+
 class ContextStore {
  public:
-  // How many consumed ids are remembered, so a second backward gets FAILED_PRECONDITION rather
-  // than NOT_FOUND.
-  static constexpr size_t kConsumedMemory = 1 << 16;
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+
+  // How many consumed or evicted ids are remembered, so a second backward gets
+  // FAILED_PRECONDITION (or NOT_FOUND saying "evicted") rather than the unknown-id NOT_FOUND.
+  static constexpr size_t kGoneMemory = 1 << 16;
+
+  // `clock` (tests) replaces the steady clock for the TTL.
+  explicit ContextStore(ContextLimits limits = {}, Clock clock = nullptr);
+  ~ContextStore();
+  ContextStore(const ContextStore&) = delete;
+  ContextStore& operator=(const ContextStore&) = delete;
 
   // A context checked out for a backward. Keep it no longer than the backward runs.
   struct Lease {
@@ -27,57 +72,109 @@ class ContextStore {
     std::shared_ptr<SavedTensors> saved;
   };
 
-  // Stores `saved` under a fresh random 128-bit id (32 hex digits) and returns the id.
-  // `tenant` owns the context (the module's tenant); see CheckTenant.
-  std::string Put(std::string module_id, uint64_t weight_version,
-                  std::shared_ptr<SavedTensors> saved, std::string tenant = {});
+  // Where a context's saved tensors are.
+  enum class Residence { kNone, kDevice, kHost };
 
-  // NOT_FOUND, worded exactly as for an unknown id, unless `context_id` is a live or consumed
-  // context of `tenant`: another tenant learns nothing about the id.
+  // RESOURCE_EXHAUSTED when a context of `bytes` could never fit the device budget (counted in
+  // rejected_too_large).
+  absl::Status CheckFits(int64_t bytes);
+
+  // Stores `saved` under a fresh random 128-bit id (32 hex digits) and returns the id, moving
+  // older contexts to host memory (and evicting) as the budgets require. `tenant` owns the
+  // context (the module's tenant; see CheckTenant); `client` is who made it, for
+  // live_contexts_of_client. RESOURCE_EXHAUSTED (nothing stored) when CheckFits fails.
+  absl::StatusOr<std::string> Put(std::string module_id, uint64_t weight_version,
+                                  std::shared_ptr<SavedTensors> saved, std::string tenant = {},
+                                  std::string client = {});
+
+  // NOT_FOUND, worded exactly as for an unknown id, unless `context_id` is a live, consumed or
+  // evicted context of `tenant`: another tenant learns nothing about the id.
   absl::Status CheckTenant(const std::string& context_id, const std::string& tenant) const;
 
-  // Checks a context out for a backward. NOT_FOUND for an unknown id; FAILED_PRECONDITION when it
-  // was consumed already or another backward on it is running.
+  // Checks a context out for a backward, bringing it back from host memory when it was offloaded.
+  // NOT_FOUND for an unknown id, and NOT_FOUND saying "evicted" and why for an evicted one;
+  // FAILED_PRECONDITION when it was consumed already or another backward on it is running;
+  // RESOURCE_EXHAUSTED (the context stays offloaded) when running backwards hold the whole device
+  // budget.
   absl::StatusOr<Lease> Acquire(const std::string& context_id);
 
   // Ends a backward started by Acquire.
   //   consumed=true:  the backward succeeded; without retain the context is erased now (drop the
   //                   lease's `saved` right after, it is then the last reference) and its id is
   //                   remembered as consumed.
-  //   consumed=false: the backward failed; the context stays as it was.
+  //   consumed=false: the backward failed; the context stays (on the device).
   void Finish(const std::string& context_id, bool consumed, bool retain);
 
-  // Drops a context without a backward. NOT_FOUND for an unknown id; OK for a consumed one;
-  // FAILED_PRECONDITION while a backward on it runs.
+  // Drops a context without a backward. NOT_FOUND for an unknown id; OK for a consumed or evicted
+  // one; FAILED_PRECONDITION while a backward on it runs.
   absl::Status Release(const std::string& context_id);
 
   // Drops every context of a module (when the module is deleted); returns how many.
   int64_t ReleaseModule(const std::string& module_id);
 
-  int64_t live_contexts() const;
-  int64_t live_bytes() const;
-  int64_t live_contexts(const std::string& module_id) const;
+  // Evicts the contexts past the TTL now (the store also does so on every Put and Acquire);
+  // returns how many.
+  int64_t EvictExpired();
 
-  // For tests: a weak handle on a context's saved tensors, to prove they were freed.
+  int64_t live_contexts() const;
+  int64_t live_bytes() const;  // device + host
+  int64_t live_contexts(const std::string& module_id) const;
+  int64_t live_contexts_of_client(const std::string& client) const;
+  // The module a live context belongs to; empty when there is none.
+  std::string ModuleOf(const std::string& context_id) const;
+  ContextStats stats() const;
+  const ContextLimits& limits() const { return limits_; }
+
+  // For tests: where a context is, and a weak handle on its saved tensors, to prove they were
+  // freed.
+  Residence Locate(const std::string& context_id) const;
   std::weak_ptr<SavedTensors> Peek(const std::string& context_id) const;
 
  private:
+  enum class Gone { kConsumed, kEvictedTtl, kEvictedMemory };
   struct Entry {
     std::string module_id;
     std::string tenant;
+    std::string client;
     uint64_t weight_version = 0;
-    std::shared_ptr<SavedTensors> saved;
-    int64_t bytes = 0;
+    std::shared_ptr<SavedTensors> saved;  // its tensors are undefined while `pack` holds them
+    std::unique_ptr<HostPack> pack;       // set while offloaded
+    int64_t bytes = 0;                    // device bytes when resident
     bool in_backward = false;
+    uint64_t seq = 0;  // position in order_
+    std::chrono::steady_clock::time_point used;
   };
+  using Iter = std::unordered_map<std::string, Entry>::iterator;
 
-  void EraseLocked(std::unordered_map<std::string, Entry>::iterator it, bool remember);
+  absl::Status FitsStatus(int64_t bytes) const;
+  std::chrono::steady_clock::time_point Now() const;
+  void TouchLocked(Iter it);
+  // Offloads least recently used contexts (never `keep`, never one in a backward) until `need`
+  // more bytes fit the device budget; false when they cannot.
+  bool MakeDeviceRoomLocked(int64_t need, const Entry* keep);
+  // Evicts least recently used offloaded contexts (never `keep`) until the host budget holds.
+  void EnforceHostLocked(const Entry* keep);
+  // The budgets hold between public calls (within one, a swap may pass through more); peaks are
+  // taken there.
+  void NotePeaksLocked();
+  void EvictExpiredLocked();
+  void EraseLocked(Iter it, bool remember, Gone why);
+  absl::Status GoneStatus(const std::string& context_id, Gone why) const;
 
+  const ContextLimits limits_;
+  const Clock clock_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> entries_;
-  std::unordered_map<std::string, std::string> consumed_;  // id -> tenant
-  std::deque<std::string> consumed_order_;
-  int64_t live_bytes_ = 0;
+  std::map<uint64_t, std::string> order_;  // least recently used first
+  uint64_t next_seq_ = 0;
+  std::unordered_map<std::string, int64_t> per_client_;
+  struct GoneEntry {
+    std::string tenant;
+    Gone why;
+  };
+  std::unordered_map<std::string, GoneEntry> gone_;
+  std::deque<std::string> gone_order_;
+  ContextStats stats_;  // live and offloaded are computed on demand
 };
 
 // A random 128-bit identifier as 32 lowercase hex digits.

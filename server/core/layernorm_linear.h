@@ -27,6 +27,9 @@ struct LayerNormLinearSaved final : SavedTensors {
   QuantizerConfig input_quantizer;  // the exact cast of the forward, for the recompute
   WorkspacePtr workspace;
   int64_t bytes() const override;
+  void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
+    for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise}) fn(*t);
+  }
 };
 
 struct LayerNormLinearFwdArgs {

@@ -26,6 +26,12 @@ struct LayerNormMlpSaved final : SavedTensors {
   QuantizerConfig fc1_input_quantizer, fc2_input_quantizer;  // the exact casts, for the recompute
   WorkspacePtr workspace;                                    // weights[0] = FC1, weights[1] = FC2
   int64_t bytes() const override;
+  void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
+    for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise, &fc1_out,
+                          &act_out.rowwise, &act_out.columnwise}) {
+      fn(*t);
+    }
+  }
 };
 
 struct LayerNormMlpFwdArgs {

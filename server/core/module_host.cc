@@ -249,6 +249,8 @@ struct ModuleHost::Module {
 };
 
 ModuleHost::ModuleHost() = default;
+ModuleHost::ModuleHost(ContextLimits limits, ContextStore::Clock clock)
+    : contexts_(limits, std::move(clock)) {}
 ModuleHost::~ModuleHost() = default;
 
 absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std::string& tenant) {
@@ -351,6 +353,11 @@ std::vector<ModuleInfo> ModuleHost::List(const std::string* tenant) const {
   return out;
 }
 
+absl::StatusOr<ModuleSpec> ModuleHost::Spec(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  return m->spec;
+}
+
 absl::Status ModuleHost::Delete(const std::string& module_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -364,7 +371,8 @@ absl::Status ModuleHost::Delete(const std::string& module_id) {
 
 absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
                                                   const at::Tensor& input, bool training,
-                                                  const Fp8Tensor* input_fp8) {
+                                                  const Fp8Tensor* input_fp8,
+                                                  const std::string& client) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   GW_RETURN_IF_ERROR(CheckInputTensor("input", input, m->spec.in_features, "in_features"));
   // A NaN or inf would stick in the amax history and, through the backward, in the shared
@@ -396,6 +404,7 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
         args.input_fp8 = input_fp8;
       }
       GW_ASSIGN_OR_RETURN(LinearFwdResult r, LinearForward(args));
+      if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
       m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
       y = r.output, workspace = r.workspace, built = r.workspace_built, saved = r.saved;
       break;
@@ -414,6 +423,7 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
       args.return_layernorm_output = spec.return_layernorm_output;
       args.checkpoint = spec.checkpoint;
       GW_ASSIGN_OR_RETURN(LayerNormLinearFwdResult r, LayerNormLinearForward(args));
+      if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
       m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
       y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
       built = r.workspace_built, saved = r.saved;
@@ -438,6 +448,7 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
       args.return_layernorm_output = spec.return_layernorm_output;
       args.checkpoint = spec.checkpoint;
       GW_ASSIGN_OR_RETURN(LayerNormMlpFwdResult r, LayerNormMlpForward(args));
+      if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
       m->EndStep({{kFc1In, r.fc1_input_amax},
                   {kFc1Weight, r.fc1_weight_amax},
                   {kFc2In, r.fc2_input_amax},
@@ -456,7 +467,8 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
   out.weight_version = m->version;
   if (training) {
     saved->input_shape.assign(input.sizes().begin(), input.sizes().end());
-    out.context_id = contexts_.Put(module_id, m->version, std::move(saved), m->tenant);
+    GW_ASSIGN_OR_RETURN(out.context_id,
+                        contexts_.Put(module_id, m->version, std::move(saved), m->tenant, client));
   }
   return out;
 }
@@ -735,8 +747,9 @@ HostStats ModuleHost::Stats() const {
     std::lock_guard<std::mutex> lock(mu_);
     s.modules = int64_t(modules_.size());
   }
-  s.live_contexts = contexts_.live_contexts();
-  s.context_bytes = contexts_.live_bytes();
+  s.contexts = contexts_.stats();
+  s.live_contexts = s.contexts.live;
+  s.context_bytes = s.contexts.device_bytes + s.contexts.host_bytes;
   s.workspace_builds = workspace_builds_.load();
   s.workspace_hits = workspace_hits_.load();
   return s;

@@ -101,7 +101,8 @@ struct ModuleState {
 struct HostStats {
   int64_t modules = 0;
   int64_t live_contexts = 0;
-  int64_t context_bytes = 0;
+  int64_t context_bytes = 0;     // device + host
+  ContextStats contexts;         // budgets: offloads, restores, evictions
   int64_t workspace_builds = 0;  // FP8 weight casts (cache misses)
   int64_t workspace_hits = 0;
 };
@@ -112,6 +113,8 @@ class ModuleHost {
   static constexpr int64_t kMaxParameters = int64_t(1) << 28;  // 1 GiB of fp32 per module
 
   ModuleHost();
+  // `limits` bound the saved-context memory; `clock` (tests) replaces the steady clock for TTLs.
+  explicit ModuleHost(ContextLimits limits, ContextStore::Clock clock = nullptr);
   ~ModuleHost();
 
   // Validates `spec` and initialises the parameters from spec.seed: weights and biases uniform in
@@ -119,6 +122,8 @@ class ModuleHost {
   // The module belongs to `tenant`, and so does every context its forwards create.
   absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant = {});
   absl::StatusOr<ModuleInfo> Info(const std::string& module_id) const;
+  // The module's spec (fixed at creation), without Info's context count.
+  absl::StatusOr<ModuleSpec> Spec(const std::string& module_id) const;
   // Every module, or only those of `*tenant`.
   std::vector<ModuleInfo> List(const std::string* tenant = nullptr) const;
 
@@ -136,8 +141,12 @@ class ModuleHost {
   // `input_fp8` (optional): the input as it arrived in FP8, [rows, in_features] codes with their
   // scale_inv and `input` its dequantized copy. A Linear uses the codes as they are (no
   // re-quantization); the LayerNorm modules normalise the dequantized values first.
+  // `client` names who asked (ContextStore::live_contexts_of_client). RESOURCE_EXHAUSTED,
+  // before anything changes, when a training forward's saved tensors alone exceed the context
+  // memory budget.
   absl::StatusOr<ForwardOutput> Forward(const std::string& module_id, const at::Tensor& input,
-                                        bool training, const Fp8Tensor* input_fp8 = nullptr);
+                                        bool training, const Fp8Tensor* input_fp8 = nullptr,
+                                        const std::string& client = {});
   // Accumulates the parameter gradients into the module's buffers; the context is freed before
   // this returns unless `retain`. Returns grad_input (undefined with skip_grad_input).
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const BackwardInput& in);
@@ -163,6 +172,8 @@ class ModuleHost {
   absl::Status ImportState(const ModuleState& state);
   HostStats Stats() const;
   const ContextStore& contexts() const { return contexts_; }
+  // Evicts contexts past their TTL now; returns how many (a janitor calls this periodically).
+  int64_t EvictExpiredContexts() { return contexts_.EvictExpired(); }
 
  private:
   struct Module;

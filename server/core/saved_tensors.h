@@ -2,7 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
+
+namespace at {
+class Tensor;
+}  // namespace at
 
 namespace gradwire::core {
 
@@ -11,6 +16,10 @@ class SavedTensors {
   virtual ~SavedTensors() = default;
   // Bytes of tensor memory this context owns (shared workspaces are not counted).
   virtual int64_t bytes() const = 0;
+  // Calls `fn` on every tensor this context owns (the ones bytes() counts), always in the same
+  // order, undefined ones included: offload moves them to host memory and back through it.
+  // Shared state (the weight workspace) is not visited.
+  virtual void ForEachTensor(const std::function<void(at::Tensor&)>& fn) = 0;
 
   std::vector<int64_t> input_shape;  // the forward input as the client sent it: [..., K]
 };

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <exception>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,36 @@ bool Abandoned(const grpc::CallbackServerContext* ctx) {
 
 absl::Status RequireId(absl::string_view field, const std::string& id) {
   if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
+  return absl::OkStatus();
+}
+
+// The peer's address without its port: "ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7",
+// "ipv6:[::1]:5000" -> "ipv6:[::1]"; anything else (unix sockets) as it is.
+std::string PeerHost(const std::string& peer) {
+  if (peer.rfind("ipv4:", 0) != 0 && peer.rfind("ipv6:", 0) != 0) return peer;
+  const auto colon = peer.rfind(':');
+  return colon <= 4 ? peer : peer.substr(0, colon);
+}
+
+// Elements of a tensor as its shape declares them (saturating; 0 without a shape), known before
+// anything is decoded.
+int64_t ShapeElements(const v1::Tensor& t) {
+  if (t.shape_size() == 0) return 0;
+  int64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d <= 0) return 0;  // the decoder names the bad dimension
+    if (n > std::numeric_limits<int64_t>::max() / d) return std::numeric_limits<int64_t>::max();
+    n *= d;
+  }
+  return n;
+}
+
+absl::Status CheckElements(absl::string_view what, int64_t elements, int64_t limit) {
+  if (limit > 0 && elements > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, " has ", elements,
+                                                     " elements, over the limit of ", limit,
+                                                     " (--max-tensor-elements)"));
+  }
   return absl::OkStatus();
 }
 
@@ -201,7 +232,10 @@ void GradwireService::Persist(const std::string& module_id) const {
 
 absl::StatusOr<Caller> GradwireService::Authenticate(const grpc::CallbackServerContext* ctx) const {
   Caller caller;
-  if (options_.authenticator == nullptr) return caller;
+  if (options_.authenticator == nullptr) {
+    caller.client = "peer " + PeerHost(ctx->peer());
+    return caller;
+  }
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find("authorization");
   const std::string_view header = it == metadata.end()
@@ -209,7 +243,37 @@ absl::StatusOr<Caller> GradwireService::Authenticate(const grpc::CallbackServerC
                                       : std::string_view(it->second.data(), it->second.size());
   GW_ASSIGN_OR_RETURN(caller.tenant, options_.authenticator->Authenticate(header));
   caller.isolated = true;
+  caller.client = "tenant " + caller.tenant;
   return caller;
+}
+
+absl::Status GradwireService::CheckRequestBytes(const google::protobuf::Message& request) const {
+  const int64_t limit = options_.limits.max_request_bytes;
+  if (limit <= 0) return absl::OkStatus();
+  const int64_t bytes = int64_t(request.ByteSizeLong());
+  if (bytes > limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the request is ", bytes, " bytes, over the limit of ", limit,
+                     " (--max-request-bytes); send fewer rows per call"));
+  }
+  return absl::OkStatus();
+}
+
+bool GradwireService::AdmitQueued(const std::string& module_id) {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  int64_t& n = queued_[module_id];
+  if (options_.limits.max_queued_per_module > 0 && n >= options_.limits.max_queued_per_module) {
+    if (n == 0) queued_.erase(module_id);
+    return false;
+  }
+  ++n;
+  return true;
+}
+
+void GradwireService::Dequeued(const std::string& module_id) {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  auto it = queued_.find(module_id);
+  if (it != queued_.end() && --it->second <= 0) queued_.erase(it);
 }
 
 absl::Status GradwireService::CheckModule(const Caller& caller,
@@ -241,19 +305,37 @@ void GradwireService::Report(const char* method, const absl::Status& status, dou
 
 grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     grpc::CallbackServerContext* ctx, const char* method,
-    std::function<absl::Status(const Caller&)> work, std::string module_id,
-    std::string context_id) {
+    std::function<absl::Status(const Caller&)> work, std::string module_id, std::string context_id,
+    const google::protobuf::Message* request) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const auto queued_at = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
-  if (!caller.ok()) {
-    Report(method, caller.status(), 0.0, module_id, context_id, {});
-    reactor->Finish(ToGrpc(caller.status()));
+  absl::Status refused = caller.status();
+  if (refused.ok() && request != nullptr) refused = CheckRequestBytes(*request);
+  if (!refused.ok()) {
+    Report(method, refused, 0.0, module_id, context_id,
+           caller.ok() ? caller->tenant : std::string());
+    reactor->Finish(ToGrpc(refused));
+    return reactor;
+  }
+  // The module this call queues for. A call that names only a context counts for its module when
+  // the caller may see that context; otherwise its work fails NOT_FOUND at once anyway.
+  std::string queue_key = module_id;
+  if (queue_key.empty() && !context_id.empty() && CheckContext(*caller, context_id).ok()) {
+    queue_key = host_.contexts().ModuleOf(context_id);
+  }
+  if (!queue_key.empty() && !AdmitQueued(queue_key)) {
+    const absl::Status status = absl::ResourceExhaustedError(
+        absl::StrCat("module ", queue_key, " has ", options_.limits.max_queued_per_module,
+                     " calls queued, the limit (--max-queued-per-module); retry with backoff"));
+    Report(method, status, 0.0, module_id, context_id, caller->tenant);
+    reactor->Finish(ToGrpc(status));
     return reactor;
   }
   executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work),
                     caller = std::move(*caller), module_id = std::move(module_id),
-                    context_id = std::move(context_id)] {
+                    context_id = std::move(context_id), queue_key = std::move(queue_key)] {
+    if (!queue_key.empty()) Dequeued(queue_key);
     absl::Status status;
     if (Abandoned(ctx)) {
       status = absl::CancelledError(absl::StrCat(method, " was cancelled before it started"));
@@ -350,6 +432,41 @@ grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerCont
       req->module_id());
 }
 
+absl::Status GradwireService::CheckForwardLimits(const Caller& caller,
+                                                 const v1::ForwardRequest& req) const {
+  const int64_t limit = options_.limits.max_tensor_elements;
+  const int64_t elements = ShapeElements(req.input());
+  GW_RETURN_IF_ERROR(CheckElements("input", elements, limit));
+  GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
+  auto saturating = [](int64_t a, int64_t b) {
+    return b != 0 && a > std::numeric_limits<int64_t>::max() / b
+               ? std::numeric_limits<int64_t>::max()
+               : a * b;
+  };
+  if (const int dims = req.input().shape_size(); dims > 0) {
+    // What the forward would build, from the rows the input declares (a wrong last dimension is
+    // the forward's INVALID_ARGUMENT).
+    const int64_t rows = elements / std::max<int64_t>(1, req.input().shape(dims - 1));
+    GW_RETURN_IF_ERROR(CheckElements("the output", saturating(rows, spec.out_features), limit));
+    if (spec.kind == core::ModuleKind::kLayerNormMlp) {
+      const int64_t f1 =
+          kernels::IsGated(spec.activation) ? 2 * spec.ffn_features : spec.ffn_features;
+      GW_RETURN_IF_ERROR(CheckElements("the FC1 output", saturating(rows, f1), limit));
+    }
+  }
+  const int64_t max_contexts = options_.limits.max_contexts_per_client;
+  if (req.training() && max_contexts > 0) {
+    const int64_t live = host_.contexts().live_contexts_of_client(caller.client);
+    if (live >= max_contexts) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(caller.client, " has ", live, " live training contexts, the limit (",
+                       "--max-contexts-per-client ", max_contexts,
+                       "); run their backwards or ReleaseContext them first"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
                                         v1::ForwardResponse* resp,
                                         const grpc::CallbackServerContext* ctx) {
@@ -357,7 +474,9 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
   GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
+  // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
   GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req.input(), "input"));
+  GW_RETURN_IF_ERROR(CheckForwardLimits(caller, req));
   // FP8 input (codes + scale_inv) is used as it came, not re-quantized.
   std::optional<core::Fp8Tensor> fp8;
   const v1::DType dtype = req.input().dtype();
@@ -371,8 +490,8 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   if (Abandoned(ctx)) {  // stop before the compute
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
   }
-  GW_ASSIGN_OR_RETURN(core::ForwardOutput out,
-                      host_.Forward(req.module_id(), input, req.training(), fp8 ? &*fp8 : nullptr));
+  GW_ASSIGN_OR_RETURN(core::ForwardOutput out, host_.Forward(req.module_id(), input, req.training(),
+                                                             fp8 ? &*fp8 : nullptr, caller.client));
   // From here a failure must not leave the context behind: nobody would ever consume it.
   auto fail = [&](absl::Status status) {
     if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);
@@ -411,9 +530,13 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
   core::BackwardInput in;
   GW_ASSIGN_OR_RETURN(in.grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  GW_RETURN_IF_ERROR(
+      CheckElements("grad_output", in.grad_output.numel(), options_.limits.max_tensor_elements));
   if (req.has_grad_layernorm_output()) {
     GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
                         DecodeTensor(req.grad_layernorm_output(), "grad_layernorm_output"));
+    GW_RETURN_IF_ERROR(CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(),
+                                     options_.limits.max_tensor_elements));
   }
   in.retain = req.retain();
   in.skip_grad_input = req.skip_grad_input();
@@ -442,7 +565,7 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
   return RunOnDevice(
       ctx, "Forward",
       [this, ctx, req, resp](const Caller& caller) { return DoForward(caller, *req, resp, ctx); },
-      req->module_id());
+      req->module_id(), {}, req);
 }
 
 grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext* ctx,
@@ -451,7 +574,7 @@ grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext*
   return RunOnDevice(
       ctx, "Backward",
       [this, ctx, req, resp](const Caller& caller) { return DoBackward(caller, *req, resp, ctx); },
-      {}, req->context_id());
+      {}, req->context_id(), req);
 }
 
 grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerContext* ctx,
@@ -518,6 +641,8 @@ absl::Status GradwireService::DoSetWeights(const Caller& caller, const v1::SetWe
     const v1::NamedTensor& named = req.parameters(i);
     GW_ASSIGN_OR_RETURN(at::Tensor t,
                         DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
+    GW_RETURN_IF_ERROR(CheckElements(absl::StrCat("parameters[", i, "].tensor"), t.numel(),
+                                     options_.limits.max_tensor_elements));
     params.emplace_back(named.name(), t);
   }
   GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req.module_id(), params));
@@ -541,7 +666,7 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
   return RunOnDevice(
       ctx, "SetWeights",
       [this, req, resp](const Caller& caller) { return DoSetWeights(caller, *req, resp); },
-      req->module_id());
+      req->module_id(), {}, req);
 }
 
 }  // namespace gradwire::rpc

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "server/core/checkpoint.h"
@@ -30,6 +32,18 @@ struct RpcRecord {
 struct Caller {
   bool isolated = false;
   std::string tenant;
+  // Whom per-client limits count against: the tenant with tokens, else the peer's address
+  // (without its port, so reconnecting does not make a new client).
+  std::string client;
+};
+
+// Request limits; each refusal is RESOURCE_EXHAUSTED naming the flag. 0: unlimited.
+struct ServiceLimits {
+  int64_t max_request_bytes = int64_t(64) << 20;  // serialized size of one request message
+  int64_t max_tensor_elements = int64_t(1)
+                                << 26;     // any tensor a call sends or makes the server build
+  int64_t max_contexts_per_client = 4096;  // live training contexts of one client
+  int64_t max_queued_per_module = 256;     // calls waiting on the executor, per module
 };
 
 struct ServiceOptions {
@@ -48,6 +62,7 @@ struct ServiceOptions {
   // most bytes the tensors of one chunked request may add up to.
   int64_t chunk_bytes = int64_t(4) << 20;
   int64_t max_stream_bytes = int64_t(4) << 30;
+  ServiceLimits limits;
 };
 
 class TrainReactor;
@@ -128,14 +143,27 @@ class GradwireService final : public v1::Gradwire::CallbackService {
                             v1::GetWeightsResponse* resp);
   absl::Status DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
                             v1::SetWeightsResponse* resp);
+  // --max-tensor-elements on what a forward sends and would build, and
+  // --max-contexts-per-client for a training forward: checked before anything runs.
+  absl::Status CheckForwardLimits(const Caller& caller, const v1::ForwardRequest& req) const;
 
   // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
   // `work` become INTERNAL; a call cancelled before it starts is not run.
   // `module_id` / `context_id` name what the request is about, for the RpcRecord.
-  // The caller is authenticated first (in the reactor); an unauthenticated call never queues.
+  // The caller is authenticated first (in the reactor); an unauthenticated call never queues,
+  // nor does one over --max-request-bytes (`request`, when given, is measured) or one whose module
+  // has --max-queued-per-module calls waiting already.
   grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
                                         std::function<absl::Status(const Caller&)> work,
-                                        std::string module_id = {}, std::string context_id = {});
+                                        std::string module_id = {}, std::string context_id = {},
+                                        const google::protobuf::Message* request = nullptr);
+
+  // RESOURCE_EXHAUSTED naming --max-request-bytes when `request` is over it.
+  absl::Status CheckRequestBytes(const google::protobuf::Message& request) const;
+  // Per-module queue depth: Admit counts a call in (false when the module is at the limit),
+  // Dequeued counts it out when it starts.
+  bool AdmitQueued(const std::string& module_id);
+  void Dequeued(const std::string& module_id);
 
   absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
   // NOT_FOUND (as for an unknown id) when the caller's tenant does not own the id.
@@ -154,6 +182,8 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   const ServiceOptions options_;
   std::atomic<int64_t> stream_requests_read_{0};
   std::atomic<int64_t> streams_open_{0};
+  std::mutex queue_mu_;
+  std::unordered_map<std::string, int64_t> queued_;  // module_id -> calls not yet started
 };
 
 }  // namespace gradwire::rpc

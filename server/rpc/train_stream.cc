@@ -105,6 +105,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     absl::Status status;
     if (ctx_->IsCancelled()) {
       status = absl::CancelledError("the Train stream was cancelled");
+    } else if (auto too_big = service_.CheckRequestBytes(req); !too_big.ok()) {
+      status = too_big;  // per message, as for the unary calls
     } else {
       try {
         switch (req.op_case()) {

@@ -1,18 +1,49 @@
-// The context store on its own: ids, byte accounting, states.
+// The context store on its own: ids, byte accounting, states, and the memory budgets: offload to
+// host memory and back, eviction past the host budget and the TTL, oversized contexts, and
+// backwards racing evictions.
 #include "server/core/context_store.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <random>
 #include <set>
+#include <thread>
+#include <vector>
 
 namespace gradwire::core {
 namespace {
 
+using Residence = ContextStore::Residence;
+
+// A context owning one real uint8 tensor of `b` random bytes (and an undefined one, as modules
+// have), so offload moves real memory; `original` keeps a copy to check what comes back.
 struct FakeSaved final : SavedTensors {
-  explicit FakeSaved(int64_t b) : b_(b) {}
-  int64_t bytes() const override { return b_; }
-  int64_t b_;
+  explicit FakeSaved(int64_t b)
+      : data(at::randint(0, 256, {b}, at::TensorOptions().dtype(at::kByte))),
+        original(data.clone()) {}
+  int64_t bytes() const override { return data.defined() ? data.numel() : 0; }
+  void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
+    fn(data);
+    fn(absent);
+  }
+  bool Intact() const { return data.defined() && at::equal(data, original); }
+  at::Tensor data, absent, original;
 };
+
+std::shared_ptr<FakeSaved> Saved(int64_t b) { return std::make_shared<FakeSaved>(b); }
+
+std::string MustPut(ContextStore& store, int64_t bytes, const std::string& tenant = {},
+                    const std::string& client = {}) {
+  auto id = store.Put("m", 1, Saved(bytes), tenant, client);
+  EXPECT_TRUE(id.ok()) << id.status();
+  return id.ok() ? *id : std::string();
+}
+
+bool Contains(const absl::Status& s, const std::string& text) {
+  return std::string(s.message()).find(text) != std::string::npos;
+}
 
 TEST(ContextStoreTest, IdsAreUnique128BitHex) {
   std::set<std::string> ids;
@@ -27,9 +58,11 @@ TEST(ContextStoreTest, IdsAreUnique128BitHex) {
 
 TEST(ContextStoreTest, BytesFollowPutFinishAndRelease) {
   ContextStore store;
-  const std::string a = store.Put("m", 1, std::make_shared<FakeSaved>(100));
-  const std::string b = store.Put("m", 1, std::make_shared<FakeSaved>(23));
-  const std::string c = store.Put("n", 1, std::make_shared<FakeSaved>(7));
+  const std::string a = MustPut(store, 100);
+  const std::string b = MustPut(store, 23);
+  auto put_c = store.Put("n", 1, Saved(7));
+  ASSERT_TRUE(put_c.ok());
+  const std::string c = *put_c;
   EXPECT_EQ(store.live_bytes(), 130);
   EXPECT_EQ(store.live_contexts("m"), 2);
   auto lease = store.Acquire(a);
@@ -53,6 +86,288 @@ TEST(ContextStoreTest, BytesFollowPutFinishAndRelease) {
   EXPECT_EQ(store.live_bytes(), 0);
   EXPECT_EQ(store.live_contexts(), 0);
   EXPECT_EQ(store.Acquire(c).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ContextStoreTest, OldestContextsMoveToHostAndComeBackForTheirBackward) {
+  constexpr int64_t kB = 1000;
+  ContextStore store({/*device_bytes=*/3 * kB, /*host_bytes=*/10 * kB, /*ttl_seconds=*/0});
+  std::vector<std::string> ids;
+  std::vector<std::weak_ptr<SavedTensors>> saved;
+  for (int i = 0; i < 5; ++i) {
+    ids.push_back(MustPut(store, kB));
+    saved.push_back(store.Peek(ids.back()));
+    ASSERT_LE(store.stats().device_bytes, 3 * kB);
+  }
+  // The two oldest were packed into host memory: their device tensors are gone.
+  EXPECT_EQ(store.Locate(ids[0]), Residence::kHost);
+  EXPECT_EQ(store.Locate(ids[1]), Residence::kHost);
+  for (int i = 2; i < 5; ++i) EXPECT_EQ(store.Locate(ids[i]), Residence::kDevice);
+  EXPECT_FALSE(static_cast<FakeSaved&>(*saved[0].lock()).data.defined());
+  ContextStats s = store.stats();
+  EXPECT_EQ(s.live, 5);
+  EXPECT_EQ(s.offloaded, 2);
+  EXPECT_EQ(s.device_bytes, 3 * kB);
+  EXPECT_EQ(s.host_bytes, 2 * kB);
+  EXPECT_EQ(s.offloads, 2);
+  EXPECT_EQ(s.restores, 0);
+  EXPECT_EQ(store.live_bytes(), 5 * kB);
+
+  // The backward of the oldest brings it back, byte for byte, and the least recently used
+  // context on the device makes room.
+  auto lease = store.Acquire(ids[0]);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(static_cast<FakeSaved&>(*lease->saved).Intact());
+  EXPECT_EQ(store.Locate(ids[0]), Residence::kDevice);
+  EXPECT_EQ(store.Locate(ids[2]), Residence::kHost);
+  s = store.stats();
+  EXPECT_EQ(s.restores, 1);
+  EXPECT_EQ(s.offloads, 3);
+  EXPECT_EQ(s.device_bytes, 3 * kB);
+  EXPECT_EQ(s.host_bytes, 2 * kB);
+  lease->saved.reset();
+  store.Finish(ids[0], /*consumed=*/true, /*retain=*/false);
+  EXPECT_TRUE(saved[0].expired());
+  EXPECT_EQ(store.stats().device_bytes, 2 * kB);
+
+  // Every other context survives its round trip intact.
+  for (int i = 1; i < 5; ++i) {
+    auto l = store.Acquire(ids[i]);
+    ASSERT_TRUE(l.ok()) << i << ": " << l.status();
+    EXPECT_TRUE(static_cast<FakeSaved&>(*l->saved).Intact()) << i;
+    l->saved.reset();
+    store.Finish(ids[i], true, false);
+  }
+  s = store.stats();
+  EXPECT_EQ(s.live, 0);
+  EXPECT_EQ(s.device_bytes, 0);
+  EXPECT_EQ(s.host_bytes, 0);
+  EXPECT_LE(s.peak_device_bytes, 3 * kB);
+  EXPECT_EQ(s.evicted_memory + s.evicted_ttl, 0);
+}
+
+TEST(ContextStoreTest, PastTheHostBudgetTheOldestAreEvictedAndSaySo) {
+  constexpr int64_t kB = 500;
+  ContextStore store({2 * kB, 2 * kB, 0});
+  std::vector<std::string> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(MustPut(store, kB, "alice"));
+  EXPECT_EQ(store.Locate(ids[0]), Residence::kNone);
+  EXPECT_EQ(store.Locate(ids[1]), Residence::kNone);
+  EXPECT_EQ(store.Locate(ids[2]), Residence::kHost);
+  EXPECT_EQ(store.Locate(ids[3]), Residence::kHost);
+  EXPECT_EQ(store.Locate(ids[5]), Residence::kDevice);
+  const ContextStats s = store.stats();
+  EXPECT_EQ(s.evicted_memory, 2);
+  EXPECT_EQ(s.evicted_ttl, 0);
+  EXPECT_EQ(s.host_bytes, 2 * kB);
+  EXPECT_LE(s.peak_host_bytes, 2 * kB);
+
+  const absl::Status evicted = store.Acquire(ids[0]).status();
+  EXPECT_EQ(evicted.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(evicted, "evicted")) << evicted;
+  EXPECT_TRUE(Contains(evicted, "--host-offload-memory")) << evicted;
+  // Unknown ids read differently...
+  const std::string unknown = RandomId128();
+  const absl::Status never = store.Acquire(unknown).status();
+  EXPECT_EQ(never.code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(Contains(never, "evicted")) << never;
+  // ...except to another tenant, who learns nothing: the evicted id reads as never-existed.
+  EXPECT_TRUE(store.CheckTenant(ids[0], "alice").ok());
+  const absl::Status other = store.CheckTenant(ids[0], "bob");
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(std::string(other.message()),
+            std::string(store.CheckTenant(unknown, "bob").message())
+                .replace(std::string("context_id ").size(), unknown.size(), ids[0]));
+  // Releasing an evicted context is harmless; a second Acquire still says evicted.
+  EXPECT_TRUE(store.Release(ids[1]).ok());
+  EXPECT_TRUE(Contains(store.Acquire(ids[1]).status(), "evicted"));
+}
+
+TEST(ContextStoreTest, NoHostBudgetMeansEvictionInsteadOfOffload) {
+  ContextStore store({1000, 0, 0});
+  const std::string a = MustPut(store, 600);
+  const std::string b = MustPut(store, 600);
+  EXPECT_EQ(store.Locate(a), Residence::kNone);
+  EXPECT_EQ(store.Locate(b), Residence::kDevice);
+  EXPECT_EQ(store.stats().evicted_memory, 1);
+  EXPECT_EQ(store.stats().host_bytes, 0);
+  EXPECT_TRUE(Contains(store.Acquire(a).status(), "evicted"));
+}
+
+TEST(ContextStoreTest, UnusedContextsAreEvictedPastTheTtl) {
+  auto now =
+      std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+  ContextStore store({1 << 20, 1 << 20, /*ttl_seconds=*/10}, [now] { return *now; });
+  const std::string a = MustPut(store, 64);
+  const std::string b = MustPut(store, 64);
+  const std::string c = MustPut(store, 64);
+  *now += std::chrono::seconds(6);
+  // A retained backward renews b; c is in a backward when the TTL passes.
+  auto lb = store.Acquire(b);
+  ASSERT_TRUE(lb.ok());
+  lb->saved.reset();
+  store.Finish(b, /*consumed=*/true, /*retain=*/true);
+  auto lc = store.Acquire(c);
+  ASSERT_TRUE(lc.ok());
+  *now += std::chrono::seconds(5);  // a and c are 11 s old, b 5 s
+  EXPECT_EQ(store.EvictExpired(), 1);
+  EXPECT_EQ(store.Locate(a), Residence::kNone);
+  EXPECT_EQ(store.Locate(b), Residence::kDevice);
+  EXPECT_EQ(store.Locate(c), Residence::kDevice);  // in use: never evicted under a backward
+  const absl::Status s = store.Acquire(a).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(s, "evicted")) << s;
+  EXPECT_TRUE(Contains(s, "--context-ttl")) << s;
+  EXPECT_FALSE(Contains(s, "--host-offload-memory")) << s;
+  store.Finish(c, /*consumed=*/false, false);  // renewed by its (failed) backward, at 11 s
+  *now += std::chrono::seconds(3);             // 14 s: b unused for 8 s, c for 3 s
+  EXPECT_EQ(store.EvictExpired(), 0);
+  *now += std::chrono::seconds(3);  // 17 s: b 11 s, c 6 s; Put sweeps too
+  MustPut(store, 64);
+  EXPECT_EQ(store.Locate(b), Residence::kNone);
+  EXPECT_EQ(store.Locate(c), Residence::kDevice);
+  *now += std::chrono::seconds(5);  // 22 s: c 11 s, the new one 5 s
+  EXPECT_EQ(store.EvictExpired(), 1);
+  EXPECT_EQ(store.Locate(c), Residence::kNone);
+  const ContextStats st = store.stats();
+  EXPECT_EQ(st.evicted_ttl, 3);
+  EXPECT_EQ(st.live, 1);
+  EXPECT_EQ(st.device_bytes, 64);
+}
+
+TEST(ContextStoreTest, AContextLargerThanTheWholeBudgetIsRefusedAndNothingStored) {
+  ContextStore store({1000, 1 << 20, 0});
+  const std::string a = MustPut(store, 400);
+  EXPECT_TRUE(store.CheckFits(1000).ok());
+  const absl::Status fits = store.CheckFits(1001);
+  EXPECT_EQ(fits.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(fits, "--context-memory")) << fits;
+  auto big = store.Put("m", 1, Saved(1001));
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  const ContextStats s = store.stats();
+  EXPECT_EQ(s.live, 1);
+  EXPECT_EQ(s.device_bytes, 400);
+  EXPECT_EQ(s.offloads, 0);
+  EXPECT_EQ(s.rejected_too_large, 2);  // the check and the Put
+  EXPECT_EQ(store.Locate(a), Residence::kDevice);
+}
+
+TEST(ContextStoreTest, CountsLiveContextsPerClient) {
+  ContextStore store;
+  const std::string a = MustPut(store, 8, "", "peer x");
+  MustPut(store, 8, "", "peer x");
+  MustPut(store, 8, "", "peer y");
+  EXPECT_EQ(store.live_contexts_of_client("peer x"), 2);
+  EXPECT_EQ(store.live_contexts_of_client("peer y"), 1);
+  EXPECT_EQ(store.live_contexts_of_client("peer z"), 0);
+  EXPECT_EQ(store.ModuleOf(a), "m");
+  ASSERT_TRUE(store.Release(a).ok());
+  EXPECT_EQ(store.live_contexts_of_client("peer x"), 1);
+  EXPECT_EQ(store.ModuleOf(a), "");
+}
+
+TEST(ContextStoreTest, WhileBackwardsHoldTheDeviceAnOffloadedContextWaits) {
+  ContextStore store({1000, 1 << 20, 0});
+  const std::string a = MustPut(store, 600);
+  const std::string b = MustPut(store, 600);  // a goes to host
+  auto lb = store.Acquire(b);
+  ASSERT_TRUE(lb.ok());
+  // b's backward holds 600 of 1000 bytes: a cannot come back now, and stays offloaded.
+  const absl::Status busy = store.Acquire(a).status();
+  EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted) << busy;
+  EXPECT_EQ(store.Locate(a), Residence::kHost);
+  lb->saved.reset();
+  store.Finish(b, true, false);
+  auto la = store.Acquire(a);
+  ASSERT_TRUE(la.ok()) << la.status();
+  EXPECT_TRUE(static_cast<FakeSaved&>(*la->saved).Intact());
+}
+
+// Backwards race puts that offload and evict (memory and TTL): every backward either succeeds
+// with its own bytes intact or gets NOT_FOUND saying "evicted"; the budgets are never exceeded;
+// nothing crashes or frees twice (run under the sanitizer builds too).
+TEST(ContextStoreTest, BackwardsRacingEvictionsEndCleanly) {
+  constexpr int64_t kDevice = 8 << 10, kHost = 16 << 10;
+  std::atomic<int64_t> fake_ms{0};
+  const auto base = std::chrono::steady_clock::now();
+  ContextStore store({kDevice, kHost, /*ttl_seconds=*/0.05},
+                     [&] { return base + std::chrono::milliseconds(fake_ms.load()); });
+  std::mutex ids_mu;
+  std::vector<std::string> ids;
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> ok{0}, evicted{0}, busy{0}, bad{0};
+  std::thread producer([&] {
+    std::mt19937 rng(1);
+    for (int i = 0; i < 3000; ++i) {
+      auto id = store.Put("m", 1, Saved(256 + rng() % 1024));
+      if (!id.ok()) {
+        ++bad;
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(ids_mu);
+      ids.push_back(*id);
+      if (i % 500 == 499) fake_ms += 100;  // now and then time jumps past the TTL
+    }
+    stop = true;
+  });
+  std::vector<std::thread> consumers;
+  for (int t = 0; t < 3; ++t) {
+    consumers.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      while (!stop.load()) {
+        std::string id;
+        {
+          std::lock_guard<std::mutex> lock(ids_mu);
+          if (!ids.empty()) {
+            const size_t k0 = rng() % ids.size();
+            id = ids[k0];
+            ids[k0] = ids.back();
+            ids.pop_back();
+          }
+        }
+        if (id.empty()) {
+          std::this_thread::yield();
+          continue;
+        }
+        auto lease = store.Acquire(id);
+        if (lease.ok()) {
+          if (!static_cast<FakeSaved&>(*lease->saved).Intact()) ++bad;
+          lease->saved.reset();
+          store.Finish(id, /*consumed=*/true, /*retain=*/false);
+          ++ok;
+        } else if (lease.status().code() == absl::StatusCode::kNotFound &&
+                   Contains(lease.status(), "evicted")) {
+          ++evicted;
+        } else if (lease.status().code() == absl::StatusCode::kResourceExhausted) {
+          ++busy;  // the other backwards held the device at that moment; legitimate
+        } else {
+          ADD_FAILURE() << lease.status();
+          ++bad;
+        }
+        const ContextStats s = store.stats();
+        if (s.device_bytes > kDevice || s.host_bytes > kHost) ++bad;
+      }
+    });
+  }
+  producer.join();
+  for (auto& c : consumers) c.join();
+  const ContextStats s = store.stats();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_GT(s.offloads, 0);
+  EXPECT_GT(s.evicted_memory, 0);
+  EXPECT_GT(s.evicted_ttl, 0);
+  EXPECT_LE(s.peak_device_bytes, kDevice);
+  EXPECT_LE(s.peak_host_bytes, kHost);
+  std::printf(
+      "race: %lld backwards ok, %lld evicted, %lld busy; %lld offloads, %lld restores, "
+      "%lld evicted (memory), %lld evicted (ttl)\n",
+      (long long)ok, (long long)evicted, (long long)busy, (long long)s.offloads,
+      (long long)s.restores, (long long)s.evicted_memory, (long long)s.evicted_ttl);
+  // Whatever is left still adds up.
+  int64_t left = 0;
+  for (const std::string& id : ids) left += store.Locate(id) != Residence::kNone;
+  EXPECT_EQ(left, s.live);
 }
 
 }  // namespace

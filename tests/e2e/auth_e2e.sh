@@ -30,6 +30,12 @@ check "config: flag beats environment" bash -c "GRADWIRE_SERVER_MAX_MESSAGE_MIB=
 check "config: the file may come from the environment" bash -c "GRADWIRE_SERVER_CONFIG='$tmp/server.toml' '$server_bin' --print-config | grep -qx 'max-message-mib = 32'"
 check "config: tokens are masked" bash -c "'$server_bin' --config '$tmp/server.toml' --print-config | grep -qx 'tokens = \[\"carol:\*\*\*\*\"\]'"
 check "config: no token in the output" bash -c "! '$server_bin' --config '$tmp/server.toml' --print-config | grep -q 0123456789abcdef"
+# Sizes take units (KiB = 1024, KB = 1000) from flags, the environment and the file.
+check "config: size flag with a unit" bash -c "'$server_bin' --context-memory 512MiB --print-config | grep -qx 'context-memory = 536870912'"
+check "config: size from the environment" bash -c "GRADWIRE_SERVER_HOST_OFFLOAD_MEMORY=1GB '$server_bin' --print-config | grep -qx 'host-offload-memory = 1000000000'"
+printf 'max-request-bytes = "2MiB"\ncontext-ttl = 30\n' >"$tmp/sizes.toml"
+check "config: size from the file" bash -c "'$server_bin' --config '$tmp/sizes.toml' --print-config | grep -qx 'max-request-bytes = 2097152'"
+check "config: a bad size is refused" bash -c "! '$server_bin' --context-memory 12parsecs --print-config 2>/dev/null"
 # Every flag in --help has a key in --print-config (the config mirrors every flag).
 missing=""
 for flag in $("$server_bin" --help | grep -o -- '^  --[a-z-]*' | sed 's/^  --//'); do

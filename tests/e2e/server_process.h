@@ -53,7 +53,13 @@ class ServerProcess {
   }
   // Sends `sig` and returns the exit status (or 128 + signal).
   int Signal(int sig) {
-    kill(pid_, sig);
+    Send(sig);
+    return Wait();
+  }
+  // Sends `sig` without waiting for the exit.
+  void Send(int sig) { kill(pid_, sig); }
+  // Waits for the exit; returns the exit status (or 128 + signal).
+  int Wait() {
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;

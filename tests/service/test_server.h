@@ -36,28 +36,42 @@ inline bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
   return done();
 }
 
+struct TestServerOptions {
+  const rpc::Authenticator* authenticator = nullptr;  // tokens and tenant isolation when set
+  int stream_read_ahead = 8;
+  rpc::ServiceLimits limits;
+  core::ContextLimits context_limits;
+  // Adjusts the service's options last (chunk sizes, ...); may be empty.
+  std::function<void(rpc::ServiceOptions&)> configure;
+};
+
 class TestServer {
  public:
   // With `authenticator`, calls need bearer tokens and tenants are isolated.
   explicit TestServer(const rpc::Authenticator* authenticator = nullptr, int stream_read_ahead = 8)
-      : TestServer([&](rpc::ServiceOptions& options) {
-          options.authenticator = authenticator;
-          options.stream_read_ahead = stream_read_ahead;
-        }) {}
+      : TestServer(Options(authenticator, stream_read_ahead)) {}
   // `configure` adjusts the service's options before it starts.
-  explicit TestServer(const std::function<void(rpc::ServiceOptions&)>& configure) {
+  explicit TestServer(const std::function<void(rpc::ServiceOptions&)>& configure)
+      : TestServer(WithConfigure(configure)) {}
+  explicit TestServer(const TestServerOptions& o) : host_(o.context_limits) {
     executor_ = std::make_unique<core::DeviceExecutor>("cpu");
     rpc::ServiceOptions options;
     options.version = "test";
     options.device = "cpu";
     options.device_name = "test CPU";
-    configure(options);
+    options.authenticator = o.authenticator;
+    options.stream_read_ahead = o.stream_read_ahead;
+    options.limits = o.limits;
+    if (o.configure) o.configure(options);
     service_ = std::make_unique<rpc::GradwireService>(host_, *executor_, std::move(options));
     grpc::ServerBuilder builder;
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(service_.get());
-    builder.SetMaxReceiveMessageSize(64 << 20);
+    // As gradwire-server does: twice the request limit, so a request over it is read and refused
+    // with a message naming the flag.
+    builder.SetMaxReceiveMessageSize(
+        o.limits.max_request_bytes > 0 ? int(2 * o.limits.max_request_bytes) : 64 << 20);
     builder.SetMaxSendMessageSize(64 << 20);
     server_ = builder.BuildAndStart();
   }
@@ -87,6 +101,18 @@ class TestServer {
   rpc::GradwireService& service() { return *service_; }
 
  private:
+  static TestServerOptions Options(const rpc::Authenticator* authenticator, int stream_read_ahead) {
+    TestServerOptions o;
+    o.authenticator = authenticator;
+    o.stream_read_ahead = stream_read_ahead;
+    return o;
+  }
+  static TestServerOptions WithConfigure(std::function<void(rpc::ServiceOptions&)> configure) {
+    TestServerOptions o;
+    o.configure = std::move(configure);
+    return o;
+  }
+
   core::ModuleHost host_;
   std::unique_ptr<core::DeviceExecutor> executor_;
   std::unique_ptr<rpc::GradwireService> service_;

@@ -1,0 +1,128 @@
+// Graceful shutdown of the real gradwire-server binary: after SIGTERM new calls are refused while
+// the forwards already in flight finish and answer; modules are checkpointed and the exit code
+// is 0.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gradwire/client/client.h"
+#include "server_process.h"
+
+namespace gradwire {
+namespace {
+
+using client::HostTensor;
+using testing::ServerProcess;
+using Clock = std::chrono::steady_clock;
+
+HostTensor Random(std::vector<int64_t> shape) {
+  static std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  HostTensor t = HostTensor::Zeros(std::move(shape));
+  for (float& v : t.data) v = dist(rng);
+  return t;
+}
+
+std::unique_ptr<client::Client> Connect(const std::string& address) {
+  client::ClientOptions options;
+  options.server = address;
+  options.timeout = std::chrono::seconds(120);
+  auto c = std::make_unique<client::Client>(options);
+  EXPECT_TRUE(c->WaitForReady(std::chrono::seconds(10)).ok());
+  return c;
+}
+
+TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
+  char base[] = "/tmp/gradwire-shutdown-XXXXXX";
+  ASSERT_NE(mkdtemp(base), nullptr);
+  const std::string dir = std::string(base) + "/checkpoints";
+  ServerProcess server(base, {"--checkpoint-dir", dir, "--shutdown-grace", "60"});
+  auto c = Connect(server.address());
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LINEAR);
+  spec.set_in_features(512);
+  spec.set_out_features(512);
+  spec.set_seed(5);
+  auto info = c->CreateModule(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::string m = info->module_id();
+
+  // Rows for a forward of about a second on this machine, so three of them queued back to back
+  // are still running well after SIGTERM.
+  int64_t rows = 64;
+  for (;;) {
+    const auto t0 = Clock::now();
+    ASSERT_TRUE(c->Forward(m, Random({rows, 512}), false).ok());
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (s > 1.0 || rows >= 8192) break;  // 8192 rows: 16 MiB, under --max-request-bytes
+    rows *= 2;
+  }
+
+  constexpr int kInFlight = 3;
+  std::atomic<int> ok{0};
+  std::vector<Clock::time_point> done(kInFlight);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  std::vector<HostTensor> inputs;
+  for (int i = 0; i < kInFlight; ++i) {
+    clients.push_back(Connect(server.address()));
+    inputs.push_back(Random({rows, 512}));
+  }
+  std::vector<std::thread> flights;
+  for (int i = 0; i < kInFlight; ++i) {
+    flights.emplace_back([&, i] {
+      auto r = clients[i]->Forward(m, inputs[i], true);
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (r.ok()) {
+        EXPECT_EQ(r->output.shape, (std::vector<int64_t>{rows, 512}));
+        EXPECT_EQ(r->context_id.size(), 32u);
+        ++ok;
+      }
+      done[i] = Clock::now();
+    });
+  }
+  // Let all three arrive (the first is computing, the others queue behind it).
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  server.Send(SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // A new call now is refused: on a new connection and on the existing one.
+  client::ClientOptions options;
+  options.server = server.address();
+  options.timeout = std::chrono::seconds(5);
+  client::Client late(options);
+  auto fresh = late.Forward(m, Random({4, 512}), true);
+  EXPECT_FALSE(fresh.ok());
+  EXPECT_EQ(fresh.status().code(), absl::StatusCode::kUnavailable) << fresh.status();
+  auto again = c->Forward(m, Random({4, 512}), true);
+  EXPECT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
+  const auto refused_done = Clock::now();
+
+  for (auto& t : flights) t.join();
+  EXPECT_EQ(ok.load(), kInFlight);
+  // The refusals happened while the in-flight forwards were still running.
+  const auto last = *std::max_element(done.begin(), done.end());
+  EXPECT_GT(last, refused_done) << "the in-flight forwards ended before the refused call; "
+                                   "the test did not overlap them";
+  EXPECT_EQ(server.Wait(), 0) << server.Log();
+  const std::string log = server.Log();
+  EXPECT_NE(log.find("checkpointed 1 modules"), std::string::npos) << log;
+  EXPECT_TRUE(std::filesystem::exists(dir)) << log;
+  bool found = false;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    found |= entry.path().string().find(m) != std::string::npos;
+  }
+  EXPECT_TRUE(found) << "no checkpoint of module " << m << " in " << dir;
+  std::filesystem::remove_all(base);
+}
+
+}  // namespace
+}  // namespace gradwire
