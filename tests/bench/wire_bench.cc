@@ -217,6 +217,9 @@ int main(int argc, char** argv) {
   options.device = "cpu";
   options.chunk_bytes = 4 << 20;
   options.max_stream_bytes = int64_t(max_mib + 16) << 20;
+  // No request limits: the benchmark sends what it measures.
+  options.limits.max_request_bytes = 0;
+  options.limits.max_tensor_elements = 0;
   rpc::GradwireService service(host, executor, options);
   grpc::ServerBuilder builder;
   int port = 0;

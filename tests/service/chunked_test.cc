@@ -37,7 +37,12 @@ v1::Tensor F32Tensor(std::vector<int64_t> shape) {
     t.add_shape(d);
     n *= d;
   }
-  t.set_data(RandomBytes(size_t(n) * 4));
+  // Standard-normal floats (random bytes would hold NaNs, which the server refuses).
+  static std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal;
+  std::vector<float> values(static_cast<size_t>(n));
+  for (float& v : values) v = normal(rng);
+  t.set_data(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
   return t;
 }
 
