@@ -46,7 +46,7 @@ struct ServerFlags {
   int64_t host_offload_memory = int64_t(8) << 30;
   double context_ttl_s = 600;
   // Seconds between returns of freed heap memory to the OS (core/heap_trim.h); 0: never.
-  double heap_trim_every_s = 10;
+  double heap_trim_every_s = 1;
   // Request limits: RESOURCE_EXHAUSTED naming the flag.
   int64_t max_request_bytes = int64_t(64) << 20;
   int64_t max_tensor_elements = int64_t(1) << 26;
