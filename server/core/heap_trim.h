@@ -23,7 +23,7 @@ struct HeapTrimResult {
 
 // Releases the free pages of every malloc arena to the OS (malloc_trim(0)) and reports the
 // process RSS before and after. Safe to call from any thread at any time; it takes each arena's
-// lock in turn, so allocations in that arena wait for the walk (milliseconds for a few hundred MiB).
+// lock in turn, so allocations in that arena wait for the walk (a few ms for a 200 MB heap).
 HeapTrimResult TrimHeap();
 
 // The resident set size of this process, from /proc/self/statm; -1 when unavailable.
