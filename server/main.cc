@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "server/core/executor.h"
+#include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
@@ -44,6 +45,8 @@ struct ServerFlags {
   int64_t context_memory = int64_t(4) << 30;
   int64_t host_offload_memory = int64_t(8) << 30;
   double context_ttl_s = 600;
+  // Seconds between returns of freed heap memory to the OS (core/heap_trim.h); 0: never.
+  double heap_trim_every_s = 1;
   // Request limits: RESOURCE_EXHAUSTED naming the flag.
   int64_t max_request_bytes = int64_t(64) << 20;
   int64_t max_tensor_elements = int64_t(1) << 26;
@@ -138,6 +141,7 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "context-memory = " << f.context_memory << "\n";
   out << "host-offload-memory = " << f.host_offload_memory << "\n";
   out << "context-ttl = " << f.context_ttl_s << "\n";
+  out << "heap-trim-every = " << f.heap_trim_every_s << "\n";
   out << "shutdown-grace = " << f.shutdown_grace_s << "\n";
   out << "tls-cert = " << quote(f.tls_cert) << "\n";
   out << "tls-key = " << quote(f.tls_key) << "\n";
@@ -351,6 +355,12 @@ int main(int argc, char** argv) {
   app.add_option("--context-ttl", flags.context_ttl_s,
                  "seconds a training context may wait unused for its backward before it is "
                  "evicted (0: never)")
+      ->check(CLI::Range(0.0, 1e9))
+      ->capture_default_str();
+  app.add_option("--heap-trim-every", flags.heap_trim_every_s,
+                 "seconds between returns of freed heap memory to the OS (malloc_trim); without "
+                 "them RSS creeps up under training load while the memory in use stays flat "
+                 "(0: never)")
       ->check(CLI::Range(0.0, 1e9))
       ->capture_default_str();
   app.add_option("--shutdown-grace", flags.shutdown_grace_s,
@@ -617,20 +627,43 @@ int main(int argc, char** argv) {
   spdlog::info("context memory {} bytes on the device, {} bytes host offload, TTL {} s",
                flags.context_memory, flags.host_offload_memory, flags.context_ttl_s);
 
-  // Evicts contexts past the TTL even when no call arrives to do it.
+  // Housekeeping: evicts contexts past the TTL even when no call arrives to do it, and gives
+  // freed heap memory back to the OS every --heap-trim-every seconds (core/heap_trim.h).
   std::mutex janitor_mu;
   std::condition_variable janitor_cv;
   bool janitor_stop = false;
   std::thread janitor;
-  if (flags.context_ttl_s > 0) {
-    const auto period = std::chrono::milliseconds(
-        std::clamp<int64_t>(int64_t(flags.context_ttl_s * 250), 10, 1000));
-    janitor = std::thread([&, period] {
+  const bool evict = flags.context_ttl_s > 0;
+  const bool trim = flags.heap_trim_every_s > 0;
+  if (evict || trim) {
+    auto period = std::chrono::milliseconds(1000);
+    if (evict) {
+      period = std::min(period, std::chrono::milliseconds(std::clamp<int64_t>(
+                                    int64_t(flags.context_ttl_s * 250), 10, 1000)));
+    }
+    if (trim) {
+      period = std::min(period, std::chrono::milliseconds(std::max<int64_t>(
+                                    int64_t(flags.heap_trim_every_s * 1000), 10)));
+    }
+    const auto trim_every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(flags.heap_trim_every_s));
+    janitor = std::thread([&, period, evict, trim, trim_every] {
+      auto last_trim = std::chrono::steady_clock::now();
       std::unique_lock<std::mutex> lock(janitor_mu);
       while (!janitor_cv.wait_for(lock, period, [&] { return janitor_stop; })) {
-        if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
-          spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n,
-                       flags.context_ttl_s);
+        if (evict) {
+          if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
+            spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n,
+                         flags.context_ttl_s);
+          }
+        }
+        if (trim && std::chrono::steady_clock::now() - last_trim >= trim_every) {
+          const gradwire::core::HeapTrimResult r = gradwire::core::TrimHeap();
+          last_trim = std::chrono::steady_clock::now();
+          if (r.supported) {
+            spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
+                          r.rss_after_bytes >> 10, r.seconds * 1e3);
+          }
         }
       }
     });
