@@ -51,7 +51,7 @@ if [ -n "${SANITIZE_TARGETS:-}" ]; then
     [ -n "$exe" ] || { echo "sanitize $kind: $t was not built" >&2; exit 1; }
     t0=$(date +%s)
     if "$exe" --gtest_brief=1 > "$build_dir/$t.sanitize.log" 2>&1; then
-      echo "sanitize $kind: $t clean ($(grep -Eo '[0-9]+ tests?' "$build_dir/$t.sanitize.log" | tail -1), $(( $(date +%s) - t0 )) s)"
+      echo "sanitize $kind: $t clean ($(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$build_dir/$t.sanitize.log" | tail -1), $(( $(date +%s) - t0 )) s)"
     else
       failed+=("$t")
       tail -80 "$build_dir/$t.sanitize.log" >&2
