@@ -396,8 +396,8 @@ int main(int argc, char** argv) {
 
   if (!json_path.empty()) {
     std::ofstream out(json_path);
-    out << "{\n  \"benchmark\": \"wire\",\n  \"http2_frame_kib\": " << frame_kib << ",\n  \"module\": {\"kind\": \"LINEAR\", \"in\": " << kIn
-        << ", \"out\": " << kOut
+    out << "{\n  \"benchmark\": \"wire\",\n  \"http2_frame_kib\": " << frame_kib
+        << ",\n  \"module\": {\"kind\": \"LINEAR\", \"in\": " << kIn << ", \"out\": " << kOut
         << "},\n  \"hardware_threads\": " << std::thread::hardware_concurrency()
         << ",\n  \"rows\": [\n";
     for (size_t i = 0; i < rows.size(); ++i) {

@@ -9,6 +9,8 @@
 #include <random>
 #include <vector>
 
+#include "tests/sanitized.h"
+
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -16,19 +18,7 @@
 namespace gradwire::core {
 namespace {
 
-// Sanitizer runtimes have allocators of their own (and ASan a quarantine): glibc's malloc_trim
-// does not see their memory, and RSS says nothing there.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using gradwire::testing::kSanitized;
 
 TEST(HeapTrimTest, ReportsTheProcessRss) {
   const int64_t rss = ProcessRssBytes();

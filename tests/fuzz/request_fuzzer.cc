@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "gradwire/v1/service.pb.h"
 #include "google/protobuf/stubs/logging.h"
+#include "gradwire/v1/service.pb.h"
 #include "server/core/module_host.h"
 #include "server/core/quantizer.h"
 #include "server/rpc/tensor_codec.h"

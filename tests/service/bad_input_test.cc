@@ -20,6 +20,7 @@
 #include "gradwire/client/client.h"
 #include "server/rpc/auth.h"
 #include "test_server.h"
+#include "tests/sanitized.h"
 
 namespace gradwire {
 namespace {
@@ -34,19 +35,7 @@ constexpr char kBobToken[] = "bob-token-fedcba9876543210xyz";
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Sanitizer runtimes hold freed memory back (ASan's quarantine) and add shadow memory, so RSS
-// says nothing about leaks there; LeakSanitizer covers those builds instead.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using gradwire::testing::kSanitized;
 
 int64_t RssKiB() {
   std::ifstream in("/proc/self/status");
