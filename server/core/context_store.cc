@@ -30,7 +30,52 @@ absl::Status Unknown(const std::string& context_id) {
 }  // namespace
 
 ContextStore::ContextStore(ContextLimits limits, Clock clock)
-    : limits_(limits), clock_(std::move(clock)) {}
+    : limits_(limits), clock_(std::move(clock)) {
+  gone_.reserve(kGoneMemory);
+  gone_ring_.reserve(kGoneMemory);
+}
+
+std::optional<ContextStore::IdBits> ContextStore::ParseId(const std::string& context_id) {
+  if (context_id.size() != 32) return std::nullopt;
+  IdBits bits;
+  for (size_t i = 0; i < 32; ++i) {
+    const char c = context_id[i];
+    uint64_t v;
+    if (c >= '0' && c <= '9') {
+      v = uint64_t(c - '0');
+    } else if (c >= 'a' && c <= 'f') {
+      v = uint64_t(c - 'a' + 10);
+    } else {
+      return std::nullopt;
+    }
+    uint64_t& half = i < 16 ? bits.hi : bits.lo;
+    half = (half << 4) | v;
+  }
+  return bits;
+}
+
+const ContextStore::GoneEntry* ContextStore::FindGoneLocked(const std::string& context_id) const {
+  const std::optional<IdBits> bits = ParseId(context_id);
+  if (!bits) return nullptr;
+  auto it = gone_.find(*bits);
+  return it == gone_.end() ? nullptr : &it->second;
+}
+
+void ContextStore::RememberGoneLocked(const std::string& context_id, const std::string& tenant,
+                                      Gone why) {
+  const std::optional<IdBits> bits = ParseId(context_id);
+  if (!bits) return;  // not an id this store made
+  auto [t, added] = tenant_index_.emplace(tenant, uint32_t(tenants_.size()));
+  if (added) tenants_.push_back(tenant);
+  if (gone_ring_.size() < kGoneMemory) {
+    gone_ring_.push_back(*bits);
+  } else {  // forget the oldest
+    gone_.erase(gone_ring_[gone_next_]);
+    gone_ring_[gone_next_] = *bits;
+    gone_next_ = (gone_next_ + 1) % kGoneMemory;
+  }
+  gone_[*bits] = GoneEntry{t->second, why};
+}
 
 ContextStore::~ContextStore() = default;
 
@@ -70,13 +115,21 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
   std::string id;
   do {
     id = RandomId128();
-  } while (entries_.count(id) || gone_.count(id));
+  } while (entries_.count(id) || FindGoneLocked(id) != nullptr);
   Entry entry;
   entry.module_id = std::move(module_id);
   entry.tenant = std::move(tenant);
   entry.client = std::move(client);
   entry.weight_version = weight_version;
   entry.bytes = bytes;
+  entry.pin = saved->shared_key();
+  if (entry.pin != nullptr) {
+    Pin& pin = pins_[entry.pin];
+    if (pin.contexts++ == 0) {
+      pin.bytes = saved->shared_bytes();
+      stats_.weight_bytes += pin.bytes;
+    }
+  }
   entry.saved = std::move(saved);
   ++per_client_[entry.client];
   auto it = entries_.emplace(id, std::move(entry)).first;
@@ -189,8 +242,8 @@ absl::Status ContextStore::CheckTenant(const std::string& context_id,
   const std::string* owner = nullptr;
   if (auto it = entries_.find(context_id); it != entries_.end()) {
     owner = &it->second.tenant;
-  } else if (auto g = gone_.find(context_id); g != gone_.end()) {
-    owner = &g->second.tenant;
+  } else if (const GoneEntry* g = FindGoneLocked(context_id)) {
+    owner = &tenants_[g->tenant];
   }
   if (owner == nullptr || *owner != tenant) return Unknown(context_id);
   return absl::OkStatus();
@@ -201,8 +254,8 @@ absl::StatusOr<ContextStore::Lease> ContextStore::Acquire(const std::string& con
   EvictExpiredLocked();
   auto it = entries_.find(context_id);
   if (it == entries_.end()) {
-    if (auto g = gone_.find(context_id); g != gone_.end()) {
-      return GoneStatus(context_id, g->second.why);
+    if (const GoneEntry* g = FindGoneLocked(context_id)) {
+      return GoneStatus(context_id, g->why);
     }
     return Unknown(context_id);
   }
@@ -258,13 +311,14 @@ void ContextStore::Finish(const std::string& context_id, bool consumed, bool ret
 void ContextStore::NotePeaksLocked() {
   stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
   stats_.peak_host_bytes = std::max(stats_.peak_host_bytes, stats_.host_bytes);
+  stats_.peak_weight_bytes = std::max(stats_.peak_weight_bytes, stats_.weight_bytes);
 }
 
 absl::Status ContextStore::Release(const std::string& context_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(context_id);
   if (it == entries_.end()) {
-    if (gone_.count(context_id)) return absl::OkStatus();
+    if (FindGoneLocked(context_id) != nullptr) return absl::OkStatus();
     return Unknown(context_id);
   }
   if (it->second.in_backward) {
@@ -299,15 +353,14 @@ void ContextStore::EraseLocked(Iter it, bool remember, Gone why) {
   if (auto c = per_client_.find(e.client); c != per_client_.end() && --c->second <= 0) {
     per_client_.erase(c);
   }
-  order_.erase(e.seq);
-  if (remember) {
-    gone_[it->first] = GoneEntry{e.tenant, why};
-    gone_order_.push_back(it->first);
-    if (gone_order_.size() > kGoneMemory) {
-      gone_.erase(gone_order_.front());
-      gone_order_.pop_front();
+  if (e.pin != nullptr) {
+    if (auto p = pins_.find(e.pin); p != pins_.end() && --p->second.contexts <= 0) {
+      stats_.weight_bytes -= p->second.bytes;
+      pins_.erase(p);
     }
   }
+  order_.erase(e.seq);
+  if (remember) RememberGoneLocked(it->first, e.tenant, why);
   entries_.erase(it);
 }
 
@@ -344,6 +397,7 @@ ContextStats ContextStore::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   ContextStats s = stats_;
   s.live = int64_t(entries_.size());
+  s.pinned_weights = int64_t(pins_.size());
   for (const auto& [id, entry] : entries_) s.offloaded += entry.pack != nullptr;
   return s;
 }

@@ -9,13 +9,14 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/core/saved_tensors.h"
@@ -49,6 +50,11 @@ struct ContextStats {
   int64_t evicted_ttl = 0;         // contexts evicted for being unused past the TTL
   int64_t evicted_memory = 0;      // contexts evicted because the host budget was full
   int64_t rejected_too_large = 0;  // forwards whose context alone exceeded the device budget
+  // Weight versions kept alive by live contexts (SavedTensors::shared_key), each counted once,
+  // and their bytes. Reported beside the saved tensors; not part of the budgets above.
+  int64_t pinned_weights = 0;
+  int64_t weight_bytes = 0;
+  int64_t peak_weight_bytes = 0;
 };
 
 class ContextStore {
@@ -139,6 +145,7 @@ class ContextStore {
     uint64_t weight_version = 0;
     std::shared_ptr<SavedTensors> saved;  // its tensors are undefined while `pack` holds them
     std::unique_ptr<HostPack> pack;       // set while offloaded
+    const void* pin = nullptr;            // saved->shared_key(), counted in pins_
     int64_t bytes = 0;                    // device bytes when resident
     bool in_backward = false;
     uint64_t seq = 0;  // position in order_
@@ -168,12 +175,38 @@ class ContextStore {
   std::map<uint64_t, std::string> order_;  // least recently used first
   uint64_t next_seq_ = 0;
   std::unordered_map<std::string, int64_t> per_client_;
-  struct GoneEntry {
-    std::string tenant;
-    Gone why;
+  struct Pin {
+    int64_t contexts = 0;
+    int64_t bytes = 0;
   };
-  std::unordered_map<std::string, GoneEntry> gone_;
-  std::deque<std::string> gone_order_;
+  // Shared state held by live contexts, by address (an entry holds it, so the address cannot be
+  // reused while it is here).
+  std::unordered_map<const void*, Pin> pins_;
+  // Consumed and evicted ids, remembered compactly: their 128 bits (ids the store made are 32 hex
+  // digits) and their tenant as an index into tenants_. About 70 bytes an id, allocated up front
+  // except for the map's nodes, so a busy server's memory does not creep up as it fills.
+  struct IdBits {
+    uint64_t hi = 0, lo = 0;
+    bool operator==(const IdBits& o) const { return hi == o.hi && lo == o.lo; }
+  };
+  struct IdBitsHash {
+    size_t operator()(const IdBits& k) const {
+      return size_t(k.hi ^ (k.lo * 0x9e3779b97f4a7c15ULL));
+    }
+  };
+  struct GoneEntry {
+    uint32_t tenant = 0;
+    Gone why = Gone::kConsumed;
+  };
+  // The id's bits; nullopt when `context_id` is not 32 lowercase hex digits (never one of ours).
+  static std::optional<IdBits> ParseId(const std::string& context_id);
+  const GoneEntry* FindGoneLocked(const std::string& context_id) const;
+  void RememberGoneLocked(const std::string& context_id, const std::string& tenant, Gone why);
+  std::unordered_map<IdBits, GoneEntry, IdBitsHash> gone_;
+  std::vector<IdBits> gone_ring_;  // kGoneMemory slots, oldest at gone_next_ once full
+  size_t gone_next_ = 0;
+  std::vector<std::string> tenants_;  // tenants seen, by index
+  std::unordered_map<std::string, uint32_t> tenant_index_;
   ContextStats stats_;  // live and offloaded are computed on demand
 };
 

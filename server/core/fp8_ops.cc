@@ -66,7 +66,23 @@ bool WeightWorkspace::has_columnwise() const {
 int64_t WeightWorkspace::bytes() const {
   int64_t total = 0;
   for (const Fp8Tensor& w : weights) total += w.bytes();
+  for (const at::Tensor& t : aux) {
+    if (t.defined()) total += int64_t(t.nbytes());
+  }
   return total;
+}
+
+WorkspacePtr PinForBackward(const WorkspacePtr& ws, bool needs_rowwise) {
+  if (!ws || needs_rowwise || !ws->for_backward) return ws;
+  return ws->for_backward;
+}
+
+Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i) {
+  Fp8Tensor w = ws.weights.at(i);
+  if (!w.columnwise_decoded && i < ws.columnwise_decoded.size()) {
+    w.columnwise_decoded = ws.columnwise_decoded[i].lock();
+  }
+  return w;
 }
 
 bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool training) {
@@ -96,6 +112,20 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
     ws->weights.push_back(std::move(w));
   }
   for (const at::Tensor& t : aux) ws->aux.push_back(t.defined() ? t.clone() : at::Tensor());
+  if (training) {
+    auto slim = std::make_shared<WeightWorkspace>();
+    slim->weight_version = weight_version;
+    slim->aux = ws->aux;
+    for (const Fp8Tensor& w : ws->weights) {
+      Fp8Tensor c = w;
+      c.rowwise = at::Tensor();
+      c.rowwise_decoded = nullptr;
+      c.columnwise_decoded = nullptr;
+      slim->columnwise_decoded.push_back(w.columnwise_decoded);
+      slim->weights.push_back(std::move(c));
+    }
+    ws->for_backward = std::move(slim);
+  }
   return WorkspaceResult{std::move(ws), true};
 }
 

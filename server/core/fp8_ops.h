@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "server/core/fp8_tensor.h"
 #include "server/core/quantizer.h"
+#include "server/core/saved_tensors.h"
 
 namespace gradwire::core {
 
@@ -22,10 +23,36 @@ struct WeightWorkspace {
   uint64_t weight_version = 0;
   std::vector<Fp8Tensor> weights;  // rowwise always; columnwise too when built for training
   std::vector<at::Tensor> aux;     // fp32 copies, in the order the module passed them
+  // On a workspace built for training: the part of it a saved context keeps (see
+  // PinForBackward). It shares the columnwise codes and aux and holds nothing else, so a weight
+  // version that only contexts still use costs one byte per weight instead of the whole
+  // workspace (rowwise codes and, on the reference backend, two decoded float copies).
+  std::shared_ptr<const WeightWorkspace> for_backward;
+  // On that slim part: the full workspace's decoded columnwise copies, held weakly. A backward
+  // reads them while the version is still cached; after that the GEMM decodes the codes itself.
+  std::vector<std::weak_ptr<const std::vector<float>>> columnwise_decoded;
   bool has_columnwise() const;
+  // FP8 codes and aux bytes: what the workspace holds on the device.
   int64_t bytes() const;
 };
 using WorkspacePtr = std::shared_ptr<const WeightWorkspace>;
+
+// What a training forward's context should keep of `ws`: its slim backward part, or `ws` itself
+// when the backward reads rowwise weights too (a checkpointed LayerNormMLP recomputes FC1) or `ws`
+// has no slim part.
+WorkspacePtr PinForBackward(const WorkspacePtr& ws, bool needs_rowwise = false);
+
+// Weight `i` of a pinned workspace as a backward reads it: the codes, with the decoded
+// columnwise copy when it is still alive.
+Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i);
+
+// Saved state that pins a weight workspace (PinForBackward's result): the context store counts
+// the workspace once across the contexts that share it.
+struct SavedWithWorkspace : SavedTensors {
+  WorkspacePtr workspace;
+  const void* shared_key() const override { return workspace.get(); }
+  int64_t shared_bytes() const override { return workspace ? workspace->bytes() : 0; }
+};
 
 // True when `ws` can serve a forward of `weight_version` (training needs the columnwise copies).
 bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool training);

@@ -60,7 +60,7 @@ absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
       x.rowwise = at::Tensor();
       saved->ln_out = std::move(x);
     }
-    saved->workspace = result.workspace;
+    saved->workspace = PinForBackward(result.workspace);
     result.saved = std::move(saved);
   }
   return result;
@@ -69,7 +69,7 @@ absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
 absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
     const LayerNormLinearBwdArgs& args) {
   const LayerNormLinearSaved& saved = *args.saved;
-  const Fp8Tensor& w = saved.workspace->weights[0];
+  const Fp8Tensor w = BackwardWeight(*saved.workspace, 0);
   // The LayerNorm parameters of the forward's weight version.
   LayerNormParams ln = args.ln;
   ln.gamma = saved.workspace->aux[0];

@@ -20,12 +20,11 @@ struct LayerNormParams {
   bool zero_centered_gamma = false;  // the scale is 1 + gamma
 };
 
-struct LayerNormLinearSaved final : SavedTensors {
+struct LayerNormLinearSaved final : SavedWithWorkspace {
   at::Tensor input;     // float32 [M, K]: LayerNorm backward (and the recompute) read it
   at::Tensor mu, rstd;  // float32 [M]
   Fp8Tensor ln_out;     // columnwise [K, M] for wgrad; absent when checkpointed
   QuantizerConfig input_quantizer;  // the exact cast of the forward, for the recompute
-  WorkspacePtr workspace;
   int64_t bytes() const override;
   void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
     for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise}) fn(*t);

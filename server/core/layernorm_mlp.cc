@@ -81,7 +81,8 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
       saved->fc1_out = std::move(h.fc1_out);
       saved->act_out = std::move(h.act_q);
     }
-    saved->workspace = result.workspace;
+    // A checkpointed backward recomputes FC1, which reads the rowwise weights.
+    saved->workspace = PinForBackward(result.workspace, /*needs_rowwise=*/!keep);
     result.saved = std::move(saved);
   }
   return result;
@@ -89,8 +90,8 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
 
 absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwdArgs& args) {
   const LayerNormMlpSaved& saved = *args.saved;
-  const Fp8Tensor& w1 = saved.workspace->weights[0];
-  const Fp8Tensor& w2 = saved.workspace->weights[1];
+  const Fp8Tensor w1 = BackwardWeight(*saved.workspace, 0);
+  const Fp8Tensor w2 = BackwardWeight(*saved.workspace, 1);
   const int64_t ffn = w2.cols;
   // The LayerNorm parameters and FC1 bias of the forward's weight version.
   LayerNormParams ln = args.ln;

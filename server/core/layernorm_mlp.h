@@ -16,7 +16,7 @@
 
 namespace gradwire::core {
 
-struct LayerNormMlpSaved final : SavedTensors {
+struct LayerNormMlpSaved final : SavedWithWorkspace {
   at::Tensor input;     // float32 [M, K]
   at::Tensor mu, rstd;  // float32 [M]
   // Absent when checkpointed (recomputed in backward):
@@ -24,7 +24,7 @@ struct LayerNormMlpSaved final : SavedTensors {
   at::Tensor fc1_out;  // float32 [M, F1]: the activation's backward
   Fp8Tensor act_out;   // columnwise [F, M]: FC2 wgrad
   QuantizerConfig fc1_input_quantizer, fc2_input_quantizer;  // the exact casts, for the recompute
-  WorkspacePtr workspace;                                    // weights[0] = FC1, weights[1] = FC2
+  // workspace: weights[0] = FC1, weights[1] = FC2
   int64_t bytes() const override;
   void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
     for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise, &fc1_out,

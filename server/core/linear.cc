@@ -32,7 +32,7 @@ absl::StatusOr<LinearFwdResult> LinearForward(const LinearFwdArgs& args) {
     x.rowwise = at::Tensor();
     auto saved = std::make_shared<LinearSaved>();
     saved->input = std::move(x);
-    saved->workspace = result.workspace;
+    saved->workspace = PinForBackward(result.workspace);
     result.saved = std::move(saved);
   }
   return result;
@@ -41,7 +41,7 @@ absl::StatusOr<LinearFwdResult> LinearForward(const LinearFwdArgs& args) {
 absl::StatusOr<LinearBwdResult> LinearBackward(const LinearBwdArgs& args) {
   const LinearSaved& saved = *args.saved;
   const Fp8Tensor& x = saved.input;  // columnwise X^T [K, M]
-  const Fp8Tensor& w = saved.workspace->weights[0];
+  const Fp8Tensor w = BackwardWeight(*saved.workspace, 0);
   if (args.grad_output.size(0) != x.rows || args.grad_output.size(1) != w.rows) {
     return absl::InternalError("LinearBackward: grad_output does not match the saved forward");
   }

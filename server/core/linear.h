@@ -16,9 +16,9 @@
 
 namespace gradwire::core {
 
-struct LinearSaved final : SavedTensors {
-  Fp8Tensor input;         // columnwise only: X^T [K, M], what wgrad reads
-  WorkspacePtr workspace;  // the weight version this forward used (its columnwise copy for dgrad)
+struct LinearSaved final : SavedWithWorkspace {
+  Fp8Tensor input;  // columnwise only: X^T [K, M], what wgrad reads
+  // workspace: the weight version this forward used (its columnwise copy, for dgrad)
   int64_t bytes() const override { return input.bytes(); }
   void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
     fn(input.rowwise);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cctype>
 #include <random>
 #include <set>
 #include <thread>
@@ -86,6 +87,87 @@ TEST(ContextStoreTest, BytesFollowPutFinishAndRelease) {
   EXPECT_EQ(store.live_bytes(), 0);
   EXPECT_EQ(store.live_contexts(), 0);
   EXPECT_EQ(store.Acquire(c).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A context that also pins shared state (as modules pin a weight version).
+struct PinningSaved final : SavedTensors {
+  PinningSaved(int64_t b, std::shared_ptr<const int64_t> shared_size)
+      : data(at::randint(0, 256, {b}, at::TensorOptions().dtype(at::kByte))),
+        shared(std::move(shared_size)) {}
+  int64_t bytes() const override { return data.numel(); }
+  void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override { fn(data); }
+  const void* shared_key() const override { return shared.get(); }
+  int64_t shared_bytes() const override { return *shared; }
+  at::Tensor data;
+  std::shared_ptr<const int64_t> shared;
+};
+
+TEST(ContextStoreTest, SharedStateIsCountedOnceWhileAnyContextHoldsIt) {
+  ContextStore store(ContextLimits{/*device_bytes=*/64, /*host_bytes=*/1 << 20, 0});
+  auto v1 = std::make_shared<const int64_t>(1000);
+  auto v2 = std::make_shared<const int64_t>(333);
+  std::vector<std::string> ids;
+  for (auto* v : {&v1, &v1, &v1, &v2}) {
+    auto id = store.Put("m", 1, std::make_shared<PinningSaved>(40, *v));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  ContextStats s = store.stats();
+  EXPECT_EQ(s.pinned_weights, 2);
+  EXPECT_EQ(s.weight_bytes, 1333);
+  EXPECT_EQ(s.peak_weight_bytes, 1333);
+  // Shared state is outside the saved-tensor budgets: contexts offloaded past the 64-byte device
+  // budget still pin it, and it is never offloaded.
+  EXPECT_EQ(s.device_bytes + s.host_bytes, 160);
+  EXPECT_GE(s.offloads, 2);
+  // Consumed, released, evicted: the last context of a version unpins it.
+  auto lease = store.Acquire(ids[0]);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  lease->saved.reset();
+  store.Finish(ids[0], /*consumed=*/true, /*retain=*/false);
+  ASSERT_TRUE(store.Release(ids[1]).ok());
+  EXPECT_EQ(store.stats().weight_bytes, 1333);
+  ASSERT_TRUE(store.Release(ids[2]).ok());
+  s = store.stats();
+  EXPECT_EQ(s.pinned_weights, 1);
+  EXPECT_EQ(s.weight_bytes, 333);
+  EXPECT_EQ(store.ReleaseModule("m"), 1);
+  s = store.stats();
+  EXPECT_EQ(s.pinned_weights, 0);
+  EXPECT_EQ(s.weight_bytes, 0);
+  EXPECT_EQ(s.peak_weight_bytes, 1333);
+}
+
+TEST(ContextStoreTest, RemembersTheLastConsumedIdsAndForgetsTheOldest) {
+  ContextStore store;
+  std::vector<std::string> ids;
+  const size_t n = ContextStore::kGoneMemory + 10;
+  auto saved = Saved(1);  // shared: the store does not care
+  for (size_t i = 0; i < n; ++i) {
+    auto id = store.Put("m", 1, saved, i % 2 ? "alice" : "bob");
+    ASSERT_TRUE(id.ok());
+    ASSERT_TRUE(store.Release(*id).ok());
+    ids.push_back(*id);
+  }
+  EXPECT_EQ(store.live_contexts(), 0);
+  // The 10 oldest are forgotten: an unknown id again.
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_TRUE(Contains(store.Acquire(ids[i]).status(), "is not a live context")) << i;
+    EXPECT_EQ(store.Release(ids[i]).code(), absl::StatusCode::kNotFound);
+  }
+  // The rest are remembered as consumed, for their own tenant only.
+  for (size_t i : {size_t(10), size_t(11), n / 2, n - 2, n - 1}) {
+    EXPECT_EQ(store.Acquire(ids[i]).status().code(), absl::StatusCode::kFailedPrecondition) << i;
+    EXPECT_TRUE(store.Release(ids[i]).ok());
+    EXPECT_TRUE(store.CheckTenant(ids[i], i % 2 ? "alice" : "bob").ok()) << i;
+    EXPECT_FALSE(store.CheckTenant(ids[i], i % 2 ? "bob" : "alice").ok()) << i;
+  }
+  // Ids that are not 32 lowercase hex digits are never remembered.
+  std::string upper = ids.back();
+  for (char& c : upper) c = char(std::toupper(c));
+  if (upper != ids.back()) {
+    EXPECT_TRUE(Contains(store.Acquire(upper).status(), "is not a live context"));
+  }
 }
 
 TEST(ContextStoreTest, OldestContextsMoveToHostAndComeBackForTheirBackward) {

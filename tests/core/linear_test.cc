@@ -144,8 +144,18 @@ TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
   ASSERT_TRUE(saved.input.has_columnwise());
   EXPECT_EQ(saved.input.columnwise.sizes(), (at::IntArrayRef{k_, m_}));
   EXPECT_EQ(saved.bytes(), m_ * k_);  // one byte per input element, nothing twice
-  EXPECT_EQ(saved.workspace, training.workspace);
   EXPECT_TRUE(training.workspace->weights[0].has_columnwise());
+  // The context keeps the workspace's slim backward part: the same columnwise codes and nothing
+  // else, so it pins one byte per weight.
+  ASSERT_TRUE(training.workspace->for_backward);
+  EXPECT_EQ(saved.workspace, training.workspace->for_backward);
+  const Fp8Tensor& kept = saved.workspace->weights[0];
+  EXPECT_FALSE(kept.has_rowwise());
+  EXPECT_FALSE(kept.rowwise_decoded);
+  EXPECT_FALSE(kept.columnwise_decoded);
+  EXPECT_TRUE(kept.columnwise.is_same(training.workspace->weights[0].columnwise));
+  EXPECT_EQ(saved.shared_bytes(), n_ * k_);
+  EXPECT_EQ(saved.shared_key(), saved.workspace.get());
 }
 
 TEST_P(LinearTest, SkippingGradInputStillAccumulatesWeightGradient) {

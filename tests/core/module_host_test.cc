@@ -104,6 +104,37 @@ TEST_F(ModuleHostTest, ContextKeepsItsVersionsWorkspaceUntilBackward) {
   EXPECT_TRUE(v1.expired());
 }
 
+TEST_F(ModuleHostTest, AnOldVersionKeepsOnlyWhatItsBackwardReads) {
+  // Two contexts of version 1 with the same input; the first backward runs while version 1 is
+  // cached, the second after version 2 replaced it.
+  const at::Tensor x = RandN({5, 24});
+  auto a = host_.Forward(id_, x, true);
+  auto b = host_.Forward(id_, x, true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::weak_ptr<const WeightWorkspace> v1 = SavedWorkspace(b->context_id);
+  ASSERT_EQ(v1.lock()->columnwise_decoded.size(), 1u);
+  std::weak_ptr<const std::vector<float>> decoded = v1.lock()->columnwise_decoded[0];
+  EXPECT_FALSE(decoded.expired());  // the cache still holds the full workspace
+  EXPECT_EQ(host_.Stats().contexts.pinned_weights, 1);
+  EXPECT_EQ(host_.Stats().contexts.weight_bytes, 10 * 24);  // one byte per weight
+  const at::Tensor dy = RandN({5, 10});
+  auto ga = host_.Backward(a->context_id, dy, false, false);
+  ASSERT_TRUE(ga.ok()) << ga.status();
+  ASSERT_TRUE(host_.ApplyGradients(id_, 0.5f).ok());
+  Fwd(false);  // version 2 replaces version 1 in the cache
+  // Version 1's rowwise codes and decoded copies are gone; the context keeps its columnwise codes.
+  EXPECT_TRUE(decoded.expired());
+  ASSERT_FALSE(v1.expired());
+  EXPECT_FALSE(v1.lock()->weights[0].has_rowwise());
+  auto gb = host_.Backward(b->context_id, dy, false, false);
+  ASSERT_TRUE(gb.ok()) << gb.status();
+  // Decoding per call gives the same bits as the cached decoded copy.
+  EXPECT_TRUE(at::equal(*ga, *gb));
+  EXPECT_TRUE(v1.expired());
+  EXPECT_EQ(host_.Stats().contexts.pinned_weights, 0);
+  EXPECT_EQ(host_.Stats().contexts.weight_bytes, 0);
+}
+
 TEST_F(ModuleHostTest, InferenceCreatesNoContext) {
   const ForwardOutput out = Fwd(false);
   EXPECT_TRUE(out.context_id.empty());
