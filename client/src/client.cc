@@ -52,8 +52,11 @@ bool WriteChunked(Writer* writer, Msg& msg, int64_t chunk_bytes) {
 }
 
 // Reads a chunked message into `out`. A malformed sequence is the server's fault: INTERNAL.
+// `*open` says whether the stream is still open (the caller must cancel it before Finish); when
+// it ended, Finish has the server's status (an error refused before any header comes this way).
 template <typename Part, typename Msg, typename Reader>
-absl::Status ReadChunked(const char* method, Reader* reader, Msg* out) {
+absl::Status ReadChunked(const char* method, Reader* reader, Msg* out, bool* open) {
+  *open = true;
   Part part;
   bool started = false;
   wire::ChunkAssembler assembler;
@@ -76,6 +79,7 @@ absl::Status ReadChunked(const char* method, Reader* reader, Msg* out) {
     }
     part.Clear();
   }
+  *open = false;
   if (!started) return malformed(absl::InvalidArgumentError("no header"));
   if (absl::Status s = assembler.Complete(); !s.ok()) return malformed(s);
   return absl::OkStatus();
@@ -619,8 +623,10 @@ absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& r
     stream->WritesDone();
   }
   v1::ForwardResponse resp;
-  absl::Status read = ReadChunked<v1::ForwardResponsePart>("ForwardChunked", stream.get(), &resp);
-  if (!read.ok()) ctx.TryCancel();
+  bool open = false;
+  absl::Status read =
+      ReadChunked<v1::ForwardResponsePart>("ForwardChunked", stream.get(), &resp, &open);
+  if (!read.ok() && open) ctx.TryCancel();
   if (auto s = FromGrpc("ForwardChunked", stream->Finish()); !s.ok()) return s;
   if (!read.ok()) return read;
   return resp;
@@ -638,8 +644,10 @@ absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest
     stream->WritesDone();
   }
   v1::BackwardResponse resp;
-  absl::Status read = ReadChunked<v1::BackwardResponsePart>("BackwardChunked", stream.get(), &resp);
-  if (!read.ok()) ctx.TryCancel();
+  bool open = false;
+  absl::Status read =
+      ReadChunked<v1::BackwardResponsePart>("BackwardChunked", stream.get(), &resp, &open);
+  if (!read.ok() && open) ctx.TryCancel();
   if (auto s = FromGrpc("BackwardChunked", stream->Finish()); !s.ok()) return s;
   if (!read.ok()) return read;
   return resp;
@@ -654,9 +662,10 @@ absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWe
   }
   auto stream = stub_->GetWeightsChunked(&ctx, req);
   v1::GetWeightsResponse resp;
+  bool open = false;
   absl::Status read =
-      ReadChunked<v1::GetWeightsResponsePart>("GetWeightsChunked", stream.get(), &resp);
-  if (!read.ok()) ctx.TryCancel();
+      ReadChunked<v1::GetWeightsResponsePart>("GetWeightsChunked", stream.get(), &resp, &open);
+  if (!read.ok() && open) ctx.TryCancel();
   if (auto s = FromGrpc("GetWeightsChunked", stream->Finish()); !s.ok()) return s;
   if (!read.ok()) return read;
   return resp;

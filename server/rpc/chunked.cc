@@ -132,6 +132,11 @@ class ChunkedBidiReactor final : public grpc::ServerBidiReactor<ReqPart, RespPar
     if (ctx_->IsCancelled())
       return End(absl::CancelledError(absl::StrCat(method_, " was cancelled")));
     if (absl::Status s = reader_.Complete(); !s.ok()) return End(s);
+    NoteIds(reader_.request());
+    if (absl::Status s = service_.AdmitQueued(caller_, module_id_, context_id_, &queue_key_);
+        !s.ok()) {
+      return End(s);
+    }
     service_.executor_.Submit([this] { Run(); });
   }
 
@@ -163,9 +168,9 @@ class ChunkedBidiReactor final : public grpc::ServerBidiReactor<ReqPart, RespPar
  private:
   // On the executor.
   void Run() {
+    if (!queue_key_.empty()) service_.Dequeued(queue_key_);
     Resp response;
     Req& request = reader_.request();
-    NoteIds(request);
     absl::Status s =
         GwAbandoned()
             ? absl::CancelledError(absl::StrCat(method_, " was cancelled before it started"))
@@ -210,6 +215,7 @@ class ChunkedBidiReactor final : public grpc::ServerBidiReactor<ReqPart, RespPar
   RespPart outgoing_;
   std::string created_context_;
   std::string module_id_, context_id_;
+  std::string queue_key_;  // counted in by AdmitQueued
   absl::Status status_;
   const Clock::time_point start_;
 };
@@ -243,8 +249,12 @@ class SetWeightsChunkedReactor final : public grpc::ServerReadReactor<v1::SetWei
     }
     if (ctx_->IsCancelled()) return End(absl::CancelledError("SetWeightsChunked was cancelled"));
     if (absl::Status s = reader_.Complete(); !s.ok()) return End(s);
+    module_id_ = reader_.request().module_id();
+    if (absl::Status s = service_.AdmitQueued(caller_, module_id_, {}, &queue_key_); !s.ok()) {
+      return End(s);
+    }
     service_.executor_.Submit([this] {
-      module_id_ = reader_.request().module_id();
+      if (!queue_key_.empty()) service_.Dequeued(queue_key_);
       absl::Status s =
           ctx_->IsCancelled()
               ? absl::CancelledError("SetWeightsChunked was cancelled before it started")
@@ -276,6 +286,7 @@ class SetWeightsChunkedReactor final : public grpc::ServerReadReactor<v1::SetWei
   PartReader<v1::SetWeightsRequest, v1::SetWeightsRequestPart> reader_;
   v1::SetWeightsRequestPart incoming_;
   std::string module_id_;
+  std::string queue_key_;  // counted in by AdmitQueued
   absl::Status status_;
   const Clock::time_point start_;
 };
@@ -292,7 +303,12 @@ class GetWeightsChunkedReactor final : public grpc::ServerWriteReactor<v1::GetWe
       return;
     }
     caller_ = std::move(*caller);
+    if (absl::Status s = service_.AdmitQueued(caller_, module_id_, {}, &queue_key_); !s.ok()) {
+      End(s);
+      return;
+    }
     service_.executor_.Submit([this, request] {
+      if (!queue_key_.empty()) service_.Dequeued(queue_key_);
       v1::GetWeightsResponse response;
       absl::Status s =
           ctx_->IsCancelled()
@@ -334,6 +350,7 @@ class GetWeightsChunkedReactor final : public grpc::ServerWriteReactor<v1::GetWe
   GradwireService& service_;
   grpc::CallbackServerContext* ctx_;
   std::string module_id_;
+  std::string queue_key_;  // counted in by AdmitQueued
   Caller caller_;
   std::optional<PartWriter<v1::GetWeightsResponse, v1::GetWeightsResponsePart>> writer_;
   v1::GetWeightsResponsePart outgoing_;

@@ -259,15 +259,28 @@ absl::Status GradwireService::CheckRequestBytes(const google::protobuf::Message&
   return absl::OkStatus();
 }
 
-bool GradwireService::AdmitQueued(const std::string& module_id) {
-  std::lock_guard<std::mutex> lock(queue_mu_);
-  int64_t& n = queued_[module_id];
-  if (options_.limits.max_queued_per_module > 0 && n >= options_.limits.max_queued_per_module) {
-    if (n == 0) queued_.erase(module_id);
-    return false;
+absl::Status GradwireService::AdmitQueued(const Caller& caller, const std::string& module_id,
+                                          const std::string& context_id, std::string* key) {
+  key->clear();
+  // A call that names only a context counts for its module when the caller may see that
+  // context; otherwise its work fails NOT_FOUND at once anyway.
+  std::string queue_key = module_id;
+  if (queue_key.empty() && !context_id.empty() && CheckContext(caller, context_id).ok()) {
+    queue_key = host_.contexts().ModuleOf(context_id);
   }
-  ++n;
-  return true;
+  if (queue_key.empty()) return absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    int64_t& n = queued_[queue_key];
+    if (options_.limits.max_queued_per_module <= 0 || n < options_.limits.max_queued_per_module) {
+      ++n;
+      *key = std::move(queue_key);
+      return absl::OkStatus();
+    }
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("module ", queue_key, " has ", options_.limits.max_queued_per_module,
+                   " calls queued, the limit (--max-queued-per-module); retry with backoff"));
 }
 
 void GradwireService::Dequeued(const std::string& module_id) {
@@ -303,11 +316,38 @@ void GradwireService::Report(const char* method, const absl::Status& status, dou
   options_.on_rpc_done(record);
 }
 
+namespace {
+
+// A unary call's reactor. When the call ends without its status reaching the client, it
+// releases the context the call created: the client never learnt the id, so nobody would
+// consume it and it would pin its saved tensors and weight version until the TTL.
+class UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(core::ModuleHost& host, grpc::CallbackServerContext* ctx, const char* method)
+      : host_(host), ctx_(ctx), method_(method) {}
+  // Before Finish, on the thread that finishes the call.
+  void set_created_context(std::string id) { created_ = std::move(id); }
+  void OnDone() override {
+    if (!created_.empty() && ctx_->IsCancelled() && host_.ReleaseContext(created_).ok()) {
+      spdlog::info("{}: response not delivered; released context {}", method_, created_);
+    }
+    delete this;
+  }
+
+ private:
+  core::ModuleHost& host_;
+  grpc::CallbackServerContext* ctx_;
+  const char* method_;
+  std::string created_;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     grpc::CallbackServerContext* ctx, const char* method,
     std::function<absl::Status(const Caller&)> work, std::string module_id, std::string context_id,
-    const google::protobuf::Message* request) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    const google::protobuf::Message* request, std::function<std::string()> created_context) {
+  auto* reactor = new UnaryCall(host_, ctx, method);
   const auto queued_at = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
   absl::Status refused = caller.status();
@@ -318,23 +358,16 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     reactor->Finish(ToGrpc(refused));
     return reactor;
   }
-  // The module this call queues for. A call that names only a context counts for its module when
-  // the caller may see that context; otherwise its work fails NOT_FOUND at once anyway.
-  std::string queue_key = module_id;
-  if (queue_key.empty() && !context_id.empty() && CheckContext(*caller, context_id).ok()) {
-    queue_key = host_.contexts().ModuleOf(context_id);
-  }
-  if (!queue_key.empty() && !AdmitQueued(queue_key)) {
-    const absl::Status status = absl::ResourceExhaustedError(
-        absl::StrCat("module ", queue_key, " has ", options_.limits.max_queued_per_module,
-                     " calls queued, the limit (--max-queued-per-module); retry with backoff"));
+  std::string queue_key;
+  if (absl::Status status = AdmitQueued(*caller, module_id, context_id, &queue_key); !status.ok()) {
     Report(method, status, 0.0, module_id, context_id, caller->tenant);
     reactor->Finish(ToGrpc(status));
     return reactor;
   }
   executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work),
                     caller = std::move(*caller), module_id = std::move(module_id),
-                    context_id = std::move(context_id), queue_key = std::move(queue_key)] {
+                    context_id = std::move(context_id), queue_key = std::move(queue_key),
+                    created_context = std::move(created_context)] {
     if (!queue_key.empty()) Dequeued(queue_key);
     absl::Status status;
     if (Abandoned(ctx)) {
@@ -351,6 +384,7 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     Report(method, status,
            std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_at).count(),
            module_id, context_id, caller.tenant);
+    if (status.ok() && created_context) reactor->set_created_context(created_context());
     reactor->Finish(ToGrpc(status));
   });
   return reactor;
@@ -565,7 +599,7 @@ grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* 
   return RunOnDevice(
       ctx, "Forward",
       [this, ctx, req, resp](const Caller& caller) { return DoForward(caller, *req, resp, ctx); },
-      req->module_id(), {}, req);
+      req->module_id(), {}, req, [resp] { return resp->context_id(); });
 }
 
 grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext* ctx,

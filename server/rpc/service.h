@@ -153,16 +153,24 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   // The caller is authenticated first (in the reactor); an unauthenticated call never queues,
   // nor does one over --max-request-bytes (`request`, when given, is measured) or one whose module
   // has --max-queued-per-module calls waiting already.
+  // `created_context`, when given, names the context a successful `work` created (read after it
+  // returns): when its response never reaches the client (cancelled, deadline, broken
+  // connection), the call's end releases it, since nobody holds its id.
   grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
                                         std::function<absl::Status(const Caller&)> work,
                                         std::string module_id = {}, std::string context_id = {},
-                                        const google::protobuf::Message* request = nullptr);
+                                        const google::protobuf::Message* request = nullptr,
+                                        std::function<std::string()> created_context = nullptr);
 
   // RESOURCE_EXHAUSTED naming --max-request-bytes when `request` is over it.
   absl::Status CheckRequestBytes(const google::protobuf::Message& request) const;
-  // Per-module queue depth: Admit counts a call in (false when the module is at the limit),
-  // Dequeued counts it out when it starts.
-  bool AdmitQueued(const std::string& module_id);
+  // Per-module queue depth, for every call that waits on the executor (unary, chunked and each
+  // Train stream message). Admit counts a call in for the module it names, or for the module of
+  // the context it names when the caller may see that context; RESOURCE_EXHAUSTED naming
+  // --max-queued-per-module when that module has the limit waiting already. `key` gets what to
+  // pass to Dequeued when the call starts (empty: nothing was counted).
+  absl::Status AdmitQueued(const Caller& caller, const std::string& module_id,
+                           const std::string& context_id, std::string* key);
   void Dequeued(const std::string& module_id);
 
   absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;

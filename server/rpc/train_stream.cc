@@ -47,7 +47,27 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     ++unanswered_;
     auto request = std::make_shared<v1::TrainRequest>(std::move(incoming_));
     incoming_.Clear();
-    service_.executor_.Submit([this, request] { Process(*request); });
+    // Each message counts against its module's queue limit like a unary call; one refused gets
+    // its RESOURCE_EXHAUSTED answer now, in its turn among the responses.
+    std::string queue_key;
+    const std::string* module_id = &kNone;
+    const std::string* context_id = &kNone;
+    if (request->has_forward()) module_id = &request->forward().module_id();
+    if (request->has_backward()) context_id = &request->backward().context_id();
+    if (request->has_release()) context_id = &request->release().context_id();
+    if (absl::Status refused = service_.AdmitQueued(caller_, *module_id, *context_id, &queue_key);
+        !refused.ok()) {
+      v1::TrainResponse resp;
+      resp.set_request_id(request->request_id());
+      resp.set_code(int(ToGrpc(refused).error_code()));
+      resp.set_message(std::string(refused.message()));
+      RespondLocked(std::move(resp));
+    } else {
+      service_.executor_.Submit([this, request, queue_key = std::move(queue_key)] {
+        if (!queue_key.empty()) service_.Dequeued(queue_key);
+        Process(*request);
+      });
+    }
     if (unanswered_ < limit_) StartReadLocked();
   }
 
@@ -146,7 +166,12 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
       resp.set_message(std::string(status.message()));
     }
     std::lock_guard<std::mutex> lock(mu_);
-    if (broken_) {  // nobody will read it
+    RespondLocked(std::move(resp));
+  }
+
+  // Queues a response for writing (dropped when nobody will read it).
+  void RespondLocked(v1::TrainResponse resp) {
+    if (broken_) {
       --unanswered_;
       MaybeFinishLocked();
       return;
@@ -177,6 +202,8 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
       spdlog::info("Train stream ended with {} unconsumed contexts; released them", released);
     }
   }
+
+  static inline const std::string kNone;
 
   GradwireService& service_;
   grpc::CallbackServerContext* ctx_;

@@ -128,5 +128,50 @@ TEST_F(CancelTest, ClientCancelDuringComputeLeavesNoContext) {
   EXPECT_EQ(Live(), 0);
 }
 
+// The last window: the client gives up after the forward's final cancellation check, while the
+// server is still sending the response. The hook holds the call between its work and its Finish
+// until the client has gone, so the window is hit every time.
+TEST(UndeliveredForwardTest, AResponseThatNeverArrivesReleasesItsContext) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool client_gone = false;
+  testing::TestServer server([&](rpc::ServiceOptions& o) {
+    o.on_rpc_done = [&](const rpc::RpcRecord& r) {
+      if (std::string(r.method) != "Forward" || r.code != absl::StatusCode::kOk) return;
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait_for(lock, std::chrono::seconds(20), [&] { return client_gone; });
+    };
+  });
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LINEAR);
+  spec.set_in_features(32);
+  spec.set_out_features(16);
+  const std::string module = c->CreateModule(spec)->module_id();
+  v1::ForwardRequest req;
+  req.set_module_id(module);
+  req.set_training(true);
+  *req.mutable_input() = client::ToWire(Random({4, 32}), client::WireDType::kF32);
+  v1::ForwardResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  const grpc::Status s = c->stub().Forward(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  // The forward ran and made its context; the client never got the id.
+  EXPECT_EQ(server.host().Stats().live_contexts, 1);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    client_gone = true;
+  }
+  cv.notify_all();
+  EXPECT_TRUE(WaitFor([&] { return server.host().Stats().live_contexts == 0; }));
+  // A delivered forward keeps its context.
+  auto kept = c->Forward(module, Random({4, 32}), true);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(server.host().Stats().live_contexts, 1);
+  EXPECT_TRUE(c->ReleaseContext(kept->context_id).ok());
+}
+
 }  // namespace
 }  // namespace gradwire

@@ -218,6 +218,31 @@ TEST(LimitsTest, QueuedCallsPerModule) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_TRUE(Says(refused.status(), "--max-queued-per-module")) << refused.status();
   EXPECT_EQ(server.executor().queued(), 3);  // it never queued
+  // Chunked calls and Train stream messages count against the same limit.
+  client::ClientOptions chunked_options;
+  chunked_options.server = server.address();
+  chunked_options.chunking = client::ClientOptions::Chunking::kAlways;
+  auto chunked = server.Connect(chunked_options);
+  auto refused_chunked = chunked->Forward(m, Random({4, 16}), true);
+  EXPECT_EQ(refused_chunked.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused_chunked.status();
+  EXPECT_TRUE(Says(refused_chunked.status(), "--max-queued-per-module"))
+      << refused_chunked.status();
+  auto refused_weights = chunked->GetWeights(m);
+  EXPECT_EQ(refused_weights.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused_weights.status();
+  {
+    auto stream = c->OpenTrainStream();
+    ASSERT_TRUE(stream->SendForward(7, m, Random({4, 16}), true));
+    auto answer = stream->Read();
+    ASSERT_TRUE(answer.has_value());
+    EXPECT_EQ(answer->request_id(), 7u);
+    EXPECT_EQ(answer->code(), int(grpc::StatusCode::RESOURCE_EXHAUSTED)) << answer->message();
+    EXPECT_NE(answer->message().find("--max-queued-per-module"), std::string::npos)
+        << answer->message();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  EXPECT_EQ(server.executor().queued(), 3);
   // Another module has its own queue.
   std::thread third([&] { ok += c->Forward(other, Random({4, 16}), true).ok(); });
   ASSERT_TRUE(WaitFor([&] { return server.executor().queued() == 4; }));
