@@ -26,7 +26,10 @@ std::vector<float> DecodeReductionMajor(const Fp8Operand& op, int64_t rows, int6
 // compiler can vectorise. Built for AVX2+FMA as well where the compiler can (chosen at load time):
 // every product of two FP8 values is exact in fp32, so a fused multiply-add rounds exactly as a
 // multiply and an add do, and the lanes keep their order; the results are bit-identical.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not in sanitizer builds: the loader runs the clone resolver before the sanitizer runtime is up,
+// and the instrumented resolver crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
 __attribute__((target_clones("arch=haswell", "default")))
 #endif
 float Dot(const float* a, const float* b, int64_t k) {

@@ -25,7 +25,7 @@ using testing::ServerProcess;
 using Clock = std::chrono::steady_clock;
 
 HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
+  thread_local std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> dist(0.0f, 1.0f);
   HostTensor t = HostTensor::Zeros(std::move(shape));
   for (float& v : t.data) v = dist(rng);

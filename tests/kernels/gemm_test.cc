@@ -15,7 +15,7 @@ namespace gradwire::kernels {
 namespace {
 
 std::mt19937& Rng() {
-  static std::mt19937 rng(std::random_device{}());
+  thread_local std::mt19937 rng(std::random_device{}());
   return rng;
 }
 

@@ -23,7 +23,7 @@ constexpr int64_t kChunk = 64 << 10;     // the test server's --chunk-kib 64
 constexpr int64_t kMaxStream = 8 << 20;  // and --max-stream-mib 8
 
 std::string RandomBytes(size_t n) {
-  static std::mt19937 rng(std::random_device{}());
+  thread_local std::mt19937 rng(std::random_device{}());
   std::string s(n, '\0');
   for (char& c : s) c = char(rng());
   return s;
@@ -38,7 +38,7 @@ v1::Tensor F32Tensor(std::vector<int64_t> shape) {
     n *= d;
   }
   // Standard-normal floats (random bytes would hold NaNs, which the server refuses).
-  static std::mt19937 rng(std::random_device{}());
+  thread_local std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> normal;
   std::vector<float> values(static_cast<size_t>(n));
   for (float& v : values) v = normal(rng);

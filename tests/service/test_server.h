@@ -18,9 +18,10 @@
 
 namespace gradwire::testing {
 
-// A fresh standard-normal host tensor (never zeros).
+// A fresh standard-normal host tensor (never zeros). Safe from any thread: tests call it from
+// many client threads at once.
 inline client::HostTensor Random(std::vector<int64_t> shape) {
-  static std::mt19937 rng(std::random_device{}());
+  thread_local std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> dist(0.0f, 1.0f);
   client::HostTensor t = client::HostTensor::Zeros(std::move(shape));
   for (float& v : t.data) v = dist(rng);
