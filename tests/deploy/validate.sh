@@ -61,6 +61,8 @@ check "cpu: no GPU, the cpu image" \
 sed -e "s#/etc/gradwire/secret/#$tmp/k8s/overlays/example/#" "$root/deploy/k8s/base/server.toml" >"$tmp/server.toml"
 check "server.toml: gradwire-server accepts it" \
   bash -c "'$server_bin' --config '$tmp/server.toml' --print-config >'$tmp/printed.toml'"
+check "server.toml: the context budgets are set (16 GiB each)" \
+  bash -c "grep -q '^context-memory = 17179869184$' '$tmp/printed.toml' && grep -q '^host-offload-memory = 17179869184$' '$tmp/printed.toml'"
 check "server.toml: TLS and tokens on" \
   bash -c "grep -q '^tokens-file = \"$tmp' '$tmp/printed.toml' && grep -q '^tls-cert = \"$tmp' '$tmp/printed.toml'"
 

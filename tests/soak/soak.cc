@@ -8,7 +8,10 @@
 //     endpoint under a configurable name, or given with --budget-bytes),
 //   - more contexts are live at the end than the clients abandoned (plus the cancelled forwards
 //     whose outcome the client cannot know),
-//   - the server's RSS at the end is more than --rss-growth above its RSS after the warm-up.
+//   - the server's RSS at the end is more than --rss-growth above its RSS after the warm-up, not
+//     counting what live contexts hold on purpose (saved tensors on the device and host, and the
+//     weight versions they keep: gradwire_context_bytes, all three kinds) beyond what they held
+//     at the warm-up.
 // scripts/soak.sh starts the server and runs this.
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
@@ -50,8 +53,12 @@ struct Flags {
   double inference = 0.10;
   double rss_growth = 0.05;
   double release_abandoned_after = 5;  // 0: never (the server's budget or TTL must evict them)
-  std::string bytes_metric = "gradwire_context_bytes";
-  std::string budget_metric = "gradwire_context_memory_budget_bytes";
+  // Metric selectors as the exposition writes them (name and labels).
+  std::string bytes_metric = "gradwire_context_bytes{memory=\"device\"}";
+  std::string budget_metric = "gradwire_context_budget_bytes{memory=\"device\"}";
+  std::vector<std::string> held_metrics = {"gradwire_context_bytes{memory=\"device\"}",
+                                           "gradwire_context_bytes{memory=\"host\"}",
+                                           "gradwire_context_bytes{memory=\"weights\"}"};
   int64_t budget_bytes = 0;
   int64_t in_features = 256, out_features = 256, ffn_features = 512, rows = 16;
   uint64_t seed = 0;
@@ -274,10 +281,15 @@ int main(int argc, char** argv) {
                  "release abandoned contexts after this many seconds, standing in for the "
                  "server's eviction until it has one (0: never)")
       ->capture_default_str();
-  app.add_option("--bytes-metric", f.bytes_metric, "metric of the live context bytes")
+  app.add_option("--bytes-metric", f.bytes_metric,
+                 "metric (name{labels}) of the live context bytes the budget bounds")
+      ->capture_default_str();
+  app.add_option("--held-metrics", f.held_metrics,
+                 "metrics whose sum is the memory live contexts hold, for the RSS check")
       ->capture_default_str();
   app.add_option("--budget-metric", f.budget_metric,
-                 "metric of the context memory budget (skipped while the server has none)")
+                 "metric (name{labels}) of the context memory budget (skipped while the server "
+                 "has none)")
       ->capture_default_str();
   app.add_option("--budget-bytes", f.budget_bytes,
                  "context budget in bytes (overrides the metric)");
@@ -326,13 +338,22 @@ int main(int argc, char** argv) {
   int64_t budget = f.budget_bytes;
   bool budget_from_metric = false;
   int64_t max_bytes = 0, max_live = 0, over_budget = 0, polls = 0;
-  int64_t rss_warm = -1, rss_peak = 0, bytes_at_warm = 0;
-  std::string budget_note;
+  int64_t rss_warm = -1, rss_peak = 0, held_at_warm = 0;
+  int64_t held = -1;  // the last poll's sum of --held-metrics (-1: not known)
   auto poll = [&] {
     int64_t bytes = -1;
+    held = -1;
     if (http) {
       if (auto res = http->Get("/metrics"); res && res->status == 200) {
         if (auto b = MetricValue(res->body, f.bytes_metric)) bytes = int64_t(*b);
+        int64_t sum = 0;
+        bool all = true;
+        for (const std::string& m : f.held_metrics) {
+          auto v = MetricValue(res->body, m);
+          all = all && v.has_value();
+          if (v) sum += int64_t(*v);
+        }
+        if (all) held = sum;
         if (f.budget_bytes == 0) {
           if (auto b = MetricValue(res->body, f.budget_metric); b && *b > 0) {
             budget = int64_t(*b);
@@ -343,6 +364,7 @@ int main(int argc, char** argv) {
     }
     if (auto info = admin.GetServerInfo(); info.ok()) {
       if (bytes < 0) bytes = info->context_bytes();
+      if (held < 0) held = info->context_bytes();
       max_live = std::max(max_live, info->live_contexts());
     }
     ++polls;
@@ -390,7 +412,7 @@ int main(int argc, char** argv) {
     if (!warmed && Clock::now() - start >= std::chrono::duration<double>(warmup)) {
       warmed = true;
       if (f.server_pid > 0) rss_warm = RssKiB(f.server_pid);
-      bytes_at_warm = std::max<int64_t>(bytes, 0);
+      held_at_warm = std::max<int64_t>(held, 0);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
@@ -400,6 +422,7 @@ int main(int argc, char** argv) {
   // Let cancelled forwards still queued on the server finish and release their contexts.
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   const int64_t bytes_end = std::max<int64_t>(poll(), 0);
+  const int64_t held_end = std::max<int64_t>(held, 0);
   auto info = admin.GetServerInfo();
   const int64_t live_end = info.ok() ? info->live_contexts() - live_before : -1;
   const int64_t rss_end = f.server_pid > 0 ? RssKiB(f.server_pid) : -1;
@@ -427,25 +450,26 @@ int main(int argc, char** argv) {
   }
   // Without a budget nothing evicts, so every abandoned context is still live; with one, fewer
   // may be. A cancelled forward may have finished on the server as the client gave up.
-  const int64_t held = sh.abandoned.load() - released;
-  const int64_t allowed_live = held + sh.ambiguous.load();
+  const int64_t kept = sh.abandoned.load() - released;
+  const int64_t allowed_live = kept + sh.ambiguous.load();
   std::printf("soak: %lld abandoned contexts released by the soak after %.0f s, %lld still held\n",
-              (long long)released, f.release_abandoned_after, (long long)held);
-  if (live_end < 0 || live_end > allowed_live || (budget == 0 && live_end < held)) {
+              (long long)released, f.release_abandoned_after, (long long)kept);
+  if (live_end < 0 || live_end > allowed_live || (budget == 0 && live_end < kept)) {
     std::printf(
         "soak: FAIL %lld contexts live at the end; %lld abandoned and held, %lld "
         "cancelled\n",
-        (long long)live_end, (long long)held, (long long)sh.ambiguous.load());
+        (long long)live_end, (long long)kept, (long long)sh.ambiguous.load());
     ++failures;
   }
   if (f.server_pid > 0) {
-    // Abandoned contexts are memory the server holds on purpose (bounded by the budget, checked
-    // above); the RSS check is about everything else.
-    const int64_t held_kib = (bytes_end - bytes_at_warm) / 1024;
+    // Live contexts are memory the server holds on purpose (their saved tensors bounded by the
+    // budget, checked above, and the weight versions they keep); the RSS check is about
+    // everything else.
+    const int64_t held_kib = (held_end - held_at_warm) / 1024;
     const double limit = double(rss_warm) * (1.0 + f.rss_growth);
     std::printf(
-        "soak: server RSS after warm-up %lld KiB, peak %lld KiB, end %lld KiB; live context "
-        "bytes grew %lld KiB since the warm-up; limit %.0f KiB + that\n",
+        "soak: server RSS after warm-up %lld KiB, peak %lld KiB, end %lld KiB; memory held by "
+        "live contexts grew %lld KiB since the warm-up; limit %.0f KiB + that\n",
         (long long)rss_warm, (long long)rss_peak, (long long)rss_end, (long long)held_kib, limit);
     if (rss_warm <= 0 || rss_end <= 0 || double(rss_end - std::max<int64_t>(held_kib, 0)) > limit) {
       std::printf("soak: FAIL server RSS grew more than %.0f%% after the warm-up\n",
