@@ -84,11 +84,16 @@ std::string Metrics::Render(const core::ModuleHost& host) const {
          "Live contexts whose saved tensors are offloaded to host memory.");
   out << "gradwire_offloaded_contexts " << c.offloaded << '\n';
   Header(out, "gradwire_context_bytes", "gauge",
-         "Bytes held by live contexts: saved tensors on the device and offloaded to host, and "
-         "the FP8 weights of the weight versions they keep alive (counted once per version).");
+         "Bytes of saved tensors held by live contexts, on the device and offloaded to host.");
   out << "gradwire_context_bytes{memory=\"device\"} " << c.device_bytes << '\n';
   out << "gradwire_context_bytes{memory=\"host\"} " << c.host_bytes << '\n';
-  out << "gradwire_context_bytes{memory=\"weights\"} " << c.weight_bytes << '\n';
+  Header(out, "gradwire_pinned_weight_bytes", "gauge",
+         "FP8 weights of the weight versions live contexts keep for their backward, each version "
+         "counted once (not part of the context budgets).");
+  out << "gradwire_pinned_weight_bytes " << c.weight_bytes << '\n';
+  Header(out, "gradwire_pinned_weight_bytes_peak", "gauge",
+         "Most bytes of pinned weight versions held at once since start.");
+  out << "gradwire_pinned_weight_bytes_peak " << c.peak_weight_bytes << '\n';
   Header(out, "gradwire_context_budget_bytes", "gauge",
          "Budgets of saved-tensor bytes: --context-memory (device) and --host-offload-memory.");
   const core::ContextLimits& limits = host.contexts().limits();
@@ -101,7 +106,6 @@ std::string Metrics::Render(const core::ModuleHost& host) const {
          "Most bytes of saved tensors held at once since start (never above the budget).");
   out << "gradwire_context_bytes_peak{memory=\"device\"} " << c.peak_device_bytes << '\n';
   out << "gradwire_context_bytes_peak{memory=\"host\"} " << c.peak_host_bytes << '\n';
-  out << "gradwire_context_bytes_peak{memory=\"weights\"} " << c.peak_weight_bytes << '\n';
   Header(out, "gradwire_context_offloads_total", "counter",
          "Contexts moved to host memory to keep the device budget.");
   out << "gradwire_context_offloads_total " << c.offloads << '\n';

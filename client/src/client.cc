@@ -626,7 +626,11 @@ absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& r
   bool open = false;
   absl::Status read =
       ReadChunked<v1::ForwardResponsePart>("ForwardChunked", stream.get(), &resp, &open);
-  if (!read.ok() && open) ctx.TryCancel();
+  if (!read.ok() && open) {  // our own cancel would read as CANCELLED: the malformed error wins
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return read;
+  }
   if (auto s = FromGrpc("ForwardChunked", stream->Finish()); !s.ok()) return s;
   if (!read.ok()) return read;
   return resp;
@@ -647,7 +651,11 @@ absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest
   bool open = false;
   absl::Status read =
       ReadChunked<v1::BackwardResponsePart>("BackwardChunked", stream.get(), &resp, &open);
-  if (!read.ok() && open) ctx.TryCancel();
+  if (!read.ok() && open) {  // our own cancel would read as CANCELLED: the malformed error wins
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return read;
+  }
   if (auto s = FromGrpc("BackwardChunked", stream->Finish()); !s.ok()) return s;
   if (!read.ok()) return read;
   return resp;
@@ -665,7 +673,11 @@ absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWe
   bool open = false;
   absl::Status read =
       ReadChunked<v1::GetWeightsResponsePart>("GetWeightsChunked", stream.get(), &resp, &open);
-  if (!read.ok() && open) ctx.TryCancel();
+  if (!read.ok() && open) {  // our own cancel would read as CANCELLED: the malformed error wins
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return read;
+  }
   if (auto s = FromGrpc("GetWeightsChunked", stream->Finish()); !s.ok()) return s;
   if (!read.ok()) return read;
   return resp;

@@ -283,6 +283,12 @@ absl::Status GradwireService::AdmitQueued(const Caller& caller, const std::strin
                    " calls queued, the limit (--max-queued-per-module); retry with backoff"));
 }
 
+int64_t GradwireService::queued_calls(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  auto it = queued_.find(module_id);
+  return it == queued_.end() ? 0 : it->second;
+}
+
 void GradwireService::Dequeued(const std::string& module_id) {
   std::lock_guard<std::mutex> lock(queue_mu_);
   auto it = queued_.find(module_id);

@@ -122,6 +122,8 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   // Train-stream requests read so far, streams open now (tests, metrics).
   int64_t stream_requests_read() const { return stream_requests_read_.load(); }
   int64_t streams_open() const { return streams_open_.load(); }
+  // Calls counted against --max-queued-per-module for `module_id` that have not started yet.
+  int64_t queued_calls(const std::string& module_id) const;
 
  private:
   friend class TrainReactor;
@@ -190,7 +192,7 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   const ServiceOptions options_;
   std::atomic<int64_t> stream_requests_read_{0};
   std::atomic<int64_t> streams_open_{0};
-  std::mutex queue_mu_;
+  mutable std::mutex queue_mu_;
   std::unordered_map<std::string, int64_t> queued_;  // module_id -> calls not yet started
 };
 

@@ -243,6 +243,7 @@ TEST(LimitsTest, QueuedCallsPerModule) {
     EXPECT_TRUE(stream->Finish().ok());
   }
   EXPECT_EQ(server.executor().queued(), 3);
+  EXPECT_EQ(server.service().queued_calls(m), 3);  // refusals count nothing
   // Another module has its own queue.
   std::thread third([&] { ok += c->Forward(other, Random({4, 16}), true).ok(); });
   ASSERT_TRUE(WaitFor([&] { return server.executor().queued() == 4; }));
@@ -258,7 +259,37 @@ TEST(LimitsTest, QueuedCallsPerModule) {
   EXPECT_EQ(server.host().contexts().live_contexts(m), 3);
   EXPECT_EQ(Take(server, m).scaling[0].history.size(), before.scaling[0].history.size() + 3);
   // With the queue drained the module takes calls again.
+  EXPECT_EQ(server.service().queued_calls(m), 0);
   EXPECT_TRUE(c->Forward(m, Random({4, 16}), false).ok());
+  // Every kind of admitted call is counted out again when it starts: chunked forward, backward
+  // (counted for its context's module), weights both ways, and Train forward, backward, release.
+  auto fwd = chunked->Forward(m, Random({4, 16}), true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_TRUE(chunked->Backward(fwd->context_id, Random({4, 8})).ok());
+  auto weights = chunked->GetWeights(m);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  EXPECT_TRUE(chunked->SetWeights(m, {{"bias", Random({8})}}).ok());
+  {
+    auto stream = c->OpenTrainStream();
+    ASSERT_TRUE(stream->SendForward(1, m, Random({4, 16}), true));
+    auto f1 = stream->Read();
+    ASSERT_TRUE(f1.has_value() && f1->code() == 0) << (f1 ? f1->message() : "no answer");
+    ASSERT_TRUE(stream->SendForward(2, m, Random({4, 16}), true));
+    auto f2 = stream->Read();
+    ASSERT_TRUE(f2.has_value() && f2->code() == 0) << (f2 ? f2->message() : "no answer");
+    ASSERT_TRUE(stream->SendBackward(3, f1->forward().context_id(), Random({4, 8})));
+    auto b = stream->Read();
+    ASSERT_TRUE(b.has_value() && b->code() == 0) << (b ? b->message() : "no answer");
+    v1::TrainRequest release;
+    release.set_request_id(4);
+    release.mutable_release()->set_context_id(f2->forward().context_id());
+    ASSERT_TRUE(stream->Send(release));
+    auto r = stream->Read();
+    ASSERT_TRUE(r.has_value() && r->code() == 0) << (r ? r->message() : "no answer");
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+  EXPECT_EQ(chunked->chunked_calls(), 6);  // the two refused and these four
+  EXPECT_EQ(server.service().queued_calls(m), 0);
 }
 
 TEST(LimitsTest, ContextMemoryOffloadsEvictsAndReports) {

@@ -10,8 +10,8 @@
 //     whose outcome the client cannot know),
 //   - the server's RSS at the end is more than --rss-growth above its RSS after the warm-up, not
 //     counting what live contexts hold on purpose (saved tensors on the device and host, and the
-//     weight versions they keep: gradwire_context_bytes, all three kinds) beyond what they held
-//     at the warm-up.
+//     weight versions they keep: gradwire_context_bytes and gradwire_pinned_weight_bytes) beyond
+//     what they held at the warm-up.
 // scripts/soak.sh starts the server and runs this.
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
@@ -58,7 +58,7 @@ struct Flags {
   std::string budget_metric = "gradwire_context_budget_bytes{memory=\"device\"}";
   std::vector<std::string> held_metrics = {"gradwire_context_bytes{memory=\"device\"}",
                                            "gradwire_context_bytes{memory=\"host\"}",
-                                           "gradwire_context_bytes{memory=\"weights\"}"};
+                                           "gradwire_pinned_weight_bytes"};
   int64_t budget_bytes = 0;
   int64_t in_features = 256, out_features = 256, ffn_features = 512, rows = 16;
   uint64_t seed = 0;
