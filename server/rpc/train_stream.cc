@@ -36,6 +36,24 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
   }
 
   void OnReadDone(bool ok) override {
+    // The message and its queue admission first, outside the stream's lock: admission may look the
+    // context up in the context store, whose lock offloads hold. No other read is in flight until
+    // this one starts the next, so `incoming_` is ours here.
+    std::shared_ptr<v1::TrainRequest> request;
+    std::string queue_key;
+    absl::Status refused;
+    if (ok) {
+      request = std::make_shared<v1::TrainRequest>(std::move(incoming_));
+      incoming_.Clear();
+      // Each message counts against its module's queue limit like a unary call; one refused gets
+      // its RESOURCE_EXHAUSTED answer now, in its turn among the responses.
+      const std::string* module_id = &kNone;
+      const std::string* context_id = &kNone;
+      if (request->has_forward()) module_id = &request->forward().module_id();
+      if (request->has_backward()) context_id = &request->backward().context_id();
+      if (request->has_release()) context_id = &request->release().context_id();
+      refused = service_.AdmitQueued(caller_, *module_id, *context_id, &queue_key);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     reading_ = false;
     if (!ok) {  // the client is done writing (or the call broke)
@@ -45,18 +63,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     }
     ++service_.stream_requests_read_;
     ++unanswered_;
-    auto request = std::make_shared<v1::TrainRequest>(std::move(incoming_));
-    incoming_.Clear();
-    // Each message counts against its module's queue limit like a unary call; one refused gets
-    // its RESOURCE_EXHAUSTED answer now, in its turn among the responses.
-    std::string queue_key;
-    const std::string* module_id = &kNone;
-    const std::string* context_id = &kNone;
-    if (request->has_forward()) module_id = &request->forward().module_id();
-    if (request->has_backward()) context_id = &request->backward().context_id();
-    if (request->has_release()) context_id = &request->release().context_id();
-    if (absl::Status refused = service_.AdmitQueued(caller_, *module_id, *context_id, &queue_key);
-        !refused.ok()) {
+    if (!refused.ok()) {
       v1::TrainResponse resp;
       resp.set_request_id(request->request_id());
       resp.set_code(int(ToGrpc(refused).error_code()));
