@@ -564,7 +564,7 @@ int main(int argc, char** argv) {
     const int wanted =
         colon == std::string::npos ? -1 : std::atoi(flags.metrics_listen.c_str() + colon + 1);
     http.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-      res.set_content(metrics.Render(host), "text/plain; version=0.0.4");
+      res.set_content(metrics.Render(host, executor->queued()), "text/plain; version=0.0.4");
     });
     const int bound = wanted == 0 ? http.bind_to_any_port(http_host)
                                   : (http.bind_to_port(http_host, wanted) ? wanted : -1);
@@ -679,6 +679,10 @@ int main(int argc, char** argv) {
   health->SetServingStatus(false);  // probes see NOT_SERVING while in-flight calls drain
   server->Shutdown(deadline);  // refuses new calls; cancels what is still running at the deadline
   server->Wait();
+  if (http_thread.joinable()) {  // before the executor goes: the endpoint reads its backlog
+    http.stop();
+    http_thread.join();
+  }
   executor.reset();  // drains tasks the cancelled calls left behind
   if (janitor.joinable()) {
     {
@@ -687,10 +691,6 @@ int main(int argc, char** argv) {
     }
     janitor_cv.notify_all();
     janitor.join();
-  }
-  if (http_thread.joinable()) {
-    http.stop();
-    http_thread.join();
   }
   int exit_code = 0;
   if (checkpointer) {

@@ -48,7 +48,7 @@ void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, doubl
   h.sum += seconds;
 }
 
-std::string Metrics::Render(const core::ModuleHost& host) const {
+std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queued) const {
   std::ostringstream out;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -79,6 +79,11 @@ std::string Metrics::Render(const core::ModuleHost& host) const {
   out << "gradwire_modules " << stats.modules << '\n';
   Header(out, "gradwire_live_contexts", "gauge", "Training contexts waiting for a backward.");
   out << "gradwire_live_contexts " << stats.live_contexts << '\n';
+  if (executor_queued >= 0) {
+    Header(out, "gradwire_executor_queued_tasks", "gauge",
+           "Work accepted and waiting for the device executor, not yet started.");
+    out << "gradwire_executor_queued_tasks " << executor_queued << '\n';
+  }
   const core::ContextStats& c = stats.contexts;
   Header(out, "gradwire_offloaded_contexts", "gauge",
          "Live contexts whose saved tensors are offloaded to host memory.");

@@ -24,8 +24,9 @@ class Metrics {
   // One finished RPC.
   void ObserveRpc(const std::string& method, absl::StatusCode code, double seconds);
 
-  // The whole exposition: RPC metrics plus the host's state as it is now.
-  std::string Render(const core::ModuleHost& host) const;
+  // The whole exposition: RPC metrics plus the host's state as it is now, and the device
+  // executor's backlog when `executor_queued` >= 0.
+  std::string Render(const core::ModuleHost& host, int64_t executor_queued = -1) const;
 
  private:
   struct Histogram {

@@ -132,6 +132,10 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
   }
   entry.saved = std::move(saved);
   ++per_client_[entry.client];
+  {
+    std::lock_guard<std::mutex> index_lock(index_mu_);
+    index_.emplace(id, IndexEntry{entry.module_id, entry.tenant});
+  }
   auto it = entries_.emplace(id, std::move(entry)).first;
   TouchLocked(it);
   stats_.device_bytes += bytes;
@@ -232,6 +236,17 @@ absl::Status ContextStore::GoneStatus(const std::string& context_id, Gone why) c
                        "--context-memory ",
                        limits_.device_bytes, " and --host-offload-memory ", limits_.host_bytes,
                        " bytes); run its forward again"));
+    case Gone::kUndelivered:
+      return absl::NotFoundError(absl::StrCat(
+          "context_id ", context_id,
+          " was released: the response of the forward that made it never reached the client "
+          "(cancelled, past its deadline or disconnected), so the server dropped it; run the "
+          "forward again"));
+    case Gone::kStreamEnded:
+      return absl::NotFoundError(absl::StrCat(
+          "context_id ", context_id,
+          " was released when the Train stream that made it ended; a stream's contexts last only "
+          "as long as the stream"));
   }
   return Unknown(context_id);
 }
@@ -314,7 +329,7 @@ void ContextStore::NotePeaksLocked() {
   stats_.peak_weight_bytes = std::max(stats_.peak_weight_bytes, stats_.weight_bytes);
 }
 
-absl::Status ContextStore::Release(const std::string& context_id) {
+absl::Status ContextStore::Release(const std::string& context_id, ReleaseReason reason) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(context_id);
   if (it == entries_.end()) {
@@ -325,7 +340,10 @@ absl::Status ContextStore::Release(const std::string& context_id) {
     return absl::FailedPreconditionError(
         absl::StrCat("context_id ", context_id, " has a backward running"));
   }
-  EraseLocked(it, /*remember=*/true, Gone::kConsumed);
+  EraseLocked(it, /*remember=*/true,
+              reason == ReleaseReason::kUndelivered   ? Gone::kUndelivered
+              : reason == ReleaseReason::kStreamEnded ? Gone::kStreamEnded
+                                                      : Gone::kConsumed);
   return absl::OkStatus();
 }
 
@@ -361,6 +379,10 @@ void ContextStore::EraseLocked(Iter it, bool remember, Gone why) {
   }
   order_.erase(e.seq);
   if (remember) RememberGoneLocked(it->first, e.tenant, why);
+  {
+    std::lock_guard<std::mutex> index_lock(index_mu_);
+    index_.erase(it->first);
+  }
   entries_.erase(it);
 }
 
@@ -387,10 +409,11 @@ int64_t ContextStore::live_contexts_of_client(const std::string& client) const {
   return it == per_client_.end() ? 0 : it->second;
 }
 
-std::string ContextStore::ModuleOf(const std::string& context_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(context_id);
-  return it == entries_.end() ? std::string() : it->second.module_id;
+std::string ContextStore::ModuleOf(const std::string& context_id, const std::string* tenant) const {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  auto it = index_.find(context_id);
+  if (it == index_.end() || (tenant != nullptr && it->second.tenant != *tenant)) return {};
+  return it->second.module_id;
 }
 
 ContextStats ContextStore::stats() const {

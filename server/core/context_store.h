@@ -111,9 +111,17 @@ class ContextStore {
   //   consumed=false: the backward failed; the context stays (on the device).
   void Finish(const std::string& context_id, bool consumed, bool retain);
 
+  // Why a context is dropped without a backward; a later backward on it is told which.
+  enum class ReleaseReason {
+    kByClient,     // ReleaseContext: later backwards get FAILED_PRECONDITION, as if consumed
+    kUndelivered,  // the forward's response never reached the client: NOT_FOUND saying so
+    kStreamEnded,  // the Train stream that made it ended first: NOT_FOUND saying so
+  };
+
   // Drops a context without a backward. NOT_FOUND for an unknown id; OK for a consumed or evicted
   // one; FAILED_PRECONDITION while a backward on it runs.
-  absl::Status Release(const std::string& context_id);
+  absl::Status Release(const std::string& context_id,
+                       ReleaseReason reason = ReleaseReason::kByClient);
 
   // Drops every context of a module (when the module is deleted); returns how many.
   int64_t ReleaseModule(const std::string& module_id);
@@ -126,8 +134,10 @@ class ContextStore {
   int64_t live_bytes() const;  // device + host
   int64_t live_contexts(const std::string& module_id) const;
   int64_t live_contexts_of_client(const std::string& client) const;
-  // The module a live context belongs to; empty when there is none.
-  std::string ModuleOf(const std::string& context_id) const;
+  // The module a live context belongs to (of `tenant` when given); empty when there is none.
+  // Reads only the live-context index, whose lock is never held across an offload copy or an
+  // eviction: safe on gRPC reactor threads, which must not wait behind memory moves.
+  std::string ModuleOf(const std::string& context_id, const std::string* tenant = nullptr) const;
   ContextStats stats() const;
   const ContextLimits& limits() const { return limits_; }
 
@@ -137,7 +147,7 @@ class ContextStore {
   std::weak_ptr<SavedTensors> Peek(const std::string& context_id) const;
 
  private:
-  enum class Gone { kConsumed, kEvictedTtl, kEvictedMemory };
+  enum class Gone { kConsumed, kEvictedTtl, kEvictedMemory, kUndelivered, kStreamEnded };
   struct Entry {
     std::string module_id;
     std::string tenant;
@@ -208,6 +218,15 @@ class ContextStore {
   std::vector<std::string> tenants_;  // tenants seen, by index
   std::unordered_map<std::string, uint32_t> tenant_index_;
   ContextStats stats_;  // live and offloaded are computed on demand
+
+  // Live contexts' module and tenant, for ModuleOf. Written under mu_ (then index_mu_; never the
+  // other order), read under index_mu_ alone.
+  struct IndexEntry {
+    std::string module_id;
+    std::string tenant;
+  };
+  mutable std::mutex index_mu_;
+  std::unordered_map<std::string, IndexEntry> index_;
 };
 
 // A random 128-bit identifier as 32 lowercase hex digits.

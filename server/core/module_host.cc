@@ -595,8 +595,9 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
   return grad_input;
 }
 
-absl::Status ModuleHost::ReleaseContext(const std::string& context_id) {
-  return contexts_.Release(context_id);
+absl::Status ModuleHost::ReleaseContext(const std::string& context_id,
+                                        ContextStore::ReleaseReason reason) {
+  return contexts_.Release(context_id, reason);
 }
 
 absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id,

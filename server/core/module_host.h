@@ -152,7 +152,9 @@ class ModuleHost {
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const BackwardInput& in);
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const at::Tensor& grad_output,
                                       bool retain, bool skip_grad_input);
-  absl::Status ReleaseContext(const std::string& context_id);
+  absl::Status ReleaseContext(
+      const std::string& context_id,
+      ContextStore::ReleaseReason reason = ContextStore::ReleaseReason::kByClient);
 
   // One optimizer step on the accumulated gradients, which are then zeroed; bumps the weight
   // version and returns it. learning_rate > 0 overrides the configured rate.

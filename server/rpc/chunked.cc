@@ -192,9 +192,9 @@ class ChunkedBidiReactor final : public grpc::ServerBidiReactor<ReqPart, RespPar
 
   void ReleaseUndelivered() {
     if (created_context_.empty()) return;
-    if (service_.host_.ReleaseContext(created_context_).ok()) {
-      spdlog::info("{}: response not delivered; released context {}", method_, created_context_);
-    }
+    ReleaseUnconsumed(service_.executor_, service_.host_, {std::move(created_context_)},
+                      core::ContextStore::ReleaseReason::kUndelivered,
+                      absl::StrCat(method_, ": response not delivered"));
     created_context_.clear();
   }
 

@@ -262,11 +262,12 @@ absl::Status GradwireService::CheckRequestBytes(const google::protobuf::Message&
 absl::Status GradwireService::AdmitQueued(const Caller& caller, const std::string& module_id,
                                           const std::string& context_id, std::string* key) {
   key->clear();
-  // A call that names only a context counts for its module when the caller may see that
-  // context; otherwise its work fails NOT_FOUND at once anyway.
+  // A call that names only a context counts for its module when that context is live and the
+  // caller may see it; otherwise its work fails at once anyway. This runs on reactor threads, so
+  // it reads the store's live index, which never waits behind an offload.
   std::string queue_key = module_id;
-  if (queue_key.empty() && !context_id.empty() && CheckContext(caller, context_id).ok()) {
-    queue_key = host_.contexts().ModuleOf(context_id);
+  if (queue_key.empty() && !context_id.empty()) {
+    queue_key = host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
   }
   if (queue_key.empty()) return absl::OkStatus();
   {
@@ -322,6 +323,23 @@ void GradwireService::Report(const char* method, const absl::Status& status, dou
   options_.on_rpc_done(record);
 }
 
+void ReleaseUnconsumed(core::DeviceExecutor& executor, core::ModuleHost& host,
+                       std::vector<std::string> ids, core::ContextStore::ReleaseReason reason,
+                       std::string what) {
+  if (ids.empty()) return;
+  executor.Submit([&host, ids = std::move(ids), reason, what = std::move(what)] {
+    std::vector<std::string> released;
+    for (const std::string& id : ids) {
+      if (host.ReleaseContext(id, reason).ok()) released.push_back(id);
+    }
+    if (released.size() == 1) {
+      spdlog::info("{}; released context {}", what, released[0]);
+    } else if (!released.empty()) {
+      spdlog::info("{}; released {} contexts", what, released.size());
+    }
+  });
+}
+
 namespace {
 
 // A unary call's reactor. When the call ends without its status reaching the client, it
@@ -329,21 +347,30 @@ namespace {
 // consume it and it would pin its saved tensors and weight version until the TTL.
 class UnaryCall final : public grpc::ServerUnaryReactor {
  public:
-  UnaryCall(core::ModuleHost& host, grpc::CallbackServerContext* ctx, const char* method)
-      : host_(host), ctx_(ctx), method_(method) {}
+  UnaryCall(core::ModuleHost& host, core::DeviceExecutor& executor,
+            grpc::CallbackServerContext* ctx, const char* method,
+            const std::function<void(const char*)>& on_cancel)
+      : host_(host), executor_(executor), ctx_(ctx), method_(method), on_cancel_(on_cancel) {}
   // Before Finish, on the thread that finishes the call.
   void set_created_context(std::string id) { created_ = std::move(id); }
   void OnDone() override {
-    if (!created_.empty() && ctx_->IsCancelled() && host_.ReleaseContext(created_).ok()) {
-      spdlog::info("{}: response not delivered; released context {}", method_, created_);
+    if (!created_.empty() && ctx_->IsCancelled()) {
+      ReleaseUnconsumed(executor_, host_, {std::move(created_)},
+                        core::ContextStore::ReleaseReason::kUndelivered,
+                        absl::StrCat(method_, ": response not delivered"));
     }
     delete this;
+  }
+  void OnCancel() override {
+    if (on_cancel_) on_cancel_(method_);
   }
 
  private:
   core::ModuleHost& host_;
+  core::DeviceExecutor& executor_;
   grpc::CallbackServerContext* ctx_;
   const char* method_;
+  const std::function<void(const char*)>& on_cancel_;  // the service's options outlive the call
   std::string created_;
 };
 
@@ -353,7 +380,7 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     grpc::CallbackServerContext* ctx, const char* method,
     std::function<absl::Status(const Caller&)> work, std::string module_id, std::string context_id,
     const google::protobuf::Message* request, std::function<std::string()> created_context) {
-  auto* reactor = new UnaryCall(host_, ctx, method);
+  auto* reactor = new UnaryCall(host_, executor_, ctx, method, options_.on_unary_cancel);
   const auto queued_at = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
   absl::Status refused = caller.status();
@@ -530,11 +557,14 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   if (Abandoned(ctx)) {  // stop before the compute
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
   }
+  if (options_.before_forward_compute) options_.before_forward_compute();
   GW_ASSIGN_OR_RETURN(core::ForwardOutput out, host_.Forward(req.module_id(), input, req.training(),
                                                              fp8 ? &*fp8 : nullptr, caller.client));
   // From here a failure must not leave the context behind: nobody would ever consume it.
   auto fail = [&](absl::Status status) {
-    if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);
+    if (!out.context_id.empty()) {
+      (void)host_.ReleaseContext(out.context_id, core::ContextStore::ReleaseReason::kUndelivered);
+    }
     resp->Clear();
     return status;
   };

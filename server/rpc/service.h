@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "server/core/checkpoint.h"
@@ -56,6 +57,12 @@ struct ServiceOptions {
   const Authenticator* authenticator = nullptr;
   // Called once per finished RPC (request-scoped logs, metrics); may be empty.
   std::function<void(const RpcRecord&)> on_rpc_done;
+  // Test seam: called on the executor after a Forward's last check before its compute, so a test
+  // can cancel or outlive a call at exactly that point; may be empty.
+  std::function<void()> before_forward_compute;
+  // Test seam: called on a gRPC thread when the server sees a unary call cancelled (by the client
+  // or its deadline); must not block; may be empty.
+  std::function<void(const char* method)> on_unary_cancel;
   // Train streams: requests read ahead of the responses written (flow control).
   int stream_read_ahead = 8;
   // Chunked calls: the size of the chunks the server sends and the largest it accepts, and the
@@ -64,6 +71,14 @@ struct ServiceOptions {
   int64_t max_stream_bytes = int64_t(4) << 30;
   ServiceLimits limits;
 };
+
+// Releases contexts nobody will consume (a forward's response that never arrived, a Train
+// stream's leftovers) on `executor`, in order behind the work queued there, never on the calling
+// reactor thread: the context store's lock may be held across an offload copy. Logs `what` with
+// what was released.
+void ReleaseUnconsumed(core::DeviceExecutor& executor, core::ModuleHost& host,
+                       std::vector<std::string> ids, core::ContextStore::ReleaseReason reason,
+                       std::string what);
 
 class TrainReactor;
 template <typename Req, typename ReqPart, typename Resp, typename RespPart>

@@ -203,11 +203,10 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
       std::lock_guard<std::mutex> lock(mu_);
       left.swap(contexts_);
     }
-    int64_t released = 0;
-    for (const std::string& id : left) released += service_.host_.ReleaseContext(id).ok();
-    if (released > 0) {
-      spdlog::info("Train stream ended with {} unconsumed contexts; released them", released);
-    }
+    ReleaseUnconsumed(service_.executor_, service_.host_,
+                      std::vector<std::string>(left.begin(), left.end()),
+                      core::ContextStore::ReleaseReason::kStreamEnded,
+                      "Train stream ended before the backwards of its contexts");
   }
 
   static inline const std::string kNone;

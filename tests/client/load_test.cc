@@ -115,8 +115,11 @@ TEST(RunnerTest, WarmUpRequestsAreNotMeasured) {
                             return OpOutcome{};
                           },
                           {});
-  EXPECT_GT(calls.load(), r.requests + 10);  // about half the calls were warm-up
-  EXPECT_GT(r.requests, 5);
+  // The first call starts inside the warm-up, so at least one call is never measured; how many
+  // fit each window depends on how busy the machine is, so only their order is checked.
+  EXPECT_GE(calls.load(), r.requests + 1);
+  EXPECT_GT(r.requests, 0);
+  EXPECT_EQ(r.latency.size(), size_t(r.requests));
 }
 
 // Open loop measures from the intended send time: one request that stalls the only worker for

@@ -8,6 +8,9 @@
 
 #include <atomic>
 #include <cctype>
+#include <condition_variable>
+#include <future>
+#include <mutex>
 #include <random>
 #include <set>
 #include <thread>
@@ -346,6 +349,79 @@ TEST(ContextStoreTest, CountsLiveContextsPerClient) {
   ASSERT_TRUE(store.Release(a).ok());
   EXPECT_EQ(store.live_contexts_of_client("peer x"), 1);
   EXPECT_EQ(store.ModuleOf(a), "");
+}
+
+TEST(ContextStoreTest, ABackwardAfterAServerReleaseIsToldWhy) {
+  using Reason = ContextStore::ReleaseReason;
+  ContextStore store;
+  const std::string by_client = MustPut(store, 8), undelivered = MustPut(store, 8),
+                    stream_ended = MustPut(store, 8);
+  ASSERT_TRUE(store.Release(by_client).ok());
+  ASSERT_TRUE(store.Release(undelivered, Reason::kUndelivered).ok());
+  ASSERT_TRUE(store.Release(stream_ended, Reason::kStreamEnded).ok());
+  EXPECT_EQ(store.live_contexts(), 0);
+  EXPECT_EQ(store.Acquire(by_client).status().code(), absl::StatusCode::kFailedPrecondition);
+  const absl::Status a = store.Acquire(undelivered).status();
+  EXPECT_EQ(a.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(a, "never reached the client")) << a;
+  const absl::Status b = store.Acquire(stream_ended).status();
+  EXPECT_EQ(b.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(b, "Train stream that made it ended")) << b;
+  // Releasing again is OK, whatever the reason was.
+  EXPECT_TRUE(store.Release(undelivered).ok());
+}
+
+TEST(ContextStoreTest, ModuleOfSeesTenantsAndNeverWaitsBehindAnOffload) {
+  // A context whose offload blocks in the middle of its copy until the test lets it go.
+  struct StuckSaved final : SavedTensors {
+    int64_t bytes() const override { return 64; }
+    void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        if (stick) {
+          copying = true;
+          cv.notify_all();
+          cv.wait(lock, [&] { return !stick; });
+        }
+      }
+      fn(data);
+    }
+    at::Tensor data = at::randint(0, 256, {64}, at::TensorOptions().dtype(at::kByte));
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stick = false, copying = false;
+  };
+  ContextStore store(ContextLimits{/*device_bytes=*/100, /*host_bytes=*/1 << 20, 0});
+  auto stuck = std::make_shared<StuckSaved>();
+  auto first = store.Put("m1", 1, stuck, "tenant a");
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string other_tenant = "tenant b", owner = "tenant a";
+  EXPECT_EQ(store.ModuleOf(*first, &owner), "m1");
+  EXPECT_EQ(store.ModuleOf(*first, &other_tenant), "");
+  {
+    std::lock_guard<std::mutex> lock(stuck->mu);
+    stuck->stick = true;
+  }
+  // The second context does not fit beside the first: its Put offloads the first, holding the
+  // store's lock through the copy.
+  std::thread putter([&] { EXPECT_TRUE(store.Put("m2", 1, Saved(64), "tenant a").ok()); });
+  {
+    std::unique_lock<std::mutex> lock(stuck->mu);
+    ASSERT_TRUE(stuck->cv.wait_for(lock, std::chrono::seconds(20), [&] { return stuck->copying; }));
+  }
+  auto during = std::async(std::launch::async, [&] { return store.ModuleOf(*first, &owner); });
+  const bool answered = during.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  {
+    std::lock_guard<std::mutex> lock(stuck->mu);
+    stuck->stick = false;
+  }
+  stuck->cv.notify_all();
+  putter.join();
+  ASSERT_TRUE(answered) << "ModuleOf waited behind the offload";
+  EXPECT_EQ(during.get(), "m1");
+  EXPECT_EQ(store.Locate(*first), Residence::kHost);
+  ASSERT_TRUE(store.Release(*first).ok());
+  EXPECT_EQ(store.ModuleOf(*first, &owner), "");
 }
 
 TEST(ContextStoreTest, WhileBackwardsHoldTheDeviceAnOffloadedContextWaits) {

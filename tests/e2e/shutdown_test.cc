@@ -2,6 +2,7 @@
 // the forwards already in flight finish and answer; modules are checkpointed and the exit code
 // is 0.
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 #include <stdlib.h>
 
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <random>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +34,29 @@ HostTensor Random(std::vector<int64_t> shape) {
   return t;
 }
 
+// From the server's metrics endpoint: work waiting on the executor, and forwards (unary and
+// chunked) finished OK; -1 each when unreadable.
+struct Progress {
+  int64_t queued = -1;
+  int64_t forwards_ok = -1;
+};
+Progress ReadProgress(httplib::Client& http) {
+  Progress p;
+  auto res = http.Get("/metrics");
+  if (!res || res->status != 200) return p;
+  std::smatch m;
+  if (std::regex_search(res->body, m, std::regex(R"(\ngradwire_executor_queued_tasks (\d+)\n)"))) {
+    p.queued = std::stoll(m[1]);
+  }
+  p.forwards_ok = 0;
+  const std::regex ok(R"(gradwire_rpc_total\{method="Forward[A-Za-z]*",code="OK"\} (\d+))");
+  for (auto it = std::sregex_iterator(res->body.begin(), res->body.end(), ok);
+       it != std::sregex_iterator(); ++it) {
+    p.forwards_ok += std::stoll((*it)[1]);
+  }
+  return p;
+}
+
 std::unique_ptr<client::Client> Connect(const std::string& address) {
   client::ClientOptions options;
   options.server = address;
@@ -45,7 +70,14 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   char base[] = "/tmp/gradwire-shutdown-XXXXXX";
   ASSERT_NE(mkdtemp(base), nullptr);
   const std::string dir = std::string(base) + "/checkpoints";
-  ServerProcess server(base, {"--checkpoint-dir", dir, "--shutdown-grace", "60"});
+  ServerProcess server(
+      base, {"--checkpoint-dir", dir, "--shutdown-grace", "60", "--metrics-listen", "127.0.0.1:0"});
+  std::smatch port;
+  const std::string start_log = server.Log();
+  ASSERT_TRUE(
+      std::regex_search(start_log, port, std::regex(R"(metrics on http://[0-9.]+:([0-9]+)/)")))
+      << start_log;
+  httplib::Client http("127.0.0.1", std::stoi(port[1]));
   auto c = Connect(server.address());
   v1::ModuleSpec spec;
   spec.set_kind(v1::LINEAR);
@@ -56,7 +88,7 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   ASSERT_TRUE(info.ok()) << info.status();
   const std::string m = info->module_id();
 
-  // Rows for a forward of about 1.5 s on this machine, so four of them queued back to back are
+  // Rows for a forward of about 2 s on this machine, so four of them queued back to back are
   // still running well after SIGTERM and the refused calls (which may take a while to fail on a
   // busy machine).
   int64_t rows = 64;
@@ -64,7 +96,7 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
     const auto t0 = Clock::now();
     ASSERT_TRUE(c->Forward(m, Random({rows, 512}), false).ok());
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (s > 1.5 || rows >= 16384) break;  // 16384 rows: 32 MiB, under --max-request-bytes
+    if (s > 2.0 || rows >= 16384) break;  // 16384 rows: 32 MiB, under --max-request-bytes
     rows *= 2;
   }
 
@@ -90,8 +122,20 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
       done[i] = Clock::now();
     });
   }
-  // Let all four arrive (the first is computing, the others queue behind it).
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // Let all four arrive before SIGTERM (a fixed sleep is not enough on a busy machine, and a
+  // forward still on its way when SIGTERM lands is refused, rightly). While work waits on the
+  // executor one more is computing, so arrived = queued + 1 + finished; and one still queued
+  // keeps the in-flight calls running past the refusals below.
+  const int64_t finished_before = ReadProgress(http).forwards_ok;
+  ASSERT_GE(finished_before, 1);
+  const auto arrive_by = Clock::now() + std::chrono::seconds(90);
+  bool arrived = false;
+  while (!arrived && Clock::now() < arrive_by) {
+    const Progress p = ReadProgress(http);
+    arrived = p.queued >= 1 && p.queued + 1 + (p.forwards_ok - finished_before) >= kInFlight;
+    if (!arrived) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(arrived) << "the in-flight forwards did not all arrive while one still waited";
   server.Send(SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   // A new call now is refused: on a new connection and on the existing one.

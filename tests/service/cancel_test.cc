@@ -6,6 +6,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "gradwire/client/client.h"
 #include "test_server.h"
@@ -38,26 +39,55 @@ class CancelTest : public ::testing::Test {
     return req;
   }
 
-  // Time of one training forward of `rows` rows, measured here.
-  double ForwardSeconds(int64_t rows) {
-    const v1::ForwardRequest req = Request(rows);
-    v1::ForwardResponse resp;
-    grpc::ClientContext ctx;
-    const auto t0 = std::chrono::steady_clock::now();
-    const grpc::Status st = client_->stub().Forward(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_TRUE(client_->ReleaseContext(resp.context_id()).ok());
-    return s;
-  }
-
   int64_t Live() { return server_.host().Stats().live_contexts; }
   int64_t Casts() {
     const auto s = server_.host().Stats();
     return s.workspace_builds + s.workspace_hits;
   }
 
-  testing::TestServer server_;
+  // The next forward stops on the executor after its last check before the compute and waits
+  // there for Release(): whatever the client does meanwhile happens "during the compute", at any
+  // machine speed.
+  void HoldNextForward() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = true;
+  }
+  bool WaitHeld() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return held_; });
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+    }
+    cv_.notify_all();
+  }
+  // The forwards the server logged as failed.
+  std::vector<rpc::RpcRecord> FailedForwards() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failed_forwards_;
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false, held_ = false, released_ = false;
+  std::vector<rpc::RpcRecord> failed_forwards_;
+  testing::TestServer server_{[this](rpc::ServiceOptions& o) {
+    o.before_forward_compute = [this] {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!hold_) return;
+      hold_ = false;
+      held_ = true;
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::seconds(20), [&] { return released_; });
+    };
+    o.on_rpc_done = [this](const rpc::RpcRecord& r) {
+      if (std::string(r.method) != "Forward" || r.code == absl::StatusCode::kOk) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      failed_forwards_.push_back(r);
+    };
+  }};
   std::unique_ptr<client::Client> client_;
   std::string module_;
 };
@@ -91,52 +121,63 @@ TEST_F(CancelTest, ForwardPastItsDeadlineWhileQueuedIsNotRun) {
 }
 
 TEST_F(CancelTest, ForwardPastItsDeadlineDuringComputeLeavesNoContext) {
-  // Rows enough that the compute takes several times the deadline on this machine.
-  // Rows enough that one forward takes >= 0.6 s here; the deadline is 40% of that, so it passes
-  // during the compute (the transfer and decode are a small part).
-  int64_t rows = 64;
-  double seconds = 0;
-  while ((seconds = ForwardSeconds(rows)) < 0.6 && rows < 8192) rows *= 2;
   const int64_t casts = Casts();
+  HoldNextForward();
   v1::ForwardResponse resp;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(int64_t(400 * seconds)));
-  const grpc::Status s = client_->stub().Forward(&ctx, Request(rows), &resp);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  const grpc::Status s = client_->stub().Forward(&ctx, Request(4), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  ASSERT_TRUE(WaitHeld());
+  // The server's deadline is the client's plus the request's transit time; let it pass there too.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  Release();
   // The compute ran (it had started) and its context was released when it saw the deadline.
   EXPECT_TRUE(WaitFor([&] { return Casts() == casts + 1; }));
   EXPECT_TRUE(client_->Forward(module_, Random({2, 1024}), false).ok());  // queued behind it
   EXPECT_EQ(Live(), 0);
+  // It stopped at the check after the compute, not before it.
+  const std::vector<rpc::RpcRecord> failed = FailedForwards();
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].code, absl::StatusCode::kCancelled);
+  EXPECT_NE(failed[0].message.find("during the compute"), std::string::npos) << failed[0].message;
 }
 
 TEST_F(CancelTest, ClientCancelDuringComputeLeavesNoContext) {
-  int64_t rows = 64;
-  double seconds = 0;
-  while ((seconds = ForwardSeconds(rows)) < 0.6 && rows < 8192) rows *= 2;
+  const int64_t casts = Casts();
+  HoldNextForward();
   v1::ForwardResponse resp;
   grpc::ClientContext ctx;
   std::thread canceller([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(int64_t(400 * seconds)));
-    ctx.TryCancel();
+    if (WaitHeld()) ctx.TryCancel();
   });
-  const grpc::Status s = client_->stub().Forward(&ctx, Request(rows), &resp);
+  const grpc::Status s = client_->stub().Forward(&ctx, Request(4), &resp);
   canceller.join();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE(client_->Forward(module_, Random({2, 1024}), false).ok());
+  Release();
+  EXPECT_TRUE(WaitFor([&] { return Casts() == casts + 1; }));
+  // Whether the server sees the cancel before or after its last check, the context goes: released
+  // by the check, or by the call's end when the response was never delivered.
   EXPECT_TRUE(WaitFor([&] { return Live() == 0; }));
   EXPECT_EQ(Live(), 0);
+  EXPECT_TRUE(client_->Forward(module_, Random({2, 1024}), false).ok());
 }
 
 // The last window: the client gives up after the forward's final cancellation check, while the
 // server is still sending the response. The hook holds the call between its work and its Finish;
 // the client cancels once the call is held there and the hook lets go once the client has seen
-// its cancel, so the window is hit every time, at any speed.
+// its cancel and the server has seen it, so the window is hit every time, at any speed.
 TEST(UndeliveredForwardTest, AResponseThatNeverArrivesReleasesItsContext) {
   std::mutex mu;
   std::condition_variable cv;
-  bool held = false, client_gone = false;
+  bool held = false, server_saw_cancel = false, client_gone = false;
   testing::TestServer server([&](rpc::ServiceOptions& o) {
+    o.on_unary_cancel = [&](const char* method) {
+      if (std::string(method) != "Forward") return;
+      std::lock_guard<std::mutex> lock(mu);
+      server_saw_cancel = true;
+      cv.notify_all();
+    };
     o.on_rpc_done = [&](const rpc::RpcRecord& r) {
       if (std::string(r.method) != "Forward" || r.code != absl::StatusCode::kOk) return;
       std::unique_lock<std::mutex> lock(mu);
@@ -170,7 +211,10 @@ TEST(UndeliveredForwardTest, AResponseThatNeverArrivesReleasesItsContext) {
   // The forward ran and made its context; the client never got the id.
   EXPECT_EQ(server.host().Stats().live_contexts, 1);
   {
-    std::lock_guard<std::mutex> lock(mu);
+    // Let go once the server has seen the cancel too, else its Finish may race the client's
+    // RST_STREAM and count as delivered: the window only a client can see.
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return server_saw_cancel; }));
     client_gone = true;
   }
   cv.notify_all();

@@ -328,7 +328,7 @@ TEST(LimitsTest, ContextMemoryOffloadsEvictsAndReports) {
   ExpectUnchanged(before, Take(server, m));
   // The metrics endpoint shows it all.
   server::Metrics metrics;
-  const std::string text = metrics.Render(server.host());
+  const std::string text = metrics.Render(server.host(), server.executor().queued());
   s = server.host().Stats().contexts;
   for (const std::string& line : std::vector<std::string>{
            "gradwire_context_evictions_total{reason=\"memory\"} 1",
@@ -338,7 +338,8 @@ TEST(LimitsTest, ContextMemoryOffloadsEvictsAndReports) {
            "gradwire_context_bytes{memory=\"device\"} " + std::to_string(s.device_bytes),
            "gradwire_context_bytes{memory=\"host\"} " + std::to_string(s.host_bytes),
            "gradwire_context_rejections_total 1",
-           "gradwire_live_contexts " + std::to_string(s.live)}) {
+           "gradwire_live_contexts " + std::to_string(s.live),
+           "gradwire_executor_queued_tasks 0"}) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << "\n" << text;
   }
   EXPECT_GE(s.offloads, 3);
