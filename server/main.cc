@@ -575,6 +575,17 @@ int main(int argc, char** argv) {
     http_thread = std::thread([&http] { http.listen_after_bind(); });
     spdlog::info("metrics on http://{}:{}/metrics", http_host, bound);
   }
+  // An early return below stops the endpoint first: destroying a joinable thread terminates.
+  struct HttpStop {
+    httplib::Server& http;
+    std::thread& thread;
+    ~HttpStop() {
+      if (thread.joinable()) {
+        http.stop();
+        thread.join();
+      }
+    }
+  } http_stop{http, http_thread};
 
   // Standard discovery: grpc.health.v1 (probes, `gradwire health`) and server reflection (generic
   // tools can list and call the API).

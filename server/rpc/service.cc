@@ -349,7 +349,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
  public:
   UnaryCall(core::ModuleHost& host, core::DeviceExecutor& executor,
             grpc::CallbackServerContext* ctx, const char* method,
-            const std::function<void(const char*)>& on_cancel)
+            const std::function<void(const char*)>* on_cancel)
       : host_(host), executor_(executor), ctx_(ctx), method_(method), on_cancel_(on_cancel) {}
   // Before Finish, on the thread that finishes the call.
   void set_created_context(std::string id) { created_ = std::move(id); }
@@ -362,7 +362,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
     delete this;
   }
   void OnCancel() override {
-    if (on_cancel_) on_cancel_(method_);
+    if (on_cancel_ != nullptr && *on_cancel_) (*on_cancel_)(method_);
   }
 
  private:
@@ -370,7 +370,8 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   core::DeviceExecutor& executor_;
   grpc::CallbackServerContext* ctx_;
   const char* method_;
-  const std::function<void(const char*)>& on_cancel_;  // the service's options outlive the call
+  const std::function<void(const char*)>* on_cancel_;  // in the service's options, which outlive
+                                                       // the call
   std::string created_;
 };
 
@@ -380,7 +381,7 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
     grpc::CallbackServerContext* ctx, const char* method,
     std::function<absl::Status(const Caller&)> work, std::string module_id, std::string context_id,
     const google::protobuf::Message* request, std::function<std::string()> created_context) {
-  auto* reactor = new UnaryCall(host_, executor_, ctx, method, options_.on_unary_cancel);
+  auto* reactor = new UnaryCall(host_, executor_, ctx, method, &options_.on_unary_cancel);
   const auto queued_at = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
   absl::Status refused = caller.status();
@@ -426,7 +427,8 @@ grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
 grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerContext* ctx,
                                                          const v1::GetServerInfoRequest*,
                                                          v1::GetServerInfoResponse* resp) {
-  // Counters only: cheap and lock-light, so it answers in the reactor even while compute runs.
+  // Counters only, so it answers in the reactor even while compute runs; reading the context
+  // store's counters takes its lock briefly, and waits while an offload copy holds it.
   const auto start = std::chrono::steady_clock::now();
   auto* reactor = ctx->DefaultReactor();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
@@ -561,17 +563,18 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   GW_ASSIGN_OR_RETURN(core::ForwardOutput out, host_.Forward(req.module_id(), input, req.training(),
                                                              fp8 ? &*fp8 : nullptr, caller.client));
   // From here a failure must not leave the context behind: nobody would ever consume it.
-  auto fail = [&](absl::Status status) {
-    if (!out.context_id.empty()) {
-      (void)host_.ReleaseContext(out.context_id, core::ContextStore::ReleaseReason::kUndelivered);
-    }
+  auto fail = [&](absl::Status status, core::ContextStore::ReleaseReason reason =
+                                           core::ContextStore::ReleaseReason::kByClient) {
+    if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id, reason);
     resp->Clear();
     return status;
   };
   if (Abandoned(ctx)) {
-    return fail(absl::CancelledError(
-        "Forward was cancelled or passed its deadline during the compute; its context was "
-        "released"));
+    return fail(
+        absl::CancelledError(
+            "Forward was cancelled or passed its deadline during the compute; its context was "
+            "released"),
+        core::ContextStore::ReleaseReason::kUndelivered);
   }
   if (auto s = EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output());
       !s.ok()) {

@@ -36,9 +36,10 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
   }
 
   void OnReadDone(bool ok) override {
-    // The message and its queue admission first, outside the stream's lock: admission may look the
-    // context up in the context store, whose lock offloads hold. No other read is in flight until
-    // this one starts the next, so `incoming_` is ours here.
+    // The message and its queue admission first, outside the stream's lock: admission looks the
+    // context up in the store's live index and takes the queue lock, and neither belongs under the
+    // stream's lock. No other read is in flight until this one starts the next, so `incoming_` is
+    // ours here.
     std::shared_ptr<v1::TrainRequest> request;
     std::string queue_key;
     absl::Status refused;

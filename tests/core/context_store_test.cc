@@ -405,10 +405,12 @@ TEST(ContextStoreTest, ModuleOfSeesTenantsAndNeverWaitsBehindAnOffload) {
   // The second context does not fit beside the first: its Put offloads the first, holding the
   // store's lock through the copy.
   std::thread putter([&] { EXPECT_TRUE(store.Put("m2", 1, Saved(64), "tenant a").ok()); });
+  bool copying = false;
   {
     std::unique_lock<std::mutex> lock(stuck->mu);
-    ASSERT_TRUE(stuck->cv.wait_for(lock, std::chrono::seconds(20), [&] { return stuck->copying; }));
+    copying = stuck->cv.wait_for(lock, std::chrono::seconds(20), [&] { return stuck->copying; });
   }
+  EXPECT_TRUE(copying) << "the second Put did not offload the first context";
   auto during = std::async(std::launch::async, [&] { return store.ModuleOf(*first, &owner); });
   const bool answered = during.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
   {

@@ -125,7 +125,9 @@ TEST_F(CancelTest, ForwardPastItsDeadlineDuringComputeLeavesNoContext) {
   HoldNextForward();
   v1::ForwardResponse resp;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  // Long enough for the call to reach its hold on a slow (sanitized, shared) machine; the hold
+  // makes the deadline pass during the compute however long it is.
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
   const grpc::Status s = client_->stub().Forward(&ctx, Request(4), &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   ASSERT_TRUE(WaitHeld());
