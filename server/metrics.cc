@@ -35,6 +35,22 @@ void Header(std::ostringstream& out, const char* name, const char* type, const c
   out << "# HELP " << name << ' ' << help << "\n# TYPE " << name << ' ' << type << '\n';
 }
 
+// A gauge with a device and a host sample (label memory).
+void ByMemory(std::ostringstream& out, const char* name, const char* help, int64_t device,
+              int64_t host) {
+  Header(out, name, "gauge", help);
+  out << name << "{memory=\"device\"} " << device << '\n';
+  out << name << "{memory=\"host\"} " << host << '\n';
+}
+
+// A metric with one unlabelled sample.
+template <typename V>
+void Single(std::ostringstream& out, const char* name, const char* type, const char* help,
+            const V& value) {
+  Header(out, name, type, help);
+  out << name << ' ' << value << '\n';
+}
+
 }  // namespace
 
 void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
@@ -75,66 +91,56 @@ std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queue
     }
   }
   const core::HostStats stats = host.Stats();
-  Header(out, "gradwire_modules", "gauge", "Modules hosted.");
-  out << "gradwire_modules " << stats.modules << '\n';
-  Header(out, "gradwire_live_contexts", "gauge", "Training contexts waiting for a backward.");
-  out << "gradwire_live_contexts " << stats.live_contexts << '\n';
+  Single(out, "gradwire_modules", "gauge", "Modules hosted.", stats.modules);
+  Single(out, "gradwire_live_contexts", "gauge", "Training contexts waiting for a backward.",
+         stats.live_contexts);
   if (executor_queued >= 0) {
-    Header(out, "gradwire_executor_queued_tasks", "gauge",
-           "Work accepted and waiting for the device executor, not yet started.");
-    out << "gradwire_executor_queued_tasks " << executor_queued << '\n';
+    Single(out, "gradwire_executor_queued_tasks", "gauge",
+           "Work accepted and waiting for the device executor, not yet started.", executor_queued);
   }
   const core::ContextStats& c = stats.contexts;
-  Header(out, "gradwire_offloaded_contexts", "gauge",
-         "Live contexts whose saved tensors are offloaded to host memory.");
-  out << "gradwire_offloaded_contexts " << c.offloaded << '\n';
-  Header(out, "gradwire_context_bytes", "gauge",
-         "Bytes of saved tensors held by live contexts, on the device and offloaded to host.");
-  out << "gradwire_context_bytes{memory=\"device\"} " << c.device_bytes << '\n';
-  out << "gradwire_context_bytes{memory=\"host\"} " << c.host_bytes << '\n';
-  Header(out, "gradwire_pinned_weight_bytes", "gauge",
+  Single(out, "gradwire_offloaded_contexts", "gauge",
+         "Live contexts whose saved tensors are offloaded to host memory.", c.offloaded);
+  ByMemory(out, "gradwire_context_bytes",
+           "Bytes of saved tensors held by live contexts, on the device and offloaded to host.",
+           c.device_bytes, c.host_bytes);
+  Single(out, "gradwire_pinned_weight_bytes", "gauge",
          "FP8 weights of the weight versions live contexts keep for their backward, each version "
-         "counted once (not part of the context budgets).");
-  out << "gradwire_pinned_weight_bytes " << c.weight_bytes << '\n';
-  Header(out, "gradwire_pinned_weight_bytes_peak", "gauge",
-         "Most bytes of pinned weight versions held at once since start.");
-  out << "gradwire_pinned_weight_bytes_peak " << c.peak_weight_bytes << '\n';
-  Header(out, "gradwire_context_budget_bytes", "gauge",
-         "Budgets of saved-tensor bytes: --context-memory (device) and --host-offload-memory.");
+         "counted once (not part of the context budgets).",
+         c.weight_bytes);
+  Single(out, "gradwire_pinned_weight_bytes_peak", "gauge",
+         "Most bytes of pinned weight versions held at once since start.", c.peak_weight_bytes);
   const core::ContextLimits& limits = host.contexts().limits();
-  out << "gradwire_context_budget_bytes{memory=\"device\"} " << limits.device_bytes << '\n';
-  out << "gradwire_context_budget_bytes{memory=\"host\"} " << limits.host_bytes << '\n';
-  Header(out, "gradwire_pinned_weight_versions", "gauge",
-         "Weight versions held by live contexts (the current one too while a context uses it).");
-  out << "gradwire_pinned_weight_versions " << c.pinned_weights << '\n';
-  Header(out, "gradwire_context_bytes_peak", "gauge",
-         "Most bytes of saved tensors held at once since start (never above the budget).");
-  out << "gradwire_context_bytes_peak{memory=\"device\"} " << c.peak_device_bytes << '\n';
-  out << "gradwire_context_bytes_peak{memory=\"host\"} " << c.peak_host_bytes << '\n';
-  Header(out, "gradwire_context_offloads_total", "counter",
-         "Contexts moved to host memory to keep the device budget.");
-  out << "gradwire_context_offloads_total " << c.offloads << '\n';
-  Header(out, "gradwire_context_restores_total", "counter",
-         "Offloaded contexts brought back to the device for their backward.");
-  out << "gradwire_context_restores_total " << c.restores << '\n';
+  ByMemory(out, "gradwire_context_budget_bytes",
+           "Budgets of saved-tensor bytes: --context-memory (device) and --host-offload-memory.",
+           limits.device_bytes, limits.host_bytes);
+  Single(out, "gradwire_pinned_weight_versions", "gauge",
+         "Weight versions held by live contexts (the current one too while a context uses it).",
+         c.pinned_weights);
+  ByMemory(out, "gradwire_context_bytes_peak",
+           "Most bytes of saved tensors held at once since start (never above the budget).",
+           c.peak_device_bytes, c.peak_host_bytes);
+  Single(out, "gradwire_context_offloads_total", "counter",
+         "Contexts moved to host memory to keep the device budget.", c.offloads);
+  Single(out, "gradwire_context_restores_total", "counter",
+         "Offloaded contexts brought back to the device for their backward.", c.restores);
   Header(out, "gradwire_context_evictions_total", "counter",
          "Contexts evicted before their backward, by reason.");
   out << "gradwire_context_evictions_total{reason=\"ttl\"} " << c.evicted_ttl << '\n';
   out << "gradwire_context_evictions_total{reason=\"memory\"} " << c.evicted_memory << '\n';
-  Header(out, "gradwire_context_rejections_total", "counter",
-         "Training forwards refused because their context alone exceeded the device budget.");
-  out << "gradwire_context_rejections_total " << c.rejected_too_large << '\n';
-  Header(out, "gradwire_workspace_builds_total", "counter",
-         "FP8 weight casts: weight-workspace cache misses.");
-  out << "gradwire_workspace_builds_total " << stats.workspace_builds << '\n';
-  Header(out, "gradwire_workspace_hits_total", "counter", "Weight-workspace cache hits.");
-  out << "gradwire_workspace_hits_total " << stats.workspace_hits << '\n';
+  Single(out, "gradwire_context_rejections_total", "counter",
+         "Training forwards refused because their context alone exceeded the device budget.",
+         c.rejected_too_large);
+  Single(out, "gradwire_workspace_builds_total", "counter",
+         "FP8 weight casts: weight-workspace cache misses.", stats.workspace_builds);
+  Single(out, "gradwire_workspace_hits_total", "counter", "Weight-workspace cache hits.",
+         stats.workspace_hits);
   const core::GemmCounters gemm = core::GemmTotals();
-  Header(out, "gradwire_gemm_flops_total", "counter", "Floating-point operations of FP8 GEMMs.");
-  out << "gradwire_gemm_flops_total " << Number(gemm.flops) << '\n';
-  Header(out, "gradwire_gemm_seconds_total", "counter",
-         "Time spent in FP8 GEMMs (achieved FLOP/s = rate(flops) / rate(seconds)).");
-  out << "gradwire_gemm_seconds_total " << Number(gemm.seconds) << '\n';
+  Single(out, "gradwire_gemm_flops_total", "counter", "Floating-point operations of FP8 GEMMs.",
+         Number(gemm.flops));
+  Single(out, "gradwire_gemm_seconds_total", "counter",
+         "Time spent in FP8 GEMMs (achieved FLOP/s = rate(flops) / rate(seconds)).",
+         Number(gemm.seconds));
 
   Header(out, "gradwire_module_weight_version", "gauge", "Weight version of each module.");
   std::ostringstream scale, amax;

@@ -85,6 +85,32 @@ absl::Status ReadChunked(const char* method, Reader* reader, Msg* out, bool* ope
   return absl::OkStatus();
 }
 
+// Reads a chunked response to its end and finishes the call. A malformed response (the read
+// failed while the stream was still open) wins over the CANCELLED of the cancel that closes it;
+// otherwise the server's status comes first, then the read's.
+template <typename Part, typename Msg, typename Stream>
+absl::StatusOr<Msg> ReadToEnd(const char* method, grpc::ClientContext& ctx, Stream* stream) {
+  Msg resp;
+  bool open = false;
+  absl::Status read = ReadChunked<Part>(method, stream, &resp, &open);
+  if (!read.ok() && open) {
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return read;
+  }
+  if (auto s = FromGrpc(method, stream->Finish()); !s.ok()) return s;
+  if (!read.ok()) return read;
+  return resp;
+}
+
+// A bidi chunked call: writes `req` in chunks, then reads the response.
+template <typename ReqPart, typename RespPart, typename Resp, typename Req, typename Stream>
+absl::StatusOr<Resp> CallChunked(const char* method, grpc::ClientContext& ctx, Stream* stream,
+                                 Req& req, int64_t chunk_bytes) {
+  if (WriteChunked<ReqPart>(stream, req, chunk_bytes)) stream->WritesDone();
+  return ReadToEnd<RespPart, Resp>(method, ctx, stream);
+}
+
 }  // namespace
 
 const HostTensor* NamedTensors::Find(const std::string& name) const {
@@ -611,85 +637,39 @@ int64_t Client::TakeContext(const std::string& context_id, bool keep) {
   return elements;
 }
 
+void Client::StartChunked(grpc::ClientContext* ctx) {
+  PrepareContext(ctx);
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  ++chunked_calls_;
+}
+
 absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  {
-    std::lock_guard<std::mutex> lock(cache_mu_);
-    ++chunked_calls_;
-  }
+  StartChunked(&ctx);
   auto stream = stub_->ForwardChunked(&ctx);
-  if (WriteChunked<v1::ForwardRequestPart>(stream.get(), req, int64_t(options_.chunk_kib) << 10)) {
-    stream->WritesDone();
-  }
-  v1::ForwardResponse resp;
-  bool open = false;
-  absl::Status read =
-      ReadChunked<v1::ForwardResponsePart>("ForwardChunked", stream.get(), &resp, &open);
-  if (!read.ok() && open) {  // our own cancel would read as CANCELLED: the malformed error wins
-    ctx.TryCancel();
-    (void)stream->Finish();
-    return read;
-  }
-  if (auto s = FromGrpc("ForwardChunked", stream->Finish()); !s.ok()) return s;
-  if (!read.ok()) return read;
-  return resp;
+  return CallChunked<v1::ForwardRequestPart, v1::ForwardResponsePart, v1::ForwardResponse>(
+      "ForwardChunked", ctx, stream.get(), req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  {
-    std::lock_guard<std::mutex> lock(cache_mu_);
-    ++chunked_calls_;
-  }
+  StartChunked(&ctx);
   auto stream = stub_->BackwardChunked(&ctx);
-  if (WriteChunked<v1::BackwardRequestPart>(stream.get(), req, int64_t(options_.chunk_kib) << 10)) {
-    stream->WritesDone();
-  }
-  v1::BackwardResponse resp;
-  bool open = false;
-  absl::Status read =
-      ReadChunked<v1::BackwardResponsePart>("BackwardChunked", stream.get(), &resp, &open);
-  if (!read.ok() && open) {  // our own cancel would read as CANCELLED: the malformed error wins
-    ctx.TryCancel();
-    (void)stream->Finish();
-    return read;
-  }
-  if (auto s = FromGrpc("BackwardChunked", stream->Finish()); !s.ok()) return s;
-  if (!read.ok()) return read;
-  return resp;
+  return CallChunked<v1::BackwardRequestPart, v1::BackwardResponsePart, v1::BackwardResponse>(
+      "BackwardChunked", ctx, stream.get(), req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWeightsRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  {
-    std::lock_guard<std::mutex> lock(cache_mu_);
-    ++chunked_calls_;
-  }
+  StartChunked(&ctx);
   auto stream = stub_->GetWeightsChunked(&ctx, req);
-  v1::GetWeightsResponse resp;
-  bool open = false;
-  absl::Status read =
-      ReadChunked<v1::GetWeightsResponsePart>("GetWeightsChunked", stream.get(), &resp, &open);
-  if (!read.ok() && open) {  // our own cancel would read as CANCELLED: the malformed error wins
-    ctx.TryCancel();
-    (void)stream->Finish();
-    return read;
-  }
-  if (auto s = FromGrpc("GetWeightsChunked", stream->Finish()); !s.ok()) return s;
-  if (!read.ok()) return read;
-  return resp;
+  return ReadToEnd<v1::GetWeightsResponsePart, v1::GetWeightsResponse>("GetWeightsChunked", ctx,
+                                                                       stream.get());
 }
 
 absl::StatusOr<v1::SetWeightsResponse> Client::SetWeightsChunked(v1::SetWeightsRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  {
-    std::lock_guard<std::mutex> lock(cache_mu_);
-    ++chunked_calls_;
-  }
+  StartChunked(&ctx);
   v1::SetWeightsResponse resp;
   auto stream = stub_->SetWeightsChunked(&ctx, &resp);
   if (WriteChunked<v1::SetWeightsRequestPart>(stream.get(), req,

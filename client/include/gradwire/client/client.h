@@ -180,6 +180,8 @@ class Client {
   void NoteContext(const std::string& context_id, int64_t grad_input_elements);
   int64_t TakeContext(const std::string& context_id, bool keep);  // -1: unknown
 
+  // A chunked call's context (PrepareContext), counted in chunked_calls_.
+  void StartChunked(grpc::ClientContext* ctx);
   absl::StatusOr<v1::ForwardResponse> ForwardChunked(v1::ForwardRequest& req);
   absl::StatusOr<v1::BackwardResponse> BackwardChunked(v1::BackwardRequest& req);
   absl::StatusOr<v1::GetWeightsResponse> GetWeightsChunked(const v1::GetWeightsRequest& req);
