@@ -72,18 +72,19 @@ double TimeMs(cudaStream_t stream, int warmup, int iters, const std::function<vo
   return double(ms) / iters;
 }
 
-// An FP8 tensor on the device: codes, transposed codes, scale, scale_inv, amax.
+// An FP8 tensor on the device: codes, transposed codes, scale, scale_inv, amax. Each scalar
+// has a 16-byte slot of its own: cuBLASLt refuses a scale_inv that is not 16-byte aligned.
 struct Fp8Dev {
-  Buf data, data_t, scalars;  // scalars: scale, scale_inv, amax
+  Buf data, data_t, scalars;  // scalars: scale, scale_inv, amax at 0, 16 and 32 bytes
   Fp8Format format;
   Fp8Dev(int64_t rows, int64_t cols, Fp8Format f)
       : data(static_cast<size_t>(rows * cols)),
         data_t(static_cast<size_t>(rows * cols)),
-        scalars(4 * sizeof(float)),
+        scalars(12 * sizeof(float)),
         format(f) {}
   float* scale() const { return scalars.as<float>(); }
-  float* scale_inv() const { return scalars.as<float>() + 1; }
-  float* amax() const { return scalars.as<float>() + 2; }
+  float* scale_inv() const { return scalars.as<float>() + 4; }
+  float* amax() const { return scalars.as<float>() + 8; }
   gwc::Fp8Output Out(bool transposed) const {
     gwc::Fp8Output o;
     o.format = format;
@@ -190,7 +191,10 @@ StepRow BenchLayerNormMlp(int64_t tokens, int64_t h, int64_t ffn, int iters, cud
       dx(static_cast<size_t>(M * H) * 4), dw1(static_cast<size_t>(F * H) * 4),
       dw2(static_cast<size_t>(H * F) * 4), db1(static_cast<size_t>(F) * 4),
       db2(static_cast<size_t>(H) * 4), dgamma(static_cast<size_t>(H) * 4),
-      dbeta(static_cast<size_t>(H) * 4);
+      dbeta(static_cast<size_t>(H) * 4), b1(static_cast<size_t>(F) * 2),
+      b2(static_cast<size_t>(H) * 2);
+  GRADWIRE_CUDA_CHECK(cudaMemset(b1.p, 0x3c, static_cast<size_t>(F) * 2));  // bf16 biases ~0.01
+  GRADWIRE_CUDA_CHECK(cudaMemset(b2.p, 0x3c, static_cast<size_t>(H) * 2));
   FillRandom(x.as<float>(), size_t(M * H), 6, 2.0f);
   FillRandom(gamma.as<float>(), size_t(H), 7, 0.1f);
   FillRandom(beta.as<float>(), size_t(H), 8, 0.1f);
@@ -206,11 +210,17 @@ StepRow BenchLayerNormMlp(int64_t tokens, int64_t h, int64_t ffn, int iters, cud
   auto fwd = [&] {
     gwc::LayerNormForward(x.as<float>(), M, H, gamma.as<float>(), beta.as<float>(), 1e-5f, false,
                           nullptr, &ln_out, mu.as<float>(), rstd.as<float>(), stream);
-    gwc::Fp8GemmLt(Gemm(lnq.data.as<uint8_t>(), lnq, w1q.data.as<uint8_t>(), w1q, M, F, H,
-                        fc1_out.as<float>(), false, gwc::GemmAccumulation::kFast, stream));
+    gwc::LtGemmArgs fc1 = Gemm(lnq.data.as<uint8_t>(), lnq, w1q.data.as<uint8_t>(), w1q, M, F, H,
+                               fc1_out.as<float>(), false, gwc::GemmAccumulation::kFast, stream);
+    fc1.epilogue = gwc::GemmEpilogue::kBias;
+    fc1.bias = b1.as<uint16_t>();
+    gwc::Fp8GemmLt(fc1);
     gwc::ActivationForward(Activation::kGelu, fc1_out.as<float>(), M, F, nullptr, &act_out, stream);
-    gwc::Fp8GemmLt(Gemm(actq.data.as<uint8_t>(), actq, w2q.data.as<uint8_t>(), w2q, M, H, F,
-                        y.as<float>(), false, gwc::GemmAccumulation::kFast, stream));
+    gwc::LtGemmArgs fc2 = Gemm(actq.data.as<uint8_t>(), actq, w2q.data.as<uint8_t>(), w2q, M, H, F,
+                               y.as<float>(), false, gwc::GemmAccumulation::kFast, stream);
+    fc2.epilogue = gwc::GemmEpilogue::kBias;
+    fc2.bias = b2.as<uint16_t>();
+    gwc::Fp8GemmLt(fc2);
   };
   auto bwd = [&] {
     gwc::CastTransposeDbias(dy.as<float>(), M, H, g_out, db2.as<float>(), stream);
@@ -271,12 +281,27 @@ int main(int argc, char** argv) {
     std::vector<GemmRow> gemms;
     const int64_t shapes[][3] = {
         {4096, 4096, 4096}, {8192, 8192, 8192}, {16384, 4096, 4096}, {16384, 16384, 4096}};
+    // A case that fails is reported and left out; the others still run.
+    int failures = 0;
+    auto attempt = [&](const char* what, const std::function<void()>& fn) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        ++failures;
+        std::fprintf(stderr, "gradwire-cuda-bench: %s failed: %s\n", what, e.what());
+        cudaGetLastError();  // clear a sticky launch error so later cases report their own
+      }
+    };
     for (const auto& shape : shapes) {
-      gemms.push_back(BenchGemm(shape[0] / s, shape[1] / s, shape[2] / s, iters, stream));
+      attempt("gemm", [&] {
+        gemms.push_back(BenchGemm(shape[0] / s, shape[1] / s, shape[2] / s, iters, stream));
+      });
     }
     std::vector<StepRow> steps;
-    steps.push_back(BenchLinear(16384 / s, 4096 / s, iters, stream));
-    steps.push_back(BenchLayerNormMlp(16384 / s, 4096 / s, 16384 / s, iters, stream));
+    attempt("linear", [&] { steps.push_back(BenchLinear(16384 / s, 4096 / s, iters, stream)); });
+    attempt("layernorm_mlp", [&] {
+      steps.push_back(BenchLayerNormMlp(16384 / s, 4096 / s, 16384 / s, iters, stream));
+    });
 
     std::printf("device: %s\n\n", device.c_str());
     std::printf("%-8s %-8s %-8s %10s %10s\n", "M", "N", "K", "ms", "TFLOP/s");
@@ -318,7 +343,7 @@ int main(int argc, char** argv) {
       std::fprintf(f, "  ]\n}\n");
       std::fclose(f);
     }
-    return 0;
+    return failures == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gradwire-cuda-bench: %s\n", e.what());
     return 1;

@@ -322,7 +322,21 @@ TEST_P(CudaActivationTest, ForwardAndBackwardWithCasts) {
     DActivationDbiasCast(act, ddout.get(), din.get(), rows, width, dgrad_dev.get(), &gcast.out,
                          dbias.get(), nullptr);
     const std::vector<float> got_g = dgrad_dev.Download();
-    ExpectClose(got_g, dgrad, 1e-6, 1e-5, "d activation");
+    // The device's tanhf/expf and contracted multiply-adds round differently from the host's, and
+    // the derivative's terms can cancel: the bound scales with the terms' magnitude,
+    // |dout * gate| (1 + a^2), not with the result (measured on an H100: 1.9e-6 against a
+    // result of 0.015 for geglu, where |dout * gate| is about 2).
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < in_width; ++j) {
+        const int64_t c = j % width;
+        const double a = in[size_t(r * in_width + c)];
+        const double gate = IsGated(act) ? std::fabs(in[size_t(r * in_width + width + c)]) : 1.0;
+        const double terms = std::fabs(dout[size_t(r * width + c)]) * gate * (1.0 + a * a);
+        const size_t i = size_t(r * in_width + j);
+        ASSERT_NEAR(got_g[i], dgrad[i], 1e-6 * (1.0 + terms) + 1e-5 * std::fabs(dgrad[i]))
+            << "d activation element " << i;
+      }
+    }
     ExpectCastOf(got_g, rows, in_width, gcast, Fp8Format::kE5M2, current);
     std::vector<float> sums(static_cast<size_t>(in_width));
     ColumnSums(got_g.data(), rows, in_width, sums.data());

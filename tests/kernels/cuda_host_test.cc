@@ -123,7 +123,7 @@ TEST(CudaFp8Math, AmaxBitsOrderAndNan) {
 
 LtGemmArgs ValidGemm() {
   alignas(16) static uint8_t fake[64];  // host memory: only the checks run
-  static float scale = 1.0f;
+  alignas(16) static float scale = 1.0f;
   LtGemmArgs args;
   args.a = fake;
   args.b = fake;
@@ -174,13 +174,16 @@ TEST(CudaGemmLt, OtherBadArgumentsAreRejected) {
   args.a = reinterpret_cast<const uint8_t*>(ValidGemm().a) + 1;
   EXPECT_NE(ValidateLtGemm(args).find("16-byte aligned"), std::string::npos);
   args = ValidGemm();
-  args.epilogue = GemmEpilogue::kBias;
-  EXPECT_NE(ValidateLtGemm(args).find("vector"), std::string::npos);
+  args.b_scale_inv = reinterpret_cast<const float*>(ValidGemm().a) + 1;
+  EXPECT_NE(ValidateLtGemm(args).find("scale_inv must be 16-byte aligned"), std::string::npos);
+  EXPECT_THROW(Fp8GemmLt(args), std::invalid_argument);
   args = ValidGemm();
-  args.epilogue = GemmEpilogue::kBgradA;
-  args.vector = args.d;
-  args.accumulate = true;
-  EXPECT_NE(ValidateLtGemm(args).find("accumulate"), std::string::npos);
+  args.epilogue = GemmEpilogue::kBias;
+  EXPECT_NE(ValidateLtGemm(args).find("needs a 16-byte aligned bf16 bias"), std::string::npos);
+  EXPECT_THROW(Fp8GemmLt(args), std::invalid_argument);
+  args = ValidGemm();
+  args.bias = static_cast<const uint16_t*>(args.d);
+  EXPECT_NE(ValidateLtGemm(args).find("without the bias epilogue"), std::string::npos);
   EXPECT_THROW(Fp8GemmLt(args), std::invalid_argument);
 }
 
@@ -203,10 +206,6 @@ TEST(CudaGemmLt, PlanKeySeparatesEveryField) {
   vary([](LtGemmArgs& a, int&) { a.b_format = Fp8Format::kE5M2; });
   vary([](LtGemmArgs& a, int&) { a.d_type = GemmOut::kBFloat16; });
   vary([](LtGemmArgs& a, int&) { a.epilogue = GemmEpilogue::kBias; });
-  vary([](LtGemmArgs& a, int&) {
-    a.epilogue = GemmEpilogue::kBias;
-    a.vector_type = GemmOut::kFloat32;
-  });
   vary([](LtGemmArgs& a, int&) { a.accumulation = GemmAccumulation::kSplit; });
   vary([](LtGemmArgs& a, int&) { a.accumulate = true; });
   vary([](LtGemmArgs&, int& device) { device = 1; });

@@ -133,8 +133,7 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   LtGemmArgs fprop = Gemm(cx, cx.data.get(), cw, cw.data.get(), M, N, K, y.get());
   fprop.accumulation = GemmAccumulation::kFast;
   fprop.epilogue = GemmEpilogue::kBias;
-  fprop.vector = dbias16.get();
-  fprop.vector_type = GemmOut::kBFloat16;
+  fprop.bias = dbias16.get();
   Fp8GemmLt(fprop);
   CastTransposeDbias(ddy.get(), M, N, cg.out, dbias.get(), nullptr);
   Fp8GemmLt(Gemm(cg, cg.data.get(), cw, cw.data_t.get(), M, K, N, dx.get()));

@@ -35,10 +35,13 @@ namespace gradwire::kernels::cuda {
 
 enum class GemmOut : uint8_t { kFloat32 = 0, kBFloat16 = 1 };
 enum class GemmAccumulation : uint8_t { kFast = 0, kSplit = 1 };
+// Measured on an H100 with cuBLASLt 13.0 (tests/kernels/cuda_gemm_test.cc, docs/cuda.md): with
+// FP8 operands the bias epilogue takes a bf16 bias for fp32 and bf16 outputs alike (an fp32 bias
+// is refused with CUBLAS_STATUS_NOT_SUPPORTED), and the BGRADB epilogue (dbias from an operand)
+// is refused for FP8 operands: dbias comes from the cast of dY (CastTransposeDbias) instead.
 enum class GemmEpilogue : uint8_t {
   kNone = 0,
-  kBias = 1,    // D += bias[n], broadcast over rows
-  kBgradA = 2,  // bgrad[m] = sum over k of A[m, :] (dequantized): wgrad's dbias from dY^T
+  kBias = 1,  // D += bias[n], broadcast over rows
 };
 
 struct LtGemmArgs {
@@ -55,9 +58,7 @@ struct LtGemmArgs {
   GemmOut d_type = GemmOut::kFloat32;
   bool accumulate = false;  // D += product (D is read)
   GemmEpilogue epilogue = GemmEpilogue::kNone;
-  // kBias: device [n] (read); kBgradA: device [m] (written). Element type vector_type.
-  void* vector = nullptr;
-  GemmOut vector_type = GemmOut::kBFloat16;
+  const uint16_t* bias = nullptr;  // device [n] bf16, read; kBias only
   GemmAccumulation accumulation = GemmAccumulation::kFast;
   cudaStream_t stream = nullptr;
 };
@@ -75,7 +76,6 @@ struct LtPlanKey {
   Fp8Format b_format = Fp8Format::kE4M3;
   GemmOut d_type = GemmOut::kFloat32;
   GemmEpilogue epilogue = GemmEpilogue::kNone;
-  GemmOut vector_type = GemmOut::kBFloat16;
   GemmAccumulation accumulation = GemmAccumulation::kFast;
   bool accumulate = false;
   int device = 0;

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Here (a Debian 12 machine with apt, repo root): pack the C++ libraries the GPU machine lacks
+# (gRPC/protobuf C++, spdlog, GoogleTest, ...) as Debian packages into .device-deps/, an ignored
+# folder the device tool carries. scripts/device/env.sh unpacks them there.
+#   scripts/device/deps.sh            everything stage 2 needs
+#   scripts/device/deps.sh --gtest    GoogleTest only (stage 1)
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+mkdir -p .device-deps
+pkgs=(libgtest-dev libgmock-dev googletest)
+if [ "${1:-}" != "--gtest" ]; then
+  pkgs+=(
+    libgrpc++-dev libgrpc++1.51 libgrpc-dev libgrpc29 protobuf-compiler-grpc
+    libprotobuf-dev libprotobuf32 libprotobuf-lite32 libprotoc32 protobuf-compiler
+    libabsl-dev libabsl20220623 libre2-dev libre2-9 libc-ares-dev libc-ares2
+    libssl-dev libssl3 zlib1g-dev libbrotli-dev libbrotli1
+    libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
+    libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libcpp-httplib0.11
+  )
+fi
+cd .device-deps
+[ -n "$(find /var/lib/apt/lists -name '*Packages*' -print -quit 2>/dev/null)" ] || apt-get update -qq
+for p in "${pkgs[@]}"; do
+  ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p" >/dev/null 2>&1 \
+    || echo "device deps: could not download $p (skipped)" >&2
+done
+du -sh . | sed 's/^/device deps: /'
