@@ -39,7 +39,7 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
 # ---------------------------------------------------------------------------------------------
 FROM ${DEBIAN_IMAGE} AS cpu
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      libtorch1.13 libgrpc++1.51 libprotobuf32 libspdlog1.10 libcpp-httplib0.11 libssl3 \
+      libtorch1.13 libopenblas0-pthread libgrpc++1.51 libprotobuf32 libspdlog1.10 libcpp-httplib0.11 libssl3 \
       ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/gradwire --create-home \

@@ -5,7 +5,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libtorch-dev libspdlog-dev libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev
+  libtorch-dev libopenblas0-pthread libspdlog-dev libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev openssl
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest

@@ -29,9 +29,6 @@
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/service.h"
-#ifdef GRADWIRE_HAVE_CUDA
-#include "device_query.h"
-#endif
 
 namespace {
 
@@ -249,44 +246,18 @@ std::string BoundAddress(const std::string& listen, int port) {
   return listen.substr(0, colon + 1) + std::to_string(port);
 }
 
-std::string CpuDescription() {
-  return "host CPU, reference FP8 backend (" + std::to_string(std::thread::hardware_concurrency()) +
-         " hardware threads)";
-}
-
-// Resolves --device into (device, description) or exits with a message.
-bool ResolveDevice(const std::string& requested, std::string* device, std::string* description) {
-  if (requested == "cpu") {
-    *device = "cpu";
-    *description = CpuDescription();
-    return true;
-  }
-#ifdef GRADWIRE_HAVE_CUDA
-  std::string why;
-  const int count = gradwire::kernels::cuda::DeviceCount(&why);
+// Resolves --device into a backend, or logs why it cannot and returns null. auto: the CUDA
+// backend when it can run here, else the CPU.
+gradwire::core::BackendPtr ResolveDevice(const std::string& requested) {
+  if (requested == "cpu") return gradwire::core::MakeCpuBackend();
+  auto cuda = gradwire::core::MakeCudaBackend(0);
+  if (cuda.ok()) return *cuda;
   if (requested == "cuda") {
-    if (count == 0) {
-      spdlog::error("--device cuda: no usable CUDA device ({})", why);
-    } else {
-      spdlog::error(
-          "--device cuda: found {}, but this build has no CUDA module kernels yet; "
-          "use --device cpu",
-          gradwire::kernels::cuda::DeviceDescription(0));
-    }
-    return false;
+    spdlog::error("--device cuda: {}", std::string(cuda.status().message()));
+    return nullptr;
   }
-  spdlog::info("--device auto: {}; using the CPU backend",
-               count == 0 ? "no usable CUDA device (" + why + ")"
-                          : "CUDA module kernels are not in this build");
-#else
-  if (requested == "cuda") {
-    spdlog::error("--device cuda: this gradwire-server was built without CUDA (GRADWIRE_CUDA=OFF)");
-    return false;
-  }
-#endif
-  *device = "cpu";
-  *description = CpuDescription();
-  return true;
+  spdlog::info("--device auto: {}; using the CPU backend", std::string(cuda.status().message()));
+  return gradwire::core::MakeCpuBackend();
 }
 
 }  // namespace
@@ -467,8 +438,9 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  std::string device, description;
-  if (!ResolveDevice(flags.device, &device, &description)) return 2;
+  const gradwire::core::BackendPtr backend = ResolveDevice(flags.device);
+  if (!backend) return 2;
+  const std::string device = backend->name(), description = backend->Describe();
 
   std::unique_ptr<gradwire::rpc::Authenticator> authenticator;
   if (!flags.tokens_file.empty() || !flags.tokens.empty()) {
@@ -518,7 +490,7 @@ int main(int argc, char** argv) {
   context_limits.device_bytes = flags.context_memory;
   context_limits.host_bytes = flags.host_offload_memory;
   context_limits.ttl_seconds = flags.context_ttl_s;
-  gradwire::core::ModuleHost host(context_limits);
+  gradwire::core::ModuleHost host(context_limits, nullptr, backend);
   std::unique_ptr<gradwire::core::Checkpointer> checkpointer;
   if (!flags.checkpoint_dir.empty()) {
     checkpointer = std::make_unique<gradwire::core::Checkpointer>(flags.checkpoint_dir,

@@ -23,7 +23,17 @@ at::Tensor Random(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
 class HostBaseline final : public InProcess {
  public:
   absl::Status Init(const v1::ModuleSpec& p, const std::string& flow, int64_t rows, int workers,
-                    uint64_t seed) {
+                    uint64_t seed, const std::string& device) {
+    core::BackendPtr backend = core::MakeCpuBackend();
+    if (device == "cuda") {
+      auto cuda = core::MakeCudaBackend(0);
+      if (!cuda.ok()) return cuda.status();
+      backend = *cuda;
+    } else if (device != "cpu") {
+      return absl::InvalidArgumentError(absl::StrCat("--baseline-device ", device,
+                                                     ": not a device (cpu or cuda)"));
+    }
+    host_ = std::make_unique<core::ModuleHost>(core::ContextLimits{}, nullptr, backend);
     core::ModuleSpec spec;
     spec.kind = p.kind() == v1::LAYERNORM_MLP      ? core::ModuleKind::kLayerNormMlp
                 : p.kind() == v1::LAYERNORM_LINEAR ? core::ModuleKind::kLayerNormLinear
@@ -35,7 +45,7 @@ class HostBaseline final : public InProcess {
     spec.recipe.mode = p.recipe().scaling() == v1::DELAYED ? core::ScalingMode::kDelayed
                                                            : core::ScalingMode::kCurrent;
     spec.seed = p.seed();
-    auto info = host_.Create(spec);
+    auto info = host_->Create(spec);
     if (!info.ok()) return info.status();
     id_ = info->module_id;
     step_ = flow == "step";
@@ -49,7 +59,7 @@ class HostBaseline final : public InProcess {
   OpOutcome Run(int worker) override {
     OpOutcome o;
     const auto t0 = Clock::now();
-    auto fwd = host_.Forward(id_, inputs_[worker], step_);
+    auto fwd = host_->Forward(id_, inputs_[worker], step_);
     const auto t1 = Clock::now();
     if (!fwd.ok()) {
       o.code = absl::StatusCodeToString(fwd.status().code());
@@ -58,7 +68,7 @@ class HostBaseline final : public InProcess {
     o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
     o.bytes = int64_t(inputs_[worker].nbytes() + fwd->output.nbytes());
     if (step_) {
-      auto grad = host_.Backward(fwd->context_id, grads_[worker], false, false);
+      auto grad = host_->Backward(fwd->context_id, grads_[worker], false, false);
       const auto t2 = Clock::now();
       if (!grad.ok()) {
         o.code = absl::StatusCodeToString(grad.status().code());
@@ -71,7 +81,7 @@ class HostBaseline final : public InProcess {
   }
 
  private:
-  core::ModuleHost host_;
+  std::unique_ptr<core::ModuleHost> host_;
   std::string id_;
   bool step_ = false;
   std::vector<at::Tensor> inputs_, grads_;
@@ -81,12 +91,13 @@ class HostBaseline final : public InProcess {
 
 absl::StatusOr<std::unique_ptr<InProcess>> InProcess::Make(const v1::ModuleSpec& spec,
                                                            const std::string& flow, int64_t rows,
-                                                           int workers, uint64_t seed) {
+                                                           int workers, uint64_t seed,
+                                                           const std::string& device) {
   if (flow != "forward" && flow != "step") {
     return absl::InvalidArgumentError(absl::StrCat("no in-process baseline for flow ", flow));
   }
   auto b = std::make_unique<HostBaseline>();
-  if (auto s = b->Init(spec, flow, rows, workers, seed); !s.ok()) return s;
+  if (auto s = b->Init(spec, flow, rows, workers, seed, device); !s.ok()) return s;
   return std::unique_ptr<InProcess>(std::move(b));
 }
 

@@ -14,10 +14,12 @@ namespace gradwire::load {
 class InProcess {
  public:
   virtual ~InProcess() = default;
-  // flow: "forward" or "step"; input rows x spec.in_features, fresh random values.
+  // flow: "forward" or "step"; input rows x spec.in_features, fresh random values; device:
+  // "cpu" or "cuda", the backend the in-process module computes on.
   static absl::StatusOr<std::unique_ptr<InProcess>> Make(const v1::ModuleSpec& spec,
                                                          const std::string& flow, int64_t rows,
-                                                         int workers, uint64_t seed);
+                                                         int workers, uint64_t seed,
+                                                         const std::string& device = "cpu");
   virtual OpOutcome Run(int worker) = 0;
 };
 

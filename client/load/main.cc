@@ -47,6 +47,7 @@ struct Options {
   std::string arrivals = "constant";
   std::vector<int> sweep;
   bool baselines = false;
+  std::string baseline_device = "cpu";
   std::string json_path, csv_path, plot_path;
   bool keep_module = false;
   int rounds = 1;  // repeat remote / in-process / empty interleaved, merging each mode's samples
@@ -394,6 +395,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   app.add_flag("--baselines", o.baselines,
                "also run the in-process module and the empty RPC at each concurrency");
+  app.add_option("--baseline-device", o.baseline_device,
+                 "device of the in-process baseline: cpu, or cuda (the CUDA backend of this "
+                 "build, on GPU 0) to compare with a server started with --device cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--seed", o.run.seed, "seed of the inputs and Poisson arrivals")
       ->capture_default_str();
   app.add_option("--json", o.json_path, "write the results as JSON to FILE (- for stdout)");
@@ -511,7 +517,8 @@ int main(int argc, char** argv) {
               [&](int w) { return remote.Run(w); });
       if (o.baselines && o.flow != "empty") {
         auto local = gradwire::load::InProcess::Make(spec, o.flow == "stream" ? "step" : o.flow,
-                                                     o.rows, workers, o.run.seed);
+                                                     o.rows, workers, o.run.seed,
+                                                     o.baseline_device);
         if (!local.ok()) {
           std::fprintf(stderr, "gradwire-load: %s\n",
                        std::string(local.status().message()).c_str());

@@ -48,7 +48,7 @@ echo "stage1: tests rc=$tests_rc"
 build-stage1/tests/gradwire-cuda-bench $quick --json "$out/ours.json" > "$out/ours.txt" 2>&1 \
   || { echo "stage1: some benchmark cases failed"; tests_rc=1; }
 [ -f "$out/ours.json" ] || { cat "$out/ours.txt"; exit 1; }
-python3 scripts/device_bench_torch.py --ours "$out/ours.json" --json "$out/bench.json" \
+python3 scripts/device/bench_torch.py --ours "$out/ours.json" --json "$out/bench.json" \
   > "$out/bench.txt" 2>&1 || echo "stage1: PyTorch side failed"
 cat "$out/ours.txt" "$out/bench.txt"
 echo "stage1: tests rc=$tests_rc, results in $out"

@@ -44,18 +44,64 @@ echo "stage2: ctest rc=$tests_rc in $(( $(date +%s) - start )) s"
 grep -E "tests passed|tests failed|\(Failed\)|\(SEGFAULT\)|\(Timeout\)|Not Run" "$out/ctest.txt" | head -n 40
 grep -c "Skipped" "$out/ctest.txt" | sed 's/^/stage2: skipped tests: /'
 
-# The demo training through a real server, on the device the server accepts.
+# The CUDA backend against the reference, op by op and module by module: nothing may skip here.
+if [ -x build-device/tests/core/backend_parity_test ]; then
+  build-device/tests/core/backend_parity_test > "$out/parity.txt" 2>&1
+  parity_rc=$?
+  echo "stage2: parity rc=$parity_rc: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/parity.txt" | sort | uniq -c | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \]' "$out/parity.txt" | head -n 20
+  grep -B2 -A8 'Failure' "$out/parity.txt" | head -n 40
+  [ "$parity_rc" = 0 ] || tests_rc=1
+  grep -q '^\[  SKIPPED \]' "$out/parity.txt" && { echo "stage2: parity rows SKIPPED on a GPU"; tests_rc=1; }
+fi
+
+# The service suites again, the test server on the CUDA backend (GRADWIRE_TEST_DEVICE).
+: > "$out/service-cuda.txt"
+for t in build-device/tests/service/*_test; do
+  [ -x "$t" ] || continue
+  GRADWIRE_TEST_DEVICE=cuda timeout 300 "$t" --gtest_brief=1 > "$out/svc-$(basename "$t").txt" 2>&1 &
+done
+wait
+for f in "$out"/svc-*.txt; do
+  r=$(grep -E '^\[  (PASSED|FAILED) |tests? ran' "$f" | tr '\n' ' ')
+  echo "$(basename "$f" .txt): $r" | tee -a "$out/service-cuda.txt"
+  grep -q '^\[  FAILED  \]' "$f" && { tests_rc=1; grep -A6 'Failure' "$f" | head -n 20; }
+  grep -q '^\[  PASSED  \]' "$f" || tests_rc=1
+done
+cat "$out"/svc-*.txt > "$out/service-cuda-log.txt"; rm -f "$out"/svc-*.txt
+
+# The demo training through a real server, on the CPU and on the GPU: the same final loss.
+start_server() {  # $1: log file, then server flags; prints the address
+  build-device/server/gradwire-server --listen 127.0.0.1:0 "${@:2}" > "$1" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 100); do grep -q "listening on" "$1" && break; sleep 0.2; done
+  grep -o "listening on [0-9.:]*" "$1" | awk '{print $3}'
+}
 if [ -x build-device/server/gradwire-server ]; then
   for model in linear mlp; do
-    port_log="$out/demo-$model-server.txt"
-    build-device/server/gradwire-server --listen 127.0.0.1:0 ${GW_SERVER_ARGS:-} > "$port_log" 2>&1 &
-    pid=$!
-    for _ in $(seq 50); do grep -q "listening on" "$port_log" && break; sleep 0.2; done
-    addr=$(grep -o "listening on [0-9.:]*" "$port_log" | awk '{print $3}')
-    build-device/client/gradwire demo --server "$addr" --model "$model" --json \
-      > "$out/demo-$model.txt" 2>&1
-    echo "stage2: demo $model rc=$?: $(tail -n 2 "$out/demo-$model.txt" | head -n 1)"
-    kill "$pid"; wait "$pid" 2>/dev/null
+    for device in cpu cuda; do
+      addr=$(start_server "$out/demo-$model-$device-server.txt" --device "$device")
+      build-device/client/gradwire demo --server "$addr" --model "$model" --json \
+        > "$out/demo-$model-$device.txt" 2>&1
+      echo "stage2: demo $model on $device rc=$?: $(tail -n 2 "$out/demo-$model-$device.txt" | head -n 1)"
+      kill "$server_pid"; wait "$server_pid" 2>/dev/null
+    done
+    python3 - "$out/demo-$model-cpu.txt" "$out/demo-$model-cuda.txt" <<'PY' || tests_rc=1
+import json, sys
+cpu, gpu = (json.loads(open(p).read().strip().splitlines()[-1])["final_loss"] for p in sys.argv[1:])
+ok = abs(gpu - cpu) <= 0.05 * cpu
+print(f"stage2: final loss cpu {cpu:.5f} cuda {gpu:.5f}: {'within' if ok else 'NOT within'} 5%")
+sys.exit(0 if ok else 1)
+PY
   done
+
+  # (c) The server step over loopback next to the in-process step, both on the GPU.
+  addr=$(start_server "$out/bench-server.txt" --device cuda)
+  build-device/client/gradwire-load --server "$addr" --module linear --in 4096 --out 4096 \
+    --rows 8192 --flow step --concurrency 1 --warmup 3 --duration 20 --baselines \
+    --baseline-device cuda --json "$out/server-step.json" > "$out/server-step.txt" 2>&1
+  echo "stage2: server step benchmark rc=$?"
+  tail -n 25 "$out/server-step.txt"
+  kill "$server_pid"; wait "$server_pid" 2>/dev/null
 fi
 [ "$build_rc" = 0 ] && [ "$tests_rc" = 0 ]

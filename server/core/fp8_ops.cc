@@ -56,6 +56,11 @@ void RunGemm(const kernels::Fp8GemmArgs& gemm) {
 
 GemmCounters GemmTotals() { return {g_gemm_flops.load(), g_gemm_seconds.load()}; }
 
+void CountGemm(double flops, double seconds) {
+  Add(g_gemm_flops, flops);
+  Add(g_gemm_seconds, seconds);
+}
+
 bool WeightWorkspace::has_columnwise() const {
   for (const Fp8Tensor& w : weights) {
     if (!w.has_columnwise()) return false;
@@ -90,7 +95,17 @@ bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool train
          (!training || ws->has_columnwise());
 }
 
-absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
+const Backend& BackendOr(const Backend* backend) {
+  return backend != nullptr ? *backend : *MakeReferenceBackend();
+}
+
+void AttachDecodedCopies(Fp8Tensor& w) {
+  w.rowwise_decoded = Decoded(w.rowwise, w.format);
+  w.columnwise_decoded = Decoded(w.columnwise, w.format);
+}
+
+absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
+                                                    const WorkspacePtr& cached,
                                                     uint64_t weight_version, bool training,
                                                     const std::vector<at::Tensor>& weights,
                                                     const std::vector<QuantizerConfig>& quantizers,
@@ -105,10 +120,8 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
   auto ws = std::make_shared<WeightWorkspace>();
   ws->weight_version = weight_version;
   for (size_t i = 0; i < weights.size(); ++i) {
-    GW_ASSIGN_OR_RETURN(Fp8Tensor w, Quantize(weights[i], quantizers[i], {true, training}));
-    // Decoded once per weight version, for every GEMM of every request until the next version.
-    w.rowwise_decoded = Decoded(w.rowwise, w.format);
-    w.columnwise_decoded = Decoded(w.columnwise, w.format);
+    GW_ASSIGN_OR_RETURN(Fp8Tensor w, backend.Cast(weights[i], quantizers[i], {true, training}));
+    backend.PrepareWeight(w);  // once per weight version, for every GEMM until the next one
     ws->weights.push_back(std::move(w));
   }
   for (const at::Tensor& t : aux) ws->aux.push_back(t.defined() ? t.clone() : at::Tensor());

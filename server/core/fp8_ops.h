@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/core/backend.h"
 #include "server/core/fp8_tensor.h"
 #include "server/core/quantizer.h"
 #include "server/core/saved_tensors.h"
@@ -62,13 +63,22 @@ struct WorkspaceResult {
   bool built = false;  // a cache miss: the weights were cast now
 };
 
-// Returns `cached` when usable, else casts `weights` (float32 [N, K] each) with `quantizers` and
-// copies `aux` (undefined entries stay undefined).
-absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const WorkspacePtr& cached,
+// Returns `cached` when usable, else casts `weights` (float32 [N, K] each, on the backend's
+// device) with `quantizers` on `backend` and copies `aux` (undefined entries stay undefined).
+absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
+                                                    const WorkspacePtr& cached,
                                                     uint64_t weight_version, bool training,
                                                     const std::vector<at::Tensor>& weights,
                                                     const std::vector<QuantizerConfig>& quantizers,
                                                     const std::vector<at::Tensor>& aux = {});
+
+// The backend a module's arguments name, or the reference backend when they name none.
+const Backend& BackendOr(const Backend* backend);
+
+// The reference GEMMs on host tensors (CpuBackend's).
+// Attaches the decoded copies (codes as floats) the reference GEMM reads instead of decoding per
+// call: once per weight version.
+void AttachDecodedCopies(Fp8Tensor& w);
 
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]); x and w rowwise. fp32 out.
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias);
@@ -88,6 +98,8 @@ struct GemmCounters {
   double seconds = 0;  // wall time inside the GEMMs
 };
 GemmCounters GemmTotals();
+// Adds one GEMM's work to the totals (backends whose GEMMs do not go through the reference's).
+void CountGemm(double flops, double seconds);
 
 // Flattens [..., last] to a contiguous float32 [rows, last].
 at::Tensor As2D(const at::Tensor& t);

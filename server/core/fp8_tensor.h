@@ -27,6 +27,9 @@ struct Fp8Tensor {
   // weight version. Empty for activations.
   std::shared_ptr<const std::vector<float>> rowwise_decoded;
   std::shared_ptr<const std::vector<float>> columnwise_decoded;
+  // scale_inv in device memory (fp32 [1], 16-byte aligned) for backends whose GEMM reads it from
+  // there (CUDA); undefined on the CPU backend. Always equal to `scale_inv`.
+  at::Tensor scale_inv_device;
 
   bool has_rowwise() const { return rowwise.defined(); }
   bool has_columnwise() const { return columnwise.defined(); }

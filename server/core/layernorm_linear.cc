@@ -35,18 +35,19 @@ int64_t LayerNormLinearSaved::bytes() const {
 
 absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
     const LayerNormLinearFwdArgs& args) {
+  const Backend& b = BackendOr(args.backend);
   LayerNormLinearFwdResult result;
   GW_ASSIGN_OR_RETURN(
       WorkspaceResult ws,
-      GetOrBuildWorkspace(args.workspace, args.weight_version, args.training, {args.weight},
+      GetOrBuildWorkspace(b, args.workspace, args.weight_version, args.training, {args.weight},
                           {args.weight_quantizer}, {args.ln.gamma, args.ln.beta}));
   result.workspace = std::move(ws.workspace);
   result.workspace_built = ws.built;
-  LayerNormOut ln = RunLayerNorm(args.input, args.ln);
+  LayerNormOut ln = b.LayerNormForward(args.input, args.ln);
   const bool keep_columnwise = args.training && !args.checkpoint;
-  GW_ASSIGN_OR_RETURN(Fp8Tensor x, Quantize(ln.y, args.input_quantizer, {true, keep_columnwise}));
+  GW_ASSIGN_OR_RETURN(Fp8Tensor x, b.Cast(ln.y, args.input_quantizer, {true, keep_columnwise}));
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = Fp8Fprop(x, w, args.bias);
+  result.output = b.Fprop(x, w, args.bias);
   result.input_amax = x.amax;
   result.weight_amax = w.amax;
   if (args.return_layernorm_output) result.layernorm_output = ln.y;
@@ -68,6 +69,7 @@ absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(
 
 absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
     const LayerNormLinearBwdArgs& args) {
+  const Backend& b = BackendOr(args.backend);
   const LayerNormLinearSaved& saved = *args.saved;
   const Fp8Tensor w = BackwardWeight(*saved.workspace, 0);
   // The LayerNorm parameters of the forward's weight version.
@@ -77,24 +79,24 @@ absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
   Fp8Tensor recomputed;
   const Fp8Tensor* ln_out = &saved.ln_out;
   if (!saved.ln_out.has_columnwise()) {  // checkpointed: redo LayerNorm and its cast
-    LayerNormOut again = RunLayerNorm(saved.input, ln);
-    GW_ASSIGN_OR_RETURN(recomputed, Quantize(again.y, saved.input_quantizer, {false, true}));
+    LayerNormOut again = b.LayerNormForward(saved.input, ln);
+    GW_ASSIGN_OR_RETURN(recomputed, b.Cast(again.y, saved.input_quantizer, {false, true}));
     ln_out = &recomputed;
   }
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dy, Quantize(args.grad_output, args.grad_quantizer, {true, true}));
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dy, b.Cast(args.grad_output, args.grad_quantizer, {true, true}));
   LayerNormLinearBwdResult result;
   result.grad_output_amax = dy.amax;
-  at::Tensor d_ln = Fp8Dgrad(dy, w);  // LayerNorm's parameters need it even without grad_input
+  at::Tensor d_ln = b.Dgrad(dy, w);  // LayerNorm's parameters need it even without grad_input
   if (args.grad_layernorm_output.defined()) d_ln.add_(args.grad_layernorm_output);
   at::Tensor weight_grad = args.weight_grad;
-  Fp8WgradAccumulate(dy, *ln_out, weight_grad);
+  b.WgradAccumulate(dy, *ln_out, weight_grad);
   if (args.bias_grad.defined()) {
     at::Tensor bias_grad = args.bias_grad;
-    AccumulateBiasGrad(args.grad_output, bias_grad);
+    b.AccumulateBiasGrad(args.grad_output, bias_grad);
   }
   at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
   at::Tensor dx =
-      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
+      b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
 }

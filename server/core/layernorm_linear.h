@@ -13,13 +13,6 @@
 
 namespace gradwire::core {
 
-struct LayerNormParams {
-  at::Tensor gamma;  // float32 [K]
-  at::Tensor beta;   // float32 [K]
-  float eps = 1e-5f;
-  bool zero_centered_gamma = false;  // the scale is 1 + gamma
-};
-
 struct LayerNormLinearSaved final : SavedWithWorkspace {
   at::Tensor input;     // float32 [M, K]: LayerNorm backward (and the recompute) read it
   at::Tensor mu, rstd;  // float32 [M]
@@ -32,6 +25,8 @@ struct LayerNormLinearSaved final : SavedWithWorkspace {
 };
 
 struct LayerNormLinearFwdArgs {
+  // The device the compute runs on; null: the reference backend. Tensors live on its device.
+  const Backend* backend = nullptr;
   at::Tensor input;  // float32 [M, K]
   LayerNormParams ln;
   at::Tensor weight;  // float32 [N, K]
@@ -58,6 +53,8 @@ struct LayerNormLinearFwdResult {
 absl::StatusOr<LayerNormLinearFwdResult> LayerNormLinearForward(const LayerNormLinearFwdArgs& args);
 
 struct LayerNormLinearBwdArgs {
+  // The device the compute runs on; null: the reference backend. Tensors live on its device.
+  const Backend* backend = nullptr;
   at::Tensor grad_output;            // float32 [M, N]
   at::Tensor grad_layernorm_output;  // float32 [M, K] or undefined
   const LayerNormLinearSaved* saved = nullptr;
@@ -75,12 +72,9 @@ struct LayerNormLinearBwdResult {
 absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
     const LayerNormLinearBwdArgs& args);
 
-// LayerNorm forward into fresh tensors: (y [M, K], mu [M], rstd [M]).
-struct LayerNormOut {
-  at::Tensor y, mu, rstd;
-};
+// The reference LayerNorm on host tensors (CpuBackend's): forward into fresh tensors, and the
+// backward that returns dx and accumulates gamma_grad / beta_grad.
 LayerNormOut RunLayerNorm(const at::Tensor& x, const LayerNormParams& ln);
-// LayerNorm backward: returns dx and accumulates gamma_grad / beta_grad.
 at::Tensor RunLayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
                                 const at::Tensor& rstd, const LayerNormParams& ln,
                                 at::Tensor& gamma_grad, at::Tensor& beta_grad);

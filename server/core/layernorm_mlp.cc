@@ -9,12 +9,6 @@ namespace {
 
 int64_t FfnWidth(const at::Tensor& fc2_weight) { return fc2_weight.size(1); }
 
-at::Tensor RunActivation(kernels::Activation act, const at::Tensor& in, int64_t width) {
-  at::Tensor out = at::empty({in.size(0), width}, at::TensorOptions().dtype(at::kFloat));
-  kernels::ActivationForward(act, in.data_ptr<float>(), in.size(0), width, out.data_ptr<float>());
-  return out;
-}
-
 // What the forward computes after LayerNorm, up to FC2's input; kept or recomputed.
 struct MlpHidden {
   Fp8Tensor ln_q;      // FC1 input (E4M3)
@@ -22,16 +16,16 @@ struct MlpHidden {
   Fp8Tensor act_q;     // FC2 input (E4M3)
 };
 
-absl::StatusOr<MlpHidden> Hidden(const at::Tensor& ln_y, const Fp8Tensor& w1,
+absl::StatusOr<MlpHidden> Hidden(const Backend& b, const at::Tensor& ln_y, const Fp8Tensor& w1,
                                  const at::Tensor& fc1_bias, kernels::Activation act, int64_t ffn,
                                  const QuantizerConfig& q1, const QuantizerConfig& q2,
                                  CastUsage usage) {
   MlpHidden h;
-  GW_ASSIGN_OR_RETURN(h.ln_q, Quantize(ln_y, q1, usage));
+  GW_ASSIGN_OR_RETURN(h.ln_q, b.Cast(ln_y, q1, usage));
   if (usage.rowwise) {
-    h.fc1_out = Fp8Fprop(h.ln_q, w1, fc1_bias);
-    at::Tensor act_out = RunActivation(act, h.fc1_out, ffn);
-    GW_ASSIGN_OR_RETURN(h.act_q, Quantize(act_out, q2, usage));
+    h.fc1_out = b.Fprop(h.ln_q, w1, fc1_bias);
+    at::Tensor act_out = b.ActivationForward(act, h.fc1_out, ffn);
+    GW_ASSIGN_OR_RETURN(h.act_q, b.Cast(act_out, q2, usage));
   }
   return h;
 }
@@ -45,9 +39,10 @@ int64_t LayerNormMlpSaved::bytes() const {
 }
 
 absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdArgs& args) {
+  const Backend& b = BackendOr(args.backend);
   LayerNormMlpFwdResult result;
   GW_ASSIGN_OR_RETURN(WorkspaceResult ws,
-                      GetOrBuildWorkspace(args.workspace, args.weight_version, args.training,
+                      GetOrBuildWorkspace(b, args.workspace, args.weight_version, args.training,
                                           {args.fc1_weight, args.fc2_weight},
                                           {args.fc1_weight_quantizer, args.fc2_weight_quantizer},
                                           {args.ln.gamma, args.ln.beta, args.fc1_bias}));
@@ -56,12 +51,12 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
   const Fp8Tensor& w1 = result.workspace->weights[0];
   const Fp8Tensor& w2 = result.workspace->weights[1];
   const int64_t ffn = FfnWidth(args.fc2_weight);
-  LayerNormOut ln = RunLayerNorm(args.input, args.ln);
+  LayerNormOut ln = b.LayerNormForward(args.input, args.ln);
   const bool keep = args.training && !args.checkpoint;
   GW_ASSIGN_OR_RETURN(
-      MlpHidden h, Hidden(ln.y, w1, args.fc1_bias, args.activation, ffn, args.fc1_input_quantizer,
+      MlpHidden h, Hidden(b, ln.y, w1, args.fc1_bias, args.activation, ffn, args.fc1_input_quantizer,
                           args.fc2_input_quantizer, {true, keep}));
-  result.output = Fp8Fprop(h.act_q, w2, args.fc2_bias);
+  result.output = b.Fprop(h.act_q, w2, args.fc2_bias);
   result.fc1_input_amax = h.ln_q.amax;
   result.fc2_input_amax = h.act_q.amax;
   result.fc1_weight_amax = w1.amax;
@@ -89,6 +84,7 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
 }
 
 absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwdArgs& args) {
+  const Backend& b = BackendOr(args.backend);
   const LayerNormMlpSaved& saved = *args.saved;
   const Fp8Tensor w1 = BackwardWeight(*saved.workspace, 0);
   const Fp8Tensor w2 = BackwardWeight(*saved.workspace, 1);
@@ -103,9 +99,9 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
   const at::Tensor* fc1_out = &saved.fc1_out;
   const Fp8Tensor* act_q = &saved.act_out;
   if (!saved.fc1_out.defined()) {  // checkpointed: replay the forward's exact casts
-    LayerNormOut again = RunLayerNorm(saved.input, ln);
+    LayerNormOut again = b.LayerNormForward(saved.input, ln);
     GW_ASSIGN_OR_RETURN(
-        recomputed, Hidden(again.y, w1, fc1_bias, args.activation, ffn, saved.fc1_input_quantizer,
+        recomputed, Hidden(b, again.y, w1, fc1_bias, args.activation, ffn, saved.fc1_input_quantizer,
                            saved.fc2_input_quantizer, {true, true}));
     ln_q = &recomputed.ln_q;
     fc1_out = &recomputed.fc1_out;
@@ -114,34 +110,32 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
   LayerNormMlpBwdResult result;
   // FC2
   GW_ASSIGN_OR_RETURN(Fp8Tensor dy,
-                      Quantize(args.grad_output, args.fc2_grad_quantizer, {true, true}));
+                      b.Cast(args.grad_output, args.fc2_grad_quantizer, {true, true}));
   result.fc2_grad_amax = dy.amax;
-  at::Tensor d_act = Fp8Dgrad(dy, w2);
+  at::Tensor d_act = b.Dgrad(dy, w2);
   at::Tensor fc2_weight_grad = args.fc2_weight_grad;
-  Fp8WgradAccumulate(dy, *act_q, fc2_weight_grad);
+  b.WgradAccumulate(dy, *act_q, fc2_weight_grad);
   if (args.fc2_bias_grad.defined()) {
     at::Tensor g = args.fc2_bias_grad;
-    AccumulateBiasGrad(args.grad_output, g);
+    b.AccumulateBiasGrad(args.grad_output, g);
   }
   // Activation
-  at::Tensor d_fc1 = at::empty_like(*fc1_out);
-  kernels::ActivationBackward(args.activation, d_act.data_ptr<float>(), fc1_out->data_ptr<float>(),
-                              fc1_out->size(0), ffn, d_fc1.data_ptr<float>());
+  at::Tensor d_fc1 = b.ActivationBackward(args.activation, d_act, *fc1_out, ffn);
   // FC1
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dh, Quantize(d_fc1, args.fc1_grad_quantizer, {true, true}));
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dh, b.Cast(d_fc1, args.fc1_grad_quantizer, {true, true}));
   result.fc1_grad_amax = dh.amax;
-  at::Tensor d_ln = Fp8Dgrad(dh, w1);
+  at::Tensor d_ln = b.Dgrad(dh, w1);
   if (args.grad_layernorm_output.defined()) d_ln.add_(args.grad_layernorm_output);
   at::Tensor fc1_weight_grad = args.fc1_weight_grad;
-  Fp8WgradAccumulate(dh, *ln_q, fc1_weight_grad);
+  b.WgradAccumulate(dh, *ln_q, fc1_weight_grad);
   if (args.fc1_bias_grad.defined()) {
     at::Tensor g = args.fc1_bias_grad;
-    AccumulateBiasGrad(d_fc1, g);
+    b.AccumulateBiasGrad(d_fc1, g);
   }
   // LayerNorm
   at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
   at::Tensor dx =
-      RunLayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
+      b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
 }

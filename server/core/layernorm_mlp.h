@@ -35,6 +35,8 @@ struct LayerNormMlpSaved final : SavedWithWorkspace {
 };
 
 struct LayerNormMlpFwdArgs {
+  // The device the compute runs on; null: the reference backend. Tensors live on its device.
+  const Backend* backend = nullptr;
   at::Tensor input;  // float32 [M, K]
   LayerNormParams ln;
   at::Tensor fc1_weight;  // float32 [F1, K], F1 = (gated ? 2 : 1) * ffn
@@ -63,6 +65,8 @@ struct LayerNormMlpFwdResult {
 absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdArgs& args);
 
 struct LayerNormMlpBwdArgs {
+  // The device the compute runs on; null: the reference backend. Tensors live on its device.
+  const Backend* backend = nullptr;
   at::Tensor grad_output;            // float32 [M, N]
   at::Tensor grad_layernorm_output;  // float32 [M, K] or undefined
   const LayerNormMlpSaved* saved = nullptr;

@@ -27,6 +27,8 @@ struct LinearSaved final : SavedWithWorkspace {
 };
 
 struct LinearFwdArgs {
+  // The device the compute runs on; null: the reference backend. Tensors live on its device.
+  const Backend* backend = nullptr;
   at::Tensor input;   // float32 [M, K], contiguous
   at::Tensor weight;  // float32 [N, K] master weight
   at::Tensor bias;    // float32 [N], or undefined
@@ -52,6 +54,8 @@ struct LinearFwdResult {
 absl::StatusOr<LinearFwdResult> LinearForward(const LinearFwdArgs& args);
 
 struct LinearBwdArgs {
+  // The device the compute runs on; null: the reference backend. Tensors live on its device.
+  const Backend* backend = nullptr;
   at::Tensor grad_output;              // float32 [M, N], contiguous
   const LinearSaved* saved = nullptr;  // from the matching forward
   QuantizerConfig grad_quantizer;      // E5M2

@@ -205,8 +205,9 @@ const char* ModuleKindName(ModuleKind kind) {
 struct ModuleHost::Module {
   struct Param {
     std::string name;
-    at::Tensor value;  // fp32 master copy
-    at::Tensor grad;   // fp32, accumulated by backwards
+    at::Tensor value;   // fp32 master copy, on the host
+    at::Tensor device;  // value on the backend's device, as of device_version (CPU: value)
+    at::Tensor grad;    // fp32 on the device, accumulated by backwards
     OptimizerSlots slots;
   };
 
@@ -220,6 +221,16 @@ struct ModuleHost::Module {
   int64_t optimizer_steps = 0;
   int64_t accumulated_backwards = 0;
   WorkspacePtr workspace;  // the cached FP8 weights (latest version built)
+  const Backend* backend = nullptr;
+  uint64_t device_version = ~uint64_t(0);  // the version the device copies hold
+
+  // Brings the device copies of the parameters to the current version (a no-op on the CPU,
+  // where they are the master copies themselves).
+  void SyncDevice() {
+    if (device_version == version) return;
+    for (Param& p : params) p.device = backend->ToDevice(p.value);
+    device_version = version;
+  }
 
   const Param* Find(const std::string& name) const {
     for (const Param& p : params) {
@@ -227,9 +238,10 @@ struct ModuleHost::Module {
     }
     return nullptr;
   }
+  // The device copy (call SyncDevice first).
   at::Tensor Value(const char* name) const {
     const Param* p = Find(name);
-    return p ? p->value : at::Tensor();
+    return p ? p->device : at::Tensor();
   }
   at::Tensor Grad(const char* name) const {
     const Param* p = Find(name);
@@ -238,6 +250,15 @@ struct ModuleHost::Module {
   LayerNormParams Ln() const {
     return LayerNormParams{Value("layer_norm_weight"), Value("layer_norm_bias"), spec.layernorm_eps,
                            spec.zero_centered_gamma};
+  }
+  // The quantizer of a weight role. The weights are cast once per weight version (the
+  // workspace), so the cast takes its scale from the weight's own amax (with the recipe's margin)
+  // under either recipe: a delayed scale would be whatever the history held when the version was
+  // first used, 1.0 for a new or imported module, and would stay until the next version.
+  QuantizerConfig WeightQuantizer(int role) const {
+    QuantizerConfig q = scaling[size_t(role)].Quantizer();
+    q.scale = 0.0f;
+    return q;
   }
   // Ends a step of the given roles: records their amaxes and rolls their histories.
   void EndStep(std::initializer_list<std::pair<int, float>> amaxes) {
@@ -248,9 +269,9 @@ struct ModuleHost::Module {
   }
 };
 
-ModuleHost::ModuleHost() = default;
-ModuleHost::ModuleHost(ContextLimits limits, ContextStore::Clock clock)
-    : contexts_(limits, std::move(clock)) {}
+ModuleHost::ModuleHost() : backend_(MakeCpuBackend()) {}
+ModuleHost::ModuleHost(ContextLimits limits, ContextStore::Clock clock, BackendPtr backend)
+    : backend_(backend ? std::move(backend) : MakeCpuBackend()), contexts_(limits, std::move(clock)) {}
 ModuleHost::~ModuleHost() = default;
 
 absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std::string& tenant) {
@@ -266,7 +287,8 @@ absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std:
   return InfoLocked(id, *m);
 }
 
-absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(const ModuleSpec& spec) {
+absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(
+    const ModuleSpec& spec) const {
   GW_RETURN_IF_ERROR(ValidateSpec(spec));
   const std::vector<ParamDef> defs = ParamDefs(spec);
   int64_t total = 0;
@@ -281,6 +303,7 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(const 
   }
   auto m = std::make_shared<Module>();
   m->spec = spec;
+  m->backend = backend_.get();
   uint64_t stream = 0;
   for (const ParamDef& d : defs) {
     Module::Param p;
@@ -294,7 +317,7 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(const 
       p.value.fill_(d.fan_in == 0 && !spec.zero_centered_gamma ? 1.0f : 0.0f);
     }
     ++stream;
-    p.grad = at::zeros(d.shape, Float32());
+    p.grad = backend_->Zeros(d.shape);
     m->params.push_back(std::move(p));
   }
   const auto& roles = spec.kind == ModuleKind::kLayerNormMlp ? kMlpRoles : kLinearRoles;
@@ -380,7 +403,20 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
   GW_RETURN_IF_ERROR(CheckFinite("input", input.contiguous()));
   std::lock_guard<std::mutex> lock(m->mu);
   const ModuleSpec& spec = m->spec;
-  const at::Tensor x = As2D(input);
+  const Backend& b = *backend_;
+  m->SyncDevice();
+  const at::Tensor x = b.ToDevice(As2D(input));
+  // FP8 codes from the wire arrive on the host; other backends take their own copy.
+  Fp8Tensor fp8_on_device;
+  if (input_fp8 != nullptr && !b.device().is_cpu()) {
+    if (!input_fp8->has_rowwise()) {
+      return absl::InternalError("Forward: FP8 input codes without their rowwise copy");
+    }
+    fp8_on_device = b.FromCodes(input_fp8->rowwise.data_ptr<uint8_t>(), input_fp8->rows,
+                                input_fp8->cols, input_fp8->format, input_fp8->scale_inv,
+                                {true, training});
+    input_fp8 = &fp8_on_device;
+  }
   ForwardOutput out;
   std::shared_ptr<SavedTensors> saved;
   WorkspacePtr workspace;
@@ -389,13 +425,14 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
   switch (spec.kind) {
     case ModuleKind::kLinear: {
       LinearFwdArgs args;
+      args.backend = &b;
       args.input = x;
       args.weight = m->Value("weight");
       args.bias = m->Value("bias");
       args.weight_version = m->version;
       args.workspace = m->workspace;
       args.input_quantizer = m->scaling[kIn].Quantizer();
-      args.weight_quantizer = m->scaling[kWeight].Quantizer();
+      args.weight_quantizer = m->WeightQuantizer(kWeight);
       args.training = training;
       if (input_fp8 != nullptr) {
         if (input_fp8->rows != x.size(0) || input_fp8->cols != x.size(1)) {
@@ -405,12 +442,13 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
       }
       GW_ASSIGN_OR_RETURN(LinearFwdResult r, LinearForward(args));
       if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-      m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
+      if (training) m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
       y = r.output, workspace = r.workspace, built = r.workspace_built, saved = r.saved;
       break;
     }
     case ModuleKind::kLayerNormLinear: {
       LayerNormLinearFwdArgs args;
+      args.backend = &b;
       args.input = x;
       args.ln = m->Ln();
       args.weight = m->Value("weight");
@@ -418,19 +456,20 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
       args.weight_version = m->version;
       args.workspace = m->workspace;
       args.input_quantizer = m->scaling[kIn].Quantizer();
-      args.weight_quantizer = m->scaling[kWeight].Quantizer();
+      args.weight_quantizer = m->WeightQuantizer(kWeight);
       args.training = training;
       args.return_layernorm_output = spec.return_layernorm_output;
       args.checkpoint = spec.checkpoint;
       GW_ASSIGN_OR_RETURN(LayerNormLinearFwdResult r, LayerNormLinearForward(args));
       if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-      m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
+      if (training) m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
       y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
       built = r.workspace_built, saved = r.saved;
       break;
     }
     case ModuleKind::kLayerNormMlp: {
       LayerNormMlpFwdArgs args;
+      args.backend = &b;
       args.input = x;
       args.ln = m->Ln();
       args.fc1_weight = m->Value("fc1_weight");
@@ -441,18 +480,20 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
       args.weight_version = m->version;
       args.workspace = m->workspace;
       args.fc1_input_quantizer = m->scaling[kFc1In].Quantizer();
-      args.fc1_weight_quantizer = m->scaling[kFc1Weight].Quantizer();
+      args.fc1_weight_quantizer = m->WeightQuantizer(kFc1Weight);
       args.fc2_input_quantizer = m->scaling[kFc2In].Quantizer();
-      args.fc2_weight_quantizer = m->scaling[kFc2Weight].Quantizer();
+      args.fc2_weight_quantizer = m->WeightQuantizer(kFc2Weight);
       args.training = training;
       args.return_layernorm_output = spec.return_layernorm_output;
       args.checkpoint = spec.checkpoint;
       GW_ASSIGN_OR_RETURN(LayerNormMlpFwdResult r, LayerNormMlpForward(args));
       if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-      m->EndStep({{kFc1In, r.fc1_input_amax},
-                  {kFc1Weight, r.fc1_weight_amax},
-                  {kFc2In, r.fc2_input_amax},
-                  {kFc2Weight, r.fc2_weight_amax}});
+      if (training) {
+        m->EndStep({{kFc1In, r.fc1_input_amax},
+                    {kFc1Weight, r.fc1_weight_amax},
+                    {kFc2In, r.fc2_input_amax},
+                    {kFc2Weight, r.fc2_weight_amax}});
+      }
       y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
       built = r.workspace_built, saved = r.saved;
       break;
@@ -462,8 +503,8 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
   m->workspace = workspace;
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = spec.out_features;
-  out.output = y.reshape(out_shape);
-  if (ln_out.defined()) out.layernorm_output = ln_out.reshape(input.sizes());
+  out.output = b.ToHost(y).reshape(out_shape);
+  if (ln_out.defined()) out.layernorm_output = b.ToHost(ln_out).reshape(input.sizes());
   out.weight_version = m->version;
   if (training) {
     saved->input_shape.assign(input.sizes().begin(), input.sizes().end());
@@ -524,12 +565,16 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
                        lease.weight_version, "; the module is at version ", m->version,
                        " and allows max_staleness ", m->spec.max_staleness)));
     }
-    const at::Tensor dy = As2D(in.grad_output);
-    const at::Tensor d_ln =
-        in.grad_layernorm_output.defined() ? As2D(in.grad_layernorm_output) : at::Tensor();
+    const Backend& b = *backend_;
+    m->SyncDevice();
+    const at::Tensor dy = b.ToDevice(As2D(in.grad_output));
+    const at::Tensor d_ln = in.grad_layernorm_output.defined()
+                                ? b.ToDevice(As2D(in.grad_layernorm_output))
+                                : at::Tensor();
     switch (m->spec.kind) {
       case ModuleKind::kLinear: {
         LinearBwdArgs args;
+        args.backend = &b;
         args.grad_output = dy;
         args.saved = dynamic_cast<const LinearSaved*>(lease.saved.get());
         args.grad_quantizer = m->scaling[kGrad].Quantizer();
@@ -545,6 +590,7 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
       }
       case ModuleKind::kLayerNormLinear: {
         LayerNormLinearBwdArgs args;
+        args.backend = &b;
         args.grad_output = dy;
         args.grad_layernorm_output = d_ln;
         args.saved = dynamic_cast<const LayerNormLinearSaved*>(lease.saved.get());
@@ -564,6 +610,7 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
       }
       case ModuleKind::kLayerNormMlp: {
         LayerNormMlpBwdArgs args;
+        args.backend = &b;
         args.grad_output = dy;
         args.grad_layernorm_output = d_ln;
         args.saved = dynamic_cast<const LayerNormMlpSaved*>(lease.saved.get());
@@ -588,7 +635,7 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
     }
     ++m->accumulated_backwards;
   }
-  if (grad_input.defined()) grad_input = grad_input.reshape(input_shape);
+  if (grad_input.defined()) grad_input = backend_->ToHost(grad_input).reshape(input_shape);
   // Free the saved tensors now, before the caller sends the reply.
   lease.saved.reset();
   contexts_.Finish(context_id, /*consumed=*/true, in.retain);
@@ -608,7 +655,8 @@ absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id
   const float lr = learning_rate > 0.0f ? learning_rate : m->spec.optimizer.learning_rate();
   ++m->optimizer_steps;
   for (Module::Param& p : m->params) {
-    OptimizerStep(m->spec.optimizer, lr, m->optimizer_steps, p.value, p.grad, p.slots);
+    OptimizerStep(m->spec.optimizer, lr, m->optimizer_steps, p.value, backend_->ToHost(p.grad),
+                  p.slots);
     p.grad.zero_();
   }
   m->accumulated_backwards = 0;
@@ -620,7 +668,7 @@ absl::StatusOr<ParametersCopy> ModuleHost::GetGradients(const std::string& modul
   std::lock_guard<std::mutex> lock(m->mu);
   ParametersCopy out;
   for (Module::Param& p : m->params) {
-    out.tensors.emplace_back(p.name, p.grad.clone());
+    out.tensors.emplace_back(p.name, p.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
     if (zero) p.grad.zero_();
   }
   out.weight_version = m->version;

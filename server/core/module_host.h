@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/activation.h"
+#include "server/core/backend.h"
 #include "server/core/context_store.h"
 #include "server/core/optimizer.h"
 #include "server/core/recipe.h"
@@ -113,8 +114,13 @@ class ModuleHost {
   static constexpr int64_t kMaxParameters = int64_t(1) << 28;  // 1 GiB of fp32 per module
 
   ModuleHost();
-  // `limits` bound the saved-context memory; `clock` (tests) replaces the steady clock for TTLs.
-  explicit ModuleHost(ContextLimits limits, ContextStore::Clock clock = nullptr);
+  // `limits` bound the saved-context memory; `clock` (tests) replaces the steady clock for TTLs;
+  // `backend` is the device the modules compute on (null: the CPU backend). Master weights and
+  // optimizer state stay on the host; gradients, the weight workspace and saved tensors live on
+  // the backend's device.
+  explicit ModuleHost(ContextLimits limits, ContextStore::Clock clock = nullptr,
+                      BackendPtr backend = nullptr);
+  const Backend& backend() const { return *backend_; }
   ~ModuleHost();
 
   // Validates `spec` and initialises the parameters from spec.seed: weights and biases uniform in
@@ -180,10 +186,11 @@ class ModuleHost {
  private:
   struct Module;
   // A validated, initialised module not yet in the map.
-  static absl::StatusOr<std::shared_ptr<Module>> NewModule(const ModuleSpec& spec);
+  absl::StatusOr<std::shared_ptr<Module>> NewModule(const ModuleSpec& spec) const;
   absl::StatusOr<std::shared_ptr<Module>> Find(const std::string& module_id) const;
   ModuleInfo InfoLocked(const std::string& id, const Module& m) const;
 
+  BackendPtr backend_;
   mutable std::mutex mu_;  // guards modules_ (each Module has its own lock)
   std::map<std::string, std::shared_ptr<Module>> modules_;
   ContextStore contexts_;

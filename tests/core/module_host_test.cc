@@ -287,6 +287,69 @@ namespace {
 
 // A non-finite activation or gradient is refused before it reaches the amax history or the
 // gradient buffers, where it would stay.
+// Inference changes no module state: evaluation traffic between training steps must not move
+// the delayed-scaling histories (nor their scales) that the training casts use.
+TEST(ModuleHostScalingTest, InferenceLeavesTheScalingStateUntouched) {
+  for (ModuleKind kind : {ModuleKind::kLinear, ModuleKind::kLayerNormMlp}) {
+    ModuleHost host;
+    ModuleSpec spec;
+    spec.kind = kind;
+    spec.in_features = 16;
+    spec.out_features = 8;
+    spec.ffn_features = kind == ModuleKind::kLayerNormMlp ? 32 : 0;
+    spec.recipe.mode = ScalingMode::kDelayed;
+    spec.recipe.history_len = 8;
+    auto info = host.Create(spec);
+    ASSERT_TRUE(info.ok()) << info.status();
+    // One training step first, so the histories hold something.
+    auto train = host.Forward(info->module_id, RandN({4, 16}), true);
+    ASSERT_TRUE(train.ok());
+    ASSERT_TRUE(host.Backward(train->context_id, RandN({4, 8}), false, false).ok());
+    auto before = host.Scaling(info->module_id);
+    ASSERT_TRUE(before.ok());
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(host.Forward(info->module_id, RandN({4, 16}, 10.0), false).ok());
+    }
+    auto after = host.Scaling(info->module_id);
+    ASSERT_TRUE(after.ok());
+    ASSERT_EQ(before->size(), after->size());
+    for (size_t r = 0; r < before->size(); ++r) {
+      EXPECT_EQ((*after)[r].scale, (*before)[r].scale) << (*before)[r].role;
+      EXPECT_EQ((*after)[r].history, (*before)[r].history) << (*before)[r].role;
+    }
+    // A training forward does move them.
+    ASSERT_TRUE(host.Forward(info->module_id, RandN({4, 16}, 10.0), true).ok());
+    auto trained = host.Scaling(info->module_id);
+    ASSERT_TRUE(trained.ok());
+    EXPECT_NE((*trained)[0].history, (*before)[0].history);
+  }
+}
+
+// Under delayed scaling the weight is still cast with a scale from its own amax (once per weight
+// version): small weights keep their precision instead of being cast at the initial scale 1.0,
+// where E4M3 has only subnormals (and zero) for values near 0.001.
+TEST(ModuleHostScalingTest, DelayedScalingCastsTheWeightFromItsOwnAmax) {
+  ModuleHost host;
+  ModuleSpec spec;
+  spec.in_features = 256;
+  spec.out_features = 64;
+  spec.bias = false;
+  spec.recipe.mode = ScalingMode::kDelayed;
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok());
+  const at::Tensor w = RandN({64, 256}, 0.001);
+  ASSERT_TRUE(host.SetWeights(info->module_id, {{"weight", w}}).ok());
+  const at::Tensor x = RandN({32, 256});
+  auto out = host.Forward(info->module_id, x, false);
+  ASSERT_TRUE(out.ok());
+  const at::Tensor want = x.to(at::kDouble).mm(w.to(at::kDouble).t());
+  const double rel_rms =
+      (out->output.to(at::kDouble) - want).pow(2).mean().sqrt().item<double>() /
+      want.pow(2).mean().sqrt().item<double>();
+  // E4M3 with a fitted scale on both operands: about 0.04 (a weight cast at scale 1.0: 0.5+).
+  EXPECT_LT(rel_rms, 0.08);
+}
+
 TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing) {
   ModuleHost host;
   ModuleSpec spec;

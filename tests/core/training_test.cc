@@ -101,8 +101,9 @@ TEST(DelayedScalingHostTest, EachContextKeepsTheScaleItWasCastWith) {
   ASSERT_TRUE(scaling.ok());
   EXPECT_EQ((*scaling)[0].role, "input");
   EXPECT_FLOAT_EQ((*scaling)[0].scale, 448.0f / x.abs().max().item<float>());
-  // Forwards with 1000x larger inputs move the input scale far away...
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(host.Forward(id, RandN({4, 16}, 1000.0), false).ok());
+  // Training forwards with 1000x larger inputs move the input scale far away (inference ones
+  // would not: they leave the scaling state alone)...
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(host.Forward(id, RandN({4, 16}, 1000.0), true).ok());
   EXPECT_LT(host.Scaling(id)->at(0).scale, (*scaling)[0].scale / 100);
   // ...yet the first context still holds the FP8 input cast with scale 1 (the first step's).
   auto saved = host.contexts().Peek(a->context_id).lock();
@@ -121,9 +122,11 @@ TEST(DelayedScalingHostTest, DelayedTrainingStepsStayAccurate) {
   at::Tensor out;
   const at::Tensor x = RandN({8, 32});
   for (int step = 0; step < 3; ++step) {  // after the first step the scales fit the data
-    auto f = host.Forward(id, x, false);
+    // Training forwards: only they record amaxes and roll the histories.
+    auto f = host.Forward(id, x, true);
     ASSERT_TRUE(f.ok());
     out = f->output;
+    ASSERT_TRUE(host.ReleaseContext(f->context_id).ok());
   }
   auto w = host.GetWeights(id);
   at::Tensor exact = at::matmul(x.to(at::kDouble), w->tensors[0].second.to(at::kDouble).t()) +

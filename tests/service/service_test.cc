@@ -81,7 +81,7 @@ class ServiceTest : public ::testing::Test {
 TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
   auto info = client_->GetServerInfo();
   ASSERT_TRUE(info.ok());
-  EXPECT_EQ(info->device(), "cpu");
+  EXPECT_EQ(info->device(), host_.backend().name());  // "cpu" unless GRADWIRE_TEST_DEVICE says
   EXPECT_EQ(info->modules(), 1);
   ASSERT_EQ(info->module_kinds_size(), 3);
   EXPECT_EQ(info->module_kinds(0), v1::LINEAR);

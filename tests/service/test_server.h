@@ -4,6 +4,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <random>
@@ -37,6 +39,24 @@ inline bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
   return done();
 }
 
+// The backend the service suites run on: GRADWIRE_TEST_DEVICE=cuda runs them on the CUDA
+// backend (scripts/device/stage2.sh does on a GPU machine); unset or "cpu", the CPU backend.
+// A device asked for that cannot run aborts the suite with the reason, rather than testing the
+// CPU instead.
+inline core::BackendPtr TestBackend() {
+  const char* env = std::getenv("GRADWIRE_TEST_DEVICE");
+  const std::string device = env ? env : "cpu";
+  if (device == "cpu" || device.empty()) return core::MakeCpuBackend();
+  if (device == "cuda") {
+    auto b = core::MakeCudaBackend(0);
+    if (b.ok()) return *b;
+    std::fprintf(stderr, "GRADWIRE_TEST_DEVICE=cuda: %s\n", std::string(b.status().message()).c_str());
+  } else {
+    std::fprintf(stderr, "GRADWIRE_TEST_DEVICE=%s: not a device (cpu or cuda)\n", device.c_str());
+  }
+  std::abort();
+}
+
 struct TestServerOptions {
   const rpc::Authenticator* authenticator = nullptr;  // tokens and tenant isolation when set
   int stream_read_ahead = 8;
@@ -54,12 +74,13 @@ class TestServer {
   // `configure` adjusts the service's options before it starts.
   explicit TestServer(const std::function<void(rpc::ServiceOptions&)>& configure)
       : TestServer(WithConfigure(configure)) {}
-  explicit TestServer(const TestServerOptions& o) : host_(o.context_limits) {
-    executor_ = std::make_unique<core::DeviceExecutor>("cpu");
+  explicit TestServer(const TestServerOptions& o)
+      : host_(o.context_limits, nullptr, TestBackend()) {
+    executor_ = std::make_unique<core::DeviceExecutor>(host_.backend().name());
     rpc::ServiceOptions options;
     options.version = "test";
-    options.device = "cpu";
-    options.device_name = "test CPU";
+    options.device = host_.backend().name();
+    options.device_name = "test " + host_.backend().Describe();
     options.authenticator = o.authenticator;
     options.stream_read_ahead = o.stream_read_ahead;
     options.limits = o.limits;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The PyTorch side of scripts/device-bench.sh.
+"""The PyTorch side of scripts/device/stage1.sh.
 
 Reads the C++ benchmark's JSON (--ours), times the same shapes with torch._scaled_mm (FP8,
 fast accumulation, bf16 out) and bf16 torch.matmul, and the same module steps with bf16 PyTorch

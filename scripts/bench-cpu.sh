@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The CPU step benchmark of docs/performance.md, in one run on one machine: for Linear 1024->1024
+# at 16, 256 and 4096 rows and LayerNormMLP 1024/4096 at 256 rows, training steps/s of
+#   gradwire remote (C++ load tool), gradwire in-process (the same ModuleHost, no gRPC),
+#   gradwire remote from the Python client, local fp32 PyTorch, torch.distributed.rpc +
+#   dist_autograd (tests/bench/torch_peer.py),
+# then a table and docs/perf/cpu-step.json (or $1). Both PyTorch sides and gradwire's CPU backend
+# use OpenBLAS (libopenblas0-pthread, installed by scripts/install-deps.sh).
+#   scripts/bench-cpu.sh [OUT.json] [SECONDS per case and mode, default 5]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out_json=${1:-docs/perf/cpu-step.json}
+secs=${2:-5}
+tmp=$(mktemp -d)
+trap 'kill $server_pid 2>/dev/null || true; rm -rf "$tmp"' EXIT
+build/server/gradwire-server --listen 127.0.0.1:0 --device cpu > "$tmp/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 100); do grep -q "listening on" "$tmp/server.log" && break; sleep 0.1; done
+addr=$(grep -o "listening on [0-9.:]*" "$tmp/server.log" | awk '{print $3}')
+echo "bench-cpu: server at $addr"
+cases="linear:1024:1024:0:16 linear:1024:1024:0:256 linear:1024:1024:0:4096 mlp:1024:1024:4096:256"
+for c in $cases; do
+  IFS=: read -r kind in outf ffn rows <<< "$c"
+  module=linear; [ "$kind" = mlp ] && module=layernorm-mlp
+  build/client/gradwire-load --server "$addr" --module "$module" --in "$in" --out "$outf" \
+    --ffn "$ffn" --rows "$rows" --flow step --warmup 1 --duration "$secs" --baselines \
+    --rounds 2 --json "$tmp/load-$kind-$rows.json" > "$tmp/load-$kind-$rows.txt" 2>&1
+  echo "bench-cpu: gradwire-load $kind rows $rows done"
+done
+PYTHONPATH=client/python:build/python /usr/bin/python3 tests/bench/python_step.py \
+  --server "$addr" --cases "$(echo $cases | tr ' ' ,)" --duration "$secs" --json "$tmp/python.json"
+kill $server_pid; wait $server_pid 2>/dev/null || true
+/usr/bin/python3 tests/bench/torch_peer.py --cases "$(echo $cases | tr ' ' ,)" \
+  --duration "$secs" --threads "$(nproc)" --json "$tmp/torch.json"
+/usr/bin/python3 - "$tmp" "$out_json" "$cases" <<'PY'
+import json, platform, subprocess, sys
+tmp, out, cases = sys.argv[1], sys.argv[2], sys.argv[3].split()
+py = {(c["kind"], c["rows"]): c for c in json.load(open(f"{tmp}/python.json"))["cases"]}
+th = json.load(open(f"{tmp}/torch.json"))
+tt = {(c["kind"], c["rows"]): c for c in th["cases"]}
+rows = []
+print(f"{'case':<28} {'remote':>8} {'in-proc':>8} {'python':>8} {'torch':>8} {'torch.rpc':>9} |"
+      f" {'remote/rpc':>10} {'in-proc/torch (time)':>20}")
+for c in cases:
+    kind, d_in, d_out, ffn, r = c.split(":")
+    load = json.load(open(f"{tmp}/load-{kind}-{r}.json"))
+    rate = {m: sum(x["requests"] for x in load["runs"] if x["mode"] == m) /
+               sum(x["seconds"] for x in load["runs"] if x["mode"] == m)
+            for m in ("remote", "in-process")}
+    p, t = py[(kind, int(r))], tt[(kind, int(r))]
+    row = {"kind": kind, "in": int(d_in), "out": int(d_out), "ffn": int(ffn), "rows": int(r),
+           "gradwire_remote_steps_per_s": rate["remote"],
+           "gradwire_inprocess_steps_per_s": rate["in-process"],
+           "gradwire_python_steps_per_s": p["python_steps_per_s"],
+           "torch_local_steps_per_s": t["local_steps_per_s"],
+           "torch_rpc_steps_per_s": t["rpc_steps_per_s"]}
+    row["remote_vs_torch_rpc"] = row["gradwire_remote_steps_per_s"] / row["torch_rpc_steps_per_s"]
+    row["python_vs_torch_rpc"] = row["gradwire_python_steps_per_s"] / row["torch_rpc_steps_per_s"]
+    row["inprocess_time_vs_torch_local"] = (row["torch_local_steps_per_s"] /
+                                            row["gradwire_inprocess_steps_per_s"])
+    rows.append(row)
+    name = f"{kind} {d_in}->{d_out}" + (f"/{ffn}" if kind == "mlp" else "") + f" x{r}"
+    print(f"{name:<28} {rate['remote']:8.2f} {rate['in-process']:8.2f} "
+          f"{p['python_steps_per_s']:8.2f} {t['local_steps_per_s']:8.2f} "
+          f"{t['rpc_steps_per_s']:9.2f} | {row['remote_vs_torch_rpc']:10.2f} "
+          f"{row['inprocess_time_vs_torch_local']:20.2f}")
+json.dump({"machine": f"{platform.node()} ({subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores)",
+           "command": "scripts/bench-cpu.sh", "unit": "training steps per second (forward + backward)",
+           "torch": th["torch"], "blas": "OpenBLAS (libopenblas0-pthread) for PyTorch and gradwire",
+           "cases": rows}, open(out, "w"), indent=2)
+print(f"bench-cpu: wrote {out}")
+PY

@@ -1,0 +1,122 @@
+// The device seam of the core: every computation a module makes goes through one Backend, at the
+// granularity of the fused FP8 kernels (a cast writes rowwise codes, transposed codes, amax and
+// scale_inv in one pass; a GEMM takes FP8 operands and their scale_inv). The modules
+// (linear.cc, layernorm_linear.cc, layernorm_mlp.cc) are written once against it.
+//
+//   ReferenceBackend  kernels/ref, single-threaded: the definition of the numerics
+//   CpuBackend        kernels/ref casts, GEMMs on BLAS, multi-threaded (cpu_backend.cc)
+//   CudaBackend       kernels/cuda + cuBLASLt on one GPU (cuda_backend.cc, GRADWIRE_CUDA builds)
+//
+// Tensors a backend takes and returns live on its device (device()), fp32 unless named
+// otherwise, contiguous and 2-D ([rows, cols]). Host tensors cross with ToDevice/ToHost. Every
+// call is ordered after the previous one on the backend's stream; results are ready for the next
+// call of the same backend, and host values (the amax of a cast) are ready when the call returns.
+// docs/backends.md describes the seam, what each backend does, and what is not in it yet.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gradwire/kernels/activation.h"
+#include "server/core/fp8_tensor.h"
+#include "server/core/quantizer.h"
+
+namespace gradwire::core {
+
+struct LayerNormParams {
+  at::Tensor gamma;  // float32 [K]
+  at::Tensor beta;   // float32 [K]
+  float eps = 1e-5f;
+  bool zero_centered_gamma = false;  // the scale is 1 + gamma
+};
+
+// LayerNorm forward results: y [M, K], mu [M], rstd [M].
+struct LayerNormOut {
+  at::Tensor y, mu, rstd;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu", "cuda" (what --device names and GetServerInfo reports) or "reference".
+  virtual const char* name() const = 0;
+  // The ATen device of the tensors this backend computes on.
+  virtual at::Device device() const = 0;
+  // One line for logs: the device and what computes on it.
+  virtual std::string Describe() const = 0;
+
+  // A contiguous copy of `t` (any device) on this backend's device; on the CPU backend `t`
+  // itself when it is already a contiguous CPU tensor.
+  virtual at::Tensor ToDevice(const at::Tensor& t) const = 0;
+  // `t` on the host (contiguous); on the CPU backend `t` itself.
+  virtual at::Tensor ToHost(const at::Tensor& t) const = 0;
+  // Uninitialised / zeroed fp32 tensors on the device.
+  at::Tensor Empty(at::IntArrayRef shape) const;
+  at::Tensor Zeros(at::IntArrayRef shape) const;
+
+  // Casts x (fp32 [rows, cols]) to FP8 under `config` (delayed: config.scale; current: from
+  // x's amax with config.margin), writing the copies `usage` asks for. The result's amax is
+  // x's amax whatever the recipe.
+  virtual absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
+                                         CastUsage usage) const = 0;
+  // An FP8 tensor from host codes that arrived already cast (rows x cols, row-major) with their
+  // scale_inv; the columnwise copy is the exact transpose, amax the largest |decoded value|.
+  virtual Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
+                              kernels::Fp8Format format, float scale_inv,
+                              CastUsage usage) const = 0;
+  // Decodes one stored copy back to fp32 (rowwise: [rows, cols]; else [cols, rows]).
+  virtual at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const = 0;
+  // Called once on each weight of a new workspace (per weight version): a backend may attach
+  // what its GEMMs read per call (the CPU backend's decoded copies).
+  virtual void PrepareWeight(Fp8Tensor& w) const { (void)w; }
+
+  virtual LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const = 0;
+  // Returns dx and accumulates into gamma_grad / beta_grad.
+  virtual at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x,
+                                       const at::Tensor& mu, const at::Tensor& rstd,
+                                       const LayerNormParams& ln, at::Tensor& gamma_grad,
+                                       at::Tensor& beta_grad) const = 0;
+
+  // in: [M, (gated ? 2 : 1) * width] -> act(in): [M, width].
+  virtual at::Tensor ActivationForward(kernels::Activation act, const at::Tensor& in,
+                                       int64_t width) const = 0;
+  // d act(in) given dout [M, width]: [M, (gated ? 2 : 1) * width].
+  virtual at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
+                                        const at::Tensor& in, int64_t width) const = 0;
+
+  // The three FP8 GEMMs of a linear layer, fp32 accumulation and output:
+  //   Fprop  y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]), x and w rowwise, fast accumulation
+  //   Dgrad  dx[M, K] = dy[M, N] . w[N, K], dy rowwise, w columnwise, split accumulation
+  //   WgradAccumulate  acc[N, K] += dy^T . x, dy and x columnwise, split accumulation
+  virtual at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const = 0;
+  virtual at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const = 0;
+  virtual void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const = 0;
+  // acc[N] += column sums of g[M, N] (fp32, unquantized).
+  virtual void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const = 0;
+
+  // Waits until everything queued on the backend's stream has run.
+  virtual void Synchronize() const = 0;
+};
+
+using BackendPtr = std::shared_ptr<const Backend>;
+
+// The reference backend: the oracle of the parity tests.
+BackendPtr MakeReferenceBackend();
+
+// The CPU backend (always available): what --device cpu runs and the default everywhere.
+BackendPtr MakeCpuBackend();
+
+// The CUDA backend on GPU `device`, or why it cannot run here: UNAVAILABLE when this build has
+// no CUDA backend (GRADWIRE_CUDA off), libtorch has no CUDA, or no usable GPU is present.
+absl::StatusOr<BackendPtr> MakeCudaBackend(int device = 0);
+
+// True when this build compiled the CUDA backend in.
+bool CudaBackendBuilt();
+
+}  // namespace gradwire::core

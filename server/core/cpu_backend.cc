@@ -1,0 +1,184 @@
+// The host backends.
+//
+//   ReferenceBackend  the reference kernels (kernels/ref) on host tensors, single-threaded: the
+//                     definition of the numerics every other backend is checked against
+//                     (tests/core/backend_parity_test.cc).
+//   CpuBackend        what --device cpu runs: the reference's casts, LayerNorm and activations,
+//                     and the GEMMs through libtorch's BLAS (OpenBLAS where installed) on the
+//                     decoded FP8 operands, multi-threaded. FP8 x FP8 products are exact in
+//                     fp32, so only the accumulation order differs from the reference, within
+//                     the fp32 accumulation bound.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <thread>
+
+#include "gradwire/kernels/activation.h"
+#include "server/core/backend.h"
+#include "server/core/fp8_ops.h"
+#include "server/core/layernorm_linear.h"
+
+namespace gradwire::core {
+namespace {
+
+class ReferenceBackend : public Backend {
+ public:
+  const char* name() const override { return "reference"; }
+  at::Device device() const override { return at::kCPU; }
+  std::string Describe() const override {
+    return "host CPU, reference FP8 kernels (single-threaded)";
+  }
+
+  at::Tensor ToDevice(const at::Tensor& t) const override {
+    return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+  }
+  at::Tensor ToHost(const at::Tensor& t) const override { return ToDevice(t); }
+
+  absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
+                                 CastUsage usage) const override {
+    return Quantize(x, config, usage);
+  }
+  Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
+                      kernels::Fp8Format format, float scale_inv, CastUsage usage) const override {
+    return core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
+  }
+  at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override {
+    return core::Dequantize(t, rowwise);
+  }
+  void PrepareWeight(Fp8Tensor& w) const override { AttachDecodedCopies(w); }
+
+  LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
+    return RunLayerNorm(x, ln);
+  }
+  at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+                               const at::Tensor& rstd, const LayerNormParams& ln,
+                               at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
+    return RunLayerNormBackward(dy, x, mu, rstd, ln, gamma_grad, beta_grad);
+  }
+
+  at::Tensor ActivationForward(kernels::Activation act, const at::Tensor& in,
+                               int64_t width) const override {
+    at::Tensor out = at::empty({in.size(0), width}, at::TensorOptions().dtype(at::kFloat));
+    kernels::ActivationForward(act, in.data_ptr<float>(), in.size(0), width,
+                               out.data_ptr<float>());
+    return out;
+  }
+  at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
+                                const at::Tensor& in, int64_t width) const override {
+    at::Tensor din = at::empty_like(in);
+    kernels::ActivationBackward(act, dout.data_ptr<float>(), in.data_ptr<float>(), in.size(0),
+                                width, din.data_ptr<float>());
+    return din;
+  }
+
+  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
+    return Fp8Fprop(x, w, bias);
+  }
+  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
+    return Fp8Dgrad(dy, w);
+  }
+  void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const override {
+    Fp8WgradAccumulate(dy, x, acc);
+  }
+  void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
+    core::AccumulateBiasGrad(g, acc);
+  }
+
+  void Synchronize() const override {}
+};
+
+// FP8 codes decoded to their values without the scale, as an fp32 tensor of the codes' shape:
+// the decoded copy a workspace weight carries, or a fresh one.
+at::Tensor DecodedCodes(const at::Tensor& codes, const std::shared_ptr<const std::vector<float>>& cached,
+                        kernels::Fp8Format format) {
+  if (cached && int64_t(cached->size()) == codes.numel()) {
+    // A view of the cached copy: the caller's Fp8Tensor keeps it alive for the call.
+    return at::from_blob(const_cast<float*>(cached->data()), codes.sizes(),
+                         at::TensorOptions().dtype(at::kFloat));
+  }
+  at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));
+  const float* table = kernels::DecodeTable(format);
+  const uint8_t* in = codes.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, codes.numel(), int64_t(1) << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = table[in[i]];
+  });
+  return out;
+}
+
+at::Tensor Rowwise(const Fp8Tensor& t) {
+  return DecodedCodes(t.rowwise, t.rowwise_decoded, t.format);
+}
+at::Tensor Columnwise(const Fp8Tensor& t) {
+  return DecodedCodes(t.columnwise, t.columnwise_decoded, t.format);
+}
+
+// Times one GEMM into the FP8 GEMM counters (metrics).
+class GemmTimer {
+ public:
+  explicit GemmTimer(double flops) : flops_(flops), start_(std::chrono::steady_clock::now()) {}
+  ~GemmTimer() {
+    CountGemm(flops_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_)
+                          .count());
+  }
+
+ private:
+  double flops_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+class CpuBackend final : public ReferenceBackend {
+ public:
+  const char* name() const override { return "cpu"; }
+  std::string Describe() const override {
+    return "host CPU, FP8 casts from the reference kernels, GEMMs on BLAS (" +
+           std::to_string(at::get_num_threads()) + " threads)";
+  }
+
+  // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias): the reference's order per element.
+  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
+    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
+    at::Tensor y = at::mm(Rowwise(x), Rowwise(w).t());
+    y.mul_(x.scale_inv * w.scale_inv);
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
+    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
+    // w's columnwise copy is W^T [K, N]; a pinned backward weight may have only that.
+    at::Tensor dx = w.has_rowwise() ? at::mm(Rowwise(dy), Rowwise(w))
+                                    : at::mm(Rowwise(dy), Columnwise(w).t());
+    dx.mul_(dy.scale_inv * w.scale_inv);
+    return dx;
+  }
+  void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const override {
+    GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
+    acc.addmm_(Columnwise(dy), Columnwise(x).t(), /*beta=*/1, /*alpha=*/dy.scale_inv * x.scale_inv);
+  }
+  void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
+    acc.add_(g.sum(0));
+  }
+};
+
+}  // namespace
+
+at::Tensor Backend::Empty(at::IntArrayRef shape) const {
+  return at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
+}
+
+at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
+  return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
+}
+
+BackendPtr MakeReferenceBackend() {
+  static const BackendPtr reference = std::make_shared<ReferenceBackend>();
+  return reference;
+}
+
+BackendPtr MakeCpuBackend() {
+  static const BackendPtr cpu = std::make_shared<CpuBackend>();
+  return cpu;
+}
+
+}  // namespace gradwire::core

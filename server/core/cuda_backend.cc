@@ -1,0 +1,291 @@
+// The CUDA backend: the modules' computations on one GPU through kernels/cuda (fused casts,
+// LayerNorm, activations) and cuBLASLt FP8 GEMMs, on tensors from libtorch's caching allocator.
+//
+// Stream: every launch and copy goes to the device's legacy default stream, the stream libtorch's
+// own ops (allocation bookkeeping, add_, zero_, copies to the host) use when nothing else is made
+// current. One stream for everything keeps the caching allocator's reuse of freed blocks in
+// order with the kernels that read them, without c10::cuda stream guards (which a CPU libtorch
+// build does not have: this file must compile on a machine without CUDA libtorch).
+//
+// Host values: a cast reads its amax, scale and scale_inv back to the host when it returns (one
+// small device-to-host copy per cast), because the modules and the scaling recipes still take
+// them as floats. docs/backends.md lists this among what the seam does not do yet.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "check.h"
+#include "device_query.h"
+#include "gradwire/kernels/cuda/activation.h"
+#include "gradwire/kernels/cuda/cast.h"
+#include "gradwire/kernels/cuda/gemm_lt.h"
+#include "gradwire/kernels/cuda/layernorm.h"
+#include "server/core/backend.h"
+
+namespace gradwire::core {
+namespace {
+
+namespace gwc = kernels::cuda;
+
+constexpr cudaStream_t kStream = nullptr;  // the legacy default stream (see above)
+
+int64_t Up16(int64_t v) { return (v + 15) / 16 * 16; }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, std::string description)
+      : device_(device), description_(std::move(description)) {}
+
+  const char* name() const override { return "cuda"; }
+  at::Device device() const override { return at::Device(at::kCUDA, at::DeviceIndex(device_)); }
+  std::string Describe() const override {
+    return description_ + ", CUDA FP8 backend (cuBLASLt)";
+  }
+
+  at::Tensor ToDevice(const at::Tensor& t) const override {
+    Use();
+    return t.device() == device() ? t.contiguous() : t.to(device()).contiguous();
+  }
+  at::Tensor ToHost(const at::Tensor& t) const override {
+    return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+  }
+
+  absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
+                                 CastUsage usage) const override {
+    Use();
+    if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
+        x.device() != device()) {
+      return absl::InternalError(
+          absl::StrCat("CudaBackend::Cast expects a contiguous 2-D float32 tensor on ",
+                       device().str()));
+    }
+    if (!usage.rowwise && !usage.columnwise) {
+      return absl::InternalError("CudaBackend::Cast asked for neither rowwise nor columnwise data");
+    }
+    Fp8Tensor out;
+    out.format = config.format;
+    out.rows = x.size(0);
+    out.cols = x.size(1);
+    if (usage.rowwise) out.rowwise = at::empty({out.rows, out.cols}, Bytes());
+    if (usage.columnwise) out.columnwise = at::empty({out.cols, out.rows}, Bytes());
+    // scale, scale_inv and amax in 16-byte slots of one allocation (cuBLASLt reads scale_inv
+    // and needs it 16-byte aligned; the allocator's blocks are).
+    at::Tensor scalars = at::empty({12}, Floats());
+    float* s = scalars.data_ptr<float>();
+    gwc::Fp8Output o;
+    o.format = config.format;
+    o.scale = s;
+    o.scale_inv = s + 4;
+    o.amax = s + 8;
+    o.current = config.scale <= 0.0f;
+    o.margin = config.margin;
+    o.data = usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr;
+    o.data_t = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
+    if (!o.current) {
+      GRADWIRE_CUDA_CHECK(
+          cudaMemcpyAsync(s, &config.scale, sizeof(float), cudaMemcpyHostToDevice, kStream));
+    }
+    gwc::CastTranspose(x.data_ptr<float>(), out.rows, out.cols, o, kStream);
+    float host[12];
+    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(host, s, sizeof host, cudaMemcpyDeviceToHost, kStream));
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
+    out.scale = host[0];
+    out.scale_inv = host[4];
+    out.amax = host[8];
+    out.scale_inv_device = scalars.narrow(0, 4, 1);
+    return out;
+  }
+
+  Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
+                      kernels::Fp8Format format, float scale_inv, CastUsage usage) const override {
+    Use();
+    // The host reference makes the transpose and the amax; the codes then move as they are.
+    Fp8Tensor out = core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
+    if (out.has_rowwise()) out.rowwise = out.rowwise.to(device());
+    if (out.has_columnwise()) out.columnwise = out.columnwise.to(device());
+    at::Tensor scalars = at::empty({4}, Floats());
+    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(scalars.data_ptr<float>(), &out.scale_inv, sizeof(float),
+                                        cudaMemcpyHostToDevice, kStream));
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));  // the source is on this stack
+    out.scale_inv_device = scalars.narrow(0, 0, 1);
+    return out;
+  }
+
+  at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override {
+    Use();
+    const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
+    at::Tensor out = at::empty(codes.sizes(), Floats());
+    gwc::Dequantize(codes.data_ptr<uint8_t>(), codes.numel(), t.format, ScaleInv(t),
+                    out.data_ptr<float>(), kStream);
+    return out;
+  }
+
+  LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
+    Use();
+    const int64_t m = x.size(0), k = x.size(1);
+    LayerNormOut out{at::empty({m, k}, Floats()), at::empty({m}, Floats()),
+                     at::empty({m}, Floats())};
+    gwc::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
+                          ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma,
+                          out.y.data_ptr<float>(), nullptr, out.mu.data_ptr<float>(),
+                          out.rstd.data_ptr<float>(), kStream);
+    return out;
+  }
+  at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+                               const at::Tensor& rstd, const LayerNormParams& ln,
+                               at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
+    Use();
+    at::Tensor dx = at::empty_like(x);
+    gwc::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
+                           rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0),
+                           x.size(1), ln.zero_centered_gamma, dx.data_ptr<float>(),
+                           gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>(), kStream);
+    return dx;
+  }
+
+  at::Tensor ActivationForward(kernels::Activation act, const at::Tensor& in,
+                               int64_t width) const override {
+    Use();
+    at::Tensor out = at::empty({in.size(0), width}, Floats());
+    gwc::ActivationForward(act, in.data_ptr<float>(), in.size(0), width, out.data_ptr<float>(),
+                           nullptr, kStream);
+    return out;
+  }
+  at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
+                                const at::Tensor& in, int64_t width) const override {
+    Use();
+    at::Tensor din = at::empty_like(in);
+    gwc::DActivationDbiasCast(act, dout.data_ptr<float>(), in.data_ptr<float>(), in.size(0), width,
+                              din.data_ptr<float>(), nullptr, nullptr, kStream);
+    return din;
+  }
+
+  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
+    Use();
+    at::Tensor y = at::empty({x.rows, w.rows}, Floats());
+    Gemm(x.rowwise, x, w.rowwise, w, x.rows, w.rows, x.cols, y, false,
+         gwc::GemmAccumulation::kFast);
+    // The bias in fp32 after the GEMM, as the reference adds it: cuBLASLt's FP8 bias epilogue
+    // takes only a bf16 bias (docs/cuda.md), which would round it.
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
+    Use();
+    at::Tensor dx = at::empty({dy.rows, w.cols}, Floats());
+    Gemm(dy.rowwise, dy, w.columnwise, w, dy.rows, w.cols, dy.cols, dx, false,
+         gwc::GemmAccumulation::kSplit);
+    return dx;
+  }
+  void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const override {
+    Use();
+    Gemm(dy.columnwise, dy, x.columnwise, x, dy.cols, x.cols, dy.rows, acc, true,
+         gwc::GemmAccumulation::kSplit);
+  }
+  void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
+    Use();
+    acc.add_(g.sum(0));
+  }
+
+  void Synchronize() const override {
+    Use();
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
+  }
+
+ private:
+  void Use() const { GRADWIRE_CUDA_CHECK(cudaSetDevice(device_)); }
+  at::TensorOptions Floats() const { return at::TensorOptions().dtype(at::kFloat).device(device()); }
+  at::TensorOptions Bytes() const { return at::TensorOptions().dtype(at::kByte).device(device()); }
+
+  static const float* ScaleInv(const Fp8Tensor& t) {
+    if (!t.scale_inv_device.defined()) {
+      throw std::logic_error("CudaBackend: an FP8 tensor without its device scale_inv");
+    }
+    return t.scale_inv_device.data_ptr<float>();
+  }
+
+  // codes [r, c] padded with zero codes (+0 in both formats) to [rows, cols], or itself.
+  at::Tensor Pad(const at::Tensor& codes, int64_t rows, int64_t cols) const {
+    const int64_t r = codes.size(0), c = codes.size(1);
+    if (r == rows && c == cols) return codes;
+    at::Tensor out = at::zeros({rows, cols}, Bytes());
+    GRADWIRE_CUDA_CHECK(cudaMemcpy2DAsync(out.data_ptr<uint8_t>(), size_t(cols),
+                                          codes.data_ptr<uint8_t>(), size_t(c), size_t(c),
+                                          size_t(r), cudaMemcpyDeviceToDevice, kStream));
+    return out;
+  }
+
+  // d[m, n] (=|+=) scale_inv_a scale_inv_b a[m, k] . b[n, k]^T on cuBLASLt. FP8 tensor cores take
+  // multiples of 16 in m, n and k: other shapes run zero-padded (zero codes add nothing) and the
+  // [m, n] corner is copied out.
+  void Gemm(const at::Tensor& a, const Fp8Tensor& as, const at::Tensor& b, const Fp8Tensor& bs,
+            int64_t m, int64_t n, int64_t k, at::Tensor& d, bool accumulate,
+            gwc::GemmAccumulation accumulation) const {
+    if (!a.defined() || !b.defined()) {
+      throw std::logic_error("CudaBackend::Gemm: an operand's codes are missing");
+    }
+    const int64_t M = Up16(m), N = Up16(n), K = Up16(k);
+    const at::Tensor pa = Pad(a, M, K), pb = Pad(b, N, K);
+    const bool padded_out = M != m || N != n;
+    at::Tensor out = d;
+    if (padded_out) {
+      out = accumulate ? at::zeros({M, N}, Floats()) : at::empty({M, N}, Floats());
+      if (accumulate) Copy2D(d, n, out, N, m, n);
+    }
+    gwc::LtGemmArgs g;
+    g.a = pa.data_ptr<uint8_t>();
+    g.a_format = as.format;
+    g.a_scale_inv = ScaleInv(as);
+    g.b = pb.data_ptr<uint8_t>();
+    g.b_format = bs.format;
+    g.b_scale_inv = ScaleInv(bs);
+    g.m = M;
+    g.n = N;
+    g.k = K;
+    g.d = out.data_ptr<float>();
+    g.d_type = gwc::GemmOut::kFloat32;
+    g.accumulate = accumulate;
+    g.accumulation = accumulation;
+    g.stream = kStream;
+    gwc::Fp8GemmLt(g);
+    if (padded_out) Copy2D(out, N, d, n, m, n);
+  }
+
+  // The [rows, cols] corner of fp32 `from` (row pitch from_ld elements) into `to` (pitch to_ld).
+  static void Copy2D(const at::Tensor& from, int64_t from_ld, at::Tensor& to, int64_t to_ld,
+                     int64_t rows, int64_t cols) {
+    GRADWIRE_CUDA_CHECK(cudaMemcpy2DAsync(to.data_ptr<float>(), size_t(to_ld) * 4,
+                                          from.data_ptr<float>(), size_t(from_ld) * 4,
+                                          size_t(cols) * 4, size_t(rows),
+                                          cudaMemcpyDeviceToDevice, kStream));
+  }
+
+  int device_;
+  std::string description_;
+};
+
+}  // namespace
+
+bool CudaBackendBuilt() { return true; }
+
+absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
+  if (!at::hasCUDA()) {
+    return absl::UnavailableError(
+        "this build's libtorch has no CUDA support, so the CUDA backend cannot allocate device "
+        "tensors (build against a libtorch with CUDA)");
+  }
+  std::string why;
+  const int count = gwc::DeviceCount(&why);
+  if (count == 0) return absl::UnavailableError(absl::StrCat("no usable CUDA device (", why, ")"));
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", device, " does not exist; this machine has ", count));
+  }
+  GRADWIRE_CUDA_CHECK(cudaSetDevice(device));
+  return BackendPtr(std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device)));
+}
+
+}  // namespace gradwire::core

@@ -1,0 +1,388 @@
+// The backend parity harness: every backend present (cpu, cuda) against the reference backend
+// (kernels/ref, the definition of the numerics), op by op and module by module, on fresh random
+// inputs.
+//
+//   casts                 bit for bit: codes, transposed codes, scale, scale_inv, amax
+//   GEMMs                 within the fp32 accumulation bound plus the tensor cores' partial sums
+//   LayerNorm, activation within fp32 rounding
+//   modules               Linear, LayerNormLinear, LayerNormMLP x recipe x activation x shape
+//                         (size 1, primes, aligned) x training/inference x bias: outputs, grad_input
+//                         and every parameter gradient, two steps (delayed scaling rolls between)
+//
+// Where a backend cannot run (no GPU, or a libtorch without CUDA) its rows skip and say why.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "server/core/backend.h"
+#include "server/core/module_host.h"
+#include "test_util.h"
+
+namespace gradwire::core {
+namespace {
+
+using gradwire::testing::RandN;
+using kernels::Activation;
+using kernels::Fp8Format;
+
+// The backend under test, or the reason there is none.
+struct Candidate {
+  BackendPtr backend;
+  std::string why_not;
+};
+
+const Candidate& Get(const std::string& name) {
+  static const Candidate cpu{MakeCpuBackend(), ""};
+  static const Candidate cuda = [] {
+    auto b = MakeCudaBackend(0);
+    return b.ok() ? Candidate{*b, ""} : Candidate{nullptr, std::string(b.status().message())};
+  }();
+  return name == "cuda" ? cuda : cpu;
+}
+
+const char* const kBackends[] = {"cpu", "cuda"};
+
+#define GW_REQUIRE_BACKEND(name)                                     \
+  do {                                                               \
+    if (!Get(name).backend) {                                        \
+      GTEST_SKIP() << (name) << " backend: " << Get(name).why_not;   \
+    }                                                                \
+  } while (0)
+
+uint32_t Bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
+
+void ExpectSameCast(const Fp8Tensor& got, const Fp8Tensor& want, const Backend& b) {
+  EXPECT_EQ(Bits(got.scale), Bits(want.scale));
+  EXPECT_EQ(Bits(got.scale_inv), Bits(want.scale_inv));
+  EXPECT_EQ(Bits(got.amax), Bits(want.amax));
+  ASSERT_EQ(got.has_rowwise(), want.has_rowwise());
+  ASSERT_EQ(got.has_columnwise(), want.has_columnwise());
+  if (want.has_rowwise()) {
+    EXPECT_TRUE(b.ToHost(got.rowwise).equal(want.rowwise)) << "rowwise codes";
+  }
+  if (want.has_columnwise()) {
+    EXPECT_TRUE(b.ToHost(got.columnwise).equal(want.columnwise)) << "columnwise codes";
+  }
+}
+
+// |got - want| <= (k 2^-24 + p) * terms + 2^-22 |want| + 1e-30, terms = sum |a_i b_i| of each
+// output (float64 from the reference's dequantized operands). p: the partial-sum precision
+// measured for the accumulation mode (docs/cuda.md): 2^-10 fast, 2^-11 split.
+::testing::AssertionResult WithinGemmBound(const at::Tensor& got, const at::Tensor& want,
+                                           const at::Tensor& terms, int64_t k, double p) {
+  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  const at::Tensor bound = (double(k) * std::ldexp(1.0, -24) + p) * terms +
+                           std::ldexp(1.0, -22) * w.abs() + 1e-30;
+  const at::Tensor excess = (g - w).abs() - bound;
+  const double worst = excess.max().item<double>();
+  if (worst <= 0) return ::testing::AssertionSuccess();
+  const int64_t i = excess.argmax().item<int64_t>();
+  return ::testing::AssertionFailure() << "element " << i << ": " << g.flatten()[i].item<double>()
+                                       << " vs " << w.flatten()[i].item<double>() << " (over by "
+                                       << worst << ")";
+}
+
+// Normalised squared error sum (got - want)^2 / sum want^2 (llama.cpp's test-backend-ops idea):
+// the measure for results that pass through FP8 casts of values each backend computed itself,
+// where a value on an FP8 rounding boundary may round the other way.
+double Nmse(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  const double den = w.pow(2).sum().item<double>();
+  return (g - w).pow(2).sum().item<double>() / std::max(den, 1e-300);
+}
+
+struct Shape {
+  int64_t rows, cols;
+};
+
+class CastParity
+    : public ::testing::TestWithParam<std::tuple<const char*, Shape, Fp8Format, bool>> {};
+
+TEST_P(CastParity, CodesScalesAndAmaxBitForBit) {
+  const auto [name, shape, format, delayed] = GetParam();
+  GW_REQUIRE_BACKEND(name);
+  const Backend& ref = *MakeReferenceBackend();
+  const Backend& b = *Get(name).backend;
+  const at::Tensor x = RandN({shape.rows, shape.cols}, 3.0);
+  QuantizerConfig q{format, 1, delayed ? 0.37f : 0.0f};
+  for (CastUsage usage : {CastUsage{true, true}, CastUsage{true, false}, CastUsage{false, true}}) {
+    auto want = ref.Cast(x, q, usage);
+    auto got = b.Cast(b.ToDevice(x), q, usage);
+    ASSERT_TRUE(want.ok() && got.ok());
+    ExpectSameCast(*got, *want, b);
+    if (usage.rowwise) {
+      EXPECT_TRUE(b.ToHost(b.Dequantize(*got, true)).equal(ref.Dequantize(*want, true)));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, CastParity,
+    ::testing::Combine(::testing::ValuesIn(kBackends),
+                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{64, 48}, Shape{130, 257}),
+                       ::testing::Values(Fp8Format::kE4M3, Fp8Format::kE5M2), ::testing::Bool()),
+    [](const auto& info) {
+      const Shape s = std::get<1>(info.param);
+      return std::string(std::get<0>(info.param)) + "_" + std::to_string(s.rows) + "x" +
+             std::to_string(s.cols) + "_" + kernels::Fp8FormatName(std::get<2>(info.param)) +
+             (std::get<3>(info.param) ? "_delayed" : "_current");
+    });
+
+using Mnk = std::tuple<int64_t, int64_t, int64_t>;
+class GemmParity : public ::testing::TestWithParam<std::tuple<const char*, Mnk>> {};
+
+TEST_P(GemmParity, FpropDgradWgradWithinTheAccumulationBound) {
+  const auto [name, mnk] = GetParam();
+  GW_REQUIRE_BACKEND(name);
+  const Backend& ref = *MakeReferenceBackend();
+  const Backend& b = *Get(name).backend;
+  const auto [m, n, k] = mnk;
+  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f}, e5m2{Fp8Format::kE5M2, 0, 0.0f};
+  const at::Tensor x = RandN({m, k}), w = RandN({n, k}, 0.1), dy = RandN({m, n}, 0.01),
+                   bias = RandN({n});
+  auto cast = [](const Backend& be, const at::Tensor& t, const QuantizerConfig& q) {
+    auto r = be.Cast(be.ToDevice(t), q, {true, true});
+    EXPECT_TRUE(r.ok());
+    return *r;
+  };
+  const Fp8Tensor rx = cast(ref, x, e4m3), rw = cast(ref, w, e4m3), rdy = cast(ref, dy, e5m2);
+  const Fp8Tensor bx = cast(b, x, e4m3), bw = cast(b, w, e4m3), bdy = cast(b, dy, e5m2);
+  const at::Tensor xd = ref.Dequantize(rx, true).to(at::kDouble),
+                   wd = ref.Dequantize(rw, true).to(at::kDouble),
+                   dyd = ref.Dequantize(rdy, true).to(at::kDouble);
+  // y = x w^T + bias
+  EXPECT_TRUE(WithinGemmBound(b.ToHost(b.Fprop(bx, bw, b.ToDevice(bias))), ref.Fprop(rx, rw, bias),
+                              xd.abs().mm(wd.abs().t()), k, std::ldexp(1.0, -10)))
+      << "fprop";
+  // dx = dy w
+  EXPECT_TRUE(WithinGemmBound(b.ToHost(b.Dgrad(bdy, bw)), ref.Dgrad(rdy, rw),
+                              dyd.abs().mm(wd.abs()), n, std::ldexp(1.0, -11)))
+      << "dgrad";
+  // acc += dy^T x, from a random start
+  const at::Tensor acc0 = RandN({n, k});
+  at::Tensor want = acc0.clone(), got = b.ToDevice(acc0);
+  ref.WgradAccumulate(rdy, rx, want);
+  b.WgradAccumulate(bdy, bx, got);
+  EXPECT_TRUE(WithinGemmBound(b.ToHost(got), want, dyd.abs().t().mm(xd.abs()) + acc0.abs(), m,
+                              std::ldexp(1.0, -11)))
+      << "wgrad";
+}
+
+// Size 1, primes, and multiples of 16 (no padding on the GPU).
+INSTANTIATE_TEST_SUITE_P(
+    All, GemmParity,
+    ::testing::Combine(::testing::ValuesIn(kBackends),
+                       ::testing::Values(Mnk{1, 1, 1}, Mnk{7, 13, 11}, Mnk{33, 5, 64},
+                                         Mnk{64, 48, 32}, Mnk{128, 256, 512})),
+    [](const auto& info) {
+      const Mnk d = std::get<1>(info.param);
+      return std::string(std::get<0>(info.param)) + "_" + std::to_string(std::get<0>(d)) + "x" +
+             std::to_string(std::get<1>(d)) + "x" + std::to_string(std::get<2>(d));
+    });
+
+class NormParity : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(NormParity, LayerNormAndActivationsWithinFp32Rounding) {
+  GW_REQUIRE_BACKEND(GetParam());
+  const Backend& ref = *MakeReferenceBackend();
+  const Backend& b = *Get(GetParam()).backend;
+  for (Shape s : {Shape{1, 16}, Shape{7, 61}, Shape{33, 1031}}) {
+    SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols));
+    const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
+    for (bool zc : {false, true}) {
+      LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
+      LayerNormParams bln{b.ToDevice(ln.gamma), b.ToDevice(ln.beta), ln.eps, zc};
+      const LayerNormOut want = ref.LayerNormForward(x, ln);
+      const LayerNormOut got = b.LayerNormForward(b.ToDevice(x), bln);
+      EXPECT_TRUE(gradwire::testing::AllClose(b.ToHost(got.y), want.y, 1e-4, 1e-4)) << "y";
+      const at::Tensor dy = RandN({s.rows, s.cols});
+      at::Tensor rg = at::zeros({s.cols}), rb = at::zeros({s.cols});
+      at::Tensor bg = b.Zeros({s.cols}), bb = b.Zeros({s.cols});
+      const at::Tensor rdx =
+          ref.LayerNormBackward(dy, x, want.mu, want.rstd, ln, rg, rb);
+      const at::Tensor bdx = b.LayerNormBackward(b.ToDevice(dy), b.ToDevice(x), b.ToDevice(want.mu),
+                                                 b.ToDevice(want.rstd), bln, bg, bb);
+      EXPECT_TRUE(gradwire::testing::AllClose(b.ToHost(bdx), rdx, 1e-3, 1e-4)) << "dx";
+      EXPECT_LT(Nmse(b.ToHost(bg), rg), 1e-10) << "dgamma";
+      EXPECT_LT(Nmse(b.ToHost(bb), rb), 1e-10) << "dbeta";
+    }
+    for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSwiglu,
+                           Activation::kGeglu}) {
+      SCOPED_TRACE(kernels::ActivationName(act));
+      const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
+      const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
+      EXPECT_LT(Nmse(b.ToHost(b.ActivationForward(act, b.ToDevice(in), s.cols)),
+                     ref.ActivationForward(act, in, s.cols)),
+                1e-12);
+      EXPECT_LT(Nmse(b.ToHost(b.ActivationBackward(act, b.ToDevice(dout), b.ToDevice(in), s.cols)),
+                     ref.ActivationBackward(act, dout, in, s.cols)),
+                1e-12);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, NormParity, ::testing::ValuesIn(kBackends),
+                         [](const auto& info) { return std::string(info.param); });
+
+// One module case: kind, recipe, activation, shape, training, bias.
+struct ModuleCase {
+  ModuleKind kind;
+  ScalingMode mode;
+  Activation act;
+  int64_t rows, in, out, ffn;
+  bool training, bias, checkpoint;
+};
+
+std::string CaseName(const ModuleCase& c) {
+  std::string s = ModuleKindName(c.kind);
+  s += c.mode == ScalingMode::kDelayed ? "_delayed" : "_current";
+  if (c.kind == ModuleKind::kLayerNormMlp) s += std::string("_") + kernels::ActivationName(c.act);
+  s += "_" + std::to_string(c.rows) + "x" + std::to_string(c.in) + "x" + std::to_string(c.out);
+  if (c.kind == ModuleKind::kLayerNormMlp) s += "x" + std::to_string(c.ffn);
+  s += c.training ? "_train" : "_infer";
+  s += c.bias ? "_bias" : "_nobias";
+  if (c.checkpoint) s += "_ckpt";
+  return s;
+}
+
+std::vector<ModuleCase> AllModuleCases() {
+  struct Dims {
+    int64_t rows, in, out, ffn;
+  };
+  const Dims dims[] = {{1, 16, 1, 16}, {7, 13, 5, 11}, {33, 64, 48, 96}};
+  std::vector<ModuleCase> cases;
+  for (ModuleKind kind :
+       {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    const std::vector<Activation> acts =
+        kind == ModuleKind::kLayerNormMlp
+            ? std::vector<Activation>{Activation::kGelu, Activation::kRelu, Activation::kSwiglu,
+                                      Activation::kGeglu}
+            : std::vector<Activation>{Activation::kGelu};
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed}) {
+      for (Activation act : acts) {
+        for (size_t d = 0; d < 3; ++d) {
+          for (bool training : {true, false}) {
+            for (bool bias : {true, false}) {
+              const bool ckpt = training && kind != ModuleKind::kLinear && d == 1;
+              cases.push_back({kind, mode, act, dims[d].rows, dims[d].in, dims[d].out,
+                               dims[d].ffn, training, bias, ckpt});
+            }
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+class ModuleParity : public ::testing::TestWithParam<std::tuple<const char*, ModuleCase>> {};
+
+TEST_P(ModuleParity, OutputsAndGradientsMatchTheReference) {
+  const auto [name, c] = GetParam();
+  GW_REQUIRE_BACKEND(name);
+  ModuleSpec spec;
+  spec.kind = c.kind;
+  spec.in_features = c.in;
+  spec.out_features = c.out;
+  spec.ffn_features = c.kind == ModuleKind::kLayerNormMlp ? c.ffn : 0;
+  spec.bias = c.bias;
+  spec.activation = c.act;
+  spec.checkpoint = c.checkpoint;
+  spec.recipe.mode = c.mode;
+  spec.recipe.history_len = 4;
+  spec.seed = uint64_t(std::random_device{}());
+  ModuleHost ref_host(ContextLimits{}, nullptr, MakeReferenceBackend());
+  ModuleHost host(ContextLimits{}, nullptr, Get(name).backend);
+  auto ref_id = ref_host.Create(spec);
+  auto id = host.Create(spec);
+  ASSERT_TRUE(ref_id.ok()) << ref_id.status();
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Linear casts the same fp32 input and gradient on both sides, so every cast is identical and
+  // the GEMMs differ only in accumulation order; the LayerNorm modules cast values each backend
+  // computed itself (LayerNorm, activation outputs), which may round across an FP8 boundary.
+  // Fast accumulation (the forward's) keeps about 12 bits of the partial sums (docs/cuda.md), so
+  // even identical casts agree only to ~1e-3 relative per element: a normalised squared error of
+  // 1e-5 for Linear, 1e-4 where the casts themselves may differ.
+  const bool exact_casts = c.kind == ModuleKind::kLinear;
+  const double tight = 1e-5, nmse = 1e-4;
+  for (int step = 0; step < 2; ++step) {  // the second step uses the rolled delayed scales
+    SCOPED_TRACE("step " + std::to_string(step) + ", seed " + std::to_string(spec.seed));
+    const at::Tensor x = RandN({c.rows, c.in}, 2.0);
+    auto want = ref_host.Forward(ref_id->module_id, x, c.training);
+    auto got = host.Forward(id->module_id, x, c.training);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->output.device().type(), at::kCPU);
+    if (exact_casts) {
+      EXPECT_LT(Nmse(got->output, want->output), tight) << "output";
+    } else {
+      EXPECT_LT(Nmse(got->output, want->output), nmse) << "output";
+    }
+    if (!c.training) {
+      EXPECT_TRUE(got->context_id.empty());
+      continue;
+    }
+    const at::Tensor dy = RandN({c.rows, c.out}, 0.1);
+    auto want_dx = ref_host.Backward(want->context_id, dy, false, false);
+    auto got_dx = host.Backward(got->context_id, dy, false, false);
+    ASSERT_TRUE(want_dx.ok()) << want_dx.status();
+    ASSERT_TRUE(got_dx.ok()) << got_dx.status();
+    EXPECT_LT(Nmse(*got_dx, *want_dx), exact_casts ? tight : nmse) << "grad_input";
+    auto want_g = ref_host.GetGradients(ref_id->module_id, false);
+    auto got_g = host.GetGradients(id->module_id, false);
+    ASSERT_TRUE(want_g.ok() && got_g.ok());
+    ASSERT_EQ(want_g->tensors.size(), got_g->tensors.size());
+    for (size_t i = 0; i < want_g->tensors.size(); ++i) {
+      EXPECT_LT(Nmse(got_g->tensors[i].second, want_g->tensors[i].second),
+                exact_casts ? tight : nmse)
+          << "gradient of " << want_g->tensors[i].first;
+    }
+    // Both take the same optimizer step, so the next step starts from the same weights.
+    ASSERT_TRUE(ref_host.ApplyGradients(ref_id->module_id).ok());
+    ASSERT_TRUE(host.ApplyGradients(id->module_id).ok());
+    auto want_w = ref_host.GetWeights(ref_id->module_id);
+    auto got_w = host.GetWeights(id->module_id);
+    ASSERT_TRUE(want_w.ok() && got_w.ok());
+    for (size_t i = 0; i < want_w->tensors.size(); ++i) {
+      EXPECT_LT(Nmse(got_w->tensors[i].second, want_w->tensors[i].second), 1e-8)
+          << "weight " << want_w->tensors[i].first << " after the step";
+    }
+  }
+  EXPECT_EQ(host.Stats().live_contexts, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ModuleParity,
+                         ::testing::Combine(::testing::ValuesIn(kBackends),
+                                            ::testing::ValuesIn(AllModuleCases())),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) + "_" +
+                                  CaseName(std::get<1>(info.param));
+                         });
+
+// Without a GPU the CUDA backend says why it is not there; it never pretends to be the CPU.
+TEST(CudaBackendAvailability, SaysWhyItCannotRun) {
+  const Candidate& cuda = Get("cuda");
+  if (cuda.backend) {
+    EXPECT_STREQ(cuda.backend->name(), "cuda");
+    EXPECT_TRUE(cuda.backend->device().is_cuda());
+    return;
+  }
+  EXPECT_FALSE(cuda.why_not.empty());
+  auto again = MakeCudaBackend(0);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace gradwire::core
