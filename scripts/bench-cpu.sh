@@ -21,10 +21,11 @@ echo "bench-cpu: server at $addr"
 cases="linear:1024:1024:0:16 linear:1024:1024:0:256 linear:1024:1024:0:4096 mlp:1024:1024:4096:256"
 for c in $cases; do
   IFS=: read -r kind in outf ffn rows <<< "$c"
-  module=linear; [ "$kind" = mlp ] && module=layernorm-mlp
-  build/client/gradwire-load --server "$addr" --module "$module" --in "$in" --out "$outf" \
-    --ffn "$ffn" --rows "$rows" --flow step --warmup 1 --duration "$secs" --baselines \
-    --rounds 2 --json "$tmp/load-$kind-$rows.json" > "$tmp/load-$kind-$rows.txt" 2>&1
+  module=(--kind linear); [ "$kind" = mlp ] && module=(--kind layernorm-mlp --ffn "$ffn")
+  build/client/gradwire-load --server "$addr" "${module[@]}" --in "$in" --out "$outf" \
+    --rows "$rows" --flow step --warmup 1 --duration "$secs" --baselines \
+    --rounds 2 --json "$tmp/load-$kind-$rows.json" > "$tmp/load-$kind-$rows.txt" 2>&1 \
+    || { cat "$tmp/load-$kind-$rows.txt"; exit 1; }
   echo "bench-cpu: gradwire-load $kind rows $rows done"
 done
 PYTHONPATH=client/python:build/python /usr/bin/python3 tests/bench/python_step.py \

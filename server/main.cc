@@ -58,6 +58,7 @@ struct ServerFlags {
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
   int stream_read_ahead = 8;        // Train-stream requests read ahead of their responses
+  int cpu_threads = 0;              // CPU backend's intra-op threads (0: one per core)
   int chunk_kib = 4096;             // chunks of the chunked calls, sent and accepted
   int max_stream_mib = 4096;        // most tensor bytes one chunked request may carry
   std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required
@@ -148,6 +149,7 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
+  out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
   out << "tokens-file = " << quote(f.tokens_file) << "\n";
@@ -358,6 +360,12 @@ int main(int argc, char** argv) {
                  "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
       ->capture_default_str();
+  app.add_option("--cpu-threads", flags.cpu_threads,
+                 "threads the CPU backend splits casts and decodes over (its GEMMs use the BLAS's "
+                 "own threads); 0: one per core. Fewer leave cores to gRPC and to clients on the "
+                 "same host")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
   app.add_option("--stream-read-ahead", flags.stream_read_ahead,
                  "requests of a Train stream read ahead of the responses written: a fast client "
                  "cannot make the server buffer more")
@@ -438,6 +446,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  gradwire::core::SetCpuThreads(flags.cpu_threads);
   const gradwire::core::BackendPtr backend = ResolveDevice(flags.device);
   if (!backend) return 2;
   const std::string device = backend->name(), description = backend->Describe();

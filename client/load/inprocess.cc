@@ -30,8 +30,8 @@ class HostBaseline final : public InProcess {
       if (!cuda.ok()) return cuda.status();
       backend = *cuda;
     } else if (device != "cpu") {
-      return absl::InvalidArgumentError(absl::StrCat("--baseline-device ", device,
-                                                     ": not a device (cpu or cuda)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--baseline-device ", device, ": not a device (cpu or cuda)"));
     }
     host_ = std::make_unique<core::ModuleHost>(core::ContextLimits{}, nullptr, backend);
     core::ModuleSpec spec;

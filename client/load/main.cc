@@ -516,9 +516,9 @@ int main(int argc, char** argv) {
       run_one(o.flow == "empty" ? "empty-rpc" : "remote", concurrency,
               [&](int w) { return remote.Run(w); });
       if (o.baselines && o.flow != "empty") {
-        auto local = gradwire::load::InProcess::Make(spec, o.flow == "stream" ? "step" : o.flow,
-                                                     o.rows, workers, o.run.seed,
-                                                     o.baseline_device);
+        auto local =
+            gradwire::load::InProcess::Make(spec, o.flow == "stream" ? "step" : o.flow, o.rows,
+                                            workers, o.run.seed, o.baseline_device);
         if (!local.ok()) {
           std::fprintf(stderr, "gradwire-load: %s\n",
                        std::string(local.status().message()).c_str());

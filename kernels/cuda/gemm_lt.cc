@@ -143,7 +143,8 @@ std::unique_ptr<Plan> BuildPlan(cublasLtHandle_t handle, const LtGemmArgs& args)
 
 bool LtPlanKey::operator==(const LtPlanKey& o) const {
   return m == o.m && n == o.n && k == o.k && a_format == o.a_format && b_format == o.b_format &&
-         d_type == o.d_type && epilogue == o.epilogue && accumulation == o.accumulation && accumulate == o.accumulate && device == o.device;
+         d_type == o.d_type && epilogue == o.epilogue && accumulation == o.accumulation &&
+         accumulate == o.accumulate && device == o.device;
 }
 
 size_t LtPlanKeyHash::operator()(const LtPlanKey& key) const {

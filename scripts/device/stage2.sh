@@ -97,7 +97,7 @@ PY
 
   # (c) The server step over loopback next to the in-process step, both on the GPU.
   addr=$(start_server "$out/bench-server.txt" --device cuda)
-  build-device/client/gradwire-load --server "$addr" --module linear --in 4096 --out 4096 \
+  build-device/client/gradwire-load --server "$addr" --kind linear --in 4096 --out 4096 \
     --rows 8192 --flow step --concurrency 1 --warmup 3 --duration 20 --baselines \
     --baseline-device cuda --json "$out/server-step.json" > "$out/server-step.txt" 2>&1
   echo "stage2: server step benchmark rc=$?"

@@ -94,7 +94,8 @@ class Backend {
   //   Fprop  y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]), x and w rowwise, fast accumulation
   //   Dgrad  dx[M, K] = dy[M, N] . w[N, K], dy rowwise, w columnwise, split accumulation
   //   WgradAccumulate  acc[N, K] += dy^T . x, dy and x columnwise, split accumulation
-  virtual at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const = 0;
+  virtual at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w,
+                           const at::Tensor& bias) const = 0;
   virtual at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const = 0;
   virtual void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const = 0;
   // acc[N] += column sums of g[M, N] (fp32, unquantized).
@@ -111,6 +112,10 @@ BackendPtr MakeReferenceBackend();
 
 // The CPU backend (always available): what --device cpu runs and the default everywhere.
 BackendPtr MakeCpuBackend();
+// The intra-op threads the CPU backend splits its casts and decodes over (libtorch's, for the
+// whole process); 0: one per core. Its GEMMs run on the BLAS's own threads. Debian's libtorch
+// starts with one; gradwire-server sets --cpu-threads at start.
+void SetCpuThreads(int threads);
 
 // The CUDA backend on GPU `device`, or why it cannot run here: UNAVAILABLE when this build has
 // no CUDA backend (GRADWIRE_CUDA off), libtorch has no CUDA, or no usable GPU is present.

@@ -11,10 +11,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "gradwire/kernels/activation.h"
+#include "gradwire/kernels/quantize.h"
 #include "server/core/backend.h"
 #include "server/core/fp8_ops.h"
 #include "server/core/layernorm_linear.h"
@@ -60,8 +63,7 @@ class ReferenceBackend : public Backend {
   at::Tensor ActivationForward(kernels::Activation act, const at::Tensor& in,
                                int64_t width) const override {
     at::Tensor out = at::empty({in.size(0), width}, at::TensorOptions().dtype(at::kFloat));
-    kernels::ActivationForward(act, in.data_ptr<float>(), in.size(0), width,
-                               out.data_ptr<float>());
+    kernels::ActivationForward(act, in.data_ptr<float>(), in.size(0), width, out.data_ptr<float>());
     return out;
   }
   at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
@@ -90,7 +92,8 @@ class ReferenceBackend : public Backend {
 
 // FP8 codes decoded to their values without the scale, as an fp32 tensor of the codes' shape:
 // the decoded copy a workspace weight carries, or a fresh one.
-at::Tensor DecodedCodes(const at::Tensor& codes, const std::shared_ptr<const std::vector<float>>& cached,
+at::Tensor DecodedCodes(const at::Tensor& codes,
+                        const std::shared_ptr<const std::vector<float>>& cached,
                         kernels::Fp8Format format) {
   if (cached && int64_t(cached->size()) == codes.numel()) {
     // A view of the cached copy: the caller's Fp8Tensor keeps it alive for the call.
@@ -119,8 +122,8 @@ class GemmTimer {
  public:
   explicit GemmTimer(double flops) : flops_(flops), start_(std::chrono::steady_clock::now()) {}
   ~GemmTimer() {
-    CountGemm(flops_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_)
-                          .count());
+    CountGemm(flops_,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
   }
 
  private:
@@ -128,9 +131,75 @@ class GemmTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// max that keeps a NaN, as kernels::Amax does over a whole tensor.
+float CombineAmax(float a, float b) {
+  return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b);
+}
+
 class CpuBackend final : public ReferenceBackend {
  public:
   const char* name() const override { return "cpu"; }
+
+  // The reference cast, split over rows: the same element math (kernels::QuantizeFp8), the same
+  // amax (a max is order-free; a NaN wins as in kernels::Amax), so the codes, scale, scale_inv
+  // and amax are the reference's bit for bit (the parity harness checks it).
+  absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
+                                 CastUsage usage) const override {
+    if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || !x.is_cpu() ||
+        (!usage.rowwise && !usage.columnwise) || x.numel() < (int64_t(1) << 16)) {
+      return ReferenceBackend::Cast(x, config, usage);  // small, or refused with its message
+    }
+    Fp8Tensor out;
+    out.format = config.format;
+    out.rows = x.size(0);
+    out.cols = x.size(1);
+    const int64_t rows = out.rows, cols = out.cols;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / cols);
+    const float* data = x.data_ptr<float>();
+    const bool delayed = config.scale > 0.0f;
+    float scale = config.scale;
+    if (!delayed) {
+      const float amax = at::parallel_reduce(
+          0, rows, grain, 0.0f,
+          [&](int64_t b, int64_t e, float acc) {
+            return CombineAmax(acc, kernels::Amax(data + b * cols, (e - b) * cols));
+          },
+          CombineAmax);
+      scale = kernels::ComputeScale(amax, config.format, config.margin);
+    }
+    const auto bytes = at::TensorOptions().dtype(at::kByte);
+    at::Tensor rowwise = at::empty({rows, cols}, bytes);  // a temporary when only columnwise
+    uint8_t* rw = rowwise.data_ptr<uint8_t>();
+    out.amax = at::parallel_reduce(
+        0, rows, grain, 0.0f,
+        [&](int64_t b, int64_t e, float acc) {
+          float a = 0.0f;
+          kernels::QuantizeFp8(data + b * cols, e - b, cols, scale, config.format, rw + b * cols,
+                               nullptr, &a);
+          return CombineAmax(acc, a);
+        },
+        CombineAmax);
+    if (usage.columnwise) {
+      out.columnwise = at::empty({cols, rows}, bytes);
+      uint8_t* t = out.columnwise.data_ptr<uint8_t>();
+      constexpr int64_t kTile = 64;  // tiles keep both sides of the transpose in cache
+      at::parallel_for(0, (rows + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
+        for (int64_t r0 = tb * kTile; r0 < std::min(rows, te * kTile); r0 += kTile) {
+          const int64_t r1 = std::min(rows, r0 + kTile);
+          for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+            const int64_t c1 = std::min(cols, c0 + kTile);
+            for (int64_t c = c0; c < c1; ++c) {
+              for (int64_t r = r0; r < r1; ++r) t[c * rows + r] = rw[r * cols + c];
+            }
+          }
+        }
+      });
+    }
+    if (usage.rowwise) out.rowwise = std::move(rowwise);
+    out.scale = scale;
+    out.scale_inv = 1.0f / scale;
+    return out;
+  }
   std::string Describe() const override {
     return "host CPU, FP8 casts from the reference kernels, GEMMs on BLAS (" +
            std::to_string(at::get_num_threads()) + " threads)";
@@ -147,8 +216,8 @@ class CpuBackend final : public ReferenceBackend {
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     // w's columnwise copy is W^T [K, N]; a pinned backward weight may have only that.
-    at::Tensor dx = w.has_rowwise() ? at::mm(Rowwise(dy), Rowwise(w))
-                                    : at::mm(Rowwise(dy), Columnwise(w).t());
+    at::Tensor dx =
+        w.has_rowwise() ? at::mm(Rowwise(dy), Rowwise(w)) : at::mm(Rowwise(dy), Columnwise(w).t());
     dx.mul_(dy.scale_inv * w.scale_inv);
     return dx;
   }
@@ -169,6 +238,11 @@ at::Tensor Backend::Empty(at::IntArrayRef shape) const {
 
 at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
   return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
+}
+
+void SetCpuThreads(int threads) {
+  const int n = threads > 0 ? threads : int(std::thread::hardware_concurrency());
+  if (n > 0) at::set_num_threads(n);
 }
 
 BackendPtr MakeReferenceBackend() {

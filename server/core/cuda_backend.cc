@@ -41,9 +41,7 @@ class CudaBackend final : public Backend {
 
   const char* name() const override { return "cuda"; }
   at::Device device() const override { return at::Device(at::kCUDA, at::DeviceIndex(device_)); }
-  std::string Describe() const override {
-    return description_ + ", CUDA FP8 backend (cuBLASLt)";
-  }
+  std::string Describe() const override { return description_ + ", CUDA FP8 backend (cuBLASLt)"; }
 
   at::Tensor ToDevice(const at::Tensor& t) const override {
     Use();
@@ -58,9 +56,8 @@ class CudaBackend final : public Backend {
     Use();
     if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
         x.device() != device()) {
-      return absl::InternalError(
-          absl::StrCat("CudaBackend::Cast expects a contiguous 2-D float32 tensor on ",
-                       device().str()));
+      return absl::InternalError(absl::StrCat(
+          "CudaBackend::Cast expects a contiguous 2-D float32 tensor on ", device().str()));
     }
     if (!usage.rowwise && !usage.columnwise) {
       return absl::InternalError("CudaBackend::Cast asked for neither rowwise nor columnwise data");
@@ -140,8 +137,8 @@ class CudaBackend final : public Backend {
     Use();
     at::Tensor dx = at::empty_like(x);
     gwc::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
-                           rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0),
-                           x.size(1), ln.zero_centered_gamma, dx.data_ptr<float>(),
+                           rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0), x.size(1),
+                           ln.zero_centered_gamma, dx.data_ptr<float>(),
                            gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>(), kStream);
     return dx;
   }
@@ -197,7 +194,9 @@ class CudaBackend final : public Backend {
 
  private:
   void Use() const { GRADWIRE_CUDA_CHECK(cudaSetDevice(device_)); }
-  at::TensorOptions Floats() const { return at::TensorOptions().dtype(at::kFloat).device(device()); }
+  at::TensorOptions Floats() const {
+    return at::TensorOptions().dtype(at::kFloat).device(device());
+  }
   at::TensorOptions Bytes() const { return at::TensorOptions().dtype(at::kByte).device(device()); }
 
   static const float* ScaleInv(const Fp8Tensor& t) {
@@ -257,10 +256,9 @@ class CudaBackend final : public Backend {
   // The [rows, cols] corner of fp32 `from` (row pitch from_ld elements) into `to` (pitch to_ld).
   static void Copy2D(const at::Tensor& from, int64_t from_ld, at::Tensor& to, int64_t to_ld,
                      int64_t rows, int64_t cols) {
-    GRADWIRE_CUDA_CHECK(cudaMemcpy2DAsync(to.data_ptr<float>(), size_t(to_ld) * 4,
-                                          from.data_ptr<float>(), size_t(from_ld) * 4,
-                                          size_t(cols) * 4, size_t(rows),
-                                          cudaMemcpyDeviceToDevice, kStream));
+    GRADWIRE_CUDA_CHECK(cudaMemcpy2DAsync(
+        to.data_ptr<float>(), size_t(to_ld) * 4, from.data_ptr<float>(), size_t(from_ld) * 4,
+        size_t(cols) * 4, size_t(rows), cudaMemcpyDeviceToDevice, kStream));
   }
 
   int device_;

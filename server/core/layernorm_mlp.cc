@@ -53,9 +53,9 @@ absl::StatusOr<LayerNormMlpFwdResult> LayerNormMlpForward(const LayerNormMlpFwdA
   const int64_t ffn = FfnWidth(args.fc2_weight);
   LayerNormOut ln = b.LayerNormForward(args.input, args.ln);
   const bool keep = args.training && !args.checkpoint;
-  GW_ASSIGN_OR_RETURN(
-      MlpHidden h, Hidden(b, ln.y, w1, args.fc1_bias, args.activation, ffn, args.fc1_input_quantizer,
-                          args.fc2_input_quantizer, {true, keep}));
+  GW_ASSIGN_OR_RETURN(MlpHidden h,
+                      Hidden(b, ln.y, w1, args.fc1_bias, args.activation, ffn,
+                             args.fc1_input_quantizer, args.fc2_input_quantizer, {true, keep}));
   result.output = b.Fprop(h.act_q, w2, args.fc2_bias);
   result.fc1_input_amax = h.ln_q.amax;
   result.fc2_input_amax = h.act_q.amax;
@@ -100,9 +100,9 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
   const Fp8Tensor* act_q = &saved.act_out;
   if (!saved.fc1_out.defined()) {  // checkpointed: replay the forward's exact casts
     LayerNormOut again = b.LayerNormForward(saved.input, ln);
-    GW_ASSIGN_OR_RETURN(
-        recomputed, Hidden(b, again.y, w1, fc1_bias, args.activation, ffn, saved.fc1_input_quantizer,
-                           saved.fc2_input_quantizer, {true, true}));
+    GW_ASSIGN_OR_RETURN(recomputed,
+                        Hidden(b, again.y, w1, fc1_bias, args.activation, ffn,
+                               saved.fc1_input_quantizer, saved.fc2_input_quantizer, {true, true}));
     ln_q = &recomputed.ln_q;
     fc1_out = &recomputed.fc1_out;
     act_q = &recomputed.act_q;

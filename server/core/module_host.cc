@@ -271,7 +271,8 @@ struct ModuleHost::Module {
 
 ModuleHost::ModuleHost() : backend_(MakeCpuBackend()) {}
 ModuleHost::ModuleHost(ContextLimits limits, ContextStore::Clock clock, BackendPtr backend)
-    : backend_(backend ? std::move(backend) : MakeCpuBackend()), contexts_(limits, std::move(clock)) {}
+    : backend_(backend ? std::move(backend) : MakeCpuBackend()),
+      contexts_(limits, std::move(clock)) {}
 ModuleHost::~ModuleHost() = default;
 
 absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std::string& tenant) {
@@ -406,15 +407,16 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
   const Backend& b = *backend_;
   m->SyncDevice();
   const at::Tensor x = b.ToDevice(As2D(input));
-  // FP8 codes from the wire arrive on the host; other backends take their own copy.
+  // FP8 codes from the wire arrive on the host; other backends take their own copy. Only a
+  // Linear uses them as they are (the LayerNorm modules normalise the dequantized input).
   Fp8Tensor fp8_on_device;
-  if (input_fp8 != nullptr && !b.device().is_cpu()) {
+  if (input_fp8 != nullptr && spec.kind == ModuleKind::kLinear && !b.device().is_cpu()) {
     if (!input_fp8->has_rowwise()) {
       return absl::InternalError("Forward: FP8 input codes without their rowwise copy");
     }
-    fp8_on_device = b.FromCodes(input_fp8->rowwise.data_ptr<uint8_t>(), input_fp8->rows,
-                                input_fp8->cols, input_fp8->format, input_fp8->scale_inv,
-                                {true, training});
+    fp8_on_device =
+        b.FromCodes(input_fp8->rowwise.data_ptr<uint8_t>(), input_fp8->rows, input_fp8->cols,
+                    input_fp8->format, input_fp8->scale_inv, {true, training});
     input_fp8 = &fp8_on_device;
   }
   ForwardOutput out;

@@ -83,7 +83,8 @@ def main():
         for i, case in enumerate(args.cases.split(",")):
             kind, d_in, d_out, ffn, rows = case.split(":")
             d_in, d_out, ffn, rows = int(d_in), int(d_out), int(ffn), int(rows)
-            x = torch.randn(rows, d_in)
+            # The input needs its gradient, as a layer inside a model does (gradwire returns grad_input).
+            x = torch.randn(rows, d_in, requires_grad=True)
             g = torch.randn(rows, d_out)
             local = make_module(kind, d_in, d_out, ffn)
 

@@ -6,13 +6,13 @@
 //   GEMMs                 within the fp32 accumulation bound plus the tensor cores' partial sums
 //   LayerNorm, activation within fp32 rounding
 //   modules               Linear, LayerNormLinear, LayerNormMLP x recipe x activation x shape
-//                         (size 1, primes, aligned) x training/inference x bias: outputs, grad_input
-//                         and every parameter gradient, two steps (delayed scaling rolls between)
+//                         (size 1, primes, aligned) x training/inference x bias: outputs,
+//                         grad_input and every parameter gradient, two steps (delayed scaling rolls
+//                         between)
 //
 // Where a backend cannot run (no GPU, or a libtorch without CUDA) its rows skip and say why.
-#include <gtest/gtest.h>
-
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
@@ -49,11 +49,11 @@ const Candidate& Get(const std::string& name) {
 
 const char* const kBackends[] = {"cpu", "cuda"};
 
-#define GW_REQUIRE_BACKEND(name)                                     \
-  do {                                                               \
-    if (!Get(name).backend) {                                        \
-      GTEST_SKIP() << (name) << " backend: " << Get(name).why_not;   \
-    }                                                                \
+#define GW_REQUIRE_BACKEND(name)                                   \
+  do {                                                             \
+    if (!Get(name).backend) {                                      \
+      GTEST_SKIP() << (name) << " backend: " << Get(name).why_not; \
+    }                                                              \
   } while (0)
 
 uint32_t Bits(float v) {
@@ -82,15 +82,15 @@ void ExpectSameCast(const Fp8Tensor& got, const Fp8Tensor& want, const Backend& 
 ::testing::AssertionResult WithinGemmBound(const at::Tensor& got, const at::Tensor& want,
                                            const at::Tensor& terms, int64_t k, double p) {
   const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
-  const at::Tensor bound = (double(k) * std::ldexp(1.0, -24) + p) * terms +
-                           std::ldexp(1.0, -22) * w.abs() + 1e-30;
+  const at::Tensor bound =
+      (double(k) * std::ldexp(1.0, -24) + p) * terms + std::ldexp(1.0, -22) * w.abs() + 1e-30;
   const at::Tensor excess = (g - w).abs() - bound;
   const double worst = excess.max().item<double>();
   if (worst <= 0) return ::testing::AssertionSuccess();
   const int64_t i = excess.argmax().item<int64_t>();
-  return ::testing::AssertionFailure() << "element " << i << ": " << g.flatten()[i].item<double>()
-                                       << " vs " << w.flatten()[i].item<double>() << " (over by "
-                                       << worst << ")";
+  return ::testing::AssertionFailure()
+         << "element " << i << ": " << g.flatten()[i].item<double>() << " vs "
+         << w.flatten()[i].item<double>() << " (over by " << worst << ")";
 }
 
 // Normalised squared error sum (got - want)^2 / sum want^2 (llama.cpp's test-backend-ops idea):
@@ -130,7 +130,8 @@ TEST_P(CastParity, CodesScalesAndAmaxBitForBit) {
 INSTANTIATE_TEST_SUITE_P(
     All, CastParity,
     ::testing::Combine(::testing::ValuesIn(kBackends),
-                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{64, 48}, Shape{130, 257}),
+                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{64, 48}, Shape{130, 257},
+                                         Shape{300, 1031}),  // past the threaded cast's cutoff
                        ::testing::Values(Fp8Format::kE4M3, Fp8Format::kE5M2), ::testing::Bool()),
     [](const auto& info) {
       const Shape s = std::get<1>(info.param);
@@ -180,16 +181,18 @@ TEST_P(GemmParity, FpropDgradWgradWithinTheAccumulationBound) {
 }
 
 // Size 1, primes, and multiples of 16 (no padding on the GPU).
-INSTANTIATE_TEST_SUITE_P(
-    All, GemmParity,
-    ::testing::Combine(::testing::ValuesIn(kBackends),
-                       ::testing::Values(Mnk{1, 1, 1}, Mnk{7, 13, 11}, Mnk{33, 5, 64},
-                                         Mnk{64, 48, 32}, Mnk{128, 256, 512})),
-    [](const auto& info) {
-      const Mnk d = std::get<1>(info.param);
-      return std::string(std::get<0>(info.param)) + "_" + std::to_string(std::get<0>(d)) + "x" +
-             std::to_string(std::get<1>(d)) + "x" + std::to_string(std::get<2>(d));
-    });
+INSTANTIATE_TEST_SUITE_P(All, GemmParity,
+                         ::testing::Combine(::testing::ValuesIn(kBackends),
+                                            ::testing::Values(Mnk{1, 1, 1}, Mnk{7, 13, 11},
+                                                              Mnk{33, 5, 64}, Mnk{64, 48, 32},
+                                                              Mnk{128, 256, 512})),
+                         [](const auto& info) {
+                           const Mnk d = std::get<1>(info.param);
+                           return std::string(std::get<0>(info.param)) + "_" +
+                                  std::to_string(std::get<0>(d)) + "x" +
+                                  std::to_string(std::get<1>(d)) + "x" +
+                                  std::to_string(std::get<2>(d));
+                         });
 
 class NormParity : public ::testing::TestWithParam<const char*> {};
 
@@ -209,16 +212,15 @@ TEST_P(NormParity, LayerNormAndActivationsWithinFp32Rounding) {
       const at::Tensor dy = RandN({s.rows, s.cols});
       at::Tensor rg = at::zeros({s.cols}), rb = at::zeros({s.cols});
       at::Tensor bg = b.Zeros({s.cols}), bb = b.Zeros({s.cols});
-      const at::Tensor rdx =
-          ref.LayerNormBackward(dy, x, want.mu, want.rstd, ln, rg, rb);
+      const at::Tensor rdx = ref.LayerNormBackward(dy, x, want.mu, want.rstd, ln, rg, rb);
       const at::Tensor bdx = b.LayerNormBackward(b.ToDevice(dy), b.ToDevice(x), b.ToDevice(want.mu),
                                                  b.ToDevice(want.rstd), bln, bg, bb);
       EXPECT_TRUE(gradwire::testing::AllClose(b.ToHost(bdx), rdx, 1e-3, 1e-4)) << "dx";
       EXPECT_LT(Nmse(b.ToHost(bg), rg), 1e-10) << "dgamma";
       EXPECT_LT(Nmse(b.ToHost(bb), rb), 1e-10) << "dbeta";
     }
-    for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSwiglu,
-                           Activation::kGeglu}) {
+    for (Activation act :
+         {Activation::kGelu, Activation::kRelu, Activation::kSwiglu, Activation::kGeglu}) {
       SCOPED_TRACE(kernels::ActivationName(act));
       const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
       const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
@@ -275,8 +277,8 @@ std::vector<ModuleCase> AllModuleCases() {
           for (bool training : {true, false}) {
             for (bool bias : {true, false}) {
               const bool ckpt = training && kind != ModuleKind::kLinear && d == 1;
-              cases.push_back({kind, mode, act, dims[d].rows, dims[d].in, dims[d].out,
-                               dims[d].ffn, training, bias, ckpt});
+              cases.push_back({kind, mode, act, dims[d].rows, dims[d].in, dims[d].out, dims[d].ffn,
+                               training, bias, ckpt});
             }
           }
         }

@@ -343,9 +343,8 @@ TEST(ModuleHostScalingTest, DelayedScalingCastsTheWeightFromItsOwnAmax) {
   auto out = host.Forward(info->module_id, x, false);
   ASSERT_TRUE(out.ok());
   const at::Tensor want = x.to(at::kDouble).mm(w.to(at::kDouble).t());
-  const double rel_rms =
-      (out->output.to(at::kDouble) - want).pow(2).mean().sqrt().item<double>() /
-      want.pow(2).mean().sqrt().item<double>();
+  const double rel_rms = (out->output.to(at::kDouble) - want).pow(2).mean().sqrt().item<double>() /
+                         want.pow(2).mean().sqrt().item<double>();
   // E4M3 with a fitted scale on both operands: about 0.04 (a weight cast at scale 1.0: 0.5+).
   EXPECT_LT(rel_rms, 0.08);
 }

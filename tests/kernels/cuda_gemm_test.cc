@@ -167,9 +167,10 @@ TEST_P(CudaGemmTest, MatchesFloat64AndReferenceBackend) {
     const double err = std::fabs(double(got[size_t(i)]) - w) - out_rounding * std::fabs(w);
     if (magnitude[size_t(i)] > 0) worst = std::max(worst, err / magnitude[size_t(i)]);
   }
-  std::printf("[ measured ] %s k=%lld: max (|err| - out rounding) / sum|ab| = %.3e "
-              "(bound k*2^-24 + p = %.3e)\n",
-              c.name, (long long)c.k, worst, double(c.k) * std::ldexp(1.0, -24) + partial);
+  std::printf(
+      "[ measured ] %s k=%lld: max (|err| - out rounding) / sum|ab| = %.3e "
+      "(bound k*2^-24 + p = %.3e)\n",
+      c.name, (long long)c.k, worst, double(c.k) * std::ldexp(1.0, -24) + partial);
   RecordProperty("measured_error_ratio", std::to_string(worst));
   for (int64_t i = 0; i < c.m * c.n; ++i) {
     const double w = want[size_t(i)];

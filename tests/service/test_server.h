@@ -50,7 +50,8 @@ inline core::BackendPtr TestBackend() {
   if (device == "cuda") {
     auto b = core::MakeCudaBackend(0);
     if (b.ok()) return *b;
-    std::fprintf(stderr, "GRADWIRE_TEST_DEVICE=cuda: %s\n", std::string(b.status().message()).c_str());
+    std::fprintf(stderr, "GRADWIRE_TEST_DEVICE=cuda: %s\n",
+                 std::string(b.status().message()).c_str());
   } else {
     std::fprintf(stderr, "GRADWIRE_TEST_DEVICE=%s: not a device (cpu or cuda)\n", device.c_str());
   }
