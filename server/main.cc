@@ -49,6 +49,12 @@ struct ServerFlags {
   int64_t max_tensor_elements = int64_t(1) << 26;
   int64_t max_contexts_per_client = 4096;
   int64_t max_queued_per_module = 256;
+  int64_t max_queued_per_client = 1024;
+  // Per-client quotas in bytes: RESOURCE_EXHAUSTED naming the flag; 0: none.
+  int64_t max_parameter_bytes_per_client = int64_t(8) << 30;
+  int64_t max_context_bytes_per_client = int64_t(4) << 30;
+  int64_t max_stream_bytes_per_client = int64_t(4) << 30;
+  std::string metrics_token_file;   // bearer token the metrics endpoint requires; empty: none
   double shutdown_grace_s = 10.0;   // in-flight calls get this long on SIGINT/SIGTERM
   std::string metrics_listen;       // host:port of the Prometheus endpoint; empty: off
   std::string tls_cert;             // PEM certificate chain; with tls_key: serve TLS
@@ -136,6 +142,10 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "max-tensor-elements = " << f.max_tensor_elements << "\n";
   out << "max-contexts-per-client = " << f.max_contexts_per_client << "\n";
   out << "max-queued-per-module = " << f.max_queued_per_module << "\n";
+  out << "max-queued-per-client = " << f.max_queued_per_client << "\n";
+  out << "max-parameter-bytes-per-client = " << f.max_parameter_bytes_per_client << "\n";
+  out << "max-context-bytes-per-client = " << f.max_context_bytes_per_client << "\n";
+  out << "max-stream-bytes-per-client = " << f.max_stream_bytes_per_client << "\n";
   out << "context-memory = " << f.context_memory << "\n";
   out << "host-offload-memory = " << f.host_offload_memory << "\n";
   out << "context-ttl = " << f.context_ttl_s << "\n";
@@ -146,6 +156,7 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "tls-client-ca = " << quote(f.tls_client_ca) << "\n";
   out << "insecure = " << (f.insecure ? "true" : "false") << "\n";
   out << "metrics-listen = " << quote(f.metrics_listen) << "\n";
+  out << "metrics-token-file = " << quote(f.metrics_token_file) << "\n";
   out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
@@ -309,6 +320,32 @@ int main(int argc, char** argv) {
                  "limit")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
       ->capture_default_str();
+  app.add_option("--max-queued-per-client", flags.max_queued_per_client,
+                 "most calls of one client (its tenant with tokens, else its address) waiting for "
+                 "the device, over all its modules; more get RESOURCE_EXHAUSTED; 0: no limit")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
+      ->capture_default_str();
+  app.add_option("--max-parameter-bytes-per-client", flags.max_parameter_bytes_per_client,
+                 "quota: fp32 parameter bytes of one client's modules, e.g. 8GiB (gradients and "
+                 "optimizer state add up to 3x more); a CreateModule past it gets "
+                 "RESOURCE_EXHAUSTED; 0: none")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))
+      ->capture_default_str();
+  app.add_option("--max-context-bytes-per-client", flags.max_context_bytes_per_client,
+                 "quota: saved-tensor bytes of one client's live training contexts, on the device "
+                 "and offloaded together, e.g. 4GiB; a training forward past it gets "
+                 "RESOURCE_EXHAUSTED and stores nothing; 0: none")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))
+      ->capture_default_str();
+  app.add_option("--max-stream-bytes-per-client", flags.max_stream_bytes_per_client,
+                 "quota: tensor bytes one client's chunked requests may have in flight together "
+                 "(as their headers declare), e.g. 4GiB; a header past it gets "
+                 "RESOURCE_EXHAUSTED; 0: none")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))
+      ->capture_default_str();
   app.add_option("--context-memory", flags.context_memory,
                  "device memory for saved tensors of training contexts, e.g. 4GiB (bytes; KiB, "
                  "MiB, GiB accepted; on the CPU backend host memory stands for the device). Past "
@@ -350,9 +387,15 @@ int main(int argc, char** argv) {
   app.add_flag(
       "--insecure", flags.insecure,
       "allow a non-loopback --listen address without TLS and bearer tokens (refused by default)");
-  app.add_option("--metrics-listen", flags.metrics_listen,
-                 "serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; off if "
-                 "empty)");
+  app.add_option(
+      "--metrics-listen", flags.metrics_listen,
+      "serve Prometheus metrics at http://HOST:PORT/metrics, or on 127.0.0.1 with a bare "
+      "PORT (port 0 picks one; off if empty). The page names clients and module ids: "
+      "keep it on loopback or set --metrics-token-file");
+  app.add_option("--metrics-token-file", flags.metrics_token_file,
+                 "file holding a bearer token the metrics endpoint requires (Authorization: "
+                 "Bearer TOKEN); without it the endpoint answers anyone who can reach it")
+      ->check(CLI::ExistingFile);
   app.add_option("--checkpoint-dir", flags.checkpoint_dir,
                  "directory for module checkpoints: restored at start, written on create, weight "
                  "upload, every --checkpoint-every optimizer steps and at shutdown (off if empty)");
@@ -499,6 +542,7 @@ int main(int argc, char** argv) {
   context_limits.device_bytes = flags.context_memory;
   context_limits.host_bytes = flags.host_offload_memory;
   context_limits.ttl_seconds = flags.context_ttl_s;
+  context_limits.client_bytes = flags.max_context_bytes_per_client;
   gradwire::core::ModuleHost host(context_limits, nullptr, backend);
   std::unique_ptr<gradwire::core::Checkpointer> checkpointer;
   if (!flags.checkpoint_dir.empty()) {
@@ -530,6 +574,9 @@ int main(int argc, char** argv) {
   service_options.limits.max_tensor_elements = flags.max_tensor_elements;
   service_options.limits.max_contexts_per_client = flags.max_contexts_per_client;
   service_options.limits.max_queued_per_module = flags.max_queued_per_module;
+  service_options.limits.max_queued_per_client = flags.max_queued_per_client;
+  service_options.quotas.parameter_bytes = flags.max_parameter_bytes_per_client;
+  service_options.quotas.stream_bytes = flags.max_stream_bytes_per_client;
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);
@@ -540,12 +587,42 @@ int main(int argc, char** argv) {
   httplib::Server http;
   std::thread http_thread;
   if (!flags.metrics_listen.empty()) {
+    // A bare port binds loopback: the page names clients and module ids.
+    if (flags.metrics_listen.find(':') == std::string::npos) {
+      flags.metrics_listen = "127.0.0.1:" + flags.metrics_listen;
+    }
     const auto colon = flags.metrics_listen.rfind(':');
     const std::string http_host = flags.metrics_listen.substr(0, colon);
     const int wanted =
         colon == std::string::npos ? -1 : std::atoi(flags.metrics_listen.c_str() + colon + 1);
-    http.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
-      res.set_content(metrics.Render(host, executor->queued()), "text/plain; version=0.0.4");
+    std::string metrics_token;
+    if (!flags.metrics_token_file.empty()) {
+      std::ifstream in(flags.metrics_token_file);
+      std::getline(in, metrics_token);
+      while (!metrics_token.empty() && std::isspace((unsigned char)metrics_token.back())) {
+        metrics_token.pop_back();
+      }
+      if (metrics_token.empty()) {
+        spdlog::error("--metrics-token-file {}: the first line must hold the token",
+                      flags.metrics_token_file);
+        return 1;
+      }
+    } else if (!IsLoopback(flags.metrics_listen)) {
+      spdlog::warn(
+          "metrics on {} answer anyone who can reach it (client names, module ids); set "
+          "--metrics-token-file",
+          flags.metrics_listen);
+    }
+    http.Get("/metrics", [&, metrics_token](const httplib::Request& req, httplib::Response& res) {
+      if (!metrics_token.empty() && !gradwire::rpc::Authenticator::TokenMatches(
+                                        req.get_header_value("Authorization"), metrics_token)) {
+        res.status = 401;
+        res.set_header("WWW-Authenticate", "Bearer");
+        res.set_content("a bearer token is required\n", "text/plain");
+        return;
+      }
+      res.set_content(metrics.Render(host, executor->queued(), service.Usage()),
+                      "text/plain; version=0.0.4");
     });
     const int bound = wanted == 0 ? http.bind_to_any_port(http_host)
                                   : (http.bind_to_port(http_host, wanted) ? wanted : -1);
@@ -598,6 +675,9 @@ int main(int argc, char** argv) {
   int port = 0;
   // One process per port: without this a second server would silently share the port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Room for headers up to 64 KiB, so an oversized token reaches the authenticator and gets its
+  // UNAUTHENTICATED instead of failing in the transport (docs/security.md).
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 64 << 10);
   builder.AddListeningPort(flags.listen, credentials, &port);
   builder.RegisterService(&service);
   // Twice the request limit, so a request somewhat over it is read and refused with a message

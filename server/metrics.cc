@@ -22,6 +22,12 @@ std::string Escape(const std::string& s) {
   return out;
 }
 
+// A label value from a client: at most 64 bytes of it (names may be up to 256), escaped.
+std::string Label(const std::string& s) {
+  constexpr size_t kMax = 64;
+  return s.size() <= kMax ? Escape(s) : Escape(s.substr(0, kMax)) + "...";
+}
+
 std::string Number(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
@@ -64,7 +70,8 @@ void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, doubl
   h.sum += seconds;
 }
 
-std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queued) const {
+std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queued,
+                            const std::vector<rpc::ClientUsage>& usage) const {
   std::ostringstream out;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -142,11 +149,40 @@ std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queue
          "Time spent in FP8 GEMMs (achieved FLOP/s = rate(flops) / rate(seconds)).",
          Number(gemm.seconds));
 
+  Single(out, "gradwire_context_quota_rejections_total", "counter",
+         "Training forwards refused by --max-context-bytes-per-client.", c.rejected_quota);
+  struct Gauge {
+    const char* name;
+    const char* help;
+    int64_t rpc::ClientUsage::*field;
+  };
+  static constexpr Gauge kUsage[] = {
+      {"gradwire_client_parameter_bytes",
+       "fp32 parameter bytes of each client's modules (quota --max-parameter-bytes-per-client).",
+       &rpc::ClientUsage::parameter_bytes},
+      {"gradwire_client_context_bytes",
+       "Saved-tensor bytes of each client's live contexts, device and host (quota "
+       "--max-context-bytes-per-client).",
+       &rpc::ClientUsage::context_bytes},
+      {"gradwire_client_stream_bytes",
+       "Chunked request bytes each client has in flight (quota --max-stream-bytes-per-client).",
+       &rpc::ClientUsage::stream_bytes},
+      {"gradwire_client_queued_calls",
+       "Calls of each client waiting for the device (limit --max-queued-per-client).",
+       &rpc::ClientUsage::queued},
+  };
+  for (const Gauge& g : kUsage) {
+    Header(out, g.name, "gauge", g.help);
+    for (const rpc::ClientUsage& u : usage) {
+      out << g.name << "{client=\"" << Label(u.client) << "\"} " << u.*g.field << '\n';
+    }
+  }
+
   Header(out, "gradwire_module_weight_version", "gauge", "Weight version of each module.");
   std::ostringstream scale, amax;
   for (const core::ModuleInfo& m : host.List()) {
     const std::string labels =
-        "module=\"" + Escape(m.module_id) + "\",name=\"" + Escape(m.spec.name) + "\"";
+        "module=\"" + Label(m.module_id) + "\",name=\"" + Label(m.spec.name) + "\"";
     out << "gradwire_module_weight_version{" << labels << "} " << m.weight_version << '\n';
     auto roles = host.Scaling(m.module_id);
     if (!roles.ok()) continue;  // deleted meanwhile

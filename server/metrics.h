@@ -9,9 +9,11 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "server/core/module_host.h"
+#include "server/rpc/usage.h"
 
 namespace gradwire::server {
 
@@ -25,8 +27,9 @@ class Metrics {
   void ObserveRpc(const std::string& method, absl::StatusCode code, double seconds);
 
   // The whole exposition: RPC metrics plus the host's state as it is now, and the device
-  // executor's backlog when `executor_queued` >= 0.
-  std::string Render(const core::ModuleHost& host, int64_t executor_queued = -1) const;
+  // executor's backlog when `executor_queued` >= 0, and each client's use of its quotas.
+  std::string Render(const core::ModuleHost& host, int64_t executor_queued = -1,
+                     const std::vector<rpc::ClientUsage>& usage = {}) const;
 
  private:
   struct Histogram {

@@ -131,7 +131,8 @@ bool ChunkSplitter::Next(v1::TensorChunk* chunk) {
 }
 
 absl::Status ChunkAssembler::Start(std::vector<TensorSlot> slots, int64_t max_total_bytes,
-                                   absl::string_view limit_name, int64_t max_chunk_bytes) {
+                                   absl::string_view limit_name, int64_t max_chunk_bytes,
+                                   const std::function<absl::Status(int64_t)>& admit) {
   std::vector<int64_t> sizes;
   int64_t total = 0;
   for (const TensorSlot& s : slots) {
@@ -150,8 +151,13 @@ absl::Status ChunkAssembler::Start(std::vector<TensorSlot> slots, int64_t max_to
                                                      " bytes, more than ", limit_name, " (",
                                                      max_total_bytes, " bytes)"));
   }
+  if (admit) {
+    if (absl::Status s = admit(total); !s.ok()) return s;
+  }
+  // Capacity only: the pages are touched as the chunks arrive, so memory follows the bytes
+  // received, not the bytes a header declares.
   for (size_t i = 0; i < slots.size(); ++i)
-    slots[i].tensor->mutable_data()->resize(size_t(sizes[i]));
+    slots[i].tensor->mutable_data()->reserve(size_t(sizes[i]));
   slots_ = std::move(slots);
   sizes_ = std::move(sizes);
   max_chunk_ = max_chunk_bytes;
@@ -202,7 +208,7 @@ absl::Status ChunkAssembler::Add(const v1::TensorChunk& chunk) {
                                                    " with ", n, " bytes runs past its end (",
                                                    sizes_[tensor_], " bytes)"));
   }
-  std::memcpy(slot.tensor->mutable_data()->data() + offset_, chunk.data().data(), size_t(n));
+  slot.tensor->mutable_data()->append(chunk.data());  // in order: offset_ is the data's end
   offset_ += n;
   received_ += n;
   Advance();

@@ -112,6 +112,17 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
     return s;
   }
   EvictExpiredLocked();
+  if (limits_.client_bytes > 0) {
+    auto c = per_client_.find(client);
+    const int64_t held = c == per_client_.end() ? 0 : c->second.bytes;
+    if (held + bytes > limits_.client_bytes) {
+      ++stats_.rejected_quota;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this forward's saved tensors take ", bytes, " bytes and this client's live contexts ",
+          held, " already, over the quota of ", limits_.client_bytes,
+          " bytes (--max-context-bytes-per-client); run their backwards or release them first"));
+    }
+  }
   std::string id;
   do {
     id = RandomId128();
@@ -122,6 +133,7 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
   entry.client = std::move(client);
   entry.weight_version = weight_version;
   entry.bytes = bytes;
+  entry.client_bytes = bytes;
   entry.pin = saved->shared_key();
   if (entry.pin != nullptr) {
     Pin& pin = pins_[entry.pin];
@@ -131,7 +143,9 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
     }
   }
   entry.saved = std::move(saved);
-  ++per_client_[entry.client];
+  ClientCount& count = per_client_[entry.client];
+  ++count.contexts;
+  count.bytes += bytes;
   {
     std::lock_guard<std::mutex> index_lock(index_mu_);
     index_.emplace(id, IndexEntry{entry.module_id, entry.tenant});
@@ -368,8 +382,9 @@ void ContextStore::EraseLocked(Iter it, bool remember, Gone why) {
   } else {
     stats_.device_bytes -= e.bytes;
   }
-  if (auto c = per_client_.find(e.client); c != per_client_.end() && --c->second <= 0) {
-    per_client_.erase(c);
+  if (auto c = per_client_.find(e.client); c != per_client_.end()) {
+    c->second.bytes -= e.client_bytes;
+    if (--c->second.contexts <= 0) per_client_.erase(c);
   }
   if (e.pin != nullptr) {
     if (auto p = pins_.find(e.pin); p != pins_.end() && --p->second.contexts <= 0) {
@@ -406,7 +421,20 @@ int64_t ContextStore::live_contexts(const std::string& module_id) const {
 int64_t ContextStore::live_contexts_of_client(const std::string& client) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = per_client_.find(client);
-  return it == per_client_.end() ? 0 : it->second;
+  return it == per_client_.end() ? 0 : it->second.contexts;
+}
+
+int64_t ContextStore::live_bytes_of_client(const std::string& client) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = per_client_.find(client);
+  return it == per_client_.end() ? 0 : it->second.bytes;
+}
+
+std::unordered_map<std::string, int64_t> ContextStore::live_bytes_by_client() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unordered_map<std::string, int64_t> out;
+  for (const auto& [client, count] : per_client_) out.emplace(client, count.bytes);
+  return out;
 }
 
 std::string ContextStore::ModuleOf(const std::string& context_id, const std::string* tenant) const {

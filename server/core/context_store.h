@@ -35,6 +35,10 @@ struct ContextLimits {
   // Seconds a context may go unused (since its forward or its last backward) before it is
   // evicted; <= 0: never.
   double ttl_seconds = 600;
+  // Saved-tensor bytes (device and host together) one client's live contexts may hold; a forward
+  // that would go past it is refused (RESOURCE_EXHAUSTED naming
+  // --max-context-bytes-per-client) and stores nothing. 0: unlimited.
+  int64_t client_bytes = 0;
 };
 
 // Counters of the store, for metrics and GetServerInfo.
@@ -50,6 +54,7 @@ struct ContextStats {
   int64_t evicted_ttl = 0;         // contexts evicted for being unused past the TTL
   int64_t evicted_memory = 0;      // contexts evicted because the host budget was full
   int64_t rejected_too_large = 0;  // forwards whose context alone exceeded the device budget
+  int64_t rejected_quota = 0;      // forwards refused by --max-context-bytes-per-client
   // Weight versions kept alive by live contexts (SavedTensors::shared_key), each counted once,
   // and their bytes. Reported beside the saved tensors; not part of the budgets above.
   int64_t pinned_weights = 0;
@@ -134,6 +139,10 @@ class ContextStore {
   int64_t live_bytes() const;  // device + host
   int64_t live_contexts(const std::string& module_id) const;
   int64_t live_contexts_of_client(const std::string& client) const;
+  // Saved-tensor bytes of a client's live contexts (as stored, wherever they are now), and every
+  // client's (metrics).
+  int64_t live_bytes_of_client(const std::string& client) const;
+  std::unordered_map<std::string, int64_t> live_bytes_by_client() const;
   // The module a live context belongs to (of `tenant` when given); empty when there is none.
   // Reads only the live-context index, whose lock is never held across an offload copy or an
   // eviction: safe on gRPC reactor threads, which must not wait behind memory moves.
@@ -157,6 +166,7 @@ class ContextStore {
     std::unique_ptr<HostPack> pack;       // set while offloaded
     const void* pin = nullptr;            // saved->shared_key(), counted in pins_
     int64_t bytes = 0;                    // device bytes when resident
+    int64_t client_bytes = 0;             // what it counts against its client's quota (fixed)
     bool in_backward = false;
     uint64_t seq = 0;  // position in order_
     std::chrono::steady_clock::time_point used;
@@ -184,7 +194,11 @@ class ContextStore {
   std::unordered_map<std::string, Entry> entries_;
   std::map<uint64_t, std::string> order_;  // least recently used first
   uint64_t next_seq_ = 0;
-  std::unordered_map<std::string, int64_t> per_client_;
+  struct ClientCount {
+    int64_t contexts = 0;
+    int64_t bytes = 0;
+  };
+  std::unordered_map<std::string, ClientCount> per_client_;
   struct Pin {
     int64_t contexts = 0;
     int64_t bytes = 0;

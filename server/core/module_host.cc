@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -151,6 +152,41 @@ std::vector<ParamDef> ParamDefs(const ModuleSpec& s) {
   return defs;
 }
 
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes(const ModuleSpec& spec) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (ParamDef& d : ParamDefs(spec)) shapes.emplace_back(std::move(d.name), std::move(d.shape));
+  return shapes;
+}
+
+absl::Status ValidateModuleSpec(const ModuleSpec& spec) {
+  GW_RETURN_IF_ERROR(ValidateSpec(spec));
+  const int64_t total = ParameterCount(spec);  // dimensions are within kMaxFeatures here
+  if (total > ModuleHost::kMaxParameters) {
+    return absl::InvalidArgumentError(absl::StrCat("spec asks for ", total,
+                                                   " parameters; a module may have at most ",
+                                                   ModuleHost::kMaxParameters));
+  }
+  return absl::OkStatus();
+}
+
+int64_t ParameterCount(const ModuleSpec& spec) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  int64_t total = 0;
+  for (const auto& [name, shape] : ParameterShapes(spec)) {
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      if (d <= 0) return 0;
+      n = n > kMax / d ? kMax : n * d;
+    }
+    total = total > kMax - n ? kMax : total + n;
+  }
+  return total;
+}
+
+namespace {
+
 absl::Status CheckInputTensor(const char* field, const at::Tensor& t, int64_t last_dim,
                               const char* what) {
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
@@ -176,6 +212,8 @@ absl::Status CheckExactShape(const char* field, const at::Tensor& t, at::IntArra
   }
   return absl::OkStatus();
 }
+
+bool AllFinite(const at::Tensor& t) { return t.numel() == 0 || at::isfinite(t).all().item<bool>(); }
 
 absl::Status CheckFinite(const std::string& field, const at::Tensor& t) {
   const float* p = t.data_ptr<float>();
@@ -290,18 +328,8 @@ absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std:
 
 absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(
     const ModuleSpec& spec) const {
-  GW_RETURN_IF_ERROR(ValidateSpec(spec));
+  GW_RETURN_IF_ERROR(ValidateModuleSpec(spec));
   const std::vector<ParamDef> defs = ParamDefs(spec);
-  int64_t total = 0;
-  for (const ParamDef& d : defs) {
-    int64_t n = 1;
-    for (int64_t x : d.shape) n *= x;
-    total += n;
-  }
-  if (total > kMaxParameters) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "spec asks for ", total, " parameters; a module may have at most ", kMaxParameters));
-  }
   auto m = std::make_shared<Module>();
   m->spec = spec;
   m->backend = backend_.get();
@@ -569,6 +597,21 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
     }
     const Backend& b = *backend_;
     m->SyncDevice();
+    // A backward whose gradients come out non-finite must leave the accumulators as they were.
+    // The first backward after a step accumulates straight into the (zero) buffers and zeroes
+    // them again on failure; later ones accumulate into fresh buffers that are checked and then
+    // added, the sums checked again before they replace the accumulators.
+    const bool direct = m->accumulated_backwards == 0;
+    std::vector<std::pair<Module::Param*, at::Tensor>> targets;
+    auto grad = [&](const char* name) -> at::Tensor {
+      for (Module::Param& p : m->params) {
+        if (p.name != name) continue;
+        targets.emplace_back(&p, direct ? p.grad : at::zeros_like(p.grad));
+        return targets.back().second;
+      }
+      return at::Tensor();
+    };
+    std::vector<std::pair<int, float>> amaxes;
     const at::Tensor dy = b.ToDevice(As2D(in.grad_output));
     const at::Tensor d_ln = in.grad_layernorm_output.defined()
                                 ? b.ToDevice(As2D(in.grad_layernorm_output))
@@ -581,12 +624,12 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
         args.saved = dynamic_cast<const LinearSaved*>(lease.saved.get());
         args.grad_quantizer = m->scaling[kGrad].Quantizer();
         args.compute_grad_input = !in.skip_grad_input;
-        args.weight_grad = m->Grad("weight");
-        args.bias_grad = m->Grad("bias");
+        args.weight_grad = grad("weight");
+        args.bias_grad = grad("bias");
         if (!args.saved) return fail(absl::InternalError("context is not a Linear context"));
         auto r = LinearBackward(args);
         if (!r.ok()) return fail(r.status());
-        m->EndStep({{kGrad, r->grad_output_amax}});
+        amaxes = {{kGrad, r->grad_output_amax}};
         grad_input = r->grad_input;
         break;
       }
@@ -599,14 +642,14 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
         args.ln = m->Ln();
         args.grad_quantizer = m->scaling[kGrad].Quantizer();
         args.compute_grad_input = !in.skip_grad_input;
-        args.weight_grad = m->Grad("weight");
-        args.bias_grad = m->Grad("bias");
-        args.gamma_grad = m->Grad("layer_norm_weight");
-        args.beta_grad = m->Grad("layer_norm_bias");
+        args.weight_grad = grad("weight");
+        args.bias_grad = grad("bias");
+        args.gamma_grad = grad("layer_norm_weight");
+        args.beta_grad = grad("layer_norm_bias");
         if (!args.saved) return fail(absl::InternalError("context is not a LayerNormLinear one"));
         auto r = LayerNormLinearBackward(args);
         if (!r.ok()) return fail(r.status());
-        m->EndStep({{kGrad, r->grad_output_amax}});
+        amaxes = {{kGrad, r->grad_output_amax}};
         grad_input = r->grad_input;
         break;
       }
@@ -621,19 +664,47 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
         args.fc1_grad_quantizer = m->scaling[kFc1Grad].Quantizer();
         args.fc2_grad_quantizer = m->scaling[kFc2Grad].Quantizer();
         args.compute_grad_input = !in.skip_grad_input;
-        args.gamma_grad = m->Grad("layer_norm_weight");
-        args.beta_grad = m->Grad("layer_norm_bias");
-        args.fc1_weight_grad = m->Grad("fc1_weight");
-        args.fc1_bias_grad = m->Grad("fc1_bias");
-        args.fc2_weight_grad = m->Grad("fc2_weight");
-        args.fc2_bias_grad = m->Grad("fc2_bias");
+        args.gamma_grad = grad("layer_norm_weight");
+        args.beta_grad = grad("layer_norm_bias");
+        args.fc1_weight_grad = grad("fc1_weight");
+        args.fc1_bias_grad = grad("fc1_bias");
+        args.fc2_weight_grad = grad("fc2_weight");
+        args.fc2_bias_grad = grad("fc2_bias");
         if (!args.saved) return fail(absl::InternalError("context is not a LayerNormMLP one"));
         auto r = LayerNormMlpBackward(args);
         if (!r.ok()) return fail(r.status());
-        m->EndStep({{kFc1Grad, r->fc1_grad_amax}, {kFc2Grad, r->fc2_grad_amax}});
+        amaxes = {{kFc1Grad, r->fc1_grad_amax}, {kFc2Grad, r->fc2_grad_amax}};
         grad_input = r->grad_input;
         break;
       }
+    }
+    auto overflowed = [&](const std::string& what) {
+      if (direct) {
+        for (auto& [p, g] : targets) p->grad.zero_();
+      }
+      return fail(absl::OutOfRangeError(
+          absl::StrCat("the ", what,
+                       " of this backward came out non-finite (fp32 overflow); nothing was "
+                       "accumulated, the scaling state is unchanged and context_id ",
+                       context_id, " is kept: scale grad_output down and retry, or release it")));
+    };
+    if (grad_input.defined() && !AllFinite(grad_input)) return overflowed("grad_input");
+    for (auto& [p, g] : targets) {
+      if (!AllFinite(g)) return overflowed(absl::StrCat(p->name, " gradient"));
+    }
+    if (!direct) {
+      std::vector<at::Tensor> sums;
+      for (auto& [p, g] : targets) {
+        sums.push_back(p->grad + g);
+        if (!AllFinite(sums.back())) {
+          return overflowed(absl::StrCat("accumulated ", p->name, " gradient"));
+        }
+      }
+      for (size_t i = 0; i < targets.size(); ++i) targets[i].first->grad.copy_(sums[i]);
+    }
+    for (const auto& [role, amax] : amaxes) {
+      m->scaling[size_t(role)].Record(amax);
+      m->scaling[size_t(role)].Roll();
     }
     ++m->accumulated_backwards;
   }
@@ -655,12 +726,29 @@ absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
   const float lr = learning_rate > 0.0f ? learning_rate : m->spec.optimizer.learning_rate();
-  ++m->optimizer_steps;
+  // The step runs on copies, which replace the parameters and optimizer state only when every
+  // value came out finite: a step that would overflow changes nothing.
+  const int64_t step = m->optimizer_steps + 1;
+  std::vector<at::Tensor> values;
+  std::vector<OptimizerSlots> slots;
   for (Module::Param& p : m->params) {
-    OptimizerStep(m->spec.optimizer, lr, m->optimizer_steps, p.value, backend_->ToHost(p.grad),
-                  p.slots);
-    p.grad.zero_();
+    values.push_back(p.value.clone());
+    slots.push_back(p.slots.Clone());
+    OptimizerStep(m->spec.optimizer, lr, step, values.back(), backend_->ToHost(p.grad),
+                  slots.back());
+    if (!AllFinite(values.back()) || !slots.back().AllFinite()) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "this optimizer step (learning rate ", lr, ") would make ", p.name,
+          " non-finite; nothing was changed (the gradients are kept): lower the learning rate or "
+          "GetGradients(zero) to drop them"));
+    }
   }
+  for (size_t i = 0; i < m->params.size(); ++i) {
+    m->params[i].value.copy_(values[i]);  // in place: the device copy may alias it
+    m->params[i].slots = std::move(slots[i]);
+    m->params[i].grad.zero_();
+  }
+  m->optimizer_steps = step;
   m->accumulated_backwards = 0;
   return ++m->version;
 }

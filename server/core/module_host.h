@@ -47,6 +47,14 @@ struct ModuleSpec {
   std::string name;            // free-form label
 };
 
+// The parameters a spec makes, in the module's order: names and shapes. Dimensions are taken as
+// they are (the spec is not validated here).
+std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes(const ModuleSpec& spec);
+// Their total element count (saturating; 0 when a dimension is not positive).
+int64_t ParameterCount(const ModuleSpec& spec);
+// INVALID_ARGUMENT naming the field unless `spec` is one ModuleHost::Create accepts.
+absl::Status ValidateModuleSpec(const ModuleSpec& spec);
+
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct ModuleInfo {

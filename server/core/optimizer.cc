@@ -50,6 +50,18 @@ void AdamW(const AdamWConfig& c, float lr, int64_t step, at::Tensor& weight, con
 
 }  // namespace
 
+OptimizerSlots OptimizerSlots::Clone() const {
+  return {first.defined() ? first.clone() : at::Tensor(),
+          second.defined() ? second.clone() : at::Tensor()};
+}
+
+bool OptimizerSlots::AllFinite() const {
+  for (const at::Tensor* t : {&first, &second}) {
+    if (t->defined() && !at::isfinite(*t).all().item<bool>()) return false;
+  }
+  return true;
+}
+
 void OptimizerStep(const OptimizerConfig& config, float learning_rate, int64_t step,
                    at::Tensor& weight, const at::Tensor& grad, OptimizerSlots& slots) {
   if (config.kind == OptimizerConfig::Kind::kSgd) {

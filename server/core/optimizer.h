@@ -36,6 +36,8 @@ struct OptimizerConfig {
 struct OptimizerSlots {
   at::Tensor first;   // SGD momentum buffer / AdamW exp_avg; undefined until the first step
   at::Tensor second;  // AdamW exp_avg_sq
+  OptimizerSlots Clone() const;
+  bool AllFinite() const;  // every defined slot
 };
 
 // One step on `weight` (float32, contiguous) from `grad`. `step` counts from 1 (AdamW's bias

@@ -117,6 +117,11 @@ absl::StatusOr<std::pair<std::string, std::string>> Authenticator::ParseInline(
 
 absl::StatusOr<std::string> Authenticator::Authenticate(std::string_view authorization) const {
   static constexpr std::string_view kBearer = "Bearer ";
+  if (authorization.size() > kMaxAuthorizationLength) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("the authorization header is ", authorization.size(),
+                     " bytes, over the limit of ", kMaxAuthorizationLength));
+  }
   if (authorization.size() <= kBearer.size() ||
       authorization.substr(0, kBearer.size()) != kBearer) {
     return absl::UnauthenticatedError(
@@ -131,6 +136,17 @@ absl::StatusOr<std::string> Authenticator::Authenticate(std::string_view authori
   }
   if (tenant == nullptr) return absl::UnauthenticatedError("the bearer token is not valid");
   return *tenant;
+}
+
+bool Authenticator::TokenMatches(std::string_view authorization, std::string_view token) {
+  static constexpr std::string_view kBearer = "Bearer ";
+  if (authorization.size() > kMaxAuthorizationLength ||
+      authorization.substr(0, kBearer.size()) != kBearer) {
+    return false;
+  }
+  const Digest presented = Sha256(authorization.substr(kBearer.size()));
+  const Digest expected = Sha256(token);
+  return CRYPTO_memcmp(presented.data(), expected.data(), expected.size()) == 0;
 }
 
 std::vector<std::string> Authenticator::Tenants() const {

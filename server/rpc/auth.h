@@ -34,6 +34,11 @@ class Authenticator {
   // The tenant of an `authorization` header value "Bearer TOKEN"; UNAUTHENTICATED otherwise. Every
   // stored token is compared, whatever matches, so timing does not tell which one did.
   absl::StatusOr<std::string> Authenticate(std::string_view authorization) const;
+  // Longer authorization headers are refused without hashing them.
+  static constexpr size_t kMaxAuthorizationLength = 4096;
+  // Whether `authorization` is "Bearer TOKEN" for exactly `token`, compared in constant time
+  // (the metrics endpoint's check).
+  static bool TokenMatches(std::string_view authorization, std::string_view token);
 
   size_t size() const { return entries_.size(); }
   // Distinct tenants, sorted (for the startup log).

@@ -2,7 +2,8 @@
 // Each reads its request (header, then chunks placed straight into the tensors), runs the same
 // body as the unary call on the device executor, and writes its response as header + chunks. A
 // bad sequence finishes the call with INVALID_ARGUMENT at once and frees what was assembled; a
-// forward whose response cannot be delivered releases its context.
+// forward whose response cannot be delivered releases its context. All four follow the lifecycle
+// of call.h.
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -16,23 +17,33 @@
 #include "server/rpc/status_map.h"
 
 namespace gradwire::rpc {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// Header first, then chunks: what a chunked request must look like.
+// Header first, then chunks: what a chunked request must look like. Nothing is allocated for the
+// tensors until the header passed every check it allows (`check`: ids, ownership, shapes, element
+// limits) and its bytes were reserved against the client's in-flight quota; the reservation is
+// returned when the request is dropped.
 template <typename Req, typename ReqPart>
 class PartReader {
  public:
-  PartReader(const ServiceOptions& options) : options_(options) {}
+  PartReader(GradwireService& service, const ServiceOptions& options)
+      : service_(service), options_(options) {}
+  ~PartReader() { Drop(); }
 
-  absl::Status Add(ReqPart& part) {
+  absl::Status Add(ReqPart& part, const Caller& caller) {
     if (part.has_header()) {
       if (started_) return absl::InvalidArgumentError("the header was sent twice");
       started_ = true;
       request_ = std::move(*part.mutable_header());
+      if (absl::Status s = service_.CheckHeader(caller, request_); !s.ok()) return s;
       return assembler_.Start(wire::Slots(request_), options_.max_stream_bytes, "--max-stream-mib",
-                              options_.chunk_bytes);
+                              options_.chunk_bytes, [&](int64_t total) {
+                                absl::Status s = service_.ReserveStreamBytes(caller, total);
+                                if (s.ok()) {
+                                  reserved_ = total;
+                                  client_ = caller.client;
+                                }
+                                return s;
+                              });
     }
     if (!part.has_chunk()) {
       return absl::InvalidArgumentError("a message of a chunked call must set header or chunk");
@@ -50,12 +61,23 @@ class PartReader {
 
   Req& request() { return request_; }
 
+  // Frees the request's tensors and returns their reservation.
+  void Drop() {
+    request_ = Req();
+    if (reserved_ > 0) service_.ReturnStreamBytes(client_, std::exchange(reserved_, 0));
+  }
+
  private:
+  GradwireService& service_;
   const ServiceOptions& options_;
   bool started_ = false;
   Req request_;
   wire::ChunkAssembler assembler_;
+  int64_t reserved_ = 0;
+  std::string client_;
 };
+
+namespace {
 
 // Header, then chunks of the response.
 template <typename Resp, typename RespPart>
@@ -81,313 +103,282 @@ class PartWriter {
   bool header_sent_ = false;
 };
 
-// Runs `body` and turns an exception into INTERNAL, so none escapes into gRPC.
-template <typename F>
-absl::Status Guarded(const char* method, F&& body) {
-  try {
-    return body();
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
-  } catch (...) {
-    return absl::InternalError(absl::StrCat(method, " failed with an unknown exception"));
-  }
-}
-
 }  // namespace
 
 // Forward and Backward: chunked request in, chunked response out.
 template <typename Req, typename ReqPart, typename Resp, typename RespPart>
-class ChunkedBidiReactor final : public grpc::ServerBidiReactor<ReqPart, RespPart> {
+class ChunkedBidiCall final : public Call<grpc::ServerBidiReactor<ReqPart, RespPart>> {
+  using Base = Call<grpc::ServerBidiReactor<ReqPart, RespPart>>;
+
  public:
-  using Work = std::function<absl::Status(const Caller&, Req&, Resp*)>;
+  using Work = std::function<absl::Status(const Caller&, const CallBase&, Req&, Resp*)>;
   // What the response leaves on the server that an undelivered response must release.
   using ContextOf = std::function<std::string(const Resp&)>;
 
-  ChunkedBidiReactor(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method,
-                     Work work, ContextOf context_of)
-      : service_(service),
-        ctx_(ctx),
-        method_(method),
+  ChunkedBidiCall(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method,
+                  Work work, ContextOf context_of)
+      : Base(service, ctx, method),
         work_(std::move(work)),
         context_of_(std::move(context_of)),
-        reader_(service.options_),
-        start_(Clock::now()) {
-    absl::StatusOr<Caller> caller = service_.Authenticate(ctx);
-    if (!caller.ok()) {
-      End(caller.status());
+        reader_(service, service.options_) {
+    if (absl::Status s = this->Authenticate(ctx); !s.ok()) {
+      this->End(s);
       return;
     }
-    caller_ = std::move(*caller);
     this->StartRead(&incoming_);
   }
 
   void OnReadDone(bool ok) override {
     if (ok) {
-      absl::Status s = reader_.Add(incoming_);
+      absl::Status s = reader_.Add(incoming_, this->caller());
       incoming_.Clear();
-      if (!s.ok()) return End(s);
+      if (!s.ok()) {
+        reader_.Drop();
+        this->End(s);
+        return;
+      }
       this->StartRead(&incoming_);
       return;
     }
-    if (ctx_->IsCancelled())
-      return End(absl::CancelledError(absl::StrCat(method_, " was cancelled")));
-    if (absl::Status s = reader_.Complete(); !s.ok()) return End(s);
-    NoteIds(reader_.request());
-    if (absl::Status s = service_.AdmitQueued(caller_, module_id_, context_id_, &queue_key_);
-        !s.ok()) {
-      return End(s);
+    if (this->Abandoned()) {
+      this->End(absl::CancelledError(absl::StrCat(this->method_, " was cancelled")));
+      return;
     }
-    service_.executor_.Submit([this] { Run(); });
+    absl::Status s = reader_.Complete();
+    NoteRequestIds(reader_.request());
+    Admission admission;
+    if (s.ok()) s = this->service_.Admit(this->caller(), module_id_, context_id_, &admission);
+    if (!s.ok()) {
+      reader_.Drop();
+      this->End(s);
+      return;
+    }
+    this->Submit(
+        std::move(admission), [this] { Run(); },
+        [this](absl::Status failed) { this->End(std::move(failed)); });
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
       ReleaseUndelivered();
-      return End(absl::CancelledError(
-          absl::StrCat(method_, ": the client went away while the response was being sent")));
+      this->End(absl::CancelledError(
+          absl::StrCat(this->method_, ": the client went away while the response was being sent")));
+      return;
     }
+    std::lock_guard<std::mutex> lock(this->mu_);
     if (writer_->Next(&outgoing_)) {
-      this->StartWrite(&outgoing_);
+      if (!this->finished_) this->StartWrite(&outgoing_);
     } else {
-      End(absl::OkStatus());
+      this->EndLocked(absl::OkStatus());
     }
-  }
-
-  void OnDone() override {
-    // The status never reached the client (it cancelled, or the connection broke, after the last
-    // write): to the client the call failed, so nobody will consume what it created.
-    if (ctx_->IsCancelled()) {
-      ReleaseUndelivered();
-      if (status_.ok()) status_ = absl::CancelledError(absl::StrCat(method_, " was cancelled"));
-    }
-    service_.Report(method_, status_, std::chrono::duration<double>(Clock::now() - start_).count(),
-                    module_id_, context_id_, caller_.tenant);
-    delete this;
   }
 
  private:
   // On the executor.
   void Run() {
-    if (!queue_key_.empty()) service_.Dequeued(queue_key_);
     Resp response;
-    Req& request = reader_.request();
     absl::Status s =
-        GwAbandoned()
-            ? absl::CancelledError(absl::StrCat(method_, " was cancelled before it started"))
-            : Guarded(method_, [&] { return work_(caller_, request, &response); });
-    request = Req();  // the request's tensors are no longer needed
-    if (!s.ok()) return End(s);
+        this->Abandoned()
+            ? absl::CancelledError(absl::StrCat(this->method_, " was cancelled before it started"))
+            : work_(this->caller(), *this, reader_.request(), &response);
+    reader_.Drop();  // the request's tensors are no longer needed
+    if (!s.ok()) {
+      this->End(s);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(this->mu_);
     created_context_ = context_of_ ? context_of_(response) : std::string();
-    writer_.emplace(std::move(response), service_.options_.chunk_bytes);
+    writer_.emplace(std::move(response), this->service_.options_.chunk_bytes);
     writer_->Next(&outgoing_);
-    this->StartWrite(&outgoing_);
+    if (!this->finished_) this->StartWrite(&outgoing_);
   }
 
-  bool GwAbandoned() const {
-    return ctx_->IsCancelled() || ctx_->deadline() <= std::chrono::system_clock::now();
+  // OnDone: the status never reached the client (it cancelled, or the connection broke, after the
+  // last write): to the client the call failed, so nobody will consume what it created.
+  void Ended() override {
+    if (this->Abandoned()) {
+      ReleaseUndelivered();
+      if (this->status_.ok()) {
+        this->status_ = absl::CancelledError(absl::StrCat(this->method_, " was cancelled"));
+      }
+    }
   }
 
-  void NoteIds(const v1::ForwardRequest& r) { module_id_ = r.module_id(); }
-  void NoteIds(const v1::BackwardRequest& r) { context_id_ = r.context_id(); }
+  void NoteRequestIds(const v1::ForwardRequest& r) {
+    module_id_ = r.module_id();
+    this->NoteIds(module_id_, {});
+  }
+  void NoteRequestIds(const v1::BackwardRequest& r) {
+    context_id_ = r.context_id();
+    this->NoteIds({}, context_id_);
+  }
 
   void ReleaseUndelivered() {
-    if (created_context_.empty()) return;
-    ReleaseUnconsumed(service_.executor_, service_.host_, {std::move(created_context_)},
+    std::string id;
+    {
+      std::lock_guard<std::mutex> lock(this->mu_);
+      id.swap(created_context_);
+    }
+    if (id.empty()) return;
+    ReleaseUnconsumed(this->service_.executor_, this->service_.host_, {std::move(id)},
                       core::ContextStore::ReleaseReason::kUndelivered,
-                      absl::StrCat(method_, ": response not delivered"));
-    created_context_.clear();
+                      absl::StrCat(this->method_, ": response not delivered"));
   }
 
-  void End(absl::Status status) {
-    status_ = std::move(status);
-    this->Finish(ToGrpc(status_));
-  }
-
-  GradwireService& service_;
-  grpc::CallbackServerContext* ctx_;
-  const char* method_;
   Work work_;
   ContextOf context_of_;
-  Caller caller_;
   PartReader<Req, ReqPart> reader_;
   ReqPart incoming_;
-  std::optional<PartWriter<Resp, RespPart>> writer_;
+  std::optional<PartWriter<Resp, RespPart>> writer_;  // under mu_
   RespPart outgoing_;
-  std::string created_context_;
+  std::string created_context_;  // under mu_
   std::string module_id_, context_id_;
-  std::string queue_key_;  // counted in by AdmitQueued
-  absl::Status status_;
-  const Clock::time_point start_;
 };
 
 // SetWeights: chunked request in, one response out.
-class SetWeightsChunkedReactor final : public grpc::ServerReadReactor<v1::SetWeightsRequestPart> {
+class SetWeightsChunkedCall final
+    : public Call<grpc::ServerReadReactor<v1::SetWeightsRequestPart>> {
  public:
-  SetWeightsChunkedReactor(GradwireService& service, grpc::CallbackServerContext* ctx,
-                           v1::SetWeightsResponse* response)
-      : service_(service),
-        ctx_(ctx),
+  SetWeightsChunkedCall(GradwireService& service, grpc::CallbackServerContext* ctx,
+                        v1::SetWeightsResponse* response)
+      : Call(service, ctx, "SetWeightsChunked"),
         response_(response),
-        reader_(service.options_),
-        start_(Clock::now()) {
-    absl::StatusOr<Caller> caller = service_.Authenticate(ctx);
-    if (!caller.ok()) {
-      End(caller.status());
+        reader_(service, service.options_) {
+    if (absl::Status s = Authenticate(ctx); !s.ok()) {
+      End(s);
       return;
     }
-    caller_ = std::move(*caller);
     StartRead(&incoming_);
   }
 
   void OnReadDone(bool ok) override {
     if (ok) {
-      absl::Status s = reader_.Add(incoming_);
+      absl::Status s = reader_.Add(incoming_, caller());
       incoming_.Clear();
-      if (!s.ok()) return End(s);
+      if (!s.ok()) {
+        reader_.Drop();
+        End(s);
+        return;
+      }
       StartRead(&incoming_);
       return;
     }
-    if (ctx_->IsCancelled()) return End(absl::CancelledError("SetWeightsChunked was cancelled"));
-    if (absl::Status s = reader_.Complete(); !s.ok()) return End(s);
-    module_id_ = reader_.request().module_id();
-    if (absl::Status s = service_.AdmitQueued(caller_, module_id_, {}, &queue_key_); !s.ok()) {
-      return End(s);
+    if (Abandoned()) {
+      End(absl::CancelledError("SetWeightsChunked was cancelled"));
+      return;
     }
-    service_.executor_.Submit([this] {
-      if (!queue_key_.empty()) service_.Dequeued(queue_key_);
-      absl::Status s =
-          ctx_->IsCancelled()
-              ? absl::CancelledError("SetWeightsChunked was cancelled before it started")
-              : Guarded("SetWeightsChunked", [&] {
-                  return service_.DoSetWeights(caller_, reader_.request(), response_);
-                });
-      reader_.request() = v1::SetWeightsRequest();
+    absl::Status s = reader_.Complete();
+    const std::string module_id = reader_.request().module_id();
+    NoteIds(module_id, {});
+    Admission admission;
+    if (s.ok()) s = service_.Admit(caller(), module_id, {}, &admission);
+    if (!s.ok()) {
+      reader_.Drop();
       End(s);
-    });
-  }
-
-  void OnDone() override {
-    service_.Report("SetWeightsChunked", status_,
-                    std::chrono::duration<double>(Clock::now() - start_).count(), module_id_, {},
-                    caller_.tenant);
-    delete this;
+      return;
+    }
+    Submit(
+        std::move(admission),
+        [this] {
+          absl::Status s =
+              Abandoned()
+                  ? absl::CancelledError("SetWeightsChunked was cancelled before it started")
+                  : service_.DoSetWeights(caller(), reader_.request(), response_);
+          reader_.Drop();
+          End(s);
+        },
+        [this](absl::Status failed) { End(std::move(failed)); });
   }
 
  private:
-  void End(absl::Status status) {
-    status_ = std::move(status);
-    Finish(ToGrpc(status_));
-  }
-
-  GradwireService& service_;
-  grpc::CallbackServerContext* ctx_;
   v1::SetWeightsResponse* response_;
-  Caller caller_;
   PartReader<v1::SetWeightsRequest, v1::SetWeightsRequestPart> reader_;
   v1::SetWeightsRequestPart incoming_;
-  std::string module_id_;
-  std::string queue_key_;  // counted in by AdmitQueued
-  absl::Status status_;
-  const Clock::time_point start_;
 };
 
 // GetWeights: one request in, chunked response out.
-class GetWeightsChunkedReactor final : public grpc::ServerWriteReactor<v1::GetWeightsResponsePart> {
+class GetWeightsChunkedCall final
+    : public Call<grpc::ServerWriteReactor<v1::GetWeightsResponsePart>> {
  public:
-  GetWeightsChunkedReactor(GradwireService& service, grpc::CallbackServerContext* ctx,
-                           const v1::GetWeightsRequest* request)
-      : service_(service), ctx_(ctx), module_id_(request->module_id()), start_(Clock::now()) {
-    absl::StatusOr<Caller> caller = service_.Authenticate(ctx);
-    if (!caller.ok()) {
-      End(caller.status());
-      return;
-    }
-    caller_ = std::move(*caller);
-    if (absl::Status s = service_.AdmitQueued(caller_, module_id_, {}, &queue_key_); !s.ok()) {
+  GetWeightsChunkedCall(GradwireService& service, grpc::CallbackServerContext* ctx,
+                        const v1::GetWeightsRequest* request)
+      : Call(service, ctx, "GetWeightsChunked"), request_(*request) {
+    NoteIds(request_.module_id(), {});
+    Admission admission;
+    absl::Status s = Authenticate(ctx);
+    if (s.ok()) s = service_.Admit(caller(), request_.module_id(), {}, &admission);
+    if (!s.ok()) {
       End(s);
       return;
     }
-    service_.executor_.Submit([this, request] {
-      if (!queue_key_.empty()) service_.Dequeued(queue_key_);
-      v1::GetWeightsResponse response;
-      absl::Status s =
-          ctx_->IsCancelled()
-              ? absl::CancelledError("GetWeightsChunked was cancelled before it started")
-              : Guarded("GetWeightsChunked",
-                        [&] { return service_.DoGetWeights(caller_, *request, &response); });
-      if (!s.ok()) return End(s);
-      writer_.emplace(std::move(response), service_.options_.chunk_bytes);
-      writer_->Next(&outgoing_);
-      StartWrite(&outgoing_);
-    });
+    Submit(
+        std::move(admission),
+        [this] {
+          v1::GetWeightsResponse response;
+          absl::Status s =
+              Abandoned()
+                  ? absl::CancelledError("GetWeightsChunked was cancelled before it started")
+                  : service_.DoGetWeights(caller(), request_, &response);
+          if (!s.ok()) {
+            End(s);
+            return;
+          }
+          std::lock_guard<std::mutex> lock(mu_);
+          writer_.emplace(std::move(response), service_.options_.chunk_bytes);
+          writer_->Next(&outgoing_);
+          if (!finished_) StartWrite(&outgoing_);
+        },
+        [this](absl::Status failed) { End(std::move(failed)); });
   }
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      return End(absl::CancelledError(
+      End(absl::CancelledError(
           "GetWeightsChunked: the client went away while the response was being sent"));
+      return;
     }
+    std::lock_guard<std::mutex> lock(mu_);
     if (writer_->Next(&outgoing_)) {
-      StartWrite(&outgoing_);
+      if (!finished_) StartWrite(&outgoing_);
     } else {
-      End(absl::OkStatus());
+      EndLocked(absl::OkStatus());
     }
-  }
-
-  void OnDone() override {
-    service_.Report("GetWeightsChunked", status_,
-                    std::chrono::duration<double>(Clock::now() - start_).count(), module_id_, {},
-                    caller_.tenant);
-    delete this;
   }
 
  private:
-  void End(absl::Status status) {
-    status_ = std::move(status);
-    Finish(ToGrpc(status_));
-  }
-
-  GradwireService& service_;
-  grpc::CallbackServerContext* ctx_;
-  std::string module_id_;
-  std::string queue_key_;  // counted in by AdmitQueued
-  Caller caller_;
+  const v1::GetWeightsRequest request_;
   std::optional<PartWriter<v1::GetWeightsResponse, v1::GetWeightsResponsePart>> writer_;
   v1::GetWeightsResponsePart outgoing_;
-  absl::Status status_;
-  const Clock::time_point start_;
 };
 
 grpc::ServerBidiReactor<v1::ForwardRequestPart, v1::ForwardResponsePart>*
 GradwireService::ForwardChunked(grpc::CallbackServerContext* ctx) {
-  return new ChunkedBidiReactor<v1::ForwardRequest, v1::ForwardRequestPart, v1::ForwardResponse,
-                                v1::ForwardResponsePart>(
+  return new ChunkedBidiCall<v1::ForwardRequest, v1::ForwardRequestPart, v1::ForwardResponse,
+                             v1::ForwardResponsePart>(
       *this, ctx, "ForwardChunked",
-      [this, ctx](const Caller& caller, v1::ForwardRequest& req, v1::ForwardResponse* resp) {
-        return DoForward(caller, req, resp, ctx);
-      },
+      [this](const Caller& caller, const CallBase& call, v1::ForwardRequest& req,
+             v1::ForwardResponse* resp) { return DoForward(caller, req, resp, &call); },
       [](const v1::ForwardResponse& resp) { return resp.context_id(); });
 }
 
 grpc::ServerBidiReactor<v1::BackwardRequestPart, v1::BackwardResponsePart>*
 GradwireService::BackwardChunked(grpc::CallbackServerContext* ctx) {
-  return new ChunkedBidiReactor<v1::BackwardRequest, v1::BackwardRequestPart, v1::BackwardResponse,
-                                v1::BackwardResponsePart>(
+  return new ChunkedBidiCall<v1::BackwardRequest, v1::BackwardRequestPart, v1::BackwardResponse,
+                             v1::BackwardResponsePart>(
       *this, ctx, "BackwardChunked",
-      [this, ctx](const Caller& caller, v1::BackwardRequest& req, v1::BackwardResponse* resp) {
-        return DoBackward(caller, req, resp, ctx);
-      },
+      [this](const Caller& caller, const CallBase& call, v1::BackwardRequest& req,
+             v1::BackwardResponse* resp) { return DoBackward(caller, req, resp, &call); },
       nullptr);
 }
 
 grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* GradwireService::GetWeightsChunked(
     grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest* req) {
-  return new GetWeightsChunkedReactor(*this, ctx, req);
+  return new GetWeightsChunkedCall(*this, ctx, req);
 }
 
 grpc::ServerReadReactor<v1::SetWeightsRequestPart>* GradwireService::SetWeightsChunked(
     grpc::CallbackServerContext* ctx, v1::SetWeightsResponse* resp) {
-  return new SetWeightsChunkedReactor(*this, ctx, resp);
+  return new SetWeightsChunkedCall(*this, ctx, resp);
 }
 
 }  // namespace gradwire::rpc

@@ -3,31 +3,23 @@
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <limits>
+#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/core/quantizer.h"
 #include "server/core/status_macros.h"
+#include "server/rpc/boundary.h"
 #include "server/rpc/status_map.h"
 #include "server/rpc/tensor_codec.h"
 
 namespace gradwire::rpc {
 namespace {
-
-// Whether nobody waits for this call any more: cancelled, or past its deadline (checked directly,
-// so work stops even before gRPC has processed the deadline's cancellation).
-bool Abandoned(const grpc::CallbackServerContext* ctx) {
-  return ctx != nullptr &&
-         (ctx->IsCancelled() || ctx->deadline() <= std::chrono::system_clock::now());
-}
-
-absl::Status RequireId(absl::string_view field, const std::string& id) {
-  if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
-  return absl::OkStatus();
-}
 
 // The peer's address without its port: "ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7",
 // "ipv6:[::1]:5000" -> "ipv6:[::1]"; anything else (unix sockets) as it is.
@@ -221,7 +213,23 @@ absl::Status EncodeNamed(const core::NamedTensors& tensors, v1::DType dtype,
 
 GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& executor,
                                  ServiceOptions options)
-    : host_(host), executor_(executor), options_(std::move(options)) {}
+    : host_(host),
+      executor_(executor),
+      options_(std::move(options)),
+      control_(std::make_unique<core::DeviceExecutor>("control")) {
+  // Modules already here (restored from checkpoints) count for their tenants.
+  for (const core::ModuleInfo& info : host_.List()) {
+    if (info.tenant.empty()) continue;
+    const std::string client = "tenant " + info.tenant;
+    const int64_t bytes = core::ParameterCount(info.spec) * int64_t(sizeof(float));
+    parameter_bytes_[client] += bytes;
+    module_bytes_[info.module_id] = {client, bytes};
+  }
+}
+
+// The control thread is joined first: a creation still running there finishes against a live
+// service.
+GradwireService::~GradwireService() { control_.reset(); }
 
 void GradwireService::Persist(const std::string& module_id) const {
   if (!options_.checkpointer) return;
@@ -259,29 +267,43 @@ absl::Status GradwireService::CheckRequestBytes(const google::protobuf::Message&
   return absl::OkStatus();
 }
 
-absl::Status GradwireService::AdmitQueued(const Caller& caller, const std::string& module_id,
-                                          const std::string& context_id, std::string* key) {
-  key->clear();
-  // A call that names only a context counts for its module when that context is live and the
-  // caller may see it; otherwise its work fails at once anyway. This runs on reactor threads, so
-  // it reads the store's live index, which never waits behind an offload.
-  std::string queue_key = module_id;
-  if (queue_key.empty() && !context_id.empty()) {
-    queue_key = host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
+absl::Status GradwireService::Admit(const Caller& caller, const std::string& module_id,
+                                    const std::string& context_id, Admission* admission) {
+  // Ownership first: a call for a module the caller may not see is NOT_FOUND before it counts
+  // anywhere. A call naming a context counts for that context's module only when the caller may
+  // see it; otherwise its work fails at once anyway. This runs on reactor threads: the module map's
+  // lock is only held for lookups, and the context index never waits behind an offload.
+  std::string module_key;
+  if (!module_id.empty()) {
+    GW_RETURN_IF_ERROR(CheckModule(caller, module_id));
+    module_key = module_id;
+  } else if (!context_id.empty()) {
+    GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
+    module_key = host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
   }
-  if (queue_key.empty()) return absl::OkStatus();
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    int64_t& n = queued_[queue_key];
-    if (options_.limits.max_queued_per_module <= 0 || n < options_.limits.max_queued_per_module) {
-      ++n;
-      *key = std::move(queue_key);
-      return absl::OkStatus();
+  const int64_t per_module = options_.limits.max_queued_per_module;
+  const int64_t per_client = options_.limits.max_queued_per_client;
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  if (!module_key.empty() && per_module > 0) {
+    auto it = queued_.find(module_key);
+    if (it != queued_.end() && it->second >= per_module) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("module ", module_key, " has ", per_module,
+                       " calls queued, the limit (--max-queued-per-module); retry with backoff"));
     }
   }
-  return absl::ResourceExhaustedError(
-      absl::StrCat("module ", queue_key, " has ", options_.limits.max_queued_per_module,
-                   " calls queued, the limit (--max-queued-per-module); retry with backoff"));
+  if (per_client > 0) {
+    auto it = queued_by_client_.find(caller.client);
+    if (it != queued_by_client_.end() && it->second >= per_client) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(caller.client, " has ", per_client,
+                       " calls queued, the limit (--max-queued-per-client); retry with backoff"));
+    }
+  }
+  if (!module_key.empty()) ++queued_[module_key];
+  ++queued_by_client_[caller.client];
+  *admission = Admission(this, std::move(module_key), caller.client);
+  return absl::OkStatus();
 }
 
 int64_t GradwireService::queued_calls(const std::string& module_id) const {
@@ -290,21 +312,67 @@ int64_t GradwireService::queued_calls(const std::string& module_id) const {
   return it == queued_.end() ? 0 : it->second;
 }
 
-void GradwireService::Dequeued(const std::string& module_id) {
+void GradwireService::Dequeued(const std::string& module_key, const std::string& client_key) {
   std::lock_guard<std::mutex> lock(queue_mu_);
-  auto it = queued_.find(module_id);
-  if (it != queued_.end() && --it->second <= 0) queued_.erase(it);
+  if (auto it = queued_.find(module_key); it != queued_.end() && --it->second <= 0) {
+    queued_.erase(it);
+  }
+  if (auto it = queued_by_client_.find(client_key);
+      it != queued_by_client_.end() && --it->second <= 0) {
+    queued_by_client_.erase(it);
+  }
+}
+
+absl::Status GradwireService::ReserveStreamBytes(const Caller& caller, int64_t bytes) {
+  const int64_t quota = options_.quotas.stream_bytes;
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  int64_t& held = stream_bytes_[caller.client];
+  if (quota > 0 && held + bytes > quota) {
+    const int64_t was = held;
+    if (held == 0) stream_bytes_.erase(caller.client);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this chunked request declares ", bytes, " bytes and ", caller.client, " has ",
+                     was, " in flight already, over the quota of ", quota,
+                     " bytes (--max-stream-bytes-per-client); finish or cancel the others first"));
+  }
+  held += bytes;
+  return absl::OkStatus();
+}
+
+void GradwireService::ReturnStreamBytes(const std::string& client, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  auto it = stream_bytes_.find(client);
+  if (it != stream_bytes_.end() && (it->second -= bytes) <= 0) stream_bytes_.erase(it);
+}
+
+std::vector<ClientUsage> GradwireService::Usage() const {
+  std::map<std::string, ClientUsage> by_client;
+  auto at = [&](const std::string& client) -> ClientUsage& {
+    ClientUsage& u = by_client[client];
+    u.client = client;
+    return u;
+  };
+  for (const auto& [client, bytes] : host_.contexts().live_bytes_by_client()) {
+    at(client).context_bytes = bytes;
+  }
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  for (const auto& [client, bytes] : parameter_bytes_) at(client).parameter_bytes = bytes;
+  for (const auto& [client, bytes] : stream_bytes_) at(client).stream_bytes = bytes;
+  for (const auto& [client, n] : queued_by_client_) at(client).queued = n;
+  std::vector<ClientUsage> out;
+  for (auto& [client, usage] : by_client) out.push_back(std::move(usage));
+  return out;
 }
 
 absl::Status GradwireService::CheckModule(const Caller& caller,
                                           const std::string& module_id) const {
-  GW_RETURN_IF_ERROR(RequireId("module_id", module_id));
+  GW_RETURN_IF_ERROR(CheckId("module_id", module_id));
   return caller.isolated ? host_.CheckTenant(module_id, caller.tenant) : absl::OkStatus();
 }
 
 absl::Status GradwireService::CheckContext(const Caller& caller,
                                            const std::string& context_id) const {
-  GW_RETURN_IF_ERROR(RequireId("context_id", context_id));
+  GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
   return caller.isolated ? host_.CheckContextTenant(context_id, caller.tenant) : absl::OkStatus();
 }
 
@@ -317,9 +385,9 @@ void GradwireService::Report(const char* method, const absl::Status& status, dou
   record.code = status.code();
   record.message = std::string(status.message());
   record.seconds = seconds;
-  record.module_id = module_id;
-  record.context_id = context_id;
-  record.tenant = tenant;
+  record.module_id = Escaped(module_id, kIdLength);
+  record.context_id = Escaped(context_id, kIdLength);
+  record.tenant = Escaped(tenant, kMaxNameLength);
   options_.on_rpc_done(record);
 }
 
@@ -340,88 +408,74 @@ void ReleaseUnconsumed(core::DeviceExecutor& executor, core::ModuleHost& host,
   });
 }
 
-namespace {
-
-// A unary call's reactor. When the call ends without its status reaching the client, it
-// releases the context the call created: the client never learnt the id, so nobody would
-// consume it and it would pin its saved tensors and weight version until the TTL.
-class UnaryCall final : public grpc::ServerUnaryReactor {
+// A unary call. When it ends without its status reaching the client (cancelled, past its
+// deadline, a broken connection), it releases the context its work created: the client never
+// learnt the id, so nobody would consume it and it would pin its saved tensors and weight version
+// until the TTL.
+class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
  public:
-  UnaryCall(core::ModuleHost& host, core::DeviceExecutor& executor,
-            grpc::CallbackServerContext* ctx, const char* method,
-            const std::function<void(const char*)>* on_cancel)
-      : host_(host), executor_(executor), ctx_(ctx), method_(method), on_cancel_(on_cancel) {}
-  // Before Finish, on the thread that finishes the call.
-  void set_created_context(std::string id) { created_ = std::move(id); }
-  void OnDone() override {
-    if (!created_.empty() && ctx_->IsCancelled()) {
-      ReleaseUnconsumed(executor_, host_, {std::move(created_)},
-                        core::ContextStore::ReleaseReason::kUndelivered,
-                        absl::StrCat(method_, ": response not delivered"));
+  UnaryCall(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method)
+      : Call(service, ctx, method) {}
+
+  void Start(grpc::CallbackServerContext* ctx, GradwireService::Work work, std::string module_id,
+             std::string context_id, const google::protobuf::Message* request,
+             std::function<std::string()> created_context, core::DeviceExecutor* executor) {
+    NoteIds(module_id, context_id);
+    absl::Status refused = Authenticate(ctx);
+    if (refused.ok() && request != nullptr) refused = service_.CheckRequestBytes(*request);
+    Admission admission;
+    if (refused.ok()) refused = service_.Admit(caller(), module_id, context_id, &admission);
+    if (!refused.ok()) {
+      End(refused);
+      return;
     }
-    delete this;
-  }
-  void OnCancel() override {
-    if (on_cancel_ != nullptr && *on_cancel_) (*on_cancel_)(method_);
+    auto run = [this, work = std::move(work), created_context = std::move(created_context)] {
+      absl::Status status =
+          Abandoned()
+              ? absl::CancelledError(absl::StrCat(method_, " was cancelled before it started"))
+              : work(caller(), *this);
+      if (service_.options_.before_unary_finish) {
+        service_.options_.before_unary_finish(method_, status);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (status.ok() && created_context) created_ = created_context();
+      EndLocked(std::move(status));
+    };
+    auto on_error = [this](absl::Status status) { End(std::move(status)); };
+    if (executor == nullptr) {
+      Submit(std::move(admission), std::move(run), std::move(on_error));
+    } else {
+      SubmitTo(*executor, std::move(admission), std::move(run), std::move(on_error));
+    }
   }
 
  private:
-  core::ModuleHost& host_;
-  core::DeviceExecutor& executor_;
-  grpc::CallbackServerContext* ctx_;
-  const char* method_;
-  const std::function<void(const char*)>* on_cancel_;  // in the service's options, which outlive
-                                                       // the call
-  std::string created_;
+  void Cancelled() override {
+    if (service_.options_.on_unary_cancel) service_.options_.on_unary_cancel(method_);
+  }
+  void Ended() override {
+    // OnDone: finished, so created_ is settled. Past the deadline counts as undelivered even when
+    // gRPC did not see the cancellation: the client stopped waiting at its deadline.
+    if (!created_.empty() && Abandoned()) {
+      ReleaseUnconsumed(service_.executor_, service_.host_, {std::move(created_)},
+                        core::ContextStore::ReleaseReason::kUndelivered,
+                        absl::StrCat(method_, ": response not delivered"));
+    }
+  }
+
+  std::string created_;  // the context the work created (under mu_)
 };
 
-}  // namespace
-
-grpc::ServerUnaryReactor* GradwireService::RunOnDevice(
-    grpc::CallbackServerContext* ctx, const char* method,
-    std::function<absl::Status(const Caller&)> work, std::string module_id, std::string context_id,
-    const google::protobuf::Message* request, std::function<std::string()> created_context) {
-  auto* reactor = new UnaryCall(host_, executor_, ctx, method, &options_.on_unary_cancel);
-  const auto queued_at = std::chrono::steady_clock::now();
-  absl::StatusOr<Caller> caller = Authenticate(ctx);
-  absl::Status refused = caller.status();
-  if (refused.ok() && request != nullptr) refused = CheckRequestBytes(*request);
-  if (!refused.ok()) {
-    Report(method, refused, 0.0, module_id, context_id,
-           caller.ok() ? caller->tenant : std::string());
-    reactor->Finish(ToGrpc(refused));
-    return reactor;
-  }
-  std::string queue_key;
-  if (absl::Status status = AdmitQueued(*caller, module_id, context_id, &queue_key); !status.ok()) {
-    Report(method, status, 0.0, module_id, context_id, caller->tenant);
-    reactor->Finish(ToGrpc(status));
-    return reactor;
-  }
-  executor_.Submit([this, ctx, reactor, method, queued_at, work = std::move(work),
-                    caller = std::move(*caller), module_id = std::move(module_id),
-                    context_id = std::move(context_id), queue_key = std::move(queue_key),
-                    created_context = std::move(created_context)] {
-    if (!queue_key.empty()) Dequeued(queue_key);
-    absl::Status status;
-    if (Abandoned(ctx)) {
-      status = absl::CancelledError(absl::StrCat(method, " was cancelled before it started"));
-    } else {
-      try {
-        status = work(caller);
-      } catch (const std::exception& e) {
-        status = absl::InternalError(absl::StrCat(method, " failed: ", e.what()));
-      } catch (...) {
-        status = absl::InternalError(absl::StrCat(method, " failed with an unknown exception"));
-      }
-    }
-    Report(method, status,
-           std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_at).count(),
-           module_id, context_id, caller.tenant);
-    if (status.ok() && created_context) reactor->set_created_context(created_context());
-    reactor->Finish(ToGrpc(status));
-  });
-  return reactor;
+grpc::ServerUnaryReactor* GradwireService::RunUnary(grpc::CallbackServerContext* ctx,
+                                                    const char* method, Work work,
+                                                    std::string module_id, std::string context_id,
+                                                    const google::protobuf::Message* request,
+                                                    std::function<std::string()> created_context,
+                                                    bool control) {
+  auto* call = new UnaryCall(*this, ctx, method);
+  call->Start(ctx, std::move(work), std::move(module_id), std::move(context_id), request,
+              std::move(created_context), control ? control_.get() : nullptr);
+  return call;
 }
 
 grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerContext* ctx,
@@ -457,39 +511,86 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* GradwireService::CreateModule(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateModuleRequest* req,
                                                         v1::CreateModuleResponse* resp) {
-  return RunOnDevice(ctx, "CreateModule", [this, req, resp](const Caller& caller) -> absl::Status {
-    if (!req->has_spec()) return absl::InvalidArgumentError("spec is required");
-    GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
-    GW_ASSIGN_OR_RETURN(core::ModuleInfo info, host_.Create(spec, caller.tenant));
-    InfoToProto(info, resp->mutable_module());
-    Persist(info.module_id);
-    spdlog::info("created {} '{}' ({} -> {}, bias {}, {} scaling) as module {}{}{}",
-                 core::ModuleKindName(spec.kind), spec.name, spec.in_features, spec.out_features,
-                 spec.bias, spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
-                 info.module_id, caller.isolated ? " of tenant " : "", caller.tenant);
-    return absl::OkStatus();
-  });
+  // On the control thread: creating a module allocates and initialises host memory only, and a
+  // big one must not hold the device executor while other clients wait.
+  return RunUnary(
+      ctx, "CreateModule",
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
+        if (!req->has_spec()) return absl::InvalidArgumentError("spec is required");
+        GW_RETURN_IF_ERROR(CheckName("spec.name", req->spec().name()));
+        GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
+        GW_RETURN_IF_ERROR(core::ValidateModuleSpec(spec));
+        // The parameter quota is reserved before anything is allocated, and returned on failure.
+        const int64_t bytes = core::ParameterCount(spec) * int64_t(sizeof(float));
+        const int64_t quota = options_.quotas.parameter_bytes;
+        {
+          std::lock_guard<std::mutex> lock(queue_mu_);
+          int64_t& held = parameter_bytes_[caller.client];
+          if (quota > 0 && held + bytes > quota) {
+            const int64_t was = held;
+            if (held == 0) parameter_bytes_.erase(caller.client);
+            return absl::ResourceExhaustedError(
+                absl::StrCat("this module's parameters take ", bytes, " bytes and ", caller.client,
+                             "'s modules ", was, " already, over the quota of ", quota,
+                             " bytes (--max-parameter-bytes-per-client); delete modules first"));
+          }
+          held += bytes;
+        }
+        absl::StatusOr<core::ModuleInfo> info = host_.Create(spec, caller.tenant);
+        {
+          std::lock_guard<std::mutex> lock(queue_mu_);
+          if (info.ok()) {
+            module_bytes_[info->module_id] = {caller.client, bytes};
+          } else if ((parameter_bytes_[caller.client] -= bytes) <= 0) {
+            parameter_bytes_.erase(caller.client);
+          }
+        }
+        if (!info.ok()) return info.status();
+        InfoToProto(*info, resp->mutable_module());
+        Persist(info->module_id);
+        spdlog::info("created {} \"{}\" ({} -> {}, bias {}, {} scaling) as module {}{}{}",
+                     core::ModuleKindName(spec.kind), Escaped(spec.name, kMaxNameLength),
+                     spec.in_features, spec.out_features, spec.bias,
+                     spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
+                     info->module_id, caller.isolated ? " of tenant " : "",
+                     Escaped(caller.tenant, kMaxNameLength));
+        return absl::OkStatus();
+      },
+      {}, {}, req, nullptr, /*control=*/true);
 }
 
 grpc::ServerUnaryReactor* GradwireService::ListModules(grpc::CallbackServerContext* ctx,
                                                        const v1::ListModulesRequest*,
                                                        v1::ListModulesResponse* resp) {
-  return RunOnDevice(ctx, "ListModules", [this, resp](const Caller& caller) -> absl::Status {
-    for (const core::ModuleInfo& info : host_.List(caller.isolated ? &caller.tenant : nullptr)) {
-      InfoToProto(info, resp->add_modules());
-    }
-    return absl::OkStatus();
-  });
+  return RunUnary(ctx, "ListModules",
+                  [this, resp](const Caller& caller, const CallBase&) -> absl::Status {
+                    for (const core::ModuleInfo& info :
+                         host_.List(caller.isolated ? &caller.tenant : nullptr)) {
+                      InfoToProto(info, resp->add_modules());
+                    }
+                    return absl::OkStatus();
+                  });
 }
 
 grpc::ServerUnaryReactor* GradwireService::DeleteModule(grpc::CallbackServerContext* ctx,
                                                         const v1::DeleteModuleRequest* req,
                                                         v1::DeleteModuleResponse*) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "DeleteModule",
-      [this, req](const Caller& caller) -> absl::Status {
+      [this, req](const Caller& caller, const CallBase&) -> absl::Status {
         GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_RETURN_IF_ERROR(host_.Delete(req->module_id()));
+        {
+          std::lock_guard<std::mutex> lock(queue_mu_);
+          if (auto it = module_bytes_.find(req->module_id()); it != module_bytes_.end()) {
+            const auto& [client, bytes] = it->second;
+            if (auto held = parameter_bytes_.find(client);
+                held != parameter_bytes_.end() && (held->second -= bytes) <= 0) {
+              parameter_bytes_.erase(held);
+            }
+            module_bytes_.erase(it);
+          }
+        }
         if (options_.checkpointer) {
           if (auto s = options_.checkpointer->Remove(req->module_id()); !s.ok()) {
             spdlog::warn("{}", std::string(s.message()));
@@ -536,9 +637,73 @@ absl::Status GradwireService::CheckForwardLimits(const Caller& caller,
   return absl::OkStatus();
 }
 
+absl::Status GradwireService::CheckHeader(const Caller& caller,
+                                          const v1::ForwardRequest& req) const {
+  GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
+  if (!req.has_input()) return absl::InvalidArgumentError("input is required");
+  GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
+  GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
+  const int dims = req.input().shape_size();
+  if (dims == 0 || req.input().shape(dims - 1) != spec.in_features) {
+    return absl::InvalidArgumentError(absl::StrCat("input.shape must be [..., ", spec.in_features,
+                                                   "] (the module's in_features)"));
+  }
+  return CheckForwardLimits(caller, req);
+}
+
+absl::Status GradwireService::CheckHeader(const Caller& caller,
+                                          const v1::BackwardRequest& req) const {
+  GW_RETURN_IF_ERROR(CheckId("context_id", req.context_id()));
+  // The live index only (reactor thread): an unknown, foreign or evicted context is refused here;
+  // the unary path's messages say which.
+  const std::string module_id =
+      host_.contexts().ModuleOf(req.context_id(), caller.isolated ? &caller.tenant : nullptr);
+  if (module_id.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("context_id ", req.context_id(), " is not a live context"));
+  }
+  if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
+  GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
+  GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(module_id));
+  const int dims = req.grad_output().shape_size();
+  if (dims == 0 || req.grad_output().shape(dims - 1) != spec.out_features) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grad_output.shape must be [..., ", spec.out_features, "] (the module's out_features)"));
+  }
+  const int64_t limit = options_.limits.max_tensor_elements;
+  GW_RETURN_IF_ERROR(CheckElements("grad_output", ShapeElements(req.grad_output()), limit));
+  if (req.has_grad_layernorm_output()) {
+    GW_RETURN_IF_ERROR(
+        CheckElements("grad_layernorm_output", ShapeElements(req.grad_layernorm_output()), limit));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::CheckHeader(const Caller& caller,
+                                          const v1::SetWeightsRequest& req) const {
+  GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
+  GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
+  const auto shapes = core::ParameterShapes(spec);
+  for (int i = 0; i < req.parameters_size(); ++i) {
+    const v1::NamedTensor& named = req.parameters(i);
+    auto it = shapes.begin();
+    while (it != shapes.end() && it->first != named.name()) ++it;
+    if (it == shapes.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameters[", i, "] (\"", Escaped(named.name()), "\"): not a parameter of this module"));
+    }
+    const auto& shape = named.tensor().shape();
+    if (!std::equal(shape.begin(), shape.end(), it->second.begin(), it->second.end())) {
+      return absl::InvalidArgumentError(absl::StrCat("parameters[", i, "] (", it->first,
+                                                     "): the shape must be [",
+                                                     absl::StrJoin(it->second, ", "), "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                                        v1::ForwardResponse* resp,
-                                        const grpc::CallbackServerContext* ctx) {
+                                        v1::ForwardResponse* resp, const CallBase* call) {
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
@@ -556,7 +721,7 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
         dtype == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
         req.input().scale_inv(), {true, req.training()});
   }
-  if (Abandoned(ctx)) {  // stop before the compute
+  if (call != nullptr && call->Abandoned()) {  // stop before the compute
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
   }
   if (options_.before_forward_compute) options_.before_forward_compute();
@@ -569,12 +734,12 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
     resp->Clear();
     return status;
   };
-  if (Abandoned(ctx)) {
-    return fail(
-        absl::CancelledError(
-            "Forward was cancelled or passed its deadline during the compute; its context was "
-            "released"),
-        core::ContextStore::ReleaseReason::kUndelivered);
+  // A context is only worth returning when the response can still reach the client in time.
+  if (call != nullptr && !out.context_id.empty() && call->Abandoned(options_.delivery_slack)) {
+    return fail(absl::CancelledError(
+                    "Forward was cancelled, passed its deadline or came too close to it during the "
+                    "compute; its context was released"),
+                core::ContextStore::ReleaseReason::kUndelivered);
   }
   if (auto s = EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output());
       !s.ok()) {
@@ -595,8 +760,7 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
 }
 
 absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                                         v1::BackwardResponse* resp,
-                                         const grpc::CallbackServerContext* ctx) {
+                                         v1::BackwardResponse* resp, const CallBase* call) {
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
@@ -613,7 +777,7 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   }
   in.retain = req.retain();
   in.skip_grad_input = req.skip_grad_input();
-  if (Abandoned(ctx)) {  // the context stays for a retry
+  if (call != nullptr && call->Abandoned()) {  // the context stays for a retry
     return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
   }
   GW_ASSIGN_OR_RETURN(at::Tensor grad_input, host_.Backward(req.context_id(), in));
@@ -635,35 +799,40 @@ absl::Status GradwireService::DoRelease(const Caller& caller,
 grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* ctx,
                                                    const v1::ForwardRequest* req,
                                                    v1::ForwardResponse* resp) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "Forward",
-      [this, ctx, req, resp](const Caller& caller) { return DoForward(caller, *req, resp, ctx); },
+      [this, req, resp](const Caller& caller, const CallBase& call) {
+        return DoForward(caller, *req, resp, &call);
+      },
       req->module_id(), {}, req, [resp] { return resp->context_id(); });
 }
 
 grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext* ctx,
                                                     const v1::BackwardRequest* req,
                                                     v1::BackwardResponse* resp) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "Backward",
-      [this, ctx, req, resp](const Caller& caller) { return DoBackward(caller, *req, resp, ctx); },
+      [this, req, resp](const Caller& caller, const CallBase& call) {
+        return DoBackward(caller, *req, resp, &call);
+      },
       {}, req->context_id(), req);
 }
 
 grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerContext* ctx,
                                                           const v1::ReleaseContextRequest* req,
                                                           v1::ReleaseContextResponse*) {
-  return RunOnDevice(
-      ctx, "ReleaseContext", [this, req](const Caller& caller) { return DoRelease(caller, *req); },
-      {}, req->context_id());
+  return RunUnary(
+      ctx, "ReleaseContext",
+      [this, req](const Caller& caller, const CallBase&) { return DoRelease(caller, *req); }, {},
+      req->context_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::ApplyGradients(grpc::CallbackServerContext* ctx,
                                                           const v1::ApplyGradientsRequest* req,
                                                           v1::ApplyGradientsResponse* resp) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "ApplyGradients",
-      [this, req, resp](const Caller& caller) -> absl::Status {
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
         GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_ASSIGN_OR_RETURN(uint64_t version,
                             host_.ApplyGradients(req->module_id(), req->learning_rate()));
@@ -681,9 +850,9 @@ grpc::ServerUnaryReactor* GradwireService::ApplyGradients(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* GradwireService::GetGradients(grpc::CallbackServerContext* ctx,
                                                         const v1::GetGradientsRequest* req,
                                                         v1::GetGradientsResponse* resp) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "GetGradients",
-      [this, req, resp](const Caller& caller) -> absl::Status {
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
         GW_RETURN_IF_ERROR(CheckModule(caller, req->module_id()));
         GW_RETURN_IF_ERROR(CheckOutputDType(req->dtype(), "dtype"));
         GW_ASSIGN_OR_RETURN(core::ParametersCopy g,
@@ -727,18 +896,22 @@ absl::Status GradwireService::DoSetWeights(const Caller& caller, const v1::SetWe
 grpc::ServerUnaryReactor* GradwireService::GetWeights(grpc::CallbackServerContext* ctx,
                                                       const v1::GetWeightsRequest* req,
                                                       v1::GetWeightsResponse* resp) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "GetWeights",
-      [this, req, resp](const Caller& caller) { return DoGetWeights(caller, *req, resp); },
+      [this, req, resp](const Caller& caller, const CallBase&) {
+        return DoGetWeights(caller, *req, resp);
+      },
       req->module_id());
 }
 
 grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContext* ctx,
                                                       const v1::SetWeightsRequest* req,
                                                       v1::SetWeightsResponse* resp) {
-  return RunOnDevice(
+  return RunUnary(
       ctx, "SetWeights",
-      [this, req, resp](const Caller& caller) { return DoSetWeights(caller, *req, resp); },
+      [this, req, resp](const Caller& caller, const CallBase&) {
+        return DoSetWeights(caller, *req, resp);
+      },
       req->module_id(), {}, req);
 }
 

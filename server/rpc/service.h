@@ -3,7 +3,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -14,6 +16,8 @@
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/call.h"
+#include "server/rpc/usage.h"
 
 namespace gradwire::rpc {
 
@@ -45,6 +49,15 @@ struct ServiceLimits {
                                 << 26;     // any tensor a call sends or makes the server build
   int64_t max_contexts_per_client = 4096;  // live training contexts of one client
   int64_t max_queued_per_module = 256;     // calls waiting on the executor, per module
+  int64_t max_queued_per_client = 1024;    // calls waiting on the executor, per client
+};
+
+// Per-client quotas in bytes (a client is a tenant with tokens, else a peer host); each refusal is
+// RESOURCE_EXHAUSTED naming the flag, and changes nothing. 0: unlimited. The third quota, on
+// saved-context bytes, is the context store's (core::ContextLimits::client_bytes).
+struct ClientQuotas {
+  int64_t parameter_bytes = int64_t(8) << 30;  // fp32 parameters of the client's modules
+  int64_t stream_bytes = int64_t(4) << 30;     // tensors of its chunked requests being received
 };
 
 struct ServiceOptions {
@@ -60,6 +73,9 @@ struct ServiceOptions {
   // Test seam: called on the executor after a Forward's last check before its compute, so a test
   // can cancel or outlive a call at exactly that point; may be empty.
   std::function<void()> before_forward_compute;
+  // Test seam: called on the executor after a unary call's work returned and before the call
+  // finishes, so a test can cancel a call whose work is done; may be empty.
+  std::function<void(const char* method, const absl::Status& status)> before_unary_finish;
   // Test seam: called on a gRPC thread when the server sees a unary call cancelled (by the client
   // or its deadline); must not block; may be empty.
   std::function<void(const char* method)> on_unary_cancel;
@@ -70,6 +86,11 @@ struct ServiceOptions {
   int64_t chunk_bytes = int64_t(4) << 20;
   int64_t max_stream_bytes = int64_t(4) << 30;
   ServiceLimits limits;
+  ClientQuotas quotas;
+  // A training forward that finishes less than this before its deadline is treated as abandoned:
+  // its response would likely reach the client after the client gave up, and the context it
+  // created would then be known to nobody. It is released and the call answers CANCELLED.
+  std::chrono::milliseconds delivery_slack{10};
 };
 
 // Releases contexts nobody will consume (a forward's response that never arrived, a Train
@@ -80,16 +101,11 @@ void ReleaseUnconsumed(core::DeviceExecutor& executor, core::ModuleHost& host,
                        std::vector<std::string> ids, core::ContextStore::ReleaseReason reason,
                        std::string what);
 
-class TrainReactor;
-template <typename Req, typename ReqPart, typename Resp, typename RespPart>
-class ChunkedBidiReactor;
-class SetWeightsChunkedReactor;
-class GetWeightsChunkedReactor;
-
 class GradwireService final : public v1::Gradwire::CallbackService {
  public:
   // `host` and `executor` must outlive the service.
   GradwireService(core::ModuleHost& host, core::DeviceExecutor& executor, ServiceOptions options);
+  ~GradwireService() override;
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* req,
@@ -139,61 +155,80 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   int64_t streams_open() const { return streams_open_.load(); }
   // Calls counted against --max-queued-per-module for `module_id` that have not started yet.
   int64_t queued_calls(const std::string& module_id) const;
+  // Every client that holds anything now, against its quotas.
+  std::vector<ClientUsage> Usage() const;
+  // Calls alive now (admitted or not, until gRPC's OnDone and the last queued work), for tests.
+  static int64_t live_calls();
 
  private:
-  friend class TrainReactor;
+  friend class CallBase;
+  friend class Admission;
+  friend class UnaryCall;
+  friend class TrainCall;
   template <typename Req, typename ReqPart, typename Resp, typename RespPart>
-  friend class ChunkedBidiReactor;
-  friend class SetWeightsChunkedReactor;
-  friend class GetWeightsChunkedReactor;
+  friend class ChunkedBidiCall;
+  friend class SetWeightsChunkedCall;
+  friend class GetWeightsChunkedCall;
+  template <typename Req, typename ReqPart>
+  friend class PartReader;
+  using Work = std::function<absl::Status(const Caller&, const CallBase&)>;
 
-  // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls and Train.
-  // `ctx` (may be null) is checked before the compute, and for a forward after it too: a
-  // cancelled or timed-out forward leaves no context behind.
+  // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls, the chunked
+  // calls and Train. `call` (may be null) is checked before the compute, and for a training
+  // forward after it too: an abandoned forward leaves no context behind.
   absl::Status DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                         v1::ForwardResponse* resp, const grpc::CallbackServerContext* ctx);
+                         v1::ForwardResponse* resp, const CallBase* call);
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                          v1::BackwardResponse* resp, const grpc::CallbackServerContext* ctx);
+                          v1::BackwardResponse* resp, const CallBase* call);
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
   // The bodies of GetWeights and SetWeights, shared with their chunked variants.
   absl::Status DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,
                             v1::GetWeightsResponse* resp);
   absl::Status DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
                             v1::SetWeightsResponse* resp);
-  // --max-tensor-elements on what a forward sends and would build, and
-  // --max-contexts-per-client for a training forward: checked before anything runs.
+  // --max-tensor-elements on what a forward sends and would build, the module's input width, and
+  // --max-contexts-per-client and the context quota for a training forward: checked before
+  // anything runs (and before a chunked request allocates).
   absl::Status CheckForwardLimits(const Caller& caller, const v1::ForwardRequest& req) const;
+  // What a chunked request's header allows checking before its tensors are allocated: the ids, the
+  // ownership, the shapes against the module and the element limits.
+  absl::Status CheckHeader(const Caller& caller, const v1::ForwardRequest& req) const;
+  absl::Status CheckHeader(const Caller& caller, const v1::BackwardRequest& req) const;
+  absl::Status CheckHeader(const Caller& caller, const v1::SetWeightsRequest& req) const;
 
-  // Queues `work` on the device executor and finishes the RPC with its status. Exceptions from
-  // `work` become INTERNAL; a call cancelled before it starts is not run.
-  // `module_id` / `context_id` name what the request is about, for the RpcRecord.
-  // The caller is authenticated first (in the reactor); an unauthenticated call never queues,
-  // nor does one over --max-request-bytes (`request`, when given, is measured) or one whose module
-  // has --max-queued-per-module calls waiting already.
-  // `created_context`, when given, names the context a successful `work` created (read after it
-  // returns): when its response never reaches the client (cancelled, deadline, broken
-  // connection), the call's end releases it, since nobody holds its id.
-  grpc::ServerUnaryReactor* RunOnDevice(grpc::CallbackServerContext* ctx, const char* method,
-                                        std::function<absl::Status(const Caller&)> work,
-                                        std::string module_id = {}, std::string context_id = {},
-                                        const google::protobuf::Message* request = nullptr,
-                                        std::function<std::string()> created_context = nullptr);
+  // A unary call through the lifecycle of call.h: authenticated, measured against
+  // --max-request-bytes (`request`, when given), admitted for `module_id` / `context_id`, then
+  // `work` runs on the device executor (on the control thread when `control`). `created_context`,
+  // when given, names the context a successful `work` created (read after it returns): when its
+  // response never reaches the client, the call's end releases it, since nobody holds its id.
+  grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, const char* method,
+                                     Work work, std::string module_id = {},
+                                     std::string context_id = {},
+                                     const google::protobuf::Message* request = nullptr,
+                                     std::function<std::string()> created_context = nullptr,
+                                     bool control = false);
 
   // RESOURCE_EXHAUSTED naming --max-request-bytes when `request` is over it.
   absl::Status CheckRequestBytes(const google::protobuf::Message& request) const;
-  // Per-module queue depth, for every call that waits on the executor (unary, chunked and each
-  // Train stream message). Admit counts a call in for the module it names, or for the module of
-  // the context it names when the caller may see that context; RESOURCE_EXHAUSTED naming
-  // --max-queued-per-module when that module has the limit waiting already. `key` gets what to
-  // pass to Dequeued when the call starts (empty: nothing was counted).
-  absl::Status AdmitQueued(const Caller& caller, const std::string& module_id,
-                           const std::string& context_id, std::string* key);
-  void Dequeued(const std::string& module_id);
+  // Step 2 of a call: ownership, then the queue bounds. A call naming a module must name one the
+  // caller may see (NOT_FOUND otherwise, before anything is counted); a call naming a context
+  // counts for that context's module only when the caller may see the context. Every call counts
+  // for its client (--max-queued-per-client). RESOURCE_EXHAUSTED naming the flag when full.
+  absl::Status Admit(const Caller& caller, const std::string& module_id,
+                     const std::string& context_id, Admission* admission);
+  void Dequeued(const std::string& module_key, const std::string& client_key);
+
+  // Chunked bytes in flight per client (--max-stream-bytes-per-client): reserved when a header is
+  // accepted, returned when the request is dropped.
+  absl::Status ReserveStreamBytes(const Caller& caller, int64_t bytes);
+  void ReturnStreamBytes(const std::string& client, int64_t bytes);
 
   absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
-  // NOT_FOUND (as for an unknown id) when the caller's tenant does not own the id.
+  // INVALID_ARGUMENT for a malformed id; NOT_FOUND (as for an unknown id) when the caller's tenant
+  // does not own it.
   absl::Status CheckModule(const Caller& caller, const std::string& module_id) const;
   absl::Status CheckContext(const Caller& caller, const std::string& context_id) const;
+  // Logs and metrics of one finished call; ids are bounded and escaped here.
   void Report(const char* method, const absl::Status& status, double seconds,
               const std::string& module_id, const std::string& context_id,
               const std::string& tenant) const;
@@ -205,10 +240,19 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   core::ModuleHost& host_;
   core::DeviceExecutor& executor_;
   const ServiceOptions options_;
+  // Module creation and deletion: host memory only, so it runs here, off the device executor, and
+  // a big module cannot stall other clients' compute.
+  std::unique_ptr<core::DeviceExecutor> control_;
   std::atomic<int64_t> stream_requests_read_{0};
   std::atomic<int64_t> streams_open_{0};
-  mutable std::mutex queue_mu_;
-  std::unordered_map<std::string, int64_t> queued_;  // module_id -> calls not yet started
+  mutable std::mutex queue_mu_;                                // guards the three maps below
+  std::unordered_map<std::string, int64_t> queued_;            // module -> calls not started
+  std::unordered_map<std::string, int64_t> queued_by_client_;  // client -> calls not started
+  std::unordered_map<std::string, int64_t> stream_bytes_;      // client -> chunked bytes held
+  // fp32 parameter bytes per client (--max-parameter-bytes-per-client), reserved before a module
+  // is created; and who holds each module's bytes.
+  std::unordered_map<std::string, int64_t> parameter_bytes_;
+  std::unordered_map<std::string, std::pair<std::string, int64_t>> module_bytes_;
 };
 
 }  // namespace gradwire::rpc

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "server/rpc/service.h"
@@ -17,43 +18,43 @@ namespace gradwire::rpc {
 // in arrival order, writes responses one at a time in completion order, and finishes once the
 // client is done (or the call is cancelled) and nothing is left in flight. Every context a forward
 // on this stream created and no backward consumed is released at the end.
-class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse> {
+//
+// The lifecycle is call.h's, per message: each request read is admitted (ownership, then the
+// queue bounds) and submitted holding a reference to the call. A request read after the call
+// finished (a read that completes after a cancel) is dropped unrun, and the call finishes only
+// when every submitted request has answered, so no work can reach a call gRPC is done with.
+class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse>> {
  public:
-  TrainReactor(GradwireService& service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx), start_(std::chrono::steady_clock::now()) {
+  TrainCall(GradwireService& service, grpc::CallbackServerContext* ctx)
+      : Call(service, ctx, "Train") {
     ++service_.streams_open_;
-    auto caller = service_.Authenticate(ctx);
-    if (!caller.ok()) {
-      status_ = caller.status();
-      finished_ = true;
-      Finish(ToGrpc(status_));
+    if (absl::Status s = Authenticate(ctx); !s.ok()) {
+      End(s);
       return;
     }
-    caller_ = std::move(*caller);
     limit_ = std::max(1, service_.options_.stream_read_ahead);
     std::lock_guard<std::mutex> lock(mu_);
     StartReadLocked();
   }
 
   void OnReadDone(bool ok) override {
-    // The message and its queue admission first, outside the stream's lock: admission looks the
-    // context up in the store's live index and takes the queue lock, and neither belongs under the
-    // stream's lock. No other read is in flight until this one starts the next, so `incoming_` is
-    // ours here.
+    // The message and its admission first, outside the call's lock: admission looks the module and
+    // the context up and takes the queue lock, and neither belongs under the call's lock. No other
+    // read is in flight until this one starts the next, so `incoming_` is ours here.
     std::shared_ptr<v1::TrainRequest> request;
-    std::string queue_key;
+    Admission admission;
     absl::Status refused;
     if (ok) {
       request = std::make_shared<v1::TrainRequest>(std::move(incoming_));
       incoming_.Clear();
-      // Each message counts against its module's queue limit like a unary call; one refused gets
-      // its RESOURCE_EXHAUSTED answer now, in its turn among the responses.
+      // Each message counts against the queue bounds like a unary call; one refused gets its
+      // answer now, in its turn among the responses.
       const std::string* module_id = &kNone;
       const std::string* context_id = &kNone;
       if (request->has_forward()) module_id = &request->forward().module_id();
       if (request->has_backward()) context_id = &request->backward().context_id();
       if (request->has_release()) context_id = &request->release().context_id();
-      refused = service_.AdmitQueued(caller_, *module_id, *context_id, &queue_key);
+      refused = service_.Admit(caller(), *module_id, *context_id, &admission);
     }
     std::lock_guard<std::mutex> lock(mu_);
     reading_ = false;
@@ -62,6 +63,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
       MaybeFinishLocked();
       return;
     }
+    if (finished_ || broken_) return;  // nobody will read an answer: dropped, admission returned
     ++service_.stream_requests_read_;
     ++unanswered_;
     if (!refused.ok()) {
@@ -71,10 +73,17 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
       resp.set_message(std::string(refused.message()));
       RespondLocked(std::move(resp));
     } else {
-      service_.executor_.Submit([this, request, queue_key = std::move(queue_key)] {
-        if (!queue_key.empty()) service_.Dequeued(queue_key);
-        Process(*request);
-      });
+      Submit(
+          std::move(admission), [this, request] { Process(*request); },
+          [this, request](absl::Status failed) {
+            // Process itself failed past its own guard: answer so the stream can finish.
+            v1::TrainResponse resp;
+            resp.set_request_id(request->request_id());
+            resp.set_code(int(ToGrpc(failed).error_code()));
+            resp.set_message(std::string(failed.message()));
+            std::lock_guard<std::mutex> lock(mu_);
+            RespondLocked(std::move(resp));
+          });
     }
     if (unanswered_ < limit_) StartReadLocked();
   }
@@ -86,7 +95,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     --unanswered_;
     if (!ok) broken_ = true;
     if (broken_) DropQueuedLocked();
-    if (!outgoing_.empty()) {
+    if (!outgoing_.empty() && !finished_) {
       writing_ = true;
       StartWrite(&outgoing_.front());
     }
@@ -94,25 +103,20 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     MaybeFinishLocked();
   }
 
-  void OnCancel() override {
+ private:
+  void Cancelled() override {
     std::lock_guard<std::mutex> lock(mu_);
     broken_ = true;
-    status_ = absl::CancelledError("the Train stream was cancelled");
+    if (status_.ok()) status_ = absl::CancelledError("the Train stream was cancelled");
     if (!writing_) DropQueuedLocked();
     MaybeFinishLocked();
   }
 
-  void OnDone() override {
+  void Ended() override {
     ReleaseLeftovers();
     --service_.streams_open_;
-    service_.Report(
-        "Train", status_,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(), {}, {},
-        caller_.tenant);
-    delete this;
   }
 
- private:
   // After a cancel or a failed write nothing more is written: responses not being written now are
   // dropped (they count as answered).
   void DropQueuedLocked() {
@@ -131,41 +135,37 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
     v1::TrainResponse resp;
     resp.set_request_id(req.request_id());
     absl::Status status;
-    if (ctx_->IsCancelled()) {
+    if (Abandoned()) {
       status = absl::CancelledError("the Train stream was cancelled");
     } else if (auto too_big = service_.CheckRequestBytes(req); !too_big.ok()) {
       status = too_big;  // per message, as for the unary calls
     } else {
-      try {
-        switch (req.op_case()) {
-          case v1::TrainRequest::kForward:
-            status = service_.DoForward(caller_, req.forward(), resp.mutable_forward(), ctx_);
-            if (status.ok() && !resp.forward().context_id().empty()) {
-              std::lock_guard<std::mutex> lock(mu_);
-              contexts_.insert(resp.forward().context_id());
-            }
-            break;
-          case v1::TrainRequest::kBackward:
-            status = service_.DoBackward(caller_, req.backward(), resp.mutable_backward(), ctx_);
-            if (status.ok() && !req.backward().retain()) {
-              std::lock_guard<std::mutex> lock(mu_);
-              contexts_.erase(req.backward().context_id());
-            }
-            break;
-          case v1::TrainRequest::kRelease:
-            status = service_.DoRelease(caller_, req.release());
-            if (status.ok()) {
-              resp.mutable_release();
-              std::lock_guard<std::mutex> lock(mu_);
-              contexts_.erase(req.release().context_id());
-            }
-            break;
-          default:
-            status = absl::InvalidArgumentError(
-                absl::StrCat("request ", req.request_id(), ": set forward, backward or release"));
-        }
-      } catch (const std::exception& e) {
-        status = absl::InternalError(absl::StrCat("Train request failed: ", e.what()));
+      switch (req.op_case()) {
+        case v1::TrainRequest::kForward:
+          status = service_.DoForward(caller(), req.forward(), resp.mutable_forward(), this);
+          if (status.ok() && !resp.forward().context_id().empty()) {
+            std::lock_guard<std::mutex> lock(mu_);
+            contexts_.insert(resp.forward().context_id());
+          }
+          break;
+        case v1::TrainRequest::kBackward:
+          status = service_.DoBackward(caller(), req.backward(), resp.mutable_backward(), this);
+          if (status.ok() && !req.backward().retain()) {
+            std::lock_guard<std::mutex> lock(mu_);
+            contexts_.erase(req.backward().context_id());
+          }
+          break;
+        case v1::TrainRequest::kRelease:
+          status = service_.DoRelease(caller(), req.release());
+          if (status.ok()) {
+            resp.mutable_release();
+            std::lock_guard<std::mutex> lock(mu_);
+            contexts_.erase(req.release().context_id());
+          }
+          break;
+        default:
+          status = absl::InvalidArgumentError(
+              absl::StrCat("request ", req.request_id(), ": set forward, backward or release"));
       }
     }
     if (!status.ok()) {
@@ -179,7 +179,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
 
   // Queues a response for writing (dropped when nobody will read it).
   void RespondLocked(v1::TrainResponse resp) {
-    if (broken_) {
+    if (broken_ || finished_) {
       --unanswered_;
       MaybeFinishLocked();
       return;
@@ -194,8 +194,7 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
   void MaybeFinishLocked() {
     if (finished_ || writing_ || unanswered_ > 0) return;
     if (!read_done_ && !broken_) return;
-    finished_ = true;
-    Finish(ToGrpc(status_));
+    EndLocked(status_);
   }
 
   void ReleaseLeftovers() {
@@ -212,28 +211,21 @@ class TrainReactor final : public grpc::ServerBidiReactor<v1::TrainRequest, v1::
 
   static inline const std::string kNone;
 
-  GradwireService& service_;
-  grpc::CallbackServerContext* ctx_;
-  const std::chrono::steady_clock::time_point start_;
-  Caller caller_;
   int limit_ = 8;
-  absl::Status status_;
-
-  std::mutex mu_;  // guards everything below
+  // Under mu_ (CallBase's):
   v1::TrainRequest incoming_;
   std::deque<v1::TrainResponse> outgoing_;  // front is being written while writing_
   std::unordered_set<std::string> contexts_;
-  int unanswered_ = 0;  // read, response not yet written
+  int unanswered_ = 0;  // read and admitted, response not yet written
   bool reading_ = false;
   bool writing_ = false;
   bool read_done_ = false;
   bool broken_ = false;
-  bool finished_ = false;
 };
 
 grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse>* GradwireService::Train(
     grpc::CallbackServerContext* ctx) {
-  return new TrainReactor(*this, ctx);
+  return new TrainCall(*this, ctx);
 }
 
 }  // namespace gradwire::rpc

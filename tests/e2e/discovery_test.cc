@@ -123,7 +123,7 @@ TEST(MetricsTest, PrometheusEndpointCountsCallsAndShowsState) {
     ASSERT_TRUE(f.ok());
     ASSERT_TRUE(client.Backward(f->context_id, client::HostTensor::Zeros({3, 4})).ok());
   }
-  EXPECT_FALSE(client.Forward("nope", x, false).ok());
+  EXPECT_FALSE(client.Forward(std::string(32, 'a'), x, false).ok());  // unknown: NOT_FOUND
 
   httplib::Client http(host, port);
   auto res = http.Get("/metrics");

@@ -210,7 +210,7 @@ check "--partial: bias alone accepted" \
            [ '$(version_of "$b")' = $((vb + 1)) ]"
 
 # --- other failures ---
-cli nomod weights export --server "$addr" --module no-such-module "$tmp/x.st"
+cli nomod weights export --server "$addr" --module 0123456789abcdef0123456789abcdef "$tmp/x.st"
 check "export of an unknown module: exit 1 with NOT_FOUND, no file" \
   bash -c "[ $rc = 1 ] && grep -q '^gradwire: NOT_FOUND: ' '$tmp/nomod.err' && [ ! -e '$tmp/x.st' ]"
 cli nodir weights export --server "$addr" --module "$a" "$tmp/no/such/dir/a.st"

@@ -336,7 +336,7 @@ std::vector<Case> Cases() {
   };
   // --- Forward: ids and presence.
   fwd("ForwardUnknownModule", kNotFound, "is not a module", "lin", [](Env& e) {
-    return e.ForwardReq("m-does-not-exist", Wire({2, kIn}));
+    return e.ForwardReq("00000000000000000000000000000001", Wire({2, kIn}));
   });
   fwd("ForwardEmptyModuleId", kInvalid, "module_id is required", "lin", [](Env& e) {
     return e.ForwardReq("", Wire({2, kIn}));
@@ -447,7 +447,7 @@ std::vector<Case> Cases() {
   };
   bwd("BackwardUnknownContext", kNotFound, "is not a live context", "lin", Prep::kNone,
       [](Env& e, const std::string&) {
-        return e.BackwardReq("c-nope", Wire({2, kOut}));
+        return e.BackwardReq("00000000000000000000000000000002", Wire({2, kOut}));
       });
   bwd("BackwardEmptyContextId", kInvalid, "context_id is required", "lin", Prep::kNone,
       [](Env& e, const std::string&) {
@@ -535,8 +535,9 @@ std::vector<Case> Cases() {
         return r;
       });
   // --- ReleaseContext.
-  c.push_back({"ReleaseUnknownContext", kNotFound, "is not a live context", "lin", Prep::kNone,
-               [](Env& e, const std::string&) { return e.Release("c-unknown"); }});
+  c.push_back(
+      {"ReleaseUnknownContext", kNotFound, "is not a live context", "lin", Prep::kNone,
+       [](Env& e, const std::string&) { return e.Release("00000000000000000000000000000003"); }});
   c.push_back({"ReleaseEmptyContextId", kInvalid, "context_id is required", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.Release(""); }});
   // --- Foreign tenant: alice names bob's module or context; worded as for an unknown id.
@@ -628,13 +629,16 @@ std::vector<Case> Cases() {
     s->mutable_optimizer()->mutable_adamw()->set_learning_rate(0.001f);
     s->mutable_optimizer()->mutable_adamw()->set_weight_decay(kNaN);
   });
-  c.push_back({"DeleteUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
-               [](Env& e, const std::string&) { return e.Delete("m-unknown"); }});
+  c.push_back(
+      {"DeleteUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
+       [](Env& e, const std::string&) { return e.Delete("00000000000000000000000000000004"); }});
   c.push_back({"DeleteEmptyModuleId", kInvalid, "module_id is required", "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.Delete(""); }});
   // --- Optimizer and weights.
   c.push_back({"ApplyGradientsUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
-               [](Env& e, const std::string&) { return e.ApplyGradients("m-unknown", 0); }});
+               [](Env& e, const std::string&) {
+                 return e.ApplyGradients("00000000000000000000000000000004", 0);
+               }});
   c.push_back({"ApplyGradientsNegativeLearningRate", kInvalid, "learning_rate must be finite",
                "lin", Prep::kNone,
                [](Env& e, const std::string&) { return e.ApplyGradients(e.id["lin"], -0.1f); }});
@@ -651,7 +655,9 @@ std::vector<Case> Cases() {
                  return e.GetWeights(e.id["lin"], static_cast<v1::DType>(6));
                }});
   c.push_back({"GetWeightsUnknownModule", kNotFound, "is not a module", "lin", Prep::kNone,
-               [](Env& e, const std::string&) { return e.GetWeights("m-x", v1::F32); }});
+               [](Env& e, const std::string&) {
+                 return e.GetWeights("00000000000000000000000000000005", v1::F32);
+               }});
   auto set = [&](const char* name, G code, const char* msg, std::string module,
                  std::function<std::vector<std::pair<std::string, v1::Tensor>>()> params) {
     c.push_back(
@@ -659,9 +665,10 @@ std::vector<Case> Cases() {
            return e.SetWeightsOf(module, params());
          }});
   };
-  set("SetWeightsUnknownModule", kNotFound, "is not a module", "m-unknown", [] {
-    return std::vector<std::pair<std::string, v1::Tensor>>{{"bias", Wire({kOut})}};
-  });
+  set("SetWeightsUnknownModule", kNotFound, "is not a module", "00000000000000000000000000000004",
+      [] {
+        return std::vector<std::pair<std::string, v1::Tensor>>{{"bias", Wire({kOut})}};
+      });
   set("SetWeightsEmptyParameters", kInvalid, "parameters is empty", "lin",
       [] { return std::vector<std::pair<std::string, v1::Tensor>>{}; });
   set("SetWeightsUnknownName", kInvalid, "not a parameter of this Linear", "lin", [] {

@@ -180,8 +180,8 @@ TEST(UndeliveredForwardTest, AResponseThatNeverArrivesReleasesItsContext) {
       server_saw_cancel = true;
       cv.notify_all();
     };
-    o.on_rpc_done = [&](const rpc::RpcRecord& r) {
-      if (std::string(r.method) != "Forward" || r.code != absl::StatusCode::kOk) return;
+    o.before_unary_finish = [&](const char* method, const absl::Status& status) {
+      if (std::string(method) != "Forward" || !status.ok()) return;
       std::unique_lock<std::mutex> lock(mu);
       if (client_gone) return;  // only the first forward is held
       held = true;

@@ -304,7 +304,7 @@ TEST_F(ChunkedServiceTest, MalformedSequencesAreRefusedAndLeaveNothing) {
   with_data.mutable_header()->mutable_input()->set_data("x");
   v1::ForwardRequestPart neither;
   v1::ForwardRequestPart huge = header;
-  huge.mutable_header()->mutable_input()->set_shape(0, 1 << 20);  // 512 MiB of F32
+  huge.mutable_header()->mutable_input()->set_shape(0, 1 << 17);  // 64 MiB of F32
 
   struct Case {
     const char* name;

@@ -263,8 +263,11 @@ const BadForward kBadForwards[] = {
      "input is required"},
     {"no module id", [](v1::ForwardRequest* r) { r->clear_module_id(); }, grpc::INVALID_ARGUMENT,
      "module_id is required"},
-    {"unknown module", [](v1::ForwardRequest* r) { r->set_module_id("not-a-module"); },
-     grpc::NOT_FOUND, "module_id not-a-module"},
+    {"unknown module",
+     [](v1::ForwardRequest* r) { r->set_module_id("0123456789abcdef0123456789abcdef"); },
+     grpc::NOT_FOUND, "module_id 0123456789abcdef0123456789abcdef is not a module"},
+    {"malformed module id", [](v1::ForwardRequest* r) { r->set_module_id("not-a-module"); },
+     grpc::INVALID_ARGUMENT, "module_id must be 32 lowercase hex digits, got \"not-a-module\""},
     {"FP8 without scale_inv",
      [](v1::ForwardRequest* r) {
        r->mutable_input()->set_dtype(v1::FP8_E4M3);
@@ -369,7 +372,10 @@ TEST_F(ServiceTest, BadModuleAndOptimizerRequests) {
   sgd = client_->ApplyGradients(module_, -1.0f);
   EXPECT_EQ(sgd.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(sgd.status().message().find("learning_rate"), std::string::npos);
-  EXPECT_EQ(client_->ApplyGradients("nope", 0.1f).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ApplyGradients(std::string(32, 'f'), 0.1f).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ApplyGradients("nope", 0.1f).status().code(),
+            absl::StatusCode::kInvalidArgument);
 
   auto set = client_->SetWeights(module_, {{"weight", Random({12, 6})}, {"bias", Random({6})}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);

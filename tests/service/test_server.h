@@ -89,6 +89,7 @@ class TestServer {
     service_ = std::make_unique<rpc::GradwireService>(host_, *executor_, std::move(options));
     grpc::ServerBuilder builder;
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 64 << 10);
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(service_.get());
     // As gradwire-server does: twice the request limit, so a request over it is read and refused

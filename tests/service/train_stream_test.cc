@@ -93,7 +93,7 @@ TEST_F(TrainStreamTest, PipelinedMicrobatchesMatchUnaryCalls) {
 TEST_F(TrainStreamTest, AFailedRequestAnswersWithItsStatusAndTheStreamGoesOn) {
   auto stream = client_->OpenTrainStream();
   ASSERT_TRUE(stream->SendForward(1, module_, Random({4, 31}), true));  // wrong width
-  ASSERT_TRUE(stream->SendForward(2, "no-such-module", Random({4, 32}), true));
+  ASSERT_TRUE(stream->SendForward(2, std::string(32, 'a'), Random({4, 32}), true));
   ASSERT_TRUE(stream->SendBackward(3, "0123456789abcdef0123456789abcdef", Random({4, 16})));
   v1::TrainRequest empty;
   empty.set_request_id(4);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -64,9 +65,11 @@ class ChunkAssembler {
  public:
   // `slots` are the header's tensors; their data must be empty. RESOURCE_EXHAUSTED when they add
   // up to more than `max_total_bytes` (naming `limit_name`); INVALID_ARGUMENT for a malformed
-  // tensor. On success each tensor's data is sized to what its shape needs.
+  // tensor. `admit`, when given, sees the total before anything is allocated and may refuse it.
+  // On success each tensor's data has the capacity its shape needs; chunks fill it in order.
   absl::Status Start(std::vector<TensorSlot> slots, int64_t max_total_bytes,
-                     absl::string_view limit_name, int64_t max_chunk_bytes);
+                     absl::string_view limit_name, int64_t max_chunk_bytes,
+                     const std::function<absl::Status(int64_t)>& admit = nullptr);
   // Places one chunk; INVALID_ARGUMENT when it is empty, larger than the chunk limit, for another
   // tensor than the one being filled, not at the next offset (missing, repeated or out-of-order
   // bytes), past the end of its tensor, or after the last byte.
