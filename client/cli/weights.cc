@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "gradwire/kernels/dtype.h"
+#include "gradwire/wire/codec.h"
 
 namespace gradwire::cli {
 namespace {
@@ -131,19 +131,12 @@ absl::StatusOr<std::vector<std::pair<std::string, HostTensor>>> ValidateImport(
     HostTensor h;
     h.shape = st.shape;
     h.data.resize(size_t(n));
-    if (st.dtype == StDType::kF32) {
-      std::memcpy(h.data.data(), st.data.data(), st.data.size());
-    } else {
-      // Every BF16 and F16 value is a float32 value, so widening loses nothing.
-      std::vector<uint16_t> bits(static_cast<size_t>(n));
-      std::memcpy(bits.data(), st.data.data(), st.data.size());
-      if (st.dtype == StDType::kBF16) {
-        kernels::Bf16ToFloat(bits.data(), n, h.data.data());
-      } else {
-        kernels::HalfToFloat(bits.data(), n, h.data.data());
-      }
-      ++widened_count;
-    }
+    // Every BF16 and F16 value is a float32 value, so widening loses nothing.
+    const wire::DType dtype = st.dtype == StDType::kF32    ? wire::DType::kF32
+                              : st.dtype == StDType::kBF16 ? wire::DType::kBF16
+                                                           : wire::DType::kF16;
+    wire::DecodeElements(dtype, st.data.data(), n, 1.0f, h.data.data());
+    if (dtype != wire::DType::kF32) ++widened_count;
     // The server refuses these as well, but only after the whole request has been sent; saying
     // which element is wrong helps to find where the file went bad.
     for (size_t i = 0; i < h.data.size(); ++i) {

@@ -11,8 +11,6 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
-#include "gradwire/kernels/dtype.h"
-#include "gradwire/kernels/quantize.h"
 #include "gradwire/wire/chunking.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -133,94 +131,18 @@ HostTensor HostTensor::Zeros(std::vector<int64_t> shape) {
   return t;
 }
 
-v1::DType ToProto(WireDType dtype) {
-  switch (dtype) {
-    case WireDType::kBF16:
-      return v1::BF16;
-    case WireDType::kF16:
-      return v1::F16;
-    case WireDType::kFp8E4M3:
-      return v1::FP8_E4M3;
-    case WireDType::kFp8E5M2:
-      return v1::FP8_E5M2;
-    default:
-      return v1::F32;
-  }
-}
-
 v1::Tensor ToWire(const HostTensor& t, WireDType dtype) {
   v1::Tensor out;
-  out.set_dtype(ToProto(dtype));
-  out.mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-  const int64_t n = int64_t(t.data.size());
-  std::string* bytes = out.mutable_data();
-  if (dtype == WireDType::kF32) {
-    bytes->assign(reinterpret_cast<const char*>(t.data.data()), size_t(n) * sizeof(float));
-    return out;
-  }
-  if (dtype == WireDType::kFp8E4M3 || dtype == WireDType::kFp8E5M2) {
-    const auto format =
-        dtype == WireDType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
-    const float scale = kernels::ComputeScale(kernels::Amax(t.data.data(), n), format, 0);
-    bytes->resize(size_t(n));
-    kernels::QuantizeFp8(t.data.data(), 1, n, scale, format,
-                         reinterpret_cast<uint8_t*>(bytes->data()), nullptr, nullptr);
-    out.set_scale_inv(1.0f / scale);
-    return out;
-  }
-  std::vector<uint16_t> bits(static_cast<size_t>(n));
-  if (dtype == WireDType::kBF16) {
-    kernels::FloatToBf16(t.data.data(), n, bits.data());
-  } else {
-    kernels::FloatToHalf(t.data.data(), n, bits.data());
-  }
-  bytes->assign(reinterpret_cast<const char*>(bits.data()), bits.size() * sizeof(uint16_t));
+  wire::EncodeToMessage(t.data.data(), t.shape, dtype, &out);
   return out;
 }
 
 absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t) {
   HostTensor out;
   out.shape.assign(t.shape().begin(), t.shape().end());
-  const int64_t n = out.numel();
-  int64_t element_size = 0;
-  switch (t.dtype()) {
-    case v1::F32:
-      element_size = 4;
-      break;
-    case v1::BF16:
-    case v1::F16:
-      element_size = 2;
-      break;
-    case v1::FP8_E4M3:
-    case v1::FP8_E5M2:
-      element_size = 1;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("response tensor has unknown dtype ", int(t.dtype())));
-  }
-  if (int64_t(t.data().size()) != n * element_size) {
-    return absl::InvalidArgumentError(absl::StrCat("response tensor has ", t.data().size(),
-                                                   " bytes, its shape needs ", n * element_size));
-  }
-  out.data.resize(size_t(n));
-  const char* src = t.data().data();
-  if (t.dtype() == v1::F32) {
-    std::memcpy(out.data.data(), src, size_t(n) * sizeof(float));
-  } else if (element_size == 2) {
-    std::vector<uint16_t> bits(static_cast<size_t>(n));
-    std::memcpy(bits.data(), src, size_t(n) * sizeof(uint16_t));
-    if (t.dtype() == v1::BF16) {
-      kernels::Bf16ToFloat(bits.data(), n, out.data.data());
-    } else {
-      kernels::HalfToFloat(bits.data(), n, out.data.data());
-    }
-  } else {
-    kernels::DequantizeFp8(
-        reinterpret_cast<const uint8_t*>(src), n, t.scale_inv(),
-        t.dtype() == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
-        out.data.data());
-  }
+  absl::StatusOr<std::vector<float>> data = wire::DecodeMessage(t, "response tensor");
+  if (!data.ok()) return data.status();
+  out.data = *std::move(data);
   return out;
 }
 

@@ -5,22 +5,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "gradwire/wire/tensor.h"
 
 namespace gradwire::wire {
 
 int64_t ElementSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::F32:
-      return 4;
-    case v1::BF16:
-    case v1::F16:
-      return 2;
-    case v1::FP8_E4M3:
-    case v1::FP8_E5M2:
-      return 1;
-    default:
-      return 0;
-  }
+  const absl::StatusOr<DType> d = FromProto(dtype, "");
+  return d.ok() ? ElementSize(*d) : 0;
 }
 
 absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field) {

@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/activation.h"
+#include "gradwire/wire/codec.h"
 #include "server/core/fp8_tensor.h"
 #include "server/core/quantizer.h"
 
@@ -70,6 +71,22 @@ class Backend {
   virtual Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
                               kernels::Fp8Format format, float scale_inv,
                               CastUsage usage) const = 0;
+  // Narrow wire tensors in and out of the device: the rpc layer hands over views of the bytes as
+  // they arrived, and nothing is widened on the host first (an FP8 tensor reaches a GPU as one
+  // byte per element, bf16 as two).
+  //
+  // Decodes `v` as fp32 [rows, cols] (rows * cols == v.numel()) on this device; may borrow v's
+  // bytes on the host backends (keep them alive while the result is used). For an FP8 view,
+  // `codes` (when not null) also receives its codes as they came, with the copies `usage` asks
+  // for, so a module can use them without re-quantizing.
+  virtual at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
+                              Fp8Tensor* codes, CastUsage usage) const = 0;
+  // Encodes x (fp32 on this device) as `dtype` into host bytes, rounding as the wire codec does;
+  // FP8 takes a scale from x's own amax (current scaling, margin 0). `shape` is what the
+  // encoded tensor reports (x's element count).
+  virtual wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
+                                     std::vector<int64_t> shape) const = 0;
+
   // Decodes one stored copy back to fp32 (rowwise: [rows, cols]; else [cols, rows]).
   virtual at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const = 0;
   // Called once on each weight of a new workspace (per weight version): a backend may attach

@@ -51,6 +51,33 @@ class ReferenceBackend : public Backend {
   }
   void PrepareWeight(Fp8Tensor& w) const override { AttachDecodedCopies(w); }
 
+  at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
+                      CastUsage usage) const override {
+    if (wire::IsFp8(v.dtype) && codes != nullptr) {
+      *codes = core::FromCodes(
+          static_cast<const uint8_t*>(v.data), rows, cols,
+          v.dtype == wire::DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
+          v.scale_inv, usage);
+    }
+    if (v.dtype == wire::DType::kF32 && reinterpret_cast<uintptr_t>(v.data) % alignof(float) == 0) {
+      // Borrow the request's bytes: no copy on the hot path.
+      return at::from_blob(const_cast<void*>(v.data), {rows, cols}, Float32());
+    }
+    at::Tensor out = at::empty({rows, cols}, Float32());
+    Decode(v, out.data_ptr<float>());
+    return out;
+  }
+  wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
+                             std::vector<int64_t> shape) const override {
+    const at::Tensor src = ToHost(x.to(at::kFloat));
+    wire::EncodedTensor out;
+    out.dtype = dtype;
+    out.shape = std::move(shape);
+    out.bytes.resize(size_t(src.numel() * wire::ElementSize(dtype)));
+    out.scale_inv = Encode(src.data_ptr<float>(), src.numel(), dtype, out.bytes.data());
+    return out;
+  }
+
   LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
     return RunLayerNorm(x, ln);
   }
@@ -88,6 +115,16 @@ class ReferenceBackend : public Backend {
   }
 
   void Synchronize() const override {}
+
+ protected:
+  static at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
+  // The wire codec over a whole tensor (the CPU backend splits these over threads).
+  virtual void Decode(const wire::TensorView& v, float* out) const {
+    wire::DecodeElements(v.dtype, v.data, v.numel(), v.scale_inv, out);
+  }
+  virtual float Encode(const float* x, int64_t n, wire::DType dtype, void* out) const {
+    return wire::EncodeTensor(x, n, dtype, out);
+  }
 };
 
 // FP8 codes decoded to their values without the scale, as an fp32 tensor of the codes' shape:
@@ -132,6 +169,8 @@ class GemmTimer {
 };
 
 // max that keeps a NaN, as kernels::Amax does over a whole tensor.
+constexpr int64_t kWireGrain = int64_t(1) << 16;  // elements per thread's slice, at least
+
 float CombineAmax(float a, float b) {
   return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b);
 }
@@ -200,6 +239,34 @@ class CpuBackend final : public ReferenceBackend {
     out.scale_inv = 1.0f / scale;
     return out;
   }
+  // The wire codec split over threads: elementwise, so the bytes are the reference's; an FP8
+  // encode takes one scale from the whole tensor's amax, as the codec does.
+  void Decode(const wire::TensorView& v, float* out) const override {
+    const int64_t size = wire::ElementSize(v.dtype);
+    const auto* bytes = static_cast<const unsigned char*>(v.data);
+    at::parallel_for(0, v.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+      wire::DecodeElements(v.dtype, bytes + b * size, e - b, v.scale_inv, out + b);
+    });
+  }
+  float Encode(const float* x, int64_t n, wire::DType dtype, void* out) const override {
+    float scale = 1.0f;
+    if (wire::IsFp8(dtype)) {
+      const float amax = at::parallel_reduce(
+          0, n, kWireGrain, 0.0f,
+          [&](int64_t b, int64_t e, float acc) {
+            return CombineAmax(acc, wire::AbsMax(x + b, e - b));
+          },
+          CombineAmax);
+      scale = wire::Fp8EncodeScale(dtype, amax);
+    }
+    const int64_t size = wire::ElementSize(dtype);
+    auto* bytes = static_cast<unsigned char*>(out);
+    at::parallel_for(0, n, kWireGrain, [&](int64_t b, int64_t e) {
+      wire::EncodeElements(x + b, e - b, dtype, scale, bytes + b * size);
+    });
+    return wire::IsFp8(dtype) ? 1.0f / scale : 1.0f;
+  }
+
   std::string Describe() const override {
     return "host CPU, FP8 casts from the reference kernels, GEMMs on BLAS (" +
            std::to_string(at::get_num_threads()) + " threads)";

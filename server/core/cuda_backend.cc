@@ -14,6 +14,8 @@
 #include <ATen/Context.h>
 #include <cuda_runtime_api.h>
 
+#include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -108,6 +110,65 @@ class CudaBackend final : public Backend {
                                         cudaMemcpyHostToDevice, kStream));
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));  // the source is on this stack
     out.scale_inv_device = scalars.narrow(0, 0, 1);
+    return out;
+  }
+
+  // A wire tensor crosses to the GPU in its own dtype: FP8 as codes (FromCodes, then decoded on
+  // the device), bf16/f16 as 2-byte values widened there by libtorch (exact), f32 as it is.
+  at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
+                      CastUsage usage) const override {
+    Use();
+    if (wire::IsFp8(v.dtype)) {
+      usage.rowwise = true;  // the decode reads the rowwise codes
+      Fp8Tensor c = FromCodes(
+          static_cast<const uint8_t*>(v.data), rows, cols,
+          v.dtype == wire::DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
+          v.scale_inv, usage);
+      at::Tensor decoded = Dequantize(c, /*rowwise=*/true);
+      if (codes != nullptr) *codes = std::move(c);
+      return decoded;
+    }
+    const at::ScalarType type = v.dtype == wire::DType::kF32    ? at::kFloat
+                                : v.dtype == wire::DType::kBF16 ? at::kBFloat16
+                                                                : at::kHalf;
+    const int64_t size = wire::ElementSize(v.dtype);
+    at::Tensor host;
+    if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(size) == 0) {
+      host = at::from_blob(const_cast<void*>(v.data), {rows, cols}, at::TensorOptions(type));
+    } else {  // protobuf keeps no alignment promise: one aligned host copy first
+      host = at::empty({rows, cols}, at::TensorOptions(type));
+      std::memcpy(host.data_ptr(), v.data, size_t(rows * cols * size));
+    }
+    // The copy is synchronous for pageable host memory, so v's bytes are free after it.
+    return host.to(device()).to(at::kFloat).contiguous();
+  }
+
+  wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
+                             std::vector<int64_t> shape) const override {
+    Use();
+    wire::EncodedTensor out;
+    out.dtype = dtype;
+    out.shape = std::move(shape);
+    at::Tensor host;
+    if (wire::IsFp8(dtype)) {
+      QuantizerConfig q;
+      q.format =
+          dtype == wire::DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
+      q.margin = 0;
+      q.scale = 0.0f;  // current scaling: the scale from x's own amax
+      const at::Tensor x2 = x.reshape({1, x.numel()}).contiguous();
+      absl::StatusOr<Fp8Tensor> cast = Cast(x2, q, {true, false});
+      if (!cast.ok()) throw std::runtime_error(std::string(cast.status().message()));
+      host = cast->rowwise.to(at::kCPU);
+      out.scale_inv = cast->scale_inv;
+    } else {
+      const at::ScalarType type = dtype == wire::DType::kF32    ? at::kFloat
+                                  : dtype == wire::DType::kBF16 ? at::kBFloat16
+                                                                : at::kHalf;
+      host = x.to(type).to(at::kCPU).contiguous();
+    }
+    out.bytes.resize(size_t(host.numel() * wire::ElementSize(dtype)));
+    std::memcpy(out.bytes.data(), host.data_ptr(), out.bytes.size());
     return out;
   }
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "gradwire/kernels/layernorm.h"
+#include "server/core/module_kind.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -99,6 +100,103 @@ absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
       b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
+}
+
+namespace {
+
+// LayerNormLinear as a module kind: LayerNorm gamma/beta [K], weight [N, K], bias [N]; roles
+// input (the LayerNorm output's cast), weight, grad_output.
+class LayerNormLinearKindOps final : public ModuleKindOps {
+ public:
+  enum Role : size_t { kInput, kWeightRole, kGradOutput };
+
+  ModuleKind kind() const override { return ModuleKind::kLayerNormLinear; }
+  const char* name() const override { return "LayerNormLinear"; }
+  std::vector<ParamDef> Params(const ModuleSpec& s) const override {
+    const int64_t k = s.in_features, n = s.out_features;
+    std::vector<ParamDef> defs = {
+        {Param::kLayerNormWeight,
+         {k},
+         s.zero_centered_gamma ? ParamDef::Init::kZeros : ParamDef::Init::kOnes},
+        {Param::kLayerNormBias, {k}, ParamDef::Init::kZeros},
+        {Param::kWeight, {n, k}, ParamDef::Init::kUniform, k}};
+    if (s.bias) defs.push_back({Param::kBias, {n}, ParamDef::Init::kUniform, k});
+    return defs;
+  }
+  const std::vector<RoleDef>& Roles() const override {
+    static const std::vector<RoleDef> roles = {{"input", kernels::Fp8Format::kE4M3},
+                                               {"weight", kernels::Fp8Format::kE4M3, true},
+                                               {"grad_output", kernels::Fp8Format::kE5M2}};
+    return roles;
+  }
+  absl::Status Validate(const ModuleSpec& s) const override {
+    if (s.ffn_features != 0) {
+      return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
+    }
+    if (s.activation != kernels::Activation::kGelu) {
+      return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
+    }
+    return absl::OkStatus();
+  }
+  std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
+    return {{"the output", s.out_features}};
+  }
+
+  absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
+    const std::vector<QuantizerConfig>& q = *a.quantizers;
+    const ParamTable& p = *a.params;
+    LayerNormLinearFwdArgs args;
+    args.backend = a.backend;
+    args.input = a.input;
+    args.ln = LayerNormParams{p[Param::kLayerNormWeight], p[Param::kLayerNormBias],
+                              a.spec->layernorm_eps, a.spec->zero_centered_gamma};
+    args.weight = p[Param::kWeight];
+    args.bias = p[Param::kBias];
+    args.weight_version = a.weight_version;
+    args.workspace = a.workspace;
+    args.input_quantizer = q[kInput];
+    args.weight_quantizer = q[kWeightRole];
+    args.training = a.training;
+    args.return_layernorm_output = a.spec->return_layernorm_output;
+    args.checkpoint = a.spec->checkpoint;
+    GW_ASSIGN_OR_RETURN(LayerNormLinearFwdResult r, LayerNormLinearForward(args));
+    KindForwardResult out;
+    out.output = std::move(r.output);
+    out.layernorm_output = std::move(r.layernorm_output);
+    out.workspace = std::move(r.workspace);
+    out.workspace_built = r.workspace_built;
+    out.saved = std::move(r.saved);
+    out.amaxes = {{kInput, r.input_amax}, {kWeightRole, r.weight_amax}};
+    return out;
+  }
+
+  absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
+    const ParamTable& g = *a.grads;
+    LayerNormLinearBwdArgs args;
+    args.backend = a.backend;
+    args.grad_output = a.grad_output;
+    args.grad_layernorm_output = a.grad_layernorm_output;
+    args.saved = dynamic_cast<const LayerNormLinearSaved*>(a.saved);
+    if (args.saved == nullptr) return absl::InternalError("context is not a LayerNormLinear one");
+    args.ln =
+        LayerNormParams{(*a.params)[Param::kLayerNormWeight], (*a.params)[Param::kLayerNormBias],
+                        a.spec->layernorm_eps, a.spec->zero_centered_gamma};
+    args.grad_quantizer = (*a.quantizers)[kGradOutput];
+    args.compute_grad_input = a.compute_grad_input;
+    args.weight_grad = g[Param::kWeight];
+    args.bias_grad = g[Param::kBias];
+    args.gamma_grad = g[Param::kLayerNormWeight];
+    args.beta_grad = g[Param::kLayerNormBias];
+    GW_ASSIGN_OR_RETURN(LayerNormLinearBwdResult r, LayerNormLinearBackward(args));
+    return KindBackwardResult{std::move(r.grad_input), {{kGradOutput, r.grad_output_amax}}};
+  }
+};
+
+}  // namespace
+
+const ModuleKindOps& LayerNormLinearKind() {
+  static const LayerNormLinearKindOps kind;
+  return kind;
 }
 
 }  // namespace gradwire::core

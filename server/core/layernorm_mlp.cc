@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "server/core/module_kind.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -138,6 +139,121 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
       b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
+}
+
+namespace {
+
+// LayerNormMLP as a module kind: LayerNorm gamma/beta [K], fc1 [F1, K] (+ bias), fc2 [N, F]
+// (+ bias), F1 = 2F for the gated activations. Six roles: the casts of FC1's and FC2's inputs
+// and weights, and of the two gradients coming back.
+class LayerNormMlpKindOps final : public ModuleKindOps {
+ public:
+  enum Role : size_t { kFc1In, kFc1Weight, kFc2In, kFc2Weight, kFc1Grad, kFc2Grad };
+
+  ModuleKind kind() const override { return ModuleKind::kLayerNormMlp; }
+  const char* name() const override { return "LayerNormMLP"; }
+  static int64_t Fc1Width(const ModuleSpec& s) {
+    return kernels::IsGated(s.activation) ? 2 * s.ffn_features : s.ffn_features;
+  }
+  std::vector<ParamDef> Params(const ModuleSpec& s) const override {
+    const int64_t k = s.in_features, n = s.out_features, f = s.ffn_features, f1 = Fc1Width(s);
+    std::vector<ParamDef> defs = {
+        {Param::kLayerNormWeight,
+         {k},
+         s.zero_centered_gamma ? ParamDef::Init::kZeros : ParamDef::Init::kOnes},
+        {Param::kLayerNormBias, {k}, ParamDef::Init::kZeros},
+        {Param::kFc1Weight, {f1, k}, ParamDef::Init::kUniform, k}};
+    if (s.bias) defs.push_back({Param::kFc1Bias, {f1}, ParamDef::Init::kUniform, k});
+    defs.push_back({Param::kFc2Weight, {n, f}, ParamDef::Init::kUniform, f});
+    if (s.bias) defs.push_back({Param::kFc2Bias, {n}, ParamDef::Init::kUniform, f});
+    return defs;
+  }
+  const std::vector<RoleDef>& Roles() const override {
+    using kernels::Fp8Format;
+    static const std::vector<RoleDef> roles = {
+        {"fc1_input", Fp8Format::kE4M3},       {"fc1_weight", Fp8Format::kE4M3, true},
+        {"fc2_input", Fp8Format::kE4M3},       {"fc2_weight", Fp8Format::kE4M3, true},
+        {"fc1_grad_output", Fp8Format::kE5M2}, {"fc2_grad_output", Fp8Format::kE5M2}};
+    return roles;
+  }
+  absl::Status Validate(const ModuleSpec& s) const override {
+    return CheckSpecRange("spec.ffn_features", s.ffn_features, 1, kMaxFeatures);
+  }
+  std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
+    return {{"the output", s.out_features}, {"the FC1 output", Fc1Width(s)}};
+  }
+
+  static LayerNormParams Ln(const ParamTable& p, const ModuleSpec& s) {
+    return LayerNormParams{p[Param::kLayerNormWeight], p[Param::kLayerNormBias], s.layernorm_eps,
+                           s.zero_centered_gamma};
+  }
+
+  absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
+    const std::vector<QuantizerConfig>& q = *a.quantizers;
+    const ParamTable& p = *a.params;
+    LayerNormMlpFwdArgs args;
+    args.backend = a.backend;
+    args.input = a.input;
+    args.ln = Ln(p, *a.spec);
+    args.fc1_weight = p[Param::kFc1Weight];
+    args.fc1_bias = p[Param::kFc1Bias];
+    args.fc2_weight = p[Param::kFc2Weight];
+    args.fc2_bias = p[Param::kFc2Bias];
+    args.activation = a.spec->activation;
+    args.weight_version = a.weight_version;
+    args.workspace = a.workspace;
+    args.fc1_input_quantizer = q[kFc1In];
+    args.fc1_weight_quantizer = q[kFc1Weight];
+    args.fc2_input_quantizer = q[kFc2In];
+    args.fc2_weight_quantizer = q[kFc2Weight];
+    args.training = a.training;
+    args.return_layernorm_output = a.spec->return_layernorm_output;
+    args.checkpoint = a.spec->checkpoint;
+    GW_ASSIGN_OR_RETURN(LayerNormMlpFwdResult r, LayerNormMlpForward(args));
+    KindForwardResult out;
+    out.output = std::move(r.output);
+    out.layernorm_output = std::move(r.layernorm_output);
+    out.workspace = std::move(r.workspace);
+    out.workspace_built = r.workspace_built;
+    out.saved = std::move(r.saved);
+    out.amaxes = {{kFc1In, r.fc1_input_amax},
+                  {kFc1Weight, r.fc1_weight_amax},
+                  {kFc2In, r.fc2_input_amax},
+                  {kFc2Weight, r.fc2_weight_amax}};
+    return out;
+  }
+
+  absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
+    const std::vector<QuantizerConfig>& q = *a.quantizers;
+    const ParamTable& g = *a.grads;
+    LayerNormMlpBwdArgs args;
+    args.backend = a.backend;
+    args.grad_output = a.grad_output;
+    args.grad_layernorm_output = a.grad_layernorm_output;
+    args.saved = dynamic_cast<const LayerNormMlpSaved*>(a.saved);
+    if (args.saved == nullptr) return absl::InternalError("context is not a LayerNormMLP one");
+    args.ln = Ln(*a.params, *a.spec);
+    args.activation = a.spec->activation;
+    args.fc1_grad_quantizer = q[kFc1Grad];
+    args.fc2_grad_quantizer = q[kFc2Grad];
+    args.compute_grad_input = a.compute_grad_input;
+    args.gamma_grad = g[Param::kLayerNormWeight];
+    args.beta_grad = g[Param::kLayerNormBias];
+    args.fc1_weight_grad = g[Param::kFc1Weight];
+    args.fc1_bias_grad = g[Param::kFc1Bias];
+    args.fc2_weight_grad = g[Param::kFc2Weight];
+    args.fc2_bias_grad = g[Param::kFc2Bias];
+    GW_ASSIGN_OR_RETURN(LayerNormMlpBwdResult r, LayerNormMlpBackward(args));
+    return KindBackwardResult{std::move(r.grad_input),
+                              {{kFc1Grad, r.fc1_grad_amax}, {kFc2Grad, r.fc2_grad_amax}}};
+  }
+};
+
+}  // namespace
+
+const ModuleKindOps& LayerNormMlpKind() {
+  static const LayerNormMlpKindOps kind;
+  return kind;
 }
 
 }  // namespace gradwire::core

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "server/core/module_kind.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -60,6 +61,96 @@ absl::StatusOr<LinearBwdResult> LinearBackward(const LinearBwdArgs& args) {
     b.AccumulateBiasGrad(args.grad_output, bias_grad);
   }
   return result;
+}
+
+namespace {
+
+// Linear as a module kind: weight [N, K] and bias [N]; roles input, weight, grad_output.
+class LinearKindOps final : public ModuleKindOps {
+ public:
+  enum Role : size_t { kInput, kWeightRole, kGradOutput };
+
+  ModuleKind kind() const override { return ModuleKind::kLinear; }
+  const char* name() const override { return "Linear"; }
+  std::vector<ParamDef> Params(const ModuleSpec& s) const override {
+    const int64_t k = s.in_features, n = s.out_features;
+    std::vector<ParamDef> defs = {{Param::kWeight, {n, k}, ParamDef::Init::kUniform, k}};
+    if (s.bias) defs.push_back({Param::kBias, {n}, ParamDef::Init::kUniform, k});
+    return defs;
+  }
+  const std::vector<RoleDef>& Roles() const override {
+    static const std::vector<RoleDef> roles = {{"input", kernels::Fp8Format::kE4M3},
+                                               {"weight", kernels::Fp8Format::kE4M3, true},
+                                               {"grad_output", kernels::Fp8Format::kE5M2}};
+    return roles;
+  }
+  absl::Status Validate(const ModuleSpec& s) const override {
+    if (s.ffn_features != 0) {
+      return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
+    }
+    if (s.activation != kernels::Activation::kGelu) {
+      return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
+    }
+    if (s.zero_centered_gamma || s.return_layernorm_output || s.checkpoint) {
+      return absl::InvalidArgumentError(
+          "spec.zero_centered_gamma, return_layernorm_output and checkpoint are for the "
+          "LayerNorm modules");
+    }
+    return absl::OkStatus();
+  }
+  std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
+    return {{"the output", s.out_features}};
+  }
+  bool UsesFp8Input() const override { return true; }
+
+  absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
+    const std::vector<QuantizerConfig>& q = *a.quantizers;
+    LinearFwdArgs args;
+    args.backend = a.backend;
+    args.input = a.input;
+    args.weight = (*a.params)[Param::kWeight];
+    args.bias = (*a.params)[Param::kBias];
+    args.weight_version = a.weight_version;
+    args.workspace = a.workspace;
+    args.input_quantizer = q[kInput];
+    args.weight_quantizer = q[kWeightRole];
+    args.training = a.training;
+    if (a.input_fp8 != nullptr) {
+      if (a.input_fp8->rows != a.input.size(0) || a.input_fp8->cols != a.input.size(1)) {
+        return absl::InternalError("Forward: FP8 input codes do not match the input's shape");
+      }
+      args.input_fp8 = a.input_fp8;
+    }
+    GW_ASSIGN_OR_RETURN(LinearFwdResult r, LinearForward(args));
+    KindForwardResult out;
+    out.output = std::move(r.output);
+    out.workspace = std::move(r.workspace);
+    out.workspace_built = r.workspace_built;
+    out.saved = std::move(r.saved);
+    out.amaxes = {{kInput, r.input_amax}, {kWeightRole, r.weight_amax}};
+    return out;
+  }
+
+  absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
+    LinearBwdArgs args;
+    args.backend = a.backend;
+    args.grad_output = a.grad_output;
+    args.saved = dynamic_cast<const LinearSaved*>(a.saved);
+    if (args.saved == nullptr) return absl::InternalError("context is not a Linear context");
+    args.grad_quantizer = (*a.quantizers)[kGradOutput];
+    args.compute_grad_input = a.compute_grad_input;
+    args.weight_grad = (*a.grads)[Param::kWeight];
+    args.bias_grad = (*a.grads)[Param::kBias];
+    GW_ASSIGN_OR_RETURN(LinearBwdResult r, LinearBackward(args));
+    return KindBackwardResult{std::move(r.grad_input), {{kGradOutput, r.grad_output_amax}}};
+  }
+};
+
+}  // namespace
+
+const ModuleKindOps& LinearKind() {
+  static const LinearKindOps kind;
+  return kind;
 }
 
 }  // namespace gradwire::core

@@ -9,183 +9,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/kernels/random.h"
-#include "server/core/layernorm_linear.h"
-#include "server/core/layernorm_mlp.h"
-#include "server/core/linear.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
 
 namespace {
 
-using kernels::Fp8Format;
-
-constexpr int kMaxMargin = 32;
-constexpr int64_t kMaxHistory = 1 << 16;
-
-// Tensor roles of each kind, in the order of Module::scaling.
-enum LinearRole { kIn = 0, kWeight = 1, kGrad = 2 };
-enum MlpRole { kFc1In = 0, kFc1Weight, kFc2In, kFc2Weight, kFc1Grad, kFc2Grad };
-
-struct RoleDef {
-  const char* name;
-  Fp8Format format;
-};
-const std::vector<RoleDef> kLinearRoles = {
-    {"input", Fp8Format::kE4M3}, {"weight", Fp8Format::kE4M3}, {"grad_output", Fp8Format::kE5M2}};
-const std::vector<RoleDef> kMlpRoles = {
-    {"fc1_input", Fp8Format::kE4M3},       {"fc1_weight", Fp8Format::kE4M3},
-    {"fc2_input", Fp8Format::kE4M3},       {"fc2_weight", Fp8Format::kE4M3},
-    {"fc1_grad_output", Fp8Format::kE5M2}, {"fc2_grad_output", Fp8Format::kE5M2}};
-
 at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
 
 std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
-
-absl::Status CheckRange(const char* field, int64_t value, int64_t lo, int64_t hi) {
-  if (value < lo || value > hi) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " must be in [", lo, ", ", hi, "], got ", value));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckOpen01(const char* field, float value, bool zero_ok) {
-  if (!(value >= 0.0f && value < 1.0f) || (!zero_ok && value == 0.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " must be in ", zero_ok ? "[0, 1)" : "(0, 1)", ", got ", value));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckPositive(const char* field, float value) {
-  if (!(value > 0.0f) || !std::isfinite(value)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be finite and > 0, got ", value));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckNonNegative(const char* field, float value) {
-  if (!(value >= 0.0f) || !std::isfinite(value)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be finite and >= 0, got ", value));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ValidateSpec(const ModuleSpec& s) {
-  // The RPC layer maps only known enum values, but a checkpoint's spec is read back as integers:
-  // an unknown value would index past the tables that name them.
-  GW_RETURN_IF_ERROR(
-      CheckRange("spec.kind", int64_t(s.kind), 0, int64_t(ModuleKind::kLayerNormMlp)));
-  GW_RETURN_IF_ERROR(CheckRange("spec.activation", int64_t(s.activation), 0,
-                                int64_t(kernels::Activation::kGeglu)));
-  GW_RETURN_IF_ERROR(
-      CheckRange("spec.recipe.scaling", int64_t(s.recipe.mode), 0, int64_t(ScalingMode::kDelayed)));
-  GW_RETURN_IF_ERROR(CheckRange("spec.recipe.amax_compute_algo", int64_t(s.recipe.algo), 0,
-                                int64_t(AmaxAlgo::kMostRecent)));
-  GW_RETURN_IF_ERROR(CheckRange("spec.optimizer.kind", int64_t(s.optimizer.kind), 0,
-                                int64_t(OptimizerConfig::Kind::kAdamW)));
-  GW_RETURN_IF_ERROR(CheckRange("spec.in_features", s.in_features, 1, ModuleHost::kMaxFeatures));
-  GW_RETURN_IF_ERROR(CheckRange("spec.out_features", s.out_features, 1, ModuleHost::kMaxFeatures));
-  if (s.kind == ModuleKind::kLayerNormMlp) {
-    GW_RETURN_IF_ERROR(
-        CheckRange("spec.ffn_features", s.ffn_features, 1, ModuleHost::kMaxFeatures));
-  } else if (s.ffn_features != 0) {
-    return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
-  }
-  if (s.kind != ModuleKind::kLayerNormMlp && s.activation != kernels::Activation::kGelu) {
-    return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
-  }
-  if (s.kind == ModuleKind::kLinear &&
-      (s.zero_centered_gamma || s.return_layernorm_output || s.checkpoint)) {
-    return absl::InvalidArgumentError(
-        "spec.zero_centered_gamma, return_layernorm_output and checkpoint are for the LayerNorm "
-        "modules");
-  }
-  GW_RETURN_IF_ERROR(CheckPositive("spec.layernorm_eps", s.layernorm_eps));
-  GW_RETURN_IF_ERROR(CheckRange("spec.recipe.margin", s.recipe.margin, 0, kMaxMargin));
-  GW_RETURN_IF_ERROR(
-      CheckRange("spec.recipe.amax_history_len", s.recipe.history_len, 1, kMaxHistory));
-  if (s.optimizer.kind == OptimizerConfig::Kind::kSgd) {
-    GW_RETURN_IF_ERROR(
-        CheckPositive("spec.optimizer.sgd.learning_rate", s.optimizer.sgd.learning_rate));
-    GW_RETURN_IF_ERROR(CheckOpen01("spec.optimizer.sgd.momentum", s.optimizer.sgd.momentum, true));
-    GW_RETURN_IF_ERROR(
-        CheckNonNegative("spec.optimizer.sgd.weight_decay", s.optimizer.sgd.weight_decay));
-  } else {
-    const AdamWConfig& a = s.optimizer.adamw;
-    GW_RETURN_IF_ERROR(CheckPositive("spec.optimizer.adamw.learning_rate", a.learning_rate));
-    GW_RETURN_IF_ERROR(CheckOpen01("spec.optimizer.adamw.beta1", a.beta1, true));
-    GW_RETURN_IF_ERROR(CheckOpen01("spec.optimizer.adamw.beta2", a.beta2, true));
-    GW_RETURN_IF_ERROR(CheckPositive("spec.optimizer.adamw.eps", a.eps));
-    GW_RETURN_IF_ERROR(CheckNonNegative("spec.optimizer.adamw.weight_decay", a.weight_decay));
-  }
-  return absl::OkStatus();
-}
-
-// Parameter shapes of a spec, in order: (name, shape, fan_in or 0 for LayerNorm params).
-struct ParamDef {
-  std::string name;
-  std::vector<int64_t> shape;
-  int64_t fan_in;  // > 0: uniform(+-1/sqrt(fan_in)); 0: LayerNorm gamma; -1: LayerNorm beta
-};
-
-std::vector<ParamDef> ParamDefs(const ModuleSpec& s) {
-  std::vector<ParamDef> defs;
-  const int64_t k = s.in_features, n = s.out_features;
-  if (s.kind != ModuleKind::kLinear) {
-    defs.push_back({"layer_norm_weight", {k}, 0});
-    defs.push_back({"layer_norm_bias", {k}, -1});
-  }
-  if (s.kind == ModuleKind::kLayerNormMlp) {
-    const int64_t f = s.ffn_features, f1 = kernels::IsGated(s.activation) ? 2 * f : f;
-    defs.push_back({"fc1_weight", {f1, k}, k});
-    if (s.bias) defs.push_back({"fc1_bias", {f1}, k});
-    defs.push_back({"fc2_weight", {n, f}, f});
-    if (s.bias) defs.push_back({"fc2_bias", {n}, f});
-  } else {
-    defs.push_back({"weight", {n, k}, k});
-    if (s.bias) defs.push_back({"bias", {n}, k});
-  }
-  return defs;
-}
-
-}  // namespace
-
-std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes(const ModuleSpec& spec) {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
-  for (ParamDef& d : ParamDefs(spec)) shapes.emplace_back(std::move(d.name), std::move(d.shape));
-  return shapes;
-}
-
-absl::Status ValidateModuleSpec(const ModuleSpec& spec) {
-  GW_RETURN_IF_ERROR(ValidateSpec(spec));
-  const int64_t total = ParameterCount(spec);  // dimensions are within kMaxFeatures here
-  if (total > ModuleHost::kMaxParameters) {
-    return absl::InvalidArgumentError(absl::StrCat("spec asks for ", total,
-                                                   " parameters; a module may have at most ",
-                                                   ModuleHost::kMaxParameters));
-  }
-  return absl::OkStatus();
-}
-
-int64_t ParameterCount(const ModuleSpec& spec) {
-  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-  int64_t total = 0;
-  for (const auto& [name, shape] : ParameterShapes(spec)) {
-    int64_t n = 1;
-    for (int64_t d : shape) {
-      if (d <= 0) return 0;
-      n = n > kMax / d ? kMax : n * d;
-    }
-    total = total > kMax - n ? kMax : total + n;
-  }
-  return total;
-}
-
-namespace {
 
 absl::Status CheckInputTensor(const char* field, const at::Tensor& t, int64_t last_dim,
                               const char* what) {
@@ -215,34 +49,31 @@ absl::Status CheckExactShape(const char* field, const at::Tensor& t, at::IntArra
 
 bool AllFinite(const at::Tensor& t) { return t.numel() == 0 || at::isfinite(t).all().item<bool>(); }
 
+// Any device: one reduction, and on failure the first bad element for the message.
 absl::Status CheckFinite(const std::string& field, const at::Tensor& t) {
-  const float* p = t.data_ptr<float>();
-  for (int64_t i = 0, n = t.numel(); i < n; ++i) {
-    if (!std::isfinite(p[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, " must be finite; element ", i, " is ", p[i]));
-    }
+  if (AllFinite(t)) return absl::OkStatus();
+  const at::Tensor flat = t.reshape(-1);
+  const int64_t i = at::nonzero(at::logical_not(at::isfinite(flat)))[0][0].item<int64_t>();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " must be finite; element ", i, " is ", flat[i].item<float>()));
+}
+
+absl::Status CheckViewShape(const char* field, const wire::TensorView& v, int64_t last_dim,
+                            const char* what) {
+  if (v.shape.empty() || v.shape.back() != last_dim || v.numel() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape must be [..., ", last_dim,
+                                                   "] (the module's ", what, "), got [",
+                                                   absl::StrJoin(v.shape, ", "), "]"));
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-const char* ModuleKindName(ModuleKind kind) {
-  switch (kind) {
-    case ModuleKind::kLinear:
-      return "Linear";
-    case ModuleKind::kLayerNormLinear:
-      return "LayerNormLinear";
-    case ModuleKind::kLayerNormMlp:
-      return "LayerNormMLP";
-  }
-  return "unknown";
-}
-
 struct ModuleHost::Module {
-  struct Param {
-    std::string name;
+  struct Parameter {
+    Param id;
+    const char* name;   // ParamName(id)
     at::Tensor value;   // fp32 master copy, on the host
     at::Tensor device;  // value on the backend's device, as of device_version (CPU: value)
     at::Tensor grad;    // fp32 on the device, accumulated by backwards
@@ -250,11 +81,11 @@ struct ModuleHost::Module {
   };
 
   ModuleSpec spec;
-  std::string tenant;     // set before the module is shared, then constant
-  mutable std::mutex mu;  // guards everything below
-  std::vector<Param> params;
-  std::vector<ScalingState> scaling;  // one per tensor role (kLinearRoles / kMlpRoles)
-  std::vector<std::string> role_names;
+  const ModuleKindOps* kind = nullptr;  // FindKind(spec.kind), never null
+  std::string tenant;                   // set before the module is shared, then constant
+  mutable std::mutex mu;                // guards everything below
+  std::vector<Parameter> params;        // kind->Params(spec) order
+  std::vector<ScalingState> scaling;    // one per kind->Roles() entry
   uint64_t version = 1;
   int64_t optimizer_steps = 0;
   int64_t accumulated_backwards = 0;
@@ -266,43 +97,46 @@ struct ModuleHost::Module {
   // where they are the master copies themselves).
   void SyncDevice() {
     if (device_version == version) return;
-    for (Param& p : params) p.device = backend->ToDevice(p.value);
+    for (Parameter& p : params) p.device = backend->ToDevice(p.value);
     device_version = version;
   }
 
-  const Param* Find(const std::string& name) const {
-    for (const Param& p : params) {
-      if (p.name == name) return &p;
+  // The parameter called `name` at the boundary, or null.
+  Parameter* Find(const std::string& name) {
+    for (Parameter& p : params) {
+      if (name == p.name) return &p;
     }
     return nullptr;
   }
-  // The device copy (call SyncDevice first).
-  at::Tensor Value(const char* name) const {
-    const Param* p = Find(name);
-    return p ? p->device : at::Tensor();
+  std::vector<std::string> Names() const {
+    std::vector<std::string> names;
+    for (const Parameter& p : params) names.emplace_back(p.name);
+    return names;
   }
-  at::Tensor Grad(const char* name) const {
-    const Param* p = Find(name);
-    return p ? p->grad : at::Tensor();
+  // The device copies by handle (call SyncDevice first).
+  ParamTable DeviceTable() const {
+    ParamTable table;
+    for (const Parameter& p : params) table[p.id] = p.device;
+    return table;
   }
-  LayerNormParams Ln() const {
-    return LayerNormParams{Value("layer_norm_weight"), Value("layer_norm_bias"), spec.layernorm_eps,
-                           spec.zero_centered_gamma};
-  }
-  // The quantizer of a weight role. The weights are cast once per weight version (the
-  // workspace), so the cast takes its scale from the weight's own amax (with the recipe's margin)
-  // under either recipe: a delayed scale would be whatever the history held when the version was
-  // first used, 1.0 for a new or imported module, and would stay until the next version.
-  QuantizerConfig WeightQuantizer(int role) const {
-    QuantizerConfig q = scaling[size_t(role)].Quantizer();
-    q.scale = 0.0f;
+  // One quantizer per role. A weight role's scale is 0, which makes the cast take its scale from
+  // the weight's own amax (with the recipe's margin) under either recipe: the weights are cast
+  // once per weight version (the workspace), and a delayed scale would be whatever the history
+  // held when the version was first used, 1.0 for a new or imported module.
+  std::vector<QuantizerConfig> Quantizers() const {
+    const std::vector<RoleDef>& roles = kind->Roles();
+    std::vector<QuantizerConfig> q;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      q.push_back(scaling[i].Quantizer());
+      if (roles[i].weight) q.back().scale = 0.0f;
+    }
     return q;
   }
   // Ends a step of the given roles: records their amaxes and rolls their histories.
-  void EndStep(std::initializer_list<std::pair<int, float>> amaxes) {
+  void EndStep(const std::vector<RoleAmax>& amaxes) {
     for (const auto& [role, amax] : amaxes) {
-      scaling[size_t(role)].Record(amax);
-      scaling[size_t(role)].Roll();
+      scaling.at(role).Record(amax);
+      scaling.at(role).Roll();
     }
   }
 };
@@ -329,31 +163,35 @@ absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std:
 absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(
     const ModuleSpec& spec) const {
   GW_RETURN_IF_ERROR(ValidateModuleSpec(spec));
-  const std::vector<ParamDef> defs = ParamDefs(spec);
   auto m = std::make_shared<Module>();
   m->spec = spec;
+  m->kind = FindKind(spec.kind);  // valid: ValidateModuleSpec checked it
   m->backend = backend_.get();
-  uint64_t stream = 0;
-  for (const ParamDef& d : defs) {
-    Module::Param p;
-    p.name = d.name;
+  uint64_t stream = 0;  // one random stream per parameter, in order
+  for (const ParamDef& d : m->kind->Params(spec)) {
+    Module::Parameter p;
+    p.id = d.param;
+    p.name = ParamName(d.param);
     p.value = at::empty(d.shape, Float32());
-    if (d.fan_in > 0) {
-      const float bound = 1.0f / std::sqrt(float(d.fan_in));
-      kernels::FillUniform(p.value.data_ptr<float>(), p.value.numel(), spec.seed, stream, -bound,
-                           bound);
-    } else {
-      p.value.fill_(d.fan_in == 0 && !spec.zero_centered_gamma ? 1.0f : 0.0f);
+    switch (d.init) {
+      case ParamDef::Init::kUniform: {
+        const float bound = 1.0f / std::sqrt(float(d.fan_in));
+        kernels::FillUniform(p.value.data_ptr<float>(), p.value.numel(), spec.seed, stream, -bound,
+                             bound);
+        break;
+      }
+      case ParamDef::Init::kOnes:
+        p.value.fill_(1.0f);
+        break;
+      case ParamDef::Init::kZeros:
+        p.value.fill_(0.0f);
+        break;
     }
     ++stream;
     p.grad = backend_->Zeros(d.shape);
     m->params.push_back(std::move(p));
   }
-  const auto& roles = spec.kind == ModuleKind::kLayerNormMlp ? kMlpRoles : kLinearRoles;
-  for (const RoleDef& r : roles) {
-    m->scaling.emplace_back(r.format, spec.recipe);
-    m->role_names.push_back(r.name);
-  }
+  for (const RoleDef& r : m->kind->Roles()) m->scaling.emplace_back(r.format, spec.recipe);
   return m;
 }
 
@@ -368,10 +206,8 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::Find(
 }
 
 ModuleInfo ModuleHost::InfoLocked(const std::string& id, const Module& m) const {
-  ModuleInfo info{id, m.tenant, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps,
-                  {}};
-  for (const auto& p : m.params) info.parameter_names.push_back(p.name);
-  return info;
+  return ModuleInfo{
+      id, m.tenant, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps, m.Names()};
 }
 
 absl::StatusOr<ModuleInfo> ModuleHost::Info(const std::string& module_id) const {
@@ -427,119 +263,111 @@ absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
                                                   const std::string& client) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   GW_RETURN_IF_ERROR(CheckInputTensor("input", input, m->spec.in_features, "in_features"));
+  const Backend& b = *backend_;
+  // FP8 codes given on the host; other backends take their own copy. Only a kind that
+  // UsesFp8Input reads them as they are (the LayerNorm kinds normalise the decoded input).
+  Fp8Tensor fp8_on_device;
+  const Fp8Tensor* fp8 = nullptr;
+  if (input_fp8 != nullptr && m->kind->UsesFp8Input()) {
+    fp8 = input_fp8;
+    if (!b.device().is_cpu()) {
+      if (!input_fp8->has_rowwise()) {
+        return absl::InternalError("Forward: FP8 input codes without their rowwise copy");
+      }
+      fp8_on_device =
+          b.FromCodes(input_fp8->rowwise.data_ptr<uint8_t>(), input_fp8->rows, input_fp8->cols,
+                      input_fp8->format, input_fp8->scale_inv, {true, training});
+      fp8 = &fp8_on_device;
+    }
+  }
+  const std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  GW_ASSIGN_OR_RETURN(DeviceForward d,
+                      ForwardOnDevice(module_id, m, As2D(input), shape, training, fp8, client));
+  ForwardOutput out;
+  std::vector<int64_t> out_shape = shape;
+  out_shape.back() = m->spec.out_features;
+  out.output = b.ToHost(d.output).reshape(out_shape);
+  if (d.layernorm_output.defined()) {
+    out.layernorm_output = b.ToHost(d.layernorm_output).reshape(shape);
+  }
+  out.context_id = std::move(d.context_id);
+  out.weight_version = d.weight_version;
+  return out;
+}
+
+absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_id,
+                                                      const WireForwardRequest& req) {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  const wire::TensorView& v = req.input;
+  const int64_t k = m->spec.in_features;
+  GW_RETURN_IF_ERROR(CheckViewShape("input", v, k, "in_features"));
+  const Backend& b = *backend_;
+  // FP8 input reaches the device as its codes; a kind that UsesFp8Input takes them as they are.
+  const bool use_codes = wire::IsFp8(v.dtype) && m->kind->UsesFp8Input();
+  Fp8Tensor codes;
+  const at::Tensor x =
+      b.FromWire(v, v.numel() / k, k, use_codes ? &codes : nullptr, {true, req.training});
+  GW_ASSIGN_OR_RETURN(DeviceForward d, ForwardOnDevice(module_id, m, x, v.shape, req.training,
+                                                       use_codes ? &codes : nullptr, req.client));
+  // From here the context must not outlive a failure: nobody would ever consume it.
+  try {
+    WireForwardOutput out;
+    std::vector<int64_t> out_shape = v.shape;
+    out_shape.back() = m->spec.out_features;
+    out.output = b.ToWire(d.output, req.output_dtype, std::move(out_shape));
+    if (d.layernorm_output.defined()) {
+      out.layernorm_output = b.ToWire(d.layernorm_output, req.output_dtype, v.shape);
+      out.has_layernorm_output = true;
+    }
+    out.context_id = std::move(d.context_id);
+    out.weight_version = d.weight_version;
+    return out;
+  } catch (...) {
+    if (!d.context_id.empty()) (void)contexts_.Release(d.context_id);
+    throw;
+  }
+}
+
+absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
+    const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& input,
+    const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* fp8,
+    const std::string& client) {
+  const Backend& b = *backend_;
+  const at::Tensor x = b.ToDevice(input);
   // A NaN or inf would stick in the amax history and, through the backward, in the shared
   // gradient buffers: refuse it before it touches any state.
-  GW_RETURN_IF_ERROR(CheckFinite("input", input.contiguous()));
+  GW_RETURN_IF_ERROR(CheckFinite("input", x));
   std::lock_guard<std::mutex> lock(m->mu);
   const ModuleSpec& spec = m->spec;
-  const Backend& b = *backend_;
   m->SyncDevice();
-  const at::Tensor x = b.ToDevice(As2D(input));
-  // FP8 codes from the wire arrive on the host; other backends take their own copy. Only a
-  // Linear uses them as they are (the LayerNorm modules normalise the dequantized input).
-  Fp8Tensor fp8_on_device;
-  if (input_fp8 != nullptr && spec.kind == ModuleKind::kLinear && !b.device().is_cpu()) {
-    if (!input_fp8->has_rowwise()) {
-      return absl::InternalError("Forward: FP8 input codes without their rowwise copy");
-    }
-    fp8_on_device =
-        b.FromCodes(input_fp8->rowwise.data_ptr<uint8_t>(), input_fp8->rows, input_fp8->cols,
-                    input_fp8->format, input_fp8->scale_inv, {true, training});
-    input_fp8 = &fp8_on_device;
+  const ParamTable params = m->DeviceTable();
+  const std::vector<QuantizerConfig> quantizers = m->Quantizers();
+  KindForwardArgs args;
+  args.backend = &b;
+  args.spec = &spec;
+  args.input = x;
+  args.input_fp8 = fp8;
+  args.params = &params;
+  args.quantizers = &quantizers;
+  args.weight_version = m->version;
+  args.workspace = m->workspace;
+  args.training = training;
+  GW_ASSIGN_OR_RETURN(KindForwardResult r, m->kind->Forward(args));
+  // Inference leaves the scaling state alone: evaluation traffic must not move training scales.
+  if (training) {
+    GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
+    m->EndStep(r.amaxes);
   }
-  ForwardOutput out;
-  std::shared_ptr<SavedTensors> saved;
-  WorkspacePtr workspace;
-  bool built = false;
-  at::Tensor y, ln_out;
-  switch (spec.kind) {
-    case ModuleKind::kLinear: {
-      LinearFwdArgs args;
-      args.backend = &b;
-      args.input = x;
-      args.weight = m->Value("weight");
-      args.bias = m->Value("bias");
-      args.weight_version = m->version;
-      args.workspace = m->workspace;
-      args.input_quantizer = m->scaling[kIn].Quantizer();
-      args.weight_quantizer = m->WeightQuantizer(kWeight);
-      args.training = training;
-      if (input_fp8 != nullptr) {
-        if (input_fp8->rows != x.size(0) || input_fp8->cols != x.size(1)) {
-          return absl::InternalError("Forward: FP8 input codes do not match the input's shape");
-        }
-        args.input_fp8 = input_fp8;
-      }
-      GW_ASSIGN_OR_RETURN(LinearFwdResult r, LinearForward(args));
-      if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-      if (training) m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
-      y = r.output, workspace = r.workspace, built = r.workspace_built, saved = r.saved;
-      break;
-    }
-    case ModuleKind::kLayerNormLinear: {
-      LayerNormLinearFwdArgs args;
-      args.backend = &b;
-      args.input = x;
-      args.ln = m->Ln();
-      args.weight = m->Value("weight");
-      args.bias = m->Value("bias");
-      args.weight_version = m->version;
-      args.workspace = m->workspace;
-      args.input_quantizer = m->scaling[kIn].Quantizer();
-      args.weight_quantizer = m->WeightQuantizer(kWeight);
-      args.training = training;
-      args.return_layernorm_output = spec.return_layernorm_output;
-      args.checkpoint = spec.checkpoint;
-      GW_ASSIGN_OR_RETURN(LayerNormLinearFwdResult r, LayerNormLinearForward(args));
-      if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-      if (training) m->EndStep({{kIn, r.input_amax}, {kWeight, r.weight_amax}});
-      y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
-      built = r.workspace_built, saved = r.saved;
-      break;
-    }
-    case ModuleKind::kLayerNormMlp: {
-      LayerNormMlpFwdArgs args;
-      args.backend = &b;
-      args.input = x;
-      args.ln = m->Ln();
-      args.fc1_weight = m->Value("fc1_weight");
-      args.fc1_bias = m->Value("fc1_bias");
-      args.fc2_weight = m->Value("fc2_weight");
-      args.fc2_bias = m->Value("fc2_bias");
-      args.activation = spec.activation;
-      args.weight_version = m->version;
-      args.workspace = m->workspace;
-      args.fc1_input_quantizer = m->scaling[kFc1In].Quantizer();
-      args.fc1_weight_quantizer = m->WeightQuantizer(kFc1Weight);
-      args.fc2_input_quantizer = m->scaling[kFc2In].Quantizer();
-      args.fc2_weight_quantizer = m->WeightQuantizer(kFc2Weight);
-      args.training = training;
-      args.return_layernorm_output = spec.return_layernorm_output;
-      args.checkpoint = spec.checkpoint;
-      GW_ASSIGN_OR_RETURN(LayerNormMlpFwdResult r, LayerNormMlpForward(args));
-      if (training) GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-      if (training) {
-        m->EndStep({{kFc1In, r.fc1_input_amax},
-                    {kFc1Weight, r.fc1_weight_amax},
-                    {kFc2In, r.fc2_input_amax},
-                    {kFc2Weight, r.fc2_weight_amax}});
-      }
-      y = r.output, ln_out = r.layernorm_output, workspace = r.workspace;
-      built = r.workspace_built, saved = r.saved;
-      break;
-    }
-  }
-  (built ? workspace_builds_ : workspace_hits_).fetch_add(1);
-  m->workspace = workspace;
-  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
-  out_shape.back() = spec.out_features;
-  out.output = b.ToHost(y).reshape(out_shape);
-  if (ln_out.defined()) out.layernorm_output = b.ToHost(ln_out).reshape(input.sizes());
+  (r.workspace_built ? workspace_builds_ : workspace_hits_).fetch_add(1);
+  m->workspace = std::move(r.workspace);
+  DeviceForward out;
+  out.output = std::move(r.output);
+  out.layernorm_output = std::move(r.layernorm_output);
   out.weight_version = m->version;
   if (training) {
-    saved->input_shape.assign(input.sizes().begin(), input.sizes().end());
-    GW_ASSIGN_OR_RETURN(out.context_id,
-                        contexts_.Put(module_id, m->version, std::move(saved), m->tenant, client));
+    r.saved->input_shape = input_shape;
+    GW_ASSIGN_OR_RETURN(out.context_id, contexts_.Put(module_id, m->version, std::move(r.saved),
+                                                      m->tenant, client));
   }
   return out;
 }
@@ -556,6 +384,37 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
 
 absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
                                                 const BackwardInput& in) {
+  GW_ASSIGN_OR_RETURN(auto r, BackwardOnDevice(context_id, in));
+  if (!r.first.defined()) return at::Tensor();
+  return backend_->ToHost(r.first).reshape(r.second);
+}
+
+absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
+    const std::string& context_id, const WireBackwardRequest& req) {
+  const Backend& b = *backend_;
+  // The gradients cross to the device in their wire dtype; the shapes are checked against the
+  // context's in BackwardOnDevice.
+  auto decode = [&](const wire::TensorView& v) {
+    const int64_t cols = v.shape.empty() ? 1 : std::max<int64_t>(1, v.shape.back());
+    return b.FromWire(v, v.numel() / cols, cols, nullptr, {}).reshape(v.shape);
+  };
+  if (req.grad_output.shape.empty() || req.grad_output.numel() == 0) {
+    return absl::InvalidArgumentError("grad_output is required");
+  }
+  BackwardInput in;
+  in.grad_output = decode(req.grad_output);
+  if (req.grad_layernorm_output.data != nullptr) {
+    in.grad_layernorm_output = decode(req.grad_layernorm_output);
+  }
+  in.retain = req.retain;
+  in.skip_grad_input = req.skip_grad_input;
+  GW_ASSIGN_OR_RETURN(auto r, BackwardOnDevice(context_id, in));
+  if (!r.first.defined()) return std::nullopt;
+  return b.ToWire(r.first, req.grad_input_dtype, std::move(r.second));
+}
+
+absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::BackwardOnDevice(
+    const std::string& context_id, const BackwardInput& in) {
   GW_ASSIGN_OR_RETURN(ContextStore::Lease lease, contexts_.Acquire(context_id));
   // Until Finish(consumed=true), every exit leaves the context as it was.
   auto fail = [&](absl::Status status) {
@@ -566,11 +425,11 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
   auto found = Find(lease.module_id);
   if (!found.ok()) return fail(found.status());
   std::shared_ptr<Module> m = *std::move(found);
-  const std::vector<int64_t>& input_shape = lease.saved->input_shape;
+  const std::vector<int64_t> input_shape = lease.saved->input_shape;
   std::vector<int64_t> expected = input_shape;
   expected.back() = m->spec.out_features;
   if (auto s = CheckExactShape("grad_output", in.grad_output, expected); !s.ok()) return fail(s);
-  if (auto s = CheckFinite("grad_output", in.grad_output.contiguous()); !s.ok()) return fail(s);
+  if (auto s = CheckFinite("grad_output", in.grad_output); !s.ok()) return fail(s);
   if (in.grad_layernorm_output.defined()) {
     if (!m->spec.return_layernorm_output) {
       return fail(absl::InvalidArgumentError(
@@ -580,8 +439,7 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
         !s.ok()) {
       return fail(s);
     }
-    if (auto s = CheckFinite("grad_layernorm_output", in.grad_layernorm_output.contiguous());
-        !s.ok()) {
+    if (auto s = CheckFinite("grad_layernorm_output", in.grad_layernorm_output); !s.ok()) {
       return fail(s);
     }
   }
@@ -602,82 +460,34 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
     // them again on failure; later ones accumulate into fresh buffers that are checked and then
     // added, the sums checked again before they replace the accumulators.
     const bool direct = m->accumulated_backwards == 0;
-    std::vector<std::pair<Module::Param*, at::Tensor>> targets;
-    auto grad = [&](const char* name) -> at::Tensor {
-      for (Module::Param& p : m->params) {
-        if (p.name != name) continue;
-        targets.emplace_back(&p, direct ? p.grad : at::zeros_like(p.grad));
-        return targets.back().second;
-      }
-      return at::Tensor();
-    };
-    std::vector<std::pair<int, float>> amaxes;
-    const at::Tensor dy = b.ToDevice(As2D(in.grad_output));
-    const at::Tensor d_ln = in.grad_layernorm_output.defined()
-                                ? b.ToDevice(As2D(in.grad_layernorm_output))
-                                : at::Tensor();
-    switch (m->spec.kind) {
-      case ModuleKind::kLinear: {
-        LinearBwdArgs args;
-        args.backend = &b;
-        args.grad_output = dy;
-        args.saved = dynamic_cast<const LinearSaved*>(lease.saved.get());
-        args.grad_quantizer = m->scaling[kGrad].Quantizer();
-        args.compute_grad_input = !in.skip_grad_input;
-        args.weight_grad = grad("weight");
-        args.bias_grad = grad("bias");
-        if (!args.saved) return fail(absl::InternalError("context is not a Linear context"));
-        auto r = LinearBackward(args);
-        if (!r.ok()) return fail(r.status());
-        amaxes = {{kGrad, r->grad_output_amax}};
-        grad_input = r->grad_input;
-        break;
-      }
-      case ModuleKind::kLayerNormLinear: {
-        LayerNormLinearBwdArgs args;
-        args.backend = &b;
-        args.grad_output = dy;
-        args.grad_layernorm_output = d_ln;
-        args.saved = dynamic_cast<const LayerNormLinearSaved*>(lease.saved.get());
-        args.ln = m->Ln();
-        args.grad_quantizer = m->scaling[kGrad].Quantizer();
-        args.compute_grad_input = !in.skip_grad_input;
-        args.weight_grad = grad("weight");
-        args.bias_grad = grad("bias");
-        args.gamma_grad = grad("layer_norm_weight");
-        args.beta_grad = grad("layer_norm_bias");
-        if (!args.saved) return fail(absl::InternalError("context is not a LayerNormLinear one"));
-        auto r = LayerNormLinearBackward(args);
-        if (!r.ok()) return fail(r.status());
-        amaxes = {{kGrad, r->grad_output_amax}};
-        grad_input = r->grad_input;
-        break;
-      }
-      case ModuleKind::kLayerNormMlp: {
-        LayerNormMlpBwdArgs args;
-        args.backend = &b;
-        args.grad_output = dy;
-        args.grad_layernorm_output = d_ln;
-        args.saved = dynamic_cast<const LayerNormMlpSaved*>(lease.saved.get());
-        args.ln = m->Ln();
-        args.activation = m->spec.activation;
-        args.fc1_grad_quantizer = m->scaling[kFc1Grad].Quantizer();
-        args.fc2_grad_quantizer = m->scaling[kFc2Grad].Quantizer();
-        args.compute_grad_input = !in.skip_grad_input;
-        args.gamma_grad = grad("layer_norm_weight");
-        args.beta_grad = grad("layer_norm_bias");
-        args.fc1_weight_grad = grad("fc1_weight");
-        args.fc1_bias_grad = grad("fc1_bias");
-        args.fc2_weight_grad = grad("fc2_weight");
-        args.fc2_bias_grad = grad("fc2_bias");
-        if (!args.saved) return fail(absl::InternalError("context is not a LayerNormMLP one"));
-        auto r = LayerNormMlpBackward(args);
-        if (!r.ok()) return fail(r.status());
-        amaxes = {{kFc1Grad, r->fc1_grad_amax}, {kFc2Grad, r->fc2_grad_amax}};
-        grad_input = r->grad_input;
-        break;
-      }
+    std::vector<std::pair<Module::Parameter*, at::Tensor>> targets;
+    ParamTable grads;
+    for (Module::Parameter& p : m->params) {
+      targets.emplace_back(&p, direct ? p.grad : at::zeros_like(p.grad));
+      grads[p.id] = targets.back().second;
     }
+    const ParamTable params = m->DeviceTable();
+    const std::vector<QuantizerConfig> quantizers = m->Quantizers();
+    KindBackwardArgs args;
+    args.backend = &b;
+    args.spec = &m->spec;
+    args.grad_output = b.ToDevice(As2D(in.grad_output));
+    if (in.grad_layernorm_output.defined()) {
+      args.grad_layernorm_output = b.ToDevice(As2D(in.grad_layernorm_output));
+    }
+    args.saved = lease.saved.get();
+    args.params = &params;
+    args.grads = &grads;
+    args.quantizers = &quantizers;
+    args.compute_grad_input = !in.skip_grad_input;
+    auto r = m->kind->Backward(args);
+    if (!r.ok()) {
+      if (direct) {
+        for (auto& [p, g] : targets) p->grad.zero_();
+      }
+      return fail(r.status());
+    }
+    grad_input = std::move(r->grad_input);
     auto overflowed = [&](const std::string& what) {
       if (direct) {
         for (auto& [p, g] : targets) p->grad.zero_();
@@ -702,17 +512,13 @@ absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
       }
       for (size_t i = 0; i < targets.size(); ++i) targets[i].first->grad.copy_(sums[i]);
     }
-    for (const auto& [role, amax] : amaxes) {
-      m->scaling[size_t(role)].Record(amax);
-      m->scaling[size_t(role)].Roll();
-    }
+    m->EndStep(r->amaxes);
     ++m->accumulated_backwards;
   }
-  if (grad_input.defined()) grad_input = backend_->ToHost(grad_input).reshape(input_shape);
-  // Free the saved tensors now, before the caller sends the reply.
+  // Free the saved tensors now, before the caller encodes and sends the reply.
   lease.saved.reset();
   contexts_.Finish(context_id, /*consumed=*/true, in.retain);
-  return grad_input;
+  return std::make_pair(std::move(grad_input), input_shape);
 }
 
 absl::Status ModuleHost::ReleaseContext(const std::string& context_id,
@@ -722,7 +528,8 @@ absl::Status ModuleHost::ReleaseContext(const std::string& context_id,
 
 absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id,
                                                     float learning_rate) {
-  if (learning_rate != 0.0f) GW_RETURN_IF_ERROR(CheckPositive("learning_rate", learning_rate));
+  if (learning_rate != 0.0f)
+    GW_RETURN_IF_ERROR(CheckFinitePositive("learning_rate", learning_rate));
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
   const float lr = learning_rate > 0.0f ? learning_rate : m->spec.optimizer.learning_rate();
@@ -731,7 +538,7 @@ absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id
   const int64_t step = m->optimizer_steps + 1;
   std::vector<at::Tensor> values;
   std::vector<OptimizerSlots> slots;
-  for (Module::Param& p : m->params) {
+  for (Module::Parameter& p : m->params) {
     values.push_back(p.value.clone());
     slots.push_back(p.slots.Clone());
     OptimizerStep(m->spec.optimizer, lr, step, values.back(), backend_->ToHost(p.grad),
@@ -757,7 +564,7 @@ absl::StatusOr<ParametersCopy> ModuleHost::GetGradients(const std::string& modul
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
   ParametersCopy out;
-  for (Module::Param& p : m->params) {
+  for (Module::Parameter& p : m->params) {
     out.tensors.emplace_back(p.name, p.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
     if (zero) p.grad.zero_();
   }
@@ -771,7 +578,7 @@ absl::StatusOr<ParametersCopy> ModuleHost::GetWeights(const std::string& module_
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
   ParametersCopy out;
-  for (const Module::Param& p : m->params) out.tensors.emplace_back(p.name, p.value.clone());
+  for (const Module::Parameter& p : m->params) out.tensors.emplace_back(p.name, p.value.clone());
   out.weight_version = m->version;
   return out;
 }
@@ -780,8 +587,7 @@ absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
                                                 const NamedTensors& params) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   if (params.empty()) return absl::InvalidArgumentError("parameters is empty: nothing to set");
-  std::vector<std::string> names;
-  for (const auto& p : m->params) names.push_back(p.name);
+  const std::vector<std::string> names = m->Names();
   std::vector<std::pair<size_t, at::Tensor>> checked;
   std::set<std::string> seen;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -807,12 +613,23 @@ absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
   return ++m->version;
 }
 
+absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
+                                                const NamedViews& params) {
+  NamedTensors decoded;
+  for (const auto& [name, v] : params) {
+    at::Tensor t = at::empty(v.shape, Float32());
+    wire::DecodeElements(v.dtype, v.data, v.numel(), v.scale_inv, t.data_ptr<float>());
+    decoded.emplace_back(name, std::move(t));
+  }
+  return SetWeights(module_id, decoded);
+}
+
 absl::StatusOr<std::vector<RoleScaling>> ModuleHost::Scaling(const std::string& module_id) const {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
   std::vector<RoleScaling> out;
   for (size_t i = 0; i < m->scaling.size(); ++i) {
-    out.push_back({m->role_names[i], m->scaling[i].scale(), m->scaling[i].history()});
+    out.push_back({m->kind->Roles()[i].name, m->scaling[i].scale(), m->scaling[i].history()});
   }
   return out;
 }
@@ -826,17 +643,18 @@ absl::StatusOr<ModuleState> ModuleHost::ExportState(const std::string& module_id
   state.spec = m->spec;
   state.weight_version = m->version;
   state.optimizer_steps = m->optimizer_steps;
-  for (const Module::Param& p : m->params) {
+  for (const Module::Parameter& p : m->params) {
     state.parameters.emplace_back(p.name, p.value.clone());
     if (p.slots.first.defined()) {
-      state.optimizer_slots.emplace_back(p.name + ".first", p.slots.first.clone());
+      state.optimizer_slots.emplace_back(std::string(p.name) + ".first", p.slots.first.clone());
     }
     if (p.slots.second.defined()) {
-      state.optimizer_slots.emplace_back(p.name + ".second", p.slots.second.clone());
+      state.optimizer_slots.emplace_back(std::string(p.name) + ".second", p.slots.second.clone());
     }
   }
   for (size_t i = 0; i < m->scaling.size(); ++i) {
-    state.scaling.push_back({m->role_names[i], m->scaling[i].scale(), m->scaling[i].history()});
+    state.scaling.push_back(
+        {m->kind->Roles()[i].name, m->scaling[i].scale(), m->scaling[i].history()});
   }
   return state;
 }
@@ -851,24 +669,25 @@ absl::Status ModuleHost::ImportState(const ModuleState& state) {
     }
     return nullptr;
   };
-  for (Module::Param& p : m->params) {
+  for (Module::Parameter& p : m->params) {
     const at::Tensor* value = find(state.parameters, p.name);
     if (!value) {
       return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, " is missing"));
     }
-    GW_RETURN_IF_ERROR(CheckExactShape(p.name.c_str(), *value, p.value.sizes()));
+    GW_RETURN_IF_ERROR(CheckExactShape(p.name, *value, p.value.sizes()));
     p.value.copy_(*value);
     for (auto [suffix, slot] :
          {std::pair{".first", &p.slots.first}, {".second", &p.slots.second}}) {
-      if (const at::Tensor* t = find(state.optimizer_slots, p.name + suffix)) {
-        GW_RETURN_IF_ERROR(CheckExactShape((p.name + suffix).c_str(), *t, p.value.sizes()));
+      if (const at::Tensor* t = find(state.optimizer_slots, std::string(p.name) + suffix)) {
+        GW_RETURN_IF_ERROR(
+            CheckExactShape((std::string(p.name) + suffix).c_str(), *t, p.value.sizes()));
         *slot = t->clone();
       }
     }
   }
   for (const RoleScaling& r : state.scaling) {
-    for (size_t i = 0; i < m->role_names.size(); ++i) {
-      if (m->role_names[i] == r.role) m->scaling[i].Set(r.history, r.scale);
+    for (size_t i = 0; i < m->scaling.size(); ++i) {
+      if (m->kind->Roles()[i].name == r.role) m->scaling[i].Set(r.history, r.scale);
     }
   }
   m->version = state.weight_version;

@@ -1,6 +1,8 @@
 // The module host: owns the modules, their fp32 master weights, gradient buffers and optimizer
 // state, the FP8 weight-workspace cache (outside the compute functions), the FP8 scaling state of
-// every tensor role, and the saved-context store. Transport-free; thread-safe.
+// every tensor role, and the saved-context store. Transport-free; thread-safe. What a module
+// computes, which parameters and roles it has and what its spec may hold is its kind's
+// (module_kind.h): the host never switches on the kind.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,49 +13,23 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "gradwire/kernels/activation.h"
+#include "gradwire/wire/codec.h"
 #include "server/core/backend.h"
 #include "server/core/context_store.h"
+#include "server/core/module_kind.h"
+#include "server/core/module_spec.h"
 #include "server/core/optimizer.h"
 #include "server/core/recipe.h"
 
 namespace gradwire::core {
 
 struct Fp8Tensor;
-
-enum class ModuleKind { kLinear, kLayerNormLinear, kLayerNormMlp };
-const char* ModuleKindName(ModuleKind kind);
-
-struct ModuleSpec {
-  ModuleKind kind = ModuleKind::kLinear;
-  int64_t in_features = 0;
-  int64_t out_features = 0;
-  int64_t ffn_features = 0;  // LayerNormMLP: the activation's output width
-  bool bias = true;
-  kernels::Activation activation = kernels::Activation::kGelu;  // LayerNormMLP
-  float layernorm_eps = 1e-5f;
-  bool zero_centered_gamma = false;
-  bool return_layernorm_output = false;
-  bool checkpoint = false;  // selective recompute
-  RecipeConfig recipe;
-  OptimizerConfig optimizer;
-  int64_t max_staleness = -1;  // < 0: a backward may come from any older weight version
-  uint64_t seed = 0;           // deterministic initialisation
-  std::string name;            // free-form label
-};
-
-// The parameters a spec makes, in the module's order: names and shapes. Dimensions are taken as
-// they are (the spec is not validated here).
-std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes(const ModuleSpec& spec);
-// Their total element count (saturating; 0 when a dimension is not positive).
-int64_t ParameterCount(const ModuleSpec& spec);
-// INVALID_ARGUMENT naming the field unless `spec` is one ModuleHost::Create accepts.
-absl::Status ValidateModuleSpec(const ModuleSpec& spec);
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
@@ -80,6 +56,34 @@ struct BackwardInput {
   bool retain = false;
   bool skip_grad_input = false;
 };
+
+// The wire path (what the rpc layer calls): the input as it arrived, as a view of its bytes, and
+// outputs encoded as asked. The backend converts both ways on its own device: nothing is widened
+// to fp32 on the host first.
+struct WireForwardRequest {
+  wire::TensorView input;  // [..., in_features]
+  bool training = false;
+  wire::DType output_dtype = wire::DType::kF32;  // of output and layernorm_output
+  std::string client;                            // who asked (per-client context counts)
+};
+
+struct WireForwardOutput {
+  wire::EncodedTensor output;            // [..., out_features]
+  wire::EncodedTensor layernorm_output;  // [..., in_features]; empty shape unless returned
+  bool has_layernorm_output = false;
+  std::string context_id;  // empty for inference
+  uint64_t weight_version = 0;
+};
+
+struct WireBackwardRequest {
+  wire::TensorView grad_output;            // the shape of that forward's output
+  wire::TensorView grad_layernorm_output;  // optional (data null when absent)
+  bool retain = false;
+  bool skip_grad_input = false;
+  wire::DType grad_input_dtype = wire::DType::kF32;
+};
+
+using NamedViews = std::vector<std::pair<std::string, wire::TensorView>>;
 
 struct ParametersCopy {
   NamedTensors tensors;  // float32, in the module's parameter order
@@ -118,8 +122,8 @@ struct HostStats {
 
 class ModuleHost {
  public:
-  static constexpr int64_t kMaxFeatures = 1 << 16;
-  static constexpr int64_t kMaxParameters = int64_t(1) << 28;  // 1 GiB of fp32 per module
+  static constexpr int64_t kMaxFeatures = core::kMaxFeatures;
+  static constexpr int64_t kMaxParameters = core::kMaxParameters;
 
   ModuleHost();
   // `limits` bound the saved-context memory; `clock` (tests) replaces the steady clock for TTLs;
@@ -166,6 +170,12 @@ class ModuleHost {
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const BackwardInput& in);
   absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const at::Tensor& grad_output,
                                       bool retain, bool skip_grad_input);
+  // The wire forms of Forward and Backward: the same checks, compute and context handling, with
+  // the tensors converted by the backend. Backward's result is empty with skip_grad_input.
+  absl::StatusOr<WireForwardOutput> Forward(const std::string& module_id,
+                                            const WireForwardRequest& req);
+  absl::StatusOr<std::optional<wire::EncodedTensor>> Backward(const std::string& context_id,
+                                                              const WireBackwardRequest& req);
   absl::Status ReleaseContext(
       const std::string& context_id,
       ContextStore::ReleaseReason reason = ContextStore::ReleaseReason::kByClient);
@@ -178,6 +188,8 @@ class ModuleHost {
   // Replaces the named parameters (float32, exact shapes, finite); all are checked before any
   // changes. Bumps the weight version and returns it.
   absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const NamedTensors& params);
+  // The same from wire views, decoded on the host where the master weights live.
+  absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const NamedViews& params);
 
   absl::StatusOr<std::vector<RoleScaling>> Scaling(const std::string& module_id) const;
 
@@ -197,6 +209,24 @@ class ModuleHost {
   absl::StatusOr<std::shared_ptr<Module>> NewModule(const ModuleSpec& spec) const;
   absl::StatusOr<std::shared_ptr<Module>> Find(const std::string& module_id) const;
   ModuleInfo InfoLocked(const std::string& id, const Module& m) const;
+  // What Forward and Backward compute, on the backend's device: `x` is [rows, in_features] there
+  // (any device for the host API: it is moved), `input_fp8` the input's codes on the device
+  // when it arrived in FP8. Outputs stay 2-D on the device.
+  struct DeviceForward {
+    at::Tensor output, layernorm_output;
+    std::string context_id;
+    uint64_t weight_version = 0;
+  };
+  absl::StatusOr<DeviceForward> ForwardOnDevice(const std::string& module_id,
+                                                const std::shared_ptr<Module>& m,
+                                                const at::Tensor& x,
+                                                const std::vector<int64_t>& input_shape,
+                                                bool training, const Fp8Tensor* input_fp8,
+                                                const std::string& client);
+  // grad_input on the device as [rows, in_features] (undefined with skip_grad_input), and the
+  // forward input's shape. The context is finished (consumed or kept) when this returns.
+  absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> BackwardOnDevice(
+      const std::string& context_id, const BackwardInput& in);
 
   BackendPtr backend_;
   mutable std::mutex mu_;  // guards modules_ (each Module has its own lock)

@@ -12,11 +12,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/core/quantizer.h"
+#include "gradwire/wire/tensor.h"
 #include "server/core/status_macros.h"
 #include "server/rpc/boundary.h"
 #include "server/rpc/status_map.h"
-#include "server/rpc/tensor_codec.h"
 
 namespace gradwire::rpc {
 namespace {
@@ -51,6 +50,10 @@ absl::Status CheckElements(absl::string_view what, int64_t elements, int64_t lim
   return absl::OkStatus();
 }
 
+absl::Status CheckOutputDType(v1::DType dtype, absl::string_view field) {
+  return wire::OutputDType(dtype, field).status();
+}
+
 std::string EnumName(const std::string& name, int value) {
   return name.empty() ? std::to_string(value) : name;
 }
@@ -75,16 +78,16 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
   switch (p.activation()) {
     case v1::ACTIVATION_UNSPECIFIED:
     case v1::GELU:
-      spec.activation = kernels::Activation::kGelu;
+      spec.activation = core::Activation::kGelu;
       break;
     case v1::RELU:
-      spec.activation = kernels::Activation::kRelu;
+      spec.activation = core::Activation::kRelu;
       break;
     case v1::SWIGLU:
-      spec.activation = kernels::Activation::kSwiglu;
+      spec.activation = core::Activation::kSwiglu;
       break;
     case v1::GEGLU:
-      spec.activation = kernels::Activation::kGeglu;
+      spec.activation = core::Activation::kGeglu;
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
@@ -147,11 +150,15 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
   return spec;
 }
 
+v1::ModuleKind KindToProto(core::ModuleKind kind) {
+  static constexpr v1::ModuleKind kKinds[] = {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP};
+  return kKinds[int(kind)];
+}
+
 v1::ModuleSpec SpecToProto(const core::ModuleSpec& s) {
   v1::ModuleSpec p;
-  static constexpr v1::ModuleKind kKinds[] = {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP};
   static constexpr v1::Activation kActivations[] = {v1::GELU, v1::RELU, v1::SWIGLU, v1::GEGLU};
-  p.set_kind(kKinds[int(s.kind)]);
+  p.set_kind(KindToProto(s.kind));
   p.set_in_features(s.in_features);
   p.set_out_features(s.out_features);
   p.set_bias(s.bias);
@@ -199,12 +206,16 @@ void InfoToProto(const core::ModuleInfo& info, v1::ModuleInfo* out) {
   for (const std::string& name : info.parameter_names) out->add_parameter_names(name);
 }
 
+// Host fp32 parameters (the master copies, or gradients copied to the host) as wire tensors.
 absl::Status EncodeNamed(const core::NamedTensors& tensors, v1::DType dtype,
                          google::protobuf::RepeatedPtrField<v1::NamedTensor>* out) {
+  GW_ASSIGN_OR_RETURN(const wire::DType d, wire::OutputDType(dtype, "dtype"));
   for (const auto& [name, tensor] : tensors) {
     v1::NamedTensor* named = out->Add();
     named->set_name(name);
-    GW_RETURN_IF_ERROR(EncodeTensor(tensor, dtype, "dtype", named->mutable_tensor()));
+    const at::Tensor t = tensor.contiguous();
+    wire::EncodeToMessage(t.data_ptr<float>(), {t.sizes().begin(), t.sizes().end()}, d,
+                          named->mutable_tensor());
   }
   return absl::OkStatus();
 }
@@ -495,9 +506,9 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_version(options_.version);
   resp->set_device(options_.device);
   resp->set_device_name(options_.device_name);
-  resp->add_module_kinds(v1::LINEAR);
-  resp->add_module_kinds(v1::LAYERNORM_LINEAR);
-  resp->add_module_kinds(v1::LAYERNORM_MLP);
+  for (const core::ModuleKindOps* kind : core::Kinds()) {
+    resp->add_module_kinds(KindToProto(kind->kind()));
+  }
   resp->set_modules(stats.modules);
   resp->set_live_contexts(stats.live_contexts);
   resp->set_context_bytes(stats.context_bytes);
@@ -617,11 +628,8 @@ absl::Status GradwireService::CheckForwardLimits(const Caller& caller,
     // What the forward would build, from the rows the input declares (a wrong last dimension is
     // the forward's INVALID_ARGUMENT).
     const int64_t rows = elements / std::max<int64_t>(1, req.input().shape(dims - 1));
-    GW_RETURN_IF_ERROR(CheckElements("the output", saturating(rows, spec.out_features), limit));
-    if (spec.kind == core::ModuleKind::kLayerNormMlp) {
-      const int64_t f1 =
-          kernels::IsGated(spec.activation) ? 2 * spec.ffn_features : spec.ffn_features;
-      GW_RETURN_IF_ERROR(CheckElements("the FC1 output", saturating(rows, f1), limit));
+    for (const auto& [what, width] : core::FindKind(spec.kind)->BuiltWidths(spec)) {
+      GW_RETURN_IF_ERROR(CheckElements(what, saturating(rows, width), limit));
     }
   }
   const int64_t max_contexts = options_.limits.max_contexts_per_client;
@@ -707,50 +715,32 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
-  GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
+  GW_ASSIGN_OR_RETURN(const wire::DType output_dtype,
+                      wire::OutputDType(req.output_dtype(), "output_dtype"));
   // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
-  GW_ASSIGN_OR_RETURN(at::Tensor input, DecodeTensor(req.input(), "input"));
+  core::WireForwardRequest f;
+  GW_ASSIGN_OR_RETURN(f.input, wire::ViewOf(req.input(), "input"));
   GW_RETURN_IF_ERROR(CheckForwardLimits(caller, req));
-  // FP8 input (codes + scale_inv) is used as it came, not re-quantized.
-  std::optional<core::Fp8Tensor> fp8;
-  const v1::DType dtype = req.input().dtype();
-  if ((dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2) && input.dim() >= 1) {
-    const int64_t cols = input.size(-1);
-    fp8 = core::FromCodes(
-        reinterpret_cast<const uint8_t*>(req.input().data().data()), input.numel() / cols, cols,
-        dtype == v1::FP8_E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
-        req.input().scale_inv(), {true, req.training()});
-  }
+  f.training = req.training();
+  f.output_dtype = output_dtype;
+  f.client = caller.client;
   if (call != nullptr && call->Abandoned()) {  // stop before the compute
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
   }
   if (options_.before_forward_compute) options_.before_forward_compute();
-  GW_ASSIGN_OR_RETURN(core::ForwardOutput out, host_.Forward(req.module_id(), input, req.training(),
-                                                             fp8 ? &*fp8 : nullptr, caller.client));
-  // From here a failure must not leave the context behind: nobody would ever consume it.
-  auto fail = [&](absl::Status status, core::ContextStore::ReleaseReason reason =
-                                           core::ContextStore::ReleaseReason::kByClient) {
-    if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id, reason);
-    resp->Clear();
-    return status;
-  };
+  // The request's bytes go to the backend as they are (FP8 as codes, bf16 as 2-byte values); the
+  // outputs come back encoded.
+  GW_ASSIGN_OR_RETURN(core::WireForwardOutput out, host_.Forward(req.module_id(), f));
   // A context is only worth returning when the response can still reach the client in time.
   if (call != nullptr && !out.context_id.empty() && call->Abandoned(options_.delivery_slack)) {
-    return fail(absl::CancelledError(
-                    "Forward was cancelled, passed its deadline or came too close to it during the "
-                    "compute; its context was released"),
-                core::ContextStore::ReleaseReason::kUndelivered);
+    (void)host_.ReleaseContext(out.context_id, core::ContextStore::ReleaseReason::kUndelivered);
+    return absl::CancelledError(
+        "Forward was cancelled, passed its deadline or came too close to it during the compute; "
+        "its context was released");
   }
-  if (auto s = EncodeTensor(out.output, req.output_dtype(), "output_dtype", resp->mutable_output());
-      !s.ok()) {
-    return fail(s);
-  }
-  if (out.layernorm_output.defined()) {
-    if (auto s = EncodeTensor(out.layernorm_output, req.output_dtype(), "output_dtype",
-                              resp->mutable_layernorm_output());
-        !s.ok()) {
-      return fail(s);
-    }
+  wire::ToMessage(std::move(out.output), resp->mutable_output());
+  if (out.has_layernorm_output) {
+    wire::ToMessage(std::move(out.layernorm_output), resp->mutable_layernorm_output());
   }
   resp->set_context_id(out.context_id);
   resp->set_weight_version(out.weight_version);
@@ -764,14 +754,15 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
-  GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
-  core::BackwardInput in;
-  GW_ASSIGN_OR_RETURN(in.grad_output, DecodeTensor(req.grad_output(), "grad_output"));
+  core::WireBackwardRequest in;
+  GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
+                      wire::OutputDType(req.grad_input_dtype(), "grad_input_dtype"));
+  GW_ASSIGN_OR_RETURN(in.grad_output, wire::ViewOf(req.grad_output(), "grad_output"));
   GW_RETURN_IF_ERROR(
       CheckElements("grad_output", in.grad_output.numel(), options_.limits.max_tensor_elements));
   if (req.has_grad_layernorm_output()) {
     GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
-                        DecodeTensor(req.grad_layernorm_output(), "grad_layernorm_output"));
+                        wire::ViewOf(req.grad_layernorm_output(), "grad_layernorm_output"));
     GW_RETURN_IF_ERROR(CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(),
                                      options_.limits.max_tensor_elements));
   }
@@ -780,11 +771,9 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   if (call != nullptr && call->Abandoned()) {  // the context stays for a retry
     return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
   }
-  GW_ASSIGN_OR_RETURN(at::Tensor grad_input, host_.Backward(req.context_id(), in));
-  if (grad_input.defined()) {
-    GW_RETURN_IF_ERROR(EncodeTensor(grad_input, req.grad_input_dtype(), "grad_input_dtype",
-                                    resp->mutable_grad_input()));
-  }
+  GW_ASSIGN_OR_RETURN(std::optional<wire::EncodedTensor> grad_input,
+                      host_.Backward(req.context_id(), in));
+  if (grad_input) wire::ToMessage(std::move(*grad_input), resp->mutable_grad_input());
   resp->set_server_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return absl::OkStatus();
@@ -878,14 +867,13 @@ absl::Status GradwireService::DoGetWeights(const Caller& caller, const v1::GetWe
 absl::Status GradwireService::DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
                                            v1::SetWeightsResponse* resp) {
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
-  core::NamedTensors params;
+  core::NamedViews params;
   for (int i = 0; i < req.parameters_size(); ++i) {
     const v1::NamedTensor& named = req.parameters(i);
-    GW_ASSIGN_OR_RETURN(at::Tensor t,
-                        DecodeTensor(named.tensor(), absl::StrCat("parameters[", i, "].tensor")));
-    GW_RETURN_IF_ERROR(CheckElements(absl::StrCat("parameters[", i, "].tensor"), t.numel(),
-                                     options_.limits.max_tensor_elements));
-    params.emplace_back(named.name(), t);
+    const std::string field = absl::StrCat("parameters[", i, "].tensor");
+    GW_ASSIGN_OR_RETURN(wire::TensorView v, wire::ViewOf(named.tensor(), field));
+    GW_RETURN_IF_ERROR(CheckElements(field, v.numel(), options_.limits.max_tensor_elements));
+    params.emplace_back(named.name(), std::move(v));
   }
   GW_ASSIGN_OR_RETURN(uint64_t version, host_.SetWeights(req.module_id(), params));
   resp->set_weight_version(version);

@@ -4,6 +4,8 @@
 //
 //   casts                 bit for bit: codes, transposed codes, scale, scale_inv, amax
 //   GEMMs                 within the fp32 accumulation bound plus the tensor cores' partial sums
+//   wire conversions      bit for bit: every wire dtype decoded onto the device and encoded
+//                         back, at aligned and unaligned addresses
 //   LayerNorm, activation within fp32 rounding
 //   modules               Linear, LayerNormLinear, LayerNormMLP x recipe x activation x shape
 //                         (size 1, primes, aligned) x training/inference x bias: outputs,
@@ -138,6 +140,66 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(info.param)) + "_" + std::to_string(s.rows) + "x" +
              std::to_string(s.cols) + "_" + kernels::Fp8FormatName(std::get<2>(info.param)) +
              (std::get<3>(info.param) ? "_delayed" : "_current");
+    });
+
+// The rpc boundary's conversions: a wire tensor decoded on the device (FromWire, with the FP8
+// codes a Linear takes as they are) and an output encoded from it (ToWire) give the reference's
+// values and bytes exactly, whatever the dtype, size (past the CPU backend's threading cutoff) or
+// alignment of the request's bytes.
+class WireParity
+    : public ::testing::TestWithParam<std::tuple<const char*, Shape, wire::DType, bool>> {};
+
+TEST_P(WireParity, DecodeAndEncodeBitForBit) {
+  const auto [name, shape, dtype, unaligned] = GetParam();
+  GW_REQUIRE_BACKEND(name);
+  const Backend& ref = *MakeReferenceBackend();
+  const Backend& b = *Get(name).backend;
+  const at::Tensor x = RandN({shape.rows, shape.cols}, 5.0);
+  const std::vector<int64_t> dims = {shape.rows, shape.cols};
+  const wire::EncodedTensor want = ref.ToWire(x, dtype, dims);
+  const wire::EncodedTensor got = b.ToWire(b.ToDevice(x), dtype, dims);
+  ASSERT_EQ(got.dtype, dtype);
+  EXPECT_EQ(got.shape, dims);
+  ASSERT_EQ(got.bytes.size(), want.bytes.size());
+  EXPECT_TRUE(got.bytes == want.bytes) << "encoded bytes";
+  EXPECT_EQ(Bits(got.scale_inv), Bits(want.scale_inv));
+
+  // Decode the reference's bytes from where a request would hold them.
+  std::string buffer(want.bytes.size() + 1, '\0');
+  char* data = buffer.data() + (unaligned ? 1 : 0);
+  std::memcpy(data, want.bytes.data(), want.bytes.size());
+  wire::TensorView v;
+  v.dtype = dtype;
+  v.data = data;
+  v.shape = dims;
+  v.scale_inv = want.scale_inv;
+  Fp8Tensor ref_codes, codes;
+  const CastUsage usage{true, true};
+  const at::Tensor ref_x = ref.FromWire(v, shape.rows, shape.cols, &ref_codes, usage).clone();
+  const at::Tensor got_x = b.ToHost(b.FromWire(v, shape.rows, shape.cols, &codes, usage));
+  ASSERT_EQ(got_x.sizes(), ref_x.sizes());
+  EXPECT_TRUE(got_x.equal(ref_x)) << "decoded values";
+  if (wire::IsFp8(dtype)) {
+    ExpectSameCast(codes, ref_codes, b);
+  }
+  if (dtype == wire::DType::kF32) {
+    EXPECT_TRUE(got_x.equal(x)) << "F32 crosses exactly";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, WireParity,
+    ::testing::Combine(::testing::ValuesIn(kBackends),
+                       ::testing::Values(Shape{1, 1}, Shape{7, 13},
+                                         Shape{300, 1031}),  // past the threaded cutoff
+                       ::testing::Values(wire::DType::kF32, wire::DType::kBF16, wire::DType::kF16,
+                                         wire::DType::kFp8E4M3, wire::DType::kFp8E5M2),
+                       ::testing::Bool()),
+    [](const auto& info) {
+      const Shape s = std::get<1>(info.param);
+      return std::string(std::get<0>(info.param)) + "_" + std::to_string(s.rows) + "x" +
+             std::to_string(s.cols) + "_" + wire::DTypeName(std::get<2>(info.param)) +
+             (std::get<3>(info.param) ? "_unaligned" : "_aligned");
     });
 
 using Mnk = std::tuple<int64_t, int64_t, int64_t>;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 
 #include "server/core/checkpoint.h"
@@ -463,6 +464,176 @@ TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   EXPECT_EQ(restored.Info(mine->module_id)->tenant, "alice");
   EXPECT_EQ(restored.CheckTenant(mine->module_id, "bob").code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(checkpointer.Remove(mine->module_id).ok());
+}
+
+// The kind registry: one kind object per ModuleKind, each with its parameters, roles and checks;
+// the host reaches parameters through typed handles and names them only at the boundary.
+TEST(ModuleKindRegistryTest, EveryKindIsRegisteredWithItsParametersAndRoles) {
+  ASSERT_EQ(Kinds().size(), 3u);
+  for (const ModuleKindOps* kind : Kinds()) {
+    EXPECT_EQ(FindKind(kind->kind()), kind);
+    EXPECT_STREQ(ModuleKindName(kind->kind()), kind->name());
+  }
+  EXPECT_EQ(FindKind(static_cast<ModuleKind>(7)), nullptr);
+  EXPECT_STREQ(ModuleKindName(static_cast<ModuleKind>(7)), "unknown");
+
+  ModuleSpec s;
+  s.kind = ModuleKind::kLayerNormMlp;
+  s.in_features = 6;
+  s.out_features = 4;
+  s.ffn_features = 5;
+  s.activation = Activation::kSwiglu;
+  const std::vector<ParamDef> defs = LayerNormMlpKind().Params(s);
+  std::vector<std::string> names;
+  for (const ParamDef& d : defs) names.push_back(ParamName(d.param));
+  EXPECT_EQ(names, (std::vector<std::string>{"layer_norm_weight", "layer_norm_bias", "fc1_weight",
+                                             "fc1_bias", "fc2_weight", "fc2_bias"}));
+  EXPECT_EQ(defs[2].shape, (std::vector<int64_t>{10, 6}));  // gated: FC1 makes 2 x ffn
+  EXPECT_EQ(defs[4].shape, (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(ParameterCount(s), 6 + 6 + 60 + 10 + 20 + 4);
+  const auto widths = LayerNormMlpKind().BuiltWidths(s);
+  ASSERT_EQ(widths.size(), 2u);
+  EXPECT_EQ(widths[1].second, 10);
+  int weights = 0;
+  for (const RoleDef& r : LayerNormMlpKind().Roles()) weights += r.weight ? 1 : 0;
+  EXPECT_EQ(weights, 2);
+  EXPECT_EQ(LinearKind().Roles().size(), 3u);
+  EXPECT_TRUE(LinearKind().UsesFp8Input());
+  EXPECT_FALSE(LayerNormLinearKind().UsesFp8Input());
+
+  // Each kind refuses, by field, what is not its own.
+  ModuleSpec linear;
+  linear.in_features = 4;
+  linear.out_features = 4;
+  linear.ffn_features = 3;
+  auto bad = ValidateModuleSpec(linear);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("spec.ffn_features"), absl::string_view::npos) << bad;
+  s.ffn_features = 0;
+  bad = ValidateModuleSpec(s);
+  EXPECT_NE(bad.message().find("spec.ffn_features"), absl::string_view::npos) << bad;
+  ModuleSpec ln = linear;
+  ln.kind = ModuleKind::kLayerNormLinear;
+  ln.ffn_features = 0;
+  ln.checkpoint = true;
+  EXPECT_TRUE(ValidateModuleSpec(ln).ok());
+  linear.ffn_features = 0;
+  linear.checkpoint = true;
+  EXPECT_NE(ValidateModuleSpec(linear).message().find("LayerNorm modules"),
+            absl::string_view::npos);
+}
+
+TEST(ModuleKindRegistryTest, ParamTableIsIndexedByHandle) {
+  ParamTable t;
+  t[Param::kFc2Bias] = at::ones({3});
+  EXPECT_TRUE(t[Param::kFc2Bias].defined());
+  EXPECT_FALSE(t[Param::kBias].defined());
+  EXPECT_STREQ(ParamName(Param::kFc2Bias), "fc2_bias");
+  EXPECT_STREQ(ParamName(Param::kLayerNormWeight), "layer_norm_weight");
+}
+
+// The wire forms of Forward and Backward compute exactly what the host forms do: the backend
+// decodes the narrow dtypes and encodes the outputs with the wire codec's rounding.
+TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
+  for (ModuleKind kind :
+       {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    ModuleHost host;
+    ModuleSpec spec;
+    spec.kind = kind;
+    spec.in_features = 12;
+    spec.out_features = 7;
+    spec.ffn_features = kind == ModuleKind::kLayerNormMlp ? 9 : 0;
+    spec.return_layernorm_output = kind != ModuleKind::kLinear;
+    spec.seed = 5;
+    auto a = host.Create(spec);
+    auto b = host.Create(spec);  // same seed: same weights
+    ASSERT_TRUE(a.ok() && b.ok());
+    const at::Tensor x = RandN({2, 3, 12});
+    // The wire input: bf16 bytes; the host path gets the same values widened.
+    const wire::EncodedTensor xe =
+        host.backend().ToWire(x, wire::DType::kBF16, {x.sizes().begin(), x.sizes().end()});
+    at::Tensor widened = at::empty({2, 3, 12});
+    wire::DecodeElements(wire::DType::kBF16, xe.bytes.data(), 72, 1.0f, widened.data_ptr<float>());
+    WireForwardRequest req;
+    req.input = {wire::DType::kBF16, xe.bytes.data(), xe.shape, 1.0f};
+    req.training = true;
+    req.output_dtype = wire::DType::kF32;
+    auto wf = host.Forward(a->module_id, req);
+    ASSERT_TRUE(wf.ok()) << wf.status();
+    auto hf = host.Forward(b->module_id, widened, true);
+    ASSERT_TRUE(hf.ok()) << hf.status();
+    EXPECT_EQ(wf->output.shape, (std::vector<int64_t>{2, 3, 7}));
+    ASSERT_EQ(wf->output.bytes.size(), size_t(hf->output.numel() * 4));
+    EXPECT_EQ(
+        std::memcmp(wf->output.bytes.data(), hf->output.data_ptr<float>(), wf->output.bytes.size()),
+        0)
+        << ModuleKindName(kind);
+    EXPECT_EQ(wf->has_layernorm_output, spec.return_layernorm_output);
+
+    const at::Tensor dy = RandN({2, 3, 7});
+    const wire::EncodedTensor dye =
+        host.backend().ToWire(dy, wire::DType::kF16, {dy.sizes().begin(), dy.sizes().end()});
+    at::Tensor dy_widened = at::empty({2, 3, 7});
+    wire::DecodeElements(wire::DType::kF16, dye.bytes.data(), 42, 1.0f,
+                         dy_widened.data_ptr<float>());
+    WireBackwardRequest breq;
+    breq.grad_output = {wire::DType::kF16, dye.bytes.data(), dye.shape, 1.0f};
+    breq.grad_input_dtype = wire::DType::kBF16;
+    auto wb = host.Backward(wf->context_id, breq);
+    ASSERT_TRUE(wb.ok()) << wb.status();
+    ASSERT_TRUE(wb->has_value());
+    auto hb = host.Backward(hf->context_id, dy_widened, false, false);
+    ASSERT_TRUE(hb.ok()) << hb.status();
+    const wire::EncodedTensor hb_bf16 = host.backend().ToWire(*hb, wire::DType::kBF16, {2, 3, 12});
+    EXPECT_EQ((*wb)->shape, (std::vector<int64_t>{2, 3, 12}));
+    EXPECT_TRUE((*wb)->bytes == hb_bf16.bytes) << ModuleKindName(kind);
+    auto ga = host.GetGradients(a->module_id, false);
+    auto gb = host.GetGradients(b->module_id, false);
+    ASSERT_TRUE(ga.ok() && gb.ok());
+    for (size_t i = 0; i < ga->tensors.size(); ++i) {
+      EXPECT_TRUE(ga->tensors[i].second.equal(gb->tensors[i].second)) << ga->tensors[i].first;
+    }
+    EXPECT_EQ(host.Stats().live_contexts, 0);
+  }
+}
+
+// A wire request refused by the host changes nothing and leaves no context.
+TEST(ModuleHostWireTest, BadWireRequestsAreRefusedByField) {
+  ModuleHost host;
+  ModuleSpec spec;
+  spec.in_features = 4;
+  spec.out_features = 3;
+  auto m = host.Create(spec);
+  ASSERT_TRUE(m.ok());
+  std::vector<float> x(8, 0.5f);
+  WireForwardRequest req;
+  req.input = {wire::DType::kF32, x.data(), {2, 5}, 1.0f};  // last dimension is not in_features
+  req.training = true;
+  auto f = host.Forward(m->module_id, req);
+  ASSERT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("input.shape must be [..., 4]"), absl::string_view::npos)
+      << f.status();
+  x[5] = NAN;
+  req.input = {wire::DType::kF32, x.data(), {2, 4}, 1.0f};
+  f = host.Forward(m->module_id, req);
+  ASSERT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("element 5"), absl::string_view::npos) << f.status();
+  EXPECT_EQ(host.Stats().live_contexts, 0);
+  x[5] = 0.25f;
+  auto ok = host.Forward(m->module_id, req);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  std::vector<float> dy(9, 1.0f);
+  WireBackwardRequest back;
+  back.grad_output = {wire::DType::kF32, dy.data(), {3, 3}, 1.0f};  // the forward made [2, 3]
+  auto b = host.Backward(ok->context_id, back);
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host.Stats().live_contexts, 1);  // kept for a retry
+  back.grad_output.shape = {2, 3};
+  back.skip_grad_input = true;
+  b = host.Backward(ok->context_id, back);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_FALSE(b->has_value());
+  EXPECT_EQ(host.Stats().live_contexts, 0);
 }
 
 }  // namespace

@@ -2,13 +2,14 @@
 // is: a serialized ForwardRequest, BackwardRequest or SetWeightsRequest, or a raw wire tensor
 // (dtype, shape, scale_inv, bytes) built field by field so that byte lengths and shapes are
 // mutated independently. Each request goes through the functions the service's handlers call, in
-// their order (DecodeTensor, CheckOutputDType, FromCodes, ModuleHost::Forward / Backward /
-// SetWeights, EncodeTensor) against a fresh host with one small module of each kind.
+// their order (wire::OutputDType, wire::ViewOf, then the wire forms of ModuleHost::Forward /
+// Backward / SetWeights, whose backend decodes and encodes) against a fresh host with one small
+// module of each kind.
 //
 // Beyond crashes and sanitizer reports, it checks what the service promises: only the status
-// codes of bad input (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) or OK come back, a decoded
-// tensor has exactly the bytes its shape needs, outputs have the documented shapes, and no
-// context or weight change survives a failed call.
+// codes of bad input (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) or OK come back, a
+// viewed tensor has exactly the bytes its shape needs, outputs are encoded with the documented
+// shapes and byte counts, and no context or weight change survives a failed call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -22,9 +23,8 @@
 
 #include "google/protobuf/stubs/logging.h"
 #include "gradwire/v1/service.pb.h"
+#include "gradwire/wire/tensor.h"
 #include "server/core/module_host.h"
-#include "server/core/quantizer.h"
-#include "server/rpc/tensor_codec.h"
 
 namespace {
 
@@ -32,7 +32,7 @@ using gradwire::core::ModuleHost;
 using gradwire::core::ModuleKind;
 using gradwire::core::ModuleSpec;
 namespace v1 = gradwire::v1;
-namespace rpc = gradwire::rpc;
+namespace wire = gradwire::wire;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "request_fuzzer invariant broken: %s\n", what.c_str());
@@ -71,7 +71,7 @@ struct Fixture {
     s.kind = ModuleKind::kLayerNormMlp;
     s.return_layernorm_output = false;
     s.ffn_features = 6;
-    s.activation = gradwire::kernels::Activation::kSwiglu;
+    s.activation = gradwire::core::Activation::kSwiglu;
     Add(s);
   }
   void Add(const ModuleSpec& s) {
@@ -93,84 +93,78 @@ struct Fixture {
   }
 };
 
-int64_t ElementSize(v1::DType d) {
-  switch (d) {
-    case v1::F32:
-      return 4;
-    case v1::BF16:
-    case v1::F16:
-      return 2;
-    case v1::FP8_E4M3:
-    case v1::FP8_E5M2:
-      return 1;
-    default:
-      return 0;
-  }
-}
-
-// DecodeTensor plus the checks any success must pass.
-absl::StatusOr<at::Tensor> Decode(const v1::Tensor& t, const char* field) {
-  absl::StatusOr<at::Tensor> out = rpc::DecodeTensor(t, field);
-  CheckBadInputCode(out.status(), "DecodeTensor");
+// wire::ViewOf plus the checks any success must pass.
+absl::StatusOr<wire::TensorView> View(const v1::Tensor& t, const char* field) {
+  absl::StatusOr<wire::TensorView> out = wire::ViewOf(t, field);
+  CheckBadInputCode(out.status(), "ViewOf");
   if (!out.ok()) {
-    if (out.status().code() != absl::StatusCode::kInvalidArgument) Fail("decode code");
+    if (out.status().code() != absl::StatusCode::kInvalidArgument) Fail("view code");
     if (out.status().message().find(field) == absl::string_view::npos) {
-      Fail("decode error does not name its field: " + std::string(out.status().message()));
+      Fail("view error does not name its field: " + std::string(out.status().message()));
     }
     return out;
   }
-  if (out->scalar_type() != at::kFloat || out->dim() != t.shape_size()) Fail("decoded type/rank");
-  if (out->numel() * ElementSize(t.dtype()) != int64_t(t.data().size())) Fail("decoded size");
+  if (int64_t(out->shape.size()) != t.shape_size()) Fail("viewed rank");
+  if (out->bytes() != int64_t(t.data().size())) Fail("viewed size");
   for (int i = 0; i < t.shape_size(); ++i) {
-    if (out->size(i) != t.shape(i)) Fail("decoded shape");
+    if (out->shape[size_t(i)] != t.shape(i)) Fail("viewed shape");
   }
   // F32 decodes bit-exactly; re-encoding gives the same bytes back.
   if (t.dtype() == v1::F32) {
+    std::vector<float> values(static_cast<size_t>(out->numel()));
+    wire::DecodeElements(out->dtype, out->data, out->numel(), 1.0f, values.data());
     v1::Tensor again;
-    if (!rpc::EncodeTensor(*out, v1::F32, "check", &again).ok() || again.data() != t.data()) {
-      Fail("F32 decode/encode round trip");
-    }
+    wire::EncodeToMessage(values.data(), out->shape, wire::DType::kF32, &again);
+    if (again.data() != t.data()) Fail("F32 decode/encode round trip");
   }
   return out;
+}
+
+void CheckEncoded(const wire::EncodedTensor& e, wire::DType dtype, int64_t rows, int64_t cols,
+                  const char* what) {
+  int64_t n = 1;
+  for (int64_t d : e.shape) n *= d;
+  if (e.dtype != dtype || e.shape.empty() || e.shape.back() != cols || n != rows * cols ||
+      int64_t(e.bytes.size()) != n * wire::ElementSize(dtype)) {
+    Fail(std::string(what) + ": encoded shape, dtype or size");
+  }
 }
 
 void RunForward(Fixture& f, v1::ForwardRequest req, uint8_t selector) {
   req.set_module_id(f.Pick(req.module_id(), selector));
   if (!req.has_input()) return;  // the handler answers before any decoding
-  const absl::Status dtype_ok = rpc::CheckOutputDType(req.output_dtype(), "output_dtype");
-  CheckBadInputCode(dtype_ok, "CheckOutputDType");
-  if (!dtype_ok.ok()) return;
-  absl::StatusOr<at::Tensor> input = Decode(req.input(), "input");
+  const absl::StatusOr<wire::DType> dtype = wire::OutputDType(req.output_dtype(), "output_dtype");
+  CheckBadInputCode(dtype.status(), "OutputDType");
+  if (!dtype.ok()) return;
+  gradwire::core::WireForwardRequest fwd;
+  absl::StatusOr<wire::TensorView> input = View(req.input(), "input");
   if (!input.ok()) return;
-  std::optional<gradwire::core::Fp8Tensor> fp8;
-  const v1::DType dtype = req.input().dtype();
-  if (dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2) {
-    const int64_t cols = input->size(-1);
-    fp8 = gradwire::core::FromCodes(reinterpret_cast<const uint8_t*>(req.input().data().data()),
-                                    input->numel() / cols, cols,
-                                    dtype == v1::FP8_E4M3 ? gradwire::kernels::Fp8Format::kE4M3
-                                                          : gradwire::kernels::Fp8Format::kE5M2,
-                                    req.input().scale_inv(), {true, req.training()});
-  }
-  auto out = f.host.Forward(req.module_id(), *input, req.training(), fp8 ? &*fp8 : nullptr);
+  fwd.input = *input;
+  fwd.training = req.training();
+  fwd.output_dtype = *dtype;
+  auto out = f.host.Forward(req.module_id(), fwd);
   CheckBadInputCode(out.status(), "Forward");
   if (!out.ok()) {
     f.CheckNoContexts("failed Forward");
     return;
   }
-  if (out->output.dim() != input->dim() || out->output.size(-1) != Fixture::kOut) {
-    Fail("forward output shape");
+  const int64_t rows = input->numel() / Fixture::kIn;
+  CheckEncoded(out->output, *dtype, rows, Fixture::kOut, "forward output");
+  if (out->output.shape.size() != input->shape.size()) Fail("forward output rank");
+  if (out->has_layernorm_output) {
+    CheckEncoded(out->layernorm_output, *dtype, rows, Fixture::kIn, "layernorm output");
   }
   if (req.training() == out->context_id.empty()) Fail("context id vs training");
-  v1::Tensor encoded;
-  if (!rpc::EncodeTensor(out->output, req.output_dtype(), "output_dtype", &encoded).ok()) {
-    Fail("EncodeTensor of a valid output dtype failed");
-  }
   if (!out->context_id.empty()) {
     // A backward of the right shape on the context must work (and free it), whatever the input.
-    at::Tensor grad = at::ones_like(out->output);
-    auto back = f.host.Backward(out->context_id, grad, false, selector & 1);
-    if (!back.ok()) Fail("backward after a fuzzed forward: " + back.status().ToString());
+    std::vector<float> ones(size_t(rows * Fixture::kOut), 1.0f);
+    gradwire::core::WireBackwardRequest back;
+    back.grad_output.data = ones.data();
+    back.grad_output.shape = out->output.shape;
+    back.skip_grad_input = selector & 1;
+    auto grad = f.host.Backward(out->context_id, back);
+    if (!grad.ok()) Fail("backward after a fuzzed forward: " + grad.status().ToString());
+    if (grad->has_value() == back.skip_grad_input) Fail("grad_input vs skip_grad_input");
     f.CheckNoContexts("Backward");
   }
 }
@@ -184,17 +178,18 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
   if (!(selector & 8)) req.set_context_id(fwd->context_id);
   const auto version_before = f.host.Info(module_id)->weight_version;
   absl::Status status = absl::OkStatus();
+  gradwire::core::WireBackwardRequest in;
   if (!req.has_grad_output()) {
     status = absl::InvalidArgumentError("grad_output is required");
-  } else if (auto s = rpc::CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"); !s.ok()) {
-    status = s;
+  } else if (auto d = wire::OutputDType(req.grad_input_dtype(), "grad_input_dtype"); !d.ok()) {
+    status = d.status();
   } else {
-    absl::StatusOr<at::Tensor> grad = Decode(req.grad_output(), "grad_output");
-    gradwire::core::BackwardInput in;
+    in.grad_input_dtype = *d;
+    absl::StatusOr<wire::TensorView> grad = View(req.grad_output(), "grad_output");
     if (grad.ok()) in.grad_output = *grad;
-    absl::StatusOr<at::Tensor> grad_ln = at::Tensor();
+    absl::StatusOr<wire::TensorView> grad_ln = wire::TensorView{};
     if (grad.ok() && req.has_grad_layernorm_output()) {
-      grad_ln = Decode(req.grad_layernorm_output(), "grad_layernorm_output");
+      grad_ln = View(req.grad_layernorm_output(), "grad_layernorm_output");
       if (grad_ln.ok()) in.grad_layernorm_output = *grad_ln;
     }
     status = !grad.ok() ? grad.status() : !grad_ln.ok() ? grad_ln.status() : absl::OkStatus();
@@ -204,7 +199,8 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
       auto back = f.host.Backward(req.context_id(), in);
       status = back.status();
       if (back.ok() && !in.skip_grad_input) {
-        if (back->sizes() != at::IntArrayRef({rows, Fixture::kIn})) Fail("grad_input shape");
+        if (!back->has_value()) Fail("grad_input missing");
+        CheckEncoded(**back, in.grad_input_dtype, rows, Fixture::kIn, "grad_input");
       }
     }
   }
@@ -218,10 +214,10 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
 void RunSetWeights(Fixture& f, v1::SetWeightsRequest req, uint8_t selector) {
   req.set_module_id(f.Pick(req.module_id(), selector));
   auto before = f.host.GetWeights(req.module_id());
-  gradwire::core::NamedTensors params;
+  gradwire::core::NamedViews params;
   absl::Status status = absl::OkStatus();
   for (int i = 0; i < req.parameters_size() && status.ok(); ++i) {
-    auto t = Decode(req.parameters(i).tensor(), "parameters[i].tensor");
+    auto t = View(req.parameters(i).tensor(), "parameters[i].tensor");
     if (t.ok()) {
       params.emplace_back(req.parameters(i).name(), *t);
     } else {

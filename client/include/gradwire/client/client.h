@@ -14,13 +14,17 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/v1/service.grpc.pb.h"
+#include "gradwire/wire/codec.h"
+#include "gradwire/wire/tensor.h"
 
 namespace gradwire::client {
 
 // How float tensors travel to the server. The FP8 kinds are cast with a current-scaling scale of
 // their own (amax of the tensor maps to the format's largest value), sent with its scale_inv; the
 // server uses FP8 input codes as they are. Activations are usually E4M3, gradients E5M2.
-enum class WireDType { kF32, kBF16, kF16, kFp8E4M3, kFp8E5M2 };
+// The wire codec's element types (gradwire/wire/codec.h), which the server decodes alike.
+using WireDType = wire::DType;
+using wire::ToProto;
 
 // A float32 host tensor, row-major.
 struct HostTensor {
@@ -35,7 +39,6 @@ struct HostTensor {
 v1::Tensor ToWire(const HostTensor& t, WireDType dtype);
 // Wire tensor (any dtype, FP8 included) -> HostTensor; INVALID_ARGUMENT when malformed.
 absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t);
-v1::DType ToProto(WireDType dtype);
 
 struct ClientOptions {
   std::string server = "127.0.0.1:50051";    // host:port of gradwire-server

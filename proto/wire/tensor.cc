@@ -1,0 +1,117 @@
+#include "gradwire/wire/tensor.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gradwire/wire/chunking.h"
+
+namespace gradwire::wire {
+namespace {
+
+std::string ProtoName(v1::DType dtype) {
+  const std::string& name = v1::DType_Name(dtype);
+  return name.empty() ? std::to_string(int(dtype)) : name;
+}
+
+}  // namespace
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return v1::F32;
+    case DType::kBF16:
+      return v1::BF16;
+    case DType::kF16:
+      return v1::F16;
+    case DType::kFp8E4M3:
+      return v1::FP8_E4M3;
+    case DType::kFp8E5M2:
+      return v1::FP8_E5M2;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::F32:
+      return DType::kF32;
+    case v1::BF16:
+      return DType::kBF16;
+    case v1::F16:
+      return DType::kF16;
+    case v1::FP8_E4M3:
+      return DType::kFp8E4M3;
+    case v1::FP8_E5M2:
+      return DType::kFp8E5M2;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " must be one of F32, BF16, F16, FP8_E4M3, FP8_E5M2, got ", ProtoName(dtype)));
+  }
+}
+
+absl::StatusOr<DType> OutputDType(v1::DType dtype, absl::string_view field) {
+  if (dtype == v1::DTYPE_UNSPECIFIED) return DType::kF32;
+  auto d = FromProto(dtype, field);
+  if (!d.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " must be F32, BF16, F16, FP8_E4M3 or FP8_E5M2 (or unset for F32), got ",
+        ProtoName(dtype)));
+  }
+  return d;
+}
+
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) {
+  absl::StatusOr<int64_t> expected = DataBytes(t, field);
+  if (!expected.ok()) return expected.status();
+  TensorView view;
+  view.shape.assign(t.shape().begin(), t.shape().end());
+  if (int64_t(t.data().size()) != *expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data has ", t.data().size(), " bytes; shape [", absl::StrJoin(view.shape, ", "),
+        "] of ", v1::DType_Name(t.dtype()), " needs ", *expected));
+  }
+  view.dtype = *FromProto(t.dtype(), field);  // DataBytes accepted it
+  if (IsFp8(view.dtype)) {
+    if (!(std::isfinite(t.scale_inv()) && t.scale_inv() > 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".scale_inv must be finite and > 0 for FP8 data, got ", t.scale_inv()));
+    }
+    view.scale_inv = t.scale_inv();
+  }
+  view.data = t.data().data();
+  return view;
+}
+
+void ToMessage(EncodedTensor&& e, v1::Tensor* out) {
+  out->set_dtype(ToProto(e.dtype));
+  out->mutable_shape()->Assign(e.shape.begin(), e.shape.end());
+  out->set_data(std::move(e.bytes));
+  if (IsFp8(e.dtype)) {
+    out->set_scale_inv(e.scale_inv);
+  } else {
+    out->clear_scale_inv();
+  }
+}
+
+void EncodeToMessage(const float* x, const std::vector<int64_t>& shape, DType dtype,
+                     v1::Tensor* out) {
+  int64_t n = shape.empty() ? 0 : 1;
+  for (int64_t d : shape) n *= d;
+  EncodedTensor e;
+  e.dtype = dtype;
+  e.shape = shape;
+  e.bytes.resize(size_t(n * ElementSize(dtype)));
+  e.scale_inv = EncodeTensor(x, n, dtype, e.bytes.data());
+  ToMessage(std::move(e), out);
+}
+
+absl::StatusOr<std::vector<float>> DecodeMessage(const v1::Tensor& t, absl::string_view field) {
+  absl::StatusOr<TensorView> view = ViewOf(t, field);
+  if (!view.ok()) return view.status();
+  std::vector<float> out(size_t(view->numel()));
+  DecodeElements(view->dtype, view->data, view->numel(), view->scale_inv, out.data());
+  return out;
+}
+
+}  // namespace gradwire::wire

@@ -1,0 +1,172 @@
+// A module kind is one object: the parameters it has, the FP8 tensor roles it scales, what it
+// checks in a spec, its forward and its backward. The three kinds live next to their compute
+// functions (linear.cc, layernorm_linear.cc, layernorm_mlp.cc); the registry below holds them.
+// ModuleHost keeps ownership, locking, the weight workspace, scaling state and contexts, and
+// calls the kind: it never switches on the kind itself.
+//
+// Parameters are reached by typed handles (Param): a kind's compute reads and writes them through
+// a ParamTable, so a misspelt parameter is a compile error, not an undefined tensor. Names exist
+// only at the boundary: weights in and out, gradients out, checkpoints.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/core/backend.h"
+#include "server/core/fp8_ops.h"
+#include "server/core/module_spec.h"
+#include "server/core/saved_tensors.h"
+
+namespace gradwire::core {
+
+// Every parameter any kind has. A module has a subset (ModuleKindOps::Params).
+enum class Param : uint8_t {
+  kLayerNormWeight,  // "layer_norm_weight" (gamma)
+  kLayerNormBias,    // "layer_norm_bias" (beta)
+  kWeight,           // "weight"
+  kBias,             // "bias"
+  kFc1Weight,        // "fc1_weight"
+  kFc1Bias,          // "fc1_bias"
+  kFc2Weight,        // "fc2_weight"
+  kFc2Bias,          // "fc2_bias"
+};
+inline constexpr size_t kParamSlots = 8;
+// The wire and checkpoint name of a parameter.
+const char* ParamName(Param p);
+
+// Tensors by parameter handle; undefined for a parameter the module does not have.
+class ParamTable {
+ public:
+  at::Tensor& operator[](Param p) { return slots_[size_t(p)]; }
+  const at::Tensor& operator[](Param p) const { return slots_[size_t(p)]; }
+
+ private:
+  std::array<at::Tensor, kParamSlots> slots_;
+};
+
+// One parameter of a module: its handle, shape and initial values.
+struct ParamDef {
+  enum class Init {
+    kUniform,  // uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)) from the spec's seed
+    kOnes,
+    kZeros,
+  };
+  Param param;
+  std::vector<int64_t> shape;
+  Init init = Init::kUniform;
+  int64_t fan_in = 0;  // kUniform
+};
+
+// One FP8 tensor role: the scaling state a module keeps for it (amax history, scale).
+struct RoleDef {
+  const char* name;  // "input", "weight", "grad_output"; "fc1_input", ... for LayerNormMLP
+  kernels::Fp8Format format;
+  // A weight: cast once per weight version, with a scale from its own amax under either recipe
+  // (a delayed scale would be whatever the history held when the version was first used).
+  bool weight = false;
+};
+
+// The role of one amax a forward or backward measured: an index into ModuleKindOps::Roles().
+using RoleAmax = std::pair<size_t, float>;
+
+// Everything a kind's forward reads; tensors live on `backend`'s device.
+struct KindForwardArgs {
+  const Backend* backend = nullptr;
+  const ModuleSpec* spec = nullptr;
+  at::Tensor input;                      // float32 [M, in_features]
+  const Fp8Tensor* input_fp8 = nullptr;  // the input's FP8 codes as they arrived, when the kind
+                                         // UsesFp8Input (then `input` is their decoded copy)
+  const ParamTable* params = nullptr;    // the module's parameters (device copies)
+  // One per role, in Roles() order; a weight role's scale is 0 (its own amax).
+  const std::vector<QuantizerConfig>* quantizers = nullptr;
+  uint64_t weight_version = 0;
+  WorkspacePtr workspace;  // the cached FP8 weights, may be null or stale
+  bool training = false;
+};
+
+struct KindForwardResult {
+  at::Tensor output;            // float32 [M, out_features]
+  at::Tensor layernorm_output;  // float32 [M, in_features] when the spec asks for it
+  WorkspacePtr workspace;       // args.workspace when usable, else a new one
+  bool workspace_built = false;
+  std::shared_ptr<SavedTensors> saved;  // training only
+  std::vector<RoleAmax> amaxes;         // what this forward measured, per role
+};
+
+// Everything a kind's backward reads and writes; tensors live on `backend`'s device.
+struct KindBackwardArgs {
+  const Backend* backend = nullptr;
+  const ModuleSpec* spec = nullptr;
+  at::Tensor grad_output;               // float32 [M, out_features]
+  at::Tensor grad_layernorm_output;     // float32 [M, in_features] or undefined
+  const SavedTensors* saved = nullptr;  // from the matching forward of this kind
+  const ParamTable* params = nullptr;   // device copies (the LayerNorm's gamma)
+  ParamTable* grads = nullptr;          // the parameter gradients are accumulated into these
+  const std::vector<QuantizerConfig>* quantizers = nullptr;  // one per role
+  bool compute_grad_input = true;
+};
+
+struct KindBackwardResult {
+  at::Tensor grad_input;  // float32 [M, in_features], undefined unless compute_grad_input
+  std::vector<RoleAmax> amaxes;
+};
+
+class ModuleKindOps {
+ public:
+  virtual ~ModuleKindOps() = default;
+  virtual ModuleKind kind() const = 0;
+  virtual const char* name() const = 0;  // "Linear", "LayerNormLinear", "LayerNormMLP"
+  // The parameters a spec makes, in the module's order (dimensions taken as they are).
+  virtual std::vector<ParamDef> Params(const ModuleSpec& spec) const = 0;
+  virtual const std::vector<RoleDef>& Roles() const = 0;
+  // INVALID_ARGUMENT naming the field for what this kind refuses in a spec; the checks common
+  // to every kind are ValidateModuleSpec's.
+  virtual absl::Status Validate(const ModuleSpec& spec) const = 0;
+  // The widths of the [rows, width] tensors a forward builds, named for error messages (the
+  // output, LayerNormMLP's FC1 output), so a request can be bounded before it runs.
+  virtual std::vector<std::pair<const char*, int64_t>> BuiltWidths(
+      const ModuleSpec& spec) const = 0;
+  // True when the forward uses FP8 input codes as they arrived (no re-quantization); otherwise
+  // it reads the decoded input.
+  virtual bool UsesFp8Input() const { return false; }
+  virtual absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& args) const = 0;
+  virtual absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& args) const = 0;
+};
+
+// The registry: the kind object of `kind`, or null for a value outside the enum (a spec read back
+// from a damaged checkpoint).
+const ModuleKindOps* FindKind(ModuleKind kind);
+// Every kind, in enum order.
+const std::vector<const ModuleKindOps*>& Kinds();
+const char* ModuleKindName(ModuleKind kind);
+
+// The kind objects, defined next to their compute functions.
+const ModuleKindOps& LinearKind();
+const ModuleKindOps& LayerNormLinearKind();
+const ModuleKindOps& LayerNormMlpKind();
+
+// INVALID_ARGUMENT naming `field` unless lo <= value <= hi (the kinds' spec checks).
+absl::Status CheckSpecRange(const char* field, int64_t value, int64_t lo, int64_t hi);
+// INVALID_ARGUMENT naming `field` unless `value` is finite and > 0.
+absl::Status CheckFinitePositive(const char* field, float value);
+
+// The parameters a spec makes, in the module's order: names and shapes (empty for an unknown
+// kind; dimensions taken as they are).
+std::vector<std::pair<std::string, std::vector<int64_t>>> ParameterShapes(const ModuleSpec& spec);
+// Their total element count (saturating; 0 when a dimension is not positive).
+int64_t ParameterCount(const ModuleSpec& spec);
+// INVALID_ARGUMENT naming the field unless `spec` is one ModuleHost::Create accepts: the common
+// checks (recipe, optimizer, dimensions), the kind's own, and the parameter count.
+absl::Status ValidateModuleSpec(const ModuleSpec& spec);
+
+}  // namespace gradwire::core

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Layering rules of the source tree (docs/backends.md, "The rpc boundary"), checked on every test
+# run:
+#   server/rpc          nothing from kernels/: tensors cross into the core as wire views and the
+#                       backend converts them on its device (gradwire/wire/codec.h)
+#   wire codec          gradwire/wire/codec.h and its .cc: no libtorch, no protobuf, no gRPC
+#   server/core         no gRPC and no generated protocol code: the core is transport-free
+# Usage: tests/layering_check.sh [repository root]
+set -euo pipefail
+root=${1:-$(dirname "$0")/..}
+cd "$root"
+status=0
+violation() {
+  echo "layering: $1" >&2
+  shift
+  printf '  %s\n' "$@" >&2
+  status=1
+}
+check() {  # check DESCRIPTION PATTERN FILE...
+  local what=$1 pattern=$2
+  shift 2
+  local hits
+  hits=$(grep -nHE "$pattern" "$@" 2>/dev/null || true)
+  if [ -n "$hits" ]; then
+    mapfile -t lines <<<"$hits"
+    violation "$what" "${lines[@]}"
+  fi
+}
+mapfile -t rpc < <(find server/rpc -name '*.h' -o -name '*.cc')
+check "server/rpc must not use kernels/ (convert through the backend and the wire codec)" \
+  '#include "gradwire/kernels/|kernels::' "${rpc[@]}"
+check "the wire codec must stay torch-, protobuf- and gRPC-free" \
+  '#include [<"](ATen|torch|c10|google/protobuf|grpc|gradwire/v1)' \
+  proto/include/gradwire/wire/codec.h proto/codec/codec.cc
+mapfile -t core < <(find server/core -name '*.h' -o -name '*.cc')
+check "server/core must be transport-free (no gRPC, no generated messages)" \
+  '#include [<"](grpc|grpcpp|gradwire/v1/|gradwire/wire/tensor.h|gradwire/wire/chunking.h)' \
+  "${core[@]}"
+[ "$status" -eq 0 ] && echo "layering: server/rpc, server/core and the wire codec keep their rules"
+exit "$status"
