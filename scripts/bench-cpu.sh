@@ -28,7 +28,7 @@ for c in $cases; do
     || { cat "$tmp/load-$kind-$rows.txt"; exit 1; }
   echo "bench-cpu: gradwire-load $kind rows $rows done"
 done
-PYTHONPATH=client/python:build/python /usr/bin/python3 tests/bench/python_step.py \
+PYTHONPATH=client/python /usr/bin/python3 tests/bench/python_step.py \
   --server "$addr" --cases "$(echo $cases | tr ' ' ,)" --duration "$secs" --json "$tmp/python.json"
 kill $server_pid; wait $server_pid 2>/dev/null || true
 /usr/bin/python3 tests/bench/torch_peer.py --cases "$(echo $cases | tr ' ' ,)" \

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Configures and builds gradwire (server, CLI, tests) into build/ with Ninja, ccache, -j2.
+#   scripts/build.sh [TARGET...]   only these targets (default: everything)
 #   BUILD_DIR=... JOBS=... CMAKE_ARGS="..." to override.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +11,9 @@ if [ ! -f "$build_dir/build.ninja" ]; then
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${CMAKE_ARGS:-}
 fi
 start=$(date +%s)
-cmake --build "$build_dir" -j "$jobs"
+if [ $# -gt 0 ]; then
+  cmake --build "$build_dir" -j "$jobs" --target "$@"
+else
+  cmake --build "$build_dir" -j "$jobs"
+fi
 echo "build: done in $(( $(date +%s) - start )) s ($build_dir)"

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-./scripts/build.sh
+# Only what the demo runs: the server and the CLI (the tests build with scripts/test.sh).
+./scripts/build.sh gradwire-server gradwire
 build_dir=${BUILD_DIR:-build}
 log=$(mktemp)
 "$build_dir/server/gradwire-server" --listen 127.0.0.1:0 >"$log" 2>&1 &

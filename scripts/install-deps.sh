@@ -8,7 +8,7 @@ packages=(
   libtorch-dev libopenblas0-pthread libspdlog-dev libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev openssl
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
-  python3-pytest
+  python3-pytest python3-venv python3-pip python3-setuptools
   yamllint docker-compose gnuplot-nox
   # Fuzzing (scripts/fuzz.sh): clang and its runtimes, libFuzzer among them.
   clang libclang-rt-14-dev

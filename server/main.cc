@@ -10,10 +10,12 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -28,6 +30,7 @@
 #include "server/core/module_host.h"
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/boundary.h"
 #include "server/rpc/service.h"
 
 namespace {
@@ -56,6 +59,7 @@ struct ServerFlags {
   int64_t max_stream_bytes_per_client = int64_t(4) << 30;
   std::string metrics_token_file;   // bearer token the metrics endpoint requires; empty: none
   double shutdown_grace_s = 10.0;   // in-flight calls get this long on SIGINT/SIGTERM
+  double delivery_slack_ms = 10.0;  // a forward this close to its deadline is abandoned
   std::string metrics_listen;       // host:port of the Prometheus endpoint; empty: off
   std::string tls_cert;             // PEM certificate chain; with tls_key: serve TLS
   std::string tls_key;              // PEM private key
@@ -68,6 +72,7 @@ struct ServerFlags {
   int chunk_kib = 4096;             // chunks of the chunked calls, sent and accepted
   int max_stream_mib = 4096;        // most tensor bytes one chunked request may carry
   std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required
+  std::string port_file;            // written with the bound host:port once serving
   std::vector<std::string> tokens;  // TENANT:TOKEN entries (environment or config file)
   std::string config;               // TOML file mirroring these flags
   bool print_config = false;        // print the effective configuration and exit
@@ -151,6 +156,7 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "context-ttl = " << f.context_ttl_s << "\n";
   out << "heap-trim-every = " << f.heap_trim_every_s << "\n";
   out << "shutdown-grace = " << f.shutdown_grace_s << "\n";
+  out << "delivery-slack-ms = " << f.delivery_slack_ms << "\n";
   out << "tls-cert = " << quote(f.tls_cert) << "\n";
   out << "tls-key = " << quote(f.tls_key) << "\n";
   out << "tls-client-ca = " << quote(f.tls_client_ca) << "\n";
@@ -158,6 +164,7 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "metrics-listen = " << quote(f.metrics_listen) << "\n";
   out << "metrics-token-file = " << quote(f.metrics_token_file) << "\n";
   out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
+  out << "port-file = " << quote(f.port_file) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "cpu-threads = " << f.cpu_threads << "\n";
@@ -287,6 +294,9 @@ int main(int argc, char** argv) {
                  "compute device: cpu, cuda, or auto (cuda when usable, else cpu)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
+  app.add_option("--port-file", flags.port_file,
+                 "once serving, write the bound host:port to this file (atomically; removed at "
+                 "exit): how a supervisor learns the port of --listen HOST:0 at any --log-level");
   app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error or off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
@@ -372,6 +382,12 @@ int main(int argc, char** argv) {
                  "them RSS creeps up under training load while the memory in use stays flat "
                  "(0: never)")
       ->check(CLI::Range(0.0, 1e9))
+      ->capture_default_str();
+  app.add_option("--delivery-slack-ms", flags.delivery_slack_ms,
+                 "a training forward that finishes less than this before its deadline releases "
+                 "its context and answers CANCELLED: its response would reach the client after "
+                 "it gave up (raise it on slow links; docs/security.md)")
+      ->check(CLI::Range(0.0, 60000.0))
       ->capture_default_str();
   app.add_option("--shutdown-grace", flags.shutdown_grace_s,
                  "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
@@ -569,6 +585,8 @@ int main(int argc, char** argv) {
   service_options.authenticator = authenticator.get();
   service_options.stream_read_ahead = flags.stream_read_ahead;
   service_options.chunk_bytes = int64_t(flags.chunk_kib) << 10;
+  service_options.delivery_slack =
+      std::chrono::milliseconds(static_cast<int64_t>(flags.delivery_slack_ms));
   service_options.max_stream_bytes = int64_t(flags.max_stream_mib) << 20;
   service_options.limits.max_request_bytes = flags.max_request_bytes;
   service_options.limits.max_tensor_elements = flags.max_tensor_elements;
@@ -695,7 +713,22 @@ int main(int argc, char** argv) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus(gradwire::v1::Gradwire::service_full_name(), true);
   health->SetServingStatus(true);  // "" and every service named so far
-  spdlog::info("listening on {}", BoundAddress(flags.listen, port));
+  const std::string bound = BoundAddress(flags.listen, port);
+  spdlog::info("listening on {}", bound);
+  if (!flags.port_file.empty()) {
+    // Written whole under a temporary name, then renamed: a reader never sees half an address.
+    const std::string tmp = flags.port_file + ".tmp";
+    std::ofstream out(tmp, std::ios::trunc);
+    out << bound << "\n";
+    out.close();
+    if (!out || std::rename(tmp.c_str(), flags.port_file.c_str()) != 0) {
+      spdlog::error("cannot write --port-file {}: {}", gradwire::rpc::Escaped(flags.port_file, 256),
+                    std::strerror(errno));
+      std::remove(tmp.c_str());
+      server->Shutdown();
+      return 1;
+    }
+  }
   spdlog::info("context memory {} bytes on the device, {} bytes host offload, TTL {} s",
                flags.context_memory, flags.host_offload_memory, flags.context_ttl_s);
 
@@ -765,6 +798,7 @@ int main(int argc, char** argv) {
     janitor.join();
   }
   int exit_code = 0;
+  if (!flags.port_file.empty()) std::remove(flags.port_file.c_str());
   if (checkpointer) {
     auto saved = checkpointer->SaveAll(host);
     if (saved.ok()) {

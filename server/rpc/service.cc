@@ -227,6 +227,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
     : host_(host),
       executor_(executor),
       options_(std::move(options)),
+      instance_id_(core::RandomId128()),
       control_(std::make_unique<core::DeviceExecutor>("control")) {
   // Modules already here (restored from checkpoints) count for their tenants.
   for (const core::ModuleInfo& info : host_.List()) {
@@ -506,6 +507,7 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_version(options_.version);
   resp->set_device(options_.device);
   resp->set_device_name(options_.device_name);
+  resp->set_instance_id(instance_id_);
   for (const core::ModuleKindOps* kind : core::Kinds()) {
     resp->add_module_kinds(KindToProto(kind->kind()));
   }

@@ -240,6 +240,7 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   core::ModuleHost& host_;
   core::DeviceExecutor& executor_;
   const ServiceOptions options_;
+  const std::string instance_id_;  // GetServerInfo: new in every process
   // Module creation and deletion: host memory only, so it runs here, off the device executor, and
   // a big module cannot stall other clients' compute.
   std::unique_ptr<core::DeviceExecutor> control_;

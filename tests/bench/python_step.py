@@ -3,7 +3,7 @@
 
 Creates a module on a running gradwire-server, then repeats forward(training=True) and backward
 of a random gradient for --duration seconds; prints one line and appends a JSON object to --json.
-Needs PYTHONPATH=client/python:build/python.
+Needs PYTHONPATH=client/python.
 """
 import argparse
 import json

@@ -78,8 +78,21 @@ check "--device cuda without usable CUDA kernels: exit 2 with reason" \
 check "--help exits 0" [ "$rc_help" = 0 ]
 for flag in --listen --device --log-level --log-format --max-message-mib --shutdown-grace \
   --tls-cert --tls-key --tls-client-ca --insecure --metrics-listen --checkpoint-dir \
-  --checkpoint-every; do
+  --checkpoint-every --port-file; do
   check "--help documents $flag" grep -q -- "$flag" "$tmp/help.txt"
 done
+
+# --port-file: the bound address for a supervisor, whatever the log level; removed at exit.
+"$server_bin" --listen 127.0.0.1:0 --log-level warn --port-file "$tmp/port" >"$tmp/quiet.log" 2>&1 &
+quiet_pid=$!
+for _ in $(seq 1 100); do [ -s "$tmp/port" ] && break; sleep 0.1; done
+check "--port-file: written at --log-level warn" grep -qE '^127\.0\.0\.1:[0-9]+$' "$tmp/port"
+check "--port-file: the address serves" "$cli_bin" health --server "$(cat "$tmp/port")" --timeout 5
+check "--log-level warn: no info lines" bash -c "! grep -q 'listening on' '$tmp/quiet.log'"
+kill -TERM "$quiet_pid"
+wait "$quiet_pid" || true
+check "--port-file: removed at exit" [ ! -e "$tmp/port" ]
+check "--port-file: an unwritable path is refused" \
+  bash -c "! '$server_bin' --listen 127.0.0.1:0 --port-file /nonexistent-dir/port >/dev/null 2>&1"
 
 finish

@@ -5,7 +5,7 @@ Model: RemoteLayerNormMLP(64 -> 128 -> 64, GELU) on the server, then a local Lin
 The same model is trained locally in float32 from the same initial weights on the same batches,
 and both test accuracies are printed per epoch; a PNG of both loss curves is saved.
 
-  PYTHONPATH=client/python:build/python python3 client/python/examples/digits.py \
+  PYTHONPATH=client/python python3 client/python/examples/digits.py \
       --server 127.0.0.1:50051 --epochs 12 --plot digits.png
 """
 
@@ -120,7 +120,7 @@ def main():
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipe", choices=["current", "delayed"], default="current")
-    parser.add_argument("--wire-dtype", choices=["f32", "bf16", "f16"], default="f32")
+    parser.add_argument("--wire-dtype", choices=["f32", "bf16", "f16", "fp8"], default="f32")
     parser.add_argument("--plot", default="digits-loss.png", help="PNG of the loss curves")
     parser.add_argument("--json", action="store_true", help="print the history as one JSON line")
     args = parser.parse_args()

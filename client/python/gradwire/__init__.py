@@ -1,25 +1,33 @@
 """gradwire for PyTorch users: remote FP8 modules that behave like local ``torch.nn.Module``s.
 
-The generated protocol stubs (``gradwire.v1``) are built from ``proto/`` by the project's build
-into ``build/python``; put both ``client/python`` and ``build/python`` on ``PYTHONPATH``.
+Install with ``pip install ./client/python`` (no build step: the protocol stubs are part of the
+package). See README.md next to this package.
 """
 
-# The generated gradwire.v1 package lives in the build tree: let it join this package.
-__path__ = __import__("pkgutil").extend_path(__path__, __name__)
+__version__ = "0.1.0"  # the project version (CMakeLists.txt); tests check they agree
 
-from gradwire.client import Client, GradwireError  # noqa: E402
+from gradwire.client import Client, ContextLostError, GradwireError, is_loopback  # noqa: E402
+from gradwire.cluster import Cluster  # noqa: E402
 from gradwire.modules import (  # noqa: E402
     RemoteLayerNormLinear,
     RemoteLayerNormMLP,
     RemoteLinear,
     RemoteModule,
 )
+from gradwire.sequential import RemoteSequential  # noqa: E402
+from gradwire.train_stream import TrainStream  # noqa: E402
 
 __all__ = [
+    "__version__",
     "Client",
+    "Cluster",
+    "ContextLostError",
     "GradwireError",
     "RemoteModule",
     "RemoteLinear",
     "RemoteLayerNormLinear",
     "RemoteLayerNormMLP",
+    "RemoteSequential",
+    "TrainStream",
+    "is_loopback",
 ]

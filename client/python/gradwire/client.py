@@ -1,6 +1,9 @@
-"""A thin Python client of gradwire-server (gRPC)."""
+"""The Python client of gradwire-server (gRPC): one connection, every call with a deadline."""
 
+import ipaddress
 import os
+import threading
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 import grpc
 import torch
@@ -8,9 +11,15 @@ import torch
 from gradwire import wire
 from gradwire.v1 import module_pb2, service_pb2, service_pb2_grpc
 
+if TYPE_CHECKING:
+    from gradwire.train_stream import TrainStream
+
+ForwardResult = Tuple[torch.Tensor, str, Optional[torch.Tensor]]
+
 
 class GradwireError(RuntimeError):
-    """A call the server refused or could not serve: ``code`` is the gRPC status code name."""
+    """A call the server refused or could not serve: ``code`` is the gRPC status code name
+    ("NOT_FOUND", "INVALID_ARGUMENT", ...), ``message`` the server's explanation."""
 
     def __init__(self, method: str, code: str, message: str):
         super().__init__(f"{method}: {code}: {message}")
@@ -19,44 +28,149 @@ class GradwireError(RuntimeError):
         self.message = message
 
 
+class ContextLostError(GradwireError):
+    """A backward whose saved tensors the server no longer holds. ``reason`` says why:
+
+    - ``"ttl"``: unused for longer than the server's context TTL (``--context-ttl``);
+    - ``"memory"``: evicted because context memory was full;
+    - ``"undelivered"``: the forward's response never reached this client, so the server
+      dropped the context;
+    - ``"stream_ended"``: the Train stream that made it ended first;
+    - ``"server_restarted"``: the server is a new process (its instance id changed);
+    - ``"server_unavailable"``: the server cannot be reached;
+    - ``"unknown"``: the server does not know the context (never made here, or released).
+
+    Run the forward again, or create the module with ``recompute_on_lost_context=True``.
+    """
+
+    def __init__(self, method: str, code: str, message: str, reason: str):
+        super().__init__(method, code, message)
+        self.reason = reason
+
+
+def _lost_reason(message: str) -> str:
+    if "context TTL" in message:
+        return "ttl"
+    if "context memory was full" in message:
+        return "memory"
+    if "never reached the client" in message:
+        return "undelivered"
+    if "stream" in message and "ended" in message:
+        return "stream_ended"
+    return "unknown"
+
+
+def is_loopback(server: str) -> bool:
+    """True when ``server`` ("host:port", "[v6]:port", "unix:path") names this machine only."""
+    if server.startswith("unix:") or server.startswith("unix-abstract:"):
+        return True
+    host = server
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read(path: Optional[str], what: str) -> Optional[bytes]:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
+
+
 class Client:
     """Connection to one gradwire-server. Every call has a deadline of ``timeout`` seconds.
 
-    ``wire_dtype`` ("f32", "bf16" or "f16") is how activations and gradients travel; bf16 halves
-    the bytes at a small cost in accuracy. ``token`` is the bearer token for a server that
-    requires tokens (default: the ``GRADWIRE_TOKEN`` environment variable, if set).
-
-    Tensors larger than ``chunk_kib`` KiB (it must not exceed the server's ``--chunk-kib``) travel
-    on the chunked calls; ``chunking`` is "auto" (by the request's and the expected response's
-    size), "always" or "never".
+    Args:
+        server: "host:port" of the server.
+        timeout: deadline of each call, in seconds.
+        wire_dtype: how activations and gradients travel: "f32", "bf16", "f16" (halve the
+            bytes), or "fp8" (a quarter: E4M3 activations and E5M2 gradients, each tensor with
+            a current-scaling scale of its own; the server uses FP8 input codes as they are).
+        max_message_mib: largest message sent or received.
+        token: bearer token for a server that requires tokens (default: the ``GRADWIRE_TOKEN``
+            environment variable, if set).
+        chunk_kib: tensors larger than this travel on the chunked calls (at most the server's
+            ``--chunk-kib``); ``chunking`` is "auto" (by the request's and the expected
+            response's size), "always" or "never".
+        tls_ca: PEM bundle of the CA that signed the server's certificate; turns TLS on.
+        tls_cert, tls_key: this client's PEM certificate and key, for a server that requires
+            mutual TLS.
+        tls_server_name: the name the server's certificate must carry when it is not the host
+            of ``server``.
+        insecure: allow plaintext to an address that is not loopback. Without TLS, a token or
+            a tensor would cross the network in the clear, so this is refused by default (as
+            the server refuses to listen in plaintext on a public address).
     """
 
     def __init__(self, server: str = "127.0.0.1:50051", timeout: float = 30.0,
-                 wire_dtype: str = "f32", max_message_mib: int = 64, token: str = None,
-                 chunk_kib: int = 4096, chunking: str = "auto"):
+                 wire_dtype: str = "f32", max_message_mib: int = 64,
+                 token: Optional[str] = None, chunk_kib: int = 4096, chunking: str = "auto",
+                 tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
+                 insecure: bool = False):
         if chunking not in ("auto", "always", "never"):
             raise ValueError("chunking must be 'auto', 'always' or 'never'")
+        if wire_dtype not in wire.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {sorted(wire.WIRE_DTYPES)}")
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS needs both)")
+        tls = bool(tls_ca or tls_cert)
+        if not tls and not insecure and not is_loopback(server):
+            raise ValueError(
+                f"refusing plaintext to {server}, which is not a loopback address: give tls_ca "
+                "(TLS) or insecure=True (tensors and tokens would cross the network in clear)")
         self.chunk_bytes = chunk_kib << 10
         self.chunking = chunking
         self.chunked_calls = 0
-        self._modules = {}  # module_id -> ModuleSpec, to predict response sizes
-        if wire_dtype not in wire.WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {sorted(wire.WIRE_DTYPES)}")
+        self._modules: Dict[str, module_pb2.ModuleSpec] = {}  # to predict response sizes
         self.server = server
         self.timeout = timeout
         self.wire_dtype = wire_dtype
+        self.activation_dtype, self.gradient_dtype = wire.WIRE_DTYPES[wire_dtype]
         if token is None:
             token = os.environ.get("GRADWIRE_TOKEN") or None
         self._metadata = (("authorization", "Bearer " + token),) if token else None
         limit = max_message_mib << 20
-        self._channel = grpc.insecure_channel(server, options=[
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-        ])
+        options = [("grpc.max_send_message_length", limit),
+                   ("grpc.max_receive_message_length", limit)]
+        if tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca, "tls_ca"),
+                private_key=_read(tls_key, "tls_key"),
+                certificate_chain=_read(tls_cert, "tls_cert"))
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(server, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(server, options=options)
         self._stub = service_pb2_grpc.GradwireStub(self._channel)
+        self._instance_id: Optional[str] = None  # the server process forwards ran on
+        self._train: Optional["TrainStream"] = None
+        self._train_lock = threading.Lock()
 
-    def close(self):
+    def close(self) -> None:
+        """Ends the Train stream, if any, and closes the connection."""
+        with self._train_lock:
+            if self._train is not None:
+                self._train.close()
+                self._train = None
         self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _call(self, method: str, request):
         try:
@@ -95,7 +209,7 @@ class Client:
         except grpc.RpcError as e:
             raise GradwireError(method, e.code().name, e.details()) from None
 
-    def _spec(self, module_id: str):
+    def _spec(self, module_id: str) -> Optional[module_pb2.ModuleSpec]:
         if module_id not in self._modules:
             try:
                 self.list_modules()
@@ -103,15 +217,22 @@ class Client:
                 pass
         return self._modules.get(module_id)
 
+    # --- server and modules
+
     def server_info(self) -> service_pb2.GetServerInfoResponse:
+        """Version, device, module kinds, modules and live contexts of the server."""
         return self._call("GetServerInfo", service_pb2.GetServerInfoRequest())
+
+    def instance_id(self) -> str:
+        """The server process's instance id (a new one after every restart)."""
+        return self.server_info().instance_id
 
     def create_module(self, spec: module_pb2.ModuleSpec) -> module_pb2.ModuleInfo:
         info = self._call("CreateModule", service_pb2.CreateModuleRequest(spec=spec)).module
         self._modules[info.module_id] = info.spec
         return info
 
-    def list_modules(self):
+    def list_modules(self) -> List[module_pb2.ModuleInfo]:
         modules = list(self._call("ListModules", service_pb2.ListModulesRequest()).modules)
         for m in modules:
             self._modules[m.module_id] = m.spec
@@ -119,13 +240,45 @@ class Client:
 
     def delete_module(self, module_id: str) -> None:
         self._call("DeleteModule", service_pb2.DeleteModuleRequest(module_id=module_id))
+        self._modules.pop(module_id, None)
 
-    def forward(self, module_id: str, x: torch.Tensor, training: bool):
-        """Returns (output, context_id or "", layernorm_output or None)."""
-        enum = wire.WIRE_DTYPES[self.wire_dtype][0]
-        req = service_pb2.ForwardRequest(
-            module_id=module_id, input=wire.to_wire(x, self.wire_dtype), training=training,
-            output_dtype=enum)
+    # --- forward and backward
+
+    def forward_request(self, module_id: str, x: torch.Tensor,
+                        training: bool) -> service_pb2.ForwardRequest:
+        """The ForwardRequest of ``x`` in this client's wire dtype."""
+        return service_pb2.ForwardRequest(
+            module_id=module_id, input=wire.to_wire(x, self.activation_dtype), training=training,
+            output_dtype=self.activation_dtype)
+
+    def backward_request(self, context_id: str, grad_output: torch.Tensor,
+                         skip_grad_input: bool = False, retain: bool = False,
+                         grad_layernorm_output: Optional[torch.Tensor] = None
+                         ) -> service_pb2.BackwardRequest:
+        """The BackwardRequest of ``grad_output`` in this client's wire dtype."""
+        req = service_pb2.BackwardRequest(
+            context_id=context_id, grad_output=wire.to_wire(grad_output, self.gradient_dtype),
+            retain=retain, skip_grad_input=skip_grad_input, grad_input_dtype=self.gradient_dtype)
+        if grad_layernorm_output is not None:
+            req.grad_layernorm_output.CopyFrom(
+                wire.to_wire(grad_layernorm_output, self.gradient_dtype))
+        return req
+
+    @staticmethod
+    def forward_result(resp: service_pb2.ForwardResponse) -> ForwardResult:
+        ln = wire.from_wire(resp.layernorm_output) if resp.HasField("layernorm_output") else None
+        return wire.from_wire(resp.output), resp.context_id, ln
+
+    def _note_instance(self, context_id: str) -> None:
+        if context_id and self._instance_id is None:
+            try:
+                self._instance_id = self.instance_id()
+            except GradwireError:
+                pass
+
+    def forward(self, module_id: str, x: torch.Tensor, training: bool) -> ForwardResult:
+        """Returns (output, context_id or "", layernorm_output or None); float32 CPU tensors."""
+        req = self.forward_request(module_id, x, training)
         out_bytes = 0
         if self.chunking == "auto" and not self._use_chunked(len(req.input.data)) and x.dim() > 0:
             spec = self._spec(module_id)
@@ -133,45 +286,77 @@ class Client:
                 rows = x.numel() // max(1, x.shape[-1])
                 width = spec.out_features + (spec.in_features if spec.return_layernorm_output
                                              and spec.kind != module_pb2.LINEAR else 0)
-                out_bytes = rows * width * x.new_empty(0, dtype=wire.WIRE_DTYPES[
-                    self.wire_dtype][1]).element_size()
+                out_bytes = rows * width * wire.element_size(self.activation_dtype)
         if self._use_chunked(len(req.input.data), out_bytes):
             resp = self._chunked("ForwardChunked", req, service_pb2.ForwardRequestPart,
                                  [req.input], service_pb2.ForwardResponse)
         else:
             resp = self._call("Forward", req)
-        ln = wire.from_wire(resp.layernorm_output) if resp.HasField("layernorm_output") else None
-        return wire.from_wire(resp.output), resp.context_id, ln
+        result = self.forward_result(resp)
+        self._note_instance(result[1])
+        return result
 
-    def backward(self, context_id: str, grad_output: torch.Tensor, skip_grad_input=False,
-                 retain=False, grad_layernorm_output=None):
-        """Returns grad_input (None with skip_grad_input)."""
-        enum = wire.WIRE_DTYPES[self.wire_dtype][0]
-        req = service_pb2.BackwardRequest(
-            context_id=context_id, grad_output=wire.to_wire(grad_output, self.wire_dtype),
-            retain=retain, skip_grad_input=skip_grad_input, grad_input_dtype=enum)
-        if grad_layernorm_output is not None:
-            req.grad_layernorm_output.CopyFrom(wire.to_wire(grad_layernorm_output, self.wire_dtype))
+    def lost_context(self, error: GradwireError) -> GradwireError:
+        """The error a failed backward should raise: a ContextLostError with its reason when the
+        context is gone, else ``error`` itself."""
+        if isinstance(error, ContextLostError):
+            return error
+        if error.code == "UNAVAILABLE":
+            return ContextLostError(error.method, error.code, error.message, "server_unavailable")
+        if error.code != "NOT_FOUND" or "context_id" not in error.message:
+            return error
+        reason = _lost_reason(error.message)
+        if reason == "unknown" and self._instance_id is not None:
+            try:
+                if self.instance_id() != self._instance_id:
+                    reason = "server_restarted"
+            except GradwireError:
+                reason = "server_unavailable"
+        return ContextLostError(error.method, error.code, error.message, reason)
+
+    def backward(self, context_id: str, grad_output: torch.Tensor, skip_grad_input: bool = False,
+                 retain: bool = False,
+                 grad_layernorm_output: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Returns grad_input (None with skip_grad_input). Raises ContextLostError when the
+        server no longer holds the context."""
+        req = self.backward_request(context_id, grad_output, skip_grad_input, retain,
+                                    grad_layernorm_output)
         sent = len(req.grad_output.data) + len(req.grad_layernorm_output.data)
-        if self._use_chunked(sent, 0 if skip_grad_input else sent):
-            tensors = [req.grad_output]
-            if req.HasField("grad_layernorm_output"):
-                tensors.append(req.grad_layernorm_output)
-            resp = self._chunked("BackwardChunked", req, service_pb2.BackwardRequestPart, tensors,
-                                 service_pb2.BackwardResponse)
-        else:
-            resp = self._call("Backward", req)
+        try:
+            if self._use_chunked(sent, 0 if skip_grad_input else sent):
+                tensors = [req.grad_output]
+                if req.HasField("grad_layernorm_output"):
+                    tensors.append(req.grad_layernorm_output)
+                resp = self._chunked("BackwardChunked", req, service_pb2.BackwardRequestPart,
+                                     tensors, service_pb2.BackwardResponse)
+            else:
+                resp = self._call("Backward", req)
+        except GradwireError as e:
+            raise self.lost_context(e) from None
         return wire.from_wire(resp.grad_input) if resp.HasField("grad_input") else None
 
     def release_context(self, context_id: str) -> None:
         self._call("ReleaseContext", service_pb2.ReleaseContextRequest(context_id=context_id))
 
+    def train_stream(self) -> "TrainStream":
+        """This client's Train stream (opened on first use): forwards and backwards of several
+        micro-batches in flight at once on one call."""
+        from gradwire.train_stream import TrainStream
+        with self._train_lock:
+            if self._train is None or self._train.closed:
+                self._train = TrainStream(self)
+            return self._train
+
+    # --- optimizer and weights
+
     def apply_gradients(self, module_id: str, learning_rate: float = 0.0) -> int:
+        """One optimizer step on the server; returns the new weight version."""
         return self._call("ApplyGradients", service_pb2.ApplyGradientsRequest(
             module_id=module_id, learning_rate=learning_rate)).weight_version
 
-    def get_weights(self, module_id: str) -> dict:
-        req = service_pb2.GetWeightsRequest(module_id=module_id)
+    def get_weights(self, module_id: str, dtype: int = wire.F32) -> Dict[str, torch.Tensor]:
+        """The module's parameters, decoded to float32 (``dtype``: how they travel)."""
+        req = service_pb2.GetWeightsRequest(module_id=module_id, dtype=dtype)
         spec = self._spec(module_id) if self.chunking == "auto" else None
         size = 0
         if spec is not None:  # an upper bound of the parameters' bytes
@@ -191,22 +376,32 @@ class Client:
             resp = self._call("GetWeights", req)
         return {p.name: wire.from_wire(p.tensor) for p in resp.parameters}
 
-    def get_gradients(self, module_id: str, zero: bool = False) -> dict:
+    def get_weights_message(self, module_id: str, dtype: int) -> service_pb2.GetWeightsResponse:
+        """GetWeights as the server encoded it (unary), for callers that want the wire bytes."""
+        return self._call("GetWeights", service_pb2.GetWeightsRequest(module_id=module_id,
+                                                                      dtype=dtype))
+
+    def get_gradients(self, module_id: str, zero: bool = False) -> Dict[str, torch.Tensor]:
         resp = self._call("GetGradients",
                           service_pb2.GetGradientsRequest(module_id=module_id, zero=zero))
         return {p.name: wire.from_wire(p.tensor) for p in resp.gradients}
 
-    def set_weights(self, module_id: str, params: dict) -> int:
+    def set_weights(self, module_id: str, params: Dict[str, torch.Tensor],
+                    dtype: int = wire.F32) -> int:
+        """Replaces the named parameters; returns the new weight version."""
         req = service_pb2.SetWeightsRequest(module_id=module_id)
         for name, t in params.items():
-            req.parameters.add(name=name, tensor=wire.to_wire(t, "f32"))
+            req.parameters.add(name=name, tensor=wire.to_wire(t, dtype))
+        return self.set_weights_message(req)
+
+    def set_weights_message(self, req: service_pb2.SetWeightsRequest) -> int:
         if self._use_chunked(sum(len(p.tensor.data) for p in req.parameters)):
             return self._chunked("SetWeightsChunked", req, service_pb2.SetWeightsRequestPart,
                                  [p.tensor for p in req.parameters]).weight_version
         return self._call("SetWeights", req).weight_version
 
 
-def _slots(msg):
+def _slots(msg) -> List:
     """The tensors of a chunked message, in chunk order (see service.proto's TensorChunk)."""
     if isinstance(msg, service_pb2.ForwardResponse):
         names = ["output", "layernorm_output"]
@@ -217,7 +412,7 @@ def _slots(msg):
     return [getattr(msg, n) for n in names if msg.HasField(n)]
 
 
-def _assemble(method: str, parts, response_type):
+def _assemble(method: str, parts: Iterable, response_type):
     """Reassembles a chunked response from its parts (header, then chunks in order)."""
     header, buffers, sizes, index, offset, received = None, [], [], 0, 0, 0
     for part in parts:
@@ -230,7 +425,7 @@ def _assemble(method: str, parts, response_type):
                 n = 1
                 for d in t.shape:
                     n *= d
-                size = n * {1: 4, 2: 2, 3: 2, 4: 1, 5: 1}.get(t.dtype, 0)
+                size = n * wire.element_size(t.dtype)
                 sizes.append(size)
                 buffers.append(bytearray(size))
             continue

@@ -1,0 +1,84 @@
+"""What a trainer sees when the server loses a context: ContextLostError with the reason, and
+recompute_on_lost_context re-running the forward."""
+
+import time
+
+import pytest
+import torch
+
+import gradwire
+from conftest import ServerProcess
+
+
+@pytest.fixture
+def short_ttl_server():
+    server = ServerProcess("--context-ttl", "0.3")
+    yield server.address
+    server.stop()
+
+
+def wait_evicted(client):
+    deadline = time.time() + 10
+    while client.server_info().live_contexts and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def test_evicted_context_names_the_ttl(short_ttl_server):
+    with gradwire.Client(short_ttl_server) as c:
+        layer = gradwire.RemoteLinear(c, 8, 4, seed=1)
+        x = torch.randn(2, 8, requires_grad=True)
+        y = layer(x)
+        wait_evicted(c)
+        with pytest.raises(gradwire.ContextLostError) as e:
+            y.sum().backward()
+        assert e.value.reason == "ttl"
+        assert e.value.code == "NOT_FOUND"
+        assert "--context-ttl" in e.value.message
+
+
+def test_recompute_on_lost_context(short_ttl_server):
+    with gradwire.Client(short_ttl_server) as c:
+        a = gradwire.RemoteLinear(c, 8, 4, seed=3, recompute_on_lost_context=True)
+        b = gradwire.RemoteLinear(c, 8, 4, seed=3)
+        x = torch.randn(5, 8)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya = a(xa)
+        wait_evicted(c)
+        ya.sum().backward()  # recomputed
+        assert a.recomputed_backwards == 1
+        b(xb).sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        assert torch.equal(a.get_gradients()["weight"], b.get_gradients()["weight"])
+        assert c.server_info().live_contexts == 0
+
+
+def test_restarted_server_is_named():
+    first = ServerProcess()
+    address = first.address
+    c = gradwire.Client(address, timeout=5)
+    try:
+        layer = gradwire.RemoteLinear(c, 8, 4, keep=True)
+        y, context_id, _ = c.forward(layer.module_id, torch.randn(2, 8), training=True)
+        first.stop(kill=True)
+        with pytest.raises(gradwire.ContextLostError) as e:
+            c.backward(context_id, torch.ones(2, 4))
+        assert e.value.reason == "server_unavailable"
+        second = ServerProcess(listen=address)  # a new process on the same address
+        try:
+            deadline = time.time() + 20  # the channel reconnects after its backoff
+            while True:
+                try:
+                    c.server_info()
+                    break
+                except gradwire.GradwireError:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.2)
+            with pytest.raises(gradwire.ContextLostError) as e:
+                c.backward(context_id, torch.ones(2, 4))
+            assert e.value.reason == "server_restarted", e.value
+        finally:
+            second.stop()
+    finally:
+        c.close()
+        first.stop()
