@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "gradwire/client/client.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
@@ -126,18 +128,27 @@ TEST(MetricsTest, PrometheusEndpointCountsCallsAndShowsState) {
   EXPECT_FALSE(client.Forward(std::string(32, 'a'), x, false).ok());  // unknown: NOT_FOUND
 
   httplib::Client http(host, port);
-  auto res = http.Get("/metrics");
-  ASSERT_TRUE(res);
-  EXPECT_EQ(res->status, 200);
   std::map<std::string, std::string> samples;
-  std::istringstream lines(res->body);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::smatch s;
-    ASSERT_TRUE(std::regex_match(line, s, kSample)) << "not a sample: " << line;
-    samples[std::string(s[1]) + std::string(s[2])] = s[3];
-  }
+  // A call is reported last in its lifecycle, after its status went out (gRPC's OnDone): the
+  // client may see the answer a moment before the server has counted it. Scrape until the last
+  // call (the NOT_FOUND forward) shows, for up to 10 s.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
+    auto res = http.Get("/metrics");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+    samples.clear();
+    std::istringstream lines(res->body);
+    std::string line;
+    while (std::getline(lines, line)) {
+      if (line.empty() || line[0] == '#') continue;
+      std::smatch s;
+      ASSERT_TRUE(std::regex_match(line, s, kSample)) << "not a sample: " << line;
+      samples[std::string(s[1]) + std::string(s[2])] = s[3];
+    }
+    if (samples.count("gradwire_rpc_total{method=\"Forward\",code=\"NOT_FOUND\"}")) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  } while (std::chrono::steady_clock::now() < give_up);
   EXPECT_EQ(samples["gradwire_rpc_total{method=\"Forward\",code=\"OK\"}"], "2");
   EXPECT_EQ(samples["gradwire_rpc_total{method=\"Forward\",code=\"NOT_FOUND\"}"], "1");
   EXPECT_EQ(samples["gradwire_rpc_total{method=\"Backward\",code=\"OK\"}"], "2");
