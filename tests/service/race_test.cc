@@ -50,8 +50,11 @@ class RaceTest : public ::testing::Test {
       // The slack must exceed how long a response takes to reach the client once it has left
       // the executor. With four storm threads on two cores, and ctest running another test
       // beside this one, that can exceed the 10 ms default (a plain run left 1 of 2000 contexts
-      // behind, an ASan run 4): this suite uses 100 ms, and 300 ms in the instrumented builds.
-      options.delivery_slack = std::chrono::milliseconds(kSanitized ? 300 : 100);
+      // behind, an ASan run 4): this suite uses 100 ms, 300 ms under ASan, and 2 s under TSan,
+      // where one unary call of the storm took about a second (a 300 ms slack left 72 of 400).
+      options.delivery_slack = std::chrono::milliseconds(kThreadSanitized ? 2000
+                                                         : kSanitized     ? 300
+                                                                          : 100);
     };
     server_ = std::make_unique<TestServer>(o);
     ASSERT_TRUE(server_->ok());
@@ -132,7 +135,8 @@ TEST_F(RaceTest, TrainStreamsCancelledAtEveryPoint) {
 // Unary training forwards with deadlines too short to meet or just long enough: every context
 // whose id reached the client is released by it; every other one must be released by the server.
 TEST_F(RaceTest, UnaryForwardsUnderTinyDeadlines) {
-  const int cycles = Cycles(2000);
+  // Under TSan each cycle takes seconds: fewer of them, which still race both ways.
+  const int cycles = kThreadSanitized ? std::min(Cycles(2000), 80) : Cycles(2000);
   std::atomic<int> delivered{0}, expired{0};
   Storm(4, cycles / 4, [&](int, std::mt19937& rng) {
     v1::ForwardRequest req;
@@ -141,7 +145,7 @@ TEST_F(RaceTest, UnaryForwardsUnderTinyDeadlines) {
     *req.mutable_input() = Input(8);
     grpc::ClientContext ctx;
     // Deadlines from far too short to comfortably long, scaled with the slack (above).
-    const int span_us = kSanitized ? 1500000 : 300000;
+    const int span_us = kThreadSanitized ? 6000000 : kSanitized ? 1500000 : 300000;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::microseconds(100 + rng() % span_us));
     v1::ForwardResponse resp;
