@@ -172,8 +172,13 @@ TEST_F(RaceTest, UnaryForwardsUnderTinyDeadlines) {
 // while the client had not read the header (it cancelled after the server's last write had left)
 // is known to nobody but the server's delivery was complete: the only ones allowed to stay.
 TEST_F(RaceTest, ChunkedForwardsCancelledMidStream) {
-  // Under TSan a 512 KiB chunked forward takes seconds: fewer cycles (400 took over 5 minutes).
-  const int cycles = kThreadSanitized ? std::min(Cycles(1000), 60) : Cycles(1000);
+  if (kThreadSanitized) {
+    // Under TSan 60 cycles of 512 KiB chunked forwards made 3 of them in 3 minutes (400 took over
+    // 5): too slow for CI. The plain and ASan builds run this storm; TSan runs the Train and
+    // unary storms, which go through the same call lifecycle.
+    GTEST_SKIP() << "too slow under TSan; the plain and ASan builds run it";
+  }
+  const int cycles = Cycles(1000);
   std::atomic<int> discarded{0};
   Storm(4, cycles / 4, [&](int i, std::mt19937& rng) {
     grpc::ClientContext ctx;
