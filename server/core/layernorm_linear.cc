@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "gradwire/kernels/layernorm.h"
+#include "server/core/kind_common.h"
 #include "server/core/module_kind.h"
 #include "server/core/status_macros.h"
 
@@ -114,30 +115,13 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
   const char* name() const override { return "LayerNormLinear"; }
   std::vector<ParamDef> Params(const ModuleSpec& s) const override {
     const int64_t k = s.in_features, n = s.out_features;
-    std::vector<ParamDef> defs = {
-        {Param::kLayerNormWeight,
-         {k},
-         s.zero_centered_gamma ? ParamDef::Init::kZeros : ParamDef::Init::kOnes},
-        {Param::kLayerNormBias, {k}, ParamDef::Init::kZeros},
-        {Param::kWeight, {n, k}, ParamDef::Init::kUniform, k}};
+    std::vector<ParamDef> defs = LayerNormParamDefs(s);
+    defs.push_back({Param::kWeight, {n, k}, ParamDef::Init::kUniform, k});
     if (s.bias) defs.push_back({Param::kBias, {n}, ParamDef::Init::kUniform, k});
     return defs;
   }
-  const std::vector<RoleDef>& Roles() const override {
-    static const std::vector<RoleDef> roles = {{"input", kernels::Fp8Format::kE4M3},
-                                               {"weight", kernels::Fp8Format::kE4M3, true},
-                                               {"grad_output", kernels::Fp8Format::kE5M2}};
-    return roles;
-  }
-  absl::Status Validate(const ModuleSpec& s) const override {
-    if (s.ffn_features != 0) {
-      return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
-    }
-    if (s.activation != kernels::Activation::kGelu) {
-      return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
-    }
-    return absl::OkStatus();
-  }
+  const std::vector<RoleDef>& Roles() const override { return SingleGemmRoles(); }
+  absl::Status Validate(const ModuleSpec& s) const override { return CheckNoMlpFields(s); }
   std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
     return {{"the output", s.out_features}};
   }
@@ -148,8 +132,7 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
     LayerNormLinearFwdArgs args;
     args.backend = a.backend;
     args.input = a.input;
-    args.ln = LayerNormParams{p[Param::kLayerNormWeight], p[Param::kLayerNormBias],
-                              a.spec->layernorm_eps, a.spec->zero_centered_gamma};
+    args.ln = LayerNormOf(p, *a.spec);
     args.weight = p[Param::kWeight];
     args.bias = p[Param::kBias];
     args.weight_version = a.weight_version;
@@ -178,9 +161,7 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
     args.grad_layernorm_output = a.grad_layernorm_output;
     args.saved = dynamic_cast<const LayerNormLinearSaved*>(a.saved);
     if (args.saved == nullptr) return absl::InternalError("context is not a LayerNormLinear one");
-    args.ln =
-        LayerNormParams{(*a.params)[Param::kLayerNormWeight], (*a.params)[Param::kLayerNormBias],
-                        a.spec->layernorm_eps, a.spec->zero_centered_gamma};
+    args.ln = LayerNormOf(*a.params, *a.spec);
     args.grad_quantizer = (*a.quantizers)[kGradOutput];
     args.compute_grad_input = a.compute_grad_input;
     args.weight_grad = g[Param::kWeight];

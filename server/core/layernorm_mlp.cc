@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "server/core/kind_common.h"
 #include "server/core/module_kind.h"
 #include "server/core/status_macros.h"
 
@@ -157,12 +158,8 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
   }
   std::vector<ParamDef> Params(const ModuleSpec& s) const override {
     const int64_t k = s.in_features, n = s.out_features, f = s.ffn_features, f1 = Fc1Width(s);
-    std::vector<ParamDef> defs = {
-        {Param::kLayerNormWeight,
-         {k},
-         s.zero_centered_gamma ? ParamDef::Init::kZeros : ParamDef::Init::kOnes},
-        {Param::kLayerNormBias, {k}, ParamDef::Init::kZeros},
-        {Param::kFc1Weight, {f1, k}, ParamDef::Init::kUniform, k}};
+    std::vector<ParamDef> defs = LayerNormParamDefs(s);
+    defs.push_back({Param::kFc1Weight, {f1, k}, ParamDef::Init::kUniform, k});
     if (s.bias) defs.push_back({Param::kFc1Bias, {f1}, ParamDef::Init::kUniform, k});
     defs.push_back({Param::kFc2Weight, {n, f}, ParamDef::Init::kUniform, f});
     if (s.bias) defs.push_back({Param::kFc2Bias, {n}, ParamDef::Init::kUniform, f});
@@ -183,18 +180,13 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
     return {{"the output", s.out_features}, {"the FC1 output", Fc1Width(s)}};
   }
 
-  static LayerNormParams Ln(const ParamTable& p, const ModuleSpec& s) {
-    return LayerNormParams{p[Param::kLayerNormWeight], p[Param::kLayerNormBias], s.layernorm_eps,
-                           s.zero_centered_gamma};
-  }
-
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     const std::vector<QuantizerConfig>& q = *a.quantizers;
     const ParamTable& p = *a.params;
     LayerNormMlpFwdArgs args;
     args.backend = a.backend;
     args.input = a.input;
-    args.ln = Ln(p, *a.spec);
+    args.ln = LayerNormOf(p, *a.spec);
     args.fc1_weight = p[Param::kFc1Weight];
     args.fc1_bias = p[Param::kFc1Bias];
     args.fc2_weight = p[Param::kFc2Weight];
@@ -232,7 +224,7 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
     args.grad_layernorm_output = a.grad_layernorm_output;
     args.saved = dynamic_cast<const LayerNormMlpSaved*>(a.saved);
     if (args.saved == nullptr) return absl::InternalError("context is not a LayerNormMLP one");
-    args.ln = Ln(*a.params, *a.spec);
+    args.ln = LayerNormOf(*a.params, *a.spec);
     args.activation = a.spec->activation;
     args.fc1_grad_quantizer = q[kFc1Grad];
     args.fc2_grad_quantizer = q[kFc2Grad];

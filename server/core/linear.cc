@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "server/core/kind_common.h"
 #include "server/core/module_kind.h"
 #include "server/core/status_macros.h"
 
@@ -78,19 +79,9 @@ class LinearKindOps final : public ModuleKindOps {
     if (s.bias) defs.push_back({Param::kBias, {n}, ParamDef::Init::kUniform, k});
     return defs;
   }
-  const std::vector<RoleDef>& Roles() const override {
-    static const std::vector<RoleDef> roles = {{"input", kernels::Fp8Format::kE4M3},
-                                               {"weight", kernels::Fp8Format::kE4M3, true},
-                                               {"grad_output", kernels::Fp8Format::kE5M2}};
-    return roles;
-  }
+  const std::vector<RoleDef>& Roles() const override { return SingleGemmRoles(); }
   absl::Status Validate(const ModuleSpec& s) const override {
-    if (s.ffn_features != 0) {
-      return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
-    }
-    if (s.activation != kernels::Activation::kGelu) {
-      return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
-    }
+    GW_RETURN_IF_ERROR(CheckNoMlpFields(s));
     if (s.zero_centered_gamma || s.return_layernorm_output || s.checkpoint) {
       return absl::InvalidArgumentError(
           "spec.zero_centered_gamma, return_layernorm_output and checkpoint are for the "

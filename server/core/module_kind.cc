@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/kind_common.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -63,6 +64,36 @@ absl::Status ValidateCommon(const ModuleSpec& s) {
 }
 
 }  // namespace
+
+const std::vector<RoleDef>& SingleGemmRoles() {
+  static const std::vector<RoleDef> roles = {{"input", kernels::Fp8Format::kE4M3},
+                                             {"weight", kernels::Fp8Format::kE4M3, true},
+                                             {"grad_output", kernels::Fp8Format::kE5M2}};
+  return roles;
+}
+
+std::vector<ParamDef> LayerNormParamDefs(const ModuleSpec& s) {
+  const int64_t k = s.in_features;
+  return {{Param::kLayerNormWeight,
+           {k},
+           s.zero_centered_gamma ? ParamDef::Init::kZeros : ParamDef::Init::kOnes},
+          {Param::kLayerNormBias, {k}, ParamDef::Init::kZeros}};
+}
+
+LayerNormParams LayerNormOf(const ParamTable& p, const ModuleSpec& s) {
+  return LayerNormParams{p[Param::kLayerNormWeight], p[Param::kLayerNormBias], s.layernorm_eps,
+                         s.zero_centered_gamma};
+}
+
+absl::Status CheckNoMlpFields(const ModuleSpec& s) {
+  if (s.ffn_features != 0) {
+    return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
+  }
+  if (s.activation != kernels::Activation::kGelu) {
+    return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
+  }
+  return absl::OkStatus();
+}
 
 const char* ParamName(Param p) {
   static constexpr const char* kNames[kParamSlots] = {

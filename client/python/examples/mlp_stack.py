@@ -27,21 +27,7 @@ from sklearn.datasets import load_breast_cancer
 from sklearn.model_selection import train_test_split
 
 import gradwire
-
-
-class LocalLayerNormMLP(torch.nn.Module):
-    """The float32 twin of a remote block (GELU with the tanh approximation, as the server)."""
-
-    def __init__(self, weights):
-        super().__init__()
-        self.p = torch.nn.ParameterDict(
-            {k: torch.nn.Parameter(v.clone()) for k, v in weights.items()})
-
-    def forward(self, x):
-        p = self.p
-        h = F.layer_norm(x, (x.shape[-1],), p["layer_norm_weight"], p["layer_norm_bias"], 1e-5)
-        h = F.gelu(F.linear(h, p["fc1_weight"], p["fc1_bias"]), approximate="tanh")
-        return F.linear(h, p["fc2_weight"], p["fc2_bias"])
+from digits import LocalLayerNormMLP  # the float32 twin of a remote block (this folder)
 
 
 def load_data(seed):
