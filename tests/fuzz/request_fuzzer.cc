@@ -9,7 +9,10 @@
 // Beyond crashes and sanitizer reports, it checks what the service promises: only the status
 // codes of bad input (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) or OK come back, a
 // viewed tensor has exactly the bytes its shape needs, outputs are encoded with the documented
-// shapes and byte counts, and no context or weight change survives a failed call.
+// shapes and byte counts, and no context or weight change survives a failed call. The one other
+// code is a backward's OUT_OF_RANGE, the documented refusal when finite values near FLT_MAX give
+// gradients that overflow fp32: it must accumulate nothing, leave the scaling state as it was and
+// keep the context for the client to retry or release.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -52,6 +55,17 @@ void CheckBadInputCode(const absl::Status& s, const char* where) {
   }
 }
 
+bool SameScaling(const std::vector<gradwire::core::RoleScaling>& a,
+                 const std::vector<gradwire::core::RoleScaling>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].role != b[i].role || a[i].history != b[i].history) return false;
+    // Bitwise, so a scale that moved is caught whatever its value.
+    if (std::memcmp(&a[i].scale, &b[i].scale, sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
 struct Fixture {
   ModuleHost host;
   std::vector<std::string> ids;  // Linear, LayerNormLinear (+ln output), LayerNormMLP (swiglu)
@@ -85,6 +99,30 @@ struct Fixture {
       if (id == wire_id) return id;
     }
     return selector % 8 == 7 ? wire_id : ids[selector % ids.size()];
+  }
+  std::vector<gradwire::core::RoleScaling> Scaling(const std::string& module_id) const {
+    auto s = host.Scaling(module_id);
+    if (!s.ok()) Fail("scaling of a fixture module: " + s.status().ToString());
+    return *s;
+  }
+  // A backward answered OUT_OF_RANGE: nothing accumulated, scaling as before, context kept (and
+  // released here).
+  void CheckRefusedBackward(const absl::Status& s, const std::string& module_id,
+                            const std::string& context_id,
+                            const std::vector<gradwire::core::RoleScaling>& scaling_before) {
+    if (s.message().find("non-finite") == absl::string_view::npos ||
+        s.message().find(context_id) == absl::string_view::npos) {
+      Fail("an OUT_OF_RANGE backward does not say why or which context it kept: " + s.ToString());
+    }
+    auto grads = host.GetGradients(module_id, false);
+    if (!grads.ok()) Fail("gradients after a refused backward: " + grads.status().ToString());
+    for (const auto& [name, g] : grads->tensors) {
+      if (g.abs().max().item<float>() != 0.0f) Fail("a refused backward accumulated " + name);
+    }
+    if (!SameScaling(scaling_before, Scaling(module_id))) {
+      Fail("a refused backward moved the scaling state");
+    }
+    if (!host.ReleaseContext(context_id).ok()) Fail("a refused backward lost its context");
   }
   void CheckNoContexts(const char* where) const {
     if (host.Stats().live_contexts != 0 || host.Stats().context_bytes != 0) {
@@ -162,9 +200,16 @@ void RunForward(Fixture& f, v1::ForwardRequest req, uint8_t selector) {
     back.grad_output.data = ones.data();
     back.grad_output.shape = out->output.shape;
     back.skip_grad_input = selector & 1;
+    const auto scaling_before = f.Scaling(req.module_id());
     auto grad = f.host.Backward(out->context_id, back);
-    if (!grad.ok()) Fail("backward after a fuzzed forward: " + grad.status().ToString());
-    if (grad->has_value() == back.skip_grad_input) Fail("grad_input vs skip_grad_input");
+    if (grad.status().code() == absl::StatusCode::kOutOfRange) {
+      // The fuzzed input may hold finite values near FLT_MAX.
+      f.CheckRefusedBackward(grad.status(), req.module_id(), out->context_id, scaling_before);
+    } else if (!grad.ok()) {
+      Fail("backward after a fuzzed forward: " + grad.status().ToString());
+    } else if (grad->has_value() == back.skip_grad_input) {
+      Fail("grad_input vs skip_grad_input");
+    }
     f.CheckNoContexts("Backward");
   }
 }
@@ -177,6 +222,7 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
   if (!fwd.ok()) Fail("fixture forward: " + fwd.status().ToString());
   if (!(selector & 8)) req.set_context_id(fwd->context_id);
   const auto version_before = f.host.Info(module_id)->weight_version;
+  const auto scaling_before = f.Scaling(module_id);
   absl::Status status = absl::OkStatus();
   gradwire::core::WireBackwardRequest in;
   if (!req.has_grad_output()) {
@@ -204,7 +250,11 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
       }
     }
   }
-  CheckBadInputCode(status, "Backward");
+  if (status.code() == absl::StatusCode::kOutOfRange) {
+    f.CheckRefusedBackward(status, module_id, req.context_id(), scaling_before);
+  } else {
+    CheckBadInputCode(status, "Backward");
+  }
   if (f.host.Info(module_id)->weight_version != version_before) Fail("backward changed weights");
   // A failed backward keeps the context (the client may retry); release whatever is left.
   (void)f.host.ReleaseContext(fwd->context_id);
