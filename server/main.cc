@@ -73,6 +73,10 @@ struct ServerFlags {
   int max_stream_mib = 4096;        // most tensor bytes one chunked request may carry
   std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required
   std::string port_file;            // written with the bound host:port once serving
+  // Shared-memory tensors for clients on this host: off by default.
+  bool allow_shared_memory = false;
+  std::string shared_memory_prefix = "gradwire";
+  int max_shared_memory_regions = 16;
   std::vector<std::string> tokens;  // TENANT:TOKEN entries (environment or config file)
   std::string config;               // TOML file mirroring these flags
   bool print_config = false;        // print the effective configuration and exit
@@ -170,6 +174,9 @@ std::string RenderConfig(const ServerFlags& f) {
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
+  out << "allow-shared-memory = " << (f.allow_shared_memory ? "true" : "false") << "\n";
+  out << "shared-memory-prefix = " << quote(f.shared_memory_prefix) << "\n";
+  out << "max-shared-memory-regions = " << f.max_shared_memory_regions << "\n";
   out << "tokens-file = " << quote(f.tokens_file) << "\n";
   out << "tokens = [";
   for (size_t i = 0; i < f.tokens.size(); ++i) {
@@ -389,6 +396,19 @@ int main(int argc, char** argv) {
                  "it gave up (raise it on slow links; docs/security.md)")
       ->check(CLI::Range(0.0, 60000.0))
       ->capture_default_str();
+  app.add_flag("--allow-shared-memory", flags.allow_shared_memory,
+               "let clients on this host register POSIX shared-memory objects and pass tensors "
+               "through them instead of the wire (RegisterSharedMemory; docs/shared-memory.md). A "
+               "client can then reach any object the server's user may open whose name starts "
+               "with --shared-memory-prefix");
+  app.add_option("--shared-memory-prefix", flags.shared_memory_prefix,
+                 "shared-memory keys a client may register must start with this")
+      ->capture_default_str();
+  app.add_option("--max-shared-memory-regions", flags.max_shared_memory_regions,
+                 "shared-memory regions one client (tenant with tokens) may hold registered "
+                 "(0: unlimited)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
   app.add_option("--shutdown-grace", flags.shutdown_grace_s,
                  "seconds in-flight calls may take to finish after SIGINT/SIGTERM")
       ->check(CLI::Range(0.0, 3600.0))
@@ -595,6 +615,13 @@ int main(int argc, char** argv) {
   service_options.limits.max_queued_per_client = flags.max_queued_per_client;
   service_options.quotas.parameter_bytes = flags.max_parameter_bytes_per_client;
   service_options.quotas.stream_bytes = flags.max_stream_bytes_per_client;
+  service_options.shared_memory.enabled = flags.allow_shared_memory;
+  service_options.shared_memory.key_prefix = flags.shared_memory_prefix;
+  service_options.shared_memory.max_regions = flags.max_shared_memory_regions;
+  if (flags.allow_shared_memory) {
+    spdlog::info("shared-memory tensors on: keys starting with \"{}\", up to {} regions a client",
+                 flags.shared_memory_prefix, flags.max_shared_memory_regions);
+  }
   service_options.on_rpc_done = [&metrics, json_logs](const gradwire::rpc::RpcRecord& r) {
     metrics.ObserveRpc(r.method, r.code, r.seconds);
     LogRpc(r, json_logs);

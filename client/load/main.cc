@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
+#include "gradwire/client/shared_memory.h"
 #include "gradwire/kernels/random.h"
 #include "inprocess.h"
 #include "progress.h"
@@ -51,7 +53,13 @@ struct Options {
   std::string json_path, csv_path, plot_path;
   bool keep_module = false;
   int rounds = 1;  // repeat remote / in-process / empty interleaved, merging each mode's samples
+  bool shared_memory = false;  // tensors through shared memory (a server on this host)
 };
+
+// A tensor's bytes, whether it carries them or references shared memory.
+int64_t TensorBytes(const v1::Tensor& t) {
+  return t.has_shared_memory() ? int64_t(t.shared_memory().byte_size()) : int64_t(t.data().size());
+}
 
 // Appends `b`'s samples and counts to `a` (one mode's runs over several rounds).
 void Merge(RunResult& a, const RunResult& b) {
@@ -111,6 +119,45 @@ class RemoteOps {
     for (auto& s : streams_) {
       if (s) (void)s->Finish();
     }
+    if (!buffers_.empty()) (void)client_.UnregisterSharedMemory();
+  }
+
+  // --shared-memory: each worker's tensors move to a region of its own (input, output, LayerNorm
+  // output, grad_output, grad_input, in that order), written once here like the wire bytes.
+  absl::Status UseSharedMemory(int64_t in, int64_t out) {
+    for (size_t w = 0; w < fwd_.size(); ++w) {
+      v1::ForwardRequest& f = fwd_[w];
+      v1::BackwardRequest& b = bwd_[w];
+      // Bytes per element are the same in and out: output = input / in * out, and so on.
+      const uint64_t input = f.input().data().size(), grad_out = b.grad_output().data().size();
+      const uint64_t output = input / uint64_t(in) * uint64_t(out), ln = input;
+      const uint64_t grad_in = grad_out / uint64_t(out) * uint64_t(in);
+      const uint64_t total = input + output + ln + grad_out + grad_in;
+      auto buffer = gradwire::client::SharedMemoryBuffer::Create(
+          gradwire::client::SharedMemoryBuffer::UniqueKey(), size_t(total));
+      if (!buffer.ok()) return buffer.status();
+      const std::string region = "gradwire-load-" + std::to_string(w);
+      if (auto s = client_.RegisterSharedMemory(region, (*buffer)->key(), 0, total); !s.ok()) {
+        return s;
+      }
+      char* base = (*buffer)->data();
+      uint64_t at = 0;
+      auto move = [&](v1::Tensor* t) {
+        std::memcpy(base + at, t->data().data(), t->data().size());
+        *t->mutable_shared_memory() = gradwire::client::SharedRef(region, at, t->data().size());
+        at += t->data().size();
+        t->clear_data();
+      };
+      move(f.mutable_input());
+      *f.mutable_output_shared_memory() = gradwire::client::SharedRef(region, at, output);
+      at += output;
+      *f.mutable_layernorm_output_shared_memory() = gradwire::client::SharedRef(region, at, ln);
+      at += ln;
+      move(b.mutable_grad_output());
+      *b.mutable_grad_input_shared_memory() = gradwire::client::SharedRef(region, at, grad_in);
+      buffers_.push_back(std::move(*buffer));
+    }
+    return absl::OkStatus();
   }
 
   OpOutcome Run(int w) {
@@ -138,7 +185,7 @@ class RemoteOps {
     const auto t1 = Clock::now();
     o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
     o.server_seconds = fr.server_seconds();
-    o.bytes = int64_t(fwd_[w].input().data().size() + fr.output().data().size());
+    o.bytes = TensorBytes(fwd_[w].input()) + TensorBytes(fr.output());
     if (flow_ == "step") {
       bwd_[w].set_context_id(fr.context_id());
       v1::BackwardResponse br;
@@ -151,7 +198,7 @@ class RemoteOps {
       }
       o.stage_seconds[1] = std::chrono::duration<double>(Clock::now() - t1).count();
       o.server_seconds += br.server_seconds();
-      o.bytes += int64_t(bwd_[w].grad_output().data().size() + br.grad_input().data().size());
+      o.bytes += TensorBytes(bwd_[w].grad_output()) + TensorBytes(br.grad_input());
     }
     return o;
   }
@@ -182,7 +229,7 @@ class RemoteOps {
     const auto t1 = Clock::now();
     o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
     o.server_seconds = fr->forward().server_seconds();
-    o.bytes = int64_t(fwd_[w].input().data().size() + fr->forward().output().data().size());
+    o.bytes = TensorBytes(fwd_[w].input()) + TensorBytes(fr->forward().output());
     req.set_request_id(next_id_++);
     *req.mutable_backward() = bwd_[w];
     req.mutable_backward()->set_context_id(fr->forward().context_id());
@@ -195,8 +242,7 @@ class RemoteOps {
     }
     o.stage_seconds[1] = std::chrono::duration<double>(Clock::now() - t1).count();
     o.server_seconds += br->backward().server_seconds();
-    o.bytes +=
-        int64_t(bwd_[w].grad_output().data().size() + br->backward().grad_input().data().size());
+    o.bytes += TensorBytes(bwd_[w].grad_output()) + TensorBytes(br->backward().grad_input());
     return o;
   }
 
@@ -205,11 +251,12 @@ class RemoteOps {
   std::vector<v1::ForwardRequest> fwd_;
   std::vector<v1::BackwardRequest> bwd_;
   std::vector<std::unique_ptr<gradwire::client::TrainStream>> streams_;  // stream flow, per worker
+  std::vector<std::unique_ptr<gradwire::client::SharedMemoryBuffer>> buffers_;  // per worker
   std::atomic<uint64_t> next_id_{1};
 };
 
 struct Row {
-  std::string mode;  // remote | in-process | empty-rpc
+  std::string mode;  // remote | remote-shm | in-process | empty-rpc
   int concurrency = 0;
   double rate = 0;
   RunResult result;
@@ -407,6 +454,9 @@ int main(int argc, char** argv) {
   app.add_option("--plot", o.plot_path,
                  "draw latency percentiles against throughput (PNG, gnuplot)");
   app.add_flag("--keep-module", o.keep_module, "leave the created module on the server");
+  app.add_flag("--shared-memory", o.shared_memory,
+               "tensors through POSIX shared memory instead of the wire: each worker registers a "
+               "region of its own (the server must be on this host, with --allow-shared-memory)");
   app.add_option("--rounds", o.rounds,
                  "repeat each concurrency's runs (remote, then the baselines) this many times, "
                  "interleaved, and merge them: on a noisy machine the modes then see the same "
@@ -513,8 +563,18 @@ int main(int argc, char** argv) {
     for (int round = 0; round < o.rounds && rc == 0; ++round) {
       const int workers = concurrency;
       RemoteOps remote(client, o, module_id, spec.in_features(), spec.out_features(), workers);
-      run_one(o.flow == "empty" ? "empty-rpc" : "remote", concurrency,
-              [&](int w) { return remote.Run(w); });
+      if (o.shared_memory && o.flow != "empty") {
+        if (auto s = remote.UseSharedMemory(spec.in_features(), spec.out_features()); !s.ok()) {
+          std::fprintf(stderr, "gradwire-load: --shared-memory: %s\n",
+                       std::string(s.message()).c_str());
+          rc = 1;
+          break;
+        }
+      }
+      run_one(o.flow == "empty" ? "empty-rpc"
+              : o.shared_memory ? "remote-shm"
+                                : "remote",
+              concurrency, [&](int w) { return remote.Run(w); });
       if (o.baselines && o.flow != "empty") {
         auto local =
             gradwire::load::InProcess::Make(spec, o.flow == "stream" ? "step" : o.flow, o.rows,

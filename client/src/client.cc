@@ -412,6 +412,68 @@ absl::Status Client::ReleaseContext(const std::string& context_id) {
   return FromGrpc("ReleaseContext", stub_->ReleaseContext(&ctx, req, &resp));
 }
 
+absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::RegisterSharedMemoryRequest req;
+  req.set_name(name);
+  req.set_key(key);
+  req.set_offset(offset);
+  req.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse resp;
+  return FromGrpc("RegisterSharedMemory", stub_->RegisterSharedMemory(&ctx, req, &resp));
+}
+
+absl::StatusOr<int> Client::UnregisterSharedMemory(const std::string& name) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::UnregisterSharedMemoryRequest req;
+  req.set_name(name);
+  v1::UnregisterSharedMemoryResponse resp;
+  if (auto s = FromGrpc("UnregisterSharedMemory", stub_->UnregisterSharedMemory(&ctx, req, &resp));
+      !s.ok()) {
+    return s;
+  }
+  return resp.unregistered();
+}
+
+absl::StatusOr<std::vector<v1::ListSharedMemoryResponse::Region>> Client::ListSharedMemory(
+    const std::string& name) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ListSharedMemoryRequest req;
+  req.set_name(name);
+  v1::ListSharedMemoryResponse resp;
+  if (auto s = FromGrpc("ListSharedMemory", stub_->ListSharedMemory(&ctx, req, &resp)); !s.ok()) {
+    return s;
+  }
+  return std::vector<v1::ListSharedMemoryResponse::Region>(resp.regions().begin(),
+                                                           resp.regions().end());
+}
+
+absl::StatusOr<v1::ForwardResponse> Client::ForwardRaw(const v1::ForwardRequest& req) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ForwardResponse resp;
+  if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) return s;
+  if (!resp.context_id().empty()) {
+    int64_t elements = 1;
+    for (int64_t d : req.input().shape()) elements *= d;
+    NoteContext(resp.context_id(), elements);
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::BackwardResponse> Client::BackwardRaw(const v1::BackwardRequest& req) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::BackwardResponse resp;
+  if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
+  (void)TakeContext(req.context_id(), /*keep=*/req.retain());
+  return resp;
+}
+
 absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, float learning_rate) {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);

@@ -62,6 +62,10 @@ absl::StatusOr<DType> OutputDType(v1::DType dtype, absl::string_view field) {
 }
 
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) {
+  if (t.has_shared_memory()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".shared_memory: this call takes tensors with their bytes in data"));
+  }
   absl::StatusOr<int64_t> expected = DataBytes(t, field);
   if (!expected.ok()) return expected.status();
   TensorView view;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
 #include "server/core/status_macros.h"
 #include "server/rpc/boundary.h"
@@ -30,6 +31,20 @@ std::string PeerHost(const std::string& peer) {
 
 // Elements of a tensor as its shape declares them (saturating; 0 without a shape), known before
 // anything is decoded.
+// Whose shared-memory regions a caller sees: its tenant with tokens, else everyone's.
+std::string RegionOwner(const Caller& caller) { return caller.isolated ? caller.tenant : ""; }
+
+// The chunked calls carry bytes in chunks; a shared-memory reference has no place there.
+absl::Status NoSharedMemory(const v1::Tensor& t, absl::string_view field) {
+  if (t.has_shared_memory()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field,
+        ".shared_memory: shared-memory tensors travel on the unary calls and Train, not on "
+        "the chunked calls"));
+  }
+  return absl::OkStatus();
+}
+
 int64_t ShapeElements(const v1::Tensor& t) {
   if (t.shape_size() == 0) return 0;
   int64_t n = 1;
@@ -227,6 +242,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
     : host_(host),
       executor_(executor),
       options_(std::move(options)),
+      shared_memory_(options_.shared_memory),
       instance_id_(core::RandomId128()),
       control_(std::make_unique<core::DeviceExecutor>("control")) {
   // Modules already here (restored from checkpoints) count for their tenants.
@@ -651,6 +667,12 @@ absl::Status GradwireService::CheckHeader(const Caller& caller,
                                           const v1::ForwardRequest& req) const {
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
+  GW_RETURN_IF_ERROR(NoSharedMemory(req.input(), "input"));
+  if (req.has_output_shared_memory() || req.has_layernorm_output_shared_memory()) {
+    return absl::InvalidArgumentError(
+        "output_shared_memory: shared-memory results are written by the unary calls and Train, "
+        "not by the chunked calls");
+  }
   GW_RETURN_IF_ERROR(CheckOutputDType(req.output_dtype(), "output_dtype"));
   GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
   const int dims = req.input().shape_size();
@@ -673,6 +695,13 @@ absl::Status GradwireService::CheckHeader(const Caller& caller,
         absl::StrCat("context_id ", req.context_id(), " is not a live context"));
   }
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
+  GW_RETURN_IF_ERROR(NoSharedMemory(req.grad_output(), "grad_output"));
+  GW_RETURN_IF_ERROR(NoSharedMemory(req.grad_layernorm_output(), "grad_layernorm_output"));
+  if (req.has_grad_input_shared_memory()) {
+    return absl::InvalidArgumentError(
+        "grad_input_shared_memory: shared-memory results are written by the unary calls and "
+        "Train, not by the chunked calls");
+  }
   GW_RETURN_IF_ERROR(CheckOutputDType(req.grad_input_dtype(), "grad_input_dtype"));
   GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(module_id));
   const int dims = req.grad_output().shape_size();
@@ -712,6 +741,47 @@ absl::Status GradwireService::CheckHeader(const Caller& caller,
   return absl::OkStatus();
 }
 
+absl::StatusOr<const v1::Tensor*> GradwireService::Stage(const Caller& caller, const v1::Tensor& t,
+                                                         absl::string_view field,
+                                                         v1::Tensor* staged) const {
+  if (!t.has_shared_memory()) return &t;
+  if (!t.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " carries both data and shared_memory; send one of them"));
+  }
+  // The header first: nothing is read (or allocated) for a malformed or oversize tensor.
+  GW_ASSIGN_OR_RETURN(const int64_t bytes, wire::DataBytes(t, field));
+  if (uint64_t(bytes) != t.shared_memory().byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shared_memory.byte_size is ", t.shared_memory().byte_size(), "; shape [",
+        absl::StrJoin(t.shape(), ", "), "] of ", v1::DType_Name(t.dtype()), " needs ", bytes));
+  }
+  GW_RETURN_IF_ERROR(CheckElements(field, ShapeElements(t), options_.limits.max_tensor_elements));
+  staged->set_dtype(t.dtype());
+  *staged->mutable_shape() = t.shape();
+  staged->set_scale_inv(t.scale_inv());
+  GW_RETURN_IF_ERROR(shared_memory_.Read(RegionOwner(caller), t.shared_memory(),
+                                         absl::StrCat(field, ".shared_memory"),
+                                         staged->mutable_data()));
+  return staged;
+}
+
+absl::Status GradwireService::Deliver(const Caller& caller, bool has_ref,
+                                      const v1::SharedMemoryRef& ref, absl::string_view field,
+                                      wire::EncodedTensor&& e, v1::Tensor* out) const {
+  if (!has_ref) {
+    wire::ToMessage(std::move(e), out);
+    return absl::OkStatus();
+  }
+  GW_RETURN_IF_ERROR(shared_memory_.Write(RegionOwner(caller), ref, field, e.bytes));
+  const uint64_t written = e.bytes.size();
+  wire::ToMessage(std::move(e), out);
+  out->clear_data();
+  *out->mutable_shared_memory() = ref;
+  out->mutable_shared_memory()->set_byte_size(written);
+  return absl::OkStatus();
+}
+
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
                                         v1::ForwardResponse* resp, const CallBase* call) {
   const auto start = std::chrono::steady_clock::now();
@@ -721,10 +791,28 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
                       wire::OutputDType(req.output_dtype(), "output_dtype"));
   // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
   core::WireForwardRequest f;
-  GW_ASSIGN_OR_RETURN(f.input, wire::ViewOf(req.input(), "input"));
+  v1::Tensor staged;  // the input's bytes, when they lie in shared memory
+  GW_ASSIGN_OR_RETURN(const v1::Tensor* input, Stage(caller, req.input(), "input", &staged));
+  GW_ASSIGN_OR_RETURN(f.input, wire::ViewOf(*input, "input"));
   GW_RETURN_IF_ERROR(CheckForwardLimits(caller, req));
   f.training = req.training();
   f.output_dtype = output_dtype;
+  if (req.has_output_shared_memory() || req.has_layernorm_output_shared_memory()) {
+    // Room for the results, checked before the compute: rows x out_features (and x in_features).
+    GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
+    const uint64_t rows = uint64_t(f.input.numel() / std::max<int64_t>(1, f.input.shape.back()));
+    const uint64_t element = uint64_t(wire::ElementSize(output_dtype));
+    if (req.has_output_shared_memory()) {
+      GW_RETURN_IF_ERROR(shared_memory_.CheckRoom(RegionOwner(caller), req.output_shared_memory(),
+                                                  "output_shared_memory",
+                                                  rows * uint64_t(spec.out_features) * element));
+    }
+    if (req.has_layernorm_output_shared_memory()) {
+      GW_RETURN_IF_ERROR(shared_memory_.CheckRoom(
+          RegionOwner(caller), req.layernorm_output_shared_memory(),
+          "layernorm_output_shared_memory", rows * uint64_t(spec.in_features) * element));
+    }
+  }
   f.client = caller.client;
   if (call != nullptr && call->Abandoned()) {  // stop before the compute
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
@@ -740,9 +828,17 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
         "Forward was cancelled, passed its deadline or came too close to it during the compute; "
         "its context was released");
   }
-  wire::ToMessage(std::move(out.output), resp->mutable_output());
-  if (out.has_layernorm_output) {
-    wire::ToMessage(std::move(out.layernorm_output), resp->mutable_layernorm_output());
+  absl::Status delivered =
+      Deliver(caller, req.has_output_shared_memory(), req.output_shared_memory(),
+              "output_shared_memory", std::move(out.output), resp->mutable_output());
+  if (delivered.ok() && out.has_layernorm_output) {
+    delivered = Deliver(caller, req.has_layernorm_output_shared_memory(),
+                        req.layernorm_output_shared_memory(), "layernorm_output_shared_memory",
+                        std::move(out.layernorm_output), resp->mutable_layernorm_output());
+  }
+  if (!delivered.ok()) {  // a region its owner shrank meanwhile: nobody will get the context
+    if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);
+    return delivered;
   }
   resp->set_context_id(out.context_id);
   resp->set_weight_version(out.weight_version);
@@ -759,23 +855,48 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   core::WireBackwardRequest in;
   GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
                       wire::OutputDType(req.grad_input_dtype(), "grad_input_dtype"));
-  GW_ASSIGN_OR_RETURN(in.grad_output, wire::ViewOf(req.grad_output(), "grad_output"));
+  v1::Tensor staged, staged_ln;  // bytes that lie in shared memory
+  GW_ASSIGN_OR_RETURN(const v1::Tensor* grad_output,
+                      Stage(caller, req.grad_output(), "grad_output", &staged));
+  GW_ASSIGN_OR_RETURN(in.grad_output, wire::ViewOf(*grad_output, "grad_output"));
   GW_RETURN_IF_ERROR(
       CheckElements("grad_output", in.grad_output.numel(), options_.limits.max_tensor_elements));
   if (req.has_grad_layernorm_output()) {
-    GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
-                        wire::ViewOf(req.grad_layernorm_output(), "grad_layernorm_output"));
+    GW_ASSIGN_OR_RETURN(const v1::Tensor* grad_ln, Stage(caller, req.grad_layernorm_output(),
+                                                         "grad_layernorm_output", &staged_ln));
+    GW_ASSIGN_OR_RETURN(in.grad_layernorm_output, wire::ViewOf(*grad_ln, "grad_layernorm_output"));
     GW_RETURN_IF_ERROR(CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(),
                                      options_.limits.max_tensor_elements));
   }
   in.retain = req.retain();
   in.skip_grad_input = req.skip_grad_input();
+  if (req.has_grad_input_shared_memory() && !in.skip_grad_input) {
+    // Room for grad_input, checked before the backward accumulates anything.
+    const std::string module_id =
+        host_.contexts().ModuleOf(req.context_id(), caller.isolated ? &caller.tenant : nullptr);
+    GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(module_id));
+    const uint64_t rows =
+        uint64_t(in.grad_output.numel() / std::max<int64_t>(1, spec.out_features));
+    GW_RETURN_IF_ERROR(shared_memory_.CheckRoom(
+        RegionOwner(caller), req.grad_input_shared_memory(), "grad_input_shared_memory",
+        rows * uint64_t(spec.in_features) * uint64_t(wire::ElementSize(in.grad_input_dtype))));
+  }
   if (call != nullptr && call->Abandoned()) {  // the context stays for a retry
     return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
   }
   GW_ASSIGN_OR_RETURN(std::optional<wire::EncodedTensor> grad_input,
                       host_.Backward(req.context_id(), in));
-  if (grad_input) wire::ToMessage(std::move(*grad_input), resp->mutable_grad_input());
+  if (grad_input) {
+    absl::Status delivered =
+        Deliver(caller, req.has_grad_input_shared_memory(), req.grad_input_shared_memory(),
+                "grad_input_shared_memory", std::move(*grad_input), resp->mutable_grad_input());
+    if (!delivered.ok()) {
+      return absl::Status(delivered.code(),
+                          absl::StrCat(delivered.message(),
+                                       "; the backward ran (its gradients were accumulated) but "
+                                       "grad_input could not be delivered"));
+    }
+  }
   resp->set_server_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return absl::OkStatus();
@@ -903,6 +1024,52 @@ grpc::ServerUnaryReactor* GradwireService::SetWeights(grpc::CallbackServerContex
         return DoSetWeights(caller, *req, resp);
       },
       req->module_id(), {}, req);
+}
+
+grpc::ServerUnaryReactor* GradwireService::RegisterSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
+    v1::RegisterSharedMemoryResponse*) {
+  // On the control thread: opening an object is a system call, never compute.
+  return RunUnary(
+      ctx, "RegisterSharedMemory",
+      [this, req](const Caller& caller, const CallBase&) {
+        return shared_memory_.Register(RegionOwner(caller), req->name(), req->key(), req->offset(),
+                                       req->byte_size());
+      },
+      {}, {}, req, nullptr, /*control=*/true);
+}
+
+grpc::ServerUnaryReactor* GradwireService::UnregisterSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+    v1::UnregisterSharedMemoryResponse* resp) {
+  return RunUnary(
+      ctx, "UnregisterSharedMemory",
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
+        GW_ASSIGN_OR_RETURN(const int n,
+                            shared_memory_.Unregister(RegionOwner(caller), req->name()));
+        resp->set_unregistered(n);
+        return absl::OkStatus();
+      },
+      {}, {}, req, nullptr, /*control=*/true);
+}
+
+grpc::ServerUnaryReactor* GradwireService::ListSharedMemory(grpc::CallbackServerContext* ctx,
+                                                            const v1::ListSharedMemoryRequest* req,
+                                                            v1::ListSharedMemoryResponse* resp) {
+  return RunUnary(
+      ctx, "ListSharedMemory",
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
+        GW_ASSIGN_OR_RETURN(auto regions, shared_memory_.List(RegionOwner(caller), req->name()));
+        for (const SharedMemoryRegionInfo& r : regions) {
+          auto* out = resp->add_regions();
+          out->set_name(r.name);
+          out->set_key(r.key);
+          out->set_offset(r.offset);
+          out->set_byte_size(r.byte_size);
+        }
+        return absl::OkStatus();
+      },
+      {}, {}, req, nullptr, /*control=*/true);
 }
 
 }  // namespace gradwire::rpc

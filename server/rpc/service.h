@@ -17,6 +17,7 @@
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/call.h"
+#include "server/rpc/shared_memory.h"
 #include "server/rpc/usage.h"
 
 namespace gradwire::rpc {
@@ -87,6 +88,8 @@ struct ServiceOptions {
   int64_t max_stream_bytes = int64_t(4) << 30;
   ServiceLimits limits;
   ClientQuotas quotas;
+  // Shared-memory tensors for clients on this host (off by default).
+  SharedMemoryOptions shared_memory;
   // A training forward that finishes less than this before its deadline is treated as abandoned:
   // its response would likely reach the client after the client gave up, and the context it
   // created would then be known to nobody. It is released and the call answers CANCELLED.
@@ -149,6 +152,15 @@ class GradwireService final : public v1::Gradwire::CallbackService {
       grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest* req) override;
   grpc::ServerReadReactor<v1::SetWeightsRequestPart>* SetWeightsChunked(
       grpc::CallbackServerContext* ctx, v1::SetWeightsResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(grpc::CallbackServerContext* ctx,
+                                                 const v1::RegisterSharedMemoryRequest* req,
+                                                 v1::RegisterSharedMemoryResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+      v1::UnregisterSharedMemoryResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSharedMemory(grpc::CallbackServerContext* ctx,
+                                             const v1::ListSharedMemoryRequest* req,
+                                             v1::ListSharedMemoryResponse* resp) override;
 
   // Train-stream requests read so far, streams open now (tests, metrics).
   int64_t stream_requests_read() const { return stream_requests_read_.load(); }
@@ -159,6 +171,8 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   std::vector<ClientUsage> Usage() const;
   // Calls alive now (admitted or not, until gRPC's OnDone and the last queued work), for tests.
   static int64_t live_calls();
+  // Shared-memory regions registered now, all clients (tests, metrics).
+  int64_t shared_memory_regions() const { return shared_memory_.regions(); }
 
  private:
   friend class CallBase;
@@ -195,6 +209,16 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   absl::Status CheckHeader(const Caller& caller, const v1::ForwardRequest& req) const;
   absl::Status CheckHeader(const Caller& caller, const v1::BackwardRequest& req) const;
   absl::Status CheckHeader(const Caller& caller, const v1::SetWeightsRequest& req) const;
+
+  // Shared-memory tensors. `t` itself when it carries its bytes; else its header checked (bytes
+  // called for, --max-tensor-elements) before its bytes are read from the caller's region into
+  // `staged`, which is returned.
+  absl::StatusOr<const v1::Tensor*> Stage(const Caller& caller, const v1::Tensor& t,
+                                          absl::string_view field, v1::Tensor* staged) const;
+  // Moves an encoded result into `out`: into the response, or with `ref` set (has_ref), into the
+  // caller's region, `out` then carrying the header and where the bytes went.
+  absl::Status Deliver(const Caller& caller, bool has_ref, const v1::SharedMemoryRef& ref,
+                       absl::string_view field, wire::EncodedTensor&& e, v1::Tensor* out) const;
 
   // A unary call through the lifecycle of call.h: authenticated, measured against
   // --max-request-bytes (`request`, when given), admitted for `module_id` / `context_id`, then
@@ -240,7 +264,8 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   core::ModuleHost& host_;
   core::DeviceExecutor& executor_;
   const ServiceOptions options_;
-  const std::string instance_id_;  // GetServerInfo: new in every process
+  SharedMemoryRegistry shared_memory_;  // closes every region when the service goes
+  const std::string instance_id_;       // GetServerInfo: new in every process
   // Module creation and deletion: host memory only, so it runs here, off the device executor, and
   // a big module cannot stall other clients' compute.
   std::unique_ptr<core::DeviceExecutor> control_;

@@ -15,6 +15,7 @@ from gradwire.modules import (  # noqa: E402
     RemoteModule,
 )
 from gradwire.sequential import RemoteSequential  # noqa: E402
+from gradwire.shared_memory import SharedMemoryRegion  # noqa: E402
 from gradwire.train_stream import TrainStream  # noqa: E402
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "RemoteLayerNormLinear",
     "RemoteLayerNormMLP",
     "RemoteSequential",
+    "SharedMemoryRegion",
     "TrainStream",
     "is_loopback",
 ]

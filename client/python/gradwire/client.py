@@ -335,6 +335,66 @@ class Client:
             raise self.lost_context(e) from None
         return wire.from_wire(resp.grad_input) if resp.HasField("grad_input") else None
 
+    # --- shared-memory tensors (a server on this host with --allow-shared-memory)
+
+    def register_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Registers bytes [offset, offset + byte_size) of the POSIX shared-memory object ``key``
+        as region ``name``. ``gradwire.shared_memory.SharedMemoryRegion`` does it for you."""
+        self._call("RegisterSharedMemory", service_pb2.RegisterSharedMemoryRequest(
+            name=name, key=key, offset=offset, byte_size=byte_size))
+
+    def unregister_shared_memory(self, name: str = "") -> int:
+        """Unregisters region ``name``, or every region of this caller when empty; returns how
+        many were."""
+        return self._call("UnregisterSharedMemory",
+                          service_pb2.UnregisterSharedMemoryRequest(name=name)).unregistered
+
+    def list_shared_memory(self, name: str = "") -> list:
+        return list(self._call("ListSharedMemory",
+                               service_pb2.ListSharedMemoryRequest(name=name)).regions)
+
+    def forward_shared(self, module_id: str, x: torch.Tensor, training: bool, region,
+                       offset: int = 0) -> ForwardResult:
+        """``forward`` with its tensors in ``region`` (a SharedMemoryRegion) instead of on the
+        wire: ``x`` is written at ``offset`` and the outputs after it."""
+        spec = self._spec(module_id)
+        if spec is None:
+            raise ValueError(f"unknown module {module_id}")
+        size = wire.element_size(self.activation_dtype)
+        rows = x.numel() // max(1, x.shape[-1]) if x.dim() > 0 else 0
+        req = service_pb2.ForwardRequest(module_id=module_id, training=training,
+                                         output_dtype=self.activation_dtype)
+        req.input.CopyFrom(region.write(offset, x, self.activation_dtype))
+        at = offset + req.input.shared_memory.byte_size
+        out_bytes = rows * spec.out_features * size
+        req.output_shared_memory.CopyFrom(region.ref(at, out_bytes))
+        if spec.return_layernorm_output and spec.kind != module_pb2.LINEAR:
+            req.layernorm_output_shared_memory.CopyFrom(
+                region.ref(at + out_bytes, rows * spec.in_features * size))
+        resp = self._call("Forward", req)
+        ln = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") else None
+        self._note_instance(resp.context_id)
+        return region.read(resp.output), resp.context_id, ln
+
+    def backward_shared(self, context_id: str, grad_output: torch.Tensor, region,
+                        offset: int = 0, skip_grad_input: bool = False,
+                        retain: bool = False) -> Optional[torch.Tensor]:
+        """``backward`` with grad_output written into ``region`` at ``offset`` and grad_input
+        written by the server after it (its size is grad_output's rows times in_features, at
+        most the rest of the region)."""
+        req = service_pb2.BackwardRequest(context_id=context_id, retain=retain,
+                                          skip_grad_input=skip_grad_input,
+                                          grad_input_dtype=self.gradient_dtype)
+        req.grad_output.CopyFrom(region.write(offset, grad_output, self.gradient_dtype))
+        if not skip_grad_input:
+            at = offset + req.grad_output.shared_memory.byte_size
+            req.grad_input_shared_memory.CopyFrom(region.ref(at, region.size - at))
+        try:
+            resp = self._call("Backward", req)
+        except GradwireError as e:
+            raise self.lost_context(e) from None
+        return region.read(resp.grad_input) if resp.HasField("grad_input") else None
+
     def release_context(self, context_id: str) -> None:
         self._call("ReleaseContext", service_pb2.ReleaseContextRequest(context_id=context_id))
 

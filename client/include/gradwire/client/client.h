@@ -159,6 +159,20 @@ class Client {
       const std::string& module_id,
       const std::vector<std::pair<std::string, HostTensor>>& parameters);
 
+  // Shared-memory tensors (a server on this host started with --allow-shared-memory; see
+  // shared_memory.h). Registers bytes [offset, offset + byte_size) of the object `key` as
+  // `name`; unregisters one region, or with an empty name every region of this caller (returns
+  // how many); lists them.
+  absl::Status RegisterSharedMemory(const std::string& name, const std::string& key,
+                                    uint64_t offset, uint64_t byte_size);
+  absl::StatusOr<int> UnregisterSharedMemory(const std::string& name = "");
+  absl::StatusOr<std::vector<v1::ListSharedMemoryResponse::Region>> ListSharedMemory(
+      const std::string& name = "");
+  // The request as given, on the unary call: for tensors that reference shared memory, or results
+  // the server should write there. A training forward's context is remembered as Forward's is.
+  absl::StatusOr<v1::ForwardResponse> ForwardRaw(const v1::ForwardRequest& req);
+  absl::StatusOr<v1::BackwardResponse> BackwardRaw(const v1::BackwardRequest& req);
+
   // The raw stub, for calls the wrapper does not cover; PrepareContext gives a context of such a
   // call the deadline and token every wrapped call has.
   v1::Gradwire::Stub& stub() { return *stub_; }

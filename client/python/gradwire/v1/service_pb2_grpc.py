@@ -95,6 +95,21 @@ class GradwireStub(object):
                 request_serializer=gradwire_dot_v1_dot_service__pb2.SetWeightsRequestPart.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_service__pb2.SetWeightsResponse.FromString,
                 )
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/gradwire.v1.Gradwire/RegisterSharedMemory',
+                request_serializer=gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryResponse.FromString,
+                )
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/gradwire.v1.Gradwire/UnregisterSharedMemory',
+                request_serializer=gradwire_dot_v1_dot_service__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_service__pb2.UnregisterSharedMemoryResponse.FromString,
+                )
+        self.ListSharedMemory = channel.unary_unary(
+                '/gradwire.v1.Gradwire/ListSharedMemory',
+                request_serializer=gradwire_dot_v1_dot_service__pb2.ListSharedMemoryRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_service__pb2.ListSharedMemoryResponse.FromString,
+                )
 
 
 class GradwireServicer(object):
@@ -220,6 +235,29 @@ class GradwireServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSharedMemory(self, request, context):
+        """Shared-memory tensors for clients on the server's host (servers started with
+        --allow-shared-memory): a client registers a POSIX shared-memory object under a region name,
+        then Forward and Backward (unary or on Train) read tensors from it and write results into it
+        instead of carrying bytes (Tensor.shared_memory, ForwardRequest.output_shared_memory, ...).
+        A region belongs to the caller's tenant. The chunked calls do not take shared-memory tensors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GradwireServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +340,21 @@ def add_GradwireServicer_to_server(servicer, server):
                     servicer.SetWeightsChunked,
                     request_deserializer=gradwire_dot_v1_dot_service__pb2.SetWeightsRequestPart.FromString,
                     response_serializer=gradwire_dot_v1_dot_service__pb2.SetWeightsResponse.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=gradwire_dot_v1_dot_service__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_service__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'ListSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSharedMemory,
+                    request_deserializer=gradwire_dot_v1_dot_service__pb2.ListSharedMemoryRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_service__pb2.ListSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -583,5 +636,56 @@ class Gradwire(object):
         return grpc.experimental.stream_unary(request_iterator, target, '/gradwire.v1.Gradwire/SetWeightsChunked',
             gradwire_dot_v1_dot_service__pb2.SetWeightsRequestPart.SerializeToString,
             gradwire_dot_v1_dot_service__pb2.SetWeightsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gradwire.v1.Gradwire/RegisterSharedMemory',
+            gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gradwire.v1.Gradwire/UnregisterSharedMemory',
+            gradwire_dot_v1_dot_service__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            gradwire_dot_v1_dot_service__pb2.UnregisterSharedMemoryResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ListSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gradwire.v1.Gradwire/ListSharedMemory',
+            gradwire_dot_v1_dot_service__pb2.ListSharedMemoryRequest.SerializeToString,
+            gradwire_dot_v1_dot_service__pb2.ListSharedMemoryResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

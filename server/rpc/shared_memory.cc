@@ -1,0 +1,312 @@
+#include "server/rpc/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "server/rpc/boundary.h"
+#include "spdlog/spdlog.h"
+
+namespace gradwire::rpc {
+namespace {
+
+constexpr size_t kMaxKeyLength = 200;  // NAME_MAX less room for the "/dev/shm/" directory
+constexpr size_t kMaxRegionName = 128;
+
+bool PlainChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == '-';
+}
+
+absl::Status CheckRegionName(absl::string_view field, absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
+  bool plain = name.size() <= kMaxRegionName;
+  for (char c : name) plain = plain && PlainChar(c);
+  if (!plain) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be 1 to ", kMaxRegionName,
+                                                   " characters of [A-Za-z0-9._-], got \"",
+                                                   Escaped(name), "\""));
+  }
+  return absl::OkStatus();
+}
+
+// a + b, or false when it overflows.
+bool Add(uint64_t a, uint64_t b, uint64_t* sum) { return !__builtin_add_overflow(a, b, sum); }
+
+std::string Errno(int err) { return std::strerror(err); }
+
+}  // namespace
+
+struct SharedMemoryRegistry::Region {
+  std::string name;
+  std::string key;  // with its leading '/'
+  int fd = -1;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+  ~Region() {
+    if (fd >= 0) close(fd);
+  }
+};
+
+SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryOptions options)
+    : options_(std::move(options)) {}
+
+SharedMemoryRegistry::~SharedMemoryRegistry() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!regions_.empty()) {
+    spdlog::info("shared memory: closing {} registered region(s) at shutdown", regions_.size());
+  }
+  regions_.clear();
+}
+
+absl::Status SharedMemoryRegistry::Register(const std::string& owner, const std::string& name,
+                                            const std::string& key, uint64_t offset,
+                                            uint64_t byte_size) {
+  if (!options_.enabled) {
+    return absl::FailedPreconditionError(
+        "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+  }
+  if (auto s = CheckRegionName("name", name); !s.ok()) return s;
+  absl::string_view bare = key;
+  if (!bare.empty() && bare.front() == '/') bare.remove_prefix(1);
+  bool plain = !bare.empty() && bare.size() <= kMaxKeyLength && bare.front() != '.';
+  for (char c : bare) plain = plain && PlainChar(c);
+  if (!plain) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key must be a POSIX shared-memory name: an optional '/' then 1 to ", kMaxKeyLength,
+        " characters of [A-Za-z0-9._-], not starting with '.'; got \"", Escaped(key), "\""));
+  }
+  if (bare.substr(0, options_.key_prefix.size()) != options_.key_prefix) {
+    return absl::InvalidArgumentError(absl::StrCat("key \"", Escaped(key), "\" must start with \"",
+                                                   options_.key_prefix,
+                                                   "\" (the server's --shared-memory-prefix)"));
+  }
+  uint64_t end = 0;
+  if (byte_size == 0 || !Add(offset, byte_size, &end) ||
+      end > uint64_t(std::numeric_limits<off_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "byte_size must be > 0 and offset + byte_size must fit in a file offset; got offset ",
+        offset, ", byte_size ", byte_size));
+  }
+  const std::string full_key = absl::StrCat("/", bare);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (regions_.count({owner, name})) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "shared-memory region \"", name, "\" is already registered; unregister it first"));
+    }
+    int64_t mine = 0;
+    for (const auto& [id, region] : regions_) {
+      if (id.first == owner) {
+        ++mine;
+      } else if (region->key == full_key) {
+        // One client cannot read or write what another registered under its key.
+        return absl::FailedPreconditionError(
+            absl::StrCat("key \"", Escaped(key), "\" is registered by another client"));
+      }
+    }
+    if (options_.max_regions > 0 && mine >= options_.max_regions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this client has ", mine, " shared-memory regions, the limit (",
+          "--max-shared-memory-regions ", options_.max_regions, "); unregister one first"));
+    }
+  }
+  auto region = std::make_shared<Region>();
+  region->name = name;
+  region->key = full_key;
+  region->offset = offset;
+  region->byte_size = byte_size;
+  region->fd = shm_open(full_key.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (region->fd < 0) {
+    const int err = errno;
+    const std::string what =
+        absl::StrCat("cannot open shared-memory object \"", Escaped(key), "\": ", Errno(err));
+    if (err == ENOENT) return absl::NotFoundError(what);
+    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(what);
+    return absl::InvalidArgumentError(what);
+  }
+  struct stat st {};
+  if (fstat(region->fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", Escaped(key), "\" is not a shared-memory object"));
+  }
+  if (uint64_t(st.st_size) < end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory object \"", Escaped(key), "\" has ", st.st_size,
+                     " bytes; the region needs offset + byte_size = ", end));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Checked again: another call may have registered the name meanwhile (the open ran unlocked).
+  int64_t mine = 0;
+  for (const auto& [id, other] : regions_) mine += id.first == owner;
+  if (regions_.count({owner, name}) || (options_.max_regions > 0 && mine >= options_.max_regions)) {
+    return absl::AbortedError(
+        absl::StrCat("shared-memory region \"", name, "\" was registered concurrently; retry"));
+  }
+  regions_.emplace(std::make_pair(owner, name), region);
+  spdlog::info("shared memory: registered region \"{}\" ({}, offset {}, {} bytes){}", name,
+               full_key, offset, byte_size, owner.empty() ? "" : " for tenant " + owner);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& owner,
+                                                     const std::string& name) {
+  if (!options_.enabled) {
+    return absl::FailedPreconditionError(
+        "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+  }
+  std::vector<std::shared_ptr<const Region>> closing;  // closed after the lock is released
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!name.empty()) {
+      if (auto s = CheckRegionName("name", name); !s.ok()) return s;
+      auto it = regions_.find({owner, name});
+      if (it == regions_.end()) {
+        return absl::NotFoundError(
+            absl::StrCat("shared-memory region \"", name, "\" is not registered"));
+      }
+      closing.push_back(std::move(it->second));
+      regions_.erase(it);
+    } else {
+      for (auto it = regions_.begin(); it != regions_.end();) {
+        if (it->first.first == owner) {
+          closing.push_back(std::move(it->second));
+          it = regions_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  for (const auto& r : closing) spdlog::info("shared memory: unregistered region \"{}\"", r->name);
+  return int(closing.size());
+}
+
+absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
+    const std::string& owner, const std::string& name) const {
+  if (!options_.enabled) {
+    return absl::FailedPreconditionError(
+        "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+  }
+  if (!name.empty()) {
+    if (auto s = CheckRegionName("name", name); !s.ok()) return s;
+  }
+  std::vector<SharedMemoryRegionInfo> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, r] : regions_) {
+    if (id.first != owner || (!name.empty() && id.second != name)) continue;
+    out.push_back({r->name, r->key, r->offset, r->byte_size});
+  }
+  if (!name.empty() && out.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("shared-memory region \"", name, "\" is not registered"));
+  }
+  return out;
+}
+
+int64_t SharedMemoryRegistry::regions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return int64_t(regions_.size());
+}
+
+absl::StatusOr<std::shared_ptr<const SharedMemoryRegistry::Region>> SharedMemoryRegistry::Find(
+    const std::string& owner, const v1::SharedMemoryRef& ref, absl::string_view field) const {
+  if (!options_.enabled) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " references shared memory, which is off on this server (--allow-shared-memory)"));
+  }
+  if (auto s = CheckRegionName(absl::StrCat(field, ".region"), ref.region()); !s.ok()) return s;
+  std::shared_ptr<const Region> region;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find({owner, ref.region()});
+    if (it == regions_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat(field, ": shared-memory region \"", ref.region(), "\" is not registered"));
+    }
+    region = it->second;
+  }
+  uint64_t end = 0;
+  if (!Add(ref.offset(), ref.byte_size(), &end) || end > region->byte_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": offset ", ref.offset(), " + byte_size ", ref.byte_size(),
+                     " is outside region \"", ref.region(), "\" (", region->byte_size, " bytes)"));
+  }
+  return region;
+}
+
+absl::Status SharedMemoryRegistry::Read(const std::string& owner, const v1::SharedMemoryRef& ref,
+                                        absl::string_view field, std::string* out) const {
+  auto region = Find(owner, ref, field);
+  if (!region.ok()) return region.status();
+  const Region& r = **region;
+  out->resize(size_t(ref.byte_size()));
+  char* dst = out->data();
+  uint64_t done = 0;
+  const uint64_t at = r.offset + ref.offset();
+  while (done < ref.byte_size()) {
+    const ssize_t n = pread(r.fd, dst + done, size_t(ref.byte_size() - done), off_t(at + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      out->clear();
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": shared-memory region \"", ref.region(), "\" no longer holds bytes [",
+          ref.offset(), ", ", ref.offset() + ref.byte_size(),
+          ") (its object was truncated?); nothing was run", n < 0 ? ": " + Errno(errno) : ""));
+    }
+    done += uint64_t(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::CheckRoom(const std::string& owner,
+                                             const v1::SharedMemoryRef& ref,
+                                             absl::string_view field, uint64_t bytes) const {
+  auto region = Find(owner, ref, field);
+  if (!region.ok()) return region.status();
+  if (bytes > ref.byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": the result needs ", bytes, " bytes; byte_size gives room for ", ref.byte_size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::Write(const std::string& owner, const v1::SharedMemoryRef& ref,
+                                         absl::string_view field, absl::string_view bytes) const {
+  auto region = Find(owner, ref, field);
+  if (!region.ok()) return region.status();
+  if (bytes.size() > ref.byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": the result needs ", bytes.size(),
+                                                   " bytes; byte_size gives room for ",
+                                                   ref.byte_size()));
+  }
+  const Region& r = **region;
+  const uint64_t at = r.offset + ref.offset();
+  // pwrite on a truncated object would grow it again: refuse instead when it has shrunk.
+  struct stat st {};
+  if (fstat(r.fd, &st) != 0 || uint64_t(st.st_size) < at + bytes.size()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": shared-memory region \"", ref.region(),
+                     "\" no longer holds the range to write (its object was truncated?)"));
+  }
+  uint64_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n =
+        pwrite(r.fd, bytes.data() + done, bytes.size() - size_t(done), off_t(at + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ": writing shared-memory region \"",
+                                                        ref.region(), "\" failed: ", Errno(errno)));
+    }
+    done += uint64_t(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace gradwire::rpc

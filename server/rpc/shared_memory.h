@@ -1,0 +1,98 @@
+// Shared-memory tensors (--allow-shared-memory). A client on the same host registers a POSIX
+// shared-memory object (shm_open key) under a region name; a request's tensor may then reference
+// (region, offset, byte_size) instead of carrying its bytes, and a response may be written into a
+// region the client names.
+//
+// The server never maps a client's object. It keeps the descriptor it opened at registration and
+// moves bytes with pread/pwrite, which answer a short count on an object its owner truncated, where
+// a mapping would raise SIGBUS in the server. A region read is the one copy of a request's bytes
+// (object -> the buffer the backend reads); a response is written with one copy (encoded output ->
+// object).
+//
+// Regions belong to their owner (the tenant with tokens; without tokens all callers share one
+// namespace, as they share modules), are counted against --max-shared-memory-regions per owner,
+// and are closed on unregister and when the registry is destroyed (server shutdown). A region in
+// use by a call stays open until that call is done with it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "gradwire/v1/tensor.pb.h"
+
+namespace gradwire::rpc {
+
+struct SharedMemoryOptions {
+  bool enabled = false;  // --allow-shared-memory
+  // Keys must start with this (after an optional '/'), so that a client can reach only the
+  // objects meant for the server, not every object the server's user can open.
+  std::string key_prefix = "gradwire";
+  int max_regions = 16;  // per owner; 0: unlimited
+};
+
+// A registered region, as ListSharedMemory reports it.
+struct SharedMemoryRegionInfo {
+  std::string name;
+  std::string key;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+};
+
+class SharedMemoryRegistry {
+ public:
+  explicit SharedMemoryRegistry(SharedMemoryOptions options);
+  ~SharedMemoryRegistry();
+  SharedMemoryRegistry(const SharedMemoryRegistry&) = delete;
+  SharedMemoryRegistry& operator=(const SharedMemoryRegistry&) = delete;
+
+  const SharedMemoryOptions& options() const { return options_; }
+
+  // Opens `key` and registers bytes [offset, offset + byte_size) of it as `name`.
+  // FAILED_PRECONDITION when shared memory is off; INVALID_ARGUMENT for a bad name, key or range
+  // (or an object smaller than the range); ALREADY_EXISTS for a name the owner registered;
+  // NOT_FOUND / PERMISSION_DENIED when the object cannot be opened; RESOURCE_EXHAUSTED over the
+  // per-owner limit.
+  absl::Status Register(const std::string& owner, const std::string& name, const std::string& key,
+                        uint64_t offset, uint64_t byte_size);
+  // Closes the owner's region `name` (NOT_FOUND when there is none), or every region of the owner
+  // when `name` is empty. Returns how many were closed.
+  absl::StatusOr<int> Unregister(const std::string& owner, const std::string& name);
+  // The owner's regions ("" with a specific name: that one only), ordered by name.
+  absl::StatusOr<std::vector<SharedMemoryRegionInfo>> List(const std::string& owner,
+                                                           const std::string& name) const;
+  int64_t regions() const;
+
+  // The bytes `ref` names, read into `out` (resized to ref.byte_size). `field` names the tensor in
+  // errors. Bounds are checked before anything is read: INVALID_ARGUMENT for a range outside the
+  // region, NOT_FOUND for a region the owner has not registered, FAILED_PRECONDITION when the
+  // object no longer holds the range (its owner truncated it).
+  absl::Status Read(const std::string& owner, const v1::SharedMemoryRef& ref,
+                    absl::string_view field, std::string* out) const;
+  // Checks that `bytes` fit the range `ref` names (byte_size is the room there), without writing.
+  absl::Status CheckRoom(const std::string& owner, const v1::SharedMemoryRef& ref,
+                         absl::string_view field, uint64_t bytes) const;
+  // Writes `bytes` at the start of the range `ref` names; errors as Read and CheckRoom.
+  absl::Status Write(const std::string& owner, const v1::SharedMemoryRef& ref,
+                     absl::string_view field, absl::string_view bytes) const;
+
+ private:
+  struct Region;
+  absl::StatusOr<std::shared_ptr<const Region>> Find(const std::string& owner,
+                                                     const v1::SharedMemoryRef& ref,
+                                                     absl::string_view field) const;
+
+  const SharedMemoryOptions options_;
+  mutable std::mutex mu_;
+  // (owner, name) -> region
+  std::map<std::pair<std::string, std::string>, std::shared_ptr<const Region>> regions_;
+};
+
+}  // namespace gradwire::rpc
