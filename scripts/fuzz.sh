@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(request_fuzzer safetensors_fuzzer checkpoint_fuzzer)
+[ ${#targets[@]} -gt 0 ] || targets=(request_fuzzer safetensors_fuzzer checkpoint_fuzzer zero_copy_fuzzer)
 build_dir=${BUILD_DIR:-build-fuzz}
 jobs=${JOBS:-2}
 if [ ! -f "$build_dir/build.ninja" ]; then

@@ -1,6 +1,8 @@
 #include "gradwire/client/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
+#include <grpcpp/impl/codegen/rpc_method.h>
 
 #include <cctype>
 #include <cstdlib>
@@ -12,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/chunking.h"
+#include "gradwire/wire/zero_copy.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace gradwire::client {
@@ -137,16 +140,41 @@ v1::Tensor ToWire(const HostTensor& t, WireDType dtype) {
   return out;
 }
 
-absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t) {
+absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t) { return FromWire(t, t.data()); }
+
+absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t, absl::string_view data) {
+  absl::StatusOr<wire::TensorView> view = wire::ViewOf(t, data, "response tensor");
+  if (!view.ok()) return view.status();
   HostTensor out;
-  out.shape.assign(t.shape().begin(), t.shape().end());
-  absl::StatusOr<std::vector<float>> data = wire::DecodeMessage(t, "response tensor");
-  if (!data.ok()) return data.status();
-  out.data = *std::move(data);
+  out.shape = view->shape;
+  out.data.resize(size_t(view->numel()));
+  wire::DecodeElements(view->dtype, view->data, view->numel(), view->scale_inv, out.data.data());
   return out;
 }
 
 namespace {
+
+// A unary call whose tensor bytes skip protobuf's copies both ways (gradwire/wire/zero_copy.h):
+// the request's tensor data is moved into slices of its own, and the response's is left in the
+// received slices for `received` to hand out. The bytes on the wire are the standard encoding.
+template <typename Req, typename Resp>
+absl::Status ZeroCopyUnary(grpc::ChannelInterface* channel, const char* method,
+                           grpc::ClientContext* ctx, Req* req,
+                           std::initializer_list<int> request_tensors,
+                           wire::ReceivedMessage* received, Resp* resp,
+                           std::initializer_list<int> response_tensors) {
+  grpc::ByteBuffer out, in;
+  wire::SerializeMoving(req, request_tensors, &out);
+  const std::string path = absl::StrCat("/gradwire.v1.Gradwire/", method);
+  const grpc::internal::RpcMethod rpc(path.c_str(), grpc::internal::RpcMethod::NORMAL_RPC);
+  const grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel, rpc, ctx, out, &in);
+  if (!s.ok()) return FromGrpc(method, s);
+  if (absl::Status parsed = received->Parse(in, resp, response_tensors); !parsed.ok()) {
+    return absl::InternalError(absl::StrCat(method, ": malformed response: ", parsed.message()));
+  }
+  return absl::OkStatus();
+}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -267,19 +295,29 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
     }
   }
   v1::ForwardResponse resp;
+  wire::ReceivedMessage received;  // holds the unary response's tensor bytes
+  absl::string_view output_bytes, ln_bytes;
   if (UseChunked(request_bytes, response_bytes)) {
     auto chunked = ForwardChunked(req);
     if (!chunked.ok()) return chunked.status();
     resp = *std::move(chunked);
-  } else if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) {
-    return s;
+    output_bytes = resp.output().data();
+    ln_bytes = resp.layernorm_output().data();
+  } else {
+    if (auto s = ZeroCopyUnary(channel_.get(), "Forward", &ctx, &req, wire::kForwardRequestTensors,
+                               &received, &resp, wire::kForwardResponseTensors);
+        !s.ok()) {
+      return s;
+    }
+    output_bytes = received.data(1);
+    ln_bytes = received.data(4);
   }
   if (training && !resp.context_id().empty()) NoteContext(resp.context_id(), input.numel());
-  auto output = FromWire(resp.output());
+  auto output = FromWire(resp.output(), output_bytes);
   if (!output.ok()) return output.status();
   ForwardResult result{*std::move(output), resp.context_id(), resp.weight_version(), {}};
   if (resp.has_layernorm_output()) {
-    auto ln = FromWire(resp.layernorm_output());
+    auto ln = FromWire(resp.layernorm_output(), ln_bytes);
     if (!ln.ok()) return ln.status();
     result.layernorm_output = *std::move(ln);
   }
@@ -310,15 +348,21 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
           ? -1
           : grad_input_elements * wire::ElementSize(ToProto(options_.wire_dtype));
   v1::BackwardResponse resp;
+  wire::ReceivedMessage received;
   if (UseChunked(request_bytes, response_bytes)) {
     auto chunked = BackwardChunked(req);
     if (!chunked.ok()) return chunked.status();
     resp = *std::move(chunked);
-  } else if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) {
+    if (!resp.has_grad_input()) return HostTensor{};
+    return FromWire(resp.grad_input());
+  }
+  if (auto s = ZeroCopyUnary(channel_.get(), "Backward", &ctx, &req, wire::kBackwardRequestTensors,
+                             &received, &resp, wire::kBackwardResponseTensors);
+      !s.ok()) {
     return s;
   }
   if (!resp.has_grad_input()) return HostTensor{};
-  return FromWire(resp.grad_input());
+  return FromWire(resp.grad_input(), received.data(1));
 }
 
 absl::StatusOr<std::string> ResolveToken(const std::string& token_file) {

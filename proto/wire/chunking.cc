@@ -105,6 +105,21 @@ ChunkSplitter::ChunkSplitter(const std::vector<TensorSlot>& slots, int64_t chunk
   }
 }
 
+bool ChunkSplitter::Next(uint32_t* tensor, uint64_t* offset, absl::string_view* data) {
+  while (tensor_ < data_.size() && offset_ >= data_[tensor_].size()) {
+    ++tensor_;
+    offset_ = 0;
+  }
+  if (tensor_ >= data_.size()) return false;
+  const std::string& d = data_[tensor_];
+  const size_t n = std::min(d.size() - offset_, size_t(chunk_bytes_));
+  *tensor = uint32_t(tensor_);
+  *offset = offset_;
+  *data = absl::string_view(d.data() + offset_, n);
+  offset_ += n;
+  return true;
+}
+
 bool ChunkSplitter::Next(v1::TensorChunk* chunk) {
   while (tensor_ < data_.size() && offset_ >= data_[tensor_].size()) {
     std::string().swap(data_[tensor_]);  // sent: free it now
@@ -168,10 +183,21 @@ void ChunkAssembler::Advance() {
 }
 
 absl::Status ChunkAssembler::Add(const v1::TensorChunk& chunk) {
-  const int64_t n = int64_t(chunk.data().size());
+  return Add(chunk.tensor(), chunk.offset(), chunk.data());
+}
+
+absl::Status ChunkAssembler::Add(uint32_t chunk_tensor, uint64_t chunk_offset,
+                                 absl::string_view chunk_data) {
+  return Add(chunk_tensor, chunk_offset, std::vector<absl::string_view>{chunk_data});
+}
+
+absl::Status ChunkAssembler::Add(uint32_t chunk_tensor, uint64_t chunk_offset,
+                                 const std::vector<absl::string_view>& pieces) {
+  int64_t n = 0;
+  for (absl::string_view piece : pieces) n += int64_t(piece.size());
   if (n == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("chunk for tensor ", chunk.tensor(),
-                                                   " at offset ", chunk.offset(), " is empty"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk for tensor ", chunk_tensor, " at offset ", chunk_offset, " is empty"));
   }
   if (n > max_chunk_) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -179,19 +205,19 @@ absl::Status ChunkAssembler::Add(const v1::TensorChunk& chunk) {
   }
   if (tensor_ >= slots_.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk for tensor ", chunk.tensor(), " at offset ", chunk.offset(), " arrived after all ",
+        "chunk for tensor ", chunk_tensor, " at offset ", chunk_offset, " arrived after all ",
         total_, " bytes of the message's ", slots_.size(), " tensor(s)"));
   }
   const TensorSlot& slot = slots_[tensor_];
-  if (chunk.tensor() != tensor_) {
+  if (chunk_tensor != tensor_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk for tensor ", chunk.tensor(), " arrived while tensor ", tensor_, " (", slot.field,
+        "chunk for tensor ", chunk_tensor, " arrived while tensor ", tensor_, " (", slot.field,
         ") still needs bytes from offset ", offset_, " of ", sizes_[tensor_]));
   }
-  if (chunk.offset() != uint64_t(offset_)) {
+  if (chunk_offset != uint64_t(offset_)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "chunk of ", slot.field, " at offset ", chunk.offset(), " is out of order: ",
-        chunk.offset() < uint64_t(offset_) ? "those bytes already arrived" : "bytes are missing",
+        "chunk of ", slot.field, " at offset ", chunk_offset, " is out of order: ",
+        chunk_offset < uint64_t(offset_) ? "those bytes already arrived" : "bytes are missing",
         "; the next chunk must start at offset ", offset_));
   }
   if (n > sizes_[tensor_] - offset_) {
@@ -199,7 +225,9 @@ absl::Status ChunkAssembler::Add(const v1::TensorChunk& chunk) {
                                                    " with ", n, " bytes runs past its end (",
                                                    sizes_[tensor_], " bytes)"));
   }
-  slot.tensor->mutable_data()->append(chunk.data());  // in order: offset_ is the data's end
+  for (absl::string_view piece : pieces) {  // at offset_: chunks arrive in order
+    slot.tensor->mutable_data()->append(piece.data(), piece.size());
+  }
   offset_ += n;
   received_ += n;
   Advance();

@@ -62,6 +62,11 @@ absl::StatusOr<DType> OutputDType(v1::DType dtype, absl::string_view field) {
 }
 
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) {
+  return ViewOf(t, t.data(), field);
+}
+
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view data,
+                                  absl::string_view field) {
   if (t.has_shared_memory()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".shared_memory: this call takes tensors with their bytes in data"));
@@ -70,9 +75,9 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) 
   if (!expected.ok()) return expected.status();
   TensorView view;
   view.shape.assign(t.shape().begin(), t.shape().end());
-  if (int64_t(t.data().size()) != *expected) {
+  if (int64_t(data.size()) != *expected) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ".data has ", t.data().size(), " bytes; shape [", absl::StrJoin(view.shape, ", "),
+        field, ".data has ", data.size(), " bytes; shape [", absl::StrJoin(view.shape, ", "),
         "] of ", v1::DType_Name(t.dtype()), " needs ", *expected));
   }
   view.dtype = *FromProto(t.dtype(), field);  // DataBytes accepted it
@@ -83,7 +88,7 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field) 
     }
     view.scale_inv = t.scale_inv();
   }
-  view.data = t.data().data();
+  view.data = data.data();
   return view;
 }
 

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/chunking.h"
+#include "gradwire/wire/zero_copy.h"
 #include "server/rpc/service.h"
 #include "server/rpc/status_map.h"
 
@@ -29,7 +30,10 @@ class PartReader {
       : service_(service), options_(options) {}
   ~PartReader() { Drop(); }
 
-  absl::Status Add(ReqPart& part, const Caller& caller) {
+  // `chunk_data`: the bytes of the part's chunk, in pieces (they may have arrived apart from its
+  // message, in several received slices).
+  absl::Status Add(ReqPart& part, const std::vector<absl::string_view>& chunk_data,
+                   const Caller& caller) {
     if (part.has_header()) {
       if (started_) return absl::InvalidArgumentError("the header was sent twice");
       started_ = true;
@@ -51,7 +55,7 @@ class PartReader {
     if (!started_) {
       return absl::InvalidArgumentError("the first message of a chunked call must be the header");
     }
-    return assembler_.Add(part.chunk());
+    return assembler_.Add(part.chunk().tensor(), part.chunk().offset(), chunk_data);
   }
 
   absl::Status Complete() const {
@@ -85,8 +89,10 @@ class PartWriter {
  public:
   // Takes the data out of `response`.
   PartWriter(Resp response, int64_t chunk_bytes)
-      : response_(std::move(response)), splitter_(wire::Slots(response_), chunk_bytes) {}
+      : response_(std::move(response)),
+        splitter_(std::make_shared<wire::ChunkSplitter>(wire::Slots(response_), chunk_bytes)) {}
 
+  // As messages (each chunk's bytes copied into it).
   bool Next(RespPart* part) {
     part->Clear();
     if (!header_sent_) {
@@ -94,21 +100,46 @@ class PartWriter {
       *part->mutable_header() = std::move(response_);
       return true;
     }
-    return splitter_.Next(part->mutable_chunk());
+    return splitter_->Next(part->mutable_chunk());
+  }
+
+  // Serialised, each chunk's bytes a slice that points into the response (kept alive until gRPC
+  // drops the slice): no copy.
+  bool Next(grpc::ByteBuffer* out) {
+    RespPart part;
+    if (!header_sent_) {
+      header_sent_ = true;
+      *part.mutable_header() = std::move(response_);
+      grpc::Slice header(part.SerializeAsString());
+      *out = grpc::ByteBuffer(&header, 1);
+      return true;
+    }
+    uint32_t tensor = 0;
+    uint64_t offset = 0;
+    absl::string_view data;
+    if (!splitter_->Next(&tensor, &offset, &data)) return false;
+    part.mutable_chunk()->set_tensor(tensor);
+    part.mutable_chunk()->set_offset(offset);
+    wire::SerializeReferencing(
+        part, {{2, data}}, [keep = splitter_] {}, out);
+    return true;
   }
 
  private:
   Resp response_;
-  wire::ChunkSplitter splitter_;
+  std::shared_ptr<wire::ChunkSplitter> splitter_;
   bool header_sent_ = false;
 };
 
 }  // namespace
 
 // Forward and Backward: chunked request in, chunked response out.
+// Raw: parts arrive and leave as grpc::ByteBuffers, so a chunk's bytes are copied once, from the
+// received slices into place, and leave as slices of the response (zero_copy.h).
 template <typename Req, typename ReqPart, typename Resp, typename RespPart>
-class ChunkedBidiCall final : public Call<grpc::ServerBidiReactor<ReqPart, RespPart>> {
-  using Base = Call<grpc::ServerBidiReactor<ReqPart, RespPart>>;
+class ChunkedBidiCall final
+    : public Call<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>> {
+  using Base = Call<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>>;
 
  public:
   using Work = std::function<absl::Status(const Caller&, const CallBase&, Req&, Resp*)>;
@@ -130,7 +161,10 @@ class ChunkedBidiCall final : public Call<grpc::ServerBidiReactor<ReqPart, RespP
 
   void OnReadDone(bool ok) override {
     if (ok) {
-      absl::Status s = reader_.Add(incoming_, this->caller());
+      ReqPart part;
+      wire::ReceivedMessage received;
+      absl::Status s = received.Parse(incoming_, &part, wire::kPartChunk);
+      if (s.ok()) s = reader_.Add(part, received.pieces(2), this->caller());
       incoming_.Clear();
       if (!s.ok()) {
         reader_.Drop();
@@ -228,9 +262,9 @@ class ChunkedBidiCall final : public Call<grpc::ServerBidiReactor<ReqPart, RespP
   Work work_;
   ContextOf context_of_;
   PartReader<Req, ReqPart> reader_;
-  ReqPart incoming_;
+  grpc::ByteBuffer incoming_;
   std::optional<PartWriter<Resp, RespPart>> writer_;  // under mu_
-  RespPart outgoing_;
+  grpc::ByteBuffer outgoing_;
   std::string created_context_;  // under mu_
   std::string module_id_, context_id_;
 };
@@ -253,7 +287,8 @@ class SetWeightsChunkedCall final
 
   void OnReadDone(bool ok) override {
     if (ok) {
-      absl::Status s = reader_.Add(incoming_, caller());
+      absl::Status s = reader_.Add(
+          incoming_, std::vector<absl::string_view>{incoming_.chunk().data()}, caller());
       incoming_.Clear();
       if (!s.ok()) {
         reader_.Drop();
@@ -351,8 +386,8 @@ class GetWeightsChunkedCall final
   v1::GetWeightsResponsePart outgoing_;
 };
 
-grpc::ServerBidiReactor<v1::ForwardRequestPart, v1::ForwardResponsePart>*
-GradwireService::ForwardChunked(grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradwireService::ForwardChunked(
+    grpc::CallbackServerContext* ctx) {
   return new ChunkedBidiCall<v1::ForwardRequest, v1::ForwardRequestPart, v1::ForwardResponse,
                              v1::ForwardResponsePart>(
       *this, ctx, "ForwardChunked",
@@ -361,8 +396,8 @@ GradwireService::ForwardChunked(grpc::CallbackServerContext* ctx) {
       [](const v1::ForwardResponse& resp) { return resp.context_id(); });
 }
 
-grpc::ServerBidiReactor<v1::BackwardRequestPart, v1::BackwardResponsePart>*
-GradwireService::BackwardChunked(grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradwireService::BackwardChunked(
+    grpc::CallbackServerContext* ctx) {
   return new ChunkedBidiCall<v1::BackwardRequest, v1::BackwardRequestPart, v1::BackwardResponse,
                              v1::BackwardResponsePart>(
       *this, ctx, "BackwardChunked",

@@ -31,6 +31,20 @@ std::string PeerHost(const std::string& peer) {
 
 // Elements of a tensor as its shape declares them (saturating; 0 without a shape), known before
 // anything is decoded.
+// Adds the seconds of its scope to `total`: shared-memory copies are transport, like protobuf
+// parsing, and stay out of a call's server_seconds.
+class TransferTimer {
+ public:
+  explicit TransferTimer(double& total) : total_(total) {}
+  ~TransferTimer() {
+    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  double& total_;
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 // Whose shared-memory regions a caller sees: its tenant with tokens, else everyone's.
 std::string RegionOwner(const Caller& caller) { return caller.isolated ? caller.tenant : ""; }
 
@@ -283,10 +297,9 @@ absl::StatusOr<Caller> GradwireService::Authenticate(const grpc::CallbackServerC
   return caller;
 }
 
-absl::Status GradwireService::CheckRequestBytes(const google::protobuf::Message& request) const {
+absl::Status GradwireService::CheckRequestBytes(int64_t bytes) const {
   const int64_t limit = options_.limits.max_request_bytes;
   if (limit <= 0) return absl::OkStatus();
-  const int64_t bytes = int64_t(request.ByteSizeLong());
   if (bytes > limit) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the request is ", bytes, " bytes, over the limit of ", limit,
@@ -446,11 +459,11 @@ class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
       : Call(service, ctx, method) {}
 
   void Start(grpc::CallbackServerContext* ctx, GradwireService::Work work, std::string module_id,
-             std::string context_id, const google::protobuf::Message* request,
+             std::string context_id, RequestSize request,
              std::function<std::string()> created_context, core::DeviceExecutor* executor) {
     NoteIds(module_id, context_id);
     absl::Status refused = Authenticate(ctx);
-    if (refused.ok() && request != nullptr) refused = service_.CheckRequestBytes(*request);
+    if (refused.ok() && request.bytes >= 0) refused = service_.CheckRequestBytes(request.bytes);
     Admission admission;
     if (refused.ok()) refused = service_.Admit(caller(), module_id, context_id, &admission);
     if (!refused.ok()) {
@@ -497,7 +510,7 @@ class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
 grpc::ServerUnaryReactor* GradwireService::RunUnary(grpc::CallbackServerContext* ctx,
                                                     const char* method, Work work,
                                                     std::string module_id, std::string context_id,
-                                                    const google::protobuf::Message* request,
+                                                    RequestSize request,
                                                     std::function<std::string()> created_context,
                                                     bool control) {
   auto* call = new UnaryCall(*this, ctx, method);
@@ -741,11 +754,60 @@ absl::Status GradwireService::CheckHeader(const Caller& caller,
   return absl::OkStatus();
 }
 
-absl::StatusOr<const v1::Tensor*> GradwireService::Stage(const Caller& caller, const v1::Tensor& t,
-                                                         absl::string_view field,
-                                                         v1::Tensor* staged) const {
-  if (!t.has_shared_memory()) return &t;
-  if (!t.data().empty()) {
+// Where shared-memory reads land: buffers reused by the thread that runs the calls, and never
+// zero-filled. Read into a fresh buffer, a large tensor pays a page fault per 4 KiB page (glibc
+// maps every allocation over 32 MiB afresh), several times the cost of the copy itself. Each
+// thread keeps at most two buffers of at most kMaxRetained bytes.
+class StagingBuffer {
+ public:
+  static constexpr size_t kMaxRetained = size_t(512) << 20;
+  StagingBuffer() = default;
+  ~StagingBuffer() {
+    std::vector<Buffer>& pool = Pool();
+    if (buffer_.bytes && pool.size() < 2 && buffer_.capacity <= kMaxRetained) {
+      pool.push_back(std::move(buffer_));
+    }
+  }
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+
+  // `n` bytes, valid while this lives; their contents are whatever was there.
+  char* Get(size_t n) {
+    if (buffer_.capacity < n) {
+      std::vector<Buffer>& pool = Pool();
+      auto fits =
+          std::find_if(pool.begin(), pool.end(), [n](const Buffer& b) { return b.capacity >= n; });
+      if (fits != pool.end()) {
+        buffer_ = std::move(*fits);
+        pool.erase(fits);
+      } else {
+        buffer_.bytes.reset(new char[n]);
+        buffer_.capacity = n;
+      }
+    }
+    return buffer_.bytes.get();
+  }
+
+ private:
+  struct Buffer {
+    std::unique_ptr<char[]> bytes;
+    size_t capacity = 0;
+  };
+  static std::vector<Buffer>& Pool() {
+    thread_local std::vector<Buffer> pool;
+    return pool;
+  }
+  Buffer buffer_;
+};
+
+absl::StatusOr<wire::TensorView> GradwireService::Stage(const Caller& caller, const v1::Tensor& t,
+                                                        absl::string_view field,
+                                                        StagingBuffer* staged,
+                                                        const wire::ReceivedMessage* raw,
+                                                        int raw_field) const {
+  const absl::string_view received = raw != nullptr ? raw->data(raw_field) : t.data();
+  if (!t.has_shared_memory()) return wire::ViewOf(t, received, field);
+  if (!received.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " carries both data and shared_memory; send one of them"));
   }
@@ -757,13 +819,15 @@ absl::StatusOr<const v1::Tensor*> GradwireService::Stage(const Caller& caller, c
         absl::StrJoin(t.shape(), ", "), "] of ", v1::DType_Name(t.dtype()), " needs ", bytes));
   }
   GW_RETURN_IF_ERROR(CheckElements(field, ShapeElements(t), options_.limits.max_tensor_elements));
-  staged->set_dtype(t.dtype());
-  *staged->mutable_shape() = t.shape();
-  staged->set_scale_inv(t.scale_inv());
+  char* bytes_at = staged->Get(size_t(bytes));
   GW_RETURN_IF_ERROR(shared_memory_.Read(RegionOwner(caller), t.shared_memory(),
-                                         absl::StrCat(field, ".shared_memory"),
-                                         staged->mutable_data()));
-  return staged;
+                                         absl::StrCat(field, ".shared_memory"), bytes_at));
+  // The view checks the header as for any tensor; the shared-memory reference is what it was.
+  v1::Tensor header;
+  header.set_dtype(t.dtype());
+  *header.mutable_shape() = t.shape();
+  header.set_scale_inv(t.scale_inv());
+  return wire::ViewOf(header, absl::string_view(bytes_at, size_t(bytes)), field);
 }
 
 absl::Status GradwireService::Deliver(const Caller& caller, bool has_ref,
@@ -783,7 +847,8 @@ absl::Status GradwireService::Deliver(const Caller& caller, bool has_ref,
 }
 
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                                        v1::ForwardResponse* resp, const CallBase* call) {
+                                        v1::ForwardResponse* resp, const CallBase* call,
+                                        const wire::ReceivedMessage* raw) {
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
@@ -791,9 +856,14 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
                       wire::OutputDType(req.output_dtype(), "output_dtype"));
   // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
   core::WireForwardRequest f;
-  v1::Tensor staged;  // the input's bytes, when they lie in shared memory
-  GW_ASSIGN_OR_RETURN(const v1::Tensor* input, Stage(caller, req.input(), "input", &staged));
-  GW_ASSIGN_OR_RETURN(f.input, wire::ViewOf(*input, "input"));
+  StagingBuffer staged;  // the input's bytes, when they lie in shared memory
+  double transfer = 0;
+  {
+    TransferTimer timer(transfer);
+    absl::StatusOr<wire::TensorView> input = Stage(caller, req.input(), "input", &staged, raw, 2);
+    if (!input.ok()) return input.status();
+    f.input = std::move(*input);
+  }
   GW_RETURN_IF_ERROR(CheckForwardLimits(caller, req));
   f.training = req.training();
   f.output_dtype = output_dtype;
@@ -828,13 +898,16 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
         "Forward was cancelled, passed its deadline or came too close to it during the compute; "
         "its context was released");
   }
-  absl::Status delivered =
-      Deliver(caller, req.has_output_shared_memory(), req.output_shared_memory(),
-              "output_shared_memory", std::move(out.output), resp->mutable_output());
-  if (delivered.ok() && out.has_layernorm_output) {
-    delivered = Deliver(caller, req.has_layernorm_output_shared_memory(),
-                        req.layernorm_output_shared_memory(), "layernorm_output_shared_memory",
-                        std::move(out.layernorm_output), resp->mutable_layernorm_output());
+  absl::Status delivered;
+  {
+    TransferTimer timer(transfer);
+    delivered = Deliver(caller, req.has_output_shared_memory(), req.output_shared_memory(),
+                        "output_shared_memory", std::move(out.output), resp->mutable_output());
+    if (delivered.ok() && out.has_layernorm_output) {
+      delivered = Deliver(caller, req.has_layernorm_output_shared_memory(),
+                          req.layernorm_output_shared_memory(), "layernorm_output_shared_memory",
+                          std::move(out.layernorm_output), resp->mutable_layernorm_output());
+    }
   }
   if (!delivered.ok()) {  // a region its owner shrank meanwhile: nobody will get the context
     if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);
@@ -843,28 +916,35 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   resp->set_context_id(out.context_id);
   resp->set_weight_version(out.weight_version);
   resp->set_server_seconds(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - transfer);
   return absl::OkStatus();
 }
 
 absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                                         v1::BackwardResponse* resp, const CallBase* call) {
+                                         v1::BackwardResponse* resp, const CallBase* call,
+                                         const wire::ReceivedMessage* raw) {
   const auto start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
   core::WireBackwardRequest in;
   GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
                       wire::OutputDType(req.grad_input_dtype(), "grad_input_dtype"));
-  v1::Tensor staged, staged_ln;  // bytes that lie in shared memory
-  GW_ASSIGN_OR_RETURN(const v1::Tensor* grad_output,
-                      Stage(caller, req.grad_output(), "grad_output", &staged));
-  GW_ASSIGN_OR_RETURN(in.grad_output, wire::ViewOf(*grad_output, "grad_output"));
+  StagingBuffer staged, staged_ln;  // bytes that lie in shared memory
+  double transfer = 0;
+  {
+    TransferTimer timer(transfer);
+    absl::StatusOr<wire::TensorView> grad_output =
+        Stage(caller, req.grad_output(), "grad_output", &staged, raw, 2);
+    if (!grad_output.ok()) return grad_output.status();
+    in.grad_output = std::move(*grad_output);
+  }
   GW_RETURN_IF_ERROR(
       CheckElements("grad_output", in.grad_output.numel(), options_.limits.max_tensor_elements));
   if (req.has_grad_layernorm_output()) {
-    GW_ASSIGN_OR_RETURN(const v1::Tensor* grad_ln, Stage(caller, req.grad_layernorm_output(),
-                                                         "grad_layernorm_output", &staged_ln));
-    GW_ASSIGN_OR_RETURN(in.grad_layernorm_output, wire::ViewOf(*grad_ln, "grad_layernorm_output"));
+    TransferTimer timer(transfer);
+    GW_ASSIGN_OR_RETURN(
+        in.grad_layernorm_output,
+        Stage(caller, req.grad_layernorm_output(), "grad_layernorm_output", &staged_ln, raw, 6));
     GW_RETURN_IF_ERROR(CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(),
                                      options_.limits.max_tensor_elements));
   }
@@ -887,6 +967,7 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   GW_ASSIGN_OR_RETURN(std::optional<wire::EncodedTensor> grad_input,
                       host_.Backward(req.context_id(), in));
   if (grad_input) {
+    TransferTimer timer(transfer);
     absl::Status delivered =
         Deliver(caller, req.has_grad_input_shared_memory(), req.grad_input_shared_memory(),
                 "grad_input_shared_memory", std::move(*grad_input), resp->mutable_grad_input());
@@ -898,7 +979,7 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
     }
   }
   resp->set_server_seconds(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - transfer);
   return absl::OkStatus();
 }
 
@@ -908,26 +989,53 @@ absl::Status GradwireService::DoRelease(const Caller& caller,
   return host_.ReleaseContext(req.context_id());
 }
 
+namespace {
+
+// A raw unary call's request and response, alive until its work is done.
+template <typename Req, typename Resp>
+struct RawUnary {
+  wire::ReceivedMessage received;
+  Req req;
+  Resp resp;
+  absl::Status parsed;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* GradwireService::Forward(grpc::CallbackServerContext* ctx,
-                                                   const v1::ForwardRequest* req,
-                                                   v1::ForwardResponse* resp) {
+                                                   const grpc::ByteBuffer* req,
+                                                   grpc::ByteBuffer* resp) {
+  // Parsed here, as gRPC parses a protobuf request before its handler: the tensor's bytes stay in
+  // the received slices (or are copied once when they span several).
+  auto raw = std::make_shared<RawUnary<v1::ForwardRequest, v1::ForwardResponse>>();
+  raw->parsed = raw->received.Parse(*req, &raw->req, wire::kForwardRequestTensors);
   return RunUnary(
       ctx, "Forward",
-      [this, req, resp](const Caller& caller, const CallBase& call) {
-        return DoForward(caller, *req, resp, &call);
+      [this, raw, resp](const Caller& caller, const CallBase& call) -> absl::Status {
+        GW_RETURN_IF_ERROR(raw->parsed);
+        GW_RETURN_IF_ERROR(DoForward(caller, raw->req, &raw->resp, &call, &raw->received));
+        wire::SerializeMoving(&raw->resp, wire::kForwardResponseTensors, resp);
+        return absl::OkStatus();
       },
-      req->module_id(), {}, req, [resp] { return resp->context_id(); });
+      raw->parsed.ok() ? raw->req.module_id() : std::string(), {},
+      RequestSize(int64_t(req->Length())), [raw] { return raw->resp.context_id(); });
 }
 
 grpc::ServerUnaryReactor* GradwireService::Backward(grpc::CallbackServerContext* ctx,
-                                                    const v1::BackwardRequest* req,
-                                                    v1::BackwardResponse* resp) {
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  auto raw = std::make_shared<RawUnary<v1::BackwardRequest, v1::BackwardResponse>>();
+  raw->parsed = raw->received.Parse(*req, &raw->req, wire::kBackwardRequestTensors);
   return RunUnary(
       ctx, "Backward",
-      [this, req, resp](const Caller& caller, const CallBase& call) {
-        return DoBackward(caller, *req, resp, &call);
+      [this, raw, resp](const Caller& caller, const CallBase& call) -> absl::Status {
+        GW_RETURN_IF_ERROR(raw->parsed);
+        GW_RETURN_IF_ERROR(DoBackward(caller, raw->req, &raw->resp, &call, &raw->received));
+        wire::SerializeMoving(&raw->resp, wire::kBackwardResponseTensors, resp);
+        return absl::OkStatus();
       },
-      {}, req->context_id(), req);
+      {}, raw->parsed.ok() ? raw->req.context_id() : std::string(),
+      RequestSize(int64_t(req->Length())));
 }
 
 grpc::ServerUnaryReactor* GradwireService::ReleaseContext(grpc::CallbackServerContext* ctx,

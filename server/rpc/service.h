@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "gradwire/v1/service.grpc.pb.h"
+#include "gradwire/wire/codec.h"
+#include "gradwire/wire/zero_copy.h"
 #include "server/core/checkpoint.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
@@ -104,7 +106,38 @@ void ReleaseUnconsumed(core::DeviceExecutor& executor, core::ModuleHost& host,
                        std::vector<std::string> ids, core::ContextStore::ReleaseReason reason,
                        std::string what);
 
-class GradwireService final : public v1::Gradwire::CallbackService {
+class StagingBuffer;  // service.cc
+
+// What --max-request-bytes measures of a unary call: a parsed message's size, or a raw one's
+// length; negative: nothing to check.
+struct RequestSize {
+  RequestSize() = default;
+  RequestSize(const google::protobuf::Message* m)  // NOLINT: implicit from a request pointer
+      : bytes(m != nullptr ? int64_t(m->ByteSizeLong()) : -1) {}
+  explicit RequestSize(int64_t n) : bytes(n) {}
+  int64_t bytes = -1;
+};
+
+// The generated service, method by method (a new RPC must be added here, or it answers
+// UNIMPLEMENTED). Forward, Backward and their chunked variants are raw: their tensor bytes skip
+// protobuf's copies on the way in and out (gradwire/wire/zero_copy.h), while the bytes on the wire
+// are the standard encoding, so any protobuf client works.
+namespace service_base {
+using G = v1::Gradwire;
+using Shm = G::WithCallbackMethod_RegisterSharedMemory<G::WithCallbackMethod_UnregisterSharedMemory<
+    G::WithCallbackMethod_ListSharedMemory<G::Service>>>;
+using Chunked = G::WithRawCallbackMethod_ForwardChunked<G::WithRawCallbackMethod_BackwardChunked<
+    G::WithCallbackMethod_GetWeightsChunked<G::WithCallbackMethod_SetWeightsChunked<Shm>>>>;
+using Weights = G::WithCallbackMethod_ApplyGradients<G::WithCallbackMethod_GetGradients<
+    G::WithCallbackMethod_GetWeights<G::WithCallbackMethod_SetWeights<Chunked>>>>;
+using Compute = G::WithRawCallbackMethod_Forward<G::WithRawCallbackMethod_Backward<
+    G::WithCallbackMethod_ReleaseContext<G::WithCallbackMethod_Train<Weights>>>>;
+using All = G::WithCallbackMethod_GetServerInfo<G::WithCallbackMethod_CreateModule<
+    G::WithCallbackMethod_ListModules<G::WithCallbackMethod_DeleteModule<Compute>>>>;
+}  // namespace service_base
+using ServiceBase = service_base::All;
+
+class GradwireService final : public ServiceBase {
  public:
   // `host` and `executor` must outlive the service.
   GradwireService(core::ModuleHost& host, core::DeviceExecutor& executor, ServiceOptions options);
@@ -122,11 +155,10 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   grpc::ServerUnaryReactor* DeleteModule(grpc::CallbackServerContext* ctx,
                                          const v1::DeleteModuleRequest* req,
                                          v1::DeleteModuleResponse* resp) override;
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
-                                    v1::ForwardResponse* resp) override;
-  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* ctx,
-                                     const v1::BackwardRequest* req,
-                                     v1::BackwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                    grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                     grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* ReleaseContext(grpc::CallbackServerContext* ctx,
                                            const v1::ReleaseContextRequest* req,
                                            v1::ReleaseContextResponse* resp) override;
@@ -144,9 +176,9 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   grpc::ServerUnaryReactor* SetWeights(grpc::CallbackServerContext* ctx,
                                        const v1::SetWeightsRequest* req,
                                        v1::SetWeightsResponse* resp) override;
-  grpc::ServerBidiReactor<v1::ForwardRequestPart, v1::ForwardResponsePart>* ForwardChunked(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardChunked(
       grpc::CallbackServerContext* ctx) override;
-  grpc::ServerBidiReactor<v1::BackwardRequestPart, v1::BackwardResponsePart>* BackwardChunked(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* BackwardChunked(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* GetWeightsChunked(
       grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest* req) override;
@@ -190,10 +222,14 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls, the chunked
   // calls and Train. `call` (may be null) is checked before the compute, and for a training
   // forward after it too: an abandoned forward leaves no context behind.
+  // `raw`, when given, holds the data of the request's tensors (received without protobuf's
+  // copy); the message's own data fields are then empty.
   absl::Status DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                         v1::ForwardResponse* resp, const CallBase* call);
+                         v1::ForwardResponse* resp, const CallBase* call,
+                         const wire::ReceivedMessage* raw = nullptr);
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                          v1::BackwardResponse* resp, const CallBase* call);
+                          v1::BackwardResponse* resp, const CallBase* call,
+                          const wire::ReceivedMessage* raw = nullptr);
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
   // The bodies of GetWeights and SetWeights, shared with their chunked variants.
   absl::Status DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,
@@ -212,9 +248,10 @@ class GradwireService final : public v1::Gradwire::CallbackService {
 
   // Shared-memory tensors. `t` itself when it carries its bytes; else its header checked (bytes
   // called for, --max-tensor-elements) before its bytes are read from the caller's region into
-  // `staged`, which is returned.
-  absl::StatusOr<const v1::Tensor*> Stage(const Caller& caller, const v1::Tensor& t,
-                                          absl::string_view field, v1::Tensor* staged) const;
+  // a staging buffer, whose view is returned.
+  absl::StatusOr<wire::TensorView> Stage(const Caller& caller, const v1::Tensor& t,
+                                         absl::string_view field, StagingBuffer* staged,
+                                         const wire::ReceivedMessage* raw, int raw_field) const;
   // Moves an encoded result into `out`: into the response, or with `ref` set (has_ref), into the
   // caller's region, `out` then carrying the header and where the bytes went.
   absl::Status Deliver(const Caller& caller, bool has_ref, const v1::SharedMemoryRef& ref,
@@ -227,13 +264,12 @@ class GradwireService final : public v1::Gradwire::CallbackService {
   // response never reaches the client, the call's end releases it, since nobody holds its id.
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, const char* method,
                                      Work work, std::string module_id = {},
-                                     std::string context_id = {},
-                                     const google::protobuf::Message* request = nullptr,
+                                     std::string context_id = {}, RequestSize request = {},
                                      std::function<std::string()> created_context = nullptr,
                                      bool control = false);
 
   // RESOURCE_EXHAUSTED naming --max-request-bytes when `request` is over it.
-  absl::Status CheckRequestBytes(const google::protobuf::Message& request) const;
+  absl::Status CheckRequestBytes(int64_t bytes) const;
   // Step 2 of a call: ownership, then the queue bounds. A call naming a module must name one the
   // caller may see (NOT_FOUND otherwise, before anything is counted); a call naming a context
   // counts for that context's module only when the caller may see the context. Every call counts

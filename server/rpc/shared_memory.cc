@@ -242,19 +242,16 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegistry::Region>> SharedMemory
 }
 
 absl::Status SharedMemoryRegistry::Read(const std::string& owner, const v1::SharedMemoryRef& ref,
-                                        absl::string_view field, std::string* out) const {
+                                        absl::string_view field, char* dst) const {
   auto region = Find(owner, ref, field);
   if (!region.ok()) return region.status();
   const Region& r = **region;
-  out->resize(size_t(ref.byte_size()));
-  char* dst = out->data();
   uint64_t done = 0;
   const uint64_t at = r.offset + ref.offset();
   while (done < ref.byte_size()) {
     const ssize_t n = pread(r.fd, dst + done, size_t(ref.byte_size() - done), off_t(at + done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      out->clear();
       return absl::FailedPreconditionError(absl::StrCat(
           field, ": shared-memory region \"", ref.region(), "\" no longer holds bytes [",
           ref.offset(), ", ", ref.offset() + ref.byte_size(),

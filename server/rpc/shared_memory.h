@@ -70,12 +70,12 @@ class SharedMemoryRegistry {
                                                            const std::string& name) const;
   int64_t regions() const;
 
-  // The bytes `ref` names, read into `out` (resized to ref.byte_size). `field` names the tensor in
-  // errors. Bounds are checked before anything is read: INVALID_ARGUMENT for a range outside the
-  // region, NOT_FOUND for a region the owner has not registered, FAILED_PRECONDITION when the
-  // object no longer holds the range (its owner truncated it).
+  // The bytes `ref` names, read into `out` (which has room for ref.byte_size bytes). `field`
+  // names the tensor in errors. Bounds are checked before anything is read: INVALID_ARGUMENT for a
+  // range outside the region, NOT_FOUND for a region the owner has not registered,
+  // FAILED_PRECONDITION when the object no longer holds the range (its owner truncated it).
   absl::Status Read(const std::string& owner, const v1::SharedMemoryRef& ref,
-                    absl::string_view field, std::string* out) const;
+                    absl::string_view field, char* out) const;
   // Checks that `bytes` fit the range `ref` names (byte_size is the room there), without writing.
   absl::Status CheckRoom(const std::string& owner, const v1::SharedMemoryRef& ref,
                          absl::string_view field, uint64_t bytes) const;

@@ -137,7 +137,8 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
     absl::Status status;
     if (Abandoned()) {
       status = absl::CancelledError("the Train stream was cancelled");
-    } else if (auto too_big = service_.CheckRequestBytes(req); !too_big.ok()) {
+    } else if (auto too_big = service_.CheckRequestBytes(int64_t(req.ByteSizeLong()));
+               !too_big.ok()) {
       status = too_big;  // per message, as for the unary calls
     } else {
       switch (req.op_case()) {

@@ -1,6 +1,6 @@
-// Activation bytes/s through Forward: unary vs chunked, per wire dtype, next to raw loopback TCP
-// measured in the same run. Prints a table and writes JSON; not a test (nothing here is timed
-// against a threshold).
+// Activation bytes/s through Forward: unary, chunked and shared memory, per wire dtype, next to
+// raw loopback TCP and this machine's memcpy measured in the same run. Prints a table and writes
+// JSON; not a test (nothing here is timed against a threshold).
 //
 // The server is the real service on 127.0.0.1 in this process (its own gRPC threads and device
 // executor); the module is a Linear with a narrow output (in 1024, out 8), so the response is
@@ -8,6 +8,8 @@
 // server's own time (decode + compute + encode, `server_seconds`) taken out.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
+#include <grpcpp/impl/codegen/rpc_method.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -26,8 +28,10 @@
 
 #include "CLI/CLI.hpp"
 #include "gradwire/client/client.h"
+#include "gradwire/client/shared_memory.h"
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
+#include "gradwire/wire/zero_copy.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/service.h"
@@ -102,8 +106,22 @@ double TcpSeconds(int64_t bytes, int rounds) {
   return Median(times);
 }
 
+// memcpy between two buffers of `bytes` already touched: the most a shared-memory path that copies
+// once can move. Seconds per copy, median.
+double MemcpySeconds(std::vector<char>& from, std::vector<char>& to, int64_t bytes, int rounds) {
+  std::vector<double> times;
+  for (int r = 0; r < rounds; ++r) {
+    const auto t0 = Clock::now();
+    std::memcpy(to.data(), from.data(), size_t(bytes));
+    times.push_back(Since(t0));
+  }
+  volatile char sink = to[size_t(bytes - 1)];
+  (void)sink;
+  return Median(times);
+}
+
 struct Row {
-  std::string path;  // tcp | unary | chunked
+  std::string path;  // tcp | memcpy | unary | chunked | shm
   std::string dtype;
   int64_t bytes = 0;          // request tensor bytes
   double seconds = 0;         // median end-to-end per request
@@ -200,8 +218,8 @@ CopyFigures MeasureCopies(int64_t bytes, int rounds) {
 int main(int argc, char** argv) {
   using namespace gradwire;
   CLI::App app(
-      "gradwire wire benchmark: activation bytes/s through Forward, unary vs chunked, "
-      "per wire dtype, next to raw loopback TCP");
+      "gradwire wire benchmark: activation bytes/s through Forward, unary, chunked and shared "
+      "memory, per wire dtype, next to raw loopback TCP and memcpy");
   int64_t min_kib = 64, max_mib = 256;
   double seconds_per_point = 1.0;
   std::string json_path;
@@ -217,6 +235,16 @@ int main(int argc, char** argv) {
   app.add_option("--http2-frame-kib", frame_kib,
                  "HTTP/2 max frame size both ends announce, KiB (0: gRPC's default, 16)")
       ->check(CLI::Range(0, 16383));
+  int window_mib = 0;
+  app.add_option("--http2-window-mib", window_mib,
+                 "HTTP/2 initial stream window both ends announce, MiB (0: gRPC's default, "
+                 "which BDP probing then grows)")
+      ->check(CLI::Range(0, 1024));
+  bool tcp_zerocopy = false;
+  app.add_flag("--tcp-zerocopy", tcp_zerocopy,
+               "gRPC's TCP zero-copy send (MSG_ZEROCOPY) on both ends");
+  std::vector<std::string> paths = {"unary", "zero-copy", "chunked", "shm"};
+  app.add_option("--paths", paths, "paths: unary zero-copy chunked shm")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   // The server: the real service, limits large enough for a 256 MiB unary request.
@@ -231,6 +259,7 @@ int main(int argc, char** argv) {
   // No request limits: the benchmark sends what it measures.
   options.limits.max_request_bytes = 0;
   options.limits.max_tensor_elements = 0;
+  options.shared_memory.enabled = true;
   rpc::GradwireService service(host, executor, options);
   grpc::ServerBuilder builder;
   int port = 0;
@@ -239,6 +268,10 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(max_message_mib << 20);
   builder.SetMaxSendMessageSize(max_message_mib << 20);
   if (frame_kib > 0) builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, frame_kib << 10);
+  if (tcp_zerocopy) builder.AddChannelArgument(GRPC_ARG_TCP_TX_ZEROCOPY_ENABLED, 1);
+  if (window_mib > 0) {
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window_mib << 20);
+  }
   auto server = builder.BuildAndStart();
   if (!server) {
     std::fprintf(stderr, "wire_bench: cannot start the server\n");
@@ -273,6 +306,24 @@ int main(int argc, char** argv) {
 
   std::vector<int64_t> sizes;
   for (int64_t b = min_kib << 10; b <= (max_mib << 20); b *= 4) sizes.push_back(b);
+  // Shared memory: one region holds the largest request, its output after it.
+  const int64_t max_bytes = sizes.empty() ? 0 : sizes.back();
+  const int64_t output_at = max_bytes + 4096;
+  auto region = client::SharedMemoryBuffer::Create(client::SharedMemoryBuffer::UniqueKey(),
+                                                   size_t(output_at + max_bytes / 64 + 4096));
+  if (!region.ok()) {
+    std::fprintf(stderr, "wire_bench: %s\n", std::string(region.status().message()).c_str());
+    return 1;
+  }
+  {
+    auto c = make_client(client::ClientOptions::Chunking::kNever, client::WireDType::kF32);
+    if (auto st = c->RegisterSharedMemory("bench", (*region)->key(), 0, (*region)->size());
+        !st.ok()) {
+      std::fprintf(stderr, "wire_bench: %s\n", std::string(st.message()).c_str());
+      return 1;
+    }
+  }
+  std::vector<char> copy_from(size_t(max_bytes), 1), copy_to(size_t(max_bytes), 2);
   struct DType {
     std::string name;
     client::WireDType wire;
@@ -285,7 +336,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   std::mt19937 rng(3);
   std::normal_distribution<float> normal;
-  const int total_points = int(sizes.size() * (1 + 2 * dtypes.size()));
+  const int total_points = int(sizes.size() * (2 + paths.size() * dtypes.size()));
   int point = 0;
   auto progress = [&](const std::string& what) {
     ++point;
@@ -300,6 +351,8 @@ int main(int argc, char** argv) {
         int(std::clamp<double>(seconds_per_point * (2e9 / double(bytes)), 3, 200));
     Row tcp{"tcp", "-", bytes, TcpSeconds(bytes, tcp_rounds), 0};
     rows.push_back(tcp);
+    progress("memcpy " + Human(bytes));
+    rows.push_back({"memcpy", "-", bytes, MemcpySeconds(copy_from, copy_to, bytes, tcp_rounds), 0});
     for (const std::string& name : dtypes) {
       auto it =
           std::find_if(all.begin(), all.end(), [&](const DType& d) { return d.name == name; });
@@ -310,22 +363,39 @@ int main(int argc, char** argv) {
       const int64_t row_count = std::max<int64_t>(1, bytes / (kIn * it->element));
       client::HostTensor x = client::HostTensor::Zeros({row_count, kIn});
       for (float& v : x.data) v = normal(rng);
-      for (auto chunking :
-           {client::ClientOptions::Chunking::kNever, client::ClientOptions::Chunking::kAlways}) {
-        const bool chunked = chunking == client::ClientOptions::Chunking::kAlways;
-        progress(std::string(chunked ? "chunked " : "unary ") + name + " " + Human(bytes));
+      for (const std::string& path : paths) {
+        const bool chunked = path == "chunked", shm = path == "shm",
+                   zero_copy = path == "zero-copy";
+        progress(path + " " + name + " " + Human(bytes));
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(max_message_mib << 20);
         args.SetMaxSendMessageSize(max_message_mib << 20);
         if (frame_kib > 0) args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, frame_kib << 10);
-        auto stub = v1::Gradwire::NewStub(grpc::CreateCustomChannel(
-            "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args));
+        if (tcp_zerocopy) args.SetInt(GRPC_ARG_TCP_TX_ZEROCOPY_ENABLED, 1);
+        if (window_mib > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window_mib << 20);
+        auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                                 grpc::InsecureChannelCredentials(), args);
+        auto stub = v1::Gradwire::NewStub(channel);
+        const grpc::internal::RpcMethod forward_method("/gradwire.v1.Gradwire/Forward",
+                                                       grpc::internal::RpcMethod::NORMAL_RPC);
         // Raw stub calls so the payload is encoded once, outside the timing, as a client
         // streaming activations it already holds on the wire would.
         v1::ForwardRequest req;
         req.set_module_id(module_id);
         *req.mutable_input() = client::ToWire(x, it->wire);
         req.set_output_dtype(client::ToProto(it->wire));
+        const int64_t request_bytes = int64_t(req.input().data().size());
+        if (shm) {
+          // The client writes its tensor into the region once, as it would produce it there.
+          std::memcpy((*region)->data(), req.input().data().data(), req.input().data().size());
+          *req.mutable_input()->mutable_shared_memory() =
+              client::SharedRef("bench", 0, req.input().data().size());
+          req.mutable_input()->clear_data();
+          *req.mutable_output_shared_memory() =
+              client::SharedRef("bench", uint64_t(output_at), uint64_t(max_bytes / 64 + 4096));
+        }
+        v1::ForwardRequest header_only = req;  // zero-copy: the bytes go by reference
+        header_only.mutable_input()->clear_data();
         std::vector<double> times, server_times;
         const auto begin = Clock::now();
         for (int r = 0; r < 3 || Since(begin) < seconds_per_point; ++r) {
@@ -353,6 +423,28 @@ int main(int argc, char** argv) {
               std::fprintf(stderr, "\nwire_bench: ForwardChunked: %s\n", s.error_message().c_str());
               return 1;
             }
+          } else if (zero_copy) {
+            // The client's zero-copy path: the tensor bytes go out as a slice of their own that
+            // points at the caller's buffer, and the output is read where it arrived.
+            grpc::ClientContext ctx;
+            ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+            grpc::ByteBuffer out, in;
+            wire::SerializeReferencing(header_only, {{2, req.input().data()}}, nullptr, &out);
+            const grpc::Status s =
+                grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+                    channel.get(), forward_method, &ctx, out, &in);
+            if (!s.ok()) {
+              std::fprintf(stderr, "\nwire_bench: Forward (zero-copy): %s\n",
+                           s.error_message().c_str());
+              return 1;
+            }
+            wire::ReceivedMessage received;
+            v1::ForwardResponse resp;
+            if (!received.Parse(in, &resp, wire::kForwardResponseTensors).ok()) {
+              std::fprintf(stderr, "\nwire_bench: malformed response\n");
+              return 1;
+            }
+            server_s = resp.server_seconds();
           } else {
             grpc::ClientContext ctx;
             ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
@@ -368,34 +460,33 @@ int main(int argc, char** argv) {
           server_times.push_back(server_s);
           if (r >= 200) break;
         }
-        rows.push_back({chunked ? "chunked" : "unary", name, int64_t(req.input().data().size()),
-                        Median(times), Median(server_times)});
+        rows.push_back({path, name, request_bytes, Median(times), Median(server_times)});
       }
     }
   }
   std::fprintf(stderr, "\r%-60s\r", "");
   const CopyFigures copies = MeasureCopies(int64_t(64) << 20, 5);
 
-  // Table: per size and dtype, unary and chunked next to TCP.
-  std::printf("%-9s %-5s %10s %10s %10s %9s %12s %12s\n", "size", "dtype", "tcp GiB/s", "unary",
-              "chunked", "chk/tcp", "unary wire", "chunk wire");
-  double tcp_rate = 0;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
-    if (r.path == "tcp") {
-      tcp_rate = r.gib_s();
-      continue;
-    }
-    if (r.path != "unary") continue;
-    const Row& k = rows[i + 1];
-    std::printf("%-9s %-5s %10.2f %10.2f %10.2f %9.2f %12.2f %12.2f\n", Human(r.bytes).c_str(),
-                r.dtype.c_str(), tcp_rate, r.gib_s(), k.gib_s(), k.gib_s() / tcp_rate,
-                r.wire_gib_s(), k.wire_gib_s());
+  // Table: one line per size, dtype and path, next to TCP and memcpy of the same size.
+  std::printf("%-9s %-5s %-10s %10s %10s %8s %8s\n", "size", "dtype", "path", "GiB/s", "wire GiB/s",
+              "÷ tcp", "÷ memcpy");
+  double tcp_rate = 0, memcpy_rate = 0;
+  auto ratio_to = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+  for (const Row& r : rows) {
+    if (r.path == "tcp") tcp_rate = r.gib_s();
+    if (r.path == "memcpy") memcpy_rate = r.gib_s();
+    const bool base = r.path == "tcp" || r.path == "memcpy";
+    const double wire_rate = base ? r.gib_s() : r.wire_gib_s();
+    std::printf("%-9s %-5s %-10s %10.2f %10.2f %8.2f %8.2f\n", Human(r.bytes).c_str(),
+                r.dtype.c_str(), r.path.c_str(), r.gib_s(), wire_rate,
+                ratio_to(wire_rate, tcp_rate), ratio_to(wire_rate, memcpy_rate));
   }
   std::printf(
-      "\n'unary'/'chunked': request bytes / end-to-end seconds; 'wire': with the server's own "
-      "time\n"
-      "(decode, compute, encode) taken out. TCP: same bytes, one-byte answer, same machine.\n");
+      "\nGiB/s of request bytes, end to end; 'wire': with the server's own time (decode, compute,\n"
+      "encode; not the transport) taken out. The ratios are of the wire rate to raw loopback TCP\n"
+      "(same bytes, one-byte answer) and to one memcpy of the same bytes, both measured in this\n"
+      "run on this machine. unary: a standard protobuf client; zero-copy: the client's zero-copy\n"
+      "path; chunked: 4 MiB chunks; shm: the tensor in a registered shared-memory region.\n");
   std::printf(
       "\ncopies at 64 MiB (median of 5): F32 decode as a view %.2f ms, with a copy %.2f ms;\n"
       "chunks written in place %.2f ms, collected then joined %.2f ms\n",
@@ -407,11 +498,18 @@ int main(int argc, char** argv) {
         << ",\n  \"module\": {\"kind\": \"LINEAR\", \"in\": " << kIn << ", \"out\": " << kOut
         << "},\n  \"hardware_threads\": " << std::thread::hardware_concurrency()
         << ",\n  \"rows\": [\n";
+    double tcp = 0, mcpy = 0;
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
+      if (r.path == "tcp") tcp = r.gib_s();
+      if (r.path == "memcpy") mcpy = r.gib_s();
+      // Ratios of the wire rate (server time out) to TCP and to memcpy of the same size.
+      const double rate = r.path == "tcp" || r.path == "memcpy" ? r.gib_s() : r.wire_gib_s();
       out << "    {\"path\": \"" << r.path << "\", \"dtype\": \"" << r.dtype
           << "\", \"bytes\": " << r.bytes << ", \"seconds\": " << r.seconds
-          << ", \"server_seconds\": " << r.server_seconds << ", \"gib_per_s\": " << r.gib_s() << "}"
+          << ", \"server_seconds\": " << r.server_seconds << ", \"gib_per_s\": " << r.gib_s()
+          << ", \"wire_gib_per_s\": " << rate << ", \"ratio_to_tcp\": " << ratio_to(rate, tcp)
+          << ", \"ratio_to_memcpy\": " << ratio_to(rate, mcpy) << "}"
           << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     out << "  ],\n  \"copies_64mib\": {\"decode_view_s\": " << copies.view_s

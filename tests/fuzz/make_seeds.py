@@ -140,3 +140,22 @@ write("request_fuzzer", "raw_e5m2", bytes([3, 0x03, 5, 2]) + struct.pack("<qqf",
       + raw8)
 write("request_fuzzer", "raw_f16", bytes([3, 0x01, 3, 1]) + struct.pack("<qf", 8, 1.0)
       + floats(4))
+
+# zero_copy_fuzzer: one byte (message type in the low 2 bits, slice count above), then the
+# serialized message.
+write("zero_copy_fuzzer", "forward_request", bytes([0 | 3 << 2]) + encode(
+    "ForwardRequest", "module_id: \"0123456789abcdef0123456789abcdef\" input { %s } "
+    "training: true output_dtype: BF16" % tensor_text("F32", [2, 3], floats(6))))
+write("zero_copy_fuzzer", "backward_request", bytes([1 | 1 << 2]) + encode(
+    "BackwardRequest", "context_id: \"c\" grad_output { %s } grad_layernorm_output { %s } "
+    "retain: true" % (tensor_text("F32", [1, 4], floats(4)), tensor_text("F16", [1, 2], floats(1)))))
+write("zero_copy_fuzzer", "forward_response", bytes([2 | 5 << 2]) + encode(
+    "ForwardResponse", "output { %s } layernorm_output { %s } context_id: \"x\" "
+    "server_seconds: 0.25" % (tensor_text("F32", [2, 2], floats(4)),
+                             tensor_text("FP8_E4M3", [2], raw8[:2], 0.5))))
+write("zero_copy_fuzzer", "chunk_part", bytes([3 | 2 << 2]) + encode(
+    "ForwardRequestPart", "chunk { tensor: 0 offset: 4096 data: \"%s\" }"
+    % "".join("\\x%02x" % b for b in floats(16))))
+write("zero_copy_fuzzer", "shared_memory_ref", bytes([0 | 1 << 2]) + encode(
+    "ForwardRequest", "module_id: \"m\" input { dtype: F32 shape: 4 "
+    "shared_memory { region: \"r\" offset: 8 byte_size: 16 } }"))

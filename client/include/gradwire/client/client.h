@@ -39,6 +39,8 @@ struct HostTensor {
 v1::Tensor ToWire(const HostTensor& t, WireDType dtype);
 // Wire tensor (any dtype, FP8 included) -> HostTensor; INVALID_ARGUMENT when malformed.
 absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t);
+// The same for a tensor whose bytes arrived apart from its message (gradwire/wire/zero_copy.h).
+absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t, absl::string_view data);
 
 struct ClientOptions {
   std::string server = "127.0.0.1:50051";    // host:port of gradwire-server

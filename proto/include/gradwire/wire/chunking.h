@@ -50,6 +50,9 @@ class ChunkSplitter {
   ChunkSplitter(const std::vector<TensorSlot>& slots, int64_t chunk_bytes);
   // The next chunk; false once every byte was handed out.
   bool Next(v1::TensorChunk* chunk);
+  // The same without copying: `data` points into the splitter's tensors, which stay alive as long
+  // as the splitter (the copying Next frees each tensor once sent; this one does not).
+  bool Next(uint32_t* tensor, uint64_t* offset, absl::string_view* data);
   int64_t total_bytes() const { return total_; }
 
  private:
@@ -74,6 +77,10 @@ class ChunkAssembler {
   // tensor than the one being filled, not at the next offset (missing, repeated or out-of-order
   // bytes), past the end of its tensor, or after the last byte.
   absl::Status Add(const v1::TensorChunk& chunk);
+  // The same for a chunk whose bytes arrived apart from its message, in pieces (zero_copy.h):
+  // they are copied once, straight into place.
+  absl::Status Add(uint32_t tensor, uint64_t offset, absl::string_view data);
+  absl::Status Add(uint32_t tensor, uint64_t offset, const std::vector<absl::string_view>& pieces);
   // OK when every byte arrived; else INVALID_ARGUMENT saying what is missing.
   absl::Status Complete() const;
   int64_t total_bytes() const { return total_; }

@@ -23,6 +23,10 @@ absl::StatusOr<DType> OutputDType(v1::DType dtype, absl::string_view field);
 // dtype, a shape of dimensions >= 1 within kMaxTensorElements, exactly the bytes they call for,
 // and for FP8 a finite scale_inv > 0. The view borrows `t`'s bytes.
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field);
+// The same for a tensor whose bytes arrived apart from its message (zero_copy.h): `t` gives the
+// dtype, shape and scale_inv, `data` the bytes (borrowed).
+absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view data,
+                                  absl::string_view field);
 
 // Moves an encoded tensor into `out` (its bytes are not copied).
 void ToMessage(EncodedTensor&& e, v1::Tensor* out);

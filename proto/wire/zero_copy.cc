@@ -1,0 +1,317 @@
+#include "gradwire/wire/zero_copy.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "gradwire/v1/service.pb.h"
+#include "gradwire/v1/tensor.pb.h"
+
+namespace gradwire::wire {
+namespace {
+
+constexpr int kTensorDataField = 3;
+constexpr uint32_t kLengthDelimited = 2;
+
+void AppendVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(char(uint8_t(v) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(char(uint8_t(v)));
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) v >>= 7, ++n;
+  return n;
+}
+
+bool Listed(std::initializer_list<int> fields, uint64_t field) {
+  return std::find(fields.begin(), fields.end(), int64_t(field)) != fields.end();
+}
+
+// Reads a message spread over slices, tracking the absolute position.
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {
+    for (const grpc::Slice& s : slices_) total_ += s.size();
+    SkipEmpty();
+  }
+  uint64_t pos() const { return pos_; }
+  uint64_t total() const { return total_; }
+  bool done() const { return pos_ >= total_; }
+
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (done()) return false;
+      const uint8_t b = Current()[0];
+      Advance(1);
+      *v |= uint64_t(b & 0x7f) << shift;
+      if (!(b & 0x80)) return true;
+    }
+    return false;  // more than 10 bytes
+  }
+  // Appends the next n bytes to `out`.
+  bool Append(uint64_t n, std::string* out) {
+    if (n > total_ - pos_) return false;
+    while (n > 0) {
+      const size_t take = size_t(std::min<uint64_t>(n, Left()));
+      out->append(reinterpret_cast<const char*>(Current()), take);
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+  // The next n bytes as views into the slices they lie in (one piece when they lie in one).
+  bool Pieces(uint64_t n, std::vector<absl::string_view>* out) {
+    if (n > total_ - pos_) return false;
+    out->clear();
+    while (n > 0) {
+      const size_t take = size_t(std::min<uint64_t>(n, Left()));
+      out->emplace_back(reinterpret_cast<const char*>(Current()), take);
+      Advance(take);
+      n -= take;
+    }
+    return true;
+  }
+
+ private:
+  const uint8_t* Current() const { return slices_[index_].begin() + offset_; }
+  size_t Left() const { return slices_[index_].size() - offset_; }
+  void Advance(size_t n) {
+    offset_ += n;
+    pos_ += n;
+    SkipEmpty();
+  }
+  void SkipEmpty() {
+    while (index_ < slices_.size() && offset_ >= slices_[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0, offset_ = 0;
+  uint64_t pos_ = 0, total_ = 0;
+};
+
+// Copies one field (its tag already read) into `out`, re-encoded as it came; false when
+// malformed or when it would run past `end`. Groups (wire types 3 and 4), which this protocol does
+// not use, are copied whole as protobuf keeps them among unknown fields.
+bool CopyField(SliceReader& r, uint64_t tag, uint64_t end, std::string* out, int depth = 0) {
+  AppendVarint(out, tag);
+  switch (tag & 7) {
+    case 0: {
+      uint64_t v;
+      if (!r.Varint(&v)) return false;
+      AppendVarint(out, v);
+      return r.pos() <= end;
+    }
+    case 1:
+      return 8 <= end - r.pos() && r.Append(8, out);
+    case 2: {
+      uint64_t n;
+      if (!r.Varint(&n) || r.pos() > end || n > end - r.pos()) return false;
+      AppendVarint(out, n);
+      return r.Append(n, out);
+    }
+    case 5:
+      return 4 <= end - r.pos() && r.Append(4, out);
+    case 3: {
+      if (depth >= 64) return false;
+      for (;;) {
+        uint64_t inner;
+        if (!r.Varint(&inner) || r.pos() > end || (inner >> 3) == 0) return false;
+        if ((inner & 7) == 4) {  // the group's end: it must close this group
+          AppendVarint(out, inner);
+          return (inner >> 3) == (tag >> 3);
+        }
+        if (!CopyField(r, inner, end, out, depth + 1)) return false;
+      }
+    }
+    default:  // an end of group outside a group; 6 and 7 do not exist
+      return false;
+  }
+}
+
+absl::Status Malformed(const google::protobuf::Message& m) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("the request is not a valid encoding of ", m.GetDescriptor()->full_name()));
+}
+
+// The prefix of one Tensor field whose data (n bytes) follows as a slice of its own: field tag,
+// the Tensor's length, its other fields, the data field's tag and length.
+std::string TensorPrefix(int field, const google::protobuf::Message& header, size_t n) {
+  const std::string sub = header.SerializeAsString();
+  const uint64_t data_field = n > 0 ? 1 + VarintSize(n) + n : 0;
+  std::string prefix;
+  AppendVarint(&prefix, (uint64_t(field) << 3) | kLengthDelimited);
+  AppendVarint(&prefix, sub.size() + data_field);
+  prefix += sub;
+  if (n > 0) {
+    AppendVarint(&prefix, (uint64_t(kTensorDataField) << 3) | kLengthDelimited);
+    AppendVarint(&prefix, n);
+  }
+  return prefix;
+}
+
+void DeleteString(void* p) { delete static_cast<std::string*>(p); }
+
+// The data field (number 3) of a Tensor or TensorChunk.
+std::string* DataOf(google::protobuf::Message* m) {
+  if (auto* t = dynamic_cast<v1::Tensor*>(m)) return t->mutable_data();
+  return dynamic_cast<v1::TensorChunk&>(*m).mutable_data();
+}
+
+// Runs a caller's release callback when the last slice referencing its bytes goes
+// (SerializeReferencing); each such slice owns one shared_ptr to it.
+struct ReleaseHolder {
+  std::function<void()> release;
+  ~ReleaseHolder() {
+    if (release) release();
+  }
+};
+
+void DeleteHolder(void* p) { delete static_cast<std::shared_ptr<ReleaseHolder>*>(p); }
+
+}  // namespace
+
+absl::Status ReceivedMessage::Parse(const grpc::ByteBuffer& buffer,
+                                    google::protobuf::Message* header,
+                                    std::initializer_list<int> tensor_fields) {
+  slices_.clear();
+  data_.clear();
+  joined_.clear();
+  header->Clear();
+  if (!buffer.Valid()) return absl::OkStatus();  // an empty message
+  if (!buffer.Dump(&slices_).ok()) return Malformed(*header);
+  SliceReader r(slices_);
+  std::string rest;  // everything but the tensors' data, re-encoded
+  while (!r.done()) {
+    uint64_t tag;
+    if (!r.Varint(&tag) || (tag >> 3) == 0) return Malformed(*header);
+    const uint64_t field = tag >> 3;
+    if ((tag & 7) != kLengthDelimited || !Listed(tensor_fields, field)) {
+      if (!CopyField(r, tag, r.total(), &rest)) return Malformed(*header);
+      continue;
+    }
+    uint64_t n;
+    if (!r.Varint(&n) || n > r.total() - r.pos()) return Malformed(*header);
+    const uint64_t end = r.pos() + n;
+    std::string sub;
+    while (r.pos() < end) {
+      uint64_t subtag;
+      if (!r.Varint(&subtag) || (subtag >> 3) == 0 || r.pos() > end) return Malformed(*header);
+      if (subtag == ((uint64_t(kTensorDataField) << 3) | kLengthDelimited)) {
+        uint64_t len;
+        std::vector<absl::string_view> pieces;
+        if (!r.Varint(&len) || r.pos() > end || len > end - r.pos() || !r.Pieces(len, &pieces)) {
+          return Malformed(*header);
+        }
+        // A later occurrence replaces an earlier one, as protobuf's merge does.
+        data_[int(field)] = std::move(pieces);
+      } else if (!CopyField(r, subtag, end, &sub)) {
+        return Malformed(*header);
+      }
+    }
+    if (r.pos() != end) return Malformed(*header);
+    AppendVarint(&rest, tag);
+    AppendVarint(&rest, sub.size());
+    rest += sub;
+  }
+  if (!header->ParseFromString(rest)) return Malformed(*header);
+  return absl::OkStatus();
+}
+
+absl::string_view ReceivedMessage::data(int field) const {
+  auto it = data_.find(field);
+  if (it == data_.end() || it->second.empty()) return {};
+  if (it->second.size() == 1) return it->second[0];
+  auto joined = joined_.find(field);
+  if (joined == joined_.end()) {
+    std::string& copy = joined_[field];
+    copy.reserve(size(field));
+    AppendTo(field, &copy);
+    return copy;
+  }
+  return joined->second;
+}
+
+const std::vector<absl::string_view>& ReceivedMessage::pieces(int field) const {
+  static const std::vector<absl::string_view> kNone;
+  auto it = data_.find(field);
+  return it == data_.end() ? kNone : it->second;
+}
+
+size_t ReceivedMessage::size(int field) const {
+  auto it = data_.find(field);
+  size_t n = 0;
+  if (it != data_.end()) {
+    for (absl::string_view piece : it->second) n += piece.size();
+  }
+  return n;
+}
+
+void ReceivedMessage::AppendTo(int field, std::string* out) const {
+  auto it = data_.find(field);
+  if (it == data_.end()) return;
+  for (absl::string_view piece : it->second) out->append(piece.data(), piece.size());
+}
+
+void SerializeMoving(google::protobuf::Message* msg, std::initializer_list<int> tensor_fields,
+                     grpc::ByteBuffer* out) {
+  const google::protobuf::Reflection* refl = msg->GetReflection();
+  const google::protobuf::Descriptor* desc = msg->GetDescriptor();
+  std::vector<grpc::Slice> slices(1);  // [0]: the other fields, filled last
+  std::vector<std::pair<const google::protobuf::FieldDescriptor*, google::protobuf::Message*>>
+      released;
+  for (int field : tensor_fields) {
+    const google::protobuf::FieldDescriptor* fd = desc->FindFieldByNumber(field);
+    if (fd == nullptr || !refl->HasField(*msg, fd)) continue;
+    google::protobuf::Message* t = refl->ReleaseMessage(msg, fd);
+    std::string* data = DataOf(t);
+    auto* bytes = new std::string(std::move(*data));
+    data->clear();
+    slices.emplace_back(TensorPrefix(field, *t, bytes->size()));
+    if (bytes->empty()) {
+      delete bytes;
+    } else {
+      slices.emplace_back(bytes->data(), bytes->size(), &DeleteString, bytes);
+    }
+    released.emplace_back(fd, t);
+  }
+  slices[0] = grpc::Slice(msg->SerializeAsString());
+  for (auto& [fd, t] : released) refl->SetAllocatedMessage(msg, t, fd);  // back, without data
+  *out = grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+void SerializeReferencing(const google::protobuf::Message& msg,
+                          const std::map<int, absl::string_view>& external,
+                          std::function<void()> release, grpc::ByteBuffer* out) {
+  const google::protobuf::Descriptor* desc = msg.GetDescriptor();
+  std::unique_ptr<google::protobuf::Message> rest(msg.New());
+  rest->CopyFrom(msg);
+  const google::protobuf::Reflection* refl = rest->GetReflection();
+  // One holder for every referencing slice: the last slice gRPC drops runs `release`.
+  auto holder = std::make_shared<ReleaseHolder>();
+  holder->release = std::move(release);
+  std::vector<grpc::Slice> slices(1);
+  for (const auto& [field, bytes] : external) {
+    const google::protobuf::FieldDescriptor* fd = desc->FindFieldByNumber(field);
+    if (fd == nullptr) continue;
+    const google::protobuf::Message& t = refl->GetMessage(*rest, fd);
+    slices.emplace_back(TensorPrefix(field, t, bytes.size()));
+    if (!bytes.empty()) {
+      slices.emplace_back(const_cast<char*>(bytes.data()), bytes.size(), &DeleteHolder,
+                          new std::shared_ptr<ReleaseHolder>(holder));
+    }
+    refl->ClearField(rest.get(), fd);
+  }
+  slices[0] = grpc::Slice(rest->SerializeAsString());
+  *out = grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+}  // namespace gradwire::wire
