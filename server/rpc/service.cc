@@ -764,8 +764,12 @@ class StagingBuffer {
   StagingBuffer() = default;
   ~StagingBuffer() {
     std::vector<Buffer>& pool = Pool();
-    if (buffer_.bytes && pool.size() < 2 && buffer_.capacity <= kMaxRetained) {
-      pool.push_back(std::move(buffer_));
+    if (!buffer_.bytes || buffer_.capacity > kMaxRetained) return;
+    pool.push_back(std::move(buffer_));
+    if (pool.size() > 2) {  // keep the two largest: the next large tensor finds its buffer warm
+      pool.erase(std::min_element(pool.begin(), pool.end(), [](const Buffer& a, const Buffer& b) {
+        return a.capacity < b.capacity;
+      }));
     }
   }
   StagingBuffer(const StagingBuffer&) = delete;
