@@ -98,12 +98,10 @@ class SliceReader {
   uint64_t pos_ = 0, total_ = 0;
 };
 
-// Copies one field (its tag already read) into `out`, re-encoded as it came; false when
-// malformed or when it would run past `end`. Groups (wire types 3 and 4), which this protocol does
-// not use, are copied whole as protobuf keeps them among unknown fields.
-bool CopyField(SliceReader& r, uint64_t tag, uint64_t end, std::string* out, int depth = 0) {
-  AppendVarint(out, tag);
-  switch (tag & 7) {
+// Copies a field's value of wire type 0, 1, 2 or 5 into `out`; false when malformed or when it
+// would run past `end`. A length-delimited value is copied as bytes, without looking inside.
+bool CopyValue(SliceReader& r, uint64_t wire_type, uint64_t end, std::string* out) {
+  switch (wire_type) {
     case 0: {
       uint64_t v;
       if (!r.Varint(&v)) return false;
@@ -120,21 +118,39 @@ bool CopyField(SliceReader& r, uint64_t tag, uint64_t end, std::string* out, int
     }
     case 5:
       return 4 <= end - r.pos() && r.Append(4, out);
-    case 3: {
-      if (depth >= 64) return false;
-      for (;;) {
-        uint64_t inner;
-        if (!r.Varint(&inner) || r.pos() > end || (inner >> 3) == 0) return false;
-        if ((inner & 7) == 4) {  // the group's end: it must close this group
-          AppendVarint(out, inner);
-          return (inner >> 3) == (tag >> 3);
-        }
-        if (!CopyField(r, inner, end, out, depth + 1)) return false;
-      }
-    }
-    default:  // an end of group outside a group; 6 and 7 do not exist
+    default:
       return false;
   }
+}
+
+// Protobuf refuses groups nested deeper than its recursion limit (100); deeper ones are refused
+// here without reading on, so a hostile message cannot make the walk hold a long stack.
+constexpr size_t kMaxGroupDepth = 1000;
+
+// Copies one field (its tag already read) into `out`, re-encoded as it came; false when
+// malformed or when it would run past `end`. Groups (wire types 3 and 4), which this protocol does
+// not use, are copied whole, iteratively, as protobuf keeps them among unknown fields; protobuf
+// then judges the copy (its depth limit included) exactly as it would have judged the original.
+bool CopyField(SliceReader& r, uint64_t tag, uint64_t end, std::string* out) {
+  AppendVarint(out, tag);
+  if ((tag & 7) != 3) return CopyValue(r, tag & 7, end, out);
+  std::vector<uint64_t> open = {tag >> 3};  // field numbers of the groups not closed yet
+  while (!open.empty()) {
+    uint64_t inner;
+    if (!r.Varint(&inner) || r.pos() > end || (inner >> 3) == 0) return false;
+    AppendVarint(out, inner);
+    const uint64_t wire_type = inner & 7;
+    if (wire_type == 4) {  // an end of group must close the innermost open one
+      if ((inner >> 3) != open.back()) return false;
+      open.pop_back();
+    } else if (wire_type == 3) {
+      if (open.size() >= kMaxGroupDepth) return false;
+      open.push_back(inner >> 3);
+    } else if (!CopyValue(r, wire_type, end, out)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 absl::Status Malformed(const google::protobuf::Message& m) {

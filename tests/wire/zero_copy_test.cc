@@ -175,6 +175,36 @@ TEST(ZeroCopyTest, AgreesWithProtobufOnSlicedTruncatedAndCorruptedEncodings) {
   }
 }
 
+// Groups (unused by this protocol, kept by protobuf among unknown fields) nested to any depth: the
+// walk agrees with protobuf's own limit, and very deep nesting is refused without recursion.
+TEST(ZeroCopyTest, NestedGroupsAgreeWithProtobuf) {
+  std::mt19937 rng(5);
+  const std::string input = Request(16, rng).SerializeAsString();
+  for (int depth : {1, 50, 99, 100, 101, 150, 5000}) {
+    SCOPED_TRACE(depth);
+    std::string bytes = input;
+    for (int i = 0; i < depth; ++i) bytes += char((7 << 3) | 3);  // start group, field 7
+    for (int i = 0; i < depth; ++i) bytes += char((7 << 3) | 4);  // end group, field 7
+    ExpectAgrees(bytes, 3, rng);
+    // The same inside the tensor's sub-message.
+    v1::ForwardRequest r = Request(8, rng);
+    std::string sub = r.input().SerializeAsString();
+    for (int i = 0; i < depth; ++i) sub += char((9 << 3) | 3);
+    for (int i = 0; i < depth; ++i) sub += char((9 << 3) | 4);
+    std::string outer;
+    outer += char((2 << 3) | 2);
+    for (uint64_t n = sub.size();; n >>= 7) {  // varint length
+      if (n < 0x80) {
+        outer += char(n);
+        break;
+      }
+      outer += char((n & 0x7f) | 0x80);
+    }
+    outer += sub;
+    ExpectAgrees(outer, 2, rng);
+  }
+}
+
 TEST(ZeroCopyTest, EmptyBufferIsAnEmptyMessage) {
   ReceivedMessage received;
   v1::ForwardRequest header;
