@@ -22,6 +22,13 @@ void AppendVarint(std::string* out, uint64_t v) {
   out->push_back(char(uint8_t(v)));
 }
 
+// `v` as a varint of exactly `width` bytes (padded with continuation bytes, as an overlong
+// encoding); `v` must fit.
+void AppendVarintWidth(std::string* out, uint64_t v, size_t width) {
+  for (size_t i = 0; i + 1 < width; ++i, v >>= 7) out->push_back(char(uint8_t(v & 0x7f) | 0x80));
+  out->push_back(char(uint8_t(v & 0x7f)));
+}
+
 size_t VarintSize(uint64_t v) {
   size_t n = 1;
   while (v >= 0x80) v >>= 7, ++n;
@@ -43,11 +50,13 @@ class SliceReader {
   uint64_t total() const { return total_; }
   bool done() const { return pos_ >= total_; }
 
-  bool Varint(uint64_t* v) {
+  // A varint; its bytes, exactly as they came, appended to `raw` when given.
+  bool Varint(uint64_t* v, std::string* raw = nullptr) {
     *v = 0;
     for (int shift = 0; shift < 64; shift += 7) {
       if (done()) return false;
       const uint8_t b = Current()[0];
+      if (raw != nullptr) raw->push_back(char(b));
       Advance(1);
       *v |= uint64_t(b & 0x7f) << shift;
       if (!(b & 0x80)) return true;
@@ -98,22 +107,20 @@ class SliceReader {
   uint64_t pos_ = 0, total_ = 0;
 };
 
-// Copies a field's value of wire type 0, 1, 2 or 5 into `out`; false when malformed or when it
-// would run past `end`. A length-delimited value is copied as bytes, without looking inside.
+// Copies a field's value of wire type 0, 1, 2 or 5 into `out`, byte for byte as it came; false
+// when malformed or when it would run past `end`. A length-delimited value is copied as bytes,
+// without looking inside.
 bool CopyValue(SliceReader& r, uint64_t wire_type, uint64_t end, std::string* out) {
   switch (wire_type) {
     case 0: {
       uint64_t v;
-      if (!r.Varint(&v)) return false;
-      AppendVarint(out, v);
-      return r.pos() <= end;
+      return r.Varint(&v, out) && r.pos() <= end;
     }
     case 1:
       return 8 <= end - r.pos() && r.Append(8, out);
     case 2: {
       uint64_t n;
-      if (!r.Varint(&n) || r.pos() > end || n > end - r.pos()) return false;
-      AppendVarint(out, n);
+      if (!r.Varint(&n, out) || r.pos() > end || n > end - r.pos()) return false;
       return r.Append(n, out);
     }
     case 5:
@@ -127,18 +134,19 @@ bool CopyValue(SliceReader& r, uint64_t wire_type, uint64_t end, std::string* ou
 // here without reading on, so a hostile message cannot make the walk hold a long stack.
 constexpr size_t kMaxGroupDepth = 1000;
 
-// Copies one field (its tag already read) into `out`, re-encoded as it came; false when
-// malformed or when it would run past `end`. Groups (wire types 3 and 4), which this protocol does
-// not use, are copied whole, iteratively, as protobuf keeps them among unknown fields; protobuf
-// then judges the copy (its depth limit included) exactly as it would have judged the original.
-bool CopyField(SliceReader& r, uint64_t tag, uint64_t end, std::string* out) {
-  AppendVarint(out, tag);
+// Copies one field into `out` byte for byte (`tag_raw`: its tag as it came); false when malformed
+// or when it would run past `end`. Groups (wire types 3 and 4), which this protocol does not use,
+// are copied whole, iteratively, as protobuf keeps them among unknown fields. Everything but the
+// tensors' data is copied unchanged, so protobuf judges the copy (overlong varints, depth, field
+// numbers) exactly as it would have judged the original.
+bool CopyField(SliceReader& r, const std::string& tag_raw, uint64_t tag, uint64_t end,
+               std::string* out) {
+  out->append(tag_raw);
   if ((tag & 7) != 3) return CopyValue(r, tag & 7, end, out);
   std::vector<uint64_t> open = {tag >> 3};  // field numbers of the groups not closed yet
   while (!open.empty()) {
     uint64_t inner;
-    if (!r.Varint(&inner) || r.pos() > end || (inner >> 3) == 0) return false;
-    AppendVarint(out, inner);
+    if (!r.Varint(&inner, out) || r.pos() > end || (inner >> 3) == 0) return false;
     const uint64_t wire_type = inner & 7;
     if (wire_type == 4) {  // an end of group must close the innermost open one
       if ((inner >> 3) != open.back()) return false;
@@ -205,37 +213,49 @@ absl::Status ReceivedMessage::Parse(const grpc::ByteBuffer& buffer,
   if (!buffer.Valid()) return absl::OkStatus();  // an empty message
   if (!buffer.Dump(&slices_).ok()) return Malformed(*header);
   SliceReader r(slices_);
-  std::string rest;  // everything but the tensors' data, re-encoded
+  // The message without its tensors' data bytes, otherwise byte for byte as it came: each data
+  // field keeps its tag and an empty value of its length's width, each tensor's length shrinks
+  // by what was taken out (written in the width it came in).
+  std::string rest;
   while (!r.done()) {
     uint64_t tag;
-    if (!r.Varint(&tag) || (tag >> 3) == 0) return Malformed(*header);
+    std::string tag_raw;
+    if (!r.Varint(&tag, &tag_raw) || (tag >> 3) == 0) return Malformed(*header);
     const uint64_t field = tag >> 3;
     if ((tag & 7) != kLengthDelimited || !Listed(tensor_fields, field)) {
-      if (!CopyField(r, tag, r.total(), &rest)) return Malformed(*header);
+      if (!CopyField(r, tag_raw, tag, r.total(), &rest)) return Malformed(*header);
       continue;
     }
     uint64_t n;
-    if (!r.Varint(&n) || n > r.total() - r.pos()) return Malformed(*header);
+    std::string n_raw;
+    if (!r.Varint(&n, &n_raw) || n > r.total() - r.pos()) return Malformed(*header);
     const uint64_t end = r.pos() + n;
     std::string sub;
     while (r.pos() < end) {
       uint64_t subtag;
-      if (!r.Varint(&subtag) || (subtag >> 3) == 0 || r.pos() > end) return Malformed(*header);
+      std::string subtag_raw;
+      if (!r.Varint(&subtag, &subtag_raw) || (subtag >> 3) == 0 || r.pos() > end) {
+        return Malformed(*header);
+      }
       if (subtag == ((uint64_t(kTensorDataField) << 3) | kLengthDelimited)) {
         uint64_t len;
+        std::string len_raw;
         std::vector<absl::string_view> pieces;
-        if (!r.Varint(&len) || r.pos() > end || len > end - r.pos() || !r.Pieces(len, &pieces)) {
+        if (!r.Varint(&len, &len_raw) || r.pos() > end || len > end - r.pos() ||
+            !r.Pieces(len, &pieces)) {
           return Malformed(*header);
         }
         // A later occurrence replaces an earlier one, as protobuf's merge does.
         data_[int(field)] = std::move(pieces);
-      } else if (!CopyField(r, subtag, end, &sub)) {
+        sub += subtag_raw;
+        AppendVarintWidth(&sub, 0, len_raw.size());
+      } else if (!CopyField(r, subtag_raw, subtag, end, &sub)) {
         return Malformed(*header);
       }
     }
     if (r.pos() != end) return Malformed(*header);
-    AppendVarint(&rest, tag);
-    AppendVarint(&rest, sub.size());
+    rest += tag_raw;
+    AppendVarintWidth(&rest, sub.size(), n_raw.size());  // no longer than it was: it fits
     rest += sub;
   }
   if (!header->ParseFromString(rest)) return Malformed(*header);
