@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -161,6 +162,18 @@ bool CopyField(SliceReader& r, const std::string& tag_raw, uint64_t tag, uint64_
   return true;
 }
 
+// Setting field `field` of `m`'s type clears the other members of its oneof: their data goes.
+void ClearOneofSiblings(const google::protobuf::Message& m, uint64_t field,
+                        std::map<int, std::vector<absl::string_view>>* data) {
+  if (data->empty() || field > uint64_t(std::numeric_limits<int>::max())) return;
+  const google::protobuf::FieldDescriptor* fd = m.GetDescriptor()->FindFieldByNumber(int(field));
+  const google::protobuf::OneofDescriptor* oneof = fd ? fd->containing_oneof() : nullptr;
+  if (oneof == nullptr) return;
+  for (int i = 0; i < oneof->field_count(); ++i) {
+    if (oneof->field(i) != fd) data->erase(oneof->field(i)->number());
+  }
+}
+
 absl::Status Malformed(const google::protobuf::Message& m) {
   return absl::InvalidArgumentError(
       absl::StrCat("the request is not a valid encoding of ", m.GetDescriptor()->full_name()));
@@ -224,6 +237,8 @@ absl::Status ReceivedMessage::Parse(const grpc::ByteBuffer& buffer,
     const uint64_t field = tag >> 3;
     if ((tag & 7) != kLengthDelimited || !Listed(tensor_fields, field)) {
       if (!CopyField(r, tag_raw, tag, r.total(), &rest)) return Malformed(*header);
+      // Another member of a oneof that holds a tensor field clears it, as protobuf does.
+      ClearOneofSiblings(*header, field, &data_);
       continue;
     }
     uint64_t n;
