@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/wire_format.h"
 #include "gradwire/v1/service.pb.h"
 #include "gradwire/v1/tensor.pb.h"
 
@@ -162,13 +163,18 @@ bool CopyField(SliceReader& r, const std::string& tag_raw, uint64_t tag, uint64_
   return true;
 }
 
-// Setting field `field` of `m`'s type clears the other members of its oneof: their data goes.
-void ClearOneofSiblings(const google::protobuf::Message& m, uint64_t field,
+// Setting field `field` of `m`'s type clears the other members of its oneof: their data goes. A
+// value of the wrong wire type does not set the field (protobuf keeps it as an unknown field).
+void ClearOneofSiblings(const google::protobuf::Message& m, uint64_t tag,
                         std::map<int, std::vector<absl::string_view>>* data) {
+  const uint64_t field = tag >> 3;
   if (data->empty() || field > uint64_t(std::numeric_limits<int>::max())) return;
   const google::protobuf::FieldDescriptor* fd = m.GetDescriptor()->FindFieldByNumber(int(field));
   const google::protobuf::OneofDescriptor* oneof = fd ? fd->containing_oneof() : nullptr;
-  if (oneof == nullptr) return;
+  if (oneof == nullptr ||
+      uint64_t(google::protobuf::internal::WireFormat::WireTypeForField(fd)) != (tag & 7)) {
+    return;
+  }
   for (int i = 0; i < oneof->field_count(); ++i) {
     if (oneof->field(i) != fd) data->erase(oneof->field(i)->number());
   }
@@ -238,7 +244,7 @@ absl::Status ReceivedMessage::Parse(const grpc::ByteBuffer& buffer,
     if ((tag & 7) != kLengthDelimited || !Listed(tensor_fields, field)) {
       if (!CopyField(r, tag_raw, tag, r.total(), &rest)) return Malformed(*header);
       // Another member of a oneof that holds a tensor field clears it, as protobuf does.
-      ClearOneofSiblings(*header, field, &data_);
+      ClearOneofSiblings(*header, tag, &data_);
       continue;
     }
     uint64_t n;
