@@ -41,6 +41,11 @@ bool Add(uint64_t a, uint64_t b, uint64_t* sum) { return !__builtin_add_overflow
 
 std::string Errno(int err) { return std::strerror(err); }
 
+absl::Status Off() {
+  return absl::FailedPreconditionError(
+      "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+}
+
 }  // namespace
 
 struct SharedMemoryRegistry::Region {
@@ -69,8 +74,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& owner, const std:
                                             const std::string& key, uint64_t offset,
                                             uint64_t byte_size) {
   if (!options_.enabled) {
-    return absl::FailedPreconditionError(
-        "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+    return Off();
   }
   if (auto s = CheckRegionName("name", name); !s.ok()) return s;
   absl::string_view bare = key;
@@ -158,8 +162,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& owner, const std:
 absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& owner,
                                                      const std::string& name) {
   if (!options_.enabled) {
-    return absl::FailedPreconditionError(
-        "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+    return Off();
   }
   std::vector<std::shared_ptr<const Region>> closing;  // closed after the lock is released
   {
@@ -191,8 +194,7 @@ absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& owner,
 absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
     const std::string& owner, const std::string& name) const {
   if (!options_.enabled) {
-    return absl::FailedPreconditionError(
-        "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+    return Off();
   }
   if (!name.empty()) {
     if (auto s = CheckRegionName("name", name); !s.ok()) return s;
