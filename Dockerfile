@@ -14,6 +14,19 @@ ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.0-cudnn-devel-ubuntu24.04
 ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:13.0.0-cudnn-runtime-ubuntu24.04
 
 # ---------------------------------------------------------------------------------------------
+# The sources both builder stages compile, and scripts/container-build.sh, which compiles them there
+# (configure with the stage's CMake arguments, build, install the three binaries to /out).
+FROM scratch AS sources
+COPY CMakeLists.txt /src/
+COPY proto /src/proto
+COPY kernels /src/kernels
+COPY wire /src/wire
+COPY storage /src/storage
+COPY server /src/server
+COPY client /src/client
+COPY scripts/container-build.sh /src/scripts/
+
+# ---------------------------------------------------------------------------------------------
 FROM ${DEBIAN_IMAGE} AS cpu-builder
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build ccache pkg-config \
@@ -21,20 +34,10 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
       libtorch-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY CMakeLists.txt ./
-COPY proto proto
-COPY kernels kernels
-COPY server server
-COPY client client
+COPY --from=sources /src /src
 ENV CCACHE_DIR=/root/.cache/ccache
 RUN --mount=type=cache,target=/root/.cache/ccache \
-    cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADWIRE_BUILD_TESTS=OFF \
-      -DGRADWIRE_CUDA=OFF \
-    && cmake --build /build -j"$(nproc)" --target gradwire-server gradwire gradwire-load \
-    && install -D -m 0755 /build/server/gradwire-server /out/gradwire-server \
-    && install -D -m 0755 /build/client/gradwire /out/gradwire \
-    && install -D -m 0755 /build/client/gradwire-load /out/gradwire-load \
-    && strip /out/gradwire-server /out/gradwire /out/gradwire-load
+    scripts/container-build.sh --strip -DGRADWIRE_CUDA=OFF
 
 # ---------------------------------------------------------------------------------------------
 FROM ${DEBIAN_IMAGE} AS cpu
@@ -69,20 +72,11 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 RUN pip3 install --no-cache-dir --break-system-packages --index-url "${TORCH_INDEX_URL}" torch \
     && ln -s "$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')" /opt/torch
 WORKDIR /src
-COPY CMakeLists.txt ./
-COPY proto proto
-COPY kernels kernels
-COPY server server
-COPY client client
+COPY --from=sources /src /src
 ENV CCACHE_DIR=/root/.cache/ccache
 RUN --mount=type=cache,target=/root/.cache/ccache \
-    cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADWIRE_BUILD_TESTS=OFF \
-      -DGRADWIRE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="90" \
+    scripts/container-build.sh -DGRADWIRE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="90" \
       -DCMAKE_PREFIX_PATH=/opt/torch/share/cmake \
-    && cmake --build /build -j"$(nproc)" --target gradwire-server gradwire gradwire-load \
-    && install -D -m 0755 /build/server/gradwire-server /out/gradwire-server \
-    && install -D -m 0755 /build/client/gradwire /out/gradwire \
-    && install -D -m 0755 /build/client/gradwire-load /out/gradwire-load \
     && mkdir -p /out/torch-lib && cp -a /opt/torch/lib/*.so* /out/torch-lib/
 
 # ---------------------------------------------------------------------------------------------

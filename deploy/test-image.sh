@@ -33,24 +33,12 @@ fi
 image=gradwire:cpu-test-$$
 name=gradwire-test-$$
 port=$((20000 + RANDOM % 20000))
-passed=0
-failed=0
-check() {
-  local what=$1
-  shift
-  if "$@"; then
-    passed=$((passed + 1))
-    echo "ok   $what"
-  else
-    failed=$((failed + 1))
-    echo "FAIL $what"
-  fi
-}
-cleanup() {
+# shellcheck source=SCRIPTDIR/../scripts/lib/check.sh
+source "$root/scripts/lib/check.sh"
+cleanup_more() {
   $engine rm -f "$name" >/dev/null 2>&1 || true
   if [ "$keep_image" = 0 ]; then $engine rmi -f "$image" >/dev/null 2>&1 || true; fi
 }
-trap cleanup EXIT
 
 echo "test-image: building the cpu target with $engine (the first build takes several minutes)"
 start=$(date +%s)
@@ -66,8 +54,8 @@ check "gradwire-server --help works" \
   bash -c "$engine run --rm ${once_flags[*]} '$image' --help | grep -q 'gradwire-server'"
 
 $engine run -d "${server_flags[@]}" --name "$name" --network host -e "GRADWIRE_SERVER_LISTEN=127.0.0.1:$port" \
-  "$image" --log-level info >/dev/null 2>"/tmp/$name.err" || { cat "/tmp/$name.err"; exit 1; }
-rm -f "/tmp/$name.err"  # (podman without systemd complains about health-check timers here)
+  "$image" --log-level info >/dev/null 2>"$tmp/run.err" || { cat "$tmp/run.err"; exit 1; }
+# (its stderr is shown only on failure: podman without systemd complains there about health-check timers)
 for _ in $(seq 1 100); do
   if $engine logs "$name" 2>&1 | grep -q 'listening on'; then break; fi
   sleep 0.2
@@ -97,5 +85,4 @@ check "SIGTERM: the server exits 0" \
   bash -c "[ \"\$($engine inspect -f '{{.State.ExitCode}}' '$name')\" = 0 ]"
 check "the log says it stopped cleanly" bash -c "$engine logs '$name' 2>&1 | grep -q 'stopped:'"
 
-echo "test-image: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+finish test-image

@@ -14,13 +14,8 @@ if [ -z "${SOAK_SKIP_BUILD:-}" ]; then
   [ -f "$build_dir/build.ninja" ] || ./scripts/build.sh
   cmake --build "$build_dir" -j "${JOBS:-2}" --target gradwire-server gradwire-soak
 fi
-tmp=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then kill -9 "$server_pid"; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
+# shellcheck source=SCRIPTDIR/lib/check.sh
+source ./scripts/lib/check.sh
 # shellcheck disable=SC2086
 "$build_dir/server/gradwire-server" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
   ${SOAK_SERVER_FLAGS:-} >"$tmp/server.log" 2>&1 &

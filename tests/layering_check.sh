@@ -5,6 +5,12 @@
 #                       backend converts them on its device (gradwire/wire/codec.h)
 #   wire codec          gradwire/wire/codec.h and its .cc: no libtorch, no protobuf, no gRPC
 #   server/core         no gRPC and no generated protocol code: the core is transport-free
+#   server/             nothing from client/: the server and the clients share only proto/,
+#                       wire/ and storage/
+#   storage/            no libtorch, no protobuf, no gRPC
+#   client/             nothing from server/, but for the load tester's in-process baseline
+#                       (client/load/inprocess.cc), which runs the server's core in the load
+#                       tester's own process to measure what the service adds
 # Usage: tests/layering_check.sh [repository root]
 set -euo pipefail
 root=${1:-$(dirname "$0")/..}
@@ -31,10 +37,19 @@ check "server/rpc must not use kernels/ (convert through the backend and the wir
   '#include "gradwire/kernels/|kernels::' "${rpc[@]}"
 check "the wire codec must stay torch-, protobuf- and gRPC-free" \
   '#include [<"](ATen|torch|c10|google/protobuf|grpc|gradwire/v1)' \
-  proto/include/gradwire/wire/codec.h proto/codec/codec.cc
+  wire/include/gradwire/wire/codec.h wire/codec.cc
 mapfile -t core < <(find server/core -name '*.h' -o -name '*.cc')
 check "server/core must be transport-free (no gRPC, no generated messages)" \
   '#include [<"](grpc|grpcpp|gradwire/v1/|gradwire/wire/tensor.h|gradwire/wire/chunking.h)' \
   "${core[@]}"
-[ "$status" -eq 0 ] && echo "layering: server/rpc, server/core and the wire codec keep their rules"
+mapfile -t server < <(find server -name '*.h' -o -name '*.cc')
+check "server/ must not use client/ (shared code lives in wire/ and storage/)" \
+  '#include "gradwire/client/|#include "client/' "${server[@]}"
+mapfile -t storage < <(find storage -name '*.h' -o -name '*.cc')
+check "storage/ must stay torch-, protobuf- and gRPC-free" \
+  '#include [<"](ATen|torch|c10|google/protobuf|grpc|gradwire/v1)' "${storage[@]}"
+mapfile -t client < <(find client -name '*.h' -o -name '*.cc' | grep -v '^client/load/inprocess\.cc$')
+check "client/ must not use server/ (only the load tester's in-process baseline may)" \
+  '#include "server/' "${client[@]}"
+[ "$status" -eq 0 ] && echo "layering: server, server/rpc, server/core, client, storage and the wire codec keep their rules"
 exit "$status"

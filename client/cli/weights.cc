@@ -18,8 +18,8 @@ namespace gradwire::cli {
 namespace {
 
 using client::HostTensor;
-using client::StDType;
-using client::StTensor;
+using storage::StDType;
+using storage::StTensor;
 
 // File paths and tensor names come from the user or from the file itself: escape them so that a
 // message stays one readable line whatever they contain. Paths are quoted as the safetensors
@@ -82,7 +82,7 @@ absl::StatusOr<ExportResult> ExportWeights(client::Client& client, const std::st
     tensors.push_back(std::move(st));
   }
   result.parameters = int64_t(tensors.size());
-  if (absl::Status s = client::WriteSafetensorsFile(path, tensors, metadata); !s.ok()) return s;
+  if (absl::Status s = storage::WriteSafetensorsFile(path, tensors, metadata); !s.ok()) return s;
   std::error_code ec;
   const std::uintmax_t size = std::filesystem::file_size(path, ec);
   if (!ec) result.file_bytes = int64_t(size);
@@ -114,7 +114,7 @@ absl::StatusOr<std::vector<std::pair<std::string, HostTensor>>> ValidateImport(
     }
     if (st.dtype != StDType::kF32 && st.dtype != StDType::kBF16 && st.dtype != StDType::kF16) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, " is ", client::StDTypeName(st.dtype),
+          absl::StrCat(where, " is ", storage::StDTypeName(st.dtype),
                        "; import takes F32, BF16 or F16 (a file carries no scale for FP8 values)"));
     }
     if (st.shape != target->shape) {
@@ -123,10 +123,10 @@ absl::StatusOr<std::vector<std::pair<std::string, HostTensor>>> ValidateImport(
           " of module ", module_id, " has shape ", ShapeString(target->shape)));
     }
     const int64_t n = Elements(st.shape);
-    if (int64_t(st.data.size()) != n * client::StDTypeSize(st.dtype)) {
+    if (int64_t(st.data.size()) != n * storage::StDTypeSize(st.dtype)) {
       return absl::InvalidArgumentError(absl::StrCat(where, " has ", st.data.size(),
                                                      " bytes, its shape needs ",
-                                                     n * client::StDTypeSize(st.dtype)));
+                                                     n * storage::StDTypeSize(st.dtype)));
     }
     HostTensor h;
     h.shape = st.shape;
@@ -167,7 +167,7 @@ absl::StatusOr<std::vector<std::pair<std::string, HostTensor>>> ValidateImport(
 absl::StatusOr<ImportResult> ImportWeights(client::Client& client, const std::string& module_id,
                                            const std::string& path, const ImportOptions& options) {
   // The file first: a missing or malformed file is reported without asking the server anything.
-  absl::StatusOr<std::vector<StTensor>> tensors = client::ReadSafetensorsFile(path, nullptr);
+  absl::StatusOr<std::vector<StTensor>> tensors = storage::ReadSafetensorsFile(path, nullptr);
   if (!tensors.ok()) return tensors.status();
   absl::StatusOr<client::NamedTensors> current = client.GetWeights(module_id);
   if (!current.ok()) return current.status();

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/client/client.h"
-#include "gradwire/client/safetensors.h"
+#include "gradwire/storage/safetensors_file.h"
 
 namespace gradwire::cli {
 
@@ -64,7 +64,7 @@ absl::StatusOr<ImportResult> ImportWeights(client::Client& client, const std::st
 // INVALID_ARGUMENT naming `path` and the offending tensor otherwise. `widened` (optional)
 // receives how many tensors were BF16/F16.
 absl::StatusOr<std::vector<std::pair<std::string, client::HostTensor>>> ValidateImport(
-    const std::vector<client::StTensor>& tensors, const client::NamedTensors& current,
+    const std::vector<storage::StTensor>& tensors, const client::NamedTensors& current,
     const std::string& module_id, const std::string& path, const ImportOptions& options,
     int64_t* widened = nullptr);
 

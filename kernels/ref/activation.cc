@@ -1,4 +1,4 @@
-#include "gradwire/kernels/activation.h"
+#include "gradwire/kernels/ref/activation.h"
 
 #include <cmath>
 

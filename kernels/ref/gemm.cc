@@ -1,4 +1,4 @@
-#include "gradwire/kernels/gemm.h"
+#include "gradwire/kernels/ref/gemm.h"
 
 #include <cstddef>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "gradwire/kernels/layernorm.h"
+#include "gradwire/kernels/ref/layernorm.h"
 
 #include <cmath>
 

@@ -8,15 +8,15 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
-#include "gradwire/client/safetensors.h"
+#include "gradwire/storage/safetensors_file.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
 namespace {
 
 namespace fs = std::filesystem;
-using client::StDType;
-using client::StTensor;
+using storage::StDType;
+using storage::StTensor;
 using nlohmann::json;
 
 constexpr char kSuffix[] = ".gradwire.safetensors";
@@ -148,7 +148,7 @@ absl::Status Checkpointer::Save(const ModuleState& state) const {
       {"optimizer_steps", std::to_string(state.optimizer_steps)},
       {"spec", SpecToJson(state.spec).dump()},
       {"scaling", scaling.dump()}};
-  return client::WriteSafetensorsFile(PathOf(state.module_id), tensors, metadata);
+  return storage::WriteSafetensorsFile(PathOf(state.module_id), tensors, metadata);
 }
 
 absl::Status Checkpointer::Save(const ModuleHost& host, const std::string& module_id) const {
@@ -185,7 +185,7 @@ absl::StatusOr<int64_t> Checkpointer::RestoreAll(ModuleHost& host) const {
       continue;  // temporary files of an interrupted write, or foreign files
     }
     std::map<std::string, std::string> metadata;
-    auto tensors = client::ReadSafetensorsFile(path, &metadata);
+    auto tensors = storage::ReadSafetensorsFile(path, &metadata);
     if (!tensors.ok()) {
       return absl::DataLossError(absl::StrCat(path, ": ", tensors.status().message()));
     }

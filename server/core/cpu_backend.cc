@@ -16,8 +16,8 @@
 #include <cmath>
 #include <thread>
 
-#include "gradwire/kernels/activation.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/activation.h"
+#include "gradwire/kernels/ref/cast.h"
 #include "server/core/backend.h"
 #include "server/core/fp8_ops.h"
 #include "server/core/layernorm_linear.h"

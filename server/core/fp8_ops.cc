@@ -5,8 +5,8 @@
 #include <atomic>
 #include <chrono>
 
-#include "gradwire/kernels/gemm.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
+#include "gradwire/kernels/ref/gemm.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {

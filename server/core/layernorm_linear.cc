@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include "gradwire/kernels/layernorm.h"
+#include "gradwire/kernels/ref/layernorm.h"
 #include "server/core/kind_common.h"
 #include "server/core/module_kind.h"
 #include "server/core/status_macros.h"

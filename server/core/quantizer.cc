@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
 
 namespace gradwire::core {
 

@@ -32,9 +32,7 @@
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
 #include "gradwire/wire/zero_copy.h"
-#include "server/core/executor.h"
-#include "server/core/module_host.h"
-#include "server/rpc/service.h"
+#include "server/server.h"
 
 namespace {
 
@@ -251,34 +249,32 @@ int main(int argc, char** argv) {
 
   // The server: the real service, limits large enough for a 256 MiB unary request.
   const int max_message_mib = int(std::max<int64_t>(64, max_mib * 2 + 16));
-  core::ModuleHost host;
-  core::DeviceExecutor executor("cpu");
-  rpc::ServiceOptions options;
-  options.version = "bench";
-  options.device = "cpu";
-  options.chunk_bytes = 4 << 20;
-  options.max_stream_bytes = int64_t(max_mib + 16) << 20;
+  server::ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.backend = core::MakeCpuBackend();
+  options.heap_trim_every_s = 0;
+  options.max_message_mib = max_message_mib;
+  options.service.version = "bench";
+  options.service.chunk_bytes = 4 << 20;
+  options.service.max_stream_bytes = int64_t(max_mib + 16) << 20;
   // No request limits: the benchmark sends what it measures.
-  options.limits.max_request_bytes = 0;
-  options.limits.max_tensor_elements = 0;
-  options.shared_memory.enabled = true;
-  rpc::GradwireService service(host, executor, options);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(max_message_mib << 20);
-  builder.SetMaxSendMessageSize(max_message_mib << 20);
-  if (frame_kib > 0) builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, frame_kib << 10);
-  if (tcp_zerocopy) builder.AddChannelArgument(GRPC_ARG_TCP_TX_ZEROCOPY_ENABLED, 1);
+  options.service.limits.max_request_bytes = 0;
+  options.service.limits.max_tensor_elements = 0;
+  options.service.shared_memory.enabled = true;
+  if (frame_kib > 0)
+    options.channel_args.emplace_back(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, frame_kib << 10);
+  if (tcp_zerocopy) options.channel_args.emplace_back(GRPC_ARG_TCP_TX_ZEROCOPY_ENABLED, 1);
   if (window_mib > 0) {
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window_mib << 20);
+    options.channel_args.emplace_back(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window_mib << 20);
   }
-  auto server = builder.BuildAndStart();
-  if (!server) {
-    std::fprintf(stderr, "wire_bench: cannot start the server\n");
+  auto started = server::Server::Start(std::move(options));
+  if (!started.ok()) {
+    std::fprintf(stderr, "wire_bench: cannot start the server: %s\n",
+                 std::string(started.status().message()).c_str());
     return 1;
   }
+  std::unique_ptr<server::Server> server = *std::move(started);
+  const int port = server->port();
 
   auto make_client = [&](client::ClientOptions::Chunking chunking, client::WireDType dtype) {
     client::ClientOptions o;
@@ -523,6 +519,6 @@ int main(int argc, char** argv) {
         << ", \"chunks_joined_s\": " << copies.join_s << "}\n}\n";
     std::fprintf(stderr, "wrote %s\n", json_path.c_str());
   }
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  (void)server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;
 }

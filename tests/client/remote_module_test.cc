@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "specs.h"
 #include "test_server.h"
 
 namespace gradwire::torch_client {
@@ -22,12 +23,7 @@ namespace {
 }
 
 v1::ModuleSpec LinearSpec(int64_t in, int64_t out, uint64_t seed) {
-  v1::ModuleSpec spec;
-  spec.set_kind(v1::LINEAR);
-  spec.set_in_features(in);
-  spec.set_out_features(out);
-  spec.set_bias(true);
-  spec.set_seed(seed);
+  v1::ModuleSpec spec = testing::LinearSpec(in, out, true, seed);
   return spec;
 }
 

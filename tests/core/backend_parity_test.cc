@@ -30,6 +30,7 @@
 namespace gradwire::core {
 namespace {
 
+using gradwire::testing::MakeModuleSpec;
 using gradwire::testing::RandN;
 using kernels::Activation;
 using kernels::Fp8Format;
@@ -355,17 +356,12 @@ class ModuleParity : public ::testing::TestWithParam<std::tuple<const char*, Mod
 TEST_P(ModuleParity, OutputsAndGradientsMatchTheReference) {
   const auto [name, c] = GetParam();
   GW_REQUIRE_BACKEND(name);
-  ModuleSpec spec;
-  spec.kind = c.kind;
-  spec.in_features = c.in;
-  spec.out_features = c.out;
-  spec.ffn_features = c.kind == ModuleKind::kLayerNormMlp ? c.ffn : 0;
+  ModuleSpec spec = MakeModuleSpec(c.kind, c.in, c.out, c.ffn, std::random_device{}());
   spec.bias = c.bias;
   spec.activation = c.act;
   spec.checkpoint = c.checkpoint;
   spec.recipe.mode = c.mode;
   spec.recipe.history_len = 4;
-  spec.seed = uint64_t(std::random_device{}());
   ModuleHost ref_host(ContextLimits{}, nullptr, MakeReferenceBackend());
   ModuleHost host(ContextLimits{}, nullptr, Get(name).backend);
   auto ref_id = ref_host.Create(spec);

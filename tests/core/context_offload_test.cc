@@ -9,6 +9,7 @@
 namespace gradwire::core {
 namespace {
 
+using gradwire::testing::MakeModuleSpec;
 using gradwire::testing::RandN;
 
 struct KindCase {
@@ -18,14 +19,9 @@ struct KindCase {
 };
 
 ModuleSpec SpecFor(const KindCase& c) {
-  ModuleSpec spec;
-  spec.kind = c.kind;
-  spec.in_features = 24;
-  spec.out_features = 12;
-  if (c.kind == ModuleKind::kLayerNormMlp) spec.ffn_features = 20;
+  ModuleSpec spec = MakeModuleSpec(c.kind, 24, 12, /*ffn=*/20, /*seed=*/7);
   spec.checkpoint = c.checkpoint;
   spec.recipe.mode = ScalingMode::kDelayed;
-  spec.seed = 7;
   return spec;
 }
 

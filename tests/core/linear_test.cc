@@ -13,6 +13,8 @@ namespace {
 
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
+using gradwire::testing::MakeBwdArgs;
+using gradwire::testing::MakeFwdArgs;
 using gradwire::testing::RandN;
 using kernels::Fp8Format;
 
@@ -52,15 +54,7 @@ class LinearTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, 
   }
 
   LinearFwdResult Forward(bool training) {
-    LinearFwdArgs args;
-    args.input = x_;
-    args.weight = w_;
-    args.bias = b_;
-    args.weight_version = 1;
-    args.input_quantizer = kE4M3;
-    args.weight_quantizer = kE4M3;
-    args.training = training;
-    auto r = LinearForward(args);
+    auto r = LinearForward(MakeFwdArgs<LinearFwdArgs>(x_, w_, b_, training));
     EXPECT_TRUE(r.ok()) << r.status();
     return *std::move(r);
   }
@@ -102,14 +96,7 @@ TEST_P(LinearTest, BackwardMatchesFloat64References) {
   if (has_bias_) bias_grad = RandN({n_});
   const at::Tensor bias_grad_before = has_bias_ ? bias_grad.clone() : at::Tensor();
 
-  LinearBwdArgs args;
-  args.grad_output = dy_;
-  args.saved = fwd.saved.get();
-  args.grad_quantizer = kE5M2;
-  args.compute_grad_input = true;
-  args.weight_grad = weight_grad;
-  args.bias_grad = bias_grad;
-  auto r = LinearBackward(args);
+  auto r = LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), weight_grad, bias_grad));
   ASSERT_TRUE(r.ok()) << r.status();
 
   const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3), dyq = Dq(dy_, kE5M2);
@@ -161,13 +148,9 @@ TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
 TEST_P(LinearTest, SkippingGradInputStillAccumulatesWeightGradient) {
   const LinearFwdResult fwd = Forward(true);
   at::Tensor weight_grad = at::zeros({n_, k_}, at::kFloat);
-  LinearBwdArgs args;
-  args.grad_output = dy_;
-  args.saved = fwd.saved.get();
-  args.grad_quantizer = kE5M2;
-  args.compute_grad_input = false;
-  args.weight_grad = weight_grad;
-  auto r = LinearBackward(args);
+  auto r =
+      LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), weight_grad, at::Tensor(),
+                                                /*compute_grad_input=*/false));
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->grad_input.defined());
   const at::Tensor xd = x_.to(at::kDouble), dyd = dy_.to(at::kDouble);

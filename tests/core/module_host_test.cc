@@ -14,6 +14,9 @@
 namespace gradwire::core {
 namespace {
 
+using gradwire::testing::DelayedRecipe;
+using gradwire::testing::MakeLinearSpec;
+using gradwire::testing::MakeModuleSpec;
 using gradwire::testing::RandN;
 
 at::Tensor Get(const ParametersCopy& p, const std::string& name) {
@@ -27,12 +30,7 @@ at::Tensor Get(const ParametersCopy& p, const std::string& name) {
 class ModuleHostTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ModuleSpec spec;
-    spec.in_features = 24;
-    spec.out_features = 10;
-    spec.bias = true;
-    spec.seed = 42;
-    auto info = host_.Create(spec);
+    auto info = host_.Create(MakeLinearSpec(24, 10, /*seed=*/42));
     ASSERT_TRUE(info.ok()) << info.status();
     id_ = info->module_id;
     EXPECT_EQ(info->weight_version, 1u);
@@ -235,11 +233,7 @@ TEST_F(ModuleHostTest, SgdAppliesAccumulatedGradientsAndZeroesThem) {
 }
 
 TEST_F(ModuleHostTest, SameSeedGivesSameWeights) {
-  ModuleSpec spec;
-  spec.in_features = 24;
-  spec.out_features = 10;
-  spec.seed = 42;
-  auto other = host_.Create(spec);
+  auto other = host_.Create(MakeLinearSpec(24, 10, /*seed=*/42));
   ASSERT_TRUE(other.ok());
   EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"),
                         Get(*host_.GetWeights(other->module_id), "weight")));
@@ -248,10 +242,7 @@ TEST_F(ModuleHostTest, SameSeedGivesSameWeights) {
 }
 
 TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
-  ModuleSpec bad;
-  bad.in_features = 0;
-  bad.out_features = 4;
-  EXPECT_EQ(host_.Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(host_.Create(MakeLinearSpec(0, 4)).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(host_.Forward(id_, RandN({5, 23}), true).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(host_.Forward("missing", RandN({5, 24}), true).status().code(),
@@ -293,13 +284,8 @@ namespace {
 TEST(ModuleHostScalingTest, InferenceLeavesTheScalingStateUntouched) {
   for (ModuleKind kind : {ModuleKind::kLinear, ModuleKind::kLayerNormMlp}) {
     ModuleHost host;
-    ModuleSpec spec;
-    spec.kind = kind;
-    spec.in_features = 16;
-    spec.out_features = 8;
-    spec.ffn_features = kind == ModuleKind::kLayerNormMlp ? 32 : 0;
-    spec.recipe.mode = ScalingMode::kDelayed;
-    spec.recipe.history_len = 8;
+    ModuleSpec spec = MakeModuleSpec(kind, 16, 8, /*ffn=*/32);
+    spec.recipe = DelayedRecipe(AmaxAlgo::kMax, 8);
     auto info = host.Create(spec);
     ASSERT_TRUE(info.ok()) << info.status();
     // One training step first, so the histories hold something.
@@ -331,9 +317,7 @@ TEST(ModuleHostScalingTest, InferenceLeavesTheScalingStateUntouched) {
 // where E4M3 has only subnormals (and zero) for values near 0.001.
 TEST(ModuleHostScalingTest, DelayedScalingCastsTheWeightFromItsOwnAmax) {
   ModuleHost host;
-  ModuleSpec spec;
-  spec.in_features = 256;
-  spec.out_features = 64;
+  ModuleSpec spec = MakeLinearSpec(256, 64);
   spec.bias = false;
   spec.recipe.mode = ScalingMode::kDelayed;
   auto info = host.Create(spec);
@@ -352,11 +336,8 @@ TEST(ModuleHostScalingTest, DelayedScalingCastsTheWeightFromItsOwnAmax) {
 
 TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing) {
   ModuleHost host;
-  ModuleSpec spec;
-  spec.in_features = 12;
-  spec.out_features = 6;
-  spec.recipe.mode = ScalingMode::kDelayed;
-  spec.recipe.history_len = 3;
+  ModuleSpec spec = MakeLinearSpec(12, 6);
+  spec.recipe = DelayedRecipe(AmaxAlgo::kMax, 3);
   auto info = host.Create(spec);
   ASSERT_TRUE(info.ok()) << info.status();
   const std::string id = info->module_id;
@@ -399,10 +380,7 @@ TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing)
 // refused like any other bad spec (they would index past the tables that name them).
 TEST(ModuleHostImportTest, RefusesOutOfRangeEnumsInAState) {
   ModuleHost host;
-  ModuleSpec spec;
-  spec.in_features = 8;
-  spec.out_features = 4;
-  auto info = host.Create(spec);
+  auto info = host.Create(MakeLinearSpec(8, 4));
   ASSERT_TRUE(info.ok()) << info.status();
   const ModuleState good = *host.ExportState(info->module_id);
   struct Case {
@@ -430,9 +408,7 @@ TEST(ModuleHostImportTest, RefusesOutOfRangeEnumsInAState) {
 
 TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   ModuleHost host;
-  ModuleSpec spec;
-  spec.in_features = 8;
-  spec.out_features = 4;
+  const ModuleSpec spec = MakeLinearSpec(8, 4);
   auto mine = host.Create(spec, "alice");
   auto theirs = host.Create(spec, "bob");
   ASSERT_TRUE(mine.ok() && theirs.ok());
@@ -477,11 +453,7 @@ TEST(ModuleKindRegistryTest, EveryKindIsRegisteredWithItsParametersAndRoles) {
   EXPECT_EQ(FindKind(static_cast<ModuleKind>(7)), nullptr);
   EXPECT_STREQ(ModuleKindName(static_cast<ModuleKind>(7)), "unknown");
 
-  ModuleSpec s;
-  s.kind = ModuleKind::kLayerNormMlp;
-  s.in_features = 6;
-  s.out_features = 4;
-  s.ffn_features = 5;
+  ModuleSpec s = MakeModuleSpec(ModuleKind::kLayerNormMlp, 6, 4, /*ffn=*/5);
   s.activation = Activation::kSwiglu;
   const std::vector<ParamDef> defs = LayerNormMlpKind().Params(s);
   std::vector<std::string> names;
@@ -502,9 +474,7 @@ TEST(ModuleKindRegistryTest, EveryKindIsRegisteredWithItsParametersAndRoles) {
   EXPECT_FALSE(LayerNormLinearKind().UsesFp8Input());
 
   // Each kind refuses, by field, what is not its own.
-  ModuleSpec linear;
-  linear.in_features = 4;
-  linear.out_features = 4;
+  ModuleSpec linear = MakeLinearSpec(4, 4);
   linear.ffn_features = 3;
   auto bad = ValidateModuleSpec(linear);
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
@@ -538,13 +508,8 @@ TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
   for (ModuleKind kind :
        {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
     ModuleHost host;
-    ModuleSpec spec;
-    spec.kind = kind;
-    spec.in_features = 12;
-    spec.out_features = 7;
-    spec.ffn_features = kind == ModuleKind::kLayerNormMlp ? 9 : 0;
+    ModuleSpec spec = MakeModuleSpec(kind, 12, 7, /*ffn=*/9, /*seed=*/5);
     spec.return_layernorm_output = kind != ModuleKind::kLinear;
-    spec.seed = 5;
     auto a = host.Create(spec);
     auto b = host.Create(spec);  // same seed: same weights
     ASSERT_TRUE(a.ok() && b.ok());
@@ -600,10 +565,7 @@ TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
 // A wire request refused by the host changes nothing and leaves no context.
 TEST(ModuleHostWireTest, BadWireRequestsAreRefusedByField) {
   ModuleHost host;
-  ModuleSpec spec;
-  spec.in_features = 4;
-  spec.out_features = 3;
-  auto m = host.Create(spec);
+  auto m = host.Create(MakeLinearSpec(4, 3));
   ASSERT_TRUE(m.ok());
   std::vector<float> x(8, 0.5f);
   WireForwardRequest req;

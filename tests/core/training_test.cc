@@ -13,20 +13,14 @@
 namespace gradwire::core {
 namespace {
 
+using gradwire::testing::DelayedRecipe;
+using gradwire::testing::MakeLinearSpec;
+using gradwire::testing::MakeModuleSpec;
 using gradwire::testing::RandN;
 using kernels::Fp8Format;
 
-RecipeConfig Delayed(AmaxAlgo algo, int64_t len, int margin = 0) {
-  RecipeConfig c;
-  c.mode = ScalingMode::kDelayed;
-  c.algo = algo;
-  c.history_len = len;
-  c.margin = margin;
-  return c;
-}
-
 TEST(ScalingStateTest, CastUsesTheScaleFromBeforeTheStepThenTheHistoryRolls) {
-  ScalingState s(Fp8Format::kE4M3, Delayed(AmaxAlgo::kMax, 3));
+  ScalingState s(Fp8Format::kE4M3, DelayedRecipe(AmaxAlgo::kMax, 3));
   EXPECT_EQ(s.scale(), 1.0f);
   EXPECT_EQ(s.Quantizer().scale, 1.0f);  // the first step casts with scale 1
   s.Record(2.0f);
@@ -47,7 +41,7 @@ TEST(ScalingStateTest, CastUsesTheScaleFromBeforeTheStepThenTheHistoryRolls) {
 }
 
 TEST(ScalingStateTest, MostRecentAlgoAndMarginOnAPerturbedHistory) {
-  ScalingState s(Fp8Format::kE5M2, Delayed(AmaxAlgo::kMostRecent, 8, /*margin=*/2));
+  ScalingState s(Fp8Format::kE5M2, DelayedRecipe(AmaxAlgo::kMostRecent, 8, /*margin=*/2));
   s.Set({100.0f, 7.0f, 3.0f}, 0.125f);
   EXPECT_EQ(s.Quantizer().scale, 0.125f);
   EXPECT_EQ(s.Quantizer().format, Fp8Format::kE5M2);
@@ -57,7 +51,7 @@ TEST(ScalingStateTest, MostRecentAlgoAndMarginOnAPerturbedHistory) {
   EXPECT_EQ(s.history().front(), 4.0f);
   EXPECT_EQ(s.history().size(), 4u);
 
-  ScalingState m(Fp8Format::kE5M2, Delayed(AmaxAlgo::kMax, 8, 2));
+  ScalingState m(Fp8Format::kE5M2, DelayedRecipe(AmaxAlgo::kMax, 8, 2));
   m.Set({100.0f, 7.0f, 3.0f}, 0.125f);
   m.Record(4.0f);
   m.Roll();
@@ -65,7 +59,7 @@ TEST(ScalingStateTest, MostRecentAlgoAndMarginOnAPerturbedHistory) {
 }
 
 TEST(ScalingStateTest, ZeroOrNanAmaxKeepsTheScaleAndCurrentModeCastsOnItsOwn) {
-  ScalingState s(Fp8Format::kE4M3, Delayed(AmaxAlgo::kMostRecent, 4));
+  ScalingState s(Fp8Format::kE4M3, DelayedRecipe(AmaxAlgo::kMostRecent, 4));
   s.Set({}, 5.0f);
   s.Record(0.0f);
   s.Roll();
@@ -81,17 +75,12 @@ TEST(ScalingStateTest, ZeroOrNanAmaxKeepsTheScaleAndCurrentModeCastsOnItsOwn) {
   EXPECT_EQ(c.Quantizer().scale, 0.0f);  // current scaling
 }
 
-ModuleSpec LinearSpec(int64_t in, int64_t out) {
-  ModuleSpec s;
-  s.in_features = in;
-  s.out_features = out;
-  s.seed = 3;
-  return s;
-}
+// The seed of the Linear modules below.
+constexpr uint64_t kSeed = 3;
 
 TEST(DelayedScalingHostTest, EachContextKeepsTheScaleItWasCastWith) {
-  ModuleSpec spec = LinearSpec(16, 8);
-  spec.recipe = Delayed(AmaxAlgo::kMax, 16);
+  ModuleSpec spec = MakeLinearSpec(16, 8, kSeed);
+  spec.recipe = DelayedRecipe(AmaxAlgo::kMax, 16);
   ModuleHost host;
   const std::string id = host.Create(spec)->module_id;
   const at::Tensor x = RandN({4, 16}), dy = RandN({4, 8});
@@ -115,8 +104,8 @@ TEST(DelayedScalingHostTest, EachContextKeepsTheScaleItWasCastWith) {
 }
 
 TEST(DelayedScalingHostTest, DelayedTrainingStepsStayAccurate) {
-  ModuleSpec spec = LinearSpec(32, 16);
-  spec.recipe = Delayed(AmaxAlgo::kMostRecent, 4);
+  ModuleSpec spec = MakeLinearSpec(32, 16, kSeed);
+  spec.recipe = DelayedRecipe(AmaxAlgo::kMostRecent, 4);
   ModuleHost host;
   const std::string id = host.Create(spec)->module_id;
   at::Tensor out;
@@ -199,7 +188,7 @@ TEST(OptimizerTest, AdamWMatchesFloat64) {
 }
 
 TEST(HostTrainingTest, AdamWModuleStepsAndCountsThem) {
-  ModuleSpec spec = LinearSpec(8, 4);
+  ModuleSpec spec = MakeLinearSpec(8, 4, kSeed);
   spec.optimizer.kind = OptimizerConfig::Kind::kAdamW;
   spec.optimizer.adamw.learning_rate = 0.01f;
   ModuleHost host;
@@ -216,7 +205,7 @@ TEST(HostTrainingTest, AdamWModuleStepsAndCountsThem) {
 
 TEST(HostTrainingTest, MaxStalenessRefusesOldContextsNamingBothVersions) {
   for (int64_t staleness : {1, 2}) {
-    ModuleSpec spec = LinearSpec(8, 4);
+    ModuleSpec spec = MakeLinearSpec(8, 4, kSeed);
     spec.max_staleness = staleness;
     ModuleHost host;
     const std::string id = host.Create(spec)->module_id;
@@ -237,9 +226,7 @@ TEST(HostTrainingTest, MaxStalenessRefusesOldContextsNamingBothVersions) {
 
 TEST(HostTrainingTest, StaleContextComputesWithItsOwnVersionsParameters) {
   for (ModuleKind kind : {ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
-    ModuleSpec spec = LinearSpec(12, 6);
-    spec.kind = kind;
-    spec.ffn_features = kind == ModuleKind::kLayerNormMlp ? 10 : 0;
+    ModuleSpec spec = MakeModuleSpec(kind, 12, 6, /*ffn=*/10, kSeed);
     spec.checkpoint = kind == ModuleKind::kLayerNormMlp;  // the recompute too
     const at::Tensor x = RandN({4, 12}), dy = RandN({4, 6});
     // Host 1: context A, then another step changes every parameter, then A's backward.
@@ -263,7 +250,7 @@ TEST(HostTrainingTest, StaleContextComputesWithItsOwnVersionsParameters) {
 
 TEST(HostTrainingTest, GetGradientsReturnsTheAccumulationAndCanZeroIt) {
   ModuleHost host;
-  const std::string id = host.Create(LinearSpec(8, 4))->module_id;
+  const std::string id = host.Create(MakeLinearSpec(8, 4, kSeed))->module_id;
   const at::Tensor x = RandN({3, 8}), dy = RandN({3, 4});
   for (int micro = 0; micro < 3; ++micro) {
     auto f = host.Forward(id, x, true);
@@ -283,11 +270,7 @@ TEST(HostTrainingTest, GetGradientsReturnsTheAccumulationAndCanZeroIt) {
 }
 
 TEST(HostTrainingTest, LayerNormMlpQuantizesWeightsOncePerVersionAcrossMicrobatches) {
-  ModuleSpec spec;
-  spec.kind = ModuleKind::kLayerNormMlp;
-  spec.in_features = 16;
-  spec.ffn_features = 24;
-  spec.out_features = 16;
+  ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormMlp, 16, 16, /*ffn=*/24);
   spec.activation = kernels::Activation::kSwiglu;
   ModuleHost host;
   auto info = host.Create(spec);
@@ -312,10 +295,7 @@ TEST(HostTrainingTest, LayerNormMlpQuantizesWeightsOncePerVersionAcrossMicrobatc
 }
 
 TEST(HostTrainingTest, ReturnedLayerNormOutputAndItsGradient) {
-  ModuleSpec spec;
-  spec.kind = ModuleKind::kLayerNormLinear;
-  spec.in_features = 12;
-  spec.out_features = 6;
+  ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormLinear, 12, 6);
   spec.return_layernorm_output = true;
   ModuleHost host;
   const std::string id = host.Create(spec)->module_id;

@@ -6,21 +6,8 @@
 set -euo pipefail
 server_bin=$1
 root=$(cd "$(dirname "$0")/../.." && pwd)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0
-failed=0
-check() {
-  local name=$1
-  shift
-  if "$@"; then
-    passed=$((passed + 1))
-    echo "ok   $name"
-  else
-    failed=$((failed + 1))
-    echo "FAIL $name"
-  fi
-}
+# shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
+source "$root/scripts/lib/check.sh"
 need() { command -v "$1" >/dev/null || { echo "validate: $1 not found (scripts/install-deps.sh installs it)"; exit 1; }; }
 need yamllint
 kubectl=${KUBECTL:-kubectl}  # KUBECTL=... checks another release (e.g. Debian's 1.20)
@@ -76,5 +63,4 @@ check "Dockerfile has the cpu and cuda targets" \
 check ".dockerignore keeps build trees and .git out" \
   bash -c "grep -qx '.git' '$root/.dockerignore' && grep -qx 'build\*' '$root/.dockerignore'"
 
-echo "deploy: $passed passed, $failed failed"
-[ "$failed" = 0 ]
+finish deploy

@@ -4,8 +4,8 @@
 set -euo pipefail
 server_bin=$1
 cli_bin=$2
-# shellcheck source=lib.sh
-source "$(dirname "$0")/lib.sh"
+# shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
+source "$(dirname "$0")/../../scripts/lib/check.sh"
 
 alice_token=alice-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 bob_token=bob-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')

@@ -5,8 +5,8 @@
 set -euo pipefail
 server_bin=$1
 load_bin=$2
-# shellcheck source=lib.sh
-source "$(dirname "$0")/lib.sh"
+# shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
+source "$(dirname "$0")/../../scripts/lib/check.sh"
 
 start_server --listen 127.0.0.1:0
 common=(--server "$addr" --in 64 --out 32 --rows 8 --warmup 0.2)

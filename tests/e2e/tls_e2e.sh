@@ -6,8 +6,8 @@
 set -euo pipefail
 server_bin=$1
 cli_bin=$2
-# shellcheck source=lib.sh
-source "$(dirname "$0")/lib.sh"
+# shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
+source "$(dirname "$0")/../../scripts/lib/check.sh"
 
 pki="$tmp/pki"
 mkdir -p "$pki"

@@ -10,8 +10,8 @@
 set -euo pipefail
 server_bin=$1
 cli_bin=$2
-# shellcheck source=lib.sh
-source "$(dirname "$0")/lib.sh"
+# shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
+source "$(dirname "$0")/../../scripts/lib/check.sh"
 
 # cli NAME ARGS...: runs the CLI against the server, stdout to $tmp/NAME.out, stderr to
 # $tmp/NAME.err, exit status to $rc, without stopping the script when it fails.

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "gradwire/client/safetensors.h"
+#include "gradwire/storage/safetensors_file.h"
 
 namespace {
 
-using gradwire::client::StTensor;
+using gradwire::storage::StTensor;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "safetensors_fuzzer invariant broken: %s\n", what.c_str());
@@ -41,7 +41,7 @@ absl::StatusOr<std::vector<StTensor>> ReadAsFile(const uint8_t* data, size_t siz
   static const int fd = memfd_create("safetensors_fuzzer", 0);
   if (fd < 0) Fail("memfd_create");
   if (ftruncate(fd, 0) != 0 || pwrite(fd, data, size, 0) != ssize_t(size)) Fail("memfd write");
-  return gradwire::client::ReadSafetensorsFile("/proc/self/fd/" + std::to_string(fd), metadata);
+  return gradwire::storage::ReadSafetensorsFile("/proc/self/fd/" + std::to_string(fd), metadata);
 }
 
 }  // namespace
@@ -49,7 +49,7 @@ absl::StatusOr<std::vector<StTensor>> ReadAsFile(const uint8_t* data, size_t siz
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
   std::map<std::string, std::string> metadata = {{"untouched", "on failure"}};
-  auto parsed = gradwire::client::ParseSafetensors(bytes, &metadata);
+  auto parsed = gradwire::storage::ParseSafetensors(bytes, &metadata);
   std::map<std::string, std::string> file_metadata;
   auto from_file = ReadAsFile(data, size, &file_metadata);
   if (parsed.ok() != from_file.ok()) {
@@ -72,16 +72,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (d < 0) Fail("negative dimension in " + t.name);
       numel *= uint64_t(d);
     }
-    if (numel * uint64_t(gradwire::client::StDTypeSize(t.dtype)) != t.data.size()) {
+    if (numel * uint64_t(gradwire::storage::StDTypeSize(t.dtype)) != t.data.size()) {
       Fail("data size of " + t.name);
     }
     data_bytes += t.data.size();
   }
   if (data_bytes + 8 > size) Fail("more tensor bytes than input bytes");
-  auto again = gradwire::client::SerializeSafetensors(*parsed, metadata);
+  auto again = gradwire::storage::SerializeSafetensors(*parsed, metadata);
   if (!again.ok()) Fail("a parsed file does not serialize: " + again.status().ToString());
   std::map<std::string, std::string> metadata2;
-  auto reparsed = gradwire::client::ParseSafetensors(*again, &metadata2);
+  auto reparsed = gradwire::storage::ParseSafetensors(*again, &metadata2);
   if (!reparsed.ok()) Fail("a serialized file does not parse: " + reparsed.status().ToString());
   // Serialization lays the tensors out in the parsed order, so the order survives as well.
   if (!Same(*parsed, *reparsed) || metadata != metadata2) Fail("round trip changed the tensors");

@@ -11,13 +11,13 @@
 #include <vector>
 
 #include "cuda_test_util.h"
-#include "gradwire/kernels/activation.h"
 #include "gradwire/kernels/cuda/activation.h"
 #include "gradwire/kernels/cuda/cast.h"
 #include "gradwire/kernels/cuda/layernorm.h"
 #include "gradwire/kernels/fp8.h"
-#include "gradwire/kernels/layernorm.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/activation.h"
+#include "gradwire/kernels/ref/cast.h"
+#include "gradwire/kernels/ref/layernorm.h"
 
 namespace gradwire::kernels::cuda {
 namespace {

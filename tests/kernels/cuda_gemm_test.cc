@@ -15,8 +15,8 @@
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/fp8.h"
-#include "gradwire/kernels/gemm.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
+#include "gradwire/kernels/ref/gemm.h"
 
 namespace gradwire::kernels::cuda {
 namespace {

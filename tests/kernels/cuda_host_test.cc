@@ -16,7 +16,7 @@
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/cuda/recipe.h"
 #include "gradwire/kernels/fp8.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
 
 namespace gradwire::kernels::cuda {
 namespace {

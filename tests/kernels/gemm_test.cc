@@ -1,5 +1,5 @@
 // Reference FP8 GEMM and casts against float64 on the dequantized operands.
-#include "gradwire/kernels/gemm.h"
+#include "gradwire/kernels/ref/gemm.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
 
 namespace gradwire::kernels {
 namespace {

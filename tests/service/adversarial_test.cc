@@ -18,6 +18,7 @@
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "server/rpc/auth.h"
+#include "tests/service/specs.h"
 #include "tests/service/test_server.h"
 
 namespace gradwire::testing {
@@ -50,13 +51,7 @@ v1::Tensor Filled(std::vector<int64_t> shape, float value) {
 }
 
 v1::ModuleSpec LinearSpec(int in = kIn, int out = kOut) {
-  v1::ModuleSpec spec;
-  spec.set_kind(v1::LINEAR);
-  spec.set_in_features(in);
-  spec.set_out_features(out);
-  spec.set_bias(true);
-  spec.set_seed(7);
-  return spec;
+  return testing::LinearSpec(in, out, /*bias=*/true, /*seed=*/7);
 }
 
 // One hostile call and what it must get.

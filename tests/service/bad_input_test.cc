@@ -19,6 +19,7 @@
 
 #include "gradwire/client/client.h"
 #include "server/rpc/auth.h"
+#include "specs.h"
 #include "test_server.h"
 #include "tests/sanitized.h"
 
@@ -793,12 +794,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, BadInputTest, ::testing::ValuesIn(Cases()),
 TEST(GradLayerNormOutputTest, ReachesTheModuleOverTheWire) {
   testing::TestServer server;
   auto c = server.Connect();
-  v1::ModuleSpec s;
-  s.set_kind(v1::LAYERNORM_LINEAR);
-  s.set_in_features(kIn);
-  s.set_out_features(kOut);
-  s.set_bias(true);
-  s.set_seed(5);
+  v1::ModuleSpec s = testing::LayerNormLinearSpec(kIn, kOut, true, 5);
   s.set_return_layernorm_output(true);
   auto wire_module = c->CreateModule(s);
   auto local_module = c->CreateModule(s);  // same seed: same weights

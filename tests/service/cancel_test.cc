@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
+#include "specs.h"
 #include "test_server.h"
 
 namespace gradwire {
@@ -23,11 +24,7 @@ class CancelTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_TRUE(server_.ok());
     client_ = server_.Connect();
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(1024);
-    spec.set_out_features(1024);
-    spec.set_seed(3);
+    v1::ModuleSpec spec = testing::LinearSpec(1024, 1024, false, 3);
     module_ = client_->CreateModule(spec)->module_id();
   }
 
@@ -191,10 +188,7 @@ TEST(UndeliveredForwardTest, AResponseThatNeverArrivesReleasesItsContext) {
   });
   ASSERT_TRUE(server.ok());
   auto c = server.Connect();
-  v1::ModuleSpec spec;
-  spec.set_kind(v1::LINEAR);
-  spec.set_in_features(32);
-  spec.set_out_features(16);
+  v1::ModuleSpec spec = testing::LinearSpec(32, 16);
   const std::string module = c->CreateModule(spec)->module_id();
   v1::ForwardRequest req;
   req.set_module_id(module);

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "gradwire/wire/chunking.h"
+#include "tests/service/specs.h"
 #include "tests/service/test_server.h"
 
 namespace gradwire {
@@ -150,15 +151,19 @@ TEST(ChunkingTest, AssemblerRefusesEveryMalformedSequence) {
   }
 }
 
-// --- Over loopback ------------------------------------------------------------------------------
+// --- Over TCP loopback and in-process ------------------------------------------------------------
 
-class ChunkedServiceTest : public ::testing::Test {
+class ChunkedServiceTest : public ::testing::TestWithParam<testing::Transport> {
  protected:
-  ChunkedServiceTest()
-      : server_([](rpc::ServiceOptions& o) {
-          o.chunk_bytes = kChunk;
-          o.max_stream_bytes = kMaxStream;
-        }) {}
+  static testing::TestServerOptions Options() {
+    testing::TestServerOptions o;
+    o.configure = [](rpc::ServiceOptions& s) {
+      s.chunk_bytes = kChunk;
+      s.max_stream_bytes = kMaxStream;
+    };
+    o.transport = GetParam();
+    return o;
+  }
 
   std::unique_ptr<client::Client> Connect(client::ClientOptions::Chunking chunking) {
     client::ClientOptions o;
@@ -168,12 +173,7 @@ class ChunkedServiceTest : public ::testing::Test {
   }
 
   std::string CreateLinear(client::Client& c, int64_t in, int64_t out) {
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(in);
-    spec.set_out_features(out);
-    spec.set_bias(true);
-    spec.set_seed(7);
+    v1::ModuleSpec spec = testing::LinearSpec(in, out, true, 7);
     auto info = c.CreateModule(spec);
     EXPECT_TRUE(info.ok()) << info.status();
     return info.ok() ? info->module_id() : "";
@@ -181,10 +181,10 @@ class ChunkedServiceTest : public ::testing::Test {
 
   int64_t LiveContexts() { return server_.host().Stats().live_contexts; }
 
-  TestServer server_;
+  TestServer server_{Options()};
 };
 
-TEST_F(ChunkedServiceTest, ForwardAndBackwardGiveTheUnaryResults) {
+TEST_P(ChunkedServiceTest, ForwardAndBackwardGiveTheUnaryResults) {
   auto unary = Connect(client::ClientOptions::Chunking::kNever);
   auto chunked = Connect(client::ClientOptions::Chunking::kAlways);
   const std::string id = CreateLinear(*unary, 256, 384);
@@ -210,7 +210,7 @@ TEST_F(ChunkedServiceTest, ForwardAndBackwardGiveTheUnaryResults) {
   EXPECT_EQ(chunked->chunked_calls(), 2);  // its forward and its backward
 }
 
-TEST_F(ChunkedServiceTest, ClientPicksTheCallBySize) {
+TEST_P(ChunkedServiceTest, ClientPicksTheCallBySize) {
   auto c = Connect(client::ClientOptions::Chunking::kAuto);
   const std::string narrow = CreateLinear(*c, 64, 32);
   const std::string wide = CreateLinear(*c, 16, 4096);
@@ -242,7 +242,7 @@ TEST_F(ChunkedServiceTest, ClientPicksTheCallBySize) {
   EXPECT_EQ(c->chunked_calls(), 5);
 }
 
-TEST_F(ChunkedServiceTest, WeightsRoundTripThroughChunks) {
+TEST_P(ChunkedServiceTest, WeightsRoundTripThroughChunks) {
   auto unary = Connect(client::ClientOptions::Chunking::kNever);
   auto chunked = Connect(client::ClientOptions::Chunking::kAlways);
   const std::string id = CreateLinear(*unary, 300, 200);  // 234 KiB of weight
@@ -281,7 +281,7 @@ grpc::Status SendForwardParts(TestServer& server, const std::vector<v1::ForwardR
   return stream->Finish();
 }
 
-TEST_F(ChunkedServiceTest, MalformedSequencesAreRefusedAndLeaveNothing) {
+TEST_P(ChunkedServiceTest, MalformedSequencesAreRefusedAndLeaveNothing) {
   auto c = Connect(client::ClientOptions::Chunking::kNever);
   const std::string id = CreateLinear(*c, 128, 64);
   const v1::Tensor full = F32Tensor({256, 128});  // 128 KiB: two chunks of 64 KiB
@@ -358,12 +358,12 @@ TEST_F(ChunkedServiceTest, MalformedSequencesAreRefusedAndLeaveNothing) {
   EXPECT_EQ(LiveContexts(), 1);
 }
 
-TEST_F(ChunkedServiceTest, RefusedSetWeightsChangesNothing) {
+TEST_P(ChunkedServiceTest, RefusedSetWeightsChangesNothing) {
   auto c = Connect(client::ClientOptions::Chunking::kNever);
   const std::string id = CreateLinear(*c, 128, 256);
   auto before = c->GetWeights(id);
   ASSERT_TRUE(before.ok());
-  auto channel = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+  auto channel = server_.Channel();
   auto stub = v1::Gradwire::NewStub(channel);
   grpc::ClientContext ctx;
   v1::SetWeightsResponse resp;
@@ -409,7 +409,7 @@ StartForward(v1::Gradwire::Stub& stub, grpc::ClientContext* ctx, const std::stri
   return stream;
 }
 
-TEST_F(ChunkedServiceTest, ForwardCancelledWhileQueuedIsNotRun) {
+TEST_P(ChunkedServiceTest, ForwardCancelledWhileQueuedIsNotRun) {
   auto c = Connect(client::ClientOptions::Chunking::kNever);
   const std::string id = CreateLinear(*c, 512, 512);
   std::mutex mu;
@@ -419,8 +419,7 @@ TEST_F(ChunkedServiceTest, ForwardCancelledWhileQueuedIsNotRun) {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return release; });
   });
-  auto stub = v1::Gradwire::NewStub(
-      grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::Gradwire::NewStub(server_.Channel());
   grpc::ClientContext ctx;
   auto stream = StartForward(*stub, &ctx, id, 1024, 512);
   ctx.TryCancel();
@@ -434,13 +433,12 @@ TEST_F(ChunkedServiceTest, ForwardCancelledWhileQueuedIsNotRun) {
   EXPECT_EQ(LiveContexts(), 0);
 }
 
-TEST_F(ChunkedServiceTest, UndeliveredResponseReleasesItsContext) {
+TEST_P(ChunkedServiceTest, UndeliveredResponseReleasesItsContext) {
   auto c = Connect(client::ClientOptions::Chunking::kNever);
   // 1 MiB in, 32 MiB out: more than the transport buffers, so the server is still writing when
   // the client, having read only the header, cancels.
   const std::string id = CreateLinear(*c, 16, 512);
-  auto stub = v1::Gradwire::NewStub(
-      grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::Gradwire::NewStub(server_.Channel());
   for (int i = 0; i < 3; ++i) {
     grpc::ClientContext ctx;
     auto stream = StartForward(*stub, &ctx, id, 16384, 16);
@@ -454,6 +452,11 @@ TEST_F(ChunkedServiceTest, UndeliveredResponseReleasesItsContext) {
         << "round " << i << ": the undelivered forward's context is still there";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ChunkedServiceTest,
+                         ::testing::Values(testing::Transport::kTcp,
+                                           testing::Transport::kInProcess),
+                         testing::TransportParamName);
 
 }  // namespace
 }  // namespace gradwire

@@ -10,6 +10,7 @@
 #include "gradwire/client/client.h"
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
+#include "specs.h"
 #include "test_server.h"
 
 namespace gradwire {
@@ -25,12 +26,7 @@ constexpr char kAliceToken[] = "alice-0123456789abcdef";
 constexpr char kBobToken[] = "bob-fedcba9876543210xyz";
 
 v1::ModuleSpec Linear(int64_t in, int64_t out, bool delayed = true) {
-  v1::ModuleSpec spec;
-  spec.set_kind(v1::LINEAR);
-  spec.set_in_features(in);
-  spec.set_out_features(out);
-  spec.set_bias(true);
-  spec.set_seed(11);
+  v1::ModuleSpec spec = testing::LinearSpec(in, out, true, 11);
   if (delayed) spec.mutable_recipe()->set_scaling(v1::DELAYED);
   return spec;
 }

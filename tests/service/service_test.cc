@@ -1,4 +1,5 @@
-// The real service over a real TCP loopback port, driven through the C++ client library.
+// The real server, driven through the C++ client library over a TCP loopback port and over the
+// in-process transport.
 #include "server/rpc/service.h"
 
 #include <ATen/ATen.h>
@@ -13,6 +14,7 @@
 #include "gradwire/kernels/fp8.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
+#include "specs.h"
 #include "test_server.h"
 
 namespace gradwire {
@@ -25,25 +27,16 @@ at::Tensor ToAt(const HostTensor& t) {
   return at::from_blob(const_cast<float*>(t.data.data()), t.shape, at::kFloat).clone();
 }
 
-class ServiceTest : public ::testing::Test {
+class ServiceTest : public ::testing::TestWithParam<testing::Transport> {
  protected:
   void SetUp() override {
     ASSERT_TRUE(server_.ok());
-    client::ClientOptions options;
-    options.server = server_.address();
-    options.timeout = std::chrono::seconds(20);
-    client_ = std::make_unique<client::Client>(options);
-    ASSERT_TRUE(client_->WaitForReady(std::chrono::seconds(10)).ok());
+    client_ = server_.Connect();
     module_ = CreateLinear(12, 6, true, 5);
   }
 
   std::string CreateLinear(int64_t in, int64_t out, bool bias, uint64_t seed) {
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(in);
-    spec.set_out_features(out);
-    spec.set_bias(bias);
-    spec.set_seed(seed);
+    v1::ModuleSpec spec = testing::LinearSpec(in, out, bias, seed);
     auto info = client_->CreateModule(spec);
     EXPECT_TRUE(info.ok()) << info.status();
     return info.ok() ? info->module_id() : "";
@@ -72,13 +65,13 @@ class ServiceTest : public ::testing::Test {
     return req;
   }
 
-  testing::TestServer server_;
+  testing::TestServer server_{GetParam()};
   core::ModuleHost& host_ = server_.host();
   std::unique_ptr<client::Client> client_;
   std::string module_;
 };
 
-TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
+TEST_P(ServiceTest, ServerInfoDescribesTheServer) {
   auto info = client_->GetServerInfo();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->device(), host_.backend().name());  // "cpu" unless GRADWIRE_TEST_DEVICE says
@@ -88,7 +81,7 @@ TEST_F(ServiceTest, ServerInfoDescribesTheServer) {
   EXPECT_EQ(info->module_kinds(2), v1::LAYERNORM_MLP);
 }
 
-TEST_F(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
+TEST_P(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
   // The same seed in a local host gives the same module: the wire must not change a bit.
   core::ModuleHost local;
   core::ModuleSpec spec;
@@ -131,7 +124,7 @@ TEST_F(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
   }
 }
 
-TEST_F(ServiceTest, InferenceForwardCreatesNoContext) {
+TEST_P(ServiceTest, InferenceForwardCreatesNoContext) {
   auto fwd = client_->Forward(module_, Random({5, 12}), /*training=*/false);
   ASSERT_TRUE(fwd.ok());
   EXPECT_TRUE(fwd->context_id.empty());
@@ -139,7 +132,7 @@ TEST_F(ServiceTest, InferenceForwardCreatesNoContext) {
   EXPECT_EQ(host_.Stats().live_contexts, 0);
 }
 
-TEST_F(ServiceTest, LeadingDimensionsArePreserved) {
+TEST_P(ServiceTest, LeadingDimensionsArePreserved) {
   auto fwd = client_->Forward(module_, Random({2, 3, 12}), true);
   ASSERT_TRUE(fwd.ok()) << fwd.status();
   EXPECT_EQ(fwd->output.shape, (std::vector<int64_t>{2, 3, 6}));
@@ -148,7 +141,7 @@ TEST_F(ServiceTest, LeadingDimensionsArePreserved) {
   EXPECT_EQ(dx->shape, (std::vector<int64_t>{2, 3, 12}));
 }
 
-TEST_F(ServiceTest, SetWeightsThenGetWeightsRoundTripsAndBumpsVersion) {
+TEST_P(ServiceTest, SetWeightsThenGetWeightsRoundTripsAndBumpsVersion) {
   const HostTensor w = Random({6, 12}), b = Random({6});
   auto version = client_->SetWeights(module_, {{"weight", w}, {"bias", b}});
   ASSERT_TRUE(version.ok()) << version.status();
@@ -166,7 +159,7 @@ TEST_F(ServiceTest, SetWeightsThenGetWeightsRoundTripsAndBumpsVersion) {
   EXPECT_EQ(got->weight_version, 3u);
 }
 
-TEST_F(ServiceTest, SixteenBitWireDtypesStayCloseToF32) {
+TEST_P(ServiceTest, SixteenBitWireDtypesStayCloseToF32) {
   const HostTensor x = Random({8, 12});
   auto f32 = client_->Forward(module_, x, false);
   ASSERT_TRUE(f32.ok());
@@ -184,7 +177,7 @@ TEST_F(ServiceTest, SixteenBitWireDtypesStayCloseToF32) {
   }
 }
 
-TEST_F(ServiceTest, ListAndDeleteModules) {
+TEST_P(ServiceTest, ListAndDeleteModules) {
   const std::string other = CreateLinear(3, 2, false, 1);
   auto list = client_->ListModules();
   ASSERT_TRUE(list.ok());
@@ -197,7 +190,7 @@ TEST_F(ServiceTest, ListAndDeleteModules) {
   EXPECT_EQ(client_->ListModules()->size(), 1u);
 }
 
-TEST_F(ServiceTest, DoubleBackwardIsFailedPreconditionAndRetainAllowsIt) {
+TEST_P(ServiceTest, DoubleBackwardIsFailedPreconditionAndRetainAllowsIt) {
   auto fwd = client_->Forward(module_, Random({2, 12}), true);
   ASSERT_TRUE(fwd.ok());
   client::BackwardOptions retain;
@@ -210,7 +203,7 @@ TEST_F(ServiceTest, DoubleBackwardIsFailedPreconditionAndRetainAllowsIt) {
   ExpectServes();
 }
 
-TEST_F(ServiceTest, ReleaseContextFreesIt) {
+TEST_P(ServiceTest, ReleaseContextFreesIt) {
   auto fwd = client_->Forward(module_, Random({2, 12}), true);
   ASSERT_TRUE(fwd.ok());
   EXPECT_EQ(host_.Stats().live_contexts, 1);
@@ -286,7 +279,7 @@ const BadForward kBadForwards[] = {
      grpc::INVALID_ARGUMENT, "output_dtype must be F32, BF16, F16, FP8_E4M3 or FP8_E5M2"},
 };
 
-TEST_F(ServiceTest, BadForwardsGetClearErrorsAndChangeNothing) {
+TEST_P(ServiceTest, BadForwardsGetClearErrorsAndChangeNothing) {
   const auto before = host_.Stats();
   const auto weights_before = client_->GetWeights(module_);
   ASSERT_TRUE(weights_before.ok());
@@ -309,7 +302,7 @@ TEST_F(ServiceTest, BadForwardsGetClearErrorsAndChangeNothing) {
   ExpectServes();
 }
 
-TEST_F(ServiceTest, BadBackwardsLeaveTheContextUsable) {
+TEST_P(ServiceTest, BadBackwardsLeaveTheContextUsable) {
   auto fwd = client_->Forward(module_, Random({2, 12}), true);
   ASSERT_TRUE(fwd.ok());
   struct Case {
@@ -349,11 +342,8 @@ TEST_F(ServiceTest, BadBackwardsLeaveTheContextUsable) {
   EXPECT_EQ(host_.Stats().live_contexts, 0);
 }
 
-TEST_F(ServiceTest, BadModuleAndOptimizerRequests) {
-  v1::ModuleSpec spec;
-  spec.set_kind(v1::LINEAR);
-  spec.set_in_features(0);
-  spec.set_out_features(3);
+TEST_P(ServiceTest, BadModuleAndOptimizerRequests) {
+  v1::ModuleSpec spec = testing::LinearSpec(0, 3);
   auto created = client_->CreateModule(spec);
   EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(created.status().message().find("spec.in_features"), std::string::npos);
@@ -390,7 +380,7 @@ TEST_F(ServiceTest, BadModuleAndOptimizerRequests) {
   ExpectServes();
 }
 
-TEST_F(ServiceTest, LayerNormMlpOverTheWire) {
+TEST_P(ServiceTest, LayerNormMlpOverTheWire) {
   v1::ModuleSpec spec;
   spec.set_kind(v1::LAYERNORM_MLP);
   spec.set_in_features(12);
@@ -427,7 +417,7 @@ TEST_F(ServiceTest, LayerNormMlpOverTheWire) {
   EXPECT_EQ(client_->ApplyGradients(info->module_id()).value(), 2u);
 }
 
-TEST_F(ServiceTest, BadModuleSpecsNameTheField) {
+TEST_P(ServiceTest, BadModuleSpecsNameTheField) {
   struct Case {
     const char* name;
     void (*mutate)(v1::ModuleSpec*);
@@ -475,10 +465,7 @@ TEST_F(ServiceTest, BadModuleSpecsNameTheField) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(4);
-    spec.set_out_features(4);
+    v1::ModuleSpec spec = testing::LinearSpec(4, 4);
     c.mutate(&spec);
     auto created = client_->CreateModule(spec);
     EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
@@ -488,7 +475,7 @@ TEST_F(ServiceTest, BadModuleSpecsNameTheField) {
   ExpectServes();
 }
 
-TEST_F(ServiceTest, ConcurrentClientsAreAllServed) {
+TEST_P(ServiceTest, ConcurrentClientsAreAllServed) {
   constexpr int kThreads = 6, kSteps = 10;
   std::vector<std::thread> threads;
   std::atomic<int> ok{0};
@@ -505,6 +492,11 @@ TEST_F(ServiceTest, ConcurrentClientsAreAllServed) {
   EXPECT_EQ(ok.load(), kThreads * kSteps);
   EXPECT_EQ(host_.Stats().live_contexts, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ServiceTest,
+                         ::testing::Values(testing::Transport::kTcp,
+                                           testing::Transport::kInProcess),
+                         testing::TransportParamName);
 
 }  // namespace
 }  // namespace gradwire

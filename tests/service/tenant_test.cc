@@ -8,6 +8,7 @@
 
 #include "gradwire/client/client.h"
 #include "server/rpc/auth.h"
+#include "specs.h"
 #include "test_server.h"
 
 namespace gradwire {
@@ -113,12 +114,7 @@ class TenantTest : public ::testing::Test {
     ASSERT_TRUE(server_->ok());
     alice_ = server_->Connect(kAliceToken);
     bob_ = server_->Connect(kBobToken);
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(16);
-    spec.set_out_features(8);
-    spec.set_bias(true);
-    spec.set_seed(3);
+    v1::ModuleSpec spec = testing::LinearSpec(16, 8, true, 3);
     auto info = alice_->CreateModule(spec);
     ASSERT_TRUE(info.ok()) << info.status();
     module_ = info->module_id();
@@ -185,10 +181,7 @@ TEST_F(TenantTest, AnotherTenantsContextIdIsNotFoundLiveOrConsumed) {
 }
 
 TEST_F(TenantTest, EachTenantWorksOnItsOwnModules) {
-  v1::ModuleSpec spec;
-  spec.set_kind(v1::LINEAR);
-  spec.set_in_features(16);
-  spec.set_out_features(16);
+  v1::ModuleSpec spec = testing::LinearSpec(16, 16);
   auto bobs = bob_->CreateModule(spec);
   ASSERT_TRUE(bobs.ok()) << bobs.status();
   auto fwd = bob_->Forward(bobs->module_id(), Random({2, 16}), true);
@@ -217,10 +210,7 @@ TEST_F(TenantTest, CallsWithoutAValidTokenAreUnauthenticatedAndChangeNothing) {
     EXPECT_EQ(c->Backward(context_, Random({4, 8})).status().code(),
               absl::StatusCode::kUnauthenticated);
     EXPECT_EQ(c->DeleteModule(module_).code(), absl::StatusCode::kUnauthenticated);
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(4);
-    spec.set_out_features(4);
+    v1::ModuleSpec spec = testing::LinearSpec(4, 4);
     EXPECT_EQ(c->CreateModule(spec).status().code(), absl::StatusCode::kUnauthenticated);
   }
   EXPECT_EQ(server_->host().List().size(), 1u);

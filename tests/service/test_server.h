@@ -1,7 +1,9 @@
-// A real gradwire service on a real TCP loopback port (127.0.0.1:0), for tests.
+// The real gradwire server for the service suites: started as gradwire-server starts it, on a
+// TCP loopback port (127.0.0.1:0), reachable over TCP or in-process.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
@@ -17,6 +19,7 @@
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/service.h"
+#include "server/server.h"
 
 namespace gradwire::testing {
 
@@ -58,6 +61,18 @@ inline core::BackendPtr TestBackend() {
   std::abort();
 }
 
+// How the tests' clients reach the server: a TCP loopback port, or gRPC's in-process transport
+// (no sockets, no HTTP/2 framing on the network), as gRPC's own end-to-end tests run each case
+// over both.
+enum class Transport { kTcp, kInProcess };
+
+inline const char* TransportName(Transport t) { return t == Transport::kTcp ? "Tcp" : "InProcess"; }
+
+// For INSTANTIATE_TEST_SUITE_P over both transports: names the cases ".../Tcp" and ".../InProcess".
+inline std::string TransportParamName(const ::testing::TestParamInfo<Transport>& info) {
+  return TransportName(info.param);
+}
+
 struct TestServerOptions {
   const rpc::Authenticator* authenticator = nullptr;  // tokens and tenant isolation when set
   int stream_read_ahead = 8;
@@ -65,8 +80,12 @@ struct TestServerOptions {
   core::ContextLimits context_limits;
   // Adjusts the service's options last (chunk sizes, ...); may be empty.
   std::function<void(rpc::ServiceOptions&)> configure;
+  // What Connect() dials; address() is always the TCP port.
+  Transport transport = Transport::kTcp;
 };
 
+// The server gradwire-server runs (server/server.h), started with test options on 127.0.0.1:0:
+// the same assembly, not a copy of it.
 class TestServer {
  public:
   // With `authenticator`, calls need bearer tokens and tenants are isolated.
@@ -75,54 +94,63 @@ class TestServer {
   // `configure` adjusts the service's options before it starts.
   explicit TestServer(const std::function<void(rpc::ServiceOptions&)>& configure)
       : TestServer(WithConfigure(configure)) {}
-  explicit TestServer(const TestServerOptions& o)
-      : host_(o.context_limits, nullptr, TestBackend()) {
-    executor_ = std::make_unique<core::DeviceExecutor>(host_.backend().name());
-    rpc::ServiceOptions options;
-    options.version = "test";
-    options.device = host_.backend().name();
-    options.device_name = "test " + host_.backend().Describe();
-    options.authenticator = o.authenticator;
-    options.stream_read_ahead = o.stream_read_ahead;
-    options.limits = o.limits;
-    if (o.configure) o.configure(options);
-    service_ = std::make_unique<rpc::GradwireService>(host_, *executor_, std::move(options));
-    grpc::ServerBuilder builder;
-    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, 64 << 10);
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(service_.get());
-    // As gradwire-server does: twice the request limit, so a request over it is read and refused
-    // with a message naming the flag.
-    builder.SetMaxReceiveMessageSize(
-        o.limits.max_request_bytes > 0 ? int(2 * o.limits.max_request_bytes) : 64 << 20);
-    builder.SetMaxSendMessageSize(64 << 20);
-    server_ = builder.BuildAndStart();
+  explicit TestServer(Transport transport) : TestServer(WithTransport(transport)) {}
+  explicit TestServer(const TestServerOptions& o) : transport_(o.transport) {
+    server::ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    options.backend = TestBackend();
+    options.context_limits = o.context_limits;
+    // Borrowed: the test owns the authenticator and outlives the server.
+    options.authenticator = std::shared_ptr<const rpc::Authenticator>(
+        o.authenticator, [](const rpc::Authenticator*) {});
+    options.heap_trim_every_s = 0;
+    options.service.version = "test";
+    options.service.stream_read_ahead = o.stream_read_ahead;
+    options.service.limits = o.limits;
+    if (o.configure) o.configure(options.service);
+    auto started = server::Server::Start(std::move(options));
+    EXPECT_TRUE(started.ok()) << started.status();
+    if (started.ok()) server_ = *std::move(started);
   }
   ~TestServer() {
-    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    server_.reset();
-    executor_.reset();
+    if (server_) {
+      (void)server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    }
   }
-  bool ok() const { return server_ != nullptr && port_ > 0; }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  bool ok() const { return server_ != nullptr && server_->port() > 0; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(server_->port()); }
+  Transport transport() const { return transport_; }
+  // A channel of the test's transport, with the client library's message size limits.
+  std::shared_ptr<grpc::Channel> Channel(int max_message_mib = 64) const {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(max_message_mib << 20);
+    args.SetMaxSendMessageSize(max_message_mib << 20);
+    if (transport_ == Transport::kInProcess) return server_->InProcessChannel(args);
+    return grpc::CreateCustomChannel(address(), grpc::InsecureChannelCredentials(), args);
+  }
   // A connected client (20 s deadlines), with `token` when given.
   std::unique_ptr<client::Client> Connect(std::string token = {}) const {
     client::ClientOptions options;
     options.token = std::move(token);
     return Connect(std::move(options));
   }
-  // A connected client with `options` (server and a 20 s deadline filled in).
+  // A connected client with `options` (server and a 20 s deadline filled in) over the test's
+  // transport.
   std::unique_ptr<client::Client> Connect(client::ClientOptions options) const {
     options.server = address();
     options.timeout = std::chrono::seconds(20);
+    if (transport_ == Transport::kInProcess) {
+      // Ready from the start; gRPC cannot watch an in-process channel's state (WaitForReady).
+      return std::make_unique<client::Client>(options, Channel(options.max_message_mib));
+    }
     auto c = std::make_unique<client::Client>(options);
     EXPECT_TRUE(c->WaitForReady(std::chrono::seconds(10)).ok());
     return c;
   }
-  core::ModuleHost& host() { return host_; }
-  core::DeviceExecutor& executor() { return *executor_; }
-  rpc::GradwireService& service() { return *service_; }
+  core::ModuleHost& host() { return server_->host(); }
+  core::DeviceExecutor& executor() { return server_->executor(); }
+  rpc::GradwireService& service() { return server_->service(); }
+  server::Server& server() { return *server_; }
 
  private:
   static TestServerOptions Options(const rpc::Authenticator* authenticator, int stream_read_ahead) {
@@ -136,12 +164,14 @@ class TestServer {
     o.configure = std::move(configure);
     return o;
   }
+  static TestServerOptions WithTransport(Transport transport) {
+    TestServerOptions o;
+    o.transport = transport;
+    return o;
+  }
 
-  core::ModuleHost host_;
-  std::unique_ptr<core::DeviceExecutor> executor_;
-  std::unique_ptr<rpc::GradwireService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
+  Transport transport_;
+  std::unique_ptr<server::Server> server_;
 };
 
 }  // namespace gradwire::testing

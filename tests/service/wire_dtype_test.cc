@@ -7,8 +7,9 @@
 #include <random>
 
 #include "gradwire/client/client.h"
-#include "gradwire/kernels/gemm.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
+#include "gradwire/kernels/ref/gemm.h"
+#include "specs.h"
 #include "test_server.h"
 
 namespace gradwire {
@@ -51,12 +52,7 @@ class WireDTypeTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_TRUE(server_.ok());
     client_ = server_.Connect();
-    v1::ModuleSpec spec;
-    spec.set_kind(v1::LINEAR);
-    spec.set_in_features(64);
-    spec.set_out_features(48);
-    spec.set_bias(true);
-    spec.set_seed(5);
+    v1::ModuleSpec spec = testing::LinearSpec(64, 48, true, 5);
     module_ = client_->CreateModule(spec)->module_id();
   }
 

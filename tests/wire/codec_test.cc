@@ -14,7 +14,7 @@
 
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/fp8.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
 #include "gradwire/wire/tensor.h"
 
 namespace gradwire::wire {

@@ -1,6 +1,8 @@
-// Activations of the MLP block (reference backend). Gated activations read an input twice as
-// wide as their output: the first half goes through the nonlinearity, the second half is the
-// linear gate (out = act(in[:, :w]) * in[:, w:]).
+// The activations of the MLP block, shared by both backends: the kinds and their names. The
+// functions are each backend's: gradwire/kernels/ref/activation.h (reference) and
+// gradwire/kernels/cuda/activation.h (CUDA). Gated activations read an input twice as wide as
+// their output: the first half goes through the nonlinearity, the second half is the linear gate
+// (out = act(in[:, :w]) * in[:, w:]).
 #pragma once
 
 #include <cstdint>
@@ -18,12 +20,5 @@ const char* ActivationName(Activation act);
 constexpr bool IsGated(Activation act) {
   return act == Activation::kSwiglu || act == Activation::kGeglu;
 }
-
-// in: [rows, (gated ? 2 : 1) * width], out: [rows, width].
-void ActivationForward(Activation act, const float* in, int64_t rows, int64_t width, float* out);
-
-// dout: [rows, width]; in: the forward input; din: [rows, (gated ? 2 : 1) * width].
-void ActivationBackward(Activation act, const float* dout, const float* in, int64_t rows,
-                        int64_t width, float* din);
 
 }  // namespace gradwire::kernels

@@ -1,4 +1,6 @@
-// FP8 formats of the reference backend: the definition of gradwire's FP8 numerics.
+// FP8 formats, shared by both backends: the definition of gradwire's FP8 numerics
+// (kernels/ref/fp8.cc; the CUDA backend repeats the element math on the device, bit for bit, in
+// kernels/cuda/fp8_math.h).
 //
 // E4M3 is the OCP "fn" variant (no infinities; S.1111.111 is NaN; max 448).
 // E5M2 is IEEE-like (infinities and NaNs in the top exponent; max 57344).

@@ -1,4 +1,4 @@
-// FP8 casts of the CUDA backend: bit-exact with the reference backend (kernels/ref/quantize.cc,
+// FP8 casts of the CUDA backend: bit-exact with the reference backend (kernels/ref/cast.cc,
 // fp8.cc) for the same fp32 input and scale: same codes, same transposed codes, same amax, same
 // scale_inv = 1 / scale, same current-scaling scale.
 //

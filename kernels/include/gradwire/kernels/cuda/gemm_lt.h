@@ -3,7 +3,7 @@
 //   D[m, n] = scale_inv_a * scale_inv_b * A[m, k] . B[n, k]^T  (+ bias[n])  (+ D if accumulate)
 //
 // Row-major operands, both contiguous along k: the only layout FP8 tensor cores take (cuBLASLt's
-// "TN"). The three products of a Linear layer map onto it as in gradwire/kernels/gemm.h:
+// "TN"). The three products of a Linear layer map onto it as in gradwire/kernels/ref/gemm.h:
 //   forward  Y  = X . W^T      a = X  rowwise [M, K],  b = W rowwise   [N, K]
 //   dgrad    dX = dY . W       a = dY rowwise [M, N],  b = W columnwise [K, N]
 //   wgrad    dW = dY^T . X     a = dY columnwise [N, M], b = X columnwise [K, M] (accumulate)

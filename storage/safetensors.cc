@@ -1,12 +1,6 @@
-#include "gradwire/client/safetensors.h"
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include "gradwire/storage/safetensors.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
@@ -16,12 +10,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace gradwire::client {
+namespace gradwire::storage {
 namespace {
 
 using Json = nlohmann::json;
 
-constexpr uint64_t kLengthBytes = 8;
+constexpr uint64_t kLengthBytes = kSafetensorsPrefixBytes;
 // Hostile names can be as long as the header; error messages quote only their start.
 constexpr size_t kMaxQuotedChars = 80;
 // The JSON library's messages quote the offending token, which can be just as long.
@@ -108,8 +102,9 @@ absl::StatusOr<uint64_t> CheckedNumel(const std::vector<int64_t>& shape, absl::s
   return numel;
 }
 
-// The 8-byte prefix: checks it is there and that the header it announces fits in the file.
-absl::StatusOr<uint64_t> HeaderLength(absl::string_view prefix, uint64_t file_size) {
+}  // namespace
+
+absl::StatusOr<uint64_t> SafetensorsHeaderLength(absl::string_view prefix, uint64_t file_size) {
   if (file_size < kLengthBytes || prefix.size() < kLengthBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "file is ", file_size, " bytes, shorter than the 8-byte header length prefix"));
@@ -130,12 +125,7 @@ absl::StatusOr<uint64_t> HeaderLength(absl::string_view prefix, uint64_t file_si
   return n;
 }
 
-// A tensor of the header, without its data yet.
-struct Entry {
-  StTensor tensor;
-  uint64_t begin = 0;
-  uint64_t end = 0;
-};
+namespace {
 
 // Streams the header through nlohmann's SAX interface instead of building a JSON DOM: values
 // that do not matter (unknown fields) are skipped without being stored, structural errors stop
@@ -147,7 +137,7 @@ class HeaderHandler {
 
   absl::Status status() const { return status_; }
   bool done() const { return state_ == State::kDone; }
-  std::vector<Entry>& entries() { return entries_; }
+  std::vector<StEntry>& entries() { return entries_; }
   std::map<std::string, std::string>& metadata() { return metadata_; }
 
   // The SAX interface (see nlohmann::json_sax).
@@ -229,13 +219,13 @@ class HeaderHandler {
   const uint64_t data_size_;
   absl::Status status_;
   State state_ = State::kRoot;
-  std::vector<Entry> entries_;
+  std::vector<StEntry> entries_;
   std::map<std::string, std::string> metadata_;
   bool seen_metadata_ = false;
   bool value_is_metadata_ = false;
   std::string meta_key_;
   // The tensor entry being read.
-  Entry current_;
+  StEntry current_;
   Field field_ = Field::kUnknown;
   bool has_dtype_ = false, has_shape_ = false, has_offsets_ = false;
   uint64_t numel_ = 1;
@@ -381,7 +371,7 @@ bool HeaderHandler::key(Json::string_t& k) {
       } else {
         if (k.empty()) return Fail("a tensor has an empty name");
         value_is_metadata_ = false;
-        current_ = Entry();
+        current_ = StEntry();
         current_.tensor.name = std::move(k);
         has_dtype_ = has_shape_ = has_offsets_ = false;
       }
@@ -482,14 +472,14 @@ bool HeaderHandler::FinishTensor() {
                              ShapeString(current_.tensor.shape), " needs ", needed));
   }
   entries_.push_back(std::move(current_));
-  current_ = Entry();
+  current_ = StEntry();
   return true;
 }
 
-// Parses and validates the JSON header of a file whose data section is `data_size` bytes. The
-// entries come back sorted by offsets, and their byte ranges tile the data section exactly.
-absl::StatusOr<std::vector<Entry>> ParseHeader(absl::string_view json, uint64_t data_size,
-                                               std::map<std::string, std::string>* metadata) {
+}  // namespace
+
+absl::StatusOr<std::vector<StEntry>> ParseSafetensorsHeader(
+    absl::string_view json, uint64_t data_size, std::map<std::string, std::string>* metadata) {
   // nlohmann's lexer takes a NUL byte for the end of its input and would accept whatever follows;
   // JSON text has no place for one (strings must escape it).
   if (const size_t nul = json.find('\0'); nul != absl::string_view::npos) {
@@ -507,13 +497,13 @@ absl::StatusOr<std::vector<Entry>> ParseHeader(absl::string_view json, uint64_t 
     if (!handler.status().ok()) return handler.status();
     return absl::InvalidArgumentError("header is not a complete JSON object");
   }
-  std::vector<Entry>& entries = handler.entries();
+  std::vector<StEntry>& entries = handler.entries();
 
   // JSON allows repeated keys; a repeated tensor name would make a lookup by name ambiguous.
   {
     std::vector<const std::string*> names;
     names.reserve(entries.size());
-    for (const Entry& e : entries) names.push_back(&e.tensor.name);
+    for (const StEntry& e : entries) names.push_back(&e.tensor.name);
     std::sort(names.begin(), names.end(),
               [](const std::string* a, const std::string* b) { return *a < *b; });
     for (size_t i = 1; i < names.size(); ++i) {
@@ -524,13 +514,13 @@ absl::StatusOr<std::vector<Entry>> ParseHeader(absl::string_view json, uint64_t 
     }
   }
 
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+  std::sort(entries.begin(), entries.end(), [](const StEntry& a, const StEntry& b) {
     return std::tie(a.begin, a.end, a.tensor.name) < std::tie(b.begin, b.end, b.tensor.name);
   });
   // Walking the sorted ranges with a cursor finds both overlaps and holes.
   uint64_t cursor = 0;
-  const Entry* previous = nullptr;
-  for (const Entry& e : entries) {
+  const StEntry* previous = nullptr;
+  for (const StEntry& e : entries) {
     if (e.begin < cursor) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", Quote(e.tensor.name), ": \"data_offsets\" [", e.begin, ", ",
@@ -555,108 +545,6 @@ absl::StatusOr<std::vector<Entry>> ParseHeader(absl::string_view json, uint64_t 
   if (metadata != nullptr) *metadata = std::move(handler.metadata());
   return std::move(entries);
 }
-
-// strerror_r comes in a GNU flavour (returns the message) and an XSI one (fills the buffer).
-[[maybe_unused]] const char* StrerrorResult(const char* message, const char*) { return message; }
-[[maybe_unused]] const char* StrerrorResult(int, const char* buffer) { return buffer; }
-
-std::string ErrnoText(int err) {
-  char buffer[256] = "unknown error";
-  return StrerrorResult(strerror_r(err, buffer, sizeof(buffer)), buffer);
-}
-
-absl::Status ErrnoStatus(int err, absl::string_view what) {
-  std::string message = absl::StrCat(what, ": ", ErrnoText(err));
-  switch (err) {
-    case ENOENT:
-    case ENOTDIR:
-      return absl::NotFoundError(message);
-    case EACCES:
-    case EPERM:
-    case EROFS:
-      return absl::PermissionDeniedError(message);
-    case ENOSPC:
-    case EDQUOT:
-      return absl::ResourceExhaustedError(message);
-    default:
-      return absl::InternalError(message);
-  }
-}
-
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-  // Closes now, for callers that must see close(2)'s error.
-  int Close() {
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
-
-absl::Status WriteAll(int fd, absl::string_view bytes, const std::string& path) {
-  while (!bytes.empty()) {
-    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("cannot write ", Quote(path)));
-    }
-    bytes.remove_prefix(static_cast<size_t>(n));
-  }
-  return absl::OkStatus();
-}
-
-// Reads exactly `size` bytes at `offset`; a file that ends early is INVALID_ARGUMENT.
-absl::Status PreadAll(int fd, char* out, uint64_t size, uint64_t offset, const std::string& path) {
-  while (size > 0) {
-    const ssize_t n = ::pread(fd, out, size, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("cannot read ", Quote(path)));
-    }
-    if (n == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(Quote(path), ": file ended at byte ", offset, " while reading it"));
-    }
-    out += n;
-    size -= static_cast<uint64_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return absl::OkStatus();
-}
-
-// Makes the rename itself durable. Filesystems that cannot sync directories report EINVAL; there
-// is nothing more to do on those.
-absl::Status SyncParentDirectory(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  const std::string dir =
-      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) {
-    return ErrnoStatus(errno, absl::StrCat(Quote(path), " was written but its directory ",
-                                           Quote(dir), " could not be opened to sync it"));
-  }
-  FdCloser closer(fd);
-  if (::fsync(fd) != 0 && errno != EINVAL) {
-    return ErrnoStatus(errno, absl::StrCat(Quote(path), " was written but its directory ",
-                                           Quote(dir), " could not be synced"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status WithPath(const absl::Status& s, const std::string& path) {
-  return absl::Status(s.code(), absl::StrCat(Quote(path), ": ", s.message()));
-}
-
-}  // namespace
 
 absl::string_view StDTypeName(StDType dtype) {
   for (const DTypeInfo& info : kDTypes) {
@@ -750,91 +638,19 @@ absl::StatusOr<std::string> SerializeSafetensors(
 
 absl::StatusOr<std::vector<StTensor>> ParseSafetensors(
     absl::string_view bytes, std::map<std::string, std::string>* metadata) {
-  absl::StatusOr<uint64_t> n = HeaderLength(bytes, bytes.size());
+  absl::StatusOr<uint64_t> n = SafetensorsHeaderLength(bytes, bytes.size());
   if (!n.ok()) return n.status();
   const uint64_t data_start = kLengthBytes + *n;
-  absl::StatusOr<std::vector<Entry>> entries =
-      ParseHeader(bytes.substr(kLengthBytes, *n), bytes.size() - data_start, metadata);
+  absl::StatusOr<std::vector<StEntry>> entries =
+      ParseSafetensorsHeader(bytes.substr(kLengthBytes, *n), bytes.size() - data_start, metadata);
   if (!entries.ok()) return entries.status();
   std::vector<StTensor> tensors;
   tensors.reserve(entries->size());
-  for (Entry& e : *entries) {
+  for (StEntry& e : *entries) {
     e.tensor.data.assign(bytes.data() + data_start + e.begin, e.end - e.begin);
     tensors.push_back(std::move(e.tensor));
   }
   return tensors;
 }
 
-absl::Status WriteSafetensorsFile(const std::string& path, const std::vector<StTensor>& tensors,
-                                  const std::map<std::string, std::string>& metadata) {
-  absl::StatusOr<std::string> bytes = SerializeSafetensors(tensors, metadata);
-  if (!bytes.ok()) return WithPath(bytes.status(), path);
-
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return ErrnoStatus(errno,
-                       absl::StrCat("cannot create ", Quote(tmp), " to write ", Quote(path)));
-  }
-  FdCloser closer(fd);
-  absl::Status status = WriteAll(fd, *bytes, tmp);
-  // Without the fsync, a crash soon after the rename can leave `path` naming an empty file.
-  if (status.ok() && ::fsync(fd) != 0) {
-    status = ErrnoStatus(errno, absl::StrCat("cannot fsync ", Quote(tmp)));
-  }
-  if (closer.Close() != 0 && status.ok()) {
-    status = ErrnoStatus(errno, absl::StrCat("cannot close ", Quote(tmp)));
-  }
-  if (status.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    status = ErrnoStatus(errno, absl::StrCat("cannot rename ", Quote(tmp), " to ", Quote(path)));
-  }
-  if (!status.ok()) {
-    ::unlink(tmp.c_str());
-    return status;
-  }
-  return SyncParentDirectory(path);
-}
-
-absl::StatusOr<std::vector<StTensor>> ReadSafetensorsFile(
-    const std::string& path, std::map<std::string, std::string>* metadata) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", Quote(path)));
-  FdCloser closer(fd);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("cannot stat ", Quote(path)));
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(Quote(path), " is not a regular file"));
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-
-  char prefix[kLengthBytes];
-  const uint64_t prefix_size = std::min<uint64_t>(file_size, kLengthBytes);
-  if (absl::Status s = PreadAll(fd, prefix, prefix_size, 0, path); !s.ok()) return s;
-  absl::StatusOr<uint64_t> n = HeaderLength(absl::string_view(prefix, prefix_size), file_size);
-  if (!n.ok()) return WithPath(n.status(), path);
-
-  // Bounded by both the 100 MiB limit and the file's size, checked above.
-  std::string header(*n, '\0');
-  if (absl::Status s = PreadAll(fd, header.data(), *n, kLengthBytes, path); !s.ok()) return s;
-  const uint64_t data_start = kLengthBytes + *n;
-  absl::StatusOr<std::vector<Entry>> entries =
-      ParseHeader(header, file_size - data_start, metadata);
-  if (!entries.ok()) return WithPath(entries.status(), path);
-  header = std::string();
-
-  std::vector<StTensor> tensors;
-  tensors.reserve(entries->size());
-  for (Entry& e : *entries) {
-    // Sizes were checked against the file's size, so this allocates no more than the file holds.
-    e.tensor.data.resize(e.end - e.begin);
-    if (absl::Status s =
-            PreadAll(fd, e.tensor.data.data(), e.end - e.begin, data_start + e.begin, path);
-        !s.ok()) {
-      return s;
-    }
-    tensors.push_back(std::move(e.tensor));
-  }
-  return tensors;
-}
-
-}  // namespace gradwire::client
+}  // namespace gradwire::storage

@@ -5,7 +5,7 @@
 
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/fp8.h"
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "the wire format is little-endian; this host would need byte swaps");

@@ -1,7 +1,5 @@
 // The safetensors reader/writer: bit-exact round trips, byte layout against the format's
 // specification, and rejection of malformed or truncated input without crashes.
-#include "gradwire/client/safetensors.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -16,7 +14,10 @@
 #include <utility>
 #include <vector>
 
-namespace gradwire::client {
+#include "gradwire/storage/safetensors_file.h"
+#include "temp_dir.h"
+
+namespace gradwire::storage {
 namespace {
 
 namespace fs = std::filesystem;
@@ -516,26 +517,7 @@ TEST(SafetensorsTest, SerializeRejectsBadTensors) {
   EXPECT_TRUE(SerializeSafetensors({good}, {}).ok());
 }
 
-class SafetensorsFileTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    std::string tmpl = ::testing::TempDir() + "/safetensors_test.XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::vector<std::string> DirEntries() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(dir_)) names.push_back(e.path().filename());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
-  fs::path dir_;
-};
+class SafetensorsFileTest : public TempDirTest {};
 
 TEST_F(SafetensorsFileTest, WriteThenReadRoundTripsAndLeavesNoTempFile) {
   const std::string path = dir_ / "model.safetensors";
@@ -610,4 +592,4 @@ TEST_F(SafetensorsFileTest, ReadErrorsNameThePath) {
 }
 
 }  // namespace
-}  // namespace gradwire::client
+}  // namespace gradwire::storage

@@ -10,16 +10,20 @@
 #include <cmath>
 #include <vector>
 
-#include "cuda_test_util.h"
 #include "gradwire/kernels/cuda/cast.h"
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/dtype.h"
 #include "server/core/linear.h"
 #include "server/core/quantizer.h"
+#include "test_util.h"
+#include "tests/kernels/cuda_test_util.h"
 
 namespace gradwire::kernels::cuda {
 namespace {
 
+using gradwire::testing::kE5M2;
+using gradwire::testing::MakeBwdArgs;
+using gradwire::testing::MakeFwdArgs;
 using testing::Bits;
 using testing::DeviceBuffer;
 
@@ -94,30 +98,16 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   std::vector<float> bias_v = Floats(at::randn({N}));
   for (float& b : bias_v) b = Bf16ToFloat(FloatToBf16(b));
   const at::Tensor bias = at::from_blob(bias_v.data(), {N}, at::kFloat).clone();
-  const core::QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f}, e5m2{Fp8Format::kE5M2, 0, 0.0f};
 
-  core::LinearFwdArgs fa;
-  fa.input = x;
-  fa.weight = w;
-  fa.bias = bias;
-  fa.weight_version = 1;
-  fa.input_quantizer = e4m3;
-  fa.weight_quantizer = e4m3;
-  fa.training = true;
-  auto fwd = core::LinearForward(fa);
+  auto fwd = core::LinearForward(MakeFwdArgs<core::LinearFwdArgs>(x, w, bias, /*training=*/true));
   ASSERT_TRUE(fwd.ok()) << fwd.status();
   const core::Fp8Tensor& wq = fwd->workspace->weights[0];
   const core::Fp8Tensor& xq = fwd->saved->input;  // columnwise only
   at::Tensor weight_grad = at::randn({N, K}), bias_grad = at::randn({N});
   const std::vector<float> weight_grad0 = Floats(weight_grad);
   const std::vector<float> bias_grad0 = Floats(bias_grad);
-  core::LinearBwdArgs ba;
-  ba.grad_output = dy;
-  ba.saved = fwd->saved.get();
-  ba.grad_quantizer = e5m2;
-  ba.weight_grad = weight_grad;
-  ba.bias_grad = bias_grad;
-  auto bwd = core::LinearBackward(ba);
+  auto bwd = core::LinearBackward(
+      MakeBwdArgs<core::LinearBwdArgs>(dy, fwd->saved.get(), weight_grad, bias_grad));
   ASSERT_TRUE(bwd.ok()) << bwd.status();
 
   // The same step on the device.
@@ -154,7 +144,7 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   const at::Tensor xd = core::Dequantize(xq, false).t().to(at::kDouble);  // [M, K]
   const at::Tensor wd = core::Dequantize(wq, true).to(at::kDouble);       // [N, K]
   const at::Tensor gq =
-      core::Dequantize(*core::Quantize(dy, e5m2, {true, false}), true).to(at::kDouble);  // [M, N]
+      core::Dequantize(*core::Quantize(dy, kE5M2, {true, false}), true).to(at::kDouble);  // [M, N]
   EXPECT_TRUE(CloseToModule(y.Download(), fwd->output,
                             at::matmul(xd.abs(), wd.abs().t()) + bias.abs().to(at::kDouble), K));
   EXPECT_TRUE(CloseToModule(dx.Download(), bwd->grad_input, at::matmul(gq.abs(), wd.abs()), N));

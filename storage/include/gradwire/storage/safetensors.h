@@ -1,5 +1,6 @@
-// Torch-free reader and writer of the safetensors format
-// (https://github.com/huggingface/safetensors), restricted to the element types gradwire stores.
+// The safetensors format (https://github.com/huggingface/safetensors), restricted to the element
+// types gradwire stores: serialising and parsing in memory, torch- and gRPC-free. Files on disk
+// are gradwire/storage/safetensors_file.h.
 //
 // Layout: an 8-byte little-endian unsigned header length N, N bytes of a UTF-8 JSON object, then
 // the data section. Every tensor entry of the header gives its dtype, shape and
@@ -17,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace gradwire::client {
+namespace gradwire::storage {
 
 // Element types gradwire stores in safetensors files. Their safetensors names are "F32", "BF16",
 // "F16", "F8_E4M3" and "F8_E5M2".
@@ -62,19 +63,28 @@ absl::StatusOr<std::string> SerializeSafetensors(
 absl::StatusOr<std::vector<StTensor>> ParseSafetensors(
     absl::string_view bytes, std::map<std::string, std::string>* metadata);
 
-// Writes SerializeSafetensors(tensors, metadata) to `path` atomically: the bytes go to
-// `path` + ".tmp.<pid>", which is fsync'ed and then renamed over `path`, so readers see either the
-// old file or the complete new one. The temporary file is removed on failure. NOT_FOUND when the
-// directory does not exist, PERMISSION_DENIED when it cannot be written, INTERNAL for other I/O
-// errors; each message names the path.
-absl::Status WriteSafetensorsFile(const std::string& path, const std::vector<StTensor>& tensors,
-                                  const std::map<std::string, std::string>& metadata);
+// For readers that do not hold the whole file (safetensors_file.h reads each tensor's bytes
+// straight into place): the 8-byte little-endian length prefix, the header it announces, then the
+// data section.
+inline constexpr uint64_t kSafetensorsPrefixBytes = 8;
 
-// Reads and parses the safetensors file at `path`, with ParseSafetensors' checks and ordering.
-// Reads each tensor's bytes straight into its StTensor, so memory peaks at about the size of the
-// result. NOT_FOUND / PERMISSION_DENIED / INTERNAL for I/O errors and INVALID_ARGUMENT for a
-// malformed file (or one that is not a regular file); messages name the path.
-absl::StatusOr<std::vector<StTensor>> ReadSafetensorsFile(
-    const std::string& path, std::map<std::string, std::string>* metadata);
+// The header length announced by `prefix` (the file's first bytes, up to 8), checked against the
+// 100 MiB limit and against the bytes of a `file_size`-byte file that follow the prefix.
+// INVALID_ARGUMENT when the prefix is short or the length does not fit.
+absl::StatusOr<uint64_t> SafetensorsHeaderLength(absl::string_view prefix, uint64_t file_size);
 
-}  // namespace gradwire::client
+// A tensor of the header, before its data is read: `tensor` has name, dtype and shape (its data
+// empty), and its bytes are [begin, end) of the data section.
+struct StEntry {
+  StTensor tensor;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+// Parses and validates the JSON header `json` of a file whose data section is `data_size` bytes,
+// with ParseSafetensors' checks. The entries come back sorted by their offsets, and their byte
+// ranges tile the data section exactly. A non-null `metadata` receives "__metadata__" on success.
+absl::StatusOr<std::vector<StEntry>> ParseSafetensorsHeader(
+    absl::string_view json, uint64_t data_size, std::map<std::string, std::string>* metadata);
+
+}  // namespace gradwire::storage

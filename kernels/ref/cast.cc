@@ -1,4 +1,4 @@
-#include "gradwire/kernels/quantize.h"
+#include "gradwire/kernels/ref/cast.h"
 
 #include <cmath>
 

@@ -6,9 +6,10 @@
 #include <random>
 #include <vector>
 
-#include "cuda_test_util.h"
 #include "gradwire/kernels/cuda/recipe.h"
 #include "server/core/recipe.h"
+#include "test_util.h"
+#include "tests/kernels/cuda_test_util.h"
 
 namespace gradwire::kernels::cuda {
 namespace {
@@ -23,11 +24,7 @@ void RunRecipe(core::AmaxAlgo algo, int64_t history_len, int margin, Fp8Format f
   std::mt19937_64 rng(seed);
   std::lognormal_distribution<float> amax_dist(0.0f, 3.0f);
   const int64_t n = 5;
-  core::RecipeConfig config;
-  config.mode = core::ScalingMode::kDelayed;
-  config.margin = margin;
-  config.history_len = history_len;
-  config.algo = algo;
+  const core::RecipeConfig config = gradwire::testing::DelayedRecipe(algo, history_len, margin);
   std::vector<core::ScalingState> states(static_cast<size_t>(n),
                                          core::ScalingState(format, config));
   DeviceBuffer<float> history(std::vector<float>(static_cast<size_t>(n * history_len), 0.0f));

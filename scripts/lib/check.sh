@@ -1,8 +1,17 @@
-# Shared by the end-to-end scripts (sourced): a temp dir, a check() counter, start_server and the
-# closing summary. Expects $server_bin; sets $tmp, $server_pid and $addr.
+# shellcheck shell=bash
+# Sourced by the scripts that run checks and count them (tests/e2e/*.sh, tests/deploy/validate.sh,
+# deploy/test-image.sh) and by scripts/soak.sh. Gives:
+#   $tmp            a temp dir, removed on exit (after a kill -9 of $server_pid if that still runs);
+#                   a script with more to clean up defines cleanup_more(), which runs first
+#   check           check NAME COMMAND...: runs COMMAND, prints "ok   NAME" or "FAIL NAME", counts
+#   start_server    starts $server_bin (gradwire-server) with the given flags; sets $server_pid, $addr
+#   stop_server     SIGTERM, and a check that it exits 0
+#   finish          finish [LABEL]: "LABEL: N passed, M failed" (LABEL e2e by default); fails when
+#                   a check failed
 tmp=$(mktemp -d)
 server_pid=""
 cleanup() {
+  if declare -F cleanup_more >/dev/null; then cleanup_more || true; fi
   if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then kill -9 "$server_pid"; fi
   rm -rf "$tmp"
 }
@@ -23,6 +32,7 @@ check() {  # check NAME CONDITION-COMMAND...
 
 # Starts gradwire-server with the given flags, waits for its "listening on" line, sets $addr.
 start_server() {
+  # shellcheck disable=SC2154  # $server_bin: set by the script that sources this
   "$server_bin" "$@" >"$tmp/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 100); do
@@ -44,7 +54,8 @@ stop_server() {
 }
 
 # Prints the summary line and fails the script when any check failed.
+# shellcheck disable=SC2120  # the label is optional
 finish() {
-  echo "e2e: $passed passed, $failed failed"
+  echo "${1:-e2e}: $passed passed, $failed failed"
   [ "$failed" = 0 ]
 }

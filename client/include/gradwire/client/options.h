@@ -1,0 +1,35 @@
+// How a C++ client reaches gradwire-server and how it sends tensors.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "gradwire/client/host_tensor.h"
+
+namespace gradwire::client {
+
+struct ClientOptions {
+  std::string server = "127.0.0.1:50051";    // host:port of gradwire-server
+  std::chrono::milliseconds timeout{30000};  // deadline of each call
+  WireDType wire_dtype = WireDType::kF32;    // dtype of activations and gradients both ways
+  int max_message_mib = 64;                  // largest message sent or received
+  // TLS: a PEM CA bundle that signed the server's certificate turns TLS on; a PEM client
+  // certificate and key answer a server that requires mutual TLS. Empty: plaintext.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // The name the server's certificate must carry, when it is not the host of `server` (a probe
+  // that dials 127.0.0.1 inside a pod whose certificate names the service).
+  std::string tls_server_name;
+  // Bearer token for a server that requires tokens: sent as "authorization: Bearer TOKEN" on every
+  // call (health checks too; the server ignores it there).
+  std::string token;
+  // Tensors larger than one chunk travel on the chunked calls (ForwardChunked, ...) in chunks of
+  // this many KiB; it must not exceed the server's --chunk-kib. kAuto picks the call by the
+  // request's and the expected response's size; kAlways / kNever force one (tests, benchmarks).
+  int chunk_kib = 4096;
+  enum class Chunking { kAuto, kAlways, kNever };
+  Chunking chunking = Chunking::kAuto;
+};
+
+}  // namespace gradwire::client

@@ -1,0 +1,41 @@
+// What a client remembers to predict a response's size before it asks, so that it can pick the
+// unary or the chunked call: each module's widths (from CreateModule and ListModules) and each
+// training context's input size (= its grad_input's). Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "gradwire/v1/module.pb.h"
+
+namespace gradwire::client {
+
+// A module's widths, as far as response sizes go.
+struct ModuleShape {
+  int64_t in = 0, out = 0, ffn = 0;
+  bool layernorm_output = false;  // forward also returns the LayerNorm output
+  bool gated = false;             // SWIGLU / GEGLU: fc1 is twice as wide
+};
+
+class ShapeCache {
+ public:
+  void Remember(const v1::ModuleInfo& info);
+  std::optional<ModuleShape> Find(const std::string& module_id) const;
+  // A training forward made `context_id` from an input of `grad_input_elements` elements. Only
+  // the newest 65536 contexts are remembered: ones never consumed must not grow this forever.
+  void NoteContext(const std::string& context_id, int64_t grad_input_elements);
+  // The elements noted for `context_id` (-1: unknown); forgets it unless `keep`.
+  int64_t TakeContext(const std::string& context_id, bool keep);
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, ModuleShape> modules_;
+  std::unordered_map<std::string, int64_t> contexts_;
+  std::deque<std::string> context_order_;  // oldest first, to bound contexts_
+};
+
+}  // namespace gradwire::client

@@ -1,0 +1,53 @@
+// The Train bidi stream of the C++ client (Client::OpenTrainStream).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "gradwire/client/host_tensor.h"
+#include "gradwire/v1/service.grpc.pb.h"
+
+namespace gradwire::client {
+
+struct BackwardOptions {
+  bool retain = false;                              // keep the context for another backward
+  bool skip_grad_input = false;                     // first layer: no grad_input needed
+  std::optional<HostTensor> grad_layernorm_output;  // with return_layernorm_output
+};
+
+// One Train stream: a client pipelines forwards, backwards and releases, each tagged with a
+// request id that its response carries back. Send and Read may be used from two threads (one
+// each). Ending or cancelling the stream makes the server release every context it created and
+// did not consume.
+class TrainStream {
+ public:
+  ~TrainStream();
+  // False when the stream is broken; Finish then says why.
+  bool Send(const v1::TrainRequest& request);
+  bool SendForward(uint64_t request_id, const std::string& module_id, const HostTensor& input,
+                   bool training);
+  bool SendBackward(uint64_t request_id, const std::string& context_id,
+                    const HostTensor& grad_output, BackwardOptions options = {});
+  // The next response (completion order, which on one server is request order); nullopt when the
+  // server ended the stream.
+  std::optional<v1::TrainResponse> Read();
+  // Half-closes (no more requests), reads what is left and returns the stream's status.
+  absl::Status Finish();
+  // Ends the stream now from the client side.
+  void Cancel();
+
+ private:
+  friend class Client;
+  TrainStream() = default;
+  WireDType wire_dtype_ = WireDType::kF32;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::TrainRequest, v1::TrainResponse>> stream_;
+  bool writes_done_ = false;
+};
+
+}  // namespace gradwire::client
