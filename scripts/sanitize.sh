@@ -12,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:-}
 root=$PWD
+gtest_filter=
+ctest_exclude=
 case "$kind" in
   asan)
     sanitize=address
@@ -28,6 +30,13 @@ case "$kind" in
     # libtorch's intra-op pool is uninstrumented: its workers' writes look unsynchronised to
     # TSan. One intra-op thread keeps ATen's work on the calling (instrumented) thread.
     export OMP_NUM_THREADS=1
+    # The in-process transport hands the client's tensor slices to the server's threads (and the
+    # server's back) with no copy, through gRPC's uninstrumented locks: TSan sees the client
+    # thread's write and the executor's read with no order between them and reports a race that
+    # is not one (the slices are owned by gRPC's refcount; ASan runs these tests). Over TCP the
+    # bytes cross the kernel, so the same tests run here on the TCP transport only.
+    gtest_filter='-*/InProcess'
+    ctest_exclude='/InProcess$'
     ;;
   *)
     echo "usage: $0 asan|tsan" >&2
@@ -50,7 +59,7 @@ if [ -n "${SANITIZE_TARGETS:-}" ]; then
     exe=$(find "$build_dir/tests" -type f -name "$t" -perm -u+x | head -1)
     [ -n "$exe" ] || { echo "sanitize $kind: $t was not built" >&2; exit 1; }
     t0=$(date +%s)
-    if "$exe" --gtest_brief=1 > "$build_dir/$t.sanitize.log" 2>&1; then
+    if "$exe" --gtest_brief=1 ${gtest_filter:+--gtest_filter="$gtest_filter"} > "$build_dir/$t.sanitize.log" 2>&1; then
       echo "sanitize $kind: $t clean ($(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$build_dir/$t.sanitize.log" | tail -1), $(( $(date +%s) - t0 )) s)"
     else
       failed+=("$t")
@@ -68,5 +77,5 @@ echo "sanitize $kind: build done in $(( $(date +%s) - start )) s ($build_dir)"
 start=$(date +%s)
 cd "$build_dir"
 # shellcheck disable=SC2086
-ctest --output-on-failure -j "$jobs" --timeout 900 ${CTEST_ARGS:-}
+ctest --output-on-failure -j "$jobs" --timeout 900 ${ctest_exclude:+-E "$ctest_exclude"} ${CTEST_ARGS:-}
 echo "sanitize $kind: tests done in $(( $(date +%s) - start )) s"
