@@ -4,6 +4,8 @@
 #   BUILD_DIR=... JOBS=... CMAKE_ARGS="..." to override.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/ccache.sh
+source scripts/lib/ccache.sh
 build_dir=${BUILD_DIR:-build}
 jobs=${JOBS:-2}
 if [ ! -f "$build_dir/build.ninja" ]; then

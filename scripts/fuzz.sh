@@ -6,6 +6,8 @@
 # A crash, a sanitizer report or a broken invariant makes the script fail. BUILD_DIR=... JOBS=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/ccache.sh
+source scripts/lib/ccache.sh
 seconds=${1:-60}
 shift || true
 targets=("$@")

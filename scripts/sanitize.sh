@@ -10,6 +10,8 @@
 # for their frames (see docs/reliability.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/ccache.sh
+source scripts/lib/ccache.sh
 kind=${1:-}
 root=$PWD
 gtest_filter=

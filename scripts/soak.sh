@@ -7,6 +7,8 @@
 # Fails when gradwire-soak fails (see tests/soak/soak.cc) or the server dies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/ccache.sh
+source scripts/lib/ccache.sh
 seconds=${1:-60}
 shift || true
 build_dir=${BUILD_DIR:-build}

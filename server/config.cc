@@ -213,10 +213,14 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
       ->capture_default_str();
   app.add_option("--cpu-threads", config.cpu_threads,
-                 "threads the CPU backend splits casts and decodes over (its GEMMs use the BLAS's "
-                 "own threads); 0: one per core. Fewer leave cores to gRPC and to clients on the "
-                 "same host")
-      ->check(CLI::Range(0, 4096))
+                 "threads the CPU backend computes on (casts, loops and GEMMs); 0: one per core. "
+                 "Fewer leave cores to gRPC and to clients on the same host")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  app.add_option("--cpu-gemm-threads", config.cpu_gemm_threads,
+                 "who splits the CPU backend's GEMMs: pool (its own threads, BLAS single-threaded "
+                 "on blocks: one set of threads for everything) or blas (BLAS's own threads)")
+      ->check(CLI::IsMember({"pool", "blas"}))
       ->capture_default_str();
   app.add_option("--stream-read-ahead", config.stream_read_ahead,
                  "requests of a Train stream read ahead of the responses written: a fast client "
@@ -316,6 +320,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "cpu-threads = " << f.cpu_threads << "\n";
+  out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
   out << "allow-shared-memory = " << (f.allow_shared_memory ? "true" : "false") << "\n";

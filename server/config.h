@@ -46,7 +46,8 @@ struct ServerConfig {
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
   int stream_read_ahead = 8;        // Train-stream requests read ahead of their responses
-  int cpu_threads = 0;              // CPU backend's intra-op threads (0: one per core)
+  int cpu_threads = 0;              // CPU backend's threads (0: one per core)
+  std::string cpu_gemm_threads = "pool";  // who splits the CPU GEMMs: "pool" or "blas"
   int chunk_kib = 4096;             // chunks of the chunked calls, sent and accepted
   int max_stream_mib = 4096;        // most tensor bytes one chunked request may carry
   std::string tokens_file;          // "TENANT TOKEN" lines: bearer tokens required

@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
     spdlog::error("{}", bad);
     return 2;
   }
-  gradwire::core::SetCpuThreads(config.cpu_threads);
+  gradwire::core::SetCpuThreads(config.cpu_threads, config.cpu_gemm_threads == "blas");
   auto backend = gradwire::server::ResolveDevice(config.device);
   if (!backend.ok()) {
     spdlog::error("{}", std::string(backend.status().message()));

@@ -110,13 +110,22 @@ class Backend {
   // The three FP8 GEMMs of a linear layer, fp32 accumulation and output:
   //   Fprop  y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]), x and w rowwise, fast accumulation
   //   Dgrad  dx[M, K] = dy[M, N] . w[N, K], dy rowwise, w columnwise, split accumulation
-  //   WgradAccumulate  acc[N, K] += dy^T . x, dy and x columnwise, split accumulation
+  //   Wgrad  acc[N, K] = (accumulate ? acc : 0) + dy^T . x, dy and x columnwise, split
+  //          accumulation
   virtual at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w,
                            const at::Tensor& bias) const = 0;
   virtual at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const = 0;
-  virtual void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const = 0;
+  virtual void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
+                     bool accumulate) const = 0;
   // acc[N] += column sums of g[M, N] (fp32, unquantized).
   virtual void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const = 0;
+
+  // The finite checks ride on these: each returns, with its result, the largest |value| it saw
+  // (NaN when any value is NaN), on the host.
+  // max |x| of an fp32 tensor.
+  virtual float AbsMax(const at::Tensor& x) const = 0;
+  // out = a + b (same shape; out may be a or b); returns max |out|.
+  virtual float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const = 0;
 
   // Waits until everything queued on the backend's stream has run.
   virtual void Synchronize() const = 0;
@@ -129,10 +138,11 @@ BackendPtr MakeReferenceBackend();
 
 // The CPU backend (always available): what --device cpu runs and the default everywhere.
 BackendPtr MakeCpuBackend();
-// The intra-op threads the CPU backend splits its casts and decodes over (libtorch's, for the
-// whole process); 0: one per core. Its GEMMs run on the BLAS's own threads. Debian's libtorch
-// starts with one; gradwire-server sets --cpu-threads at start.
-void SetCpuThreads(int threads);
+// The threads the CPU backend runs on (kernels/cpu/parallel.h; 0: one per core), and who splits
+// its GEMMs: by default the same threads, BLAS called single-threaded on blocks of the output;
+// with gemm_on_blas_threads, BLAS's own threads (which then compete with the pool for the cores).
+// gradwire-server sets them from --cpu-threads and --cpu-gemm-threads at start.
+void SetCpuThreads(int threads, bool gemm_on_blas_threads = false);
 
 // The CUDA backend on GPU `device`, or why it cannot run here: UNAVAILABLE when this build has
 // no CUDA backend (GRADWIRE_CUDA off), libtorch has no CUDA, or no usable GPU is present.

@@ -3,19 +3,24 @@
 //   ReferenceBackend  the reference kernels (kernels/ref) on host tensors, single-threaded: the
 //                     definition of the numerics every other backend is checked against
 //                     (tests/core/backend_parity_test.cc).
-//   CpuBackend        what --device cpu runs: the reference's casts, LayerNorm and activations,
-//                     and the GEMMs through libtorch's BLAS (OpenBLAS where installed) on the
-//                     decoded FP8 operands, multi-threaded. FP8 x FP8 products are exact in
-//                     fp32, so only the accumulation order differs from the reference, within
-//                     the fp32 accumulation bound.
+//   CpuBackend        what --device cpu runs: kernels/cpu's threaded, vectorised casts, LayerNorm,
+//                     activations and accumulations (the reference's bits), and the GEMMs on the
+//                     process's BLAS (OpenBLAS on Debian) over the decoded FP8 operands, split
+//                     over the same pool. FP8 x FP8 products are exact in fp32, so only the
+//                     accumulation order differs from the reference, within the fp32
+//                     accumulation bound.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <thread>
+#include <cstring>
 
+#include "gradwire/kernels/cpu/blas.h"
+#include "gradwire/kernels/cpu/cast.h"
+#include "gradwire/kernels/cpu/layernorm.h"
+#include "gradwire/kernels/cpu/loops.h"
+#include "gradwire/kernels/cpu/parallel.h"
+#include "gradwire/kernels/cpu/scratch.h"
 #include "gradwire/kernels/ref/activation.h"
 #include "gradwire/kernels/ref/cast.h"
 #include "server/core/backend.h"
@@ -107,11 +112,22 @@ class ReferenceBackend : public Backend {
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     return Fp8Dgrad(dy, w);
   }
-  void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const override {
-    Fp8WgradAccumulate(dy, x, acc);
+  void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
+             bool accumulate) const override {
+    Fp8Wgrad(dy, x, acc, accumulate);
   }
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
     core::AccumulateBiasGrad(g, acc);
+  }
+  float AbsMax(const at::Tensor& x) const override {
+    return kernels::Amax(x.data_ptr<float>(), x.numel());
+  }
+  float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
+    const float* pa = a.data_ptr<float>();
+    const float* pb = b.data_ptr<float>();
+    float* po = out.data_ptr<float>();
+    for (int64_t i = 0; i < out.numel(); ++i) po[i] = pa[i] + pb[i];
+    return kernels::Amax(po, out.numel());
   }
 
   void Synchronize() const override {}
@@ -127,31 +143,42 @@ class ReferenceBackend : public Backend {
   }
 };
 
-// FP8 codes decoded to their values without the scale, as an fp32 tensor of the codes' shape:
-// the decoded copy a workspace weight carries, or a fresh one.
-at::Tensor DecodedCodes(const at::Tensor& codes,
-                        const std::shared_ptr<const std::vector<float>>& cached,
-                        kernels::Fp8Format format) {
+// The decoded floats (codes without the scale, in storage order) of one stored copy: the copy a
+// workspace weight carries, else a scratch lease decoded now.
+struct Decoded {
+  const float* data = nullptr;
+  kernels::cpu::Scratch lease;
+};
+
+Decoded Decode(const at::Tensor& codes, const std::shared_ptr<const std::vector<float>>& cached,
+               kernels::Fp8Format format) {
+  Decoded d;
   if (cached && int64_t(cached->size()) == codes.numel()) {
-    // A view of the cached copy: the caller's Fp8Tensor keeps it alive for the call.
-    return at::from_blob(const_cast<float*>(cached->data()), codes.sizes(),
-                         at::TensorOptions().dtype(at::kFloat));
+    d.data = cached->data();  // the caller's Fp8Tensor keeps it alive for the call
+    return d;
   }
-  at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));
-  const float* table = kernels::DecodeTable(format);
-  const uint8_t* in = codes.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, codes.numel(), int64_t(1) << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) o[i] = table[in[i]];
-  });
-  return out;
+  d.lease = kernels::cpu::TakeScratch(size_t(codes.numel()) * sizeof(float));
+  kernels::cpu::DecodeCodes(codes.data_ptr<uint8_t>(), codes.numel(), format, d.lease.floats());
+  d.data = d.lease.floats();
+  return d;
 }
 
-at::Tensor Rowwise(const Fp8Tensor& t) {
-  return DecodedCodes(t.rowwise, t.rowwise_decoded, t.format);
+Decoded DecodeRowwise(const Fp8Tensor& t) { return Decode(t.rowwise, t.rowwise_decoded, t.format); }
+Decoded DecodeColumnwise(const Fp8Tensor& t) {
+  return Decode(t.columnwise, t.columnwise_decoded, t.format);
 }
-at::Tensor Columnwise(const Fp8Tensor& t) {
-  return DecodedCodes(t.columnwise, t.columnwise_decoded, t.format);
+
+// C[m, n] = alpha * op(A) . op(B) + beta * C, row-major (see kernels/cpu/blas.h), on the BLAS the
+// process has; through libtorch's matmul on views when none was found there.
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          const float* b, float beta, float* c) {
+  const int64_t lda = trans_a ? m : k, ldb = trans_b ? k : n;
+  if (kernels::cpu::Sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, n)) return;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor ta = at::from_blob(const_cast<float*>(a), {trans_a ? k : m, lda}, f32);
+  at::Tensor tb = at::from_blob(const_cast<float*>(b), {trans_b ? n : k, ldb}, f32);
+  at::Tensor tc = at::from_blob(c, {m, n}, f32);
+  tc.addmm_(trans_a ? ta.t() : ta, trans_b ? tb.t() : tb, beta, alpha);
 }
 
 // Times one GEMM into the FP8 GEMM counters (metrics).
@@ -168,132 +195,186 @@ class GemmTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-// max that keeps a NaN, as kernels::Amax does over a whole tensor.
 constexpr int64_t kWireGrain = int64_t(1) << 16;  // elements per thread's slice, at least
 
-float CombineAmax(float a, float b) {
-  return std::isnan(a) ? a : std::isnan(b) ? b : std::max(a, b);
-}
+at::TensorOptions Bytes() { return at::TensorOptions().dtype(at::kByte); }
 
+// What --device cpu runs. Every loop over activations is one of kernels/cpu's (threaded on its
+// pool, vectorised, no allocation but the results), the GEMMs are BLAS's on the decoded FP8
+// operands, and nothing in a forward or backward goes through a generic tensor op.
 class CpuBackend final : public ReferenceBackend {
  public:
   const char* name() const override { return "cpu"; }
 
-  // The reference cast, split over rows: the same element math (kernels::QuantizeFp8), the same
-  // amax (a max is order-free; a NaN wins as in kernels::Amax), so the codes, scale, scale_inv
-  // and amax are the reference's bit for bit (the parity harness checks it).
+  std::string Describe() const override {
+    const bool pool = kernels::cpu::GetGemmThreads() == kernels::cpu::GemmThreads::kPool;
+    return "host CPU, FP8 casts and loops on " + std::to_string(kernels::cpu::Threads()) +
+           " threads, GEMMs on " + kernels::cpu::BlasDescription() +
+           (pool ? " (split over the same threads)" : " (its own threads)");
+  }
+
+  // The reference cast's codes, scale, scale_inv and amax bit for bit (kernels/cpu/cast.h; the
+  // parity harness checks it), in one threaded pass that writes both copies.
   absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
                                  CastUsage usage) const override {
     if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || !x.is_cpu() ||
-        (!usage.rowwise && !usage.columnwise) || x.numel() < (int64_t(1) << 16)) {
-      return ReferenceBackend::Cast(x, config, usage);  // small, or refused with its message
+        (!usage.rowwise && !usage.columnwise)) {
+      return ReferenceBackend::Cast(x, config, usage);  // refused there, with its message
     }
     Fp8Tensor out;
     out.format = config.format;
     out.rows = x.size(0);
     out.cols = x.size(1);
-    const int64_t rows = out.rows, cols = out.cols;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / cols);
     const float* data = x.data_ptr<float>();
     const bool delayed = config.scale > 0.0f;
     float scale = config.scale;
     if (!delayed) {
-      const float amax = at::parallel_reduce(
-          0, rows, grain, 0.0f,
-          [&](int64_t b, int64_t e, float acc) {
-            return CombineAmax(acc, kernels::Amax(data + b * cols, (e - b) * cols));
-          },
-          CombineAmax);
-      scale = kernels::ComputeScale(amax, config.format, config.margin);
+      out.amax = kernels::cpu::AbsMax(data, x.numel());
+      scale = kernels::ComputeScale(out.amax, config.format, config.margin);
     }
-    const auto bytes = at::TensorOptions().dtype(at::kByte);
-    at::Tensor rowwise = at::empty({rows, cols}, bytes);  // a temporary when only columnwise
-    uint8_t* rw = rowwise.data_ptr<uint8_t>();
-    out.amax = at::parallel_reduce(
-        0, rows, grain, 0.0f,
-        [&](int64_t b, int64_t e, float acc) {
-          float a = 0.0f;
-          kernels::QuantizeFp8(data + b * cols, e - b, cols, scale, config.format, rw + b * cols,
-                               nullptr, &a);
-          return CombineAmax(acc, a);
-        },
-        CombineAmax);
-    if (usage.columnwise) {
-      out.columnwise = at::empty({cols, rows}, bytes);
-      uint8_t* t = out.columnwise.data_ptr<uint8_t>();
-      constexpr int64_t kTile = 64;  // tiles keep both sides of the transpose in cache
-      at::parallel_for(0, (rows + kTile - 1) / kTile, 1, [&](int64_t tb, int64_t te) {
-        for (int64_t r0 = tb * kTile; r0 < std::min(rows, te * kTile); r0 += kTile) {
-          const int64_t r1 = std::min(rows, r0 + kTile);
-          for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-            const int64_t c1 = std::min(cols, c0 + kTile);
-            for (int64_t c = c0; c < c1; ++c) {
-              for (int64_t r = r0; r < r1; ++r) t[c * rows + r] = rw[r * cols + c];
-            }
-          }
-        }
-      });
-    }
-    if (usage.rowwise) out.rowwise = std::move(rowwise);
+    if (usage.rowwise) out.rowwise = at::empty({out.rows, out.cols}, Bytes());
+    if (usage.columnwise) out.columnwise = at::empty({out.cols, out.rows}, Bytes());
+    kernels::cpu::QuantizeFp8(data, out.rows, out.cols, scale, config.format,
+                              usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr,
+                              usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr,
+                              delayed ? &out.amax : nullptr);
     out.scale = scale;
     out.scale_inv = 1.0f / scale;
     return out;
   }
-  // The wire codec split over threads: elementwise, so the bytes are the reference's; an FP8
+
+  Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
+                      kernels::Fp8Format format, float scale_inv, CastUsage usage) const override {
+    Fp8Tensor out;
+    out.format = format;
+    out.rows = rows;
+    out.cols = cols;
+    out.scale_inv = scale_inv;
+    out.scale = 1.0f / scale_inv;
+    {
+      kernels::cpu::Scratch values = kernels::cpu::TakeScratch(size_t(rows * cols) * 4);
+      kernels::cpu::DecodeCodes(host_codes, rows * cols, format, values.floats());
+      out.amax = kernels::cpu::AbsMax(values.floats(), rows * cols) * scale_inv;
+    }
+    if (usage.rowwise) {
+      out.rowwise = at::empty({rows, cols}, Bytes());
+      std::memcpy(out.rowwise.data_ptr<uint8_t>(), host_codes, size_t(rows * cols));
+    }
+    if (usage.columnwise) {
+      out.columnwise = at::empty({cols, rows}, Bytes());
+      kernels::cpu::TransposeCodes(host_codes, rows, cols, out.columnwise.data_ptr<uint8_t>());
+    }
+    return out;
+  }
+
+  void PrepareWeight(Fp8Tensor& w) const override {
+    auto decode = [&](const at::Tensor& codes) -> std::shared_ptr<const std::vector<float>> {
+      if (!codes.defined()) return nullptr;
+      auto out = std::make_shared<std::vector<float>>(size_t(codes.numel()));
+      kernels::cpu::DecodeCodes(codes.data_ptr<uint8_t>(), codes.numel(), w.format, out->data());
+      return out;
+    };
+    w.rowwise_decoded = decode(w.rowwise);
+    w.columnwise_decoded = decode(w.columnwise);
+  }
+
+  LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
+    const int64_t m = x.size(0), k = x.size(1);
+    LayerNormOut out{Empty({m, k}), Empty({m}), Empty({m})};
+    kernels::cpu::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
+                                   ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma,
+                                   out.y.data_ptr<float>(), out.mu.data_ptr<float>(),
+                                   out.rstd.data_ptr<float>());
+    return out;
+  }
+  at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+                               const at::Tensor& rstd, const LayerNormParams& ln,
+                               at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
+    at::Tensor dx = Empty(x.sizes());
+    kernels::cpu::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(),
+                                    mu.data_ptr<float>(), rstd.data_ptr<float>(),
+                                    ln.gamma.data_ptr<float>(), x.size(0), x.size(1),
+                                    ln.zero_centered_gamma, dx.data_ptr<float>(),
+                                    gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>());
+    return dx;
+  }
+
+  at::Tensor ActivationForward(kernels::Activation act, const at::Tensor& in,
+                               int64_t width) const override {
+    at::Tensor out = Empty({in.size(0), width});
+    kernels::cpu::ActivationForward(act, in.data_ptr<float>(), in.size(0), width,
+                                    out.data_ptr<float>());
+    return out;
+  }
+  at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
+                                const at::Tensor& in, int64_t width) const override {
+    at::Tensor din = Empty(in.sizes());
+    kernels::cpu::ActivationBackward(act, dout.data_ptr<float>(), in.data_ptr<float>(),
+                                     in.size(0), width, din.data_ptr<float>());
+    return din;
+  }
+
+  // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias): the bias is the sum's first term.
+  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
+    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
+    const Decoded a = DecodeRowwise(x), b = DecodeRowwise(w);
+    at::Tensor y = Empty({x.rows, w.rows});
+    if (bias.defined()) {
+      kernels::cpu::FillRows(bias.data_ptr<float>(), x.rows, w.rows, y.data_ptr<float>());
+    }
+    Gemm(false, true, x.rows, w.rows, x.cols, x.scale_inv * w.scale_inv, a.data, b.data,
+         bias.defined() ? 1.0f : 0.0f, y.data_ptr<float>());
+    return y;
+  }
+  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
+    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
+    const Decoded a = DecodeRowwise(dy);
+    at::Tensor dx = Empty({dy.rows, w.cols});
+    // w's rowwise copy is W [N, K]; a pinned backward weight may have only W^T [K, N].
+    const bool rowwise = w.has_rowwise();
+    const Decoded b = rowwise ? DecodeRowwise(w) : DecodeColumnwise(w);
+    Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, b.data,
+         0.0f, dx.data_ptr<float>());
+    return dx;
+  }
+  void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
+             bool accumulate) const override {
+    GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
+    const Decoded a = DecodeColumnwise(dy), b = DecodeColumnwise(x);  // dY^T [N, M], X^T [K, M]
+    Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv * x.scale_inv, a.data, b.data,
+         accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
+  }
+  void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
+    kernels::cpu::AddColumnSums(g.data_ptr<float>(), g.size(0), g.size(1), acc.data_ptr<float>());
+  }
+
+  float AbsMax(const at::Tensor& x) const override {
+    return kernels::cpu::AbsMax(x.data_ptr<float>(), x.numel());
+  }
+  float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
+    return kernels::cpu::AddAbsMax(a.data_ptr<float>(), b.data_ptr<float>(),
+                                   out.data_ptr<float>(), out.numel());
+  }
+
+ protected:
+  // The wire codec split over the pool: elementwise, so the bytes are the reference's; an FP8
   // encode takes one scale from the whole tensor's amax, as the codec does.
   void Decode(const wire::TensorView& v, float* out) const override {
     const int64_t size = wire::ElementSize(v.dtype);
     const auto* bytes = static_cast<const unsigned char*>(v.data);
-    at::parallel_for(0, v.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+    kernels::cpu::ParallelFor(v.numel(), kWireGrain, [&](int64_t b, int64_t e) {
       wire::DecodeElements(v.dtype, bytes + b * size, e - b, v.scale_inv, out + b);
     });
   }
   float Encode(const float* x, int64_t n, wire::DType dtype, void* out) const override {
     float scale = 1.0f;
-    if (wire::IsFp8(dtype)) {
-      const float amax = at::parallel_reduce(
-          0, n, kWireGrain, 0.0f,
-          [&](int64_t b, int64_t e, float acc) {
-            return CombineAmax(acc, wire::AbsMax(x + b, e - b));
-          },
-          CombineAmax);
-      scale = wire::Fp8EncodeScale(dtype, amax);
-    }
+    if (wire::IsFp8(dtype)) scale = wire::Fp8EncodeScale(dtype, kernels::cpu::AbsMax(x, n));
     const int64_t size = wire::ElementSize(dtype);
     auto* bytes = static_cast<unsigned char*>(out);
-    at::parallel_for(0, n, kWireGrain, [&](int64_t b, int64_t e) {
+    kernels::cpu::ParallelFor(n, kWireGrain, [&](int64_t b, int64_t e) {
       wire::EncodeElements(x + b, e - b, dtype, scale, bytes + b * size);
     });
     return wire::IsFp8(dtype) ? 1.0f / scale : 1.0f;
-  }
-
-  std::string Describe() const override {
-    return "host CPU, FP8 casts from the reference kernels, GEMMs on BLAS (" +
-           std::to_string(at::get_num_threads()) + " threads)";
-  }
-
-  // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias): the reference's order per element.
-  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
-    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
-    at::Tensor y = at::mm(Rowwise(x), Rowwise(w).t());
-    y.mul_(x.scale_inv * w.scale_inv);
-    if (bias.defined()) y.add_(bias);
-    return y;
-  }
-  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
-    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
-    // w's columnwise copy is W^T [K, N]; a pinned backward weight may have only that.
-    at::Tensor dx =
-        w.has_rowwise() ? at::mm(Rowwise(dy), Rowwise(w)) : at::mm(Rowwise(dy), Columnwise(w).t());
-    dx.mul_(dy.scale_inv * w.scale_inv);
-    return dx;
-  }
-  void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const override {
-    GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
-    acc.addmm_(Columnwise(dy), Columnwise(x).t(), /*beta=*/1, /*alpha=*/dy.scale_inv * x.scale_inv);
-  }
-  void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
-    acc.add_(g.sum(0));
   }
 };
 
@@ -307,9 +388,13 @@ at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
   return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
 }
 
-void SetCpuThreads(int threads) {
-  const int n = threads > 0 ? threads : int(std::thread::hardware_concurrency());
-  if (n > 0) at::set_num_threads(n);
+void SetCpuThreads(int threads, bool gemm_on_blas_threads) {
+  kernels::cpu::SetThreads(threads);
+  kernels::cpu::SetGemmThreads(gemm_on_blas_threads ? kernels::cpu::GemmThreads::kBlas
+                                                    : kernels::cpu::GemmThreads::kPool);
+  // libtorch's own intra-op pool would be a third set of threads on the same cores; what still
+  // runs through libtorch (optimizer steps, copies out) runs on the calling thread.
+  at::set_num_threads(1);
 }
 
 BackendPtr MakeReferenceBackend() {
@@ -318,7 +403,13 @@ BackendPtr MakeReferenceBackend() {
 }
 
 BackendPtr MakeCpuBackend() {
-  static const BackendPtr cpu = std::make_shared<CpuBackend>();
+  static const BackendPtr cpu = [] {
+    // BLAS single-threaded under the pool unless SetCpuThreads says otherwise.
+    if (kernels::cpu::GetGemmThreads() == kernels::cpu::GemmThreads::kPool) {
+      kernels::cpu::SetGemmThreads(kernels::cpu::GemmThreads::kPool);
+    }
+    return std::make_shared<CpuBackend>();
+  }();
   return cpu;
 }
 

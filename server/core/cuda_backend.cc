@@ -238,14 +238,27 @@ class CudaBackend final : public Backend {
          gwc::GemmAccumulation::kSplit);
     return dx;
   }
-  void WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) const override {
+  void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
+             bool accumulate) const override {
     Use();
-    Gemm(dy.columnwise, dy, x.columnwise, x, dy.cols, x.cols, dy.rows, acc, true,
+    Gemm(dy.columnwise, dy, x.columnwise, x, dy.cols, x.cols, dy.rows, acc, accumulate,
          gwc::GemmAccumulation::kSplit);
   }
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
     Use();
     acc.add_(g.sum(0));
+  }
+  // Through libtorch's reductions, which keep NaN; each reads its result back to the host (a
+  // synchronisation): the GPU fast path moves these checks onto the device.
+  float AbsMax(const at::Tensor& x) const override {
+    Use();
+    if (x.numel() == 0) return 0.0f;
+    return x.abs().max().item<float>();
+  }
+  float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
+    Use();
+    at::add_out(out, a, b);
+    return AbsMax(out);
   }
 
   void Synchronize() const override {

@@ -169,7 +169,7 @@ at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) {
   return dx;
 }
 
-void Fp8WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc) {
+void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool accumulate) {
   kernels::Fp8GemmArgs gemm;
   gemm.a = Operand(dy.columnwise, dy, false);  // dY^T stored [N, M]
   gemm.b = Operand(x.columnwise, x, true);     // X^T stored [K, M]
@@ -177,7 +177,7 @@ void Fp8WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc
   gemm.n = x.cols;
   gemm.k = dy.rows;
   gemm.c = acc.data_ptr<float>();
-  gemm.accumulate = true;
+  gemm.accumulate = accumulate;
   RunGemm(gemm);
 }
 

@@ -86,8 +86,8 @@ at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bi
 // dx[M, K] = dy[M, N] . w[N, K]; dy rowwise, w columnwise.
 at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w);
 
-// acc[N, K] += dy[M, N]^T . x[M, K]; dy and x columnwise.
-void Fp8WgradAccumulate(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc);
+// acc[N, K] = (accumulate ? acc : 0) + dy[M, N]^T . x[M, K]; dy and x columnwise.
+void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool accumulate);
 
 // acc[N] += column sums of g[M, N] (fp32, unquantized).
 void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc);

@@ -89,16 +89,15 @@ absl::StatusOr<LayerNormLinearBwdResult> LayerNormLinearBackward(
   LayerNormLinearBwdResult result;
   result.grad_output_amax = dy.amax;
   at::Tensor d_ln = b.Dgrad(dy, w);  // LayerNorm's parameters need it even without grad_input
-  if (args.grad_layernorm_output.defined()) d_ln.add_(args.grad_layernorm_output);
-  at::Tensor weight_grad = args.weight_grad;
-  b.WgradAccumulate(dy, *ln_out, weight_grad);
-  if (args.bias_grad.defined()) {
-    at::Tensor bias_grad = args.bias_grad;
-    b.AccumulateBiasGrad(args.grad_output, bias_grad);
-  }
-  at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
+  if (args.grad_layernorm_output.defined()) b.AddAbsMax(d_ln, args.grad_layernorm_output, d_ln);
+  args.grads->Wgrad(Param::kWeight, dy, *ln_out);
+  if (args.bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy.amax);
+  const int64_t k = saved.input.size(1);
+  at::Tensor gamma_grad = b.Zeros({k}), beta_grad = b.Zeros({k});
   at::Tensor dx =
       b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
+  args.grads->Add(Param::kLayerNormWeight, gamma_grad);
+  args.grads->Add(Param::kLayerNormBias, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
 }
@@ -154,7 +153,6 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
   }
 
   absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
-    const ParamTable& g = *a.grads;
     LayerNormLinearBwdArgs args;
     args.backend = a.backend;
     args.grad_output = a.grad_output;
@@ -164,12 +162,11 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
     args.ln = LayerNormOf(*a.params, *a.spec);
     args.grad_quantizer = (*a.quantizers)[kGradOutput];
     args.compute_grad_input = a.compute_grad_input;
-    args.weight_grad = g[Param::kWeight];
-    args.bias_grad = g[Param::kBias];
-    args.gamma_grad = g[Param::kLayerNormWeight];
-    args.beta_grad = g[Param::kLayerNormBias];
+    args.bias = a.spec->bias;
+    args.grads = a.grads;
     GW_ASSIGN_OR_RETURN(LayerNormLinearBwdResult r, LayerNormLinearBackward(args));
-    return KindBackwardResult{std::move(r.grad_input), {{kGradOutput, r.grad_output_amax}}};
+    return KindBackwardResult{std::move(r.grad_input), INFINITY,
+                              {{kGradOutput, r.grad_output_amax}}};
   }
 };
 

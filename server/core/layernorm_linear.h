@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "server/core/fp8_ops.h"
 #include "server/core/saved_tensors.h"
+#include "server/core/gradients.h"
 
 namespace gradwire::core {
 
@@ -61,7 +62,9 @@ struct LayerNormLinearBwdArgs {
   LayerNormParams ln;              // gamma for the backward (eps unused)
   QuantizerConfig grad_quantizer;  // E5M2
   bool compute_grad_input = true;
-  at::Tensor weight_grad, bias_grad, gamma_grad, beta_grad;  // accumulated into
+  bool bias = false;  // the layer has a bias (its gradient is wanted)
+  // dW to Param::kWeight, dbias to kBias, dgamma to kLayerNormWeight, dbeta to kLayerNormBias.
+  GradientSink* grads = nullptr;
 };
 
 struct LayerNormLinearBwdResult {

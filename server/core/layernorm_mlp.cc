@@ -115,29 +115,24 @@ absl::StatusOr<LayerNormMlpBwdResult> LayerNormMlpBackward(const LayerNormMlpBwd
                       b.Cast(args.grad_output, args.fc2_grad_quantizer, {true, true}));
   result.fc2_grad_amax = dy.amax;
   at::Tensor d_act = b.Dgrad(dy, w2);
-  at::Tensor fc2_weight_grad = args.fc2_weight_grad;
-  b.WgradAccumulate(dy, *act_q, fc2_weight_grad);
-  if (args.fc2_bias_grad.defined()) {
-    at::Tensor g = args.fc2_bias_grad;
-    b.AccumulateBiasGrad(args.grad_output, g);
-  }
+  args.grads->Wgrad(Param::kFc2Weight, dy, *act_q);
+  if (args.bias) args.grads->BiasGrad(Param::kFc2Bias, args.grad_output, dy.amax);
   // Activation
   at::Tensor d_fc1 = b.ActivationBackward(args.activation, d_act, *fc1_out, ffn);
   // FC1
   GW_ASSIGN_OR_RETURN(Fp8Tensor dh, b.Cast(d_fc1, args.fc1_grad_quantizer, {true, true}));
   result.fc1_grad_amax = dh.amax;
   at::Tensor d_ln = b.Dgrad(dh, w1);
-  if (args.grad_layernorm_output.defined()) d_ln.add_(args.grad_layernorm_output);
-  at::Tensor fc1_weight_grad = args.fc1_weight_grad;
-  b.WgradAccumulate(dh, *ln_q, fc1_weight_grad);
-  if (args.fc1_bias_grad.defined()) {
-    at::Tensor g = args.fc1_bias_grad;
-    b.AccumulateBiasGrad(d_fc1, g);
-  }
+  if (args.grad_layernorm_output.defined()) b.AddAbsMax(d_ln, args.grad_layernorm_output, d_ln);
+  args.grads->Wgrad(Param::kFc1Weight, dh, *ln_q);
+  if (args.bias) args.grads->BiasGrad(Param::kFc1Bias, d_fc1, dh.amax);
   // LayerNorm
-  at::Tensor gamma_grad = args.gamma_grad, beta_grad = args.beta_grad;
+  const int64_t k = saved.input.size(1);
+  at::Tensor gamma_grad = b.Zeros({k}), beta_grad = b.Zeros({k});
   at::Tensor dx =
       b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
+  args.grads->Add(Param::kLayerNormWeight, gamma_grad);
+  args.grads->Add(Param::kLayerNormBias, beta_grad);
   if (args.compute_grad_input) result.grad_input = dx;
   return result;
 }
@@ -217,7 +212,6 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
 
   absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
     const std::vector<QuantizerConfig>& q = *a.quantizers;
-    const ParamTable& g = *a.grads;
     LayerNormMlpBwdArgs args;
     args.backend = a.backend;
     args.grad_output = a.grad_output;
@@ -229,14 +223,10 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
     args.fc1_grad_quantizer = q[kFc1Grad];
     args.fc2_grad_quantizer = q[kFc2Grad];
     args.compute_grad_input = a.compute_grad_input;
-    args.gamma_grad = g[Param::kLayerNormWeight];
-    args.beta_grad = g[Param::kLayerNormBias];
-    args.fc1_weight_grad = g[Param::kFc1Weight];
-    args.fc1_bias_grad = g[Param::kFc1Bias];
-    args.fc2_weight_grad = g[Param::kFc2Weight];
-    args.fc2_bias_grad = g[Param::kFc2Bias];
+    args.bias = a.spec->bias;
+    args.grads = a.grads;
     GW_ASSIGN_OR_RETURN(LayerNormMlpBwdResult r, LayerNormMlpBackward(args));
-    return KindBackwardResult{std::move(r.grad_input),
+    return KindBackwardResult{std::move(r.grad_input), INFINITY,
                               {{kFc1Grad, r.fc1_grad_amax}, {kFc2Grad, r.fc2_grad_amax}}};
   }
 };

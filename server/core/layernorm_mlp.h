@@ -13,6 +13,7 @@
 #include "server/core/fp8_ops.h"
 #include "server/core/layernorm_linear.h"
 #include "server/core/saved_tensors.h"
+#include "server/core/gradients.h"
 
 namespace gradwire::core {
 
@@ -74,8 +75,9 @@ struct LayerNormMlpBwdArgs {
   kernels::Activation activation = kernels::Activation::kGelu;
   QuantizerConfig fc1_grad_quantizer, fc2_grad_quantizer;  // E5M2
   bool compute_grad_input = true;
-  at::Tensor gamma_grad, beta_grad, fc1_weight_grad, fc1_bias_grad, fc2_weight_grad,
-      fc2_bias_grad;  // accumulated into (bias grads undefined without bias)
+  bool bias = false;  // FC1 and FC2 have biases (their gradients are wanted)
+  // To Param::kLayerNormWeight, kLayerNormBias, kFc1Weight, kFc1Bias, kFc2Weight, kFc2Bias.
+  GradientSink* grads = nullptr;
 };
 
 struct LayerNormMlpBwdResult {

@@ -54,13 +54,13 @@ absl::StatusOr<LinearBwdResult> LinearBackward(const LinearBwdArgs& args) {
                                             /*columnwise=*/true}));
   LinearBwdResult result;
   result.grad_output_amax = dy.amax;
-  if (args.compute_grad_input) result.grad_input = b.Dgrad(dy, w);
-  at::Tensor weight_grad = args.weight_grad;
-  b.WgradAccumulate(dy, x, weight_grad);
-  if (args.bias_grad.defined()) {  // dbias from the unquantized gradient, as the fused cast does
-    at::Tensor bias_grad = args.bias_grad;
-    b.AccumulateBiasGrad(args.grad_output, bias_grad);
+  if (args.compute_grad_input) {
+    result.grad_input = b.Dgrad(dy, w);
+    result.grad_input_bound = DgradBound(dy, w);
   }
+  args.grads->Wgrad(Param::kWeight, dy, x);
+  // dbias from the unquantized gradient, as the fused cast does; |grad_output| <= its amax.
+  if (args.bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy.amax);
   return result;
 }
 
@@ -130,10 +130,11 @@ class LinearKindOps final : public ModuleKindOps {
     if (args.saved == nullptr) return absl::InternalError("context is not a Linear context");
     args.grad_quantizer = (*a.quantizers)[kGradOutput];
     args.compute_grad_input = a.compute_grad_input;
-    args.weight_grad = (*a.grads)[Param::kWeight];
-    args.bias_grad = (*a.grads)[Param::kBias];
+    args.bias = a.spec->bias;
+    args.grads = a.grads;
     GW_ASSIGN_OR_RETURN(LinearBwdResult r, LinearBackward(args));
-    return KindBackwardResult{std::move(r.grad_input), {{kGradOutput, r.grad_output_amax}}};
+    return KindBackwardResult{std::move(r.grad_input), r.grad_input_bound,
+                              {{kGradOutput, r.grad_output_amax}}};
   }
 };
 

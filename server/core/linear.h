@@ -7,11 +7,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cmath>
 #include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/core/fp8_ops.h"
+#include "server/core/gradients.h"
 #include "server/core/saved_tensors.h"
 
 namespace gradwire::core {
@@ -60,12 +62,14 @@ struct LinearBwdArgs {
   const LinearSaved* saved = nullptr;  // from the matching forward
   QuantizerConfig grad_quantizer;      // E5M2
   bool compute_grad_input = true;
-  at::Tensor weight_grad;  // float32 [N, K]: dW is accumulated into it
-  at::Tensor bias_grad;    // float32 [N]: dbias is accumulated into it; undefined without bias
+  bool bias = false;  // the layer has a bias (its gradient is wanted)
+  // dW goes to Param::kWeight, dbias to Param::kBias.
+  GradientSink* grads = nullptr;
 };
 
 struct LinearBwdResult {
   at::Tensor grad_input;  // float32 [M, K], undefined unless compute_grad_input
+  double grad_input_bound = INFINITY;  // >= max |grad_input| (DgradBound)
   float grad_output_amax = 0.0f;
 };
 

@@ -4,11 +4,14 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <stdexcept>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/kernels/random.h"
+#include "server/core/gradients.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -76,7 +79,7 @@ struct ModuleHost::Module {
     const char* name;   // ParamName(id)
     at::Tensor value;   // fp32 master copy, on the host
     at::Tensor device;  // value on the backend's device, as of device_version (CPU: value)
-    at::Tensor grad;    // fp32 on the device, accumulated by backwards
+    GradAccumulator grad;  // fp32 on the device, accumulated by backwards
     OptimizerSlots slots;
   };
 
@@ -131,6 +134,10 @@ struct ModuleHost::Module {
       if (roles[i].weight) q.back().scale = 0.0f;
     }
     return q;
+  }
+  void ZeroGrad(Parameter& p) {
+    p.grad.grad.zero_();
+    p.grad.bound = 0;
   }
   // Ends a step of the given roles: records their amaxes and rolls their histories.
   void EndStep(const std::vector<RoleAmax>& amaxes) {
@@ -188,7 +195,7 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(
         break;
     }
     ++stream;
-    p.grad = backend_->Zeros(d.shape);
+    p.grad.grad = backend_->Zeros(d.shape);
     m->params.push_back(std::move(p));
   }
   for (const RoleDef& r : m->kind->Roles()) m->scaling.emplace_back(r.format, spec.recipe);
@@ -334,9 +341,6 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
     const std::string& client) {
   const Backend& b = *backend_;
   const at::Tensor x = b.ToDevice(input);
-  // A NaN or inf would stick in the amax history and, through the backward, in the shared
-  // gradient buffers: refuse it before it touches any state.
-  GW_RETURN_IF_ERROR(CheckFinite("input", x));
   std::lock_guard<std::mutex> lock(m->mu);
   const ModuleSpec& spec = m->spec;
   m->SyncDevice();
@@ -353,6 +357,18 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   args.workspace = m->workspace;
   args.training = training;
   GW_ASSIGN_OR_RETURN(KindForwardResult r, m->kind->Forward(args));
+  // A NaN or inf would stick in the amax history and, through the backward, in the shared
+  // gradient buffers: it is refused before it touches any state. The casts measured every
+  // activation's amax on the way (a cast's amax is NaN or inf exactly when its input holds one),
+  // so the input is only scanned, for the message, when one of them is not finite.
+  const std::vector<RoleDef>& roles = m->kind->Roles();
+  for (const auto& [role, amax] : r.amaxes) {
+    if (roles.at(role).weight || std::isfinite(amax)) continue;
+    GW_RETURN_IF_ERROR(CheckFinite("input", x));
+    return absl::OutOfRangeError(absl::StrCat(
+        "the ", roles[role].name, " of this forward came out non-finite (fp32 overflow) from a "
+        "finite input; nothing was changed: scale the input down"));
+  }
   // Inference leaves the scaling state alone: evaluation traffic must not move training scales.
   if (training) {
     GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
@@ -429,7 +445,6 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
   std::vector<int64_t> expected = input_shape;
   expected.back() = m->spec.out_features;
   if (auto s = CheckExactShape("grad_output", in.grad_output, expected); !s.ok()) return fail(s);
-  if (auto s = CheckFinite("grad_output", in.grad_output); !s.ok()) return fail(s);
   if (in.grad_layernorm_output.defined()) {
     if (!m->spec.return_layernorm_output) {
       return fail(absl::InvalidArgumentError(
@@ -437,9 +452,6 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
     }
     if (auto s = CheckExactShape("grad_layernorm_output", in.grad_layernorm_output, input_shape);
         !s.ok()) {
-      return fail(s);
-    }
-    if (auto s = CheckFinite("grad_layernorm_output", in.grad_layernorm_output); !s.ok()) {
       return fail(s);
     }
   }
@@ -455,17 +467,9 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
     }
     const Backend& b = *backend_;
     m->SyncDevice();
-    // A backward whose gradients come out non-finite must leave the accumulators as they were.
-    // The first backward after a step accumulates straight into the (zero) buffers and zeroes
-    // them again on failure; later ones accumulate into fresh buffers that are checked and then
-    // added, the sums checked again before they replace the accumulators.
-    const bool direct = m->accumulated_backwards == 0;
-    std::vector<std::pair<Module::Parameter*, at::Tensor>> targets;
-    ParamTable grads;
-    for (Module::Parameter& p : m->params) {
-      targets.emplace_back(&p, direct ? p.grad : at::zeros_like(p.grad));
-      grads[p.id] = targets.back().second;
-    }
+    // The kind hands its parameter gradients to `grads`, which adds them to the accumulators only
+    // after everything below has checked out: a refused backward changes nothing.
+    DeferredGradients grads(b);
     const ParamTable params = m->DeviceTable();
     const std::vector<QuantizerConfig> quantizers = m->Quantizers();
     KindBackwardArgs args;
@@ -480,17 +484,24 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
     args.grads = &grads;
     args.quantizers = &quantizers;
     args.compute_grad_input = !in.skip_grad_input;
-    auto r = m->kind->Backward(args);
-    if (!r.ok()) {
-      if (direct) {
-        for (auto& [p, g] : targets) p->grad.zero_();
-      }
-      return fail(r.status());
+    absl::StatusOr<KindBackwardResult> r;
+    try {
+      r = m->kind->Backward(args);
+    } catch (const std::exception& e) {
+      // A device or library error: nothing was accumulated (the gradients are still only
+      // collected) and the context stays as it was.
+      return fail(absl::InternalError(absl::StrCat("backward failed: ", e.what())));
     }
+    if (!r.ok()) return fail(r.status());
     grad_input = std::move(r->grad_input);
-    auto overflowed = [&](const std::string& what) {
-      if (direct) {
-        for (auto& [p, g] : targets) p->grad.zero_();
+    // A non-finite value anywhere comes from the request (a NaN or inf in a gradient sent) or
+    // from fp32 overflow of finite values; the scan that tells which runs only then.
+    auto refuse = [&](const std::string& what) {
+      if (auto s = CheckFinite("grad_output", args.grad_output); !s.ok()) return fail(s);
+      if (args.grad_layernorm_output.defined()) {
+        if (auto s = CheckFinite("grad_layernorm_output", args.grad_layernorm_output); !s.ok()) {
+          return fail(s);
+        }
       }
       return fail(absl::OutOfRangeError(
           absl::StrCat("the ", what,
@@ -498,19 +509,34 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
                        "accumulated, the scaling state is unchanged and context_id ",
                        context_id, " is kept: scale grad_output down and retry, or release it")));
     };
-    if (grad_input.defined() && !AllFinite(grad_input)) return overflowed("grad_input");
-    for (auto& [p, g] : targets) {
-      if (!AllFinite(g)) return overflowed(absl::StrCat(p->name, " gradient"));
+    // The casts' amaxes: the gradients as they were cast (grad_output first).
+    for (const auto& [role, amax] : r->amaxes) {
+      if (!std::isfinite(amax)) return refuse(m->kind->Roles().at(role).name);
     }
-    if (!direct) {
-      std::vector<at::Tensor> sums;
-      for (auto& [p, g] : targets) {
-        sums.push_back(p->grad + g);
-        if (!AllFinite(sums.back())) {
-          return overflowed(absl::StrCat("accumulated ", p->name, " gradient"));
+    if (grad_input.defined() && !ProvablyFinite(r->grad_input_bound) &&
+        !std::isfinite(b.AbsMax(grad_input))) {
+      return refuse("grad_input");
+    }
+    std::optional<Param> overflowed;
+    try {
+      overflowed = grads.Commit([&](Param id) -> GradAccumulator* {
+        for (Module::Parameter& p : m->params) {
+          if (p.id == id) return &p.grad;
         }
-      }
-      for (size_t i = 0; i < targets.size(); ++i) targets[i].first->grad.copy_(sums[i]);
+        throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
+                                            ", which this module does not have"));
+      });
+    } catch (const std::exception& e) {
+      // Only a device or library failure gets here (a refused sum returns, changing nothing);
+      // the accumulators may then hold part of this backward, so they are zeroed.
+      for (Module::Parameter& p : m->params) m->ZeroGrad(p);
+      m->accumulated_backwards = 0;
+      return fail(absl::InternalError(
+          absl::StrCat("backward failed while accumulating gradients (they were reset): ",
+                       e.what())));
+    }
+    if (overflowed.has_value()) {
+      return refuse(absl::StrCat("accumulated ", ParamName(*overflowed), " gradient"));
     }
     m->EndStep(r->amaxes);
     ++m->accumulated_backwards;
@@ -541,7 +567,7 @@ absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id
   for (Module::Parameter& p : m->params) {
     values.push_back(p.value.clone());
     slots.push_back(p.slots.Clone());
-    OptimizerStep(m->spec.optimizer, lr, step, values.back(), backend_->ToHost(p.grad),
+    OptimizerStep(m->spec.optimizer, lr, step, values.back(), backend_->ToHost(p.grad.grad),
                   slots.back());
     if (!AllFinite(values.back()) || !slots.back().AllFinite()) {
       return absl::OutOfRangeError(absl::StrCat(
@@ -553,7 +579,7 @@ absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id
   for (size_t i = 0; i < m->params.size(); ++i) {
     m->params[i].value.copy_(values[i]);  // in place: the device copy may alias it
     m->params[i].slots = std::move(slots[i]);
-    m->params[i].grad.zero_();
+    m->ZeroGrad(m->params[i]);
   }
   m->optimizer_steps = step;
   m->accumulated_backwards = 0;
@@ -565,8 +591,9 @@ absl::StatusOr<ParametersCopy> ModuleHost::GetGradients(const std::string& modul
   std::lock_guard<std::mutex> lock(m->mu);
   ParametersCopy out;
   for (Module::Parameter& p : m->params) {
-    out.tensors.emplace_back(p.name, p.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
-    if (zero) p.grad.zero_();
+    out.tensors.emplace_back(p.name,
+                             p.grad.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
+    if (zero) m->ZeroGrad(p);
   }
   out.weight_version = m->version;
   out.accumulated_backwards = m->accumulated_backwards;

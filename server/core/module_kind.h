@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -24,35 +25,12 @@
 #include "absl/strings/string_view.h"
 #include "server/core/backend.h"
 #include "server/core/fp8_ops.h"
+#include "server/core/gradients.h"
 #include "server/core/module_spec.h"
+#include "server/core/params.h"
 #include "server/core/saved_tensors.h"
 
 namespace gradwire::core {
-
-// Every parameter any kind has. A module has a subset (ModuleKindOps::Params).
-enum class Param : uint8_t {
-  kLayerNormWeight,  // "layer_norm_weight" (gamma)
-  kLayerNormBias,    // "layer_norm_bias" (beta)
-  kWeight,           // "weight"
-  kBias,             // "bias"
-  kFc1Weight,        // "fc1_weight"
-  kFc1Bias,          // "fc1_bias"
-  kFc2Weight,        // "fc2_weight"
-  kFc2Bias,          // "fc2_bias"
-};
-inline constexpr size_t kParamSlots = 8;
-// The wire and checkpoint name of a parameter.
-const char* ParamName(Param p);
-
-// Tensors by parameter handle; undefined for a parameter the module does not have.
-class ParamTable {
- public:
-  at::Tensor& operator[](Param p) { return slots_[size_t(p)]; }
-  const at::Tensor& operator[](Param p) const { return slots_[size_t(p)]; }
-
- private:
-  std::array<at::Tensor, kParamSlots> slots_;
-};
 
 // One parameter of a module: its handle, shape and initial values.
 struct ParamDef {
@@ -111,13 +89,15 @@ struct KindBackwardArgs {
   at::Tensor grad_layernorm_output;     // float32 [M, in_features] or undefined
   const SavedTensors* saved = nullptr;  // from the matching forward of this kind
   const ParamTable* params = nullptr;   // device copies (the LayerNorm's gamma)
-  ParamTable* grads = nullptr;          // the parameter gradients are accumulated into these
+  GradientSink* grads = nullptr;        // every parameter gradient goes here
   const std::vector<QuantizerConfig>* quantizers = nullptr;  // one per role
   bool compute_grad_input = true;
 };
 
 struct KindBackwardResult {
   at::Tensor grad_input;  // float32 [M, in_features], undefined unless compute_grad_input
+  // >= max |grad_input| when the kind can bound it (DgradBound); +inf: the caller must measure.
+  double grad_input_bound = INFINITY;
   std::vector<RoleAmax> amaxes;
 };
 

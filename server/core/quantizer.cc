@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "gradwire/kernels/cpu/loops.h"
 #include "gradwire/kernels/ref/cast.h"
 
 namespace gradwire::core {
@@ -54,9 +55,15 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
   out.scale = 1.0f / scale_inv;
   const auto options = at::TensorOptions().dtype(at::kByte);
   const float* table = kernels::DecodeTable(format);
-  float amax = 0.0f;
-  for (int64_t i = 0; i < rows * cols; ++i) amax = std::max(amax, std::fabs(table[codes[i]]));
-  out.amax = amax * scale_inv;
+  // max |value| with NaN and inf kept (E5M2 has both, E4M3 a NaN): what a cast's amax would be,
+  // so a caller can tell a non-finite input from it.
+  uint32_t max_bits = 0;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &table[codes[i]], sizeof bits);
+    max_bits = std::max(max_bits, bits & 0x7FFFFFFFu);
+  }
+  out.amax = kernels::cpu::AbsMaxFromBits(max_bits) * scale_inv;
   if (usage.rowwise) {
     out.rowwise = at::empty({rows, cols}, options);
     std::memcpy(out.rowwise.data_ptr<uint8_t>(), codes, size_t(rows * cols));

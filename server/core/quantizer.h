@@ -31,7 +31,8 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
 
 // An FP8 tensor from codes that arrived already cast (rows x cols, row-major) with their
 // scale_inv: used as they are, nothing re-quantized. The columnwise copy is the exact transpose;
-// amax is the largest |decoded value| x scale_inv.
+// amax is the largest |decoded value| x scale_inv (NaN when a code is NaN, inf for an E5M2
+// infinity, as a cast of such values would measure).
 Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::Fp8Format format,
                     float scale_inv, CastUsage usage);
 

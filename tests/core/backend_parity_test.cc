@@ -105,6 +105,27 @@ double Nmse(const at::Tensor& got, const at::Tensor& want) {
   return (g - w).pow(2).sum().item<double>() / std::max(den, 1e-300);
 }
 
+// A Linear module's output y = x W^T + b against the reference's, element by element:
+// |got - want| <= 2^-8 (|x| |W|^T + |b|). The terms come from the fp32 input and master weights,
+// which the E4M3 casts move by at most 2^-4 each; 2^-8 covers fast accumulation's 2^-10 of the
+// terms (docs/cuda.md) with that and the fp32 roundings twice over. A wrong weight, bias or
+// scale moves an element by a good part of its terms and fails.
+::testing::AssertionResult WithinLinearGemmBound(const at::Tensor& got, const at::Tensor& want,
+                                                 const at::Tensor& x, const ModuleHost& ref_host,
+                                                 const std::string& module_id) {
+  auto weights = ref_host.GetWeights(module_id);
+  if (!weights.ok()) return ::testing::AssertionFailure() << weights.status();
+  at::Tensor w, b;
+  for (const auto& [param, t] : weights->tensors) {
+    if (param == "weight") w = t;
+    if (param == "bias") b = t;
+  }
+  if (!w.defined()) return ::testing::AssertionFailure() << "the module has no weight";
+  at::Tensor terms = x.to(at::kDouble).abs().mm(w.to(at::kDouble).abs().t());
+  if (b.defined()) terms = terms + b.to(at::kDouble).abs();
+  return gradwire::testing::AllCloseToSum(got, want, terms, std::ldexp(1.0, -8), 1e-30);
+}
+
 struct Shape {
   int64_t rows, cols;
 };
@@ -236,8 +257,8 @@ TEST_P(GemmParity, FpropDgradWgradWithinTheAccumulationBound) {
   // acc += dy^T x, from a random start
   const at::Tensor acc0 = RandN({n, k});
   at::Tensor want = acc0.clone(), got = b.ToDevice(acc0);
-  ref.WgradAccumulate(rdy, rx, want);
-  b.WgradAccumulate(bdy, bx, got);
+  ref.Wgrad(rdy, rx, want, /*accumulate=*/true);
+  b.Wgrad(bdy, bx, got, /*accumulate=*/true);
   EXPECT_TRUE(WithinGemmBound(b.ToHost(got), want, dyd.abs().t().mm(xd.abs()) + acc0.abs(), m,
                               std::ldexp(1.0, -11)))
       << "wgrad";
@@ -385,7 +406,12 @@ TEST_P(ModuleParity, OutputsAndGradientsMatchTheReference) {
     ASSERT_TRUE(got.ok()) << got.status();
     ASSERT_EQ(got->output.device().type(), at::kCPU);
     if (exact_casts) {
-      EXPECT_LT(Nmse(got->output, want->output), tight) << "output";
+      // A Linear output is a GEMM of identical codes, so it is held element by element to the
+      // GEMM bound, not to a normalised error: an output that is one short, cancelling sum (the
+      // 1x16x1 case) has a tiny denominator, and fast accumulation's partial-sum error (up to
+      // 2^-10 of the sum of |terms|) then exceeds any relative tolerance by chance.
+      EXPECT_TRUE(WithinLinearGemmBound(got->output, want->output, x, ref_host, ref_id->module_id))
+          << "output";
     } else {
       EXPECT_LT(Nmse(got->output, want->output), nmse) << "output";
     }

@@ -15,6 +15,7 @@ namespace {
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
 using gradwire::testing::D;
+using gradwire::testing::Into;
 using gradwire::testing::MakeBwdArgs;
 using gradwire::testing::MakeFwdArgs;
 using gradwire::testing::NormwiseClose;
@@ -64,22 +65,23 @@ TEST_P(LayerNormLinearTest, ForwardAndBackwardMatchFloat64) {
                             0.125, 0.0675));
   ((y64 * D(dy)).sum() + (ln64 * D(d_ln_extra)).sum()).backward();
 
-  auto ba = MakeBwdArgs<LayerNormLinearBwdArgs>(dy, fwd->saved.get(), at::zeros({n, k}),
-                                                has_bias ? at::zeros({n}) : at::Tensor());
+  const at::Tensor weight_grad = at::zeros({n, k}),
+                   bias_grad = has_bias ? at::zeros({n}) : at::Tensor(),
+                   gamma_grad = at::zeros({k}), beta_grad = at::zeros({k});
+  DirectGradients grads = Into(weight_grad, bias_grad, gamma_grad, beta_grad);
+  auto ba = MakeBwdArgs<LayerNormLinearBwdArgs>(dy, fwd->saved.get(), &grads, has_bias);
   ba.grad_layernorm_output = d_ln_extra;
   ba.ln = ln;
-  ba.gamma_grad = at::zeros({k});
-  ba.beta_grad = at::zeros({k});
   auto bwd = LayerNormLinearBackward(ba);
   ASSERT_TRUE(bwd.ok()) << bwd.status();
-  EXPECT_TRUE(AllCloseToSum(ba.weight_grad, w64u.grad(),
+  EXPECT_TRUE(AllCloseToSum(weight_grad, w64u.grad(),
                             at::matmul(D(dy).abs().t(), ln64.detach().abs()), 0.25, 0.125));
   if (has_bias) {
-    EXPECT_TRUE(AllClose(ba.bias_grad, b64.grad(), 1e-5, 1e-5));
+    EXPECT_TRUE(AllClose(bias_grad, b64.grad(), 1e-5, 1e-5));
   }
   EXPECT_TRUE(NormwiseClose(bwd->grad_input, x64.grad(), 0.25));
-  EXPECT_TRUE(NormwiseClose(ba.gamma_grad, g64.grad(), 0.25));
-  EXPECT_TRUE(NormwiseClose(ba.beta_grad, be64.grad(), 0.25));
+  EXPECT_TRUE(NormwiseClose(gamma_grad, g64.grad(), 0.25));
+  EXPECT_TRUE(NormwiseClose(beta_grad, be64.grad(), 0.25));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormLinearTest,

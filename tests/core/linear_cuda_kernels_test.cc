@@ -22,6 +22,7 @@ namespace gradwire::kernels::cuda {
 namespace {
 
 using gradwire::testing::kE5M2;
+using gradwire::testing::Into;
 using gradwire::testing::MakeBwdArgs;
 using gradwire::testing::MakeFwdArgs;
 using testing::Bits;
@@ -106,8 +107,9 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   at::Tensor weight_grad = at::randn({N, K}), bias_grad = at::randn({N});
   const std::vector<float> weight_grad0 = Floats(weight_grad);
   const std::vector<float> bias_grad0 = Floats(bias_grad);
+  core::DirectGradients grads = Into(weight_grad, bias_grad);
   auto bwd = core::LinearBackward(
-      MakeBwdArgs<core::LinearBwdArgs>(dy, fwd->saved.get(), weight_grad, bias_grad));
+      MakeBwdArgs<core::LinearBwdArgs>(dy, fwd->saved.get(), &grads, /*bias=*/true));
   ASSERT_TRUE(bwd.ok()) << bwd.status();
 
   // The same step on the device.

@@ -13,6 +13,7 @@ namespace {
 
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
+using gradwire::testing::Into;
 using gradwire::testing::MakeBwdArgs;
 using gradwire::testing::MakeFwdArgs;
 using gradwire::testing::RandN;
@@ -96,7 +97,8 @@ TEST_P(LinearTest, BackwardMatchesFloat64References) {
   if (has_bias_) bias_grad = RandN({n_});
   const at::Tensor bias_grad_before = has_bias_ ? bias_grad.clone() : at::Tensor();
 
-  auto r = LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), weight_grad, bias_grad));
+  DirectGradients grads = Into(weight_grad, bias_grad);
+  auto r = LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), &grads, has_bias_));
   ASSERT_TRUE(r.ok()) << r.status();
 
   const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3), dyq = Dq(dy_, kE5M2);
@@ -148,9 +150,9 @@ TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
 TEST_P(LinearTest, SkippingGradInputStillAccumulatesWeightGradient) {
   const LinearFwdResult fwd = Forward(true);
   at::Tensor weight_grad = at::zeros({n_, k_}, at::kFloat);
-  auto r =
-      LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), weight_grad, at::Tensor(),
-                                                /*compute_grad_input=*/false));
+  DirectGradients grads = Into(weight_grad, at::Tensor());
+  auto r = LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), &grads, /*bias=*/false,
+                                                     /*compute_grad_input=*/false));
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->grad_input.defined());
   const at::Tensor xd = x_.to(at::kDouble), dyd = dy_.to(at::kDouble);

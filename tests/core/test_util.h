@@ -10,6 +10,7 @@
 
 #include "gradwire/kernels/activation.h"
 #include "server/core/backend.h"
+#include "server/core/gradients.h"
 #include "server/core/module_spec.h"
 #include "server/core/quantizer.h"
 #include "server/core/recipe.h"
@@ -149,20 +150,33 @@ Args MakeFwdArgs(const at::Tensor& input, const at::Tensor& weight, const at::Te
   return args;
 }
 
-// The matching backward, the gradient cast to E5M2 with current scaling: dW accumulates into
-// weight_grad, dbias into bias_grad (undefined: no bias). Args is core::LinearBwdArgs or
+// A sink that accumulates a backward's gradients straight into these tensors (on the reference
+// backend): dW into weight_grad, dbias into bias_grad (undefined: no bias), and for the LayerNorm
+// kinds dgamma and dbeta into gamma_grad and beta_grad.
+inline core::DirectGradients Into(const at::Tensor& weight_grad, const at::Tensor& bias_grad,
+                                  const at::Tensor& gamma_grad = at::Tensor(),
+                                  const at::Tensor& beta_grad = at::Tensor()) {
+  core::ParamTable t;
+  t[core::Param::kWeight] = weight_grad;
+  t[core::Param::kBias] = bias_grad;
+  t[core::Param::kLayerNormWeight] = gamma_grad;
+  t[core::Param::kLayerNormBias] = beta_grad;
+  return core::DirectGradients(*core::MakeReferenceBackend(), std::move(t));
+}
+
+// The matching backward, the gradient cast to E5M2 with current scaling, its gradients into
+// `grads` (see Into; `bias`: the layer has one). Args is core::LinearBwdArgs or
 // core::LayerNormLinearBwdArgs.
 template <class Args>
 Args MakeBwdArgs(const at::Tensor& grad_output, decltype(Args::saved) saved,
-                 const at::Tensor& weight_grad, const at::Tensor& bias_grad,
-                 bool compute_grad_input = true) {
+                 core::GradientSink* grads, bool bias, bool compute_grad_input = true) {
   Args args;
   args.grad_output = grad_output;
   args.saved = saved;
   args.grad_quantizer = kE5M2;
   args.compute_grad_input = compute_grad_input;
-  args.weight_grad = weight_grad;
-  args.bias_grad = bias_grad;
+  args.grads = grads;
+  args.bias = bias;
   return args;
 }
 

@@ -1,0 +1,165 @@
+#include "gradwire/kernels/cpu/cast.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "gradwire/kernels/cpu/loops.h"
+#include "gradwire/kernels/cpu/parallel.h"
+#include "vector_clones.h"
+
+namespace gradwire::kernels::cpu {
+namespace {
+
+constexpr int64_t kTile = 64;  // a tile of kTile x kTile codes is 4 KiB: both sides stay in L1
+
+// The reference encoder (kernels/ref/fp8.cc) restated without branches or libm calls, so that the
+// loop vectorises. For |v| in the normal range the float's own mantissa is rounded to M bits, ties
+// to even, by adding a bias below the cut (a carry moves into the exponent exactly as the
+// reference's "rounded up into the next binade"), and the float exponent bias is exchanged for
+// FP8's. Below the smallest normal, |v| * 2^(M - MinExp) is exact (a power-of-two scaling of a
+// value far from overflow) and adding 2^23 rounds it to an integer, ties to even; that integer is
+// the code (the reference's subnormal mantissa, or the smallest normal's code when it rounds up
+// to it). NaN keeps its sign and becomes the NaN code; |v| >= the largest finite value (inf
+// included) saturates, before any rounding, as in the reference.
+template <int M, int Bias, int MinExp, uint32_t MaxBits, uint8_t MaxCode>
+inline uint8_t EncodeOne(float v) {
+  // Selections are masks, not branches, so that the compiler vectorises the loops around this.
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  constexpr int kShift = 23 - M;
+  const uint32_t rounded = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
+  const uint32_t normal = (rounded >> kShift) - (uint32_t(127 - Bias) << M);
+  constexpr float kSubScale = float(1u << (M - MinExp));  // 2^(M - MinExp), exact
+  const uint32_t sub =
+      __builtin_bit_cast(uint32_t, __builtin_bit_cast(float, a) * kSubScale + 8388608.0f) -
+      0x4B000000u;
+  constexpr uint32_t kMinNormalBits = uint32_t(MinExp + 127) << 23;
+  const uint32_t is_normal = 0u - uint32_t(a >= kMinNormalBits);
+  const uint32_t saturate = 0u - uint32_t(a >= MaxBits);  // MaxBits: the largest finite value
+  const uint32_t nan = 0u - uint32_t(a > 0x7F800000u);
+  uint32_t code = (normal & is_normal) | (sub & ~is_normal);
+  code = (uint32_t(MaxCode) & saturate) | (code & ~saturate);
+  code = (0x7Fu & nan) | (code & ~nan);
+  return uint8_t(sign | code);
+}
+
+inline uint8_t EncodeE4M3(float v) { return EncodeOne<3, 7, -6, 0x43E00000u, 0x7E>(v); }
+inline uint8_t EncodeE5M2(float v) { return EncodeOne<2, 15, -14, 0x47600000u, 0x7B>(v); }
+
+GRADWIRE_VECTOR_CLONES
+void EncodeRowE4M3(const float* x, int64_t n, float scale, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = EncodeE4M3(x[i] * scale);
+}
+
+GRADWIRE_VECTOR_CLONES
+void EncodeRowE5M2(const float* x, int64_t n, float scale, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = EncodeE5M2(x[i] * scale);
+}
+
+// Encodes and measures max |x| in one pass, as the bits of |x| (see AbsMaxBits in loops.h): an
+// integer max, which vectorises, and sorts every NaN above +inf.
+GRADWIRE_VECTOR_CLONES
+uint32_t EncodeRowAmaxE4M3(const float* x, int64_t n, float scale, uint8_t* out) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu;
+    m = a > m ? a : m;
+    out[i] = EncodeE4M3(x[i] * scale);
+  }
+  return m;
+}
+
+GRADWIRE_VECTOR_CLONES
+uint32_t EncodeRowAmaxE5M2(const float* x, int64_t n, float scale, uint8_t* out) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu;
+    m = a > m ? a : m;
+    out[i] = EncodeE5M2(x[i] * scale);
+  }
+  return m;
+}
+
+uint32_t EncodeRowAmax(const float* x, int64_t n, float scale, Fp8Format format, uint8_t* out) {
+  return format == Fp8Format::kE4M3 ? EncodeRowAmaxE4M3(x, n, scale, out)
+                                    : EncodeRowAmaxE5M2(x, n, scale, out);
+}
+
+// out[c * ld_out + r] = in[r * ld_in + c] for a tile of rows x cols (each at most kTile).
+void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols, uint8_t* out,
+                   int64_t ld_out) {
+  for (int64_t c = 0; c < cols; ++c) {
+    uint8_t* o = out + c * ld_out;
+    for (int64_t r = 0; r < rows; ++r) o[r] = in[r * ld_in + c];
+  }
+}
+
+}  // namespace
+
+void EncodeFp8(const float* x, int64_t n, float scale, Fp8Format format, uint8_t* codes) {
+  if (format == Fp8Format::kE4M3) {
+    EncodeRowE4M3(x, n, scale, codes);
+  } else {
+    EncodeRowE5M2(x, n, scale, codes);
+  }
+}
+
+void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8Format format,
+                 uint8_t* out, uint8_t* out_t, float* amax) {
+  if (out == nullptr && out_t == nullptr) {
+    if (amax != nullptr) *amax = AbsMax(x, rows * cols);
+    return;
+  }
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  // Enough row tiles per range to pay for a thread: about 32 K elements.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, cols * kTile));
+  uint32_t part[kMaxThreads] = {};  // max |x| bits per range
+  ParallelForRanges(row_tiles, grain, [&](int64_t range, int64_t t0, int64_t t1) {
+    alignas(64) uint8_t tile[kTile * kTile];
+    uint32_t m = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * kTile, r1 = std::min(rows, r0 + kTile);
+      if (out_t == nullptr) {  // rowwise only: straight through, row by row
+        for (int64_t r = r0; r < r1; ++r) {
+          m = std::max(m, EncodeRowAmax(x + r * cols, cols, scale, format, out + r * cols));
+        }
+        continue;
+      }
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t w = std::min(cols, c0 + kTile) - c0;
+        // Rowwise codes land in place when wanted, else in the tile; the tile then feeds the
+        // transposed copy.
+        uint8_t* dst = out != nullptr ? out + r0 * cols + c0 : tile;
+        const int64_t ld = out != nullptr ? cols : kTile;
+        for (int64_t r = r0; r < r1; ++r) {
+          m = std::max(m, EncodeRowAmax(x + r * cols + c0, w, scale, format, dst + (r - r0) * ld));
+        }
+        TransposeTile(dst, ld, r1 - r0, w, out_t + c0 * rows + r0, rows);
+      }
+    }
+    part[range] = m;
+  });
+  if (amax != nullptr) {
+    uint32_t m = 0;
+    for (uint32_t p : part) m = std::max(m, p);
+    *amax = AbsMaxFromBits(m);
+  }
+}
+
+void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* out) {
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, cols * kTile));
+  ParallelFor(row_tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * kTile, r1 = std::min(rows, r0 + kTile);
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t w = std::min(cols, c0 + kTile) - c0;
+        TransposeTile(codes + r0 * cols + c0, cols, r1 - r0, w, out + c0 * rows + r0, rows);
+      }
+    }
+  });
+}
+
+}  // namespace gradwire::kernels::cpu

@@ -1,0 +1,26 @@
+// The CPU backend's FP8 cast: the reference cast (kernels/ref/cast.h) computed with bit operations
+// instead of rint/ldexp per element, vectorised, and threaded over row tiles, with the transposed
+// copy written from cache-sized tiles. Its codes and amax are the reference's bit for bit
+// (tests/kernels/cpu_kernels_test.cc checks every float of the FP8 range exhaustively).
+//
+// All pointers are host memory, row-major, non-owning; no call allocates beyond a stack tile.
+#pragma once
+
+#include <cstdint>
+
+#include "gradwire/kernels/fp8.h"
+
+namespace gradwire::kernels::cpu {
+
+// codes[i] = EncodeFp8(x[i] * scale, format) for i < n, on the calling thread.
+void EncodeFp8(const float* x, int64_t n, float scale, Fp8Format format, uint8_t* codes);
+
+// As kernels::QuantizeFp8: codes of x[rows, cols] * scale into `out` [rows, cols] and/or `out_t`
+// [cols, rows] (either may be null), and Amax(x) into `amax` when not null.
+void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8Format format,
+                 uint8_t* out, uint8_t* out_t, float* amax);
+
+// out[c, r] = codes[r, c]: codes [rows, cols] transposed, in cache-sized tiles, threaded.
+void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* out);
+
+}  // namespace gradwire::kernels::cpu

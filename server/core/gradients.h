@@ -1,0 +1,97 @@
+// Where a backward's parameter gradients go.
+//
+// A kind's backward hands each gradient contribution to a GradientSink, keyed by parameter, and
+// never touches an accumulator itself. ModuleHost gives it a DeferredGradients, which collects the
+// contributions and commits them after the backward has checked its results: all of them, or
+// none when one would make an accumulator non-finite. Most commits need no check at all: the FP8
+// casts bound every GEMM input (|decoded value| <= fp8 max * scale_inv), so a weight gradient's
+// magnitude is bounded before it is computed, and when that bound, added to what the accumulator
+// is known to hold, stays far below FLT_MAX the GEMM accumulates straight into the accumulator.
+// Only a contribution whose bound does not prove it finite is built in a spare buffer, checked in
+// the same pass that adds it, and swapped in.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "server/core/backend.h"
+#include "server/core/fp8_tensor.h"
+#include "server/core/params.h"
+
+namespace gradwire::core {
+
+class GradientSink {
+ public:
+  virtual ~GradientSink() = default;
+  // acc(p)[N, K] += dy^T . x: the weight-gradient GEMM of dy [M, N] and x [M, K], both given with
+  // their columnwise copies. At most one contribution per parameter and backward.
+  virtual void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) = 0;
+  // acc(p)[N] += column sums of g [M, N], every |g| being at most g_amax.
+  virtual void BiasGrad(Param p, const at::Tensor& g, float g_amax) = 0;
+  // acc(p) += v, a gradient computed whole (LayerNorm's gamma and beta).
+  virtual void Add(Param p, const at::Tensor& v) = 0;
+};
+
+// Accumulates each contribution at once into the tensors of a table, unchecked: for tests and
+// tools that call the compute functions directly.
+class DirectGradients final : public GradientSink {
+ public:
+  DirectGradients(const Backend& backend, ParamTable targets)
+      : backend_(backend), targets_(std::move(targets)) {}
+  void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) override;
+  void BiasGrad(Param p, const at::Tensor& g, float g_amax) override;
+  void Add(Param p, const at::Tensor& v) override;
+
+ private:
+  const Backend& backend_;
+  ParamTable targets_;
+};
+
+// A bound on every |value| of dy^T . x (the sum runs over dy's rows), and of dy . w (over dy's
+// columns), from the casts' scales: the rounding of an fp32 sum of n terms included. +inf when
+// no useful bound exists.
+double WgradBound(const Fp8Tensor& dy, const Fp8Tensor& x);
+double DgradBound(const Fp8Tensor& dy, const Fp8Tensor& w);
+// True when values bounded by `bound` are finite in fp32 with room to spare (a quarter of
+// FLT_MAX), so that adding another such value cannot overflow either.
+bool ProvablyFinite(double bound);
+
+// One parameter's gradient accumulator, as ModuleHost keeps it.
+struct GradAccumulator {
+  at::Tensor grad;   // fp32 on the backend's device: the sum so far
+  at::Tensor spare;  // same shape, made on first need: where a checked sum is built
+  double bound = 0;  // at least max |grad|; 0 when grad is zero
+};
+
+// Collects a backward's contributions, then commits them all or none (ModuleHost).
+class DeferredGradients final : public GradientSink {
+ public:
+  explicit DeferredGradients(const Backend& backend) : backend_(backend) {}
+  void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) override;
+  void BiasGrad(Param p, const at::Tensor& g, float g_amax) override;
+  void Add(Param p, const at::Tensor& v) override;
+
+  // Adds every contribution to its accumulator (accumulator(p), never null for a collected p),
+  // or none: returns the parameter whose sum would have come out non-finite (then no accumulator
+  // changed), or nullopt when every sum was added.
+  std::optional<Param> Commit(const std::function<GradAccumulator*(Param)>& accumulator);
+
+ private:
+  enum class Kind { kWgrad, kBias, kAdd };
+  struct Pending {
+    Kind kind;
+    Param param;
+    Fp8Tensor dy, x;  // kWgrad
+    at::Tensor g;     // kBias: the gradient summed; kAdd: the vector added
+    double bound = 0;
+  };
+  void Collect(Pending p);
+
+  const Backend& backend_;
+  std::vector<Pending> pending_;
+};
+
+}  // namespace gradwire::core
