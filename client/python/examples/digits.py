@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Handwritten digits (scikit-learn's 8x8 digits) with a remote FP8 LayerNormMLP hidden block.
 
-Model: RemoteLayerNormMLP(64 -> 128 -> 64, GELU) on the server, then a local Linear(64 -> 10).
+Model: RemoteLayerNormMLP(64 -> 128 -> 64, GELU) on the server, trained by the server's SGD
+(``optimizer="sgd"``, stepped with ``apply_gradients()``), then a local Linear(64 -> 10) trained
+by a local SGD.
 The same model is trained locally in float32 from the same initial weights on the same batches,
 and both test accuracies are printed per epoch; a PNG of both loss curves is saved.
 
@@ -59,7 +61,8 @@ def train(client, epochs=10, batch=64, lr=0.02, momentum=0.9, seed=0, recipe="cu
     torch.manual_seed(seed)
     x_train, x_test, y_train, y_test = load_data(seed)
     block = gradwire.RemoteLayerNormMLP(client, 64, 128, 64, recipe=recipe, seed=seed,
-                                        learning_rate=lr, momentum=momentum, name="digits.block")
+                                        optimizer="sgd", lr=lr, momentum=momentum,
+                                        name="digits.block")
     head = torch.nn.Linear(64, 10)
     remote = torch.nn.Sequential(block, head)
     local = torch.nn.Sequential(LocalLayerNormMLP(block.get_weights()), torch.nn.Linear(64, 10))
@@ -124,9 +127,10 @@ def main():
     parser.add_argument("--plot", default="digits-loss.png", help="PNG of the loss curves")
     parser.add_argument("--json", action="store_true", help="print the history as one JSON line")
     args = parser.parse_args()
-    client = gradwire.Client(args.server, wire_dtype=args.wire_dtype)
-    history = train(client, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                    recipe=args.recipe)
+    # Closing the client deletes the block it created on the server.
+    with gradwire.Client(args.server, wire_dtype=args.wire_dtype) as client:
+        history = train(client, args.epochs, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                        recipe=args.recipe)
     plot(history, args.plot)
     print(f"loss curves: {args.plot}", file=sys.stderr)
     if args.json:

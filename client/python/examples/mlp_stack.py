@@ -51,7 +51,7 @@ def accuracy(model, x, y):
 def build(where, blocks, micro_batches, lr, momentum, seed):
     torch.manual_seed(seed)
     remote_blocks = [gradwire.RemoteLayerNormMLP(where, 32, 64, 32, seed=seed + i,
-                                                 learning_rate=lr, momentum=momentum,
+                                                 optimizer="sgd", lr=lr, momentum=momentum,
                                                  name=f"mlp_stack.block{i}")
                      for i in range(blocks)]
     embed, head = torch.nn.Linear(30, 32), torch.nn.Linear(32, 2)
@@ -149,11 +149,10 @@ def main():
     servers = [s for s in args.server.split(",") if s]
     where = (gradwire.Cluster(servers, wire_dtype=args.wire_dtype) if len(servers) > 1
              else gradwire.Client(servers[0], wire_dtype=args.wire_dtype))
-    try:
+    # Closing deletes the blocks the run created on the servers, whatever happened.
+    with where:
         history = train(where, args.epochs, blocks=args.blocks, micro_batches=args.micro_batches,
                         lr=args.lr, momentum=args.momentum, seed=args.seed)
-    finally:
-        where.close()
     plot(history, args.plot, args.blocks)
     print(f"loss curves: {args.plot}", file=sys.stderr)
     if args.json:

@@ -1,8 +1,24 @@
-"""The Python client of gradwire-server (gRPC): one connection, every call with a deadline."""
+"""The Python client of gradwire-server (gRPC): one connection, every call with a deadline.
+
+Deadlines: every unary and chunked call carries ``Client.timeout``; so does every request on the
+``Train`` stream (see ``gradwire.train_stream``). A call that passes its deadline raises
+``GradwireError`` with ``code == "DEADLINE_EXCEEDED"`` and ``method`` naming the call.
+
+Lifetimes: the modules a ``RemoteModule`` creates through a client are *owned* by that client
+(unless created with ``keep=True``). ``Client.close()`` deletes every owned module that is still
+on the server, then ends the Train stream and the connection; ``close(keep=True)`` leaves them.
+
+Logging: the ``"gradwire"`` logger writes one DEBUG line per call (method, module or context,
+milliseconds) and WARNING lines for what cleanup could not do.
+"""
 
 import ipaddress
+import logging
 import os
+import socket
 import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 import grpc
@@ -15,6 +31,24 @@ if TYPE_CHECKING:
     from gradwire.train_stream import TrainStream
 
 ForwardResult = Tuple[torch.Tensor, str, Optional[torch.Tensor]]
+
+log = logging.getLogger("gradwire")
+log.addHandler(logging.NullHandler())  # a library leaves the handlers to the application
+
+# Open clients, newest last: unpickling a remote module looks here for a connection to its server
+# (a pickle never carries a connection, a token or key material).
+_OPEN_CLIENTS: "List[weakref.ref]" = []
+_OPEN_LOCK = threading.Lock()
+
+
+def open_client_for(server: str) -> Optional["Client"]:
+    """The most recently opened, still open ``Client`` to ``server`` in this process, if any."""
+    with _OPEN_LOCK:
+        for ref in reversed(_OPEN_CLIENTS):
+            c = ref()
+            if c is not None and not c.closed and c.server == server:
+                return c
+    return None
 
 
 class GradwireError(RuntimeError):
@@ -77,6 +111,18 @@ def is_loopback(server: str) -> bool:
         return False
 
 
+def _host_port(server: str) -> Optional[Tuple[str, int]]:
+    """(host, port) of a "host:port" or "[v6]:port" address; None for unix sockets or no port."""
+    if server.startswith("unix"):
+        return None
+    if server.startswith("["):
+        host, _, rest = server[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = server.rpartition(":")
+    return (host, int(port)) if port.isdigit() else None
+
+
 def _read(path: Optional[str], what: str) -> Optional[bytes]:
     if not path:
         return None
@@ -88,23 +134,32 @@ def _read(path: Optional[str], what: str) -> Optional[bytes]:
 
 
 class Client:
-    """Connection to one gradwire-server. Every call has a deadline of ``timeout`` seconds.
+    """Connection to one gradwire-server. Every call has a deadline of ``timeout`` seconds,
+    requests on the Train stream included.
+
+    Use it as a context manager, or call ``close()``: closing deletes the modules this client's
+    ``RemoteModule``s created (unless they were made with ``keep=True``, or ``close(keep=True)``).
 
     Args:
         server: "host:port" of the server.
-        timeout: deadline of each call, in seconds.
+        timeout: deadline of each call, in seconds: a unary call, a chunked call, or one request
+            on the Train stream. Past it the call raises ``GradwireError`` with code
+            ``DEADLINE_EXCEEDED`` naming the call (a Train-stream request also replaces the
+            stream).
         wire_dtype: how activations and gradients travel: "f32", "bf16", "f16" (halve the
             bytes), or "fp8" (a quarter: E4M3 activations and E5M2 gradients, each tensor with
             a current-scaling scale of its own; the server uses FP8 input codes as they are).
+            With "f32", a bfloat16 or float16 input travels in its own dtype (it loses nothing).
         max_message_mib: largest message sent or received.
         token: bearer token for a server that requires tokens (default: the ``GRADWIRE_TOKEN``
             environment variable, if set).
         chunk_kib: tensors larger than this travel on the chunked calls (at most the server's
-            ``--chunk-kib``); ``chunking`` is "auto" (by the request's and the expected
-            response's size), "always" or "never".
+            ``--chunk-kib``).
+        chunking: "auto" (by the request's and the expected response's size), "always" or
+            "never".
         tls_ca: PEM bundle of the CA that signed the server's certificate; turns TLS on.
-        tls_cert, tls_key: this client's PEM certificate and key, for a server that requires
-            mutual TLS.
+        tls_cert: this client's PEM certificate, for a server that requires mutual TLS.
+        tls_key: the private key of ``tls_cert``.
         tls_server_name: the name the server's certificate must carry when it is not the host
             of ``server``.
         insecure: allow plaintext to an address that is not loopback. Without TLS, a token or
@@ -124,6 +179,8 @@ class Client:
             raise ValueError(f"wire_dtype must be one of {sorted(wire.WIRE_DTYPES)}")
         if bool(tls_cert) != bool(tls_key):
             raise ValueError("tls_cert and tls_key go together (mutual TLS needs both)")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         tls = bool(tls_ca or tls_cert)
         if not tls and not insecure and not is_loopback(server):
             raise ValueError(
@@ -134,9 +191,11 @@ class Client:
         self.chunked_calls = 0
         self._modules: Dict[str, module_pb2.ModuleSpec] = {}  # to predict response sizes
         self.server = server
-        self.timeout = timeout
+        self.timeout = float(timeout)
         self.wire_dtype = wire_dtype
         self.activation_dtype, self.gradient_dtype = wire.WIRE_DTYPES[wire_dtype]
+        self._tls = tls
+        self._mutual_tls = bool(tls_cert)
         if token is None:
             token = os.environ.get("GRADWIRE_TOKEN") or None
         self._metadata = (("authorization", "Bearer " + token),) if token else None
@@ -157,14 +216,81 @@ class Client:
         self._instance_id: Optional[str] = None  # the server process forwards ran on
         self._train: Optional["TrainStream"] = None
         self._train_lock = threading.Lock()
+        # The latest weight version the server reported per module (forward responses,
+        # ApplyGradients, Get/SetWeights): how a module knows its local mirror is stale.
+        self.weight_versions: Dict[str, int] = {}
+        # Modules this client deletes on close(), in creation order, with a weak reference to
+        # the module object (marked deleted then). Reentrant: a module's finalizer, run by the
+        # garbage collector, may come in while this thread holds the lock.
+        self._owned: Dict[str, Optional[weakref.ref]] = {}
+        self._owned_lock = threading.RLock()
+        self._closed = False
+        with _OPEN_LOCK:
+            _OPEN_CLIENTS[:] = [r for r in _OPEN_CLIENTS if r() is not None and not r().closed]
+            _OPEN_CLIENTS.append(weakref.ref(self))
+        log.debug("client for %s: wire %s, timeout %g s, %s", server, wire_dtype, self.timeout,
+                  "mutual TLS" if tls_cert else "TLS" if tls else "plaintext")
 
-    def close(self) -> None:
-        """Ends the Train stream, if any, and closes the connection."""
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._owned)} owned modules"
+        return f"gradwire.Client({self.server!r}, wire_dtype={self.wire_dtype!r}, {state})"
+
+    def __reduce__(self):
+        raise TypeError("a gradwire.Client cannot be pickled or copied: it holds a connection "
+                        "(and perhaps a token); open a new Client in the other process")
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
+
+    def owned_modules(self) -> List[str]:
+        """Ids of the modules this client will delete on ``close()``."""
+        with self._owned_lock:
+            return list(self._owned)
+
+    def _own(self, module_id: str, module=None) -> None:
+        with self._owned_lock:
+            self._owned[module_id] = weakref.ref(module) if module is not None else None
+
+    def _disown(self, module_id: str) -> None:
+        with self._owned_lock:
+            self._owned.pop(module_id, None)
+
+    def close(self, keep: bool = False) -> None:
+        """Deletes the modules this client owns (those its ``RemoteModule``s created without
+        ``keep=True``) unless ``keep``, then ends the Train stream, if any, and the connection.
+        A module that cannot be deleted (server unreachable) is logged as a warning. Closing
+        twice does nothing."""
+        if self._closed:
+            return
+        with self._owned_lock:
+            owned, self._owned = self._owned, {}
+        for i, (module_id, ref) in enumerate(owned.items()):
+            if keep:
+                break
+            try:
+                self.delete_module(module_id)
+            except GradwireError as e:
+                if e.code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"):
+                    # The server cannot answer: one deadline, not one per module.
+                    log.warning("could not delete %d modules on %s at close (%s): %s",
+                                len(owned) - i, self.server, e, ", ".join(list(owned)[i:]))
+                    break
+                if e.code != "NOT_FOUND":
+                    log.warning("could not delete module %s on %s at close: %s", module_id,
+                                self.server, e)
+                    continue
+            module = ref() if ref is not None else None
+            if module is not None:
+                module._deleted = True
         with self._train_lock:
             if self._train is not None:
                 self._train.close()
                 self._train = None
+        self._closed = True
         self._channel.close()
+        log.debug("client for %s closed", self.server)
 
     def __enter__(self) -> "Client":
         return self
@@ -172,12 +298,55 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method: str, request):
+    # --- errors
+
+    def _error(self, method: str, e: grpc.RpcError) -> "GradwireError":
+        """The GradwireError of a failed call, with a hint where gRPC's own words are vague."""
+        code, details = e.code().name, e.details() or ""
+        if code == "DEADLINE_EXCEEDED":
+            details = f"{details} (no answer within {self.timeout:g} s from {self.server})"
+        elif code == "UNAVAILABLE":
+            details = f"{details} ({self.connection_hint()})"
+        return GradwireError(method, code, details)
+
+    def connection_hint(self) -> str:
+        """What to check when the server cannot be reached: whether anything listens at the
+        address, and which TLS settings fit a server that does."""
+        where = _host_port(self.server)
+        if where is not None:
+            try:
+                socket.create_connection(where, timeout=min(self.timeout, 2.0)).close()
+            except OSError as e:
+                return (f"nothing accepts connections at {self.server} ({e.strerror or e}): "
+                        "is gradwire-server running there?")
+        if not self._tls:
+            return (f"{self.server} accepts connections but the call failed: server expects "
+                    "TLS? give tls_ca= (and tls_cert=/tls_key= for mutual TLS)")
+        if not self._mutual_tls:
+            return ("TLS failed: client certificate required? (a server with --tls-client-ca "
+                    "needs tls_cert= and tls_key=); or tls_ca is not the CA of the server's "
+                    "certificate, or the certificate does not name the host (tls_server_name=)")
+        return ("TLS failed: is tls_cert signed by the CA the server trusts (--tls-client-ca), "
+                "tls_ca the CA of the server's certificate, and the host named in it "
+                "(tls_server_name=)? or does the server not serve TLS at all?")
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise GradwireError(method, "CANCELLED", f"the client to {self.server} is closed")
+
+    def _call(self, method: str, request, about: str = ""):
+        self._check_open(method)
+        start = time.perf_counter()
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout,
-                                               metadata=self._metadata)
+            response = getattr(self._stub, method)(request, timeout=self.timeout,
+                                                   metadata=self._metadata)
         except grpc.RpcError as e:
-            raise GradwireError(method, e.code().name, e.details()) from None
+            error = self._error(method, e)
+            log.debug("%s %s: %s after %.1f ms", method, about, error.code,
+                      1e3 * (time.perf_counter() - start))
+            raise error from None
+        log.debug("%s %s: %.1f ms", method, about, 1e3 * (time.perf_counter() - start))
+        return response
 
     def _use_chunked(self, request_bytes: int, response_bytes: int = 0) -> bool:
         if self.chunking != "auto":
@@ -187,6 +356,7 @@ class Client:
     def _chunked(self, method: str, header, part_type, tensors, response_type=None):
         """Calls a chunked method: ``header`` (its tensors' data moved into chunks) then chunks;
         returns the reassembled response (or the single response of SetWeightsChunked)."""
+        self._check_open(method)
         datas = [t.data for t in tensors]
         for t in tensors:
             t.data = b""
@@ -200,14 +370,17 @@ class Client:
                         tensor=i, offset=off, data=bytes(view[off:off + self.chunk_bytes])))
 
         self.chunked_calls += 1
+        start = time.perf_counter()
         try:
             result = getattr(self._stub, method)(parts(), timeout=self.timeout,
                                                  metadata=self._metadata)
-            if response_type is None:
-                return result
-            return _assemble(method, result, response_type)
+            if response_type is not None:
+                result = _assemble(method, result, response_type)
         except grpc.RpcError as e:
-            raise GradwireError(method, e.code().name, e.details()) from None
+            raise self._error(method, e) from None
+        log.debug("%s: %d bytes, %.1f ms", method, sum(len(d) for d in datas),
+                  1e3 * (time.perf_counter() - start))
+        return result
 
     def _spec(self, module_id: str) -> Optional[module_pb2.ModuleSpec]:
         if module_id not in self._modules:
@@ -216,6 +389,10 @@ class Client:
             except GradwireError:
                 pass
         return self._modules.get(module_id)
+
+    def _seen(self, module_id: str, weight_version: int) -> None:
+        if weight_version:
+            self.weight_versions[module_id] = int(weight_version)
 
     # --- server and modules
 
@@ -228,44 +405,68 @@ class Client:
         return self.server_info().instance_id
 
     def create_module(self, spec: module_pb2.ModuleSpec) -> module_pb2.ModuleInfo:
-        info = self._call("CreateModule", service_pb2.CreateModuleRequest(spec=spec)).module
+        """Creates a module from ``spec`` (the raw call: the module is not owned, so nothing
+        deletes it but ``delete_module``; ``RemoteModule`` and its kinds own what they create)."""
+        info = self._call("CreateModule", service_pb2.CreateModuleRequest(spec=spec),
+                          module_pb2.ModuleKind.Name(spec.kind)).module
         self._modules[info.module_id] = info.spec
+        self._seen(info.module_id, info.weight_version)
+        log.debug("created module %s on %s", info.module_id, self.server)
         return info
 
     def list_modules(self) -> List[module_pb2.ModuleInfo]:
+        """The modules on the server this client may see (its tenant's, with tokens)."""
         modules = list(self._call("ListModules", service_pb2.ListModulesRequest()).modules)
         for m in modules:
             self._modules[m.module_id] = m.spec
         return modules
 
+    def module_info(self, module_id: str) -> module_pb2.ModuleInfo:
+        """ListModules' entry for ``module_id``; NOT_FOUND when the server has no such module."""
+        for m in self.list_modules():
+            if m.module_id == module_id:
+                return m
+        raise GradwireError("ListModules", "NOT_FOUND", f"module_id {module_id} is not on "
+                            f"{self.server}")
+
     def delete_module(self, module_id: str) -> None:
-        self._call("DeleteModule", service_pb2.DeleteModuleRequest(module_id=module_id))
+        """Deletes the module and everything it holds on the server (weights, gradients,
+        optimizer state, its contexts)."""
+        self._call("DeleteModule", service_pb2.DeleteModuleRequest(module_id=module_id),
+                   module_id)
         self._modules.pop(module_id, None)
+        self.weight_versions.pop(module_id, None)
+        self._disown(module_id)
+        log.debug("deleted module %s on %s", module_id, self.server)
 
     # --- forward and backward
 
-    def forward_request(self, module_id: str, x: torch.Tensor,
-                        training: bool) -> service_pb2.ForwardRequest:
-        """The ForwardRequest of ``x`` in this client's wire dtype."""
+    def forward_request(self, module_id: str, x: torch.Tensor, training: bool,
+                        dtype: Optional[int] = None) -> service_pb2.ForwardRequest:
+        """The ForwardRequest of ``x``: it travels, and the output comes back, as ``dtype``
+        (a proto DType; default: this client's activation wire dtype)."""
+        dtype = self.activation_dtype if dtype is None else dtype
         return service_pb2.ForwardRequest(
-            module_id=module_id, input=wire.to_wire(x, self.activation_dtype), training=training,
-            output_dtype=self.activation_dtype)
+            module_id=module_id, input=wire.to_wire(x, dtype), training=training,
+            output_dtype=dtype)
 
     def backward_request(self, context_id: str, grad_output: torch.Tensor,
                          skip_grad_input: bool = False, retain: bool = False,
-                         grad_layernorm_output: Optional[torch.Tensor] = None
-                         ) -> service_pb2.BackwardRequest:
-        """The BackwardRequest of ``grad_output`` in this client's wire dtype."""
+                         grad_layernorm_output: Optional[torch.Tensor] = None,
+                         dtype: Optional[int] = None) -> service_pb2.BackwardRequest:
+        """The BackwardRequest of ``grad_output``: it travels, and grad_input comes back, as
+        ``dtype`` (default: this client's gradient wire dtype)."""
+        dtype = self.gradient_dtype if dtype is None else dtype
         req = service_pb2.BackwardRequest(
-            context_id=context_id, grad_output=wire.to_wire(grad_output, self.gradient_dtype),
-            retain=retain, skip_grad_input=skip_grad_input, grad_input_dtype=self.gradient_dtype)
+            context_id=context_id, grad_output=wire.to_wire(grad_output, dtype),
+            retain=retain, skip_grad_input=skip_grad_input, grad_input_dtype=dtype)
         if grad_layernorm_output is not None:
-            req.grad_layernorm_output.CopyFrom(
-                wire.to_wire(grad_layernorm_output, self.gradient_dtype))
+            req.grad_layernorm_output.CopyFrom(wire.to_wire(grad_layernorm_output, dtype))
         return req
 
     @staticmethod
     def forward_result(resp: service_pb2.ForwardResponse) -> ForwardResult:
+        """(output, context_id or "", layernorm_output or None) of a ForwardResponse."""
         ln = wire.from_wire(resp.layernorm_output) if resp.HasField("layernorm_output") else None
         return wire.from_wire(resp.output), resp.context_id, ln
 
@@ -276,9 +477,21 @@ class Client:
             except GradwireError:
                 pass
 
-    def forward(self, module_id: str, x: torch.Tensor, training: bool) -> ForwardResult:
-        """Returns (output, context_id or "", layernorm_output or None); float32 CPU tensors."""
-        req = self.forward_request(module_id, x, training)
+    def wire_dtypes_for(self, dtype: torch.dtype) -> Tuple[int, int]:
+        """(activation, gradient) wire dtypes for a tensor of ``dtype``: this client's, except
+        that with "f32" a bfloat16 or float16 tensor travels as itself (halving the bytes and
+        losing nothing)."""
+        if self.wire_dtype == "f32" and dtype in (torch.bfloat16, torch.float16):
+            d = wire.BF16 if dtype == torch.bfloat16 else wire.F16
+            return d, d
+        return self.activation_dtype, self.gradient_dtype
+
+    def forward(self, module_id: str, x: torch.Tensor, training: bool,
+                dtype: Optional[int] = None) -> ForwardResult:
+        """Returns (output, context_id or "", layernorm_output or None); float32 CPU tensors.
+        ``dtype``: the wire dtype of input and output (default: the client's)."""
+        req = self.forward_request(module_id, x, training, dtype)
+        size = wire.element_size(req.output_dtype)
         out_bytes = 0
         if self.chunking == "auto" and not self._use_chunked(len(req.input.data)) and x.dim() > 0:
             spec = self._spec(module_id)
@@ -286,12 +499,13 @@ class Client:
                 rows = x.numel() // max(1, x.shape[-1])
                 width = spec.out_features + (spec.in_features if spec.return_layernorm_output
                                              and spec.kind != module_pb2.LINEAR else 0)
-                out_bytes = rows * width * wire.element_size(self.activation_dtype)
+                out_bytes = rows * width * size
         if self._use_chunked(len(req.input.data), out_bytes):
             resp = self._chunked("ForwardChunked", req, service_pb2.ForwardRequestPart,
                                  [req.input], service_pb2.ForwardResponse)
         else:
-            resp = self._call("Forward", req)
+            resp = self._call("Forward", req, module_id)
+        self._seen(module_id, resp.weight_version)
         result = self.forward_result(resp)
         self._note_instance(result[1])
         return result
@@ -315,12 +529,13 @@ class Client:
         return ContextLostError(error.method, error.code, error.message, reason)
 
     def backward(self, context_id: str, grad_output: torch.Tensor, skip_grad_input: bool = False,
-                 retain: bool = False,
-                 grad_layernorm_output: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Returns grad_input (None with skip_grad_input). Raises ContextLostError when the
-        server no longer holds the context."""
+                 retain: bool = False, grad_layernorm_output: Optional[torch.Tensor] = None,
+                 dtype: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Returns grad_input (None with skip_grad_input), a float32 CPU tensor. ``retain``
+        keeps the context for another backward. Raises ContextLostError when the server no
+        longer holds the context."""
         req = self.backward_request(context_id, grad_output, skip_grad_input, retain,
-                                    grad_layernorm_output)
+                                    grad_layernorm_output, dtype)
         sent = len(req.grad_output.data) + len(req.grad_layernorm_output.data)
         try:
             if self._use_chunked(sent, 0 if skip_grad_input else sent):
@@ -330,7 +545,7 @@ class Client:
                 resp = self._chunked("BackwardChunked", req, service_pb2.BackwardRequestPart,
                                      tensors, service_pb2.BackwardResponse)
             else:
-                resp = self._call("Backward", req)
+                resp = self._call("Backward", req, context_id)
         except GradwireError as e:
             raise self.lost_context(e) from None
         return wire.from_wire(resp.grad_input) if resp.HasField("grad_input") else None
@@ -341,15 +556,17 @@ class Client:
         """Registers bytes [offset, offset + byte_size) of the POSIX shared-memory object ``key``
         as region ``name``. ``gradwire.shared_memory.SharedMemoryRegion`` does it for you."""
         self._call("RegisterSharedMemory", service_pb2.RegisterSharedMemoryRequest(
-            name=name, key=key, offset=offset, byte_size=byte_size))
+            name=name, key=key, offset=offset, byte_size=byte_size), name)
 
     def unregister_shared_memory(self, name: str = "") -> int:
         """Unregisters region ``name``, or every region of this caller when empty; returns how
         many were."""
         return self._call("UnregisterSharedMemory",
-                          service_pb2.UnregisterSharedMemoryRequest(name=name)).unregistered
+                          service_pb2.UnregisterSharedMemoryRequest(name=name),
+                          name).unregistered
 
     def list_shared_memory(self, name: str = "") -> list:
+        """The shared-memory regions of this caller (or the one named)."""
         return list(self._call("ListSharedMemory",
                                service_pb2.ListSharedMemoryRequest(name=name)).regions)
 
@@ -371,7 +588,8 @@ class Client:
         if spec.return_layernorm_output and spec.kind != module_pb2.LINEAR:
             req.layernorm_output_shared_memory.CopyFrom(
                 region.ref(at + out_bytes, rows * spec.in_features * size))
-        resp = self._call("Forward", req)
+        resp = self._call("Forward", req, module_id)
+        self._seen(module_id, resp.weight_version)
         ln = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") else None
         self._note_instance(resp.context_id)
         return region.read(resp.output), resp.context_id, ln
@@ -390,18 +608,22 @@ class Client:
             at = offset + req.grad_output.shared_memory.byte_size
             req.grad_input_shared_memory.CopyFrom(region.ref(at, region.size - at))
         try:
-            resp = self._call("Backward", req)
+            resp = self._call("Backward", req, context_id)
         except GradwireError as e:
             raise self.lost_context(e) from None
         return region.read(resp.grad_input) if resp.HasField("grad_input") else None
 
     def release_context(self, context_id: str) -> None:
-        self._call("ReleaseContext", service_pb2.ReleaseContextRequest(context_id=context_id))
+        """Drops a training context without a backward."""
+        self._call("ReleaseContext", service_pb2.ReleaseContextRequest(context_id=context_id),
+                   context_id)
 
     def train_stream(self) -> "TrainStream":
-        """This client's Train stream (opened on first use): forwards and backwards of several
-        micro-batches in flight at once on one call."""
+        """This client's Train stream (opened on first use, and again after one ended or was
+        replaced): forwards and backwards of several micro-batches in flight at once on one
+        call, each request with its own deadline."""
         from gradwire.train_stream import TrainStream
+        self._check_open("Train")
         with self._train_lock:
             if self._train is None or self._train.closed:
                 self._train = TrainStream(self)
@@ -410,12 +632,22 @@ class Client:
     # --- optimizer and weights
 
     def apply_gradients(self, module_id: str, learning_rate: float = 0.0) -> int:
-        """One optimizer step on the server; returns the new weight version."""
-        return self._call("ApplyGradients", service_pb2.ApplyGradientsRequest(
-            module_id=module_id, learning_rate=learning_rate)).weight_version
+        """One step of the module's server optimizer on its accumulated gradients, which it then
+        zeroes; ``learning_rate`` > 0 overrides the configured rate for this step. Returns the
+        new weight version."""
+        version = self._call("ApplyGradients", service_pb2.ApplyGradientsRequest(
+            module_id=module_id, learning_rate=learning_rate), module_id).weight_version
+        self._seen(module_id, version)
+        return version
 
     def get_weights(self, module_id: str, dtype: int = wire.F32) -> Dict[str, torch.Tensor]:
-        """The module's parameters, decoded to float32 (``dtype``: how they travel)."""
+        """The module's parameters by name ("weight", "bias", "layer_norm_weight", "fc1_weight",
+        ...), decoded to float32 CPU tensors; ``dtype`` is how they travel (a proto DType)."""
+        return self.get_weights_versioned(module_id, dtype)[0]
+
+    def get_weights_versioned(self, module_id: str, dtype: int = wire.F32
+                              ) -> Tuple[Dict[str, torch.Tensor], int]:
+        """``get_weights`` and the weight version the parameters belong to."""
         req = service_pb2.GetWeightsRequest(module_id=module_id, dtype=dtype)
         spec = self._spec(module_id) if self.chunking == "auto" else None
         size = 0
@@ -425,40 +657,52 @@ class Client:
                         2 * spec.in_features + fc1 * spec.in_features + fc1 +
                         spec.out_features * spec.ffn_features)
         if self._use_chunked(0, size):
+            self._check_open("GetWeightsChunked")
             self.chunked_calls += 1
             try:
                 stream = self._stub.GetWeightsChunked(req, timeout=self.timeout,
                                                       metadata=self._metadata)
                 resp = _assemble("GetWeightsChunked", stream, service_pb2.GetWeightsResponse)
             except grpc.RpcError as e:
-                raise GradwireError("GetWeightsChunked", e.code().name, e.details()) from None
+                raise self._error("GetWeightsChunked", e) from None
         else:
-            resp = self._call("GetWeights", req)
-        return {p.name: wire.from_wire(p.tensor) for p in resp.parameters}
+            resp = self._call("GetWeights", req, module_id)
+        self._seen(module_id, resp.weight_version)
+        return {p.name: wire.from_wire(p.tensor) for p in resp.parameters}, resp.weight_version
 
     def get_weights_message(self, module_id: str, dtype: int) -> service_pb2.GetWeightsResponse:
         """GetWeights as the server encoded it (unary), for callers that want the wire bytes."""
         return self._call("GetWeights", service_pb2.GetWeightsRequest(module_id=module_id,
-                                                                      dtype=dtype))
+                                                                      dtype=dtype), module_id)
 
-    def get_gradients(self, module_id: str, zero: bool = False) -> Dict[str, torch.Tensor]:
-        resp = self._call("GetGradients",
-                          service_pb2.GetGradientsRequest(module_id=module_id, zero=zero))
+    def get_gradients(self, module_id: str, zero: bool = False,
+                      dtype: int = wire.F32) -> Dict[str, torch.Tensor]:
+        """The gradients the server accumulated for the module since its last optimizer step
+        (or zeroing), by parameter name, as float32 CPU tensors; ``zero`` zeroes them after
+        reading; ``dtype`` is how they travel."""
+        resp = self._call("GetGradients", service_pb2.GetGradientsRequest(
+            module_id=module_id, zero=zero, dtype=dtype), module_id)
         return {p.name: wire.from_wire(p.tensor) for p in resp.gradients}
 
     def set_weights(self, module_id: str, params: Dict[str, torch.Tensor],
                     dtype: int = wire.F32) -> int:
-        """Replaces the named parameters; returns the new weight version."""
+        """Replaces the named parameters (any subset; all are checked before any changes) with
+        ``params`` sent as ``dtype``; returns the new weight version."""
         req = service_pb2.SetWeightsRequest(module_id=module_id)
         for name, t in params.items():
             req.parameters.add(name=name, tensor=wire.to_wire(t, dtype))
         return self.set_weights_message(req)
 
     def set_weights_message(self, req: service_pb2.SetWeightsRequest) -> int:
+        """SetWeights (or SetWeightsChunked, by size) of a prepared request; returns the new
+        weight version."""
         if self._use_chunked(sum(len(p.tensor.data) for p in req.parameters)):
-            return self._chunked("SetWeightsChunked", req, service_pb2.SetWeightsRequestPart,
-                                 [p.tensor for p in req.parameters]).weight_version
-        return self._call("SetWeights", req).weight_version
+            version = self._chunked("SetWeightsChunked", req, service_pb2.SetWeightsRequestPart,
+                                    [p.tensor for p in req.parameters]).weight_version
+        else:
+            version = self._call("SetWeights", req, req.module_id).weight_version
+        self._seen(req.module_id, version)
+        return version
 
 
 def _slots(msg) -> List:

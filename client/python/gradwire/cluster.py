@@ -17,7 +17,7 @@ from gradwire.v1 import module_pb2
 
 class Cluster:
     """One ``Client`` per server address; ``client_args`` (timeout, wire_dtype, token, TLS, ...)
-    go to each."""
+    go to each. Use it as a context manager, or call ``close()``."""
 
     def __init__(self, servers: Sequence[str], **client_args):
         if not servers:
@@ -32,9 +32,10 @@ class Cluster:
     def __len__(self) -> int:
         return len(self.clients)
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Closes every client: each deletes the modules it owns unless ``keep``."""
         for c in self.clients:
-            c.close()
+            c.close(keep=keep)
 
     def __enter__(self) -> "Cluster":
         return self

@@ -1,231 +1,946 @@
-"""Remote FP8 modules as ``torch.nn.Module``s.
+"""Remote FP8 modules as ``torch.nn.Module``s: ``RemoteLinear``, ``RemoteLayerNormLinear``,
+``RemoteLayerNormMLP``.
 
-The weights live on the server: the module has no local parameters, so a local optimizer does
-not see them. ``apply_gradients()`` runs the module's optimizer on the server after backward.
+The weights live on the server; forward and backward run there, inside a
+``torch.autograd.Function``. Training forwards and backwards go over the client's ``Train``
+stream (a request there needs no round trip of its own); tensors too large for one message use
+the chunked calls.
 
-Training forwards and backwards go over the client's ``Train`` stream (a request there needs no
-round trip of its own); tensors too large for one message use the chunked calls.
+**Parameters.** A remote module has real ``nn.Parameter``s with the server's names and shapes
+(``weight`` [out, in] and ``bias`` for a Linear; ``layer_norm_weight``, ``layer_norm_bias``,
+``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias`` for a LayerNormMLP), so
+``parameters()`` counts, ``named_parameters()`` and ``state_dict()`` keys are those of a local
+layer. Their values are a *mirror* of the server's weights, kept lazily:
+
+- *pulled* (GetWeights) only when read through the module and stale: ``module.weight``,
+  ``state_dict()`` (a parent's too), ``pull()``; and, with a local optimizer, before a training
+  forward, so that ``step()`` works on current values (an inference forward pulls nothing).
+  Until the first pull the values are unspecified; parameters reached through a parent's
+  ``parameters()`` hold the values of the last pull (``gradwire.pull(model)`` refreshes all).
+  A pull is stale when the server's weight version moved (every forward response, optimizer
+  step and weight upload reports it);
+- *pushed* (SetWeights) when changed in place here -- an optimizer's ``step()``, ``with
+  torch.no_grad(): m.weight.mul_(0.5)`` -- before the module's next forward, ``get_weights()``,
+  ``apply_gradients()``, or at once by ``push()``. Changes are seen by the tensors' version
+  counters, so a write through ``.data`` is not seen: call ``push()`` after one;
+- ``load_state_dict()`` pushes at once, so the server refuses bad values there and then.
+
+Where the optimizer runs (``optimizer="local"`` or a server ``"sgd"``/``"adamw"``), and so
+where the gradients go, is explained in ``gradwire.optim``.
+
+**Lifetimes.** A module created here is owned by its client: ``module.delete()`` deletes it,
+so does leaving a ``with module:`` block, garbage collection, and ``Client.close()``; with
+``keep=True`` only an explicit ``delete()`` does. A module attached by id
+(``RemoteModule(client, module_id=...)``) is never deleted implicitly.
+
+**Autograd.** A training forward (training mode, grad enabled) keeps a context on the server
+until its backward; a graph dropped without backward releases it. ``backward(retain_graph=True)``
+asks the server to retain the context, so a second backward works; a backward without it frees
+the context at once. Eval mode or ``torch.no_grad()`` runs an inference forward that saves
+nothing.
+
+**dtypes.** A float input of any dtype is accepted and the output (and its gradient) comes back
+in the input's dtype and on its device. A bfloat16 or float16 input travels as itself when the
+client's wire dtype is "f32" (else in the client's narrower one); under ``torch.autocast`` the
+input is cast to the autocast dtype first, as a local Linear's would be. A non-float input is
+refused with TypeError. ``module.half()`` / ``.bfloat16()`` / ``.double()`` / ``.to(device)``
+change the mirror's dtype and device (16-bit mirrors also make weights and gradients travel in
+16 bits).
+
+**Copying.** ``copy.deepcopy`` gives a new module on the same server with the same spec and the
+current weights (server optimizer state such as momentum is not copied). ``pickle`` (and
+``torch.save(model)``) stores the spec and the weights, never a connection: loading needs an
+open ``gradwire.Client`` to the same server in the loading process, and creates a new module
+there, or raises a RuntimeError that says so. ``copy.copy`` is refused (two objects would own
+one server module).
+
+**TorchScript.** ``torch.jit.trace`` and ``torch.jit.script`` raise a RuntimeError naming the
+module: its forward is a call to a server, which a graph cannot record.
 
 ``recompute_on_lost_context=True`` keeps each training forward's input on the host. A backward
-whose context the server lost (evicted, expired, server restarted) then runs the forward again on
-it and backpropagates through that. Caveat: the recompute uses the module's weights as they are
-now; if ``apply_gradients`` or ``set_weights`` ran in between, the gradient belongs to the newer
+whose context the server lost (evicted, expired, server restarted, stream replaced) then runs
+the forward again on it and backpropagates through that. Caveat: the recompute uses the
+module's weights as they are now; if they changed in between, the gradient belongs to the newer
 weights, not to the ones that made the output the loss saw.
 """
 
+import copy
+import logging
 import weakref
-from typing import Optional, Union
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from gradwire import safetensors
-from gradwire.client import Client, ContextLostError, GradwireError
+from gradwire import optim, safetensors, wire
+from gradwire.client import Client, ContextLostError, GradwireError, open_client_for
 from gradwire.cluster import Cluster
 from gradwire.v1 import module_pb2
 
+log = logging.getLogger("gradwire")
 
-class _Context:
+_KIND_NAMES = {module_pb2.LINEAR: "LINEAR", module_pb2.LAYERNORM_LINEAR: "LAYERNORM_LINEAR",
+               module_pb2.LAYERNORM_MLP: "LAYERNORM_MLP"}
+_ACTIVATIONS = {"gelu": module_pb2.GELU, "relu": module_pb2.RELU, "swiglu": module_pb2.SWIGLU,
+                "geglu": module_pb2.GEGLU}
+_ACTIVATION_NAMES = {v: k for k, v in _ACTIVATIONS.items()}
+_NO_GRAPH = ("cannot be traced or scripted: its forward is a call to gradwire-server, which a "
+             "TorchScript graph cannot record (a trace would replay the first answer as a "
+             "constant). Trace or script the local parts of the model, and call the remote "
+             "module from Python")
+
+
+def _parameter_shapes(spec: module_pb2.ModuleSpec) -> Dict[str, Tuple[int, ...]]:
+    """The shape of every parameter a module of ``spec`` may have, by the server's names."""
+    i, o, f = spec.in_features, spec.out_features, spec.ffn_features
+    fc1 = 2 * f if spec.activation in (module_pb2.SWIGLU, module_pb2.GEGLU) else f
+    return {"weight": (o, i), "bias": (o,), "layer_norm_weight": (i,), "layer_norm_bias": (i,),
+            "fc1_weight": (fc1, i), "fc1_bias": (fc1,), "fc2_weight": (o, f), "fc2_bias": (o,)}
+
+
+def _wire_dtype_of(dtype: torch.dtype) -> int:
+    """How parameters (and their gradients) of a mirror in ``dtype`` travel: 16-bit mirrors in
+    their own dtype (nothing is lost that the mirror keeps), others as F32."""
+    return {torch.bfloat16: wire.BF16, torch.float16: wire.F16}.get(dtype, wire.F32)
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts to on ``device_type`` now, or None when it is off there."""
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4 takes the device type
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+    if device_type == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    if device_type == "cuda" and torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    return None
+
+
+def _autocast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on for its device, as a local Linear's input
+    would be (float64 is left alone, as autocast does)."""
+    target = _autocast_dtype(x.device.type)
+    if target is None or x.dtype in (target, torch.float64):
+        return x
+    return x.to(target)
+
+
+def check_input(module: str, x: Any) -> None:
+    """Refuses what a remote module cannot take: a non-tensor, or a tensor not of a float
+    dtype (the server computes on floats, and an integer output would be a silent cast)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{module}: input must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{module}: input dtype {x.dtype} is not a floating-point dtype; cast "
+                        "it first (x.float(), or x.to(torch.bfloat16))")
+
+
+# --- futures: forwards and backwards on the Train stream, or unary when too large for it
+
+
+def _stream_ok(client: Client, tensor: torch.Tensor, dtype: int) -> bool:
+    """Whether a request with this tensor fits the Train stream (which has no chunking)."""
+    size = tensor.numel() * wire.element_size(dtype)
+    return client.chunking != "always" and size <= client.chunk_bytes
+
+
+def _done(fn: Callable[[], Any]) -> Future:
+    """A finished future of ``fn()``: its result or its exception."""
+    f: Future = Future()
+    try:
+        f.set_result(fn())
+    except Exception as e:  # noqa: BLE001 - handed to whoever waits on the future
+        f.set_exception(e)
+    return f
+
+
+def submit_forward(client: Client, module_id: str, x: torch.Tensor, dtype: int) -> Future:
+    """Future of a training forward's (output, context_id, layernorm_output)."""
+    if _stream_ok(client, x, dtype):
+        return client.train_stream().forward(module_id, x, True, dtype)
+    return _done(lambda: client.forward(module_id, x, training=True, dtype=dtype))
+
+
+def submit_backward(client: Client, context_id: str, grad_output: torch.Tensor,
+                    skip_grad_input: bool, retain: bool, dtype: int) -> Future:
+    """Future of a backward's grad_input (None with skip_grad_input)."""
+    if _stream_ok(client, grad_output, dtype):
+        return client.train_stream().backward(context_id, grad_output, skip_grad_input, retain,
+                                              dtype)
+    return _done(lambda: client.backward(context_id, grad_output, skip_grad_input, retain,
+                                         dtype=dtype))
+
+
+def then(future: Future, done: Future, fn: Callable[[Future], None]) -> None:
+    """Runs ``fn(future)`` once ``future`` completes; an exception ``fn`` raises fails ``done``
+    (a done-callback's own exception would otherwise be swallowed and ``done`` never finish)."""
+
+    def run(f: Future) -> None:
+        try:
+            fn(f)
+        except Exception as e:  # noqa: BLE001
+            if not done.done():
+                done.set_exception(e)
+
+    future.add_done_callback(run)
+
+
+class Context:
     """A training forward's context on the server. Released when garbage-collected unless a
     backward consumed it, so a graph dropped without backward leaves nothing behind. With
     ``saved_input`` (recompute_on_lost_context) a backward whose context the server lost runs
     the forward again on that input first."""
 
-    def __init__(self, module: "RemoteModule", context_id: str,
-                 saved_input: Optional[torch.Tensor] = None):
+    def __init__(self, module: "RemoteModule", context_id: str, activation_dtype: int,
+                 gradient_dtype: int, saved_input: Optional[torch.Tensor] = None):
         self.client = module.client
         self.module_id = module.module_id
         self.context_id = context_id
+        self.activation_dtype = activation_dtype
+        self.gradient_dtype = gradient_dtype
         self.saved_input = saved_input
         self._module = weakref.ref(module)
-        self._finalizer = weakref.finalize(self, _Context._release, self.client, context_id)
+        self._finalizer = weakref.finalize(self, Context._release, self.client, context_id)
 
     @staticmethod
-    def _release(client, context_id):
+    def _release(client: Client, context_id: str) -> None:
+        if client.closed:
+            return  # closing ended the stream, which released its contexts
         try:
             client.release_context(context_id)
-        except (GradwireError, ValueError):
-            pass  # server gone or channel closed: nothing left to free here
+        except GradwireError:
+            pass  # gone already (consumed, evicted, server restarted): nothing left to free
 
-    def backward(self, grad_output: torch.Tensor, skip_grad_input: bool) -> Optional[torch.Tensor]:
-        try:
-            grad_input = _backward(self.client, self.context_id, grad_output, skip_grad_input)
-        except ContextLostError:
-            if self.saved_input is None:
-                raise
+    def backward_async(self, grad_output: torch.Tensor, skip_grad_input: bool,
+                       retain: bool) -> Future:
+        """Future of grad_input. ``retain`` keeps the context for another backward."""
+        done: Future = Future()
+
+        def attempt(recomputed: bool) -> None:
+            f = submit_backward(self.client, self.context_id, grad_output, skip_grad_input,
+                                retain, self.gradient_dtype)
+            then(f, done, lambda f: finished(f, recomputed))
+
+        def finished(f: Future, recomputed: bool) -> None:
+            error = f.exception()
+            if error is None:
+                if not retain:
+                    self._finalizer.detach()
+                    self.saved_input = None
+                done.set_result(f.result())
+                return
+            if isinstance(error, GradwireError):
+                error = self.client.lost_context(error)
+            if recomputed or self.saved_input is None or not isinstance(error, ContextLostError):
+                done.set_exception(error)
+                return
             # The server lost the saved tensors: run the forward again on the kept input (at
             # the module's current weights, which may be newer than the first forward's).
+            log.debug("context %s lost (%s): recomputing the forward of module %s",
+                      self.context_id, error.reason, self.module_id)
             self._finalizer.detach()
-            _, self.context_id, _ = _forward(self.client, self.module_id, self.saved_input)
-            self._finalizer = weakref.finalize(self, _Context._release, self.client,
+            g = submit_forward(self.client, self.module_id, self.saved_input,
+                               self.activation_dtype)
+            then(g, done, forwarded)
+
+        def forwarded(g: Future) -> None:
+            _, self.context_id, _ = g.result()
+            self._finalizer = weakref.finalize(self, Context._release, self.client,
                                                self.context_id)
             module = self._module()
             if module is not None:
                 module.recomputed_backwards += 1
-            grad_input = _backward(self.client, self.context_id, grad_output, skip_grad_input)
-        self._finalizer.detach()
-        self.saved_input = None
-        return grad_input
+            attempt(True)
+
+        attempt(False)
+        return done
 
 
-def _stream_ok(client: Client, tensor: torch.Tensor) -> bool:
-    """Whether a request with this tensor fits the Train stream (which has no chunking)."""
-    from gradwire import wire
-    size = tensor.numel() * wire.element_size(client.activation_dtype)
-    return client.chunking != "always" and size <= client.chunk_bytes
+class GraphProbe:
+    """Tells a backward whether autograd keeps the graph after it (``retain_graph=True`` or
+    ``create_graph=True``), which autograd does not tell a Function.
+
+    ``_Probe`` is applied to the remote output, so its node runs just before the remote node's
+    in backward; without retain_graph, autograd frees a node's saved tensors right after running
+    it. Whether the probe's saved tensor is still there when the remote backward runs is the
+    answer."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self) -> None:
+        self.ctx = None
+
+    def keep_graph(self) -> bool:
+        if self.ctx is None:
+            return False
+        try:
+            self.ctx.saved_tensors
+            return True
+        except RuntimeError:
+            return False
 
 
-def _forward(client: Client, module_id: str, x: torch.Tensor):
-    if _stream_ok(client, x):
-        return client.train_stream().forward(module_id, x, True).result()
-    return client.forward(module_id, x, training=True)
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, probe):
+        probe.ctx = ctx
+        ctx.save_for_backward(torch.empty(0))
+        # detach(): a new tensor on the same storage, not a view, so in-place ops on the result
+        # (an nn.ReLU(inplace=True) after the layer) stay legal.
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
-def _backward(client: Client, context_id: str, grad_output: torch.Tensor, skip_grad_input: bool):
-    if not _stream_ok(client, grad_output):
-        return client.backward(context_id, grad_output, skip_grad_input=skip_grad_input)
-    try:
-        return client.train_stream().backward(context_id, grad_output,
-                                              skip_grad_input=skip_grad_input).result()
-    except GradwireError as e:
-        raise client.lost_context(e) from None
+def probed(y: torch.Tensor, probe: GraphProbe) -> torch.Tensor:
+    """``y`` behind a probe node (see GraphProbe)."""
+    return _Probe.apply(y, probe)
+
+
+def second_backward_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"Trying to backward through {what} a second time: its context on the server was freed "
+        "by the first backward. Specify retain_graph=True on the first backward to keep it.")
 
 
 class _RemoteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, anchor, module):
-        del anchor  # only there so autograd records the call when x needs no gradient
-        out, context_id, _ = _forward(module.client, module.module_id, x)
-        saved = x.detach().to("cpu", torch.float32).clone() if module.recompute_on_lost_context \
-            else None
-        ctx.remote = _Context(module, context_id, saved)
+    def forward(ctx, x, probe, module, activation_dtype, gradient_dtype, *anchors):
+        y, context_id, _ = submit_forward(module.client, module.module_id, x,
+                                          activation_dtype).result()
+        saved = x.detach().to("cpu", torch.float32).clone() \
+            if module.recompute_on_lost_context else None
+        ctx.remote = Context(module, context_id, activation_dtype, gradient_dtype, saved)
+        ctx.module, ctx.probe = module, probe
         ctx.input_dtype, ctx.input_device = x.dtype, x.device
-        return out.to(device=x.device, dtype=x.dtype)
+        return y.to(device=x.device, dtype=x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output):
-        grad_input = ctx.remote.backward(grad_output.float(),
-                                         skip_grad_input=not ctx.needs_input_grad[0])
-        ctx.remote = None
+        remote = ctx.remote
+        if remote is None:
+            raise second_backward_error(ctx.module._label())
+        retain = ctx.probe.keep_graph()
+        grad_input = remote.backward_async(grad_output, not ctx.needs_input_grad[0],
+                                           retain).result()
+        if not retain:
+            ctx.remote = None
         if grad_input is not None:
             grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
-        return grad_input, None, None
+        grads = ctx.module._gradients_for_autograd(ctx.needs_input_grad[5:])
+        return (grad_input, None, None, None, None, *grads)
 
 
 class RemoteModule(torch.nn.Module):
-    """A module hosted by gradwire-server. Training mode with grad enabled runs a training
-    forward (the server keeps the saved tensors until backward); otherwise an inference forward
-    that saves nothing."""
+    """A module hosted by gradwire-server, with real parameters that mirror the server's
+    weights (see the ``gradwire.modules`` docstring for when they are pulled and pushed).
 
-    def __init__(self, client: Union[Client, "Cluster"], spec: module_pb2.ModuleSpec = None,
-                 module_id: str = None, keep: bool = False,
-                 recompute_on_lost_context: bool = False, where: Optional[int] = None):
+    Use ``RemoteLinear``, ``RemoteLayerNormLinear`` or ``RemoteLayerNormMLP`` to create one;
+    this class takes a raw ``ModuleSpec``, or attaches to an existing module by id.
+
+    Args:
+        client: a ``Client``, or a ``Cluster`` (the module is placed on one of its servers).
+        spec: create a module from this spec (owned: deleted with the module object, by
+            ``delete()``, or by ``Client.close()``, unless ``keep``).
+        module_id: or use this existing module (not owned: never deleted implicitly).
+        optimizer: "local" (a torch optimizer trains the parameters: gradients are mirrored
+            into ``.grad``), or "server" / "sgd" / "adamw" (the module's server optimizer,
+            configured in ``spec``, steps with ``apply_gradients()``). See ``gradwire.optim``.
+        keep: leave a created module on the server when this object, or its client, goes away.
+        recompute_on_lost_context: keep each training forward's input on the host, and run the
+            forward again when the server lost its context by the time of the backward.
+        where: with a Cluster, the index of the server to create the module on (default:
+            round-robin).
+    """
+
+    def __init__(self, client: Union[Client, Cluster], spec: Optional[module_pb2.ModuleSpec] = None,
+                 module_id: Optional[str] = None, *, optimizer: str = "local",
+                 keep: bool = False, recompute_on_lost_context: bool = False,
+                 where: Optional[int] = None):
         super().__init__()
         if (spec is None) == (module_id is None):
             raise ValueError("give exactly one of spec (create a module) or module_id (use one)")
+        if optimizer not in ("local", "server", "sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'local', 'server', 'sgd' or 'adamw', got "
+                             f"{optimizer!r}")
+        if where is not None and not isinstance(client, Cluster):
+            raise ValueError("where= picks a server of a Cluster; this is a single Client")
+        created = spec is not None
         if isinstance(client, Cluster):
             # Several servers: the module lives on one, and every call about it goes there.
-            if module_id is None:
-                module_id = client.create_module(spec, where).module_id
-            client = client.client_for(module_id)
-        self.client = client
-        self.module_id = module_id or client.create_module(spec).module_id
+            if created:
+                info = client.create_module(spec, where)
+                client = client.client_for(info.module_id)
+            else:
+                client = client.client_for(module_id)
+                info = client.module_info(module_id.rsplit("/", 1)[-1])
+        elif created:
+            info = client.create_module(spec)
+        else:
+            info = client.module_info(module_id)
+        self.client: Client = client
+        self.module_id: str = info.module_id
+        self.spec: module_pb2.ModuleSpec = info.spec
+        self.local_optimizer: bool = optimizer == "local"
         self.recompute_on_lost_context = recompute_on_lost_context
         self.recomputed_backwards = 0  # backwards that re-ran their forward (context lost)
-        # A zero-size parameter makes autograd call our backward even when the input needs no
-        # gradient (the first layer), so the server still accumulates the weight gradients.
-        self._anchor = torch.nn.Parameter(torch.empty(0), requires_grad=True)
+        self._owned = created and not keep
+        self._deleted = False
+        self._backwards_since_step = 0
+        # Mirror state: the weight version the parameters hold (None: never pulled), each
+        # parameter's version counter as of then, and local changes that survived a .to().
+        self._synced: Optional[int] = None
+        self._versions: Dict[str, int] = {}
+        self._local_edits = False
+        shapes = _parameter_shapes(self.spec)
+        unknown = [n for n in info.parameter_names if n not in shapes]
+        if unknown:
+            if created:  # leave nothing behind for an object that will not exist
+                client.delete_module(self.module_id)
+            raise RuntimeError(f"module {self.module_id} has parameters this client does not "
+                               f"know: {unknown} (a newer server? upgrade the package)")
+        for name in info.parameter_names:
+            self.register_parameter(name, torch.nn.Parameter(
+                torch.empty(shapes[name]), requires_grad=self.local_optimizer))
+        self._record(None)
+        # Autograd records a Function only when an input needs grad: with a server optimizer
+        # the parameters do not, so this empty tensor (not a parameter: it belongs to no
+        # state_dict) keeps the call in the graph of a first layer, whose input needs none.
+        self._anchor = torch.empty(0, requires_grad=True)
         self._finalizer = None
-        if spec is not None and not keep:
-            self._finalizer = weakref.finalize(self, RemoteModule._delete, client, self.module_id)
+        if self._owned:
+            client._own(self.module_id, self)
+            self._finalizer = weakref.finalize(self, RemoteModule._delete_quietly, client,
+                                               self.module_id)
+        log.debug("%s: %s", "created" if created else "attached", self._label())
+
+    @classmethod
+    def attach(cls, client: Union[Client, Cluster], module_id: str, *, optimizer: str = "server",
+               recompute_on_lost_context: bool = False) -> "RemoteModule":
+        """A module object for an existing server module, of the class of its kind (never
+        deleted implicitly). ``optimizer`` defaults to "server": the module keeps training with
+        the optimizer it was created with."""
+        target = client.client_for(module_id) if isinstance(client, Cluster) else client
+        kind = target.module_info(module_id.rsplit("/", 1)[-1]).spec.kind
+        kind_class = {module_pb2.LINEAR: RemoteLinear,
+                      module_pb2.LAYERNORM_LINEAR: RemoteLayerNormLinear,
+                      module_pb2.LAYERNORM_MLP: RemoteLayerNormMLP}.get(kind, RemoteModule)
+        obj = kind_class.__new__(kind_class)
+        RemoteModule.__init__(obj, client, module_id=module_id, optimizer=optimizer,
+                              recompute_on_lost_context=recompute_on_lost_context)
+        return obj
 
     @staticmethod
-    def _delete(client, module_id):
+    def _delete_quietly(client: Client, module_id: str) -> None:
+        if client.closed:
+            return
         try:
             client.delete_module(module_id)
-        except (GradwireError, ValueError):
-            pass
+        except GradwireError as e:
+            log.debug("module %s not deleted on garbage collection: %s", module_id, e)
+
+    # --- identity
+
+    def _label(self) -> str:
+        return f"{type(self).__name__} {self.module_id} on {self.client.server}"
+
+    @property
+    def kind(self) -> str:
+        """"LINEAR", "LAYERNORM_LINEAR" or "LAYERNORM_MLP"."""
+        return _KIND_NAMES.get(self.spec.kind, str(self.spec.kind))
+
+    @property
+    def owned(self) -> bool:
+        """Whether this object deletes the server module (created here, not ``keep``, not
+        deleted yet)."""
+        return self._owned and not self._deleted
+
+    @property
+    def deleted(self) -> bool:
+        """Whether ``delete()`` ran."""
+        return self._deleted
+
+    @property
+    def configured_lr(self) -> float:
+        """The learning rate of the module's server optimizer."""
+        return optim.configured_lr(self.spec.optimizer)
+
+    def _sizes(self) -> str:
+        s = self.spec
+        return f"in_features={s.in_features}, out_features={s.out_features}, bias={s.bias}"
+
+    def extra_repr(self) -> str:
+        optimizer = "local" if self.local_optimizer else optim.describe(self.spec.optimizer)
+        state = ", deleted" if self._deleted else ""
+        return (f"{self._sizes()}, kind={self.kind}, optimizer={optimizer}, "
+                f"server={self.client.server}, id={self.module_id}{state}")
+
+    def _check_alive(self) -> None:
+        if self._deleted:
+            raise RuntimeError(f"{self._label()} was deleted")
+
+    # --- the forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
-            return _RemoteFunction.apply(x, self._anchor, self)
-        out, _, _ = self.client.forward(self.module_id, x, training=False)
-        return out.to(device=x.device, dtype=x.dtype)
+        """The module on ``x`` ([..., in_features], any float dtype, any device): a training
+        forward (context on the server until backward) in training mode with grad enabled,
+        else an inference forward. The output has ``x``'s dtype and device."""
+        self._check_alive()
+        if torch.jit.is_tracing():
+            raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
+        check_input(self._label(), x)
+        x = _autocast(x)
+        activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
+        training = self._trains(x)
+        self._before_forward(training)
+        if training:
+            probe = GraphProbe()
+            y = _RemoteFunction.apply(x, probe, self, activation_dtype, gradient_dtype,
+                                      *self._anchors())
+            y = probed(y, probe)
+            self._after_forward()
+        else:
+            out, _, _ = self.client.forward(self.module_id, x, training=False,
+                                            dtype=activation_dtype)
+            y = out.to(device=x.device, dtype=x.dtype)
+        return y
 
-    def apply_gradients(self, learning_rate: float = 0.0) -> int:
-        """One optimizer step on the server; returns the new weight version."""
-        return self.client.apply_gradients(self.module_id, learning_rate)
+    def _trains(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x`` needs a context on the server: training mode, grad on,
+        and something to backpropagate to (with a server optimizer, always its weights)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return False
+        return not self.local_optimizer or x.requires_grad or \
+            any(p.requires_grad for p in self._parameters.values())
 
-    def get_weights(self) -> dict:
-        return self.client.get_weights(self.module_id)
+    def _anchors(self) -> Tuple[torch.Tensor, ...]:
+        return tuple(self._parameters.values()) if self.local_optimizer else (self._anchor,)
 
-    def set_weights(self, params: dict) -> int:
-        return self.client.set_weights(self.module_id, params)
+    def _gradients_for_autograd(self, needed: Sequence[bool]) -> List[Optional[torch.Tensor]]:
+        """After a backward: the gradients autograd accumulates into the parameters' ``.grad``
+        (a local optimizer), read and zeroed on the server; None for each with a server
+        optimizer, whose gradients stay there."""
+        self._backwards_since_step += 1
+        if not self.local_optimizer:
+            return [None] * len(needed)
+        # Zeroed even when no parameter wants them (frozen), so they cannot reach a later step.
+        grads = self.client.get_gradients(self.module_id, zero=True,
+                                          dtype=self._parameter_wire_dtype())
+        self._backwards_since_step = 0
+        return [grads[name].to(device=p.device, dtype=p.dtype) if want else None
+                for (name, p), want in zip(self._parameters.items(), needed)]
 
-    def get_gradients(self, zero: bool = False) -> dict:
-        return self.client.get_gradients(self.module_id, zero)
+    # --- the mirror of the weights
+
+    def _record(self, version: Optional[int]) -> None:
+        """The parameters now hold weight ``version`` (None: unknown) and no local change."""
+        self._synced = version
+        self._versions = {n: p._version for n, p in self._parameters.items()}
+        self._local_edits = False
+
+    def _dirty(self) -> bool:
+        """Whether the parameters were changed in place since the last pull or push."""
+        return self._local_edits or any(p._version != self._versions.get(n)
+                                        for n, p in self._parameters.items())
+
+    def _stale(self) -> bool:
+        """Whether the server's weights may differ from the parameters' values."""
+        if self._synced is None:
+            return True
+        known = self.client.weight_versions.get(self.module_id)
+        return known is not None and known != self._synced
+
+    def _parameter_wire_dtype(self) -> int:
+        dtypes = {p.dtype for p in self._parameters.values()}
+        return _wire_dtype_of(dtypes.pop()) if len(dtypes) == 1 else wire.F32
+
+    def _refresh(self) -> None:
+        """Pulls when the server's weights moved and nothing here changed."""
+        if not self._deleted and not self._dirty() and self._stale():
+            self.pull()
+
+    def _before_forward(self, training: bool) -> None:
+        if self._dirty():
+            self.push()
+        elif training and self.local_optimizer and self._stale():
+            # The step after this forward's backward must work on the current values (an
+            # inference forward needs none: nothing is pulled for it).
+            self.pull()
+
+    def _after_forward(self) -> None:
+        # A training forward's response reports the weight version: if another writer moved
+        # it, the coming step must see the new values.
+        if self.local_optimizer:
+            self._refresh()
+
+    def pull(self) -> int:
+        """Copies the server's weights into the parameters now, discarding local changes not
+        pushed yet; returns the weight version."""
+        self._check_alive()
+        weights, version = self.client.get_weights_versioned(self.module_id,
+                                                             self._parameter_wire_dtype())
+        self._copy_in(weights)
+        self._record(version)
+        log.debug("pulled the weights of %s (version %d)", self._label(), version)
+        return version
+
+    def _copy_in(self, weights: Dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in self._parameters.items():
+                if name not in weights:
+                    continue
+                if tuple(weights[name].shape) != tuple(p.shape):
+                    raise RuntimeError(f"{self._label()}: the server's {name} has shape "
+                                       f"{tuple(weights[name].shape)}, the module expects "
+                                       f"{tuple(p.shape)}")
+                p.copy_(weights[name])
+
+    def push(self) -> int:
+        """Sends the parameters' values to the server now (SetWeights); returns the new weight
+        version. A forward does this by itself after an in-place change."""
+        self._check_alive()
+        params = {n: p.detach() for n, p in self._parameters.items()}
+        version = self.client.set_weights(self.module_id, params, self._parameter_wire_dtype())
+        self._record(version)
+        log.debug("pushed the weights of %s (version %d)", self._label(), version)
+        return version
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        if isinstance(value, torch.nn.Parameter) and name in self.__dict__["_parameters"]:
+            self._refresh()  # module.weight reads the server's current values
+        return value
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._refresh()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if len(error_msgs) > errors or self._deleted:
+            return  # load_state_dict raises them, after every module had its say
+        loaded = [n for n in self._parameters if prefix + n in state_dict]
+        if not loaded:
+            return
+        if len(loaded) == len(self._parameters) or self._synced is not None:
+            self.push()  # every value here is valid: loaded, pulled, or changed here
+            return
+        # Some parameters loaded into a mirror never pulled: send only those, and pull the
+        # others when next read.
+        version = self.client.set_weights(
+            self.module_id, {n: self._parameters[n].detach() for n in loaded},
+            self._parameter_wire_dtype())
+        self._record(None)
+        log.debug("pushed %s of %s (version %d)", loaded, self._label(), version)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .half(), .cuda() convert the mirror: neither a local change nor a new pull.
+        dirty = self._dirty()
+        result = super()._apply(fn, *args, **kwargs)
+        synced = self._synced
+        self._record(synced)
+        self._local_edits = dirty
+        return result
+
+    # --- weights, gradients and the server optimizer
+
+    def apply_gradients(self, lr: Optional[float] = None) -> int:
+        """One step of the module's server optimizer on the gradients accumulated since the last
+        step, which it then zeroes; ``lr`` overrides the configured learning rate for this step.
+        Returns the new weight version. Refused for ``optimizer="local"``: the gradients are
+        then in the parameters' ``.grad``, for a torch optimizer."""
+        self._check_alive()
+        if self.local_optimizer:
+            raise RuntimeError(
+                f"{self._label()} trains with a local optimizer (optimizer='local'): its "
+                "gradients are in the parameters' .grad for your torch optimizer's step(). "
+                "Create it with optimizer='sgd' or 'adamw' to step it on the server.")
+        if self._dirty():
+            self.push()
+        version = self.client.apply_gradients(self.module_id, optim.wire_rate(lr))
+        self._backwards_since_step = 0
+        return version
+
+    def zero_server_gradients(self) -> None:
+        """Zeroes the gradients the server accumulated, if a backward ran since the last step
+        (with a local optimizer they never stay there)."""
+        self._check_alive()
+        if self._backwards_since_step:
+            # GetGradients is the only call that zeroes them; FP8 keeps the answer small.
+            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
+            self._backwards_since_step = 0
+
+    def get_weights(self) -> Dict[str, torch.Tensor]:
+        """The server's current weights by parameter name, as new float32 CPU tensors (local
+        changes are pushed first, and the mirror is refreshed on the way)."""
+        self._check_alive()
+        if self._dirty():
+            self.push()
+        weights, version = self.client.get_weights_versioned(self.module_id)
+        self._copy_in(weights)
+        self._record(version)
+        return weights
+
+    def set_weights(self, params: Dict[str, torch.Tensor]) -> int:
+        """Replaces the named parameters on the server (any subset; all are checked before any
+        changes) and in the mirror; returns the new weight version. ``load_state_dict`` does
+        the same from a state dict."""
+        self._check_alive()
+        if self._dirty():
+            self.push()
+        version = self.client.set_weights(self.module_id, params)
+        self._copy_in(params)
+        self._record(version if set(params) >= set(self._parameters) else None)
+        return version
+
+    def get_gradients(self, zero: bool = False) -> Dict[str, torch.Tensor]:
+        """The gradients the server accumulated since the last step or zeroing, by parameter
+        name (float32 CPU tensors); ``zero`` zeroes them after reading. With
+        ``optimizer="local"`` each backward moves them into ``.grad``, so this reads zeros."""
+        self._check_alive()
+        grads = self.client.get_gradients(self.module_id, zero)
+        if zero:
+            self._backwards_since_step = 0
+        return grads
 
     def export_safetensors(self, path: str) -> None:
-        safetensors.save(self.get_weights(), path, {"format": "gradwire", "module_id": self.module_id})
+        """Writes the server's current weights to a safetensors file (the CLI reads it too)."""
+        safetensors.save(self.get_weights(), path,
+                         {"format": "gradwire", "module_id": self.module_id})
 
     def import_safetensors(self, path: str) -> int:
+        """Loads weights from a safetensors file into the module; returns the weight version."""
         tensors, _ = safetensors.load(path)
         return self.set_weights({k: v.float() for k, v in tensors.items()})
 
+    # --- lifetime
+
+    def delete(self) -> None:
+        """Deletes the module on the server now (owned or not, kept or not). Deleting twice,
+        or a module the server no longer has, is fine; using it afterwards raises."""
+        if self._deleted:
+            return
+        try:
+            self.client.delete_module(self.module_id)
+        except GradwireError as e:
+            if e.code != "NOT_FOUND":
+                raise
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._deleted = True
+
+    def __enter__(self) -> "RemoteModule":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.owned:
+            self.delete()
+
+    # --- copies, pickles and TorchScript
+
+    def _portable_state(self) -> Dict[str, Any]:
+        """What a copy needs: spec, options and current weights; no connection."""
+        self._check_alive()
+        return {"spec": self.spec.SerializeToString(), "local_optimizer": self.local_optimizer,
+                "keep": not self._owned, "recompute": self.recompute_on_lost_context,
+                "training": self.training,
+                "weights": {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}}
+
+    @classmethod
+    def _rebuild(cls, client: Client, state: Dict[str, Any]) -> "RemoteModule":
+        obj = cls.__new__(cls)
+        RemoteModule.__init__(obj, client, spec=module_pb2.ModuleSpec.FromString(state["spec"]),
+                              optimizer="local" if state["local_optimizer"] else "server",
+                              keep=state["keep"], recompute_on_lost_context=state["recompute"])
+        weights = state["weights"]
+        dtypes = {t.dtype for t in weights.values()}
+        if len(dtypes) == 1 and dtypes != {torch.float32}:
+            obj.to(dtypes.pop())
+        obj.load_state_dict(weights)
+        obj.train(state["training"])
+        return obj
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "RemoteModule":
+        new = type(self)._rebuild(self.client, self._portable_state())
+        device = next((p.device for p in self._parameters.values()), torch.device("cpu"))
+        if device.type != "cpu":
+            new.to(device)
+        for key, value in self.__dict__.items():  # plain attributes a user set
+            if key not in new.__dict__:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        memo[id(self)] = new
+        log.debug("deep copy of %s: %s", self._label(), new.module_id)
+        return new
+
+    def __copy__(self):
+        raise TypeError(f"{self._label()}: a shallow copy would share the server module with "
+                        "the original, and both would delete it; use copy.deepcopy for a new "
+                        "module with the same weights")
+
+    def __reduce_ex__(self, protocol):
+        return (_restore, (type(self), self.client.server, self._portable_state()))
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
+
+
+def _restore(cls: type, server: str, state: Dict[str, Any]) -> RemoteModule:
+    """Unpickles a remote module: a new module, on an open client to the same server."""
+    client = open_client_for(server)
+    if client is None:
+        raise RuntimeError(
+            f"cannot unpickle a {cls.__name__} of {server}: a pickle holds the module's spec and "
+            f"weights but no connection, and no gradwire.Client to {server} is open in this "
+            f"process. Open one (gradwire.Client({server!r}, ...)) and load again; the "
+            "module is created anew there")
+    return cls._rebuild(client, state)
+
 
 def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: str, seed: int,
-          learning_rate: float, name: str, momentum: float = 0.0,
-          **extra) -> module_pb2.ModuleSpec:
-    spec = module_pb2.ModuleSpec(kind=kind, in_features=in_features, out_features=out_features,
-                                 bias=bias, seed=seed, name=name, **extra)
+          name: str, max_staleness: int,
+          optimizer: Optional[module_pb2.OptimizerConfig], **extra) -> module_pb2.ModuleSpec:
     if recipe not in ("current", "delayed"):
         raise ValueError(f"recipe must be 'current' or 'delayed', got {recipe!r}")
+    spec = module_pb2.ModuleSpec(kind=kind, in_features=in_features, out_features=out_features,
+                                 bias=bias, seed=seed, name=name, max_staleness=max_staleness,
+                                 **extra)
     spec.recipe.scaling = module_pb2.DELAYED if recipe == "delayed" else module_pb2.CURRENT
-    spec.optimizer.sgd.learning_rate = learning_rate
-    spec.optimizer.sgd.momentum = momentum
+    if optimizer is not None:
+        spec.optimizer.CopyFrom(optimizer)
     return spec
 
 
-class RemoteLinear(RemoteModule):
-    """FP8 ``y = x W^T + b`` on the server; trains with SGD (``learning_rate``, ``momentum``).
+_COMMON_ARGS = """
+        recipe: FP8 scaling, "current" (per tensor, per call) or "delayed" (amax history).
+        seed: seed of the deterministic initialisation (same seed, same weights everywhere).
+        name: a label ListModules shows.
+        optimizer: "local" (default: a torch optimizer over ``parameters()`` trains it; its
+            gradients arrive in ``.grad``), or "sgd" / "adamw" (the server's optimizer, stepped
+            by ``apply_gradients()`` or ``gradwire.ServerOptimizer``). See ``gradwire.optim``.
+        lr, momentum, nesterov, weight_decay: the server optimizer's settings (SGD: all four;
+            AdamW: lr and weight_decay).
+        betas, eps: AdamW's.
+        max_staleness: refuse a backward whose forward ran more than this many weight versions
+            ago (0: weights must not change between a forward and its backward; -1: no limit).
+        keep: leave the module on the server when this object or its client goes away (only
+            ``delete()`` removes it).
+        recompute_on_lost_context: keep each training forward's input on the host and run the
+            forward again if the server lost its context before the backward.
+        where: with a Cluster, the index of the server that holds the module (default:
+            round-robin).
+"""
 
-    ``module_args`` go to RemoteModule (``keep``, ``recompute_on_lost_context``, ``where``)."""
+
+class RemoteLinear(RemoteModule):
+    __doc__ = """FP8 ``y = x W^T + b`` on the server; parameters ``weight`` [out_features,
+    in_features] and ``bias`` [out_features], as ``torch.nn.Linear``'s (so a state_dict loads
+    into either).
+
+    Args:
+        client: a ``Client``, or a ``Cluster``.
+        in_features, out_features: sizes of the input's and the output's last dimension.
+        bias: whether there is a bias.""" + _COMMON_ARGS
 
     def __init__(self, client: Union[Client, Cluster], in_features: int, out_features: int,
-                 bias: bool = True, recipe: str = "current", seed: int = 0,
-                 learning_rate: float = 0.01, momentum: float = 0.0, name: str = "",
-                 **module_args):
-        super().__init__(client, _spec(module_pb2.LINEAR, in_features, out_features, bias, recipe,
-                                       seed, learning_rate, name, momentum), **module_args)
+                 bias: bool = True, *, recipe: str = "current", seed: int = 0, name: str = "",
+                 optimizer: str = "local", lr: Optional[float] = None,
+                 momentum: Optional[float] = None, nesterov: Optional[bool] = None,
+                 weight_decay: Optional[float] = None,
+                 betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
+                 max_staleness: int = 0, keep: bool = False,
+                 recompute_on_lost_context: bool = False, where: Optional[int] = None):
+        config = optim.optimizer_config(optimizer, lr, momentum, nesterov, weight_decay, betas,
+                                        eps)
+        super().__init__(client, _spec(module_pb2.LINEAR, in_features, out_features, bias,
+                                       recipe, seed, name, max_staleness, config),
+                         optimizer=optimizer, keep=keep,
+                         recompute_on_lost_context=recompute_on_lost_context, where=where)
 
 
 class RemoteLayerNormLinear(RemoteModule):
-    """FP8 ``LayerNorm(x) W^T + b`` on the server."""
+    __doc__ = """FP8 ``LayerNorm(x) W^T + b`` on the server; parameters ``layer_norm_weight``,
+    ``layer_norm_bias`` [in_features], ``weight`` [out_features, in_features], ``bias``.
+
+    Args:
+        client: a ``Client``, or a ``Cluster``.
+        in_features, out_features: sizes of the input's and the output's last dimension.
+        bias: whether the Linear has a bias.
+        layernorm_eps: the LayerNorm's epsilon.
+        zero_centered_gamma: the LayerNorm scale is 1 + gamma, gamma starting at 0.""" + \
+        _COMMON_ARGS
 
     def __init__(self, client: Union[Client, Cluster], in_features: int, out_features: int,
-                 bias: bool = True, recipe: str = "current", seed: int = 0,
-                 learning_rate: float = 0.01, momentum: float = 0.0, eps: float = 1e-5,
-                 name: str = "", **module_args):
+                 bias: bool = True, *, layernorm_eps: float = 1e-5,
+                 zero_centered_gamma: bool = False, recipe: str = "current", seed: int = 0,
+                 name: str = "", optimizer: str = "local", lr: Optional[float] = None,
+                 momentum: Optional[float] = None, nesterov: Optional[bool] = None,
+                 weight_decay: Optional[float] = None,
+                 betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
+                 max_staleness: int = 0, keep: bool = False,
+                 recompute_on_lost_context: bool = False, where: Optional[int] = None):
+        config = optim.optimizer_config(optimizer, lr, momentum, nesterov, weight_decay, betas,
+                                        eps)
         super().__init__(client, _spec(module_pb2.LAYERNORM_LINEAR, in_features, out_features,
-                                       bias, recipe, seed, learning_rate, name, momentum,
-                                       layernorm_eps=eps), **module_args)
-
-
-_ACTIVATIONS = {"gelu": module_pb2.GELU, "relu": module_pb2.RELU, "swiglu": module_pb2.SWIGLU,
-                "geglu": module_pb2.GEGLU}
+                                       bias, recipe, seed, name, max_staleness, config,
+                                       layernorm_eps=layernorm_eps,
+                                       zero_centered_gamma=zero_centered_gamma),
+                         optimizer=optimizer, keep=keep,
+                         recompute_on_lost_context=recompute_on_lost_context, where=where)
 
 
 class RemoteLayerNormMLP(RemoteModule):
-    """FP8 ``FC2(act(FC1(LayerNorm(x))))`` on the server."""
+    __doc__ = """FP8 ``FC2(act(FC1(LayerNorm(x))))`` on the server; parameters
+    ``layer_norm_weight``, ``layer_norm_bias`` [hidden_size], ``fc1_weight`` [ffn_hidden_size
+    (twice that for swiglu/geglu), hidden_size], ``fc1_bias``, ``fc2_weight`` [out_features,
+    ffn_hidden_size], ``fc2_bias``.
+
+    Args:
+        client: a ``Client``, or a ``Cluster``.
+        hidden_size: size of the input's last dimension.
+        ffn_hidden_size: width of the hidden layer (the activation's output).
+        out_features: size of the output's last dimension (default: hidden_size).
+        bias: whether FC1 and FC2 have biases.
+        activation: "gelu" (tanh approximation), "relu", "swiglu" or "geglu".
+        checkpoint: save only the input in training forwards and recompute the rest in
+            backward (less server memory per context, same results).
+        layernorm_eps: the LayerNorm's epsilon.
+        zero_centered_gamma: the LayerNorm scale is 1 + gamma, gamma starting at 0.""" + \
+        _COMMON_ARGS
 
     def __init__(self, client: Union[Client, Cluster], hidden_size: int, ffn_hidden_size: int,
-                 out_features: Optional[int] = None, bias: bool = True,
-                 activation: str = "gelu", recipe: str = "current", seed: int = 0,
-                 learning_rate: float = 0.01, momentum: float = 0.0, checkpoint: bool = False,
-                 name: str = "", **module_args):
+                 out_features: Optional[int] = None, bias: bool = True, *,
+                 activation: str = "gelu", checkpoint: bool = False, layernorm_eps: float = 1e-5,
+                 zero_centered_gamma: bool = False, recipe: str = "current", seed: int = 0,
+                 name: str = "", optimizer: str = "local", lr: Optional[float] = None,
+                 momentum: Optional[float] = None, nesterov: Optional[bool] = None,
+                 weight_decay: Optional[float] = None,
+                 betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
+                 max_staleness: int = 0, keep: bool = False,
+                 recompute_on_lost_context: bool = False, where: Optional[int] = None):
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}")
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got "
+                             f"{activation!r}")
+        config = optim.optimizer_config(optimizer, lr, momentum, nesterov, weight_decay, betas,
+                                        eps)
         super().__init__(client, _spec(module_pb2.LAYERNORM_MLP, hidden_size,
-                                       out_features or hidden_size, bias, recipe, seed,
-                                       learning_rate, name, momentum, ffn_features=ffn_hidden_size,
+                                       out_features or hidden_size, bias, recipe, seed, name,
+                                       max_staleness, config, ffn_features=ffn_hidden_size,
                                        activation=_ACTIVATIONS[activation],
-                                       checkpoint=checkpoint), **module_args)
+                                       checkpoint=checkpoint, layernorm_eps=layernorm_eps,
+                                       zero_centered_gamma=zero_centered_gamma),
+                         optimizer=optimizer, keep=keep,
+                         recompute_on_lost_context=recompute_on_lost_context, where=where)
+
+    def _sizes(self) -> str:
+        s = self.spec
+        activation = _ACTIVATION_NAMES.get(s.activation, "gelu")
+        return (f"hidden_size={s.in_features}, ffn_hidden_size={s.ffn_features}, "
+                f"out_features={s.out_features}, bias={s.bias}, activation={activation}")

@@ -5,21 +5,45 @@ flight at once without a round trip each.
 The server answers in the order it finishes; a failed request fails only its own future. Contexts
 a stream's forwards made are released by the server when the stream ends, so the stream stays
 open until ``Client.close()``.
+
+Deadlines: the stream itself lives as long as the client, so its call has no deadline; each
+request has one instead, ``Client.timeout`` seconds from when it is sent. A watchdog thread fails
+the future of a request that passes it with ``GradwireError(code="DEADLINE_EXCEEDED")`` whose
+``method`` names the request ("Train.Forward", "Train.Backward", "Train.Release"), and replaces
+the stream: it cancels the call (a stalled server cannot answer the others either), fails the
+requests still pending with CANCELLED saying why, and ``Client.train_stream()`` opens a new
+stream for the next request. The server releases the contexts of the cancelled stream; a later
+backward on one of them gets ``ContextLostError`` (reason "stream_ended"), which
+``recompute_on_lost_context`` recovers from.
 """
 
 import itertools
+import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import grpc
 import torch
 
+from gradwire import wire
 from gradwire.client import Client, ForwardResult, GradwireError
 from gradwire.v1 import service_pb2
 
+log = logging.getLogger("gradwire")
+
 _END = object()
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+class _Pending(NamedTuple):
+    future: Future
+    method: str
+    decode: object
+    deadline: float  # time.monotonic() past which the request has failed
+    sent: float
 
 
 class TrainStream:
@@ -27,15 +51,22 @@ class TrainStream:
 
     ``forward`` / ``backward`` / ``release`` send one request and return a
     ``concurrent.futures.Future`` of its result (the same values as the client's unary methods).
+    Every future completes within ``client.timeout`` seconds of its request: with the result,
+    with the server's error, or with DEADLINE_EXCEEDED.
     """
 
     def __init__(self, client: Client):
         self.client = client
+        self.timeout = client.timeout
         self._requests: "queue.Queue" = queue.Queue()
-        self._pending: Dict[int, tuple] = {}  # request_id -> (future, decode)
+        # request_id -> _Pending, in send order: with one timeout for all, the first entry
+        # always has the earliest deadline.
+        self._pending: Dict[int, _Pending] = {}
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self.closed = False
+        self.replaced = False  # a request passed its deadline and the call was cancelled
         self._error: Optional[GradwireError] = None
 
         def requests():
@@ -48,6 +79,10 @@ class TrainStream:
         self._call = client._stub.Train(requests(), metadata=client._metadata)
         self._reader = threading.Thread(target=self._read, name="gradwire-train", daemon=True)
         self._reader.start()
+        self._watchdog = threading.Thread(target=self._watch, name="gradwire-train-deadlines",
+                                          daemon=True)
+        self._watchdog.start()
+        log.debug("Train stream to %s opened", client.server)
 
     def _read(self) -> None:
         try:
@@ -55,55 +90,98 @@ class TrainStream:
                 with self._lock:
                     entry = self._pending.pop(resp.request_id, None)
                 if entry is None:
-                    continue
-                future, method, decode = entry
+                    continue  # failed already (deadline) or unknown
+                log.debug("%s request %d: %.1f ms", entry.method, resp.request_id,
+                          1e3 * (time.monotonic() - entry.sent))
                 if resp.code != 0:
-                    name = grpc.StatusCode.UNKNOWN.name
-                    for c in grpc.StatusCode:
-                        if c.value[0] == resp.code:
-                            name = c.name
-                    future.set_exception(GradwireError(method, name, resp.message))
-                    continue
-                try:
-                    future.set_result(decode(resp))
-                except Exception as e:  # a malformed response fails its own request
-                    future.set_exception(e)
+                    entry.future.set_exception(GradwireError(
+                        entry.method, _CODE_NAMES.get(resp.code, "UNKNOWN"), resp.message))
+                else:
+                    try:
+                        entry.future.set_result(entry.decode(resp))
+                    except Exception as e:  # a malformed response fails its own request
+                        entry.future.set_exception(e)
                 # Hold nothing of a finished request while waiting for the next response: its
                 # result (an autograd output among them) must die with its last user.
-                entry = future = decode = resp = None
+                entry = resp = None
             error = GradwireError("Train", "CANCELLED", "the Train stream ended")
         except grpc.RpcError as e:
-            error = GradwireError("Train", e.code().name, e.details())
+            error = self.client._error("Train", e)
         self._fail_all(error)
 
+    def _watch(self) -> None:
+        """Fails the first pending request once it passes its deadline, and replaces the
+        stream."""
+        with self._wake:
+            while not self.closed:
+                if not self._pending:
+                    self._wake.wait()
+                    continue
+                # Only the deadline is kept while waiting: a reference to the entry would keep
+                # its future's result (an autograd output among them) alive.
+                request_id = next(iter(self._pending))
+                left = self._pending[request_id].deadline - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                first = self._pending.pop(request_id)
+                self.closed = self.replaced = True
+                pending, self._pending = self._pending, {}
+                self._error = GradwireError(
+                    "Train", "CANCELLED", f"the Train stream was replaced after {first.method} "
+                    f"(request {request_id}) got no answer within {self.timeout:g} s")
+                break
+            else:
+                return
+        log.warning("%s request %d: no answer from %s within %g s; replacing the Train stream",
+                    first.method, request_id, self.client.server, self.timeout)
+        first.future.set_exception(GradwireError(
+            first.method, "DEADLINE_EXCEEDED",
+            f"no answer within {self.timeout:g} s from {self.client.server} (request "
+            f"{request_id} of the Train stream; the stream was replaced, and the server "
+            "releases the contexts it made)"))
+        for entry in pending.values():
+            entry.future.set_exception(GradwireError(entry.method, "CANCELLED",
+                                                     self._error.message))
+        self._requests.put(_END)
+        self._call.cancel()
+
     def _fail_all(self, error: GradwireError) -> None:
-        with self._lock:
+        with self._wake:
             self.closed = True
-            self._error = error
+            if self._error is None:
+                self._error = error
             pending, self._pending = self._pending, {}
-        for future, _, _ in pending.values():
-            if not future.done():
-                future.set_exception(error)
+            self._wake.notify_all()
+        for entry in pending.values():
+            if not entry.future.done():
+                entry.future.set_exception(error)
 
     def _send(self, method: str, field: str, message, decode) -> Future:
         future: Future = Future()
-        with self._lock:
+        with self._wake:
             if self.closed:
                 future.set_exception(self._error or GradwireError(
                     "Train", "CANCELLED", "the Train stream is closed"))
                 return future
             request_id = next(self._ids)
-            self._pending[request_id] = (future, method, decode)
+            now = time.monotonic()
+            if not self._pending:
+                self._wake.notify()
+            self._pending[request_id] = _Pending(future, method, decode, now + self.timeout, now)
         request = service_pb2.TrainRequest(request_id=request_id)
         getattr(request, field).CopyFrom(message)
         self._requests.put(request)
         return future
 
-    def forward(self, module_id: str, x: torch.Tensor, training: bool = True) -> Future:
-        """Future of (output, context_id or "", layernorm_output or None)."""
-        req = self.client.forward_request(module_id, x, training)
+    def forward(self, module_id: str, x: torch.Tensor, training: bool = True,
+                dtype: Optional[int] = None) -> Future:
+        """Future of (output, context_id or "", layernorm_output or None). ``dtype``: the wire
+        dtype of input and output (default: the client's)."""
+        req = self.client.forward_request(module_id, x, training, dtype)
 
         def decode(resp) -> ForwardResult:
+            self.client._seen(module_id, resp.forward.weight_version)
             result = Client.forward_result(resp.forward)
             self.client._note_instance(result[1])
             return result
@@ -111,30 +189,35 @@ class TrainStream:
         return self._send("Train.Forward", "forward", req, decode)
 
     def backward(self, context_id: str, grad_output: torch.Tensor,
-                 skip_grad_input: bool = False, retain: bool = False) -> Future:
-        """Future of grad_input (None with skip_grad_input)."""
-        req = self.client.backward_request(context_id, grad_output, skip_grad_input, retain)
+                 skip_grad_input: bool = False, retain: bool = False,
+                 dtype: Optional[int] = None) -> Future:
+        """Future of grad_input (None with skip_grad_input). ``retain`` keeps the context for
+        another backward."""
+        req = self.client.backward_request(context_id, grad_output, skip_grad_input, retain,
+                                           dtype=dtype)
 
         def decode(resp) -> Optional[torch.Tensor]:
             b = resp.backward
-            from gradwire import wire
             return wire.from_wire(b.grad_input) if b.HasField("grad_input") else None
 
         return self._send("Train.Backward", "backward", req, decode)
 
     def release(self, context_id: str) -> Future:
+        """Future of None once the context is dropped."""
         return self._send("Train.Release", "release",
                           service_pb2.ReleaseContextRequest(context_id=context_id),
                           lambda resp: None)
 
     def close(self) -> None:
         """Ends the stream: the server releases the contexts its forwards left."""
-        with self._lock:
+        with self._wake:
             if self.closed:
                 return
             self.closed = True
+            self._wake.notify_all()
         self._requests.put(_END)
-        self._reader.join(timeout=self.client.timeout)
+        self._reader.join(timeout=self.timeout)
         if self._reader.is_alive():
             self._call.cancel()
             self._reader.join(timeout=5)
+        log.debug("Train stream to %s closed", self.client.server)

@@ -1,5 +1,14 @@
+"""Fixtures of the Python suite: real gradwire-server processes on loopback.
+
+The suite reads two environment variables (README.md, "Tests", names them too):
+GRADWIRE_SERVER_BIN, the gradwire-server binary (default build/server/gradwire-server), and
+GRADWIRE_CLI_BIN, the gradwire CLI (default build/client/gradwire); the package itself comes from
+PYTHONPATH=client/python or an installed copy.
+"""
+
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import time
@@ -12,12 +21,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SERVER_BIN = os.environ.get("GRADWIRE_SERVER_BIN",
                             os.path.join(ROOT, "build/server/gradwire-server"))
 CLI_BIN = os.environ.get("GRADWIRE_CLI_BIN", os.path.join(ROOT, "build/client/gradwire"))
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 class ServerProcess:
     """A gradwire-server process on loopback: ``address`` once started."""
 
     def __init__(self, *extra, env=None, listen="127.0.0.1:0"):
+        if not os.access(SERVER_BIN, os.X_OK):
+            raise RuntimeError(f"no gradwire-server at {SERVER_BIN}: build it, or point "
+                               "GRADWIRE_SERVER_BIN at one (see client/python/README.md, Tests)")
         self.log = tempfile.NamedTemporaryFile(prefix="gradwire-server-", suffix=".log",
                                                delete=False)
         self.proc = subprocess.Popen([SERVER_BIN, "--listen", listen, *extra], stdout=self.log,
@@ -37,7 +50,15 @@ class ServerProcess:
             with open(self.log.name) as f:
                 raise RuntimeError("gradwire-server did not start:\n" + f.read())
 
+    def pause(self):
+        """Stops the process (SIGSTOP): it accepts connections but answers nothing."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, kill=False):
+        self.resume()  # a stopped process would not act on SIGTERM
         if self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(timeout=30)
@@ -80,3 +101,20 @@ def client(server):
     c = gradwire.Client(server)
     yield c
     c.close()
+
+
+@pytest.fixture
+def fresh_server():
+    """A server of this test's own: what the test leaves (or pauses) touches nobody else."""
+    server = ServerProcess()
+    yield server
+    server.stop()
+
+
+def module_ids(address):
+    """The ids of the modules on the server at ``address`` (a throwaway client)."""
+    c = gradwire.Client(address)
+    try:
+        return [m.module_id for m in c.list_modules()]
+    finally:
+        c.close(keep=True)

@@ -48,7 +48,8 @@ def test_recompute_on_lost_context(short_ttl_server):
         assert a.recomputed_backwards == 1
         b(xb).sum().backward()
         assert torch.equal(xa.grad, xb.grad)
-        assert torch.equal(a.get_gradients()["weight"], b.get_gradients()["weight"])
+        assert b.weight.grad.abs().sum() > 0
+        assert torch.equal(a.weight.grad, b.weight.grad)
         assert c.server_info().live_contexts == 0
 
 

@@ -44,11 +44,14 @@ def test_pip_install_into_a_venv(tmp_path, server):
     assert out.returncode == 0, out.stdout + out.stderr
     # From anywhere but the source tree, with no PYTHONPATH: the installed copy and its stubs.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = ("import gradwire, torch; "
+    code = ("import gradwire, torch, os; "
             "assert 'site-packages' in gradwire.__file__, gradwire.__file__; "
+            "assert os.path.isfile(os.path.join(os.path.dirname(gradwire.__file__), "
+            "'py.typed')); "
             f"c = gradwire.Client({server!r}); "
             "m = gradwire.RemoteLinear(c, 4, 2); "
-            "print(gradwire.__version__, tuple(m(torch.randn(3, 4)).shape))")
+            "print(gradwire.__version__, tuple(m(torch.randn(3, 4)).shape)); "
+            "c.close()")
     run = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=str(tmp_path),
                          env=env)
     assert run.returncode == 0, run.stderr

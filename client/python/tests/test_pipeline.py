@@ -10,7 +10,7 @@ import gradwire
 
 
 def make_blocks(where, seed, n=3, width=24, ffn=40, lr=0.05, momentum=0.0):
-    return [gradwire.RemoteLayerNormMLP(where, width, ffn, seed=seed + i, learning_rate=lr,
+    return [gradwire.RemoteLayerNormMLP(where, width, ffn, seed=seed + i, optimizer="sgd", lr=lr,
                                         momentum=momentum)
             for i in range(n)]
 

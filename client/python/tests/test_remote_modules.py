@@ -60,7 +60,7 @@ def test_linear_gradients_match_float64_on_dequantized_operands(client):
     b = w["bias"].double()
     assert close_to_sum(y.detach(), xq @ wq.T + b, xq.abs() @ wq.abs().T + b.abs())
     assert close_to_sum(x.grad, dyq @ wq, dyq.abs() @ wq.abs())
-    g = m.get_gradients()
+    g = {"weight": m.weight.grad, "bias": m.bias.grad}  # GetGradients, mirrored into .grad
     assert close_to_sum(g["weight"], dyq.T @ xq, dyq.abs().T @ xq.abs())
     assert torch.allclose(g["bias"].double(), dy.double().sum(0), rtol=1e-5, atol=1e-5)
 
@@ -81,7 +81,7 @@ def test_layernorm_mlp_gradients_match_float64_autograd(client):
     y64.backward(dy.double())
     rel = (x.grad.double() - x64.grad).norm() / x64.grad.norm()
     assert rel < 0.25, f"grad_input relative error {rel:.3f}"
-    grads = m.get_gradients()
+    grads = dict((n, p.grad) for n, p in m.named_parameters())
     for name in ("fc1_weight", "fc2_weight", "layer_norm_weight"):
         rel = (grads[name].double() - w[name].grad).norm() / w[name].grad.norm()
         assert rel < 0.25, f"{name} relative error {rel:.3f}"
@@ -109,7 +109,7 @@ def test_dropping_a_graph_releases_its_context(client):
 
 
 def test_first_layer_without_input_grad_still_trains(client):
-    m = gradwire.RemoteLinear(client, 8, 4, learning_rate=0.1)
+    m = gradwire.RemoteLinear(client, 8, 4, optimizer="sgd", lr=0.1)
     before = m.get_weights()["weight"]
     x = torch.randn(16, 8)  # data: no gradient wanted
     (m(x) ** 2).mean().backward()

@@ -62,6 +62,16 @@ def served(client):
         client.close()
 
 
+def refusal(client):
+    """The error of a call that the server's TLS settings refuse."""
+    try:
+        with pytest.raises(gradwire.GradwireError) as e:
+            client.server_info()
+        return e.value
+    finally:
+        client.close()
+
+
 def test_tls(pki):
     server = ServerProcess("--tls-cert", pki["server.crt"], "--tls-key", pki["server.key"])
     try:
@@ -72,7 +82,10 @@ def test_tls(pki):
         assert not served(gradwire.Client(a, tls_ca=pki["ca.crt"], tls_server_name="other.test",
                                           timeout=5))
         assert not served(gradwire.Client(a, tls_ca=pki["stranger.crt"], timeout=5))
-        assert not served(gradwire.Client(a, timeout=5))  # plaintext to a TLS server
+        plaintext = refusal(gradwire.Client(a, timeout=5))  # plaintext to a TLS server
+        assert plaintext.code == "UNAVAILABLE" and "server expects TLS?" in str(plaintext)
+        wrong_ca = refusal(gradwire.Client(a, tls_ca=pki["stranger.crt"], timeout=5))
+        assert "tls_ca is not the CA of the server's certificate" in str(wrong_ca)
         # A training step over TLS.
         with gradwire.Client(a, tls_ca=pki["ca.crt"], wire_dtype="bf16") as c:
             import torch
@@ -91,7 +104,8 @@ def test_mutual_tls(pki):
         a = server.address
         assert served(gradwire.Client(a, tls_ca=pki["ca.crt"], tls_cert=pki["client.crt"],
                                       tls_key=pki["client.key"], timeout=5))
-        assert not served(gradwire.Client(a, tls_ca=pki["ca.crt"], timeout=5))
+        no_cert = refusal(gradwire.Client(a, tls_ca=pki["ca.crt"], timeout=5))
+        assert "client certificate required?" in str(no_cert), no_cert
         assert not served(gradwire.Client(a, tls_ca=pki["ca.crt"], tls_cert=pki["impostor.crt"],
                                           tls_key=pki["impostor.key"], timeout=5))
     finally:
@@ -101,3 +115,12 @@ def test_mutual_tls(pki):
 def test_unreadable_tls_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot read tls_ca"):
         gradwire.Client("127.0.0.1:1", tls_ca=str(tmp_path / "missing.crt"))
+
+
+def test_nothing_listening_is_named():
+    import socket
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = refusal(gradwire.Client(f"127.0.0.1:{port}", timeout=5))
+    assert e.code == "UNAVAILABLE" and "is gradwire-server running there?" in str(e)
