@@ -2,7 +2,7 @@
 # Here (a Debian 12 machine with apt, repo root): pack the C++ libraries the GPU machine lacks
 # (gRPC/protobuf C++, spdlog, GoogleTest, ...) as Debian packages into .device-deps/, an ignored
 # folder the device tool carries. scripts/device/env.sh unpacks them there.
-#   scripts/device/deps.sh            everything stage 2 needs
+#   scripts/device/deps.sh            everything gpu-check.sh and stage2.sh need
 #   scripts/device/deps.sh --gtest    GoogleTest only (stage 1)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

@@ -3,6 +3,10 @@
 # with CUDA) and Debian's gRPC/protobuf/spdlog/GoogleTest unpacked from .device-deps/
 # (scripts/device/deps.sh here). Builds, runs the CUDA and CPU suites, then a demo training.
 #
+# scripts/device/gpu-check.sh supersedes this for a short device call: it builds only what it
+# runs, skips the CPU suites (CI runs them), puts a timeout on every step and writes
+# cuda-stage2.json as it goes. This script builds and tests everything and may not fit one call.
+#
 #   device run, repo root, carry [".device-deps"]:   scripts/device/stage2.sh
 #
 # Writes under $OUT (or build-device/out): gpu.txt, abi.txt, configure.txt, build.txt,
@@ -71,20 +75,41 @@ done
 cat "$out"/svc-*.txt > "$out/service-cuda-log.txt"; rm -f "$out"/svc-*.txt
 
 # The demo training through a real server, on the CPU and on the GPU: the same final loss.
-start_server() {  # $1: log file, then server flags; prints the address
-  build-device/server/gradwire-server --listen 127.0.0.1:0 "${@:2}" > "$1" 2>&1 &
+# start_server LOG FLAGS...: runs in this shell, not in $(...), so server_pid stays set here
+# (a subshell would lose it); sets addr from the server's --port-file.
+server_pid=""
+stop_server() {
+  [ -n "$server_pid" ] || return 0
+  kill "$server_pid" 2>/dev/null
+  wait "$server_pid" 2>/dev/null
+  server_pid=""
+}
+trap stop_server EXIT
+start_server() {
+  rm -f "$out/port"
+  build-device/server/gradwire-server --listen 127.0.0.1:0 --port-file "$out/port" "${@:2}" \
+    > "$1" 2>&1 &
   server_pid=$!
-  for _ in $(seq 100); do grep -q "listening on" "$1" && break; sleep 0.2; done
-  grep -o "listening on [0-9.:]*" "$1" | awk '{print $3}'
+  addr=""
+  for _ in $(seq 150); do
+    [ -s "$out/port" ] && { addr=$(cat "$out/port"); return 0; }
+    kill -0 "$server_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  echo "stage2: the server did not start: $(tail -n 3 "$1")"
+  return 1
 }
 if [ -x build-device/server/gradwire-server ]; then
   for model in linear mlp; do
     for device in cpu cuda; do
-      addr=$(start_server "$out/demo-$model-$device-server.txt" --device "$device")
-      build-device/client/gradwire demo --server "$addr" --model "$model" --json \
+      if ! start_server "$out/demo-$model-$device-server.txt" --device "$device"; then
+        tests_rc=1
+        continue
+      fi
+      timeout 120 build-device/client/gradwire demo --server "$addr" --model "$model" --json \
         > "$out/demo-$model-$device.txt" 2>&1
       echo "stage2: demo $model on $device rc=$?: $(tail -n 2 "$out/demo-$model-$device.txt" | head -n 1)"
-      kill "$server_pid"; wait "$server_pid" 2>/dev/null
+      stop_server
     done
     python3 - "$out/demo-$model-cpu.txt" "$out/demo-$model-cuda.txt" <<'PY' || tests_rc=1
 import json, sys
@@ -95,13 +120,17 @@ sys.exit(0 if ok else 1)
 PY
   done
 
-  # (c) The server step over loopback next to the in-process step, both on the GPU.
-  addr=$(start_server "$out/bench-server.txt" --device cuda)
-  build-device/client/gradwire-load --server "$addr" --kind linear --in 4096 --out 4096 \
-    --rows 8192 --flow step --concurrency 1 --warmup 3 --duration 20 --baselines \
-    --baseline-device cuda --json "$out/server-step.json" > "$out/server-step.txt" 2>&1
-  echo "stage2: server step benchmark rc=$?"
-  tail -n 25 "$out/server-step.txt"
-  kill "$server_pid"; wait "$server_pid" 2>/dev/null
+  # (c) The server step over loopback next to the in-process step, both on the GPU. 8192 rows
+  # of 4096 f32 are 128 MiB a message each way: over the 64 MiB default limits on both ends.
+  if start_server "$out/bench-server.txt" --device cuda --max-message-mib 512 \
+    --max-request-bytes 512MiB; then
+    timeout 120 build-device/client/gradwire-load --server "$addr" --max-message-mib 512 \
+      --kind linear --in 4096 --out 4096 --rows 8192 --flow step --concurrency 1 --warmup 3 \
+      --duration 20 --baselines --baseline-device cuda --json "$out/server-step.json" \
+      > "$out/server-step.txt" 2>&1
+    echo "stage2: server step benchmark rc=$?"
+    tail -n 25 "$out/server-step.txt"
+    stop_server
+  fi
 fi
 [ "$build_rc" = 0 ] && [ "$tests_rc" = 0 ]

@@ -1,10 +1,11 @@
 // GPU benchmark of the CUDA backend: FP8 GEMM TFLOP/s, and forward+backward step times of a
 // Linear and a LayerNormMLP composed from the backend's kernels as the modules compose them
 // (current scaling, E4M3 forward, E5M2 gradients, weights cast once as the workspace cache does).
-// Prints a table and writes JSON (--json PATH); scripts/device-bench.sh adds the PyTorch side.
+// Prints a table and writes JSON (--json PATH); scripts/device/bench_torch.py adds PyTorch.
 // Times are CUDA-event times averaged over --iters runs after warm-up; nothing passes or fails.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -123,6 +124,30 @@ struct GemmRow {
   int64_t m, n, k;
   double ms, tflops;
 };
+
+struct Mnk {
+  int64_t m, n, k;
+};
+
+// "MxNxK[,MxNxK...]" into `out`. Each size must be a positive multiple of 16, what the FP8 GEMM
+// takes unpadded: a typo then fails here, before any device work, not as a failed case.
+bool ParseShapes(const std::string& text, std::vector<Mnk>* out) {
+  out->clear();
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    long long m = 0, n = 0, k = 0;
+    char tail = 0;
+    if (std::sscanf(item.c_str(), "%lldx%lldx%lld%c", &m, &n, &k, &tail) != 3) return false;
+    for (long long v : {m, n, k}) {
+      if (v <= 0 || v % 16 != 0) return false;
+    }
+    out->push_back({m, n, k});
+    at = end + 1;
+  }
+  return !out->empty();
+}
 
 GemmRow BenchGemm(int64_t m, int64_t n, int64_t k, int iters, cudaStream_t stream) {
   Buf fa(static_cast<size_t>(m * k) * 4), fb(static_cast<size_t>(n * k) * 4);
@@ -255,6 +280,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   int iters = 20;
   bool quick = false;
+  std::vector<Mnk> shapes;  // --shapes; empty: the default set below
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--json" && i + 1 < argc) {
@@ -263,8 +289,16 @@ int main(int argc, char** argv) {
       iters = std::stoi(argv[++i]);
     } else if (arg == "--quick") {
       quick = true;  // small shapes: a smoke run of the whole program
+    } else if (arg == "--shapes" && i + 1 < argc) {
+      if (!ParseShapes(argv[++i], &shapes)) {
+        std::fprintf(stderr,
+                     "%s: --shapes takes MxNxK[,MxNxK...], each a positive multiple of 16\n",
+                     argv[0]);
+        return 2;
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--json PATH] [--iters N] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json PATH] [--iters N] [--quick] [--shapes MxNxK,...]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -277,10 +311,16 @@ int main(int argc, char** argv) {
     const std::string device = gwc::DeviceDescription(0);
     cudaStream_t stream;
     GRADWIRE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    const int64_t s = quick ? 8 : 1;  // --quick divides every size by 8
+    // --quick divides the default sizes by 8; shapes given with --shapes run as given (a small
+    // M such as 16 divided by 8 would no longer be a multiple of 16).
+    const int64_t s = quick ? 8 : 1;
+    if (shapes.empty()) {
+      for (const Mnk& d : std::vector<Mnk>{
+               {4096, 4096, 4096}, {8192, 8192, 8192}, {16384, 4096, 4096}, {16384, 16384, 4096}}) {
+        shapes.push_back({d.m / s, d.n / s, d.k / s});
+      }
+    }
     std::vector<GemmRow> gemms;
-    const int64_t shapes[][3] = {
-        {4096, 4096, 4096}, {8192, 8192, 8192}, {16384, 4096, 4096}, {16384, 16384, 4096}};
     // A case that fails is reported and left out; the others still run.
     int failures = 0;
     auto attempt = [&](const char* what, const std::function<void()>& fn) {
@@ -292,10 +332,9 @@ int main(int argc, char** argv) {
         cudaGetLastError();  // clear a sticky launch error so later cases report their own
       }
     };
-    for (const auto& shape : shapes) {
-      attempt("gemm", [&] {
-        gemms.push_back(BenchGemm(shape[0] / s, shape[1] / s, shape[2] / s, iters, stream));
-      });
+    for (const Mnk& shape : shapes) {
+      attempt("gemm",
+              [&] { gemms.push_back(BenchGemm(shape.m, shape.n, shape.k, iters, stream)); });
     }
     std::vector<StepRow> steps;
     attempt("linear", [&] { steps.push_back(BenchLinear(16384 / s, 4096 / s, iters, stream)); });

@@ -82,8 +82,10 @@ TEST_P(ServiceTest, ServerInfoDescribesTheServer) {
 }
 
 TEST_P(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
-  // The same seed in a local host gives the same module: the wire must not change a bit.
-  core::ModuleHost local;
+  // The same seed in a local host gives the same module: the wire must not change a bit. The local
+  // host computes on the server's kind of backend (GRADWIRE_TEST_DEVICE): the claim is about the
+  // wire, and another backend's GEMMs sum in another order.
+  core::ModuleHost local(core::ContextLimits{}, nullptr, testing::TestBackend());
   core::ModuleSpec spec;
   spec.in_features = 12;
   spec.out_features = 6;

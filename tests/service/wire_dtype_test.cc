@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 
 #include "gradwire/client/client.h"
 #include "gradwire/kernels/ref/cast.h"
@@ -167,7 +168,13 @@ TEST_F(WireDTypeTest, Fp8InputIsUsedWithoutRequantizing) {
   ASSERT_EQ(y.data.size(), expected.size());
   // The server's CPU backend runs the GEMM on BLAS: the same exact FP8 products, summed in
   // another order, so equal to the reference within the fp32 accumulation bound
-  // (k 2^-24 of the sum of |products|, twice for the two orders).
+  // (k 2^-24 of the sum of |products|, twice for the two orders). The CUDA backend's forward GEMM
+  // uses fast accumulation, whose partial sums keep fewer bits: measured up to 3.5e-4 of the sum
+  // of |products| on the H100, bounded by p = 2^-10 of it (docs/cuda.md, the parity harness's
+  // bound), which this adds on any backend but the CPU and the reference.
+  const std::string backend = server_.host().backend().name();
+  const double partial_sums =
+      backend == "cpu" || backend == "reference" ? 0.0 : std::ldexp(1.0, -10);
   const float* ta = kernels::DecodeTable(kernels::Fp8Format::kE4M3);
   std::vector<double> bound(expected.size());
   for (int64_t i = 0; i < 8; ++i) {
@@ -177,8 +184,9 @@ TEST_F(WireDTypeTest, Fp8InputIsUsedWithoutRequantizing) {
         terms += std::fabs(double(ta[uint8_t(codes[size_t(i * 64 + k)])]) *
                            double(ta[w_codes[size_t(j * 64 + k)]]));
       }
-      bound[size_t(i * 48 + j)] = 2.0 * 64 * std::ldexp(1.0, -24) * terms / scale / w_scale +
-                                  std::ldexp(1.0, -23) * std::fabs(expected[size_t(i * 48 + j)]);
+      bound[size_t(i * 48 + j)] =
+          (2.0 * 64 * std::ldexp(1.0, -24) + partial_sums) * terms / scale / w_scale +
+          std::ldexp(1.0, -23) * std::fabs(expected[size_t(i * 48 + j)]);
     }
   }
   for (size_t i = 0; i < expected.size(); ++i) {
