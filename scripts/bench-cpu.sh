@@ -13,7 +13,11 @@ out_json=${1:-docs/perf/cpu-step.json}
 secs=${2:-5}
 tmp=$(mktemp -d)
 trap 'kill $server_pid 2>/dev/null || true; rm -rf "$tmp"' EXIT
-build/server/gradwire-server --listen 127.0.0.1:0 --device cpu > "$tmp/server.log" 2>&1 &
+# BENCH_SERVER_FLAGS go to the server, BENCH_LOAD_FLAGS to gradwire-load (its in-process
+# baseline), e.g. "--cpu-gemm-threads blas" to both for the other GEMM threading.
+# shellcheck disable=SC2086
+build/server/gradwire-server --listen 127.0.0.1:0 --device cpu ${BENCH_SERVER_FLAGS:-} \
+  > "$tmp/server.log" 2>&1 &
 server_pid=$!
 for _ in $(seq 100); do grep -q "listening on" "$tmp/server.log" && break; sleep 0.1; done
 addr=$(grep -o "listening on [0-9.:]*" "$tmp/server.log" | awk '{print $3}')
@@ -24,18 +28,21 @@ for c in $cases; do
   module=(--kind linear); [ "$kind" = mlp ] && module=(--kind layernorm-mlp --ffn "$ffn")
   build/client/gradwire-load --server "$addr" "${module[@]}" --in "$in" --out "$outf" \
     --rows "$rows" --flow step --warmup 1 --duration "$secs" --baselines \
-    --rounds 2 --json "$tmp/load-$kind-$rows.json" > "$tmp/load-$kind-$rows.txt" 2>&1 \
+    --rounds 2 ${BENCH_LOAD_FLAGS:-} --json "$tmp/load-$kind-$rows.json" > "$tmp/load-$kind-$rows.txt" 2>&1 \
     || { cat "$tmp/load-$kind-$rows.txt"; exit 1; }
   echo "bench-cpu: gradwire-load $kind rows $rows done"
 done
 PYTHONPATH=client/python /usr/bin/python3 tests/bench/python_step.py \
   --server "$addr" --cases "$(echo $cases | tr ' ' ,)" --duration "$secs" --json "$tmp/python.json"
+backend=$(grep -o "on cpu: .*" "$tmp/server.log" | head -1 | cut -c9-)
 kill $server_pid; wait $server_pid 2>/dev/null || true
 /usr/bin/python3 tests/bench/torch_peer.py --cases "$(echo $cases | tr ' ' ,)" \
   --duration "$secs" --threads "$(nproc)" --json "$tmp/torch.json"
-/usr/bin/python3 - "$tmp" "$out_json" "$cases" <<'PY'
-import json, platform, subprocess, sys
-tmp, out, cases = sys.argv[1], sys.argv[2], sys.argv[3].split()
+/usr/bin/python3 - "$tmp" "$out_json" "$cases" "$backend" <<'PY'
+import json, sys
+sys.path.insert(0, "scripts/lib")
+from machine import describe
+tmp, out, cases, backend = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
 py = {(c["kind"], c["rows"]): c for c in json.load(open(f"{tmp}/python.json"))["cases"]}
 th = json.load(open(f"{tmp}/torch.json"))
 tt = {(c["kind"], c["rows"]): c for c in th["cases"]}
@@ -65,7 +72,9 @@ for c in cases:
           f"{p['python_steps_per_s']:8.2f} {t['local_steps_per_s']:8.2f} "
           f"{t['rpc_steps_per_s']:9.2f} | {row['remote_vs_torch_rpc']:10.2f} "
           f"{row['inprocess_time_vs_torch_local']:20.2f}")
-json.dump({"machine": f"{platform.node()} ({subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores)",
+json.dump({"machine": describe(allocator="glibc; gradwire-server and gradwire-load retain large "
+                                         "blocks (--heap-retain), PyTorch runs with the defaults",
+                               server=backend),
            "command": "scripts/bench-cpu.sh", "unit": "training steps per second (forward + backward)",
            "torch": th["torch"], "blas": "OpenBLAS (libopenblas0-pthread) for PyTorch and gradwire",
            "cases": rows}, open(out, "w"), indent=2)

@@ -25,6 +25,8 @@ struct ServerConfig {
   double context_ttl_s = 600;
   // Seconds between returns of freed heap memory to the OS (core/heap_trim.h); 0: never.
   double heap_trim_every_s = 1;
+  // Freed large blocks stay in the heap for reuse instead of being unmapped (core/heap_trim.h).
+  bool heap_retain = true;
   // Request limits: RESOURCE_EXHAUSTED naming the flag.
   int64_t max_request_bytes = int64_t(64) << 20;
   int64_t max_tensor_elements = int64_t(1) << 26;

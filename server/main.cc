@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "server/config.h"
+#include "server/core/heap_trim.h"
 #include "server/logging.h"
 #include "server/rpc/auth.h"
 #include "server/server.h"
@@ -140,6 +141,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   gradwire::core::SetCpuThreads(config.cpu_threads, config.cpu_gemm_threads == "blas");
+  if (config.heap_retain && !gradwire::core::RetainLargeBlocks()) {
+    spdlog::warn("--heap-retain: this C library has no mallopt; large blocks stay mmapped");
+  }
   auto backend = gradwire::server::ResolveDevice(config.device);
   if (!backend.ok()) {
     spdlog::error("{}", std::string(backend.status().message()));

@@ -155,7 +155,10 @@ class Server::MetricsEndpoint {
 };
 
 // Housekeeping: evicts contexts past the TTL even when no call arrives to do it, and gives freed
-// heap memory back to the OS every --heap-trim-every seconds (core/heap_trim.h).
+// heap memory back to the OS (core/heap_trim.h): after --heap-trim-every seconds without a
+// forward or backward starting, and under continuous load every kBusyTrimFactor times that, so
+// that RSS stays bounded while the blocks a busy server reuses call after call are not returned
+// (and faulted in again) every second.
 class Server::Janitor {
  public:
   Janitor(core::ModuleHost& host, double ttl_s, double trim_every_s) {
@@ -173,7 +176,10 @@ class Server::Janitor {
     const auto trim_every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
         std::chrono::duration<double>(trim_every_s));
     thread_ = std::thread([this, &host, period, evict, trim, trim_every, ttl_s] {
-      auto last_trim = std::chrono::steady_clock::now();
+      using Clock = std::chrono::steady_clock;
+      auto last_trim = Clock::now(), last_activity = Clock::now();
+      int64_t calls_seen = host.Stats().compute_calls;
+      bool trimmed_since_activity = false;
       std::unique_lock<std::mutex> lock(mu_);
       while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
         if (evict) {
@@ -181,9 +187,19 @@ class Server::Janitor {
             spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n, ttl_s);
           }
         }
-        if (trim && std::chrono::steady_clock::now() - last_trim >= trim_every) {
+        if (!trim) continue;
+        const auto now = Clock::now();
+        if (const int64_t calls = host.Stats().compute_calls; calls != calls_seen) {
+          calls_seen = calls;
+          last_activity = now;
+          trimmed_since_activity = false;
+        }
+        const bool idle = !trimmed_since_activity && now - last_activity >= trim_every;
+        const bool busy_due = now - last_trim >= kBusyTrimFactor * trim_every;
+        if (idle || busy_due) {
           const core::HeapTrimResult r = core::TrimHeap();
-          last_trim = std::chrono::steady_clock::now();
+          last_trim = Clock::now();
+          trimmed_since_activity = true;
           if (r.supported) {
             spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
                           r.rss_after_bytes >> 10, r.seconds * 1e3);
@@ -192,6 +208,7 @@ class Server::Janitor {
       }
     });
   }
+  static constexpr int kBusyTrimFactor = 30;
   ~Janitor() { Stop(); }
   void Stop() {
     if (!thread_.joinable()) return;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/random.h"
+#include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
 
 namespace gradwire::load {
@@ -99,6 +100,12 @@ absl::StatusOr<std::unique_ptr<InProcess>> InProcess::Make(const v1::ModuleSpec&
   auto b = std::make_unique<HostBaseline>();
   if (auto s = b->Init(spec, flow, rows, workers, seed, device); !s.ok()) return s;
   return std::unique_ptr<InProcess>(std::move(b));
+}
+
+bool UseServerHeapPolicy() { return core::RetainLargeBlocks(); }
+
+void SetBaselineCpuThreads(int threads, bool gemm_on_blas) {
+  core::SetCpuThreads(threads, gemm_on_blas);
 }
 
 }  // namespace gradwire::load

@@ -23,4 +23,13 @@ class InProcess {
   virtual OpOutcome Run(int worker) = 0;
 };
 
+// Gives this process the heap policy gradwire-server starts with (core/heap_trim.h: freed large
+// blocks stay in the heap), so the in-process baseline and the client side of the remote runs
+// allocate as the server does. False where the C library cannot.
+bool UseServerHeapPolicy();
+
+// The CPU backend's threads for the in-process baseline, as gradwire-server's --cpu-threads and
+// --cpu-gemm-threads set them (0: one per core; gemm_on_blas: BLAS's own threads).
+void SetBaselineCpuThreads(int threads, bool gemm_on_blas);
+
 }  // namespace gradwire::load

@@ -385,6 +385,12 @@ int main(int argc, char** argv) {
   app.add_option("--server", copts.server, "gradwire-server address, host:port")
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "deadline of each call, seconds")->capture_default_str();
+  app.add_option("--max-message-mib", copts.max_message_mib,
+                 "largest message sent or received, MiB: a step of 8192 rows x 4096 f32 carries "
+                 "128 MiB each way (the server needs --max-message-mib and --max-request-bytes "
+                 "as large)")
+      ->check(CLI::Range(1, 2047))
+      ->capture_default_str();
   app.add_option("--token-file", token_file, "bearer token file (or GRADWIRE_TOKEN)")
       ->check(CLI::ExistingFile);
   app.add_option("--tls-ca", copts.tls_ca_file, "PEM CA of the server's certificate: use TLS")
@@ -463,7 +469,19 @@ int main(int argc, char** argv) {
                  "conditions")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
+  int cpu_threads = 0;
+  app.add_option("--cpu-threads", cpu_threads,
+                 "the in-process baseline's CPU threads, as the server's flag (0: one per core)")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  std::string cpu_gemm_threads = "pool";
+  app.add_option("--cpu-gemm-threads", cpu_gemm_threads,
+                 "who splits the in-process baseline's GEMMs, as the server's flag")
+      ->check(CLI::IsMember({"pool", "blas"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  gradwire::load::UseServerHeapPolicy();
+  gradwire::load::SetBaselineCpuThreads(cpu_threads, cpu_gemm_threads == "blas");
 
   o.run.poisson = o.arrivals == "poisson";
   if (o.sweep.empty()) o.sweep = {o.run.concurrency};

@@ -55,7 +55,7 @@ bool BlasAvailable() { return Loaded().sgemm != nullptr; }
 std::string BlasDescription() {
   const Blas& blas = Loaded();
   if (blas.sgemm == nullptr) return "none";
-  if (blas.config != nullptr) return std::string("OpenBLAS ") + blas.config();
+  if (blas.config != nullptr) return blas.config();  // "OpenBLAS 0.3.21 ... Cooperlake ..."
   Dl_info info{};
   if (dladdr(reinterpret_cast<void*>(blas.sgemm), &info) != 0 && info.dli_fname != nullptr) {
     return info.dli_fname;

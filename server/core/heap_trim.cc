@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <climits>
 #include <cstdio>
+
+#include "gradwire/kernels/cpu/scratch.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -21,9 +24,22 @@ int64_t ProcessRssBytes() {
   return int64_t(resident) * int64_t(sysconf(_SC_PAGESIZE));
 }
 
+void* AllocateHostBuffer(size_t bytes) { return kernels::cpu::AllocateHostBuffer(bytes); }
+
+void FreeHostBuffer(void* p) { kernels::cpu::FreeHostBuffer(p); }
+
+bool RetainLargeBlocks() {
+#if defined(__GLIBC__)
+  return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+#else
+  return false;
+#endif
+}
+
 HeapTrimResult TrimHeap() {
   HeapTrimResult r;
   r.rss_before_bytes = ProcessRssBytes();
+  kernels::cpu::ReleaseScratch();
 #if defined(__GLIBC__)
   r.supported = true;
   const auto start = std::chrono::steady_clock::now();

@@ -10,6 +10,7 @@
 // thread.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace gradwire::core {
@@ -21,8 +22,25 @@ struct HeapTrimResult {
   double seconds = 0;  // time spent in malloc_trim
 };
 
-// Releases the free pages of every malloc arena to the OS (malloc_trim(0)) and reports the
-// process RSS before and after. Safe to call from any thread at any time; it takes each arena's
+// Large blocks from the heap instead of a fresh mapping each. glibc serves every block above its
+// mmap threshold (128 KiB, rising to at most 32 MiB) with a new mmap and unmaps it on free, so each
+// large request buffer, decoded tensor or response pays a page fault per 4 KiB on first touch: on
+// a virtual machine that costs more than the copy into it (64 MiB: 46 ms fresh, 8 ms warm here;
+// docs/performance.md). Called once at start (gradwire-server, the load tool), it turns the
+// mappings off (M_MMAP_MAX 0) and raises the trim threshold, so freed blocks stay in the heap for
+// the next request; TrimHeap then gives free pages back when the server is idle. False where the
+// C library has no mallopt (nothing changed).
+bool RetainLargeBlocks();
+
+// Host memory for a large buffer that is reused (staging, scratch): 2 MiB aligned and advised as
+// transparent huge pages from 4 MiB up, so its first touch faults once per 2 MiB instead of once
+// per 4 KiB; free with FreeHostBuffer. Null when out of memory.
+void* AllocateHostBuffer(size_t bytes);
+void FreeHostBuffer(void* p);
+
+// Releases the free pages of every malloc arena to the OS (malloc_trim(0)), and the CPU
+// backend's free scratch buffers (kernels/cpu/scratch.h) first, and reports the process RSS
+// before and after. Safe to call from any thread at any time; it takes each arena's
 // lock in turn, so allocations in that arena wait for the walk (a few ms for a 200 MB heap).
 HeapTrimResult TrimHeap();
 

@@ -340,6 +340,7 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
     const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* fp8,
     const std::string& client) {
   const Backend& b = *backend_;
+  compute_calls_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor x = b.ToDevice(input);
   std::lock_guard<std::mutex> lock(m->mu);
   const ModuleSpec& spec = m->spec;
@@ -431,6 +432,7 @@ absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
 
 absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::BackwardOnDevice(
     const std::string& context_id, const BackwardInput& in) {
+  compute_calls_.fetch_add(1, std::memory_order_relaxed);
   GW_ASSIGN_OR_RETURN(ContextStore::Lease lease, contexts_.Acquire(context_id));
   // Until Finish(consumed=true), every exit leaves the context as it was.
   auto fail = [&](absl::Status status) {
@@ -737,6 +739,7 @@ HostStats ModuleHost::Stats() const {
   s.context_bytes = s.contexts.device_bytes + s.contexts.host_bytes;
   s.workspace_builds = workspace_builds_.load();
   s.workspace_hits = workspace_hits_.load();
+  s.compute_calls = compute_calls_.load();
   return s;
 }
 

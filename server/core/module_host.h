@@ -118,6 +118,7 @@ struct HostStats {
   ContextStats contexts;         // budgets: offloads, restores, evictions
   int64_t workspace_builds = 0;  // FP8 weight casts (cache misses)
   int64_t workspace_hits = 0;
+  int64_t compute_calls = 0;     // forwards and backwards started (housekeeping's idle test)
 };
 
 class ModuleHost {
@@ -234,6 +235,7 @@ class ModuleHost {
   ContextStore contexts_;
   std::atomic<int64_t> workspace_builds_{0};
   std::atomic<int64_t> workspace_hits_{0};
+  std::atomic<int64_t> compute_calls_{0};
 };
 
 }  // namespace gradwire::core

@@ -5,15 +5,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <map>
+#include <new>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
+#include "server/core/heap_trim.h"
 #include "server/core/status_macros.h"
 #include "server/rpc/boundary.h"
 #include "server/rpc/status_map.h"
@@ -754,17 +757,18 @@ absl::Status GradwireService::CheckHeader(const Caller& caller,
   return absl::OkStatus();
 }
 
-// Where shared-memory reads land: buffers reused by the thread that runs the calls, and never
-// zero-filled. Read into a fresh buffer, a large tensor pays a page fault per 4 KiB page (glibc
-// maps every allocation over 32 MiB afresh), several times the cost of the copy itself. Each
-// thread keeps at most two buffers of at most kMaxRetained bytes.
+// Where shared-memory reads land, and a tensor's bytes when they arrived over several received
+// slices: buffers reused by the thread that runs the calls, never zero-filled, and backed by
+// transparent huge pages when large (core/heap_trim.h). In a fresh buffer a large tensor
+// pays a page fault per 4 KiB page, several times the cost of the copy itself. Each thread keeps
+// at most two buffers of at most kMaxRetained bytes.
 class StagingBuffer {
  public:
   static constexpr size_t kMaxRetained = size_t(512) << 20;
   StagingBuffer() = default;
   ~StagingBuffer() {
     std::vector<Buffer>& pool = Pool();
-    if (!buffer_.bytes || buffer_.capacity > kMaxRetained) return;
+    if (!buffer_.bytes || buffer_.capacity > kMaxRetained) return;  // freed by its deleter
     pool.push_back(std::move(buffer_));
     if (pool.size() > 2) {  // keep the two largest: the next large tensor finds its buffer warm
       pool.erase(std::min_element(pool.begin(), pool.end(), [](const Buffer& a, const Buffer& b) {
@@ -785,7 +789,8 @@ class StagingBuffer {
         buffer_ = std::move(*fits);
         pool.erase(fits);
       } else {
-        buffer_.bytes.reset(new char[n]);
+        buffer_.bytes.reset(static_cast<char*>(core::AllocateHostBuffer(n)));
+        if (!buffer_.bytes) throw std::bad_alloc();
         buffer_.capacity = n;
       }
     }
@@ -793,8 +798,11 @@ class StagingBuffer {
   }
 
  private:
+  struct Free {
+    void operator()(char* p) const { core::FreeHostBuffer(p); }
+  };
   struct Buffer {
-    std::unique_ptr<char[]> bytes;
+    std::unique_ptr<char, Free> bytes;
     size_t capacity = 0;
   };
   static std::vector<Buffer>& Pool() {
@@ -809,6 +817,18 @@ absl::StatusOr<wire::TensorView> GradwireService::Stage(const Caller& caller, co
                                                         StagingBuffer* staged,
                                                         const wire::ReceivedMessage* raw,
                                                         int raw_field) const {
+  if (!t.has_shared_memory() && raw != nullptr && raw->pieces(raw_field).size() > 1) {
+    // The bytes arrived in several slices: gathered once into a reused buffer (the copy an f32
+    // tensor needs anyway to be contiguous), not joined into a fresh one.
+    const size_t n = raw->size(raw_field);
+    char* at = staged->Get(n);
+    size_t offset = 0;
+    for (absl::string_view piece : raw->pieces(raw_field)) {
+      std::memcpy(at + offset, piece.data(), piece.size());
+      offset += piece.size();
+    }
+    return wire::ViewOf(t, absl::string_view(at, n), field);
+  }
   const absl::string_view received = raw != nullptr ? raw->data(raw_field) : t.data();
   if (!t.has_shared_memory()) return wire::ViewOf(t, received, field);
   if (!received.empty()) {

@@ -32,6 +32,7 @@
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
 #include "gradwire/wire/zero_copy.h"
+#include "server/core/heap_trim.h"
 #include "server/server.h"
 
 namespace {
@@ -245,7 +246,13 @@ int main(int argc, char** argv) {
                "gRPC's TCP zero-copy send (MSG_ZEROCOPY) on both ends");
   std::vector<std::string> paths = {"unary", "zero-copy", "chunked", "shm"};
   app.add_option("--paths", paths, "paths: unary zero-copy chunked shm")->capture_default_str();
+  bool heap_retain = true;
+  app.add_option("--heap-retain", heap_retain,
+                 "the server's default heap policy for the whole process (core/heap_trim.h); "
+                 "false: the C library's defaults (to compare allocators)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (heap_retain) core::RetainLargeBlocks();
 
   // The server: the real service, limits large enough for a 256 MiB unary request.
   const int max_message_mib = int(std::max<int64_t>(64, max_mib * 2 + 16));

@@ -20,7 +20,8 @@ enum class GemmThreads {
 
 // True when a BLAS sgemm was found in the process.
 bool BlasAvailable();
-// What was found: "OpenBLAS 0.3.21 ... (pthreads)" or "none".
+// What was found: OpenBLAS's own configuration string ("OpenBLAS 0.3.21 DYNAMIC_ARCH ... Cooperlake
+// ..."), the library's path for another BLAS, or "none".
 std::string BlasDescription();
 
 // Sets who splits the GEMMs (and BLAS's own thread count to match: 1 for kPool, the pool's size
