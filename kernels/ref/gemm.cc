@@ -3,6 +3,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "../cpu/vector_clones.h"
+
 namespace gradwire::kernels {
 namespace {
 
@@ -23,15 +25,9 @@ std::vector<float> DecodeReductionMajor(const Fp8Operand& op, int64_t rows, int6
 }
 
 // Eight interleaved fp32 partial sums (lane = k mod 8), combined pairwise: a fixed order that the
-// compiler can vectorise. Built for AVX2+FMA as well where the compiler can (chosen at load time):
-// every product of two FP8 values is exact in fp32, so a fused multiply-add rounds exactly as a
-// multiply and an add do, and the lanes keep their order; the results are bit-identical.
-// Not in sanitizer builds: the loader runs the clone resolver before the sanitizer runtime is up,
-// and the instrumented resolver crashes there.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
-__attribute__((target_clones("arch=haswell", "default")))
-#endif
+// compiler can vectorise, for each instruction set the CPU has (vector_clones.h): every clone adds
+// the same products in the same order, so the results are bit-identical.
+GRADWIRE_VECTOR_CLONES
 float Dot(const float* a, const float* b, int64_t k) {
   float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;

@@ -71,7 +71,8 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   ASSERT_NE(mkdtemp(base), nullptr);
   const std::string dir = std::string(base) + "/checkpoints";
   ServerProcess server(
-      base, {"--checkpoint-dir", dir, "--shutdown-grace", "60", "--metrics-listen", "127.0.0.1:0"});
+      base, {"--checkpoint-dir", dir, "--shutdown-grace", "60", "--metrics-listen", "127.0.0.1:0",
+             "--max-tensor-elements", "134217728"});
   std::smatch port;
   const std::string start_log = server.Log();
   ASSERT_TRUE(
@@ -97,9 +98,12 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   int64_t rows = 64;
   for (;;) {
     const auto t0 = Clock::now();
-    ASSERT_TRUE(c->Forward(m, Random({rows, 512}), false).ok());
+    const auto fwd = c->Forward(m, Random({rows, 512}), false);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (s > 2.0 || rows >= 16384) break;  // 16384 rows: 32 MiB, under --max-request-bytes
+    // 16384 rows: 32 MiB in, under --max-request-bytes; the FC1 output (16384 x 8192) is what
+    // --max-tensor-elements allows this server.
+    if (s > 2.0 || rows >= 16384) break;
     rows *= 2;
   }
 
