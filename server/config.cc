@@ -158,9 +158,9 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::Range(0.0, 1e9))
       ->capture_default_str();
   app.add_option("--heap-trim-every", config.heap_trim_every_s,
-                 "seconds without a forward or backward after which freed heap memory goes back "
-                 "to the OS (malloc_trim; under continuous load every 30 times this); without it "
-                 "RSS creeps up under training load while the memory in use stays flat (0: never)")
+                 "seconds between returns of freed heap memory to the OS (malloc_trim; after this "
+                 "long idle, the CPU backend's scratch buffers too); without them RSS creeps up "
+                 "under training load while the memory in use stays flat (0: never)")
       ->check(CLI::Range(0.0, 1e9))
       ->capture_default_str();
   app.add_option("--heap-retain", config.heap_retain,

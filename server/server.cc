@@ -155,10 +155,9 @@ class Server::MetricsEndpoint {
 };
 
 // Housekeeping: evicts contexts past the TTL even when no call arrives to do it, and gives freed
-// heap memory back to the OS (core/heap_trim.h): after --heap-trim-every seconds without a
-// forward or backward starting, and under continuous load every kBusyTrimFactor times that, so
-// that RSS stays bounded while the blocks a busy server reuses call after call are not returned
-// (and faulted in again) every second.
+// heap memory back to the OS every --heap-trim-every seconds (core/heap_trim.h); once the server
+// has been idle that long, the CPU backend's scratch buffers go too (under load they are what
+// the next call reuses, and a trim does not touch them).
 class Server::Janitor {
  public:
   Janitor(core::ModuleHost& host, double ttl_s, double trim_every_s) {
@@ -195,11 +194,10 @@ class Server::Janitor {
           trimmed_since_activity = false;
         }
         const bool idle = !trimmed_since_activity && now - last_activity >= trim_every;
-        const bool busy_due = now - last_trim >= kBusyTrimFactor * trim_every;
-        if (idle || busy_due) {
-          const core::HeapTrimResult r = core::TrimHeap();
+        if (idle || now - last_trim >= trim_every) {
+          const core::HeapTrimResult r = core::TrimHeap(/*release_scratch=*/idle);
           last_trim = Clock::now();
-          trimmed_since_activity = true;
+          trimmed_since_activity = trimmed_since_activity || idle;
           if (r.supported) {
             spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
                           r.rss_after_bytes >> 10, r.seconds * 1e3);
@@ -208,7 +206,6 @@ class Server::Janitor {
       }
     });
   }
-  static constexpr int kBusyTrimFactor = 30;
   ~Janitor() { Stop(); }
   void Stop() {
     if (!thread_.joinable()) return;

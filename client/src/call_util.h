@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -94,14 +95,6 @@ absl::StatusOr<Msg> ReadToEnd(const char* method, grpc::ClientContext& ctx, Stre
   return resp;
 }
 
-// A bidi chunked call: writes `req` in chunks, then reads the response.
-template <typename ReqPart, typename RespPart, typename Resp, typename Req, typename Stream>
-absl::StatusOr<Resp> CallChunked(const char* method, grpc::ClientContext& ctx, Stream* stream,
-                                 Req& req, int64_t chunk_bytes) {
-  if (WriteChunked<ReqPart>(stream, req, chunk_bytes)) stream->WritesDone();
-  return ReadToEnd<RespPart, Resp>(method, ctx, stream);
-}
-
 // A unary call whose tensor bytes skip protobuf's copies both ways (gradwire/wire/zero_copy.h):
 // the request's tensor data is moved into slices of its own, and the response's is left in the
 // received slices for `received` to hand out. The bytes on the wire are the standard encoding.
@@ -122,6 +115,95 @@ absl::Status ZeroCopyUnary(grpc::ChannelInterface* channel, const char* method,
     return absl::InternalError(absl::StrCat(method, ": malformed response: ", parsed.message()));
   }
   return absl::OkStatus();
+}
+
+// A bidi chunked call whose chunks' bytes skip protobuf's copies both ways (zero_copy.h): each
+// request chunk leaves as a slice pointing into `req`'s tensor bytes (kept alive until gRPC drops
+// the slice), and each response chunk is copied once, from the received slices straight into its
+// tensor. The parts on the wire are the standard encoding. A malformed response (the read failed
+// while the stream was still open) wins over the CANCELLED of the cancel that closes it;
+// otherwise the server's status comes first, then the read's.
+template <typename ReqPart, typename RespPart, typename Resp, typename Req>
+absl::StatusOr<Resp> ZeroCopyChunked(grpc::ChannelInterface* channel, const char* method,
+                                     grpc::ClientContext& ctx, Req& req, int64_t chunk_bytes) {
+  const std::string path = absl::StrCat("/gradwire.v1.Gradwire/", method);
+  const grpc::internal::RpcMethod rpc(path.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          channel, rpc, &ctx));
+  // Writes: the header, then the chunks as references into the request's bytes.
+  auto splitter = std::make_shared<wire::ChunkSplitter>(wire::Slots(req), chunk_bytes);
+  bool written = true;
+  {
+    ReqPart part;
+    *part.mutable_header() = std::move(req);
+    grpc::Slice header(part.SerializeAsString());
+    written = stream->Write(grpc::ByteBuffer(&header, 1));
+  }
+  uint32_t tensor = 0;
+  uint64_t offset = 0;
+  absl::string_view data;
+  while (written && splitter->Next(&tensor, &offset, &data)) {
+    ReqPart part;
+    part.mutable_chunk()->set_tensor(tensor);
+    part.mutable_chunk()->set_offset(offset);
+    grpc::ByteBuffer out;
+    wire::SerializeReferencing(part, {{2, data}}, [keep = splitter] {}, &out);
+    written = stream->Write(out);
+  }
+  if (written) stream->WritesDone();
+  // Reads: the header, then each chunk's pieces into place.
+  Resp resp;
+  bool started = false, open = true;
+  wire::ChunkAssembler assembler;
+  absl::Status read;
+  auto malformed = [method](const absl::Status& s) {
+    return absl::InternalError(
+        absl::StrCat(method, ": the server sent a malformed chunked response: ", s.message()));
+  };
+  grpc::ByteBuffer in;
+  while (read.ok() && stream->Read(&in)) {
+    RespPart part;
+    wire::ReceivedMessage received;
+    if (absl::Status s = received.Parse(in, &part, wire::kPartChunk); !s.ok()) {
+      read = malformed(s);
+    } else if (part.has_header()) {
+      if (started) {
+        read = malformed(absl::InvalidArgumentError("the header came twice"));
+      } else {
+        started = true;
+        resp = std::move(*part.mutable_header());
+        // The response's size is what the client asked for: no limit beyond the shapes' own.
+        absl::Status s = assembler.Start(wire::Slots(resp), std::numeric_limits<int64_t>::max(),
+                                         "the client's limit", std::numeric_limits<int64_t>::max());
+        if (!s.ok()) read = malformed(s);
+      }
+    } else if (part.has_chunk()) {
+      if (!started) {
+        read = malformed(absl::InvalidArgumentError("a chunk came before the header"));
+      } else if (absl::Status s = assembler.Add(part.chunk().tensor(), part.chunk().offset(),
+                                                received.pieces(2));
+                 !s.ok()) {
+        read = malformed(s);
+      }
+    }
+  }
+  if (read.ok()) {
+    open = false;
+    if (!started) {
+      read = malformed(absl::InvalidArgumentError("no header"));
+    } else if (absl::Status s = assembler.Complete(); !s.ok()) {
+      read = malformed(s);
+    }
+  }
+  if (!read.ok() && open) {
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return read;
+  }
+  if (auto s = FromGrpc(method, stream->Finish()); !s.ok()) return s;
+  if (!read.ok()) return read;
+  return resp;
 }
 
 }  // namespace gradwire::client::internal

@@ -12,10 +12,10 @@
 namespace gradwire::client {
 namespace {
 
-using internal::CallChunked;
 using internal::FromGrpc;
 using internal::ReadToEnd;
 using internal::WriteChunked;
+using internal::ZeroCopyChunked;
 using internal::ZeroCopyUnary;
 
 absl::StatusOr<NamedTensors> FromWireNamed(
@@ -399,17 +399,15 @@ void Client::StartChunked(grpc::ClientContext* ctx) {
 absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& req) {
   grpc::ClientContext ctx;
   StartChunked(&ctx);
-  auto stream = stub_->ForwardChunked(&ctx);
-  return CallChunked<v1::ForwardRequestPart, v1::ForwardResponsePart, v1::ForwardResponse>(
-      "ForwardChunked", ctx, stream.get(), req, int64_t(options_.chunk_kib) << 10);
+  return ZeroCopyChunked<v1::ForwardRequestPart, v1::ForwardResponsePart, v1::ForwardResponse>(
+      channel_.get(), "ForwardChunked", ctx, req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest& req) {
   grpc::ClientContext ctx;
   StartChunked(&ctx);
-  auto stream = stub_->BackwardChunked(&ctx);
-  return CallChunked<v1::BackwardRequestPart, v1::BackwardResponsePart, v1::BackwardResponse>(
-      "BackwardChunked", ctx, stream.get(), req, int64_t(options_.chunk_kib) << 10);
+  return ZeroCopyChunked<v1::BackwardRequestPart, v1::BackwardResponsePart, v1::BackwardResponse>(
+      channel_.get(), "BackwardChunked", ctx, req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWeightsRequest& req) {

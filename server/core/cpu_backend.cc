@@ -330,9 +330,19 @@ class CpuBackend final : public ReferenceBackend {
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Decoded a = DecodeRowwise(dy);
     at::Tensor dx = Empty({dy.rows, w.cols});
-    // w's rowwise copy is W [N, K]; a pinned backward weight may have only W^T [K, N].
-    const bool rowwise = w.has_rowwise();
-    const Decoded b = rowwise ? DecodeRowwise(w) : DecodeColumnwise(w);
+    // W [N, K] rowwise: from its codes, or from the decoded copy a pinned backward weight still
+    // reaches while its version is cached; else W^T [K, N], a transposed operand (slower to
+    // pack for BLAS).
+    Decoded b;
+    bool rowwise = true;
+    if (w.has_rowwise()) {
+      b = DecodeRowwise(w);
+    } else if (w.rowwise_decoded && int64_t(w.rowwise_decoded->size()) == w.rows * w.cols) {
+      b.data = w.rowwise_decoded->data();
+    } else {
+      b = DecodeColumnwise(w);
+      rowwise = false;
+    }
     Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, b.data,
          0.0f, dx.data_ptr<float>());
     return dx;

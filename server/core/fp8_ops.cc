@@ -87,6 +87,9 @@ Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i) {
   if (!w.columnwise_decoded && i < ws.columnwise_decoded.size()) {
     w.columnwise_decoded = ws.columnwise_decoded[i].lock();
   }
+  if (!w.rowwise_decoded && i < ws.rowwise_decoded.size()) {
+    w.rowwise_decoded = ws.rowwise_decoded[i].lock();
+  }
   return w;
 }
 
@@ -135,6 +138,7 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
       c.rowwise_decoded = nullptr;
       c.columnwise_decoded = nullptr;
       slim->columnwise_decoded.push_back(w.columnwise_decoded);
+      slim->rowwise_decoded.push_back(w.rowwise_decoded);
       slim->weights.push_back(std::move(c));
     }
     ws->for_backward = std::move(slim);

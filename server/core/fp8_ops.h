@@ -29,9 +29,11 @@ struct WeightWorkspace {
   // version that only contexts still use costs one byte per weight instead of the whole
   // workspace (rowwise codes and, on the reference backend, two decoded float copies).
   std::shared_ptr<const WeightWorkspace> for_backward;
-  // On that slim part: the full workspace's decoded columnwise copies, held weakly. A backward
-  // reads them while the version is still cached; after that the GEMM decodes the codes itself.
+  // On that slim part: the full workspace's decoded copies, held weakly. A backward reads them
+  // while the version is still cached (the rowwise one lets the CPU backend's dgrad run without a
+  // transposed operand); after that the GEMM decodes the codes itself.
   std::vector<std::weak_ptr<const std::vector<float>>> columnwise_decoded;
+  std::vector<std::weak_ptr<const std::vector<float>>> rowwise_decoded;
   bool has_columnwise() const;
   // FP8 codes and aux bytes: what the workspace holds on the device.
   int64_t bytes() const;
@@ -43,8 +45,8 @@ using WorkspacePtr = std::shared_ptr<const WeightWorkspace>;
 // has no slim part.
 WorkspacePtr PinForBackward(const WorkspacePtr& ws, bool needs_rowwise = false);
 
-// Weight `i` of a pinned workspace as a backward reads it: the codes, with the decoded
-// columnwise copy when it is still alive.
+// Weight `i` of a pinned workspace as a backward reads it: the codes, with the decoded copies
+// that are still alive.
 Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i);
 
 // Saved state that pins a weight workspace (PinForBackward's result): the context store counts

@@ -36,10 +36,10 @@ bool RetainLargeBlocks() {
 #endif
 }
 
-HeapTrimResult TrimHeap() {
+HeapTrimResult TrimHeap(bool release_scratch) {
   HeapTrimResult r;
   r.rss_before_bytes = ProcessRssBytes();
-  kernels::cpu::ReleaseScratch();
+  if (release_scratch) kernels::cpu::ReleaseScratch();
 #if defined(__GLIBC__)
   r.supported = true;
   const auto start = std::chrono::steady_clock::now();

@@ -38,11 +38,12 @@ bool RetainLargeBlocks();
 void* AllocateHostBuffer(size_t bytes);
 void FreeHostBuffer(void* p);
 
-// Releases the free pages of every malloc arena to the OS (malloc_trim(0)), and the CPU
-// backend's free scratch buffers (kernels/cpu/scratch.h) first, and reports the process RSS
-// before and after. Safe to call from any thread at any time; it takes each arena's
+// Releases the free pages of every malloc arena to the OS (malloc_trim(0)) and reports the
+// process RSS before and after. With release_scratch, the CPU backend's free scratch buffers
+// (kernels/cpu/scratch.h) go first: when the server is idle; under load they are what the next
+// call reuses. Safe to call from any thread at any time; it takes each arena's
 // lock in turn, so allocations in that arena wait for the walk (a few ms for a 200 MB heap).
-HeapTrimResult TrimHeap();
+HeapTrimResult TrimHeap(bool release_scratch = false);
 
 // The resident set size of this process, from /proc/self/statm; -1 when unavailable.
 int64_t ProcessRssBytes();

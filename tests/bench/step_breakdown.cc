@@ -1,0 +1,145 @@
+// Where an in-process training step's time goes on the CPU backend: the forward and the backward
+// of a module through ModuleHost (everything a server call computes: casts, finite checks,
+// gradient commit, context bookkeeping), next to the module's GEMMs alone on the same backend and
+// shapes (operands cast beforehand). A backward should cost what its GEMMs cost (docs/
+// performance.md: within 2x). Prints a table; --json writes it with the machine's description.
+//   step_breakdown [--rows 16,256,4096] [--in 1024] [--out 1024] [--seconds 2] [--json PATH]
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "server/core/backend.h"
+#include "server/core/heap_trim.h"
+#include "server/core/module_host.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using gradwire::core::Backend;
+using gradwire::core::Fp8Tensor;
+
+double Seconds(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Median of repeated runs of fn for about `budget` seconds (at least 5 runs).
+template <typename Fn>
+double Median(double budget, Fn&& fn) {
+  std::vector<double> times;
+  const auto start = Clock::now();
+  while (times.size() < 5 || Seconds(start) < budget) {
+    const auto t0 = Clock::now();
+    fn();
+    times.push_back(Seconds(t0));
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+at::Tensor RandN(int64_t rows, int64_t cols) { return at::randn({rows, cols}, at::kFloat); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("gradwire step breakdown: ModuleHost forward/backward next to their GEMMs alone");
+  std::vector<int64_t> rows_list = {16, 256, 4096};
+  int64_t in = 1024, out = 1024;
+  double seconds = 2.0;
+  std::string json_path;
+  app.add_option("--rows", rows_list, "rows per step")->delimiter(',')->capture_default_str();
+  app.add_option("--in", in, "in_features")->capture_default_str();
+  app.add_option("--out", out, "out_features")->capture_default_str();
+  app.add_option("--seconds", seconds, "time per measurement")->capture_default_str();
+  app.add_option("--json", json_path, "write the table as JSON");
+  CLI11_PARSE(app, argc, argv);
+  gradwire::core::RetainLargeBlocks();
+  gradwire::core::SetCpuThreads(0);
+  const gradwire::core::BackendPtr backend = gradwire::core::MakeCpuBackend();
+  const Backend& b = *backend;
+  std::printf("%s\n\n", b.Describe().c_str());
+  std::printf("%8s | %10s %10s %10s | %10s %10s %10s | %9s %9s\n", "rows", "fwd ms", "bwd ms",
+              "step ms", "fprop ms", "dgrad ms", "wgrad ms", "fwd/gemm", "bwd/gemm");
+  struct Row {
+    int64_t rows;
+    double fwd, bwd, fprop, dgrad, wgrad;
+  };
+  std::vector<Row> results;
+  for (int64_t rows : rows_list) {
+    gradwire::core::ModuleHost host(gradwire::core::ContextLimits{}, nullptr, backend);
+    gradwire::core::ModuleSpec spec;
+    spec.kind = gradwire::core::ModuleKind::kLinear;
+    spec.in_features = in;
+    spec.out_features = out;
+    spec.bias = true;
+    auto info = host.Create(spec);
+    if (!info.ok()) {
+      std::fprintf(stderr, "%s\n", info.status().ToString().c_str());
+      return 1;
+    }
+    const at::Tensor x = RandN(rows, in), dy = RandN(rows, out);
+    const double budget = seconds / 5;
+    std::string context;
+    auto forward = [&] {
+      auto r = host.Forward(info->module_id, x, /*training=*/true);
+      if (!r.ok()) std::abort();
+      context = r->context_id;
+    };
+    auto backward = [&] {
+      if (!host.Backward(context, dy, false, false).ok()) std::abort();
+    };
+    forward();
+    backward();  // warm: workspace, scratch buffers
+    std::vector<double> fwd_t, bwd_t;
+    const auto start = Clock::now();
+    while (fwd_t.size() < 5 || Seconds(start) < 2 * budget) {
+      auto t0 = Clock::now();
+      forward();
+      fwd_t.push_back(Seconds(t0));
+      t0 = Clock::now();
+      backward();
+      bwd_t.push_back(Seconds(t0));
+    }
+    std::sort(fwd_t.begin(), fwd_t.end());
+    std::sort(bwd_t.begin(), bwd_t.end());
+    // The GEMMs alone, on operands cast as the module casts them (the weight with its decoded
+    // copies, as the workspace holds it).
+    const gradwire::core::QuantizerConfig e4m3{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f};
+    const gradwire::core::QuantizerConfig e5m2{gradwire::kernels::Fp8Format::kE5M2, 0, 0.0f};
+    Fp8Tensor xq = *b.Cast(x, e4m3, {true, true});
+    Fp8Tensor wq = *b.Cast(RandN(out, in), e4m3, {true, true});
+    b.PrepareWeight(wq);
+    Fp8Tensor dyq = *b.Cast(dy, e5m2, {true, true});
+    const at::Tensor bias = at::randn({out}, at::kFloat);
+    at::Tensor acc = at::zeros({out, in}, at::kFloat);
+    Row row{rows, fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0};
+    row.fprop = Median(budget, [&] { (void)b.Fprop(xq, wq, bias); });
+    row.dgrad = Median(budget, [&] { (void)b.Dgrad(dyq, wq); });
+    row.wgrad = Median(budget, [&] { b.Wgrad(dyq, xq, acc, true); });
+    results.push_back(row);
+    std::printf("%8lld | %10.3f %10.3f %10.3f | %10.3f %10.3f %10.3f | %9.2f %9.2f\n",
+                (long long)rows, row.fwd * 1e3, row.bwd * 1e3, (row.fwd + row.bwd) * 1e3,
+                row.fprop * 1e3, row.dgrad * 1e3, row.wgrad * 1e3, row.fwd / row.fprop,
+                row.bwd / (row.dgrad + row.wgrad));
+  }
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    f << "{\n  \"benchmark\": \"step_breakdown\",\n  \"backend\": \"" << b.Describe()
+      << "\",\n  \"in\": " << in << ", \"out\": " << out << ",\n  \"rows\": [\n";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Row& r = results[i];
+      f << "    {\"rows\": " << r.rows << ", \"forward_ms\": " << r.fwd * 1e3
+        << ", \"backward_ms\": " << r.bwd * 1e3 << ", \"fprop_ms\": " << r.fprop * 1e3
+        << ", \"dgrad_ms\": " << r.dgrad * 1e3 << ", \"wgrad_ms\": " << r.wgrad * 1e3
+        << ", \"backward_over_gemms\": " << r.bwd / (r.dgrad + r.wgrad) << "}"
+        << (i + 1 < results.size() ? "," : "") << "\n";
+    }
+    f << "  ]\n}\n";
+  }
+  return 0;
+}
