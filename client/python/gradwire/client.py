@@ -19,12 +19,14 @@ import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import grpc
+import numpy as np
 import torch
 
-from gradwire import wire
+from gradwire import tensor_messages, wire
+from gradwire.tensor_messages import Outgoing, Path, Received
 from gradwire.v1 import module_pb2, service_pb2, service_pb2_grpc
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ ForwardResult = Tuple[torch.Tensor, str, Optional[torch.Tensor]]
 
 log = logging.getLogger("gradwire")
 log.addHandler(logging.NullHandler())  # a library leaves the handlers to the application
+
+_SERVICE = service_pb2.DESCRIPTOR.services_by_name["Gradwire"]
 
 # Open clients, newest last: unpickling a remote module looks here for a connection to its server
 # (a pickle never carries a connection, a token or key material).
@@ -213,6 +217,9 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(server, options=options)
         self._stub = service_pb2_grpc.GradwireStub(self._channel)
+        # The same methods with the encoding done here (see gradwire.tensor_messages): they take
+        # a request's bytes, and answer a Received for responses that carry tensors.
+        self._raw_calls: Dict[str, object] = {}
         self._instance_id: Optional[str] = None  # the server process forwards ran on
         self._train: Optional["TrainStream"] = None
         self._train_lock = threading.Lock()
@@ -334,12 +341,39 @@ class Client:
         if self._closed:
             raise GradwireError(method, "CANCELLED", f"the client to {self.server} is closed")
 
-    def _call(self, method: str, request, about: str = ""):
+    def _raw(self, method: str):
+        """``method`` as a callable that sends requests already encoded (bytes, as
+        ``Outgoing.SerializeToString()`` writes them: a tensor's bytes copied once, into the
+        message gRPC sends) and parses responses with ``tensor_messages.reader`` (the tensors'
+        bytes left in the received message)."""
+        call = self._raw_calls.get(method)
+        if call is None:
+            desc = _SERVICE.methods_by_name[method]
+            make = {(False, False): self._channel.unary_unary,
+                    (False, True): self._channel.unary_stream,
+                    (True, False): self._channel.stream_unary,
+                    (True, True): self._channel.stream_stream}[
+                        (desc.client_streaming, desc.server_streaming)]
+            call = make(f"/{_SERVICE.full_name}/{method}", request_serializer=None,
+                        response_deserializer=tensor_messages.reader(
+                            getattr(service_pb2, desc.output_type.name)))
+            self._raw_calls[method] = call
+        return call
+
+    def _call(self, method: str, request, about: str = "", raw: bool = False):
+        """Calls a unary method. ``raw``: through ``_raw`` (``request`` a message, an
+        ``Outgoing``, or its encoding; a response that carries tensors comes back as a
+        Received)."""
         self._check_open(method)
         start = time.perf_counter()
         try:
-            response = getattr(self._stub, method)(request, timeout=self.timeout,
-                                                   metadata=self._metadata)
+            if raw:
+                payload = request if isinstance(request, bytes) else request.SerializeToString()
+                response = self._raw(method)(payload, timeout=self.timeout,
+                                             metadata=self._metadata)
+            else:
+                response = getattr(self._stub, method)(request, timeout=self.timeout,
+                                                       metadata=self._metadata)
         except grpc.RpcError as e:
             error = self._error(method, e)
             log.debug("%s %s: %s after %.1f ms", method, about, error.code,
@@ -353,32 +387,22 @@ class Client:
             return self.chunking == "always"
         return request_bytes > self.chunk_bytes or response_bytes > self.chunk_bytes
 
-    def _chunked(self, method: str, header, part_type, tensors, response_type=None):
-        """Calls a chunked method: ``header`` (its tensors' data moved into chunks) then chunks;
-        returns the reassembled response (or the single response of SetWeightsChunked)."""
+    def _chunked(self, method: str, request: Outgoing, part_type, response_type=None):
+        """Calls a chunked method: ``request``'s message as the header (its tensors' data
+        empty), then its tensors' bytes in chunks, each chunk's message written around a slice
+        of the tensor's memory; returns the reassembled response as a Received (or the single
+        response of SetWeightsChunked)."""
         self._check_open(method)
-        datas = [t.data for t in tensors]
-        for t in tensors:
-            t.data = b""
-
-        def parts():
-            yield part_type(header=header)
-            for i, data in enumerate(datas):
-                view = memoryview(data)
-                for off in range(0, len(data), self.chunk_bytes):
-                    yield part_type(chunk=service_pb2.TensorChunk(
-                        tensor=i, offset=off, data=bytes(view[off:off + self.chunk_bytes])))
-
         self.chunked_calls += 1
         start = time.perf_counter()
         try:
-            result = getattr(self._stub, method)(parts(), timeout=self.timeout,
-                                                 metadata=self._metadata)
+            result = self._raw(method)(chunked_parts(request, part_type, self.chunk_bytes),
+                                       timeout=self.timeout, metadata=self._metadata)
             if response_type is not None:
                 result = _assemble(method, result, response_type)
         except grpc.RpcError as e:
             raise self._error(method, e) from None
-        log.debug("%s: %d bytes, %.1f ms", method, sum(len(d) for d in datas),
+        log.debug("%s: %d bytes, %.1f ms", method, request.nbytes,
                   1e3 * (time.perf_counter() - start))
         return result
 
@@ -442,33 +466,46 @@ class Client:
     # --- forward and backward
 
     def forward_request(self, module_id: str, x: torch.Tensor, training: bool,
-                        dtype: Optional[int] = None) -> service_pb2.ForwardRequest:
+                        dtype: Optional[int] = None) -> Outgoing:
         """The ForwardRequest of ``x``: it travels, and the output comes back, as ``dtype``
-        (a proto DType; default: this client's activation wire dtype)."""
+        (a proto DType; default: this client's activation wire dtype). An ``Outgoing``: the
+        message's fields read through it, the input's bytes stay in the encoded tensor's
+        memory (``x``'s own when it is contiguous CPU float32, or in the wire's 16-bit dtype)
+        until the request is serialized, and ``to_message()`` gives the whole message."""
         dtype = self.activation_dtype if dtype is None else dtype
-        return service_pb2.ForwardRequest(
-            module_id=module_id, input=wire.to_wire(x, dtype), training=training,
-            output_dtype=dtype)
+        header, data = wire.encode(x, dtype)
+        return Outgoing(service_pb2.ForwardRequest(
+            module_id=module_id, input=header, training=training, output_dtype=dtype),
+            {_FORWARD_INPUT: data})
 
     def backward_request(self, context_id: str, grad_output: torch.Tensor,
                          skip_grad_input: bool = False, retain: bool = False,
                          grad_layernorm_output: Optional[torch.Tensor] = None,
-                         dtype: Optional[int] = None) -> service_pb2.BackwardRequest:
+                         dtype: Optional[int] = None) -> Outgoing:
         """The BackwardRequest of ``grad_output``: it travels, and grad_input comes back, as
-        ``dtype`` (default: this client's gradient wire dtype)."""
+        ``dtype`` (default: this client's gradient wire dtype). An ``Outgoing``, as
+        ``forward_request`` makes."""
         dtype = self.gradient_dtype if dtype is None else dtype
-        req = service_pb2.BackwardRequest(
-            context_id=context_id, grad_output=wire.to_wire(grad_output, dtype),
-            retain=retain, skip_grad_input=skip_grad_input, grad_input_dtype=dtype)
+        header, data = wire.encode(grad_output, dtype)
+        req = Outgoing(service_pb2.BackwardRequest(
+            context_id=context_id, grad_output=header, retain=retain,
+            skip_grad_input=skip_grad_input, grad_input_dtype=dtype), {_GRAD_OUTPUT: data})
         if grad_layernorm_output is not None:
-            req.grad_layernorm_output.CopyFrom(wire.to_wire(grad_layernorm_output, dtype))
+            header, data = wire.encode(grad_layernorm_output, dtype)
+            req.message.grad_layernorm_output.CopyFrom(header)
+            req.data[_GRAD_LAYERNORM_OUTPUT] = data
         return req
 
     @staticmethod
-    def forward_result(resp: service_pb2.ForwardResponse) -> ForwardResult:
-        """(output, context_id or "", layernorm_output or None) of a ForwardResponse."""
-        ln = wire.from_wire(resp.layernorm_output) if resp.HasField("layernorm_output") else None
-        return wire.from_wire(resp.output), resp.context_id, ln
+    def forward_result(resp: Union[Received, service_pb2.ForwardResponse]) -> ForwardResult:
+        """(output, context_id or "", layernorm_output or None) of a ForwardResponse (a whole
+        message, or a Received whose tensors' bytes lie in the received message)."""
+        if not isinstance(resp, Received):
+            resp = Received(resp, {_OUTPUT: resp.output.data,
+                                   _LAYERNORM_OUTPUT: resp.layernorm_output.data})
+        msg = resp.message
+        ln = _decode(resp, "layernorm_output") if msg.HasField("layernorm_output") else None
+        return _decode(resp, "output"), msg.context_id, ln
 
     def _note_instance(self, context_id: str) -> None:
         if context_id and self._instance_id is None:
@@ -492,20 +529,21 @@ class Client:
         ``dtype``: the wire dtype of input and output (default: the client's)."""
         req = self.forward_request(module_id, x, training, dtype)
         size = wire.element_size(req.output_dtype)
+        sent = req.nbytes
         out_bytes = 0
-        if self.chunking == "auto" and not self._use_chunked(len(req.input.data)) and x.dim() > 0:
+        if self.chunking == "auto" and not self._use_chunked(sent) and x.dim() > 0:
             spec = self._spec(module_id)
             if spec is not None:
                 rows = x.numel() // max(1, x.shape[-1])
                 width = spec.out_features + (spec.in_features if spec.return_layernorm_output
                                              and spec.kind != module_pb2.LINEAR else 0)
                 out_bytes = rows * width * size
-        if self._use_chunked(len(req.input.data), out_bytes):
+        if self._use_chunked(sent, out_bytes):
             resp = self._chunked("ForwardChunked", req, service_pb2.ForwardRequestPart,
-                                 [req.input], service_pb2.ForwardResponse)
+                                 service_pb2.ForwardResponse)
         else:
-            resp = self._call("Forward", req, module_id)
-        self._seen(module_id, resp.weight_version)
+            resp = self._call("Forward", req, module_id, raw=True)
+        self._seen(module_id, resp.message.weight_version)
         result = self.forward_result(resp)
         self._note_instance(result[1])
         return result
@@ -536,19 +574,16 @@ class Client:
         longer holds the context."""
         req = self.backward_request(context_id, grad_output, skip_grad_input, retain,
                                     grad_layernorm_output, dtype)
-        sent = len(req.grad_output.data) + len(req.grad_layernorm_output.data)
+        sent = req.nbytes
         try:
             if self._use_chunked(sent, 0 if skip_grad_input else sent):
-                tensors = [req.grad_output]
-                if req.HasField("grad_layernorm_output"):
-                    tensors.append(req.grad_layernorm_output)
                 resp = self._chunked("BackwardChunked", req, service_pb2.BackwardRequestPart,
-                                     tensors, service_pb2.BackwardResponse)
+                                     service_pb2.BackwardResponse)
             else:
-                resp = self._call("Backward", req, context_id)
+                resp = self._call("Backward", req, context_id, raw=True)
         except GradwireError as e:
             raise self.lost_context(e) from None
-        return wire.from_wire(resp.grad_input) if resp.HasField("grad_input") else None
+        return _decode(resp, "grad_input") if resp.message.HasField("grad_input") else None
 
     # --- shared-memory tensors (a server on this host with --allow-shared-memory)
 
@@ -660,15 +695,17 @@ class Client:
             self._check_open("GetWeightsChunked")
             self.chunked_calls += 1
             try:
-                stream = self._stub.GetWeightsChunked(req, timeout=self.timeout,
-                                                      metadata=self._metadata)
+                stream = self._raw("GetWeightsChunked")(req.SerializeToString(),
+                                                        timeout=self.timeout,
+                                                        metadata=self._metadata)
                 resp = _assemble("GetWeightsChunked", stream, service_pb2.GetWeightsResponse)
             except grpc.RpcError as e:
                 raise self._error("GetWeightsChunked", e) from None
         else:
-            resp = self._call("GetWeights", req, module_id)
-        self._seen(module_id, resp.weight_version)
-        return {p.name: wire.from_wire(p.tensor) for p in resp.parameters}, resp.weight_version
+            resp = self._call("GetWeights", req, module_id, raw=True)
+        version = resp.message.weight_version
+        self._seen(module_id, version)
+        return {p.message.name: _decode(p, "tensor") for p in resp.items("parameters")}, version
 
     def get_weights_message(self, module_id: str, dtype: int) -> service_pb2.GetWeightsResponse:
         """GetWeights as the server encoded it (unary), for callers that want the wire bytes."""
@@ -681,72 +718,146 @@ class Client:
         (or zeroing), by parameter name, as float32 CPU tensors; ``zero`` zeroes them after
         reading; ``dtype`` is how they travel."""
         resp = self._call("GetGradients", service_pb2.GetGradientsRequest(
-            module_id=module_id, zero=zero, dtype=dtype), module_id)
-        return {p.name: wire.from_wire(p.tensor) for p in resp.gradients}
+            module_id=module_id, zero=zero, dtype=dtype), module_id, raw=True)
+        return {p.message.name: _decode(p, "tensor") for p in resp.items("gradients")}
 
     def set_weights(self, module_id: str, params: Dict[str, torch.Tensor],
                     dtype: int = wire.F32) -> int:
         """Replaces the named parameters (any subset; all are checked before any changes) with
         ``params`` sent as ``dtype``; returns the new weight version."""
-        req = service_pb2.SetWeightsRequest(module_id=module_id)
-        for name, t in params.items():
-            req.parameters.add(name=name, tensor=wire.to_wire(t, dtype))
-        return self.set_weights_message(req)
+        return self.set_weights_message(self.set_weights_request(module_id, params, dtype))
 
-    def set_weights_message(self, req: service_pb2.SetWeightsRequest) -> int:
-        """SetWeights (or SetWeightsChunked, by size) of a prepared request; returns the new
-        weight version."""
-        if self._use_chunked(sum(len(p.tensor.data) for p in req.parameters)):
-            version = self._chunked("SetWeightsChunked", req, service_pb2.SetWeightsRequestPart,
-                                    [p.tensor for p in req.parameters]).weight_version
+    @staticmethod
+    def set_weights_request(module_id: str, params: Dict[str, torch.Tensor],
+                            dtype: int = wire.F32) -> Outgoing:
+        """The SetWeightsRequest of ``params`` sent as ``dtype``: an ``Outgoing``, as
+        ``forward_request`` makes."""
+        req = Outgoing(service_pb2.SetWeightsRequest(module_id=module_id))
+        for i, (name, t) in enumerate(params.items()):
+            header, data = wire.encode(t, dtype)
+            req.message.parameters.add(name=name, tensor=header)
+            req.data[_parameter_data(i)] = data
+        return req
+
+    def set_weights_message(self, req: Union[Outgoing, service_pb2.SetWeightsRequest]) -> int:
+        """SetWeights (or SetWeightsChunked, by size) of a prepared request (a whole message,
+        left as it is, or an Outgoing); returns the new weight version."""
+        payload = req
+        if not isinstance(req, Outgoing):
+            # Encoded once; the header and the chunks, if any, read its tensors' bytes there.
+            payload = req.SerializeToString()
+            received = tensor_messages.parse(type(req), payload)
+            req = Outgoing(received.message, received.data)
+        module_id = req.message.module_id
+        if self._use_chunked(req.nbytes):
+            version = self._chunked("SetWeightsChunked", req,
+                                    service_pb2.SetWeightsRequestPart).weight_version
         else:
-            version = self._call("SetWeights", req, req.module_id).weight_version
-        self._seen(req.module_id, version)
+            version = self._call("SetWeights", payload, module_id, raw=True).weight_version
+        self._seen(module_id, version)
         return version
 
 
-def _slots(msg) -> List:
-    """The tensors of a chunked message, in chunk order (see service.proto's TensorChunk)."""
+def _path(message_type, *names: str) -> Path:
+    """The path (tensor_messages) of a field given by names, from ``message_type`` inwards."""
+    path, desc = [], message_type.DESCRIPTOR
+    for name in names:
+        field = desc.fields_by_name[name]
+        path.append(field.number)
+        desc = field.message_type
+    return tuple(path)
+
+
+_FORWARD_INPUT = _path(service_pb2.ForwardRequest, "input", "data")
+_GRAD_OUTPUT = _path(service_pb2.BackwardRequest, "grad_output", "data")
+_GRAD_LAYERNORM_OUTPUT = _path(service_pb2.BackwardRequest, "grad_layernorm_output", "data")
+_OUTPUT = _path(service_pb2.ForwardResponse, "output", "data")
+_LAYERNORM_OUTPUT = _path(service_pb2.ForwardResponse, "layernorm_output", "data")
+_PARAMETERS = _path(service_pb2.SetWeightsRequest, "parameters")
+_NAMED_TENSOR = _path(service_pb2.NamedTensor, "tensor")
+
+
+def _parameter_data(i: int) -> Path:
+    """The path of ``parameters[i].tensor.data`` in a SetWeightsRequest."""
+    return _PARAMETERS + (i,) + _NAMED_TENSOR + (tensor_messages.DATA,)
+
+
+def _decode(resp: Received, name: str) -> torch.Tensor:
+    """The Tensor field ``name`` of a received message, decoded (wire.decode) from the bytes
+    it arrived in."""
+    return wire.decode(getattr(resp.message, name), resp.tensor_data(name), resp.owned)
+
+
+def _slots(msg) -> List[Tuple[Path, object]]:
+    """The tensors of a chunked message in chunk order (see service.proto's TensorChunk), each
+    with its path in the message."""
+    def present(*names: str):
+        return [(_path(type(msg), n), getattr(msg, n)) for n in names if msg.HasField(n)]
+
+    if isinstance(msg, service_pb2.ForwardRequest):
+        return present("input")
+    if isinstance(msg, service_pb2.BackwardRequest):
+        return present("grad_output", "grad_layernorm_output")
     if isinstance(msg, service_pb2.ForwardResponse):
-        names = ["output", "layernorm_output"]
-    elif isinstance(msg, service_pb2.BackwardResponse):
-        names = ["grad_input"]
-    else:
-        return [p.tensor for p in msg.parameters]
-    return [getattr(msg, n) for n in names if msg.HasField(n)]
+        return present("output", "layernorm_output")
+    if isinstance(msg, service_pb2.BackwardResponse):
+        return present("grad_input")
+    number = msg.DESCRIPTOR.fields_by_name["parameters"].number  # Get/SetWeights
+    return [((number, i) + _NAMED_TENSOR, p.tensor) for i, p in enumerate(msg.parameters)]
 
 
-def _assemble(method: str, parts: Iterable, response_type):
-    """Reassembles a chunked response from its parts (header, then chunks in order)."""
-    header, buffers, sizes, index, offset, received = None, [], [], 0, 0, 0
+def chunked_parts(request: Outgoing, part_type, chunk_bytes: int) -> Iterator[bytes]:
+    """The encoded parts of a chunked request: ``part_type`` (ForwardRequestPart, ...) with
+    ``request``'s message as the header (its tensors' data empty), then each tensor's bytes in
+    chunks of at most ``chunk_bytes``, each part's encoding written around a slice of the
+    tensor's memory (one copy, into the part)."""
+    yield part_type(header=request.message).SerializeToString()
+    chunk = part_type.DESCRIPTOR.fields_by_name["chunk"].number
+    for i, (path, _) in enumerate(_slots(request.message)):
+        view = memoryview(request.data.get(path + (tensor_messages.DATA,), b"")).cast("B")
+        for off in range(0, view.nbytes, chunk_bytes):
+            part = part_type(chunk=service_pb2.TensorChunk(tensor=i, offset=off))
+            yield tensor_messages.serialize(part, {
+                (chunk, tensor_messages.DATA): view[off:off + chunk_bytes]})
+
+
+def _assemble(method: str, parts: Iterable[Received], response_type) -> Received:
+    """Reassembles a chunked response from its parts (header, then chunks in order), each
+    tensor's bytes copied once, from the chunks as they arrived into a buffer of its own."""
+    header, buffers, sizes, paths = None, [], [], []
+    index, offset, received = 0, 0, 0
     for part in parts:
-        if part.HasField("header"):
+        msg = part.message
+        if msg.HasField("header"):
             if header is not None:
                 raise GradwireError(method, "INTERNAL", "the header came twice")
             header = response_type()
-            header.CopyFrom(part.header)
-            for t in _slots(header):
+            header.CopyFrom(msg.header)
+            for path, t in _slots(header):
                 n = 1
                 for d in t.shape:
                     n *= d
                 size = n * wire.element_size(t.dtype)
                 sizes.append(size)
-                buffers.append(bytearray(size))
+                paths.append(path + (tensor_messages.DATA,))
+                # Not zero-filled: every byte is written by a chunk before it is read.
+                buffers.append(np.empty(size, dtype=np.uint8))
             continue
-        c = part.chunk
+        chunk = part.field("chunk")
+        c = chunk.message
+        data = chunk.data.get((tensor_messages.DATA,), b"")
+        n = len(data)
         while index < len(sizes) and offset >= sizes[index]:
             index, offset = index + 1, 0
         if header is None or c.tensor != index or c.offset != offset or \
-                offset + len(c.data) > sizes[index]:
+                offset + n > sizes[index]:
             raise GradwireError(method, "INTERNAL", "the server sent chunks out of order")
-        buffers[index][offset:offset + len(c.data)] = c.data
-        offset += len(c.data)
-        received += len(c.data)
+        buffers[index][offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
+        offset += n
+        received += n
     if header is None:
         raise GradwireError(method, "INTERNAL", "no header")
     if received != sum(sizes):
         raise GradwireError(method, "INTERNAL",
                             f"the response ended early: {received} of {sum(sizes)} bytes")
-    for t, buf in zip(_slots(header), buffers):
-        t.data = bytes(buf)
-    return header
+    return Received(header, dict(zip(paths, buffers)), owned=True)

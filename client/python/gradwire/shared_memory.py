@@ -53,13 +53,12 @@ class SharedMemoryRegion:
     def write(self, offset: int, t: torch.Tensor, dtype: int) -> tensor_pb2.Tensor:
         """Encodes ``t`` as proto dtype ``dtype`` at ``offset``; returns the request tensor that
         references it."""
-        msg = wire.to_wire(t, dtype)
-        n = len(msg.data)
+        msg, data = wire.encode(t, dtype)
+        n = data.nbytes
         if offset < 0 or offset + n > self.size:
             raise ValueError(f"{n} bytes at offset {offset} do not fit the {self.size}-byte "
                              f"region {self.name}")
-        self._shm.buf[offset:offset + n] = msg.data
-        msg.data = b""
+        self._shm.buf[offset:offset + n] = data  # the one copy: from the tensor's memory
         msg.shared_memory.CopyFrom(self.ref(offset, n))
         return msg
 
@@ -74,10 +73,9 @@ class SharedMemoryRegion:
             raise ValueError(f"the tensor does not lie in region {self.name}")
         if ref.offset + ref.byte_size > self.size:
             raise ValueError(f"the tensor's bytes lie outside the {self.size}-byte region")
-        msg = tensor_pb2.Tensor(dtype=header.dtype, shape=list(header.shape),
-                                scale_inv=header.scale_inv,
-                                data=bytes(self._shm.buf[ref.offset:ref.offset + ref.byte_size]))
-        return wire.from_wire(msg)
+        # Decoded from the region in place (an F32 tensor is one copy of it: the region is
+        # written again by later calls).
+        return wire.decode(header, self._shm.buf[ref.offset:ref.offset + ref.byte_size])
 
     def close(self) -> None:
         """Unregisters the region (if the server still holds it) and removes the object."""

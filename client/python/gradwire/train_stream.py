@@ -23,13 +23,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import grpc
 import torch
 
 from gradwire import wire
 from gradwire.client import Client, ForwardResult, GradwireError
+from gradwire.tensor_messages import Outgoing
 from gradwire.v1 import service_pb2
 
 log = logging.getLogger("gradwire")
@@ -44,6 +45,19 @@ class _Pending(NamedTuple):
     decode: object
     deadline: float  # time.monotonic() past which the request has failed
     sent: float
+
+
+def train_request_pieces(field: str, request: Outgoing) -> List:
+    """The encoding of a TrainRequest whose ``field`` ("forward", "backward", "release") is
+    ``request``, without its request_id, as pieces (``tensor_messages.encode``)."""
+    return request.within(service_pb2.TrainRequest(), field).pieces()[0]
+
+
+def train_request(request_id: int, pieces: List) -> bytes:
+    """The encoded TrainRequest: ``request_id`` (field 1, so its encoding comes first) joined
+    with the rest (``train_request_pieces``); the tensors' bytes are copied here, once."""
+    head = service_pb2.TrainRequest(request_id=request_id).SerializeToString()
+    return b"".join([head, *pieces])
 
 
 class TrainStream:
@@ -76,7 +90,9 @@ class TrainStream:
                     return
                 yield item
 
-        self._call = client._stub.Train(requests(), metadata=client._metadata)
+        # Requests go as the bytes _send encoded; responses come back as Received (their
+        # tensors' bytes left in the received message until decoded).
+        self._call = client._raw("Train")(requests(), metadata=client._metadata)
         self._reader = threading.Thread(target=self._read, name="gradwire-train", daemon=True)
         self._reader.start()
         self._watchdog = threading.Thread(target=self._watch, name="gradwire-train-deadlines",
@@ -87,15 +103,16 @@ class TrainStream:
     def _read(self) -> None:
         try:
             for resp in self._call:
+                msg = resp.message
                 with self._lock:
-                    entry = self._pending.pop(resp.request_id, None)
+                    entry = self._pending.pop(msg.request_id, None)
                 if entry is None:
                     continue  # failed already (deadline) or unknown
-                log.debug("%s request %d: %.1f ms", entry.method, resp.request_id,
+                log.debug("%s request %d: %.1f ms", entry.method, msg.request_id,
                           1e3 * (time.monotonic() - entry.sent))
-                if resp.code != 0:
+                if msg.code != 0:
                     entry.future.set_exception(GradwireError(
-                        entry.method, _CODE_NAMES.get(resp.code, "UNKNOWN"), resp.message))
+                        entry.method, _CODE_NAMES.get(msg.code, "UNKNOWN"), msg.message))
                 else:
                     try:
                         entry.future.set_result(entry.decode(resp))
@@ -103,7 +120,7 @@ class TrainStream:
                         entry.future.set_exception(e)
                 # Hold nothing of a finished request while waiting for the next response: its
                 # result (an autograd output among them) must die with its last user.
-                entry = resp = None
+                entry = resp = msg = None
             error = GradwireError("Train", "CANCELLED", "the Train stream ended")
         except grpc.RpcError as e:
             error = self.client._error("Train", e)
@@ -157,7 +174,12 @@ class TrainStream:
             if not entry.future.done():
                 entry.future.set_exception(error)
 
-    def _send(self, method: str, field: str, message, decode) -> Future:
+    def _send(self, method: str, field: str, request: Outgoing, decode) -> Future:
+        # Encoded here, on the caller's thread, before the call returns: the request then
+        # holds its own copy of the tensors' bytes (one copy, made by the join in
+        # train_request), so the caller may change them as soon as this returns, as with any
+        # call. The request_id is known only under the lock; the rest is encoded before it.
+        pieces = train_request_pieces(field, request)
         future: Future = Future()
         with self._wake:
             if self.closed:
@@ -169,9 +191,7 @@ class TrainStream:
             if not self._pending:
                 self._wake.notify()
             self._pending[request_id] = _Pending(future, method, decode, now + self.timeout, now)
-        request = service_pb2.TrainRequest(request_id=request_id)
-        getattr(request, field).CopyFrom(message)
-        self._requests.put(request)
+        self._requests.put(train_request(request_id, pieces))
         return future
 
     def forward(self, module_id: str, x: torch.Tensor, training: bool = True,
@@ -181,8 +201,9 @@ class TrainStream:
         req = self.client.forward_request(module_id, x, training, dtype)
 
         def decode(resp) -> ForwardResult:
-            self.client._seen(module_id, resp.forward.weight_version)
-            result = Client.forward_result(resp.forward)
+            forward = resp.field("forward")
+            self.client._seen(module_id, forward.message.weight_version)
+            result = Client.forward_result(forward)
             self.client._note_instance(result[1])
             return result
 
@@ -197,15 +218,17 @@ class TrainStream:
                                            dtype=dtype)
 
         def decode(resp) -> Optional[torch.Tensor]:
-            b = resp.backward
-            return wire.from_wire(b.grad_input) if b.HasField("grad_input") else None
+            b = resp.field("backward")
+            if not b.message.HasField("grad_input"):
+                return None
+            return wire.decode(b.message.grad_input, b.tensor_data("grad_input"))
 
         return self._send("Train.Backward", "backward", req, decode)
 
     def release(self, context_id: str) -> Future:
         """Future of None once the context is dropped."""
         return self._send("Train.Release", "release",
-                          service_pb2.ReleaseContextRequest(context_id=context_id),
+                          Outgoing(service_pb2.ReleaseContextRequest(context_id=context_id)),
                           lambda resp: None)
 
     def close(self) -> None:

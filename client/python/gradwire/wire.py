@@ -7,8 +7,9 @@ reference rounding of ``kernels::EncodeFp8``. ``tests/test_fp8_wire.py`` checks 
 against a running server.
 """
 
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Tuple
 
+import numpy as np
 import torch
 
 from gradwire.v1 import tensor_pb2
@@ -29,6 +30,7 @@ WIRE_DTYPES: Dict[str, Tuple[int, int]] = {
 }
 
 _ELEMENT_SIZE = {F32: 4, BF16: 2, F16: 2, FP8_E4M3: 1, FP8_E5M2: 1}
+_TORCH_DTYPES = {F32: torch.float32, BF16: torch.bfloat16, F16: torch.float16}
 
 # Per FP8 format: mantissa bits, exponent bias, exponent of the smallest normal, code of the
 # largest finite value, the largest finite value.
@@ -112,47 +114,125 @@ def fp8_decode(codes: torch.Tensor, dtype: int) -> torch.Tensor:
     return (sign * value).float()
 
 
-def to_wire(t: torch.Tensor, dtype: int = F32) -> tensor_pb2.Tensor:
-    """A CPU copy of ``t`` as a wire tensor of proto dtype ``dtype`` (F32, BF16, F16, FP8_E4M3 or
-    FP8_E5M2; FP8 carries the scale_inv of its own current-scaling scale)."""
+class Encoded(NamedTuple):
+    """A tensor ready for the wire: ``header`` (a Tensor message with dtype, shape and scale_inv,
+    its ``data`` left empty) and ``data``, its bytes: a memoryview of the encoded tensor's own
+    memory, which the view keeps alive. For an F32 tensor that is already contiguous float32 on
+    the CPU, or a BF16/F16 one already in that dtype, that memory is the caller's tensor itself:
+    nothing is copied, so the tensor must not change until the request is serialized."""
+
+    header: tensor_pb2.Tensor
+    data: memoryview
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (16-bit floats through int16: numpy
+    has no bfloat16)."""
+    if t.element_size() == 2:
+        t = t.view(torch.int16)
+    return memoryview(t.reshape(-1).numpy()).cast("B")
+
+
+def encode(t: torch.Tensor, dtype: int = F32) -> Encoded:
+    """``t`` as a wire tensor of proto dtype ``dtype`` (F32, BF16, F16, FP8_E4M3 or FP8_E5M2;
+    FP8 carries the scale_inv of its own current-scaling scale), its bytes apart from the
+    message (see ``Encoded``)."""
     if dtype not in _ELEMENT_SIZE:
         raise ValueError(f"unknown wire dtype {dtype}")
-    x = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    t = t.detach()
     if dtype in _FP8:
+        x = t.to(device="cpu", dtype=torch.float32).contiguous()
         scale = fp8_scale(x.abs().max() if x.numel() else torch.tensor(0.0), dtype)
         codes = fp8_encode(x * scale, dtype)
         scale_inv = float(torch.tensor(1.0, dtype=torch.float32) / scale)
-        return tensor_pb2.Tensor(dtype=dtype, shape=list(x.shape), data=codes.numpy().tobytes(),
-                                 scale_inv=scale_inv)
-    torch_dtype = {F32: torch.float32, BF16: torch.bfloat16, F16: torch.float16}[dtype]
-    c = x.to(torch_dtype)
-    # Reinterpret as bytes: 16-bit floats through int16 (numpy has no bfloat16).
-    raw = c.view(torch.int16) if c.element_size() == 2 else c
-    return tensor_pb2.Tensor(dtype=dtype, shape=list(c.shape), data=raw.numpy().tobytes())
+        return Encoded(tensor_pb2.Tensor(dtype=dtype, shape=list(x.shape), scale_inv=scale_inv),
+                       _bytes_of(codes))
+    torch_dtype = _TORCH_DTYPES[dtype]
+    if t.dtype != torch_dtype:
+        # Through float32, as the server rounds: a float64 tensor is rounded once to float32
+        # and then to the 16-bit format.
+        t = t.to(device="cpu", dtype=torch.float32).to(torch_dtype)
+    c = t.to("cpu").contiguous()
+    return Encoded(tensor_pb2.Tensor(dtype=dtype, shape=list(c.shape)), _bytes_of(c))
 
 
-def from_wire(msg: tensor_pb2.Tensor) -> torch.Tensor:
-    """A float32 CPU tensor from a wire tensor of any dtype."""
-    shape = list(msg.shape)
-    size = element_size(msg.dtype)
+def to_wire(t: torch.Tensor, dtype: int = F32) -> tensor_pb2.Tensor:
+    """A CPU copy of ``t`` as a whole wire tensor message of proto dtype ``dtype`` (the bytes
+    copied into it; ``encode`` keeps them apart)."""
+    header, data = encode(t, dtype)
+    header.data = data.tobytes()
+    return header
+
+
+# Decoding tables, built on first use by torch's own conversions so that a table lookup gives
+# exactly what converting with torch gives: float16 -> float32 for every 16-bit pattern, and
+# each FP8 code's value.
+_TABLES: Dict[int, torch.Tensor] = {}
+_BLOCK = 1 << 20  # elements per lookup: numpy indexes through an int64 copy of the codes
+
+
+def _table(dtype: int) -> torch.Tensor:
+    table = _TABLES.get(dtype)
+    if table is None:
+        if dtype == F16:
+            bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+            table = bits.view(torch.float16).float()
+        else:
+            table = fp8_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8), dtype)
+        _TABLES[dtype] = table
+    return table
+
+
+def _lookup(table: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """``table[codes]`` in blocks, so that the index copy numpy makes stays small. Every code
+    indexes the table (it has an entry per code), so "clip" clips nothing; it only spares the
+    bounds check and the buffering that mode="raise" adds."""
+    out = np.empty(codes.shape[0], dtype=np.float32)
+    for s in range(0, codes.shape[0], _BLOCK):
+        np.take(table, codes[s:s + _BLOCK], out=out[s:s + _BLOCK], mode="clip")
+    return out
+
+
+def decode(header: tensor_pb2.Tensor, data, owned: bool = False) -> torch.Tensor:
+    """A float32 CPU tensor from a wire tensor: ``header`` gives dtype, shape and scale_inv,
+    ``data`` (any buffer: a view of the received message, say) the bytes.
+
+    The bytes are read where they lie: 16-bit and FP8 values are converted straight out of them
+    into the result. An F32 result is the bytes themselves only when ``owned`` (``data`` is
+    writable and nothing else refers to it); otherwise it is one copy of them, because received
+    bytes are immutable and the caller may write into the result (autograd accumulates
+    gradients in place)."""
+    shape = list(header.shape)
+    size = element_size(header.dtype)
     if size == 0:
-        raise ValueError(f"unknown wire dtype {msg.dtype}")
+        raise ValueError(f"unknown wire dtype {header.dtype}")
     n = 1
     for d in shape:
         n *= d
-    if len(msg.data) != n * size:
-        raise ValueError(f"wire tensor has {len(msg.data)} bytes; its shape {shape} needs "
-                         f"{n * size}")
-    buf = bytearray(msg.data)
+    nbytes = memoryview(data).nbytes
+    if nbytes != n * size:
+        raise ValueError(f"wire tensor has {nbytes} bytes; its shape {shape} needs {n * size}")
     if n == 0:
         return torch.zeros(shape, dtype=torch.float32)
-    if msg.dtype == F32:
-        return torch.frombuffer(buf, dtype=torch.float32).reshape(shape).clone()
-    if msg.dtype in (BF16, F16):
-        bits = torch.frombuffer(buf, dtype=torch.int16)
-        half = bits.view(torch.bfloat16 if msg.dtype == BF16 else torch.float16)
-        return half.float().reshape(shape)
-    codes = torch.frombuffer(buf, dtype=torch.uint8)
-    # One float32 multiply, as the server decodes (the exact product rounded once).
-    scale_inv = torch.tensor(msg.scale_inv, dtype=torch.float32)
-    return (fp8_decode(codes, msg.dtype) * scale_inv).reshape(shape)
+    if header.dtype == F32:
+        if owned:
+            return torch.from_numpy(np.frombuffer(data, dtype="<f4")).reshape(shape)
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
+    if header.dtype == BF16:
+        # bfloat16 is the high half of a float32: widening is a shift, exactly torch's.
+        bits = np.left_shift(np.frombuffer(data, dtype="<u2"), 16, dtype=np.uint32)
+        return torch.from_numpy(bits.view(np.float32)).reshape(shape)
+    if header.dtype == F16:
+        codes = np.frombuffer(data, dtype="<u2")
+        return torch.from_numpy(_lookup(_table(F16).numpy(), codes)).reshape(shape)
+    # One float32 multiply per code, as the server decodes (the exact product rounded once):
+    # the 256 products are the table.
+    scale_inv = torch.tensor(header.scale_inv, dtype=torch.float32)
+    table = (_table(header.dtype) * scale_inv).numpy()
+    codes = np.frombuffer(data, dtype=np.uint8)
+    return torch.from_numpy(_lookup(table, codes)).reshape(shape)
+
+
+def from_wire(msg: tensor_pb2.Tensor) -> torch.Tensor:
+    """A float32 CPU tensor from a whole wire tensor message of any dtype."""
+    return decode(msg, msg.data)
