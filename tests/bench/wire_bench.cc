@@ -241,6 +241,10 @@ int main(int argc, char** argv) {
                  "HTTP/2 initial stream window both ends announce, MiB (0: gRPC's default, "
                  "which BDP probing then grows)")
       ->check(CLI::Range(0, 1024));
+  std::vector<std::string> extra_args;
+  app.add_option("--channel-arg", extra_args,
+                 "NAME=INT: any further gRPC channel argument, on both ends (e.g. "
+                 "grpc.experimental.tcp_min_read_chunk_size=1048576)");
   bool tcp_zerocopy = false;
   app.add_flag("--tcp-zerocopy", tcp_zerocopy,
                "gRPC's TCP zero-copy send (MSG_ZEROCOPY) on both ends");
@@ -271,6 +275,16 @@ int main(int argc, char** argv) {
   if (frame_kib > 0)
     options.channel_args.emplace_back(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, frame_kib << 10);
   if (tcp_zerocopy) options.channel_args.emplace_back(GRPC_ARG_TCP_TX_ZEROCOPY_ENABLED, 1);
+  std::vector<std::pair<std::string, int>> extra;
+  for (const std::string& a : extra_args) {
+    const size_t eq = a.find('=');
+    if (eq == std::string::npos) {
+      std::fprintf(stderr, "wire_bench: --channel-arg %s: want NAME=INT\n", a.c_str());
+      return 2;
+    }
+    extra.emplace_back(a.substr(0, eq), std::stoi(a.substr(eq + 1)));
+    options.channel_args.push_back(extra.back());
+  }
   if (window_mib > 0) {
     options.channel_args.emplace_back(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window_mib << 20);
   }
@@ -378,6 +392,7 @@ int main(int argc, char** argv) {
         if (frame_kib > 0) args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, frame_kib << 10);
         if (tcp_zerocopy) args.SetInt(GRPC_ARG_TCP_TX_ZEROCOPY_ENABLED, 1);
         if (window_mib > 0) args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, window_mib << 20);
+        for (const auto& [name, value] : extra) args.SetInt(name, value);
         auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
                                                  grpc::InsecureChannelCredentials(), args);
         auto stub = v1::Gradwire::NewStub(channel);
