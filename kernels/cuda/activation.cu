@@ -26,8 +26,8 @@ __device__ __forceinline__ float SiluGrad(float x) {
 
 __device__ __forceinline__ float Apply(Activation act, float x) {
   switch (act) {
-    case Activation::kRelu:
-      return x > 0.0f ? x : 0.0f;
+    case Activation::kRelu:  // a NaN stays a NaN, as in the reference
+      return x > 0.0f ? x : (x != x ? x : 0.0f);
     case Activation::kSwiglu:
       return Silu(x);
     default:
@@ -37,7 +37,7 @@ __device__ __forceinline__ float Apply(Activation act, float x) {
 __device__ __forceinline__ float Grad(Activation act, float x) {
   switch (act) {
     case Activation::kRelu:
-      return x > 0.0f ? 1.0f : 0.0f;
+      return x > 0.0f ? 1.0f : (x != x ? x : 0.0f);
     case Activation::kSwiglu:
       return SiluGrad(x);
     default:

@@ -35,7 +35,10 @@ GRADWIRE_INLINE float ExpF(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const float two_n = __builtin_bit_cast(float, uint32_t(int32_t(n) + 127) << 23);
+  // A NaN x leaves n NaN, whose conversion to int is undefined: the exponent then comes from 0,
+  // and the result is NaN through p.
+  const float n_finite = n == n ? n : 0.0f;
+  const float two_n = __builtin_bit_cast(float, uint32_t(int32_t(n_finite) + 127) << 23);
   return p * two_n;
 }
 
@@ -54,8 +57,10 @@ GRADWIRE_INLINE float SiluGrad(float x) {
   const float s = Sigmoid(x);
   return s * (1.0f + x * (1.0f - s));
 }
-GRADWIRE_INLINE float Relu(float x) { return x > 0.0f ? x : 0.0f; }
-GRADWIRE_INLINE float ReluGrad(float x) { return x > 0.0f ? 1.0f : 0.0f; }
+// A NaN stays a NaN (a NaN from an overflowing FC1 sum must reach the next cast's amax, not
+// become 0); -0 gives +0.
+GRADWIRE_INLINE float Relu(float x) { return x > 0.0f ? x : (x != x ? x : 0.0f); }
+GRADWIRE_INLINE float ReluGrad(float x) { return x > 0.0f ? 1.0f : (x != x ? x : 0.0f); }
 
 // One row's loops for activation F (its derivative G): vectorised per CPU at load time, every
 // clone computing the same bits (element-wise IEEE arithmetic, no contraction in this library).

@@ -228,6 +228,26 @@ TEST(CpuActivationTest, ForwardAndBackwardMatchTheReferenceBitForBit) {
   }
 }
 
+// A NaN stays a NaN through every activation and its derivative (and, in the sanitizer builds,
+// reaches no undefined conversion on the way); an infinite input gives a non-finite output.
+TEST(CpuActivationTest, NaNAndInfinityStayNonFinite) {
+  for (Activation act :
+       {Activation::kGelu, Activation::kRelu, Activation::kSwiglu, Activation::kGeglu}) {
+    const int64_t width = 4, in_width = IsGated(act) ? 2 * width : width;
+    std::vector<float> in(size_t(in_width), 1.0f);
+    in[0] = NAN;
+    in[1] = INFINITY;
+    std::vector<float> out(static_cast<size_t>(width)), din(static_cast<size_t>(in_width));
+    const std::vector<float> dout(size_t(width), 1.0f);
+    ActivationForward(act, in.data(), 1, width, out.data());
+    ActivationBackward(act, dout.data(), in.data(), 1, width, din.data());
+    EXPECT_TRUE(std::isnan(out[0])) << ActivationName(act);
+    EXPECT_TRUE(std::isnan(din[0])) << ActivationName(act);
+    EXPECT_FALSE(std::isfinite(out[1])) << ActivationName(act);
+    EXPECT_TRUE(std::isfinite(out[2])) << ActivationName(act);
+  }
+}
+
 TEST(CpuParallelTest, EveryIndexRunsOnceInContiguousRanges) {
   for (int64_t n : {0, 1, 5, 1000, 1 << 20}) {
     for (int64_t grain : {1, 7, 1 << 12}) {
