@@ -71,9 +71,8 @@ void SetGemmThreads(GemmThreads mode) {
 
 GemmThreads GetGemmThreads() { return g_mode.load(); }
 
-bool Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc) {
+bool Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const Blas& blas = Loaded();
   if (blas.sgemm == nullptr) return false;
   if (m <= 0 || n <= 0) return true;

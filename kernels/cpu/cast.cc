@@ -114,7 +114,8 @@ void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8For
   }
   const int64_t row_tiles = (rows + kTile - 1) / kTile;
   // Enough row tiles per range to pay for a thread: about 32 K elements.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, cols * kTile));
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, cols * kTile));
   uint32_t part[kMaxThreads] = {};  // max |x| bits per range
   ParallelForRanges(row_tiles, grain, [&](int64_t range, int64_t t0, int64_t t1) {
     alignas(64) uint8_t tile[kTile * kTile];
@@ -150,7 +151,8 @@ void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8For
 
 void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* out) {
   const int64_t row_tiles = (rows + kTile - 1) / kTile;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, cols * kTile));
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, cols * kTile));
   ParallelFor(row_tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t * kTile, r1 = std::min(rows, r0 + kTile);

@@ -96,7 +96,8 @@ void AddColumnSums(const float* x, int64_t rows, int64_t cols, float* acc) {
 
 void DecodeCodes(const uint8_t* codes, int64_t n, Fp8Format format, float* out) {
   const float* table = DecodeTable(format);
-  ParallelFor(n, kGrain, [&](int64_t b, int64_t e) { DecodeSerial(codes + b, e - b, table, out + b); });
+  ParallelFor(n, kGrain,
+              [&](int64_t b, int64_t e) { DecodeSerial(codes + b, e - b, table, out + b); });
 }
 
 void FillRows(const float* row, int64_t rows, int64_t cols, float* out) {

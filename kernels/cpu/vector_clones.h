@@ -12,8 +12,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
-#define GRADWIRE_VECTOR_CLONES \
-  __attribute__((target_clones("avx512f", "avx2", "default")))
+#define GRADWIRE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define GRADWIRE_VECTOR_CLONES
 #endif

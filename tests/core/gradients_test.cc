@@ -123,8 +123,7 @@ TEST(DeferredGradientsTest, AnOverflowChangesNoAccumulator) {
     DeferredGradients grads(*b);
     grads.Wgrad(Param::kWeight, dy, x);
     grads.BiasGrad(Param::kBias, g, 1e38f);
-    const auto failed =
-        grads.Commit([&](Param p) { return p == Param::kWeight ? &w : &bias; });
+    const auto failed = grads.Commit([&](Param p) { return p == Param::kWeight ? &w : &bias; });
     ASSERT_TRUE(failed.has_value()) << b->name();
     EXPECT_EQ(*failed, Param::kBias);
     EXPECT_TRUE(SameBits(w.grad, w_before)) << b->name();

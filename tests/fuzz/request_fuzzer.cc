@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -180,7 +181,23 @@ void RunForward(Fixture& f, v1::ForwardRequest req, uint8_t selector) {
   fwd.input = *input;
   fwd.training = req.training();
   fwd.output_dtype = *dtype;
+  const std::string module_id = req.module_id();
+  const bool known = std::find(f.ids.begin(), f.ids.end(), module_id) != f.ids.end();
+  const auto scaling_before =
+      known ? f.Scaling(module_id) : std::vector<gradwire::core::RoleScaling>{};
   auto out = f.host.Forward(req.module_id(), fwd);
+  if (out.status().code() == absl::StatusCode::kOutOfRange) {
+    // Finite values near FLT_MAX may overflow on the way (a LayerNorm's sum, an FC1 output): the
+    // documented refusal, which must say so, leave no context and move no history.
+    if (out.status().message().find("non-finite") == absl::string_view::npos) {
+      Fail("an OUT_OF_RANGE forward does not say why: " + out.status().ToString());
+    }
+    if (known && !SameScaling(scaling_before, f.Scaling(module_id))) {
+      Fail("a refused forward moved the scaling state");
+    }
+    f.CheckNoContexts("refused Forward");
+    return;
+  }
   CheckBadInputCode(out.status(), "Forward");
   if (!out.ok()) {
     f.CheckNoContexts("failed Forward");

@@ -79,10 +79,28 @@ TEST(CpuCastTest, EncodeMatchesTheReferenceOnEveryFloatOfTheFp8Range) {
 // Random bit patterns of every kind (NaNs, infinities, float subnormals, huge values) and the
 // edges, each scaled: scale * x rounds before the encode, as in the reference.
 TEST(CpuCastTest, EncodeMatchesTheReferenceOnRandomBitPatternsAndEdges) {
-  std::vector<float> x = {0.0f,     -0.0f,    INFINITY,     -INFINITY, NAN,     -NAN,
-                          1e-45f,   -1e-45f,  FLT_MIN,      3.4e38f,   448.0f,  464.0f,
-                          463.99f,  480.0f,   57344.0f,     61440.0f,  61439.0f, 65536.0f,
-                          0.015625f, 0.0078125f, 1.52587890625e-05f, 7.62939453125e-06f};
+  std::vector<float> x = {0.0f,
+                          -0.0f,
+                          INFINITY,
+                          -INFINITY,
+                          NAN,
+                          -NAN,
+                          1e-45f,
+                          -1e-45f,
+                          FLT_MIN,
+                          3.4e38f,
+                          448.0f,
+                          464.0f,
+                          463.99f,
+                          480.0f,
+                          57344.0f,
+                          61440.0f,
+                          61439.0f,
+                          65536.0f,
+                          0.015625f,
+                          0.0078125f,
+                          1.52587890625e-05f,
+                          7.62939453125e-06f};
   std::uniform_int_distribution<uint32_t> bits;
   for (int i = 0; i < 1 << 20; ++i) x.push_back(FromBits(bits(Rng())));
   std::vector<uint8_t> got(x.size());
@@ -188,8 +206,9 @@ TEST(CpuLayerNormTest, ForwardAndBackwardMatchTheReferenceBitForBit) {
     for (bool zero_centered : {false, true}) {
       const std::vector<float> x = RandomNormal(rows * cols, 2.0f), gamma = RandomNormal(cols),
                                beta = RandomNormal(cols), dy = RandomNormal(rows * cols);
-      std::vector<float> y(x.size()), mu(static_cast<size_t>(rows)), rstd(static_cast<size_t>(rows)), y2(x.size(), 9.0f),
-          mu2(size_t(rows), 9.0f), rstd2(size_t(rows), 9.0f);
+      std::vector<float> y(x.size()), mu(static_cast<size_t>(rows)),
+          rstd(static_cast<size_t>(rows)), y2(x.size(), 9.0f), mu2(size_t(rows), 9.0f),
+          rstd2(size_t(rows), 9.0f);
       LayerNormForward(x.data(), rows, cols, gamma.data(), beta.data(), 1e-5f, zero_centered,
                        y.data(), mu.data(), rstd.data());
       cpu::LayerNormForward(x.data(), rows, cols, gamma.data(), beta.data(), 1e-5f, zero_centered,
@@ -202,8 +221,8 @@ TEST(CpuLayerNormTest, ForwardAndBackwardMatchTheReferenceBitForBit) {
       std::vector<float> dx2(x.size(), 9.0f), dg2 = dg, db2 = db;
       LayerNormBackward(dy.data(), x.data(), mu.data(), rstd.data(), gamma.data(), rows, cols,
                         zero_centered, dx.data(), dg.data(), db.data());
-      cpu::LayerNormBackward(dy.data(), x.data(), mu.data(), rstd.data(), gamma.data(), rows,
-                             cols, zero_centered, dx2.data(), dg2.data(), db2.data());
+      cpu::LayerNormBackward(dy.data(), x.data(), mu.data(), rstd.data(), gamma.data(), rows, cols,
+                             zero_centered, dx2.data(), dg2.data(), db2.data());
       ASSERT_EQ(std::memcmp(dx.data(), dx2.data(), dx.size() * 4), 0) << rows << "x" << cols;
       ASSERT_EQ(std::memcmp(dg.data(), dg2.data(), dg.size() * 4), 0) << rows << "x" << cols;
       ASSERT_EQ(std::memcmp(db.data(), db2.data(), db.size() * 4), 0) << rows << "x" << cols;

@@ -34,8 +34,7 @@ GemmThreads GetGemmThreads();
 // of A, B, C as stored. beta == 0 ignores C's old contents. False (nothing computed) when no BLAS
 // is available. Each element of C is computed by one BLAS call, so its summation order does not
 // depend on the split.
-bool Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc);
+bool Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 }  // namespace gradwire::kernels::cpu
