@@ -51,8 +51,30 @@ class ServerProcess:
                 raise RuntimeError("gradwire-server did not start:\n" + f.read())
 
     def pause(self):
-        """Stops the process (SIGSTOP): it accepts connections but answers nothing."""
+        """Stops the process (SIGSTOP): it accepts connections but answers nothing. The signal is
+        delivered asynchronously, so this waits until every thread of the process is stopped:
+        otherwise a request sent at once could still be answered."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not self._all_threads_stopped():
+            assert time.monotonic() < deadline, "the server did not stop on SIGSTOP"
+            time.sleep(0.001)
+
+    def _all_threads_stopped(self):
+        task_dir = f"/proc/{self.proc.pid}/task"
+        try:
+            tids = os.listdir(task_dir)
+        except FileNotFoundError:
+            return True  # exited: answers nothing either
+        for tid in tids:
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, IndexError):
+                continue  # the thread ended meanwhile
+            if state not in ("T", "t"):
+                return False
+        return True
 
     def resume(self):
         self.proc.send_signal(signal.SIGCONT)
