@@ -243,12 +243,13 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--tokens-file", config.tokens_file,
-                 "require bearer tokens: a file of \"TENANT TOKEN\" lines (# comments). Every "
-                 "module and context belongs to the tenant that created it; other tenants get "
-                 "NOT_FOUND")
+                 "require bearer tokens: a file of \"TENANT TOKEN [WEIGHT]\" lines (# comments). "
+                 "Every module and context belongs to the tenant that created it; other tenants "
+                 "get NOT_FOUND. WEIGHT (default 1, at most 1000) is the tenant's part in the fair "
+                 "shares of context memory")
       ->check(CLI::ExistingFile);
   app.add_option("--tokens", config.tokens,
-                 "require bearer tokens given as TENANT:TOKEN entries, comma-separated (meant for "
+                 "require bearer tokens given as TENANT:TOKEN[:WEIGHT] entries, comma-separated (meant for "
                  "GRADWIRE_SERVER_TOKENS or the config file: a command line is visible to other "
                  "users)")
       ->delimiter(',');

@@ -23,18 +23,19 @@ namespace {
 using gradwire::rpc::Authenticator;
 using gradwire::server::ServerConfig;
 
-// The bearer tokens of --tokens-file and --tokens; null when neither is given. Logs and returns
-// an error for a bad file or entry.
-absl::StatusOr<std::shared_ptr<const Authenticator>> LoadTokens(const ServerConfig& c) {
+// The bearer tokens of --tokens-file and --tokens, and the tenants' weights given there; null
+// when neither is given. Returns an error for a bad file or entry.
+absl::StatusOr<std::shared_ptr<const Authenticator>> LoadTokens(
+    const ServerConfig& c, Authenticator::TenantWeights* weights) {
   if (c.tokens_file.empty() && c.tokens.empty()) return nullptr;
   std::vector<std::pair<std::string, std::string>> entries;
   if (!c.tokens_file.empty()) {
-    auto read = Authenticator::ReadTokensFile(c.tokens_file);
+    auto read = Authenticator::ReadTokensFile(c.tokens_file, weights);
     if (!read.ok()) return read.status();
     entries = *std::move(read);
   }
   for (const std::string& entry : c.tokens) {
-    auto parsed = Authenticator::ParseInline(entry);
+    auto parsed = Authenticator::ParseInline(entry, weights);
     if (!parsed.ok()) return parsed.status();
     entries.push_back(*std::move(parsed));
   }
@@ -44,8 +45,15 @@ absl::StatusOr<std::shared_ptr<const Authenticator>> LoadTokens(const ServerConf
   const auto tenants = authenticator->Tenants();
   std::string names;
   for (const auto& t : tenants) names += (names.empty() ? "" : ", ") + t;
-  spdlog::info("bearer tokens required: {} tokens for {} tenants ({})", authenticator->size(),
-               tenants.size(), names);
+  std::string weighted;
+  for (const auto& t : tenants) {
+    if (auto w = weights->find(t); w != weights->end()) {
+      weighted += (weighted.empty() ? "" : ", ") + t + "=" + fmt::format("{:g}", w->second);
+    }
+  }
+  spdlog::info("bearer tokens required: {} tokens for {} tenants ({}); weights {}",
+               authenticator->size(), tenants.size(), names,
+               weighted.empty() ? "all 1" : weighted + ", others 1");
   return authenticator;
 }
 
@@ -131,7 +139,8 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto authenticator = LoadTokens(config);
+  Authenticator::TenantWeights weights;
+  auto authenticator = LoadTokens(config, &weights);
   if (!authenticator.ok()) {
     spdlog::error("{}", std::string(authenticator.status().message()));
     return 2;
@@ -153,6 +162,7 @@ int main(int argc, char** argv) {
   gradwire::server::ServerOptions options = ToServerOptions(config);
   options.backend = *std::move(backend);
   options.authenticator = *std::move(authenticator);
+  options.context_limits.tenant_weights = weights;
   auto server = gradwire::server::Server::Start(std::move(options));
   if (!server.ok()) {
     spdlog::error("{}", std::string(server.status().message()));

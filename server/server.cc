@@ -242,7 +242,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     }
     spdlog::info("restored {} modules from {}", *restored, o.checkpoint_dir);
   }
-  s->executor_ = std::make_unique<core::DeviceExecutor>(device);
+  // The device is shared between clients by the same weights as context memory (a client is its
+  // tenant with tokens).
+  s->executor_ = std::make_unique<core::DeviceExecutor>(device, o.context_limits.tenant_weights);
 
   rpc::ServiceOptions service = o.service;
   service.device = device;

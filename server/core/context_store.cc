@@ -123,6 +123,10 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
           " bytes (--max-context-bytes-per-client); run their backwards or release them first"));
     }
   }
+  if (auto s = CheckShareLocked(tenant, bytes); !s.ok()) {
+    ++stats_.rejected_share;
+    return s;
+  }
   std::string id;
   do {
     id = RandomId128();
@@ -146,6 +150,9 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
   ClientCount& count = per_client_[entry.client];
   ++count.contexts;
   count.bytes += bytes;
+  ClientCount& tenant_count = per_tenant_[entry.tenant];
+  ++tenant_count.contexts;
+  tenant_count.bytes += bytes;
   {
     std::lock_guard<std::mutex> index_lock(index_mu_);
     index_.emplace(id, IndexEntry{entry.module_id, entry.tenant});
@@ -170,13 +177,77 @@ void ContextStore::TouchLocked(Iter it) {
   order_.emplace(it->second.seq, it->first);
 }
 
+double ContextStore::WeightOf(const std::string& tenant) const {
+  auto it = limits_.tenant_weights.find(tenant);
+  return it == limits_.tenant_weights.end() ? 1.0 : it->second;
+}
+
+double ContextStore::ShareLocked(const std::string& tenant, const std::string* joining) const {
+  double total_weight = 0;
+  for (const auto& [name, count] : per_tenant_) total_weight += WeightOf(name);
+  if (joining != nullptr && per_tenant_.count(*joining) == 0) total_weight += WeightOf(*joining);
+  if (total_weight <= 0) return 0;
+  return double(limits_.device_bytes + limits_.host_bytes) * WeightOf(tenant) / total_weight;
+}
+
+absl::Status ContextStore::CheckShareLocked(const std::string& tenant, int64_t bytes) const {
+  bool others = false;
+  int64_t live = 0, held = 0;
+  for (const auto& [name, count] : per_tenant_) {
+    live += count.bytes;
+    if (name == tenant) {
+      held = count.bytes;
+    } else {
+      others = true;
+    }
+  }
+  const int64_t budget = limits_.device_bytes + limits_.host_bytes;
+  if (!others || live + bytes <= budget) return absl::OkStatus();  // nobody would be evicted
+  const double share = ShareLocked(tenant, &tenant);
+  if (double(held + bytes) <= share) return absl::OkStatus();  // the others are over theirs
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "context memory is full and this tenant's live contexts hold ", held,
+      " bytes; with this forward's ", bytes, " they would be over its fair share of ",
+      int64_t(share), " bytes (--context-memory plus --host-offload-memory, ", budget,
+      " bytes, divided among the ", per_tenant_.size() + (per_tenant_.count(tenant) ? 0 : 1),
+      " tenants holding contexts by weight), and another tenant's context would be evicted "
+      "for it; run backwards or release contexts first"));
+}
+
+ContextStore::Iter ContextStore::PickVictimLocked(
+    const std::function<bool(const Entry&)>& eligible) {
+  if (per_tenant_.size() <= 1) {  // one tenant: least recently used first
+    for (const auto& [seq, id] : order_) {
+      auto it = entries_.find(id);
+      if (eligible(it->second)) return it;
+    }
+    return entries_.end();
+  }
+  // Each tenant's least recently used eligible context; the tenant furthest over its share wins.
+  std::unordered_map<std::string, Iter> first;
+  for (const auto& [seq, id] : order_) {
+    auto it = entries_.find(id);
+    if (eligible(it->second)) first.emplace(it->second.tenant, it);
+  }
+  Iter best = entries_.end();
+  double best_over = 0;
+  for (const auto& [tenant, it] : first) {
+    const double over = double(per_tenant_[tenant].bytes) - ShareLocked(tenant, nullptr);
+    if (best == entries_.end() || over > best_over ||
+        (over == best_over && it->second.seq < best->second.seq)) {
+      best = it;
+      best_over = over;
+    }
+  }
+  return best;
+}
+
 bool ContextStore::MakeDeviceRoomLocked(int64_t need, const Entry* keep) {
-  for (auto o = order_.begin();
-       stats_.device_bytes + need > limits_.device_bytes && o != order_.end();) {
-    auto it = entries_.find(o->second);
-    ++o;  // an eviction below may erase the current position
+  while (stats_.device_bytes + need > limits_.device_bytes) {
+    auto it = PickVictimLocked(
+        [keep](const Entry& e) { return &e != keep && !e.in_backward && !e.pack; });
+    if (it == entries_.end()) break;
     Entry& e = it->second;
-    if (&e == keep || e.in_backward || e.pack) continue;
     if (e.bytes > limits_.host_bytes) {  // it could not stay on the host: no copy for nothing
       stats_.device_bytes -= e.bytes;
       e.bytes = 0;
@@ -201,10 +272,9 @@ bool ContextStore::MakeDeviceRoomLocked(int64_t need, const Entry* keep) {
 }
 
 void ContextStore::EnforceHostLocked(const Entry* keep) {
-  for (auto o = order_.begin(); stats_.host_bytes > limits_.host_bytes && o != order_.end();) {
-    auto it = entries_.find(o->second);
-    ++o;
-    if (!it->second.pack || &it->second == keep) continue;
+  while (stats_.host_bytes > limits_.host_bytes) {
+    auto it = PickVictimLocked([keep](const Entry& e) { return e.pack && &e != keep; });
+    if (it == entries_.end()) break;
     EraseLocked(it, /*remember=*/true, Gone::kEvictedMemory);
     ++stats_.evicted_memory;
   }
@@ -386,6 +456,10 @@ void ContextStore::EraseLocked(Iter it, bool remember, Gone why) {
     c->second.bytes -= e.client_bytes;
     if (--c->second.contexts <= 0) per_client_.erase(c);
   }
+  if (auto t = per_tenant_.find(e.tenant); t != per_tenant_.end()) {
+    t->second.bytes -= e.client_bytes;
+    if (--t->second.contexts <= 0) per_tenant_.erase(t);
+  }
   if (e.pin != nullptr) {
     if (auto p = pins_.find(e.pin); p != pins_.end() && --p->second.contexts <= 0) {
       stats_.weight_bytes -= p->second.bytes;
@@ -435,6 +509,18 @@ std::unordered_map<std::string, int64_t> ContextStore::live_bytes_by_client() co
   std::unordered_map<std::string, int64_t> out;
   for (const auto& [client, count] : per_client_) out.emplace(client, count.bytes);
   return out;
+}
+
+std::unordered_map<std::string, int64_t> ContextStore::live_bytes_by_tenant() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unordered_map<std::string, int64_t> out;
+  for (const auto& [tenant, count] : per_tenant_) out.emplace(tenant, count.bytes);
+  return out;
+}
+
+int64_t ContextStore::fair_share_of(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return int64_t(ShareLocked(tenant, &tenant));
 }
 
 std::string ContextStore::ModuleOf(const std::string& context_id, const std::string* tenant) const {

@@ -5,6 +5,14 @@
 //   - host budget: past it, the least recently used offloaded contexts are evicted;
 //   - TTL: a context unused for longer is evicted, so abandoned contexts never leak.
 // A backward on an evicted context gets NOT_FOUND that says it was evicted and why.
+//
+// Fair shares between tenants: the two budgets together are divided among the tenants holding
+// contexts, by weight (ContextLimits::tenant_weights). What leaves the device, and what is
+// evicted, is taken from the tenant furthest over its share (its least recently used context
+// first), so a tenant within its share never loses a context to another tenant. A forward that
+// would need an eviction from a tenant already over its share, while another tenant holds
+// contexts, is refused (RESOURCE_EXHAUSTED) instead of evicting anyone. With one tenant this is
+// plain least-recently-used order.
 #pragma once
 
 #include <chrono>
@@ -39,6 +47,9 @@ struct ContextLimits {
   // that would go past it is refused (RESOURCE_EXHAUSTED naming
   // --max-context-bytes-per-client) and stores nothing. 0: unlimited.
   int64_t client_bytes = 0;
+  // Each tenant's weight in the fair shares (the tokens file's third column); a tenant not
+  // listed weighs 1.
+  std::unordered_map<std::string, double> tenant_weights = {};
 };
 
 // Counters of the store, for metrics and GetServerInfo.
@@ -55,6 +66,7 @@ struct ContextStats {
   int64_t evicted_memory = 0;      // contexts evicted because the host budget was full
   int64_t rejected_too_large = 0;  // forwards whose context alone exceeded the device budget
   int64_t rejected_quota = 0;      // forwards refused by --max-context-bytes-per-client
+  int64_t rejected_share = 0;      // forwards refused: their tenant over its fair share
   // Weight versions kept alive by live contexts (SavedTensors::shared_key), each counted once,
   // and their bytes. Reported beside the saved tensors; not part of the budgets above.
   int64_t pinned_weights = 0;
@@ -143,6 +155,10 @@ class ContextStore {
   // client's (metrics).
   int64_t live_bytes_of_client(const std::string& client) const;
   std::unordered_map<std::string, int64_t> live_bytes_by_client() const;
+  // Saved-tensor bytes of each tenant's live contexts, and each tenant's fair share of the two
+  // budgets now (among the tenants holding contexts), for metrics and tests.
+  std::unordered_map<std::string, int64_t> live_bytes_by_tenant() const;
+  int64_t fair_share_of(const std::string& tenant) const;
   // The module a live context belongs to (of `tenant` when given); empty when there is none.
   // Reads only the live-context index, whose lock is never held across an offload copy or an
   // eviction: safe on gRPC reactor threads, which must not wait behind memory moves.
@@ -176,10 +192,21 @@ class ContextStore {
   absl::Status FitsStatus(int64_t bytes) const;
   std::chrono::steady_clock::time_point Now() const;
   void TouchLocked(Iter it);
-  // Offloads least recently used contexts (never `keep`, never one in a backward) until `need`
-  // more bytes fit the device budget; false when they cannot.
+  // The next context to offload or evict among those `eligible` allows: the least recently used
+  // one of the tenant furthest over its fair share. entries_.end() when none is eligible.
+  Iter PickVictimLocked(const std::function<bool(const Entry&)>& eligible);
+  double WeightOf(const std::string& tenant) const;
+  // A tenant's fair share of the two budgets, among the tenants holding contexts and `joining`
+  // (a tenant about to hold one; may be null).
+  double ShareLocked(const std::string& tenant, const std::string* joining) const;
+  // RESOURCE_EXHAUSTED when storing `bytes` more for `tenant` would need an eviction while the
+  // tenant is over its share and another tenant holds contexts.
+  absl::Status CheckShareLocked(const std::string& tenant, int64_t bytes) const;
+  // Offloads contexts (never `keep`, never one in a backward; PickVictimLocked's order) until
+  // `need` more bytes fit the device budget; false when they cannot.
   bool MakeDeviceRoomLocked(int64_t need, const Entry* keep);
-  // Evicts least recently used offloaded contexts (never `keep`) until the host budget holds.
+  // Evicts offloaded contexts (never `keep`; PickVictimLocked's order) until the host budget
+  // holds.
   void EnforceHostLocked(const Entry* keep);
   // The budgets hold between public calls (within one, a swap may pass through more); peaks are
   // taken there.
@@ -199,6 +226,7 @@ class ContextStore {
     int64_t bytes = 0;
   };
   std::unordered_map<std::string, ClientCount> per_client_;
+  std::unordered_map<std::string, ClientCount> per_tenant_;  // only tenants holding contexts
   struct Pin {
     int64_t contexts = 0;
     int64_t bytes = 0;

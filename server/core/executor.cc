@@ -2,12 +2,21 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <chrono>
 #include <exception>
+#include <iterator>
 
 namespace gradwire::core {
 
-DeviceExecutor::DeviceExecutor(std::string name)
-    : name_(std::move(name)), worker_([this] { Run(); }) {}
+DeviceExecutor::DeviceExecutor(std::string name, Weights weights, Clock clock)
+    : name_(std::move(name)),
+      weights_(std::move(weights)),
+      clock_(clock ? std::move(clock) : Clock([] {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+      })),
+      worker_([this] { Run(); }) {}
 
 DeviceExecutor::~DeviceExecutor() {
   {
@@ -18,35 +27,87 @@ DeviceExecutor::~DeviceExecutor() {
   worker_.join();
 }
 
-void DeviceExecutor::Submit(std::function<void()> task) {
+double DeviceExecutor::WeightOf(const std::string& client) const {
+  auto it = weights_.find(client);
+  return it == weights_.end() || !(it->second > 0) ? 1.0 : it->second;
+}
+
+void DeviceExecutor::Submit(const std::string& client, std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(std::move(task));
+    Queue& q = queues_[client];
+    if (q.tasks.empty()) {
+      q.vtime = std::max(q.vtime, vtime_);  // no credit for the time it was idle
+      q.joined = ++joins_;
+    }
+    q.tasks.push_back(std::move(task));
+    ++queued_;
   }
   cv_.notify_one();
 }
 
 int64_t DeviceExecutor::queued() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return int64_t(tasks_.size());
+  return queued_;
+}
+
+int64_t DeviceExecutor::queued(const std::string& client) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = queues_.find(client);
+  return it == queues_.end() ? 0 : int64_t(it->second.tasks.size());
+}
+
+int64_t DeviceExecutor::clients() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return int64_t(queues_.size());
 }
 
 void DeviceExecutor::Run() {
   for (;;) {
     std::function<void()> task;
+    std::string client;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping and drained
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+      cv_.wait(lock, [this] { return stopping_ || queued_ > 0; });
+      if (queued_ == 0) return;  // stopping and drained
+      auto next = queues_.end();
+      // Idle clients are forgotten once they owe nothing (they would rejoin at the current
+      // virtual time anyway), or all at once when too many are kept.
+      const bool forget_all = int64_t(queues_.size()) > kMaxClients;
+      for (auto it = queues_.begin(); it != queues_.end();) {
+        if (it->second.tasks.empty()) {
+          it = forget_all || it->second.vtime <= vtime_ ? queues_.erase(it) : std::next(it);
+          continue;
+        }
+        if (next == queues_.end() || it->second.vtime < next->second.vtime ||
+            (it->second.vtime == next->second.vtime && it->second.joined < next->second.joined)) {
+          next = it;
+        }
+        ++it;
+      }
+      client = next->first;
+      vtime_ = next->second.vtime;
+      task = std::move(next->second.tasks.front());
+      next->second.tasks.pop_front();
+      --queued_;
     }
+    const double start = clock_();
     try {
       task();
     } catch (const std::exception& e) {
       spdlog::error("executor {}: task threw: {}", name_, e.what());
     } catch (...) {
       spdlog::error("executor {}: task threw a non-standard exception", name_);
+    }
+    task = nullptr;  // what it captured goes now, before the next task starts
+    const double seconds = std::max(0.0, clock_() - start);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = queues_.find(client);
+    it->second.vtime += seconds / WeightOf(client);
+    // Idle: the virtual time moves to the furthest any client has got, so clients that join
+    // later start level with everyone, and idle clients owe nothing (and are forgotten).
+    if (queued_ == 0) {
+      for (const auto& [name, q] : queues_) vtime_ = std::max(vtime_, q.vtime);
     }
   }
 }

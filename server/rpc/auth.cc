@@ -4,6 +4,8 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 
@@ -25,6 +27,28 @@ bool ValidToken(std::string_view t) {
            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                   c == '.' || c == '_' || c == '-' || c == '~' || c == '+' || c == '/' || c == '=';
          });
+}
+
+// Records `tenant`'s weight from `text`; `where` names the line or entry in errors.
+absl::Status AddWeight(Authenticator::TenantWeights* weights, std::string_view tenant,
+                       std::string_view text, const std::string& where) {
+  const std::string copy(text);
+  char* end = nullptr;
+  const double w = std::strtod(copy.c_str(), &end);
+  if (copy.empty() || end != copy.c_str() + copy.size() || !std::isfinite(w) || w <= 0 ||
+      w > Authenticator::kMaxWeight) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the weight \"", copy,
+                                                   "\" is not a number in (0, ",
+                                                   Authenticator::kMaxWeight, "]"));
+  }
+  if (weights == nullptr) return absl::OkStatus();
+  auto [it, inserted] = weights->emplace(std::string(tenant), w);
+  if (!inserted && it->second != w) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": tenant ", std::string(tenant),
+                                                   " was given weight ", it->second,
+                                                   " before, now ", w));
+  }
+  return absl::OkStatus();
 }
 
 std::string_view Trim(std::string_view s) {
@@ -81,7 +105,7 @@ absl::StatusOr<Authenticator> Authenticator::FromEntries(
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> Authenticator::ReadTokensFile(
-    const std::string& path) {
+    const std::string& path, TenantWeights* weights) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read tokens file ", path));
   std::vector<std::pair<std::string, std::string>> out;
@@ -95,10 +119,17 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> Authenticator::
           absl::StrCat(path, ":", number, ": want \"TENANT TOKEN\" (the token is missing)"));
     }
     const std::string_view tenant = l.substr(0, space);
-    const std::string_view token = Trim(l.substr(space + 1));
-    if (token.find_first_of(" \t") != std::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", number, ": want \"TENANT TOKEN\" (more than two fields)"));
+    std::string_view token = Trim(l.substr(space + 1));
+    if (const size_t gap = token.find_first_of(" \t"); gap != std::string_view::npos) {
+      const std::string_view weight = Trim(token.substr(gap + 1));
+      token = token.substr(0, gap);
+      if (weight.find_first_of(" \t") != std::string_view::npos) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ":", number, ": want \"TENANT TOKEN [WEIGHT]\" (more than three fields)"));
+      }
+      if (auto s = AddWeight(weights, tenant, weight, absl::StrCat(path, ":", number)); !s.ok()) {
+        return s;
+      }
     }
     out.emplace_back(std::string(tenant), std::string(token));
   }
@@ -107,12 +138,27 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> Authenticator::
 }
 
 absl::StatusOr<std::pair<std::string, std::string>> Authenticator::ParseInline(
-    std::string_view entry) {
+    std::string_view entry, TenantWeights* weights) {
   const size_t colon = entry.find(':');
   if (colon == std::string_view::npos || colon == 0 || colon + 1 == entry.size()) {
-    return absl::InvalidArgumentError("a --tokens entry must be TENANT:TOKEN");
+    return absl::InvalidArgumentError(
+        "a --tokens entry must be TENANT:TOKEN or TENANT:TOKEN:WEIGHT");
   }
-  return std::pair{std::string(entry.substr(0, colon)), std::string(entry.substr(colon + 1))};
+  const std::string_view tenant = entry.substr(0, colon);
+  std::string_view token = entry.substr(colon + 1);
+  if (const size_t second = token.find(':'); second != std::string_view::npos) {
+    const std::string_view weight = token.substr(second + 1);
+    token = token.substr(0, second);
+    if (token.empty()) {
+      return absl::InvalidArgumentError(
+          "a --tokens entry must be TENANT:TOKEN or TENANT:TOKEN:WEIGHT");
+    }
+    if (auto s = AddWeight(weights, tenant, weight, "--tokens " + std::string(tenant) + ":...");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return std::pair{std::string(tenant), std::string(token)};
 }
 
 absl::StatusOr<std::string> Authenticator::Authenticate(std::string_view authorization) const {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -24,12 +25,19 @@ class Authenticator {
   static absl::StatusOr<Authenticator> FromEntries(
       const std::vector<std::pair<std::string, std::string>>& entries);
 
-  // A tokens file: one "TENANT TOKEN" per line; blank lines and lines starting with # are skipped.
-  static absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadTokensFile(
-      const std::string& path);
+  // Each tenant's weight in the fair shares of context memory and of the device (default 1).
+  using TenantWeights = std::unordered_map<std::string, double>;
+  static constexpr double kMaxWeight = 1000;
 
-  // "TENANT:TOKEN" (the --tokens option's form).
-  static absl::StatusOr<std::pair<std::string, std::string>> ParseInline(std::string_view entry);
+  // A tokens file: one "TENANT TOKEN [WEIGHT]" per line; blank lines and lines starting with #
+  // are skipped. A WEIGHT (a number in (0, 1000]) goes into `weights` when given; a tenant may
+  // repeat its weight on several lines but not change it.
+  static absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadTokensFile(
+      const std::string& path, TenantWeights* weights = nullptr);
+
+  // "TENANT:TOKEN" or "TENANT:TOKEN:WEIGHT" (the --tokens option's form; tokens hold no colon).
+  static absl::StatusOr<std::pair<std::string, std::string>> ParseInline(
+      std::string_view entry, TenantWeights* weights = nullptr);
 
   // The tenant of an `authorization` header value "Bearer TOKEN"; UNAUTHENTICATED otherwise. Every
   // stored token is compared, whatever matches, so timing does not tell which one did.

@@ -63,7 +63,9 @@ void CallBase::SubmitTo(core::DeviceExecutor& executor, Admission admission,
   Ref();
   // The executor keeps copyable tasks; the admission rides in a shared holder.
   auto ticket = std::make_shared<Admission>(std::move(admission));
+  // Queued under its client, whose share of the device the executor keeps fair.
   executor.Submit(
+      caller_->client,
       [this, ticket = std::move(ticket), body = std::move(body), on_error = std::move(on_error)] {
         ticket->Release();
         absl::Status failed;

@@ -267,6 +267,81 @@ TEST(ContextStoreTest, PastTheHostBudgetTheOldestAreEvictedAndSaySo) {
   EXPECT_TRUE(Contains(store.Acquire(ids[1]).status(), "evicted"));
 }
 
+TEST(ContextStoreTest, AHeavyTenantCannotEvictALightTenantsContext) {
+  // Budgets of 16 + 16 units; tenant "a" holds one context, tenant "b" makes 40.
+  constexpr int64_t kU = 1000;
+  ContextStore store({16 * kU, 16 * kU, 0});
+  const std::string a = MustPut(store, kU, "a");
+  std::vector<std::string> b_ids;
+  int refused = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto id = store.Put("m", 1, Saved(kU), "b");
+    if (id.ok()) {
+      b_ids.push_back(*id);
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(Contains(id.status(), "fair share")) << id.status();
+  }
+  // "b" fills what "a" leaves (31 units: past its share of 16, nobody needed evicting) and is
+  // refused from then on; "a" keeps its context, on the device: "b" is offloaded first.
+  EXPECT_EQ(b_ids.size(), 31u);
+  EXPECT_EQ(refused, 9);
+  EXPECT_EQ(store.Locate(a), Residence::kDevice);
+  ContextStats s = store.stats();
+  EXPECT_EQ(s.evicted_memory, 0);
+  EXPECT_EQ(s.rejected_share, 9);
+  EXPECT_EQ(store.fair_share_of("a"), 16 * kU);
+  EXPECT_EQ(store.live_bytes_by_tenant().at("b"), 31 * kU);
+
+  // "a" within its share still gets memory: each of its forwards evicts one of "b"'s contexts,
+  // the least recently used first, and none of its own.
+  std::vector<std::string> a_ids{a};
+  for (int i = 0; i < 5; ++i) a_ids.push_back(MustPut(store, kU, "a"));
+  s = store.stats();
+  EXPECT_EQ(s.evicted_memory, 5);
+  for (const std::string& id : a_ids) EXPECT_NE(store.Locate(id), Residence::kNone) << id;
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(store.Locate(b_ids[size_t(i)]), Residence::kNone) << i;
+    EXPECT_TRUE(Contains(store.Acquire(b_ids[size_t(i)]).status(), "evicted"));
+  }
+  EXPECT_NE(store.Locate(b_ids[5]), Residence::kNone);
+  auto lease = store.Acquire(a);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(static_cast<FakeSaved&>(*lease->saved).Intact());
+  lease->saved.reset();
+  store.Finish(a, true, false);
+}
+
+TEST(ContextStoreTest, FairSharesFollowTheTenantWeights) {
+  constexpr int64_t kU = 1000;
+  ContextLimits limits{8 * kU, 8 * kU, 0};
+  limits.tenant_weights = {{"heavy", 3.0}};  // "light" weighs 1
+  ContextStore store(limits);
+  // Alone, a tenant's share is everything.
+  EXPECT_EQ(store.fair_share_of("light"), 16 * kU);
+  MustPut(store, kU, "heavy");
+  EXPECT_EQ(store.fair_share_of("heavy"), 16 * kU);  // the only tenant holding contexts
+  EXPECT_EQ(store.fair_share_of("light"), 4 * kU);   // were it to join
+  // "light" may take what is free, then is refused once past its share of 4 units...
+  int light = 0;
+  while (store.Put("m", 1, Saved(kU), "light").ok()) ++light;
+  EXPECT_EQ(light, 15);
+  EXPECT_EQ(store.fair_share_of("heavy"), 12 * kU);
+  // ...while "heavy", under its 12, evicts "light"'s contexts (the furthest over) for its own.
+  for (int i = 0; i < 11; ++i) MustPut(store, kU, "heavy");
+  EXPECT_EQ(store.live_bytes_by_tenant().at("heavy"), 12 * kU);
+  EXPECT_EQ(store.live_bytes_by_tenant().at("light"), 4 * kU);
+  EXPECT_EQ(store.stats().evicted_memory, 11);
+  // Both at their shares: a further forward of either is refused, and nothing is evicted.
+  EXPECT_EQ(store.Put("m", 1, Saved(kU), "heavy").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store.Put("m", 1, Saved(kU), "light").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store.stats().evicted_memory, 11);
+}
+
 TEST(ContextStoreTest, NoHostBudgetMeansEvictionInsteadOfOffload) {
   ContextStore store({1000, 0, 0});
   const std::string a = MustPut(store, 600);

@@ -101,7 +101,47 @@ TEST(AuthenticatorTest, ReadsTokensFiles) {
             absl::StatusCode::kNotFound);
   EXPECT_FALSE(Authenticator::ParseInline("alice").ok());
   EXPECT_FALSE(Authenticator::ParseInline(":token").ok());
-  EXPECT_EQ(Authenticator::ParseInline("alice:tok:en")->second, "tok:en");
+  EXPECT_FALSE(Authenticator::ParseInline("alice:tok:en").ok());  // "en" is no weight
+}
+
+TEST(TokensFileTest, AThirdColumnGivesTheTenantsWeight) {
+  const std::string path = WriteTemp(std::string("alice ") + kAliceToken + " 3\nbob " + kBobToken +
+                                     "\nalice " + kAliceToken + "x 3.0\n");
+  Authenticator::TenantWeights weights;
+  auto entries = Authenticator::ReadTokensFile(path, &weights);
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  EXPECT_EQ(entries->size(), 3u);
+  EXPECT_EQ((*entries)[0].second, kAliceToken);
+  ASSERT_EQ(weights.size(), 1u);  // bob has none: he weighs 1
+  EXPECT_EQ(weights.at("alice"), 3.0);
+  std::remove(path.c_str());
+
+  for (const char* weight : {"0", "-1", "nan", "inf", "1001", "2x", "1e9"}) {
+    const std::string bad = WriteTemp(std::string("alice ") + kAliceToken + " " + weight + "\n");
+    auto read = Authenticator::ReadTokensFile(bad, &weights);
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << weight;
+    EXPECT_NE(std::string(read.status().message()).find("weight"), std::string::npos)
+        << read.status();
+    EXPECT_EQ(std::string(read.status().message()).find(kAliceToken), std::string::npos);
+    std::remove(bad.c_str());
+  }
+  // A tenant cannot change its weight between lines.
+  const std::string twice =
+      WriteTemp(std::string("alice ") + kAliceToken + " 2\nalice " + kBobToken + " 5\n");
+  Authenticator::TenantWeights fresh;
+  EXPECT_FALSE(Authenticator::ReadTokensFile(twice, &fresh).ok());
+  std::remove(twice.c_str());
+
+  // The inline form: TENANT:TOKEN:WEIGHT.
+  Authenticator::TenantWeights inline_weights;
+  auto parsed =
+      Authenticator::ParseInline(std::string("bob:") + kBobToken + ":0.5", &inline_weights);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->second, kBobToken);
+  EXPECT_EQ(inline_weights.at("bob"), 0.5);
+  EXPECT_FALSE(
+      Authenticator::ParseInline(std::string("bob:") + kBobToken + ":0", &inline_weights).ok());
+  EXPECT_FALSE(Authenticator::ParseInline("bob::2", &inline_weights).ok());
 }
 
 class TenantTest : public ::testing::Test {
@@ -247,6 +287,44 @@ TEST_F(TenantTest, TrainStreamsAreIsolatedToo) {
   auto refused = anonymous->OpenTrainStream();
   EXPECT_FALSE(refused->Read().has_value());
   EXPECT_EQ(refused->Finish().code(), absl::StatusCode::kUnauthenticated);
+}
+
+// A tenant filling context memory cannot evict another tenant's contexts: past its fair share it
+// gets RESOURCE_EXHAUSTED, and the other tenant's backward still works.
+TEST(TenantFairShareTest, AHeavyTenantIsRefusedInsteadOfEvictingALightOne) {
+  auto made = Authenticator::FromEntries({{"alice", kAliceToken}, {"bob", kBobToken}});
+  ASSERT_TRUE(made.ok());
+  testing::TestServerOptions o;
+  o.authenticator = &*made;
+  // Linear 64 -> 8 with 16 rows saves 16 * 64 = 1024 bytes of FP8 codes per context.
+  o.context_limits = {/*device_bytes=*/16 * 1024, /*host_bytes=*/16 * 1024, /*ttl_seconds=*/0};
+  testing::TestServer server(o);
+  ASSERT_TRUE(server.ok());
+  auto alice = server.Connect(kAliceToken);
+  auto bob = server.Connect(kBobToken);
+  const std::string a_module = alice->CreateModule(testing::LinearSpec(64, 8))->module_id();
+  const std::string b_module = bob->CreateModule(testing::LinearSpec(64, 8))->module_id();
+  auto a_fwd = alice->Forward(a_module, Random({16, 64}), true);
+  ASSERT_TRUE(a_fwd.ok()) << a_fwd.status();
+  int accepted = 0, refused = 0;
+  for (int i = 0; i < 40; ++i) {
+    auto f = bob->Forward(b_module, Random({16, 64}), true);
+    if (f.ok()) {
+      ++accepted;
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kResourceExhausted) << f.status();
+    EXPECT_NE(std::string(f.status().message()).find("fair share"), std::string::npos)
+        << f.status();
+  }
+  EXPECT_EQ(accepted, 31);  // what alice leaves of the 32 KiB, then refused
+  EXPECT_EQ(refused, 9);
+  const core::ContextStats s = server.host().Stats().contexts;
+  EXPECT_EQ(s.evicted_memory, 0);
+  EXPECT_EQ(s.rejected_share, 9);
+  auto back = alice->Backward(a_fwd->context_id, Random({16, 8}));
+  EXPECT_TRUE(back.ok()) << back.status();
 }
 
 }  // namespace

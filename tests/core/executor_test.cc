@@ -1,0 +1,170 @@
+// The device executor's scheduling: submission order within a client, weighted fair shares of
+// run time between clients, no credit for idle time, and no state kept for clients gone idle.
+#include "server/core/executor.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace gradwire::core {
+namespace {
+
+// Records which client's task ran, in order, on a clock of its own that a task advances by its
+// cost: the run times the executor measures are exact, whatever the machine's load.
+class Log {
+ public:
+  DeviceExecutor::Clock clock() {
+    return [this] { return now_.load(); };
+  }
+  std::function<void()> Task(const std::string& client, double cost = 0) {
+    return [this, client, cost] {
+      now_.store(now_.load() + cost);
+      std::lock_guard<std::mutex> lock(mu_);
+      order_.push_back(client);
+    };
+  }
+  std::vector<std::string> order() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return order_;
+  }
+
+ private:
+  std::atomic<double> now_{0};
+  mutable std::mutex mu_;
+  std::vector<std::string> order_;
+};
+
+// Holds the worker in a task until Open(), so a test can queue everything first. Submit returns
+// once the worker is inside it.
+struct Gate {
+  std::promise<void> open, entered;
+  std::shared_future<void> opened = open.get_future().share();
+  void Submit(DeviceExecutor& executor) {
+    executor.Submit("gate", [this, f = opened] {
+      entered.set_value();
+      f.wait();
+    });
+    entered.get_future().wait();
+  }
+  void Open() { open.set_value(); }
+};
+
+// Returns when every task submitted so far has finished. (A task submitted now would be a new
+// client's and could run before the queued ones: it is submitted once none is left queued, and
+// then runs after the one running.)
+void Drain(DeviceExecutor& executor) {
+  while (executor.queued() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::promise<void> done;
+  executor.Submit("drain", [&done] { done.set_value(); });
+  done.get_future().wait();
+}
+
+TEST(ExecutorTest, OneClientsTasksRunInSubmissionOrder) {
+  Log log;
+  std::vector<std::string> want;
+  {
+    DeviceExecutor executor("test");
+    for (int i = 0; i < 200; ++i) {
+      want.push_back("c" + std::to_string(i));
+      executor.Submit("client", [&log, name = want.back()] { log.Task(name)(); });
+    }
+  }  // the destructor runs what was queued
+  EXPECT_EQ(log.order(), want);
+}
+
+TEST(ExecutorTest, ALightClientDoesNotWaitBehindAHeavyBacklog) {
+  Log log;
+  DeviceExecutor executor("test", {}, log.clock());
+  Gate gate;
+  gate.Submit(executor);
+  for (int i = 0; i < 32; ++i) executor.Submit("heavy", log.Task("heavy", 1e-3));
+  executor.Submit("light", log.Task("light", 1e-3));
+  EXPECT_EQ(executor.queued(), 33);
+  EXPECT_EQ(executor.queued("heavy"), 32);
+  EXPECT_EQ(executor.queued("light"), 1);
+  gate.Open();
+  Drain(executor);
+  const std::vector<std::string> order = log.order();
+  ASSERT_EQ(order.size(), 33u);
+  // In arrival order it would run 33rd; here it waits for one heavy task at most.
+  int light_at = -1;
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (order[i] == "light") light_at = int(i);
+  }
+  EXPECT_LE(light_at, 1);
+  EXPECT_GE(light_at, 0);
+}
+
+TEST(ExecutorTest, ClientsShareRunTimeByWeight) {
+  Log log;
+  DeviceExecutor executor("test", {{"a", 3.0}}, log.clock());  // "b" weighs 1
+  Gate gate;
+  gate.Submit(executor);
+  // "a" queues all of its tasks first: in arrival order it would have the first 40 runs.
+  for (int i = 0; i < 40; ++i) executor.Submit("a", log.Task("a", 2e-3));
+  for (int i = 0; i < 40; ++i) executor.Submit("b", log.Task("b", 2e-3));
+  gate.Open();
+  Drain(executor);
+  const std::vector<std::string> order = log.order();
+  ASSERT_EQ(order.size(), 80u);
+  int a_first = 0;
+  for (int i = 0; i < 40; ++i) a_first += order[size_t(i)] == "a";
+  // Three of every four runs while both are queued (30 of 40); equal weights would give 20.
+  EXPECT_GE(a_first, 29) << "a ran " << a_first << " of the first 40";
+  EXPECT_LE(a_first, 31) << "a ran " << a_first << " of the first 40";
+}
+
+TEST(ExecutorTest, AClientThatWasIdleGetsNoCredit) {
+  Log log;
+  DeviceExecutor executor("test", {}, log.clock());
+  for (int i = 0; i < 20; ++i) executor.Submit("a", log.Task("a", 1e-3));
+  Drain(executor);
+  // "b" was idle while "a" ran alone; now both queue 20 tasks: they alternate, and "b" does not
+  // get a run of its own to catch up.
+  Gate gate;
+  gate.Submit(executor);
+  for (int i = 0; i < 20; ++i) executor.Submit("b", log.Task("b", 1e-3));
+  for (int i = 0; i < 20; ++i) executor.Submit("a", log.Task("a", 1e-3));
+  gate.Open();
+  Drain(executor);
+  const std::vector<std::string> order = log.order();
+  ASSERT_EQ(order.size(), 60u);
+  int longest_b = 0, run = 0, b_in_first_20 = 0;
+  for (size_t i = 20; i < order.size(); ++i) {
+    run = order[i] == "b" ? run + 1 : 0;
+    longest_b = std::max(longest_b, run);
+    if (i < 40) b_in_first_20 += order[i] == "b";
+  }
+  EXPECT_LE(longest_b, 1);
+  EXPECT_GE(b_in_first_20, 9);
+  EXPECT_LE(b_in_first_20, 11);
+}
+
+TEST(ExecutorTest, TheStateKeptForIdleClientsIsBounded) {
+  Log log;
+  DeviceExecutor executor("test", {}, log.clock());
+  // One-off clients, one after another: each leaves owing its task's run time.
+  for (int i = 0; i < 3000; ++i) {
+    std::promise<void> done;
+    executor.Submit("client-" + std::to_string(i), [&done, task = log.Task("x", 1e-3)] {
+      task();
+      done.set_value();
+    });
+    done.get_future().wait();
+  }
+  Drain(executor);
+  EXPECT_LE(executor.clients(), DeviceExecutor::kMaxClients + 2);
+  // Once idle, the executor's virtual time passes every debt: the next task forgets them all.
+  executor.Submit("last", [] {});
+  Drain(executor);
+  EXPECT_LE(executor.clients(), 2);
+}
+
+}  // namespace
+}  // namespace gradwire::core
