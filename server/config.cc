@@ -81,8 +81,10 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
   app.add_option("--log-format", config.log_format,
-                 "text, or json: one JSON object a line (time, level, msg; RPC lines also carry "
-                 "method, code, duration_ms, module, context)")
+                 "text, or json: one JSON object a line (time in UTC, level, msg, and the call's "
+                 "request_id and parent_id in lines about a call; RPC lines also carry method, "
+                 "code, duration_ms, module, context, tenant, error). The request id is the "
+                 "trace-id of the client's W3C traceparent, or one made for the call")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
   app.add_option("--max-message-mib", config.max_message_mib,

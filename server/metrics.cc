@@ -1,156 +1,204 @@
 #include "server/metrics.h"
 
-#include <cmath>
-#include <sstream>
+#include <prometheus/text_serializer.h>
 
+#include <chrono>
+#include <utility>
+
+#include "absl/status/status.h"
 #include "server/core/fp8_ops.h"
 
 namespace gradwire::server {
 namespace {
 
-// Label values escape backslash, quote and newline.
-std::string Escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '\\' || c == '"') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
-}
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
 
-// A label value from a client: at most 64 bytes of it (names may be up to 256), escaped.
+// A label value that comes from a client (module names may be 256 bytes): its first 64 bytes.
+// The server hands out only printable ASCII here (rpc/boundary.h), so a cut splits no character.
 std::string Label(const std::string& s) {
   constexpr size_t kMax = 64;
-  return s.size() <= kMax ? Escape(s) : Escape(s.substr(0, kMax)) + "...";
+  return s.size() <= kMax ? s : s.substr(0, kMax) + "...";
 }
 
-std::string Number(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
-  std::ostringstream s;
-  s.precision(17);
-  s << v;
-  return s.str();
+MetricFamily Family(const char* name, MetricType type, const char* help) {
+  MetricFamily f;
+  f.name = name;
+  f.type = type;
+  f.help = help;
+  return f;
 }
 
-void Header(std::ostringstream& out, const char* name, const char* type, const char* help) {
-  out << "# HELP " << name << ' ' << help << "\n# TYPE " << name << ' ' << type << '\n';
+ClientMetric Sample(double value, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;  // the serializer reads the field of the family's type
+  m.counter.value = value;
+  return m;
+}
+
+MetricFamily Single(const char* name, MetricType type, const char* help, double value) {
+  MetricFamily f = Family(name, type, help);
+  f.metric.push_back(Sample(value));
+  return f;
 }
 
 // A gauge with a device and a host sample (label memory).
-void ByMemory(std::ostringstream& out, const char* name, const char* help, int64_t device,
-              int64_t host) {
-  Header(out, name, "gauge", help);
-  out << name << "{memory=\"device\"} " << device << '\n';
-  out << name << "{memory=\"host\"} " << host << '\n';
-}
-
-// A metric with one unlabelled sample.
-template <typename V>
-void Single(std::ostringstream& out, const char* name, const char* type, const char* help,
-            const V& value) {
-  Header(out, name, type, help);
-  out << name << ' ' << value << '\n';
+MetricFamily ByMemory(const char* name, const char* help, int64_t device, int64_t host) {
+  MetricFamily f = Family(name, MetricType::Gauge, help);
+  f.metric.push_back(Sample(double(device), {{"memory", "device"}}));
+  f.metric.push_back(Sample(double(host), {{"memory", "host"}}));
+  return f;
 }
 
 }  // namespace
 
-void Metrics::ObserveRpc(const std::string& method, absl::StatusCode code, double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
-  ++calls_[{method, absl::StatusCodeToString(code)}];
-  Histogram& h = latency_[method];
-  size_t b = 0;
-  while (b < kBuckets.size() && seconds > kBuckets[b]) ++b;
-  if (b < kBuckets.size()) ++h.buckets[b];
-  ++h.count;
-  h.sum += seconds;
+const std::vector<double>& Metrics::LatencyBuckets() {
+  static const std::vector<double> buckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                              0.1,    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
+  return buckets;
 }
 
-std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queued,
-                            const std::vector<rpc::ClientUsage>& usage) const {
-  std::ostringstream out;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Header(out, "gradwire_rpc_total", "counter", "RPCs finished, by method and status code.");
-    for (const auto& [key, n] : calls_) {
-      out << "gradwire_rpc_total{method=\"" << Escape(key.first) << "\",code=\""
-          << Escape(key.second) << "\"} " << n << '\n';
-    }
-    Header(out, "gradwire_rpc_duration_seconds", "histogram",
-           "Time from a call's arrival to its status, by method.");
-    for (const auto& [method, h] : latency_) {
-      int64_t cumulative = 0;
-      for (size_t b = 0; b < kBuckets.size(); ++b) {
-        cumulative += h.buckets[b];
-        out << "gradwire_rpc_duration_seconds_bucket{method=\"" << Escape(method) << "\",le=\""
-            << Number(kBuckets[b]) << "\"} " << cumulative << '\n';
-      }
-      out << "gradwire_rpc_duration_seconds_bucket{method=\"" << Escape(method)
-          << "\",le=\"+Inf\"} " << h.count << '\n';
-      out << "gradwire_rpc_duration_seconds_sum{method=\"" << Escape(method) << "\"} "
-          << Number(h.sum) << '\n';
-      out << "gradwire_rpc_duration_seconds_count{method=\"" << Escape(method) << "\"} " << h.count
-          << '\n';
-    }
+const std::vector<double>& Metrics::QueueWaitBuckets() {
+  static const std::vector<double> buckets = {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                                              0.005,   0.01,   0.025,   0.05,   0.1,   0.25,
+                                              0.5,     1.0,    2.5,     5.0,    10.0};
+  return buckets;
+}
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      calls_(prometheus::BuildCounter()
+                 .Name("gradwire_rpc_total")
+                 .Help("RPCs finished, by method and status code.")
+                 .Register(*registry_)),
+      latency_(prometheus::BuildHistogram()
+                   .Name("gradwire_rpc_duration_seconds")
+                   .Help("Time from a call's arrival to its status, by method.")
+                   .Register(*registry_)),
+      client_latency_(prometheus::BuildHistogram()
+                          .Name("gradwire_client_rpc_duration_seconds")
+                          .Help("Time from a call's arrival to its status, by client (its tenant "
+                                "with tokens, else its peer host) and method.")
+                          .Register(*registry_)),
+      queue_wait_(prometheus::BuildHistogram()
+                      .Name("gradwire_queue_wait_seconds")
+                      .Help("Time a call's work waited for the device executor (the control "
+                            "thread for CreateModule and DeleteModule), by method; each Train "
+                            "message counts once.")
+                      .Register(*registry_)),
+      build_info_(prometheus::BuildGauge()
+                      .Name("gradwire_build_info")
+                      .Help("1, labelled with the server's version and device.")
+                      .Register(*registry_)) {
+  // Its change is how a restart shows (deploy/observability: GradwireRestarted).
+  prometheus::BuildGauge()
+      .Name("gradwire_start_time_seconds")
+      .Help("When this server process started, seconds since the Unix epoch.")
+      .Register(*registry_)
+      .Add({})
+      .Set(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+               .count());
+}
+
+template <typename T, typename... Args>
+T& Metrics::Series(prometheus::Family<T>& family, const prometheus::Labels& labels,
+                   Args&&... args) {
+  std::lock_guard<std::mutex> lock(series_mu_);
+  void*& series = series_[{&family, labels}];
+  if (series == nullptr) series = &family.Add(labels, std::forward<Args>(args)...);
+  return *static_cast<T*>(series);
+}
+
+void Metrics::ObserveRpc(const rpc::RpcRecord& r) {
+  Series(calls_, {{"method", r.method}, {"code", absl::StatusCodeToString(r.code)}}).Increment();
+  Series(latency_, {{"method", r.method}}, LatencyBuckets()).Observe(r.seconds);
+  if (!r.client.empty()) {
+    Series(client_latency_, {{"client", Label(r.client)}, {"method", r.method}}, LatencyBuckets())
+        .Observe(r.seconds);
   }
+}
+
+void Metrics::ObserveQueueWait(const char* method, double seconds) {
+  Series(queue_wait_, {{"method", method}}, QueueWaitBuckets()).Observe(seconds);
+}
+
+void Metrics::SetBuildInfo(const std::string& version, const std::string& device) {
+  build_info_.Add({{"version", version}, {"device", device}}).Set(1);
+}
+
+std::vector<MetricFamily> Metrics::State(const core::ModuleHost& host, int64_t executor_queued,
+                                         const std::vector<rpc::ClientUsage>& usage) {
+  constexpr MetricType kGauge = MetricType::Gauge, kCounter = MetricType::Counter;
+  std::vector<MetricFamily> out;
   const core::HostStats stats = host.Stats();
-  Single(out, "gradwire_modules", "gauge", "Modules hosted.", stats.modules);
-  Single(out, "gradwire_live_contexts", "gauge", "Training contexts waiting for a backward.",
-         stats.live_contexts);
+  out.push_back(Single("gradwire_modules", kGauge, "Modules hosted.", double(stats.modules)));
+  out.push_back(Single("gradwire_live_contexts", kGauge,
+                       "Training contexts waiting for a backward.", double(stats.live_contexts)));
   if (executor_queued >= 0) {
-    Single(out, "gradwire_executor_queued_tasks", "gauge",
-           "Work accepted and waiting for the device executor, not yet started.", executor_queued);
+    out.push_back(Single("gradwire_executor_queued_tasks", kGauge,
+                         "Work accepted and waiting for the device executor, not yet started.",
+                         double(executor_queued)));
   }
   const core::ContextStats& c = stats.contexts;
-  Single(out, "gradwire_offloaded_contexts", "gauge",
-         "Live contexts whose saved tensors are offloaded to host memory.", c.offloaded);
-  ByMemory(out, "gradwire_context_bytes",
-           "Bytes of saved tensors held by live contexts, on the device and offloaded to host.",
-           c.device_bytes, c.host_bytes);
-  Single(out, "gradwire_pinned_weight_bytes", "gauge",
-         "FP8 weights of the weight versions live contexts keep for their backward, each version "
-         "counted once (not part of the context budgets).",
-         c.weight_bytes);
-  Single(out, "gradwire_pinned_weight_bytes_peak", "gauge",
-         "Most bytes of pinned weight versions held at once since start.", c.peak_weight_bytes);
+  out.push_back(Single("gradwire_offloaded_contexts", kGauge,
+                       "Live contexts whose saved tensors are offloaded to host memory.",
+                       double(c.offloaded)));
+  out.push_back(
+      ByMemory("gradwire_context_bytes",
+               "Bytes of saved tensors held by live contexts, on the device and offloaded to host.",
+               c.device_bytes, c.host_bytes));
+  out.push_back(Single("gradwire_pinned_weight_bytes", kGauge,
+                       "FP8 weights of the weight versions live contexts keep for their backward, "
+                       "each version counted once (not part of the context budgets).",
+                       double(c.weight_bytes)));
+  out.push_back(Single("gradwire_pinned_weight_bytes_peak", kGauge,
+                       "Most bytes of pinned weight versions held at once since start.",
+                       double(c.peak_weight_bytes)));
   const core::ContextLimits& limits = host.contexts().limits();
-  ByMemory(out, "gradwire_context_budget_bytes",
-           "Budgets of saved-tensor bytes: --context-memory (device) and --host-offload-memory.",
-           limits.device_bytes, limits.host_bytes);
-  Single(out, "gradwire_pinned_weight_versions", "gauge",
-         "Weight versions held by live contexts (the current one too while a context uses it).",
-         c.pinned_weights);
-  ByMemory(out, "gradwire_context_bytes_peak",
-           "Most bytes of saved tensors held at once since start (never above the budget).",
-           c.peak_device_bytes, c.peak_host_bytes);
-  Single(out, "gradwire_context_offloads_total", "counter",
-         "Contexts moved to host memory to keep the device budget.", c.offloads);
-  Single(out, "gradwire_context_restores_total", "counter",
-         "Offloaded contexts brought back to the device for their backward.", c.restores);
-  Header(out, "gradwire_context_evictions_total", "counter",
-         "Contexts evicted before their backward, by reason.");
-  out << "gradwire_context_evictions_total{reason=\"ttl\"} " << c.evicted_ttl << '\n';
-  out << "gradwire_context_evictions_total{reason=\"memory\"} " << c.evicted_memory << '\n';
-  Single(out, "gradwire_context_rejections_total", "counter",
-         "Training forwards refused because their context alone exceeded the device budget.",
-         c.rejected_too_large);
-  Single(out, "gradwire_workspace_builds_total", "counter",
-         "FP8 weight casts: weight-workspace cache misses.", stats.workspace_builds);
-  Single(out, "gradwire_workspace_hits_total", "counter", "Weight-workspace cache hits.",
-         stats.workspace_hits);
+  out.push_back(ByMemory(
+      "gradwire_context_budget_bytes",
+      "Budgets of saved-tensor bytes: --context-memory (device) and --host-offload-memory.",
+      limits.device_bytes, limits.host_bytes));
+  out.push_back(
+      Single("gradwire_pinned_weight_versions", kGauge,
+             "Weight versions held by live contexts (the current one too while a context uses it).",
+             double(c.pinned_weights)));
+  out.push_back(ByMemory("gradwire_context_bytes_peak",
+                         "Most bytes of saved tensors held at once since start (never above the "
+                         "budget).",
+                         c.peak_device_bytes, c.peak_host_bytes));
+  out.push_back(Single("gradwire_context_offloads_total", kCounter,
+                       "Contexts moved to host memory to keep the device budget.",
+                       double(c.offloads)));
+  out.push_back(Single("gradwire_context_restores_total", kCounter,
+                       "Offloaded contexts brought back to the device for their backward.",
+                       double(c.restores)));
+  MetricFamily evictions = Family("gradwire_context_evictions_total", kCounter,
+                                  "Contexts evicted before their backward, by reason.");
+  evictions.metric.push_back(Sample(double(c.evicted_ttl), {{"reason", "ttl"}}));
+  evictions.metric.push_back(Sample(double(c.evicted_memory), {{"reason", "memory"}}));
+  out.push_back(std::move(evictions));
+  out.push_back(
+      Single("gradwire_context_rejections_total", kCounter,
+             "Training forwards refused because their context alone exceeded the device budget.",
+             double(c.rejected_too_large)));
+  out.push_back(Single("gradwire_workspace_builds_total", kCounter,
+                       "FP8 weight casts: weight-workspace cache misses.",
+                       double(stats.workspace_builds)));
+  out.push_back(Single("gradwire_workspace_hits_total", kCounter, "Weight-workspace cache hits.",
+                       double(stats.workspace_hits)));
   const core::GemmCounters gemm = core::GemmTotals();
-  Single(out, "gradwire_gemm_flops_total", "counter", "Floating-point operations of FP8 GEMMs.",
-         Number(gemm.flops));
-  Single(out, "gradwire_gemm_seconds_total", "counter",
-         "Time spent in FP8 GEMMs (achieved FLOP/s = rate(flops) / rate(seconds)).",
-         Number(gemm.seconds));
+  out.push_back(Single("gradwire_gemm_flops_total", kCounter,
+                       "Floating-point operations of FP8 GEMMs.", gemm.flops));
+  out.push_back(Single("gradwire_gemm_seconds_total", kCounter,
+                       "Time spent in FP8 GEMMs (achieved FLOP/s = rate(flops) / rate(seconds)).",
+                       gemm.seconds));
+  out.push_back(Single("gradwire_context_quota_rejections_total", kCounter,
+                       "Training forwards refused by --max-context-bytes-per-client.",
+                       double(c.rejected_quota)));
 
-  Single(out, "gradwire_context_quota_rejections_total", "counter",
-         "Training forwards refused by --max-context-bytes-per-client.", c.rejected_quota);
   struct Gauge {
     const char* name;
     const char* help;
@@ -172,35 +220,44 @@ std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queue
        &rpc::ClientUsage::queued},
   };
   for (const Gauge& g : kUsage) {
-    Header(out, g.name, "gauge", g.help);
+    MetricFamily f = Family(g.name, kGauge, g.help);
     for (const rpc::ClientUsage& u : usage) {
-      out << g.name << "{client=\"" << Label(u.client) << "\"} " << u.*g.field << '\n';
+      f.metric.push_back(Sample(double(u.*g.field), {{"client", Label(u.client)}}));
     }
+    out.push_back(std::move(f));
   }
 
-  Header(out, "gradwire_module_weight_version", "gauge", "Weight version of each module.");
-  std::ostringstream scale, amax;
+  MetricFamily version =
+      Family("gradwire_module_weight_version", kGauge, "Weight version of each module.");
+  MetricFamily scale = Family(
+      "gradwire_fp8_scale", kGauge,
+      "Scale the next cast of each tensor role uses (delayed scaling), 1 under current scaling.");
+  MetricFamily amax =
+      Family("gradwire_fp8_amax", kGauge, "Amax of the last step's cast of each tensor role.");
   for (const core::ModuleInfo& m : host.List()) {
-    const std::string labels =
-        "module=\"" + Label(m.module_id) + "\",name=\"" + Label(m.spec.name) + "\"";
-    out << "gradwire_module_weight_version{" << labels << "} " << m.weight_version << '\n';
+    const std::vector<ClientMetric::Label> labels = {{"module", Label(m.module_id)},
+                                                     {"name", Label(m.spec.name)}};
+    version.metric.push_back(Sample(double(m.weight_version), labels));
     auto roles = host.Scaling(m.module_id);
     if (!roles.ok()) continue;  // deleted meanwhile
     for (const core::RoleScaling& r : *roles) {
-      const std::string role = labels + ",role=\"" + Escape(r.role) + "\"";
-      scale << "gradwire_fp8_scale{" << role << "} " << Number(r.scale) << '\n';
-      if (!r.history.empty()) {
-        amax << "gradwire_fp8_amax{" << role << "} " << Number(r.history.front()) << '\n';
-      }
+      std::vector<ClientMetric::Label> role = labels;
+      role.push_back({"role", r.role});
+      scale.metric.push_back(Sample(r.scale, role));
+      if (!r.history.empty()) amax.metric.push_back(Sample(r.history.front(), std::move(role)));
     }
   }
-  Header(
-      out, "gradwire_fp8_scale", "gauge",
-      "Scale the next cast of each tensor role uses (delayed scaling), 1 under current scaling.");
-  out << scale.str();
-  Header(out, "gradwire_fp8_amax", "gauge", "Amax of the last step's cast of each tensor role.");
-  out << amax.str();
-  return out.str();
+  out.push_back(std::move(version));
+  out.push_back(std::move(scale));
+  out.push_back(std::move(amax));
+  return out;
+}
+
+std::string Metrics::Render(const core::ModuleHost& host, int64_t executor_queued,
+                            const std::vector<rpc::ClientUsage>& usage) const {
+  std::vector<MetricFamily> all = registry_->Collect();
+  for (MetricFamily& f : State(host, executor_queued, usage)) all.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(all);
 }
 
 }  // namespace gradwire::server

@@ -1,45 +1,79 @@
-// Prometheus metrics of gradwire-server: RPC counts and latency histograms by method and status,
-// live contexts and their bytes, workspace-cache hits and misses, per-module weight versions and
-// FP8 scaling state, and GEMM work. Rendered in the Prometheus text format (version 0.0.4).
+// Prometheus metrics of gradwire-server, through prometheus-cpp: RPC counts by method and status,
+// latency histograms by method and by client, time in the executor's queue, live contexts and
+// their bytes, workspace-cache hits and misses, per-module weight versions and FP8 scaling state,
+// GEMM work, and the process's start time and build.
+//
+// Two kinds of metric, one exposition: what calls add up (counters and histograms) lives in a
+// prometheus-cpp Registry and is updated as calls finish; what the server holds now (contexts,
+// modules, quotas, GEMM totals) is read at each scrape (State), so a scrape sees one consistent
+// reading of the host instead of gauges updated from many places.
 #pragma once
 
-#include <array>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "server/core/module_host.h"
+#include "server/rpc/service.h"
 #include "server/rpc/usage.h"
 
 namespace gradwire::server {
 
 class Metrics {
  public:
-  // Upper bounds (seconds) of the latency histogram buckets; +Inf is implied.
-  static constexpr std::array<double, 14> kBuckets = {
-      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+  // Upper bounds (seconds) of the latency histograms' buckets; +Inf is implied.
+  static const std::vector<double>& LatencyBuckets();
+  // Upper bounds (seconds) of the queue-wait histogram's buckets: a wait is often well under a
+  // millisecond, so they start lower.
+  static const std::vector<double>& QueueWaitBuckets();
 
-  // One finished RPC.
-  void ObserveRpc(const std::string& method, absl::StatusCode code, double seconds);
+  Metrics();
 
-  // The whole exposition: RPC metrics plus the host's state as it is now, and the device
-  // executor's backlog when `executor_queued` >= 0, and each client's use of its quotas.
+  // One finished RPC: counted by method and code; its time from arrival to status observed by
+  // method, and by client and method when it has a client (authentication passed).
+  void ObserveRpc(const rpc::RpcRecord& r);
+  // How long a call's work (or one Train message) waited for the executor before it started.
+  void ObserveQueueWait(const char* method, double seconds);
+  // gradwire_build_info{version, device}: set once the server knows its backend.
+  void SetBuildInfo(const std::string& version, const std::string& device);
+
+  // What the server holds now, read when called: the host's state, the device executor's backlog
+  // when `executor_queued` >= 0, and each client's use of its quotas.
+  static std::vector<prometheus::MetricFamily> State(
+      const core::ModuleHost& host, int64_t executor_queued = -1,
+      const std::vector<rpc::ClientUsage>& usage = {});
+
+  // The whole exposition in the Prometheus text format (prometheus-cpp's serializer): the
+  // registry's counters and histograms, then State(). What a scrape of /metrics gets.
   std::string Render(const core::ModuleHost& host, int64_t executor_queued = -1,
                      const std::vector<rpc::ClientUsage>& usage = {}) const;
 
  private:
-  struct Histogram {
-    std::array<int64_t, kBuckets.size()> buckets{};  // non-cumulative counts per bucket
-    int64_t count = 0;
-    double sum = 0;
-  };
-  mutable std::mutex mu_;
-  std::map<std::pair<std::string, std::string>, int64_t> calls_;  // (method, code) -> count
-  std::map<std::string, Histogram> latency_;                      // method -> histogram
+  // The series of `family` with `labels`, made on first use. prometheus-cpp's Family::Add builds
+  // a fresh metric (a histogram's buckets) on every call before it finds the existing one, so
+  // the hot path looks its series up here instead.
+  template <typename T, typename... Args>
+  T& Series(prometheus::Family<T>& family, const prometheus::Labels& labels, Args&&... args);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& calls_;
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Family<prometheus::Histogram>& client_latency_;
+  prometheus::Family<prometheus::Histogram>& queue_wait_;
+  prometheus::Family<prometheus::Gauge>& build_info_;
+  std::mutex series_mu_;
+  std::map<std::pair<const void*, prometheus::Labels>, void*> series_;  // guarded by series_mu_
 };
 
 }  // namespace gradwire::server

@@ -87,7 +87,11 @@ absl::Status WritePortFile(const std::string& path, const std::string& address) 
 
 }  // namespace
 
-// The Prometheus endpoint: a small HTTP server on a thread of its own, off the gRPC path.
+// The Prometheus endpoint: a small HTTP server (cpp-httplib) on a thread of its own, off the gRPC
+// path, serving prometheus-cpp's exposition of the metrics (Metrics::Render). Not prometheus-cpp's
+// own Exposer: Debian builds its civetweb with a fixed 100 KiB thread stack, smaller than the
+// static TLS of the libraries this process loads (cuBLASLt, OpenBLAS, ...), so civetweb cannot
+// start its threads here (pthread_create: EINVAL). docs/observability.md says more.
 class Server::MetricsEndpoint {
  public:
   // Binds `listen` (a bare port binds loopback: the page names clients and module ids).
@@ -135,7 +139,8 @@ class Server::MetricsEndpoint {
     }
     e->address_ = host + ":" + std::to_string(bound);
     e->thread_ = std::thread([http = &e->http_] { http->listen_after_bind(); });
-    spdlog::info("metrics on http://{}/metrics", e->address_);
+    spdlog::info("metrics on http://{}/metrics{}", e->address_,
+                 token.empty() ? "" : " (bearer token required)");
     return e;
   }
   ~MetricsEndpoint() { Stop(); }
@@ -257,9 +262,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   service.on_rpc_done = [metrics = &s->metrics_,
                          then = std::move(service.on_rpc_done)](const rpc::RpcRecord& r) {
-    metrics->ObserveRpc(r.method, r.code, r.seconds);
+    metrics->ObserveRpc(r);
     if (then) then(r);
   };
+  service.on_queue_wait = [metrics = &s->metrics_, then = std::move(service.on_queue_wait)](
+                              const char* method, double seconds) {
+    metrics->ObserveQueueWait(method, seconds);
+    if (then) then(method, seconds);
+  };
+  s->metrics_.SetBuildInfo(o.service.version, device);
   s->service_ =
       std::make_unique<rpc::GradwireService>(*s->host_, *s->executor_, std::move(service));
   if (!o.metrics_listen.empty()) {

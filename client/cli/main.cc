@@ -1,5 +1,8 @@
 // gradwire: command-line client of gradwire-server.
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>  // the stderr sinks too
+#include <spdlog/spdlog.h>
+
 #include <cctype>
 #include <chrono>
 #include <cstdio>
@@ -157,6 +160,7 @@ int main(int argc, char** argv) {
   ClientOptions options;
   double timeout_s = 30;
   bool json = false;
+  bool verbose = false;
   std::string token_file;
 
   auto add_common = [&](CLI::App* cmd) {
@@ -168,6 +172,9 @@ int main(int argc, char** argv) {
         ->check(CLI::PositiveNumber)
         ->capture_default_str();
     cmd->add_flag("--json", json, "print one JSON line instead of text");
+    cmd->add_flag("--verbose,-v", verbose,
+                  "log each call with its W3C traceparent on stderr: the trace-id is the call's "
+                  "request id in the server's logs and errors");
     cmd->add_option("--tls-ca", options.tls_ca_file,
                     "PEM CA bundle that signed the server's certificate: connect with TLS")
         ->check(CLI::ExistingFile);
@@ -268,6 +275,10 @@ int main(int argc, char** argv) {
                            "their values");
 
   CLI11_PARSE(app, argc, argv);
+  // Logs go to stderr: stdout carries the command's output (--json included).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("gradwire"));
+  spdlog::set_pattern("gradwire: %l: %v");
+  spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::warn);
   if (auto token = gradwire::client::ResolveToken(token_file); token.ok()) {
     options.token = *std::move(token);
   } else {

@@ -1,7 +1,10 @@
 #include "gradwire/client/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
 
+#include <cstdio>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +34,24 @@ absl::StatusOr<NamedTensors> FromWireNamed(
 
 }  // namespace
 
+std::string NewTraceparent(const std::string& trace_id) {
+  thread_local std::mt19937_64 engine{std::random_device{}()};
+  char buf[64];
+  uint64_t span = 0;
+  while (span == 0) span = engine();  // an all-zero parent id is invalid
+  if (trace_id.size() == 32) {
+    std::snprintf(buf, sizeof buf, "00-%s-%016llx-01", trace_id.c_str(),
+                  static_cast<unsigned long long>(span));
+  } else {
+    uint64_t hi = 0, lo = 0;
+    while (hi == 0 && lo == 0) hi = engine(), lo = engine();
+    std::snprintf(buf, sizeof buf, "00-%016llx%016llx-%016llx-01",
+                  static_cast<unsigned long long>(hi), static_cast<unsigned long long>(lo),
+                  static_cast<unsigned long long>(span));
+  }
+  return buf;
+}
+
 Client::Client(ClientOptions options) : options_(std::move(options)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options_.max_message_mib << 20);
@@ -49,9 +70,13 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
 
 Client::~Client() = default;
 
-void Client::PrepareContext(grpc::ClientContext* ctx) const {
+std::string Client::PrepareContext(grpc::ClientContext* ctx, const char* method) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  std::string traceparent = NewTraceparent(options_.trace_id);
+  ctx->AddMetadata("traceparent", traceparent);
+  spdlog::debug("gradwire client: {} to {} traceparent={}", method, options_.server, traceparent);
+  return traceparent;
 }
 
 absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
@@ -64,7 +89,7 @@ absl::Status Client::WaitForReady(std::chrono::milliseconds timeout) {
 
 absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "GetServerInfo");
   v1::GetServerInfoResponse resp;
   if (auto s = FromGrpc("GetServerInfo", stub_->GetServerInfo(&ctx, {}, &resp)); !s.ok()) {
     return s;
@@ -74,7 +99,7 @@ absl::StatusOr<v1::GetServerInfoResponse> Client::GetServerInfo() {
 
 absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "Health.Check");
   ::grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);
   ::grpc::health::v1::HealthCheckResponse resp;
@@ -85,7 +110,7 @@ absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
 
 absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "CreateModule");
   v1::CreateModuleRequest req;
   *req.mutable_spec() = spec;
   v1::CreateModuleResponse resp;
@@ -98,7 +123,7 @@ absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) 
 
 absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "ListModules");
   v1::ListModulesResponse resp;
   if (auto s = FromGrpc("ListModules", stub_->ListModules(&ctx, {}, &resp)); !s.ok()) return s;
   for (const v1::ModuleInfo& info : resp.modules()) shapes_.Remember(info);
@@ -107,7 +132,7 @@ absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
 
 absl::Status Client::DeleteModule(const std::string& module_id) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "DeleteModule");
   v1::DeleteModuleRequest req;
   req.set_module_id(module_id);
   v1::DeleteModuleResponse resp;
@@ -116,8 +141,6 @@ absl::Status Client::DeleteModule(const std::string& module_id) {
 
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, const HostTensor& input,
                                               bool training) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
   v1::ForwardRequest req;
   req.set_module_id(module_id);
   *req.mutable_input() = ToWire(input, options_.wire_dtype);
@@ -143,6 +166,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
     output_bytes = resp.output().data();
     ln_bytes = resp.layernorm_output().data();
   } else {
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, "Forward");
     if (auto s = ZeroCopyUnary(channel_.get(), "Forward", &ctx, &req, wire::kForwardRequestTensors,
                                &received, &resp, wire::kForwardResponseTensors);
         !s.ok()) {
@@ -166,8 +191,6 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
 absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
                                             const HostTensor& grad_output,
                                             BackwardOptions options) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
   v1::BackwardRequest req;
   req.set_context_id(context_id);
   *req.mutable_grad_output() = ToWire(grad_output, options_.wire_dtype);
@@ -195,6 +218,8 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
     if (!resp.has_grad_input()) return HostTensor{};
     return FromWire(resp.grad_input());
   }
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, "Backward");
   if (auto s = ZeroCopyUnary(channel_.get(), "Backward", &ctx, &req, wire::kBackwardRequestTensors,
                              &received, &resp, wire::kBackwardResponseTensors);
       !s.ok()) {
@@ -208,13 +233,17 @@ std::unique_ptr<TrainStream> Client::OpenTrainStream() {
   std::unique_ptr<TrainStream> t(new TrainStream());
   t->wire_dtype_ = options_.wire_dtype;
   if (!options_.token.empty()) t->ctx_.AddMetadata("authorization", "Bearer " + options_.token);
+  // One request id for the stream: the server logs each of its messages under it.
+  const std::string traceparent = NewTraceparent(options_.trace_id);
+  t->ctx_.AddMetadata("traceparent", traceparent);
+  spdlog::debug("gradwire client: Train to {} traceparent={}", options_.server, traceparent);
   t->stream_ = stub_->Train(&t->ctx_);
   return t;
 }
 
 absl::Status Client::ReleaseContext(const std::string& context_id) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "ReleaseContext");
   v1::ReleaseContextRequest req;
   req.set_context_id(context_id);
   (void)shapes_.TakeContext(context_id, /*keep=*/false);
@@ -225,7 +254,7 @@ absl::Status Client::ReleaseContext(const std::string& context_id) {
 absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
                                           uint64_t offset, uint64_t byte_size) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "RegisterSharedMemory");
   v1::RegisterSharedMemoryRequest req;
   req.set_name(name);
   req.set_key(key);
@@ -237,7 +266,7 @@ absl::Status Client::RegisterSharedMemory(const std::string& name, const std::st
 
 absl::StatusOr<int> Client::UnregisterSharedMemory(const std::string& name) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "UnregisterSharedMemory");
   v1::UnregisterSharedMemoryRequest req;
   req.set_name(name);
   v1::UnregisterSharedMemoryResponse resp;
@@ -251,7 +280,7 @@ absl::StatusOr<int> Client::UnregisterSharedMemory(const std::string& name) {
 absl::StatusOr<std::vector<v1::ListSharedMemoryResponse::Region>> Client::ListSharedMemory(
     const std::string& name) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "ListSharedMemory");
   v1::ListSharedMemoryRequest req;
   req.set_name(name);
   v1::ListSharedMemoryResponse resp;
@@ -264,7 +293,7 @@ absl::StatusOr<std::vector<v1::ListSharedMemoryResponse::Region>> Client::ListSh
 
 absl::StatusOr<v1::ForwardResponse> Client::ForwardRaw(const v1::ForwardRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "Forward");
   v1::ForwardResponse resp;
   if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) return s;
   if (!resp.context_id().empty()) {
@@ -277,7 +306,7 @@ absl::StatusOr<v1::ForwardResponse> Client::ForwardRaw(const v1::ForwardRequest&
 
 absl::StatusOr<v1::BackwardResponse> Client::BackwardRaw(const v1::BackwardRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "Backward");
   v1::BackwardResponse resp;
   if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
   (void)shapes_.TakeContext(req.context_id(), /*keep=*/req.retain());
@@ -286,7 +315,7 @@ absl::StatusOr<v1::BackwardResponse> Client::BackwardRaw(const v1::BackwardReque
 
 absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, float learning_rate) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "ApplyGradients");
   v1::ApplyGradientsRequest req;
   req.set_module_id(module_id);
   req.set_learning_rate(learning_rate);
@@ -299,7 +328,7 @@ absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, fl
 
 absl::StatusOr<NamedTensors> Client::GetGradients(const std::string& module_id, bool zero) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx);
+  PrepareContext(&ctx, "GetGradients");
   v1::GetGradientsRequest req;
   req.set_module_id(module_id);
   req.set_zero(zero);
@@ -316,8 +345,6 @@ absl::StatusOr<NamedTensors> Client::GetGradients(const std::string& module_id, 
 }
 
 absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
   v1::GetWeightsRequest req;
   req.set_module_id(module_id);
   req.set_dtype(v1::F32);
@@ -334,8 +361,10 @@ absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
     auto chunked = GetWeightsChunked(req);
     if (!chunked.ok()) return chunked.status();
     resp = *std::move(chunked);
-  } else if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) {
-    return s;
+  } else {
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, "GetWeights");
+    if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) return s;
   }
   auto out = FromWireNamed(resp.parameters());
   if (!out.ok()) return out.status();
@@ -346,8 +375,6 @@ absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
 absl::StatusOr<uint64_t> Client::SetWeights(
     const std::string& module_id,
     const std::vector<std::pair<std::string, HostTensor>>& parameters) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
   v1::SetWeightsRequest req;
   req.set_module_id(module_id);
   for (const auto& [name, tensor] : parameters) {
@@ -364,8 +391,10 @@ absl::StatusOr<uint64_t> Client::SetWeights(
     auto chunked = SetWeightsChunked(req);
     if (!chunked.ok()) return chunked.status();
     resp = *std::move(chunked);
-  } else if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) {
-    return s;
+  } else {
+    grpc::ClientContext ctx;
+    PrepareContext(&ctx, "SetWeights");
+    if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) return s;
   }
   return resp.weight_version();
 }
@@ -391,28 +420,28 @@ std::optional<ModuleShape> Client::Shape(const std::string& module_id) {
   return shapes_.Find(module_id);
 }
 
-void Client::StartChunked(grpc::ClientContext* ctx) {
-  PrepareContext(ctx);
+void Client::StartChunked(grpc::ClientContext* ctx, const char* method) {
+  PrepareContext(ctx, method);
   ++chunked_calls_;
 }
 
 absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx);
+  StartChunked(&ctx, "ForwardChunked");
   return ZeroCopyChunked<v1::ForwardRequestPart, v1::ForwardResponsePart, v1::ForwardResponse>(
       channel_.get(), "ForwardChunked", ctx, req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx);
+  StartChunked(&ctx, "BackwardChunked");
   return ZeroCopyChunked<v1::BackwardRequestPart, v1::BackwardResponsePart, v1::BackwardResponse>(
       channel_.get(), "BackwardChunked", ctx, req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWeightsRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx);
+  StartChunked(&ctx, "GetWeightsChunked");
   auto stream = stub_->GetWeightsChunked(&ctx, req);
   return ReadToEnd<v1::GetWeightsResponsePart, v1::GetWeightsResponse>("GetWeightsChunked", ctx,
                                                                        stream.get());
@@ -420,7 +449,7 @@ absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWe
 
 absl::StatusOr<v1::SetWeightsResponse> Client::SetWeightsChunked(v1::SetWeightsRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx);
+  StartChunked(&ctx, "SetWeightsChunked");
   v1::SetWeightsResponse resp;
   auto stream = stub_->SetWeightsChunked(&ctx, &resp);
   if (WriteChunked<v1::SetWeightsRequestPart>(stream.get(), req,

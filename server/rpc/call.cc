@@ -35,6 +35,7 @@ CallBase::CallBase(GradwireService& service, grpc::CallbackServerContext* ctx, c
       method_(method),
       start_(std::chrono::steady_clock::now()),
       deadline_(ctx->deadline()),
+      request_(RequestIdOf(*ctx)),
       caller_(std::make_unique<Caller>()) {
   ++g_live_calls;
 }
@@ -66,8 +67,14 @@ void CallBase::SubmitTo(core::DeviceExecutor& executor, Admission admission,
   // Queued under its client, whose share of the device the executor keeps fair.
   executor.Submit(
       caller_->client,
-      [this, ticket = std::move(ticket), body = std::move(body), on_error = std::move(on_error)] {
+      [this, ticket = std::move(ticket), body = std::move(body), on_error = std::move(on_error),
+       queued = std::chrono::steady_clock::now()] {
+        RequestScope scope(request_);
         ticket->Release();
+        if (const auto& observe = service_.options_.on_queue_wait) {
+          observe(method_, std::chrono::duration<double>(std::chrono::steady_clock::now() - queued)
+                               .count());
+        }
         absl::Status failed;
         try {
           body();
@@ -92,7 +99,7 @@ void CallBase::NoteIds(std::string module_id, std::string context_id) {
 void CallBase::Report() const {
   service_.Report(method_, status_,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(),
-                  module_id_, context_id_, caller_->tenant);
+                  module_id_, context_id_, *caller_, request_);
 }
 
 }  // namespace gradwire::rpc

@@ -8,8 +8,10 @@
 //    per module and per tenant have room (GradwireService::Admit). What is admitted holds an
 //    Admission until its work starts.
 // 3. submit: the work is queued on the device executor holding a reference to the call.
-// 4. run: skipped with CANCELLED when the call is abandoned; exceptions become INTERNAL.
-// 5. finish: at most once (End); after it nothing new is admitted, submitted or written.
+// 4. run: skipped with CANCELLED when the call is abandoned; exceptions become INTERNAL. The
+//    thread works under the call's request id (request_id.h), so its log lines carry it.
+// 5. finish: at most once (End); after it nothing new is admitted, submitted or written. An
+//    error's message ends with the request id.
 // 6. report: OnDone releases what the client never learnt of, reports once, and drops gRPC's
 //    reference.
 //
@@ -31,6 +33,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "server/rpc/request_id.h"
 #include "server/rpc/status_map.h"
 
 namespace gradwire::core {
@@ -75,6 +78,7 @@ class CallBase {
   bool Abandoned(std::chrono::milliseconds slack = std::chrono::milliseconds(0)) const;
   const Caller& caller() const { return *caller_; }
   const char* method() const { return method_; }
+  const RequestId& request() const { return request_; }
 
  protected:
   // Step 1, on the reactor, before anything else.
@@ -102,6 +106,7 @@ class CallBase {
   const char* const method_;
   const std::chrono::steady_clock::time_point start_;
   const std::chrono::system_clock::time_point deadline_;
+  const RequestId request_;  // the client's traceparent, or made here: in its logs and errors
   std::unique_ptr<Caller> caller_;
   std::atomic<bool> cancelled_{false};
 
@@ -123,10 +128,12 @@ class Call : public Reactor, public CallBase {
       : CallBase(service, ctx, method) {}
 
   void OnCancel() final {
+    RequestScope scope(request_);
     cancelled_.store(true, std::memory_order_release);
     Cancelled();
   }
   void OnDone() final {
+    RequestScope scope(request_);
     Ended();
     Report();
     Unref();
@@ -138,7 +145,7 @@ class Call : public Reactor, public CallBase {
     if (finished_) return false;
     finished_ = true;
     status_ = std::move(status);
-    this->Finish(ToGrpc(status_));
+    this->Finish(ToGrpc(WithRequestId(status_, request_)));
     return true;
   }
   bool End(absl::Status status) {

@@ -422,7 +422,7 @@ absl::Status GradwireService::CheckContext(const Caller& caller,
 
 void GradwireService::Report(const char* method, const absl::Status& status, double seconds,
                              const std::string& module_id, const std::string& context_id,
-                             const std::string& tenant) const {
+                             const Caller& caller, const RequestId& request) const {
   if (!options_.on_rpc_done) return;
   RpcRecord record;
   record.method = method;
@@ -431,7 +431,9 @@ void GradwireService::Report(const char* method, const absl::Status& status, dou
   record.seconds = seconds;
   record.module_id = Escaped(module_id, kIdLength);
   record.context_id = Escaped(context_id, kIdLength);
-  record.tenant = Escaped(tenant, kMaxNameLength);
+  record.tenant = Escaped(caller.tenant, kMaxNameLength);
+  record.client = Escaped(caller.client, kMaxNameLength);
+  record.request = request;
   options_.on_rpc_done(record);
 }
 
@@ -439,7 +441,11 @@ void ReleaseUnconsumed(core::DeviceExecutor& executor, core::ModuleHost& host,
                        std::vector<std::string> ids, core::ContextStore::ReleaseReason reason,
                        std::string what) {
   if (ids.empty()) return;
-  executor.Submit([&host, ids = std::move(ids), reason, what = std::move(what)] {
+  // Logged under the request id of the call that let them go, when there is one.
+  const RequestId* current = CurrentRequest();
+  executor.Submit([&host, ids = std::move(ids), reason, what = std::move(what),
+                   request = current ? *current : RequestId{}] {
+    RequestScope scope(request);
     std::vector<std::string> released;
     for (const std::string& id : ids) {
       if (host.ReleaseContext(id, reason).ok()) released.push_back(id);
@@ -528,11 +534,13 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   // Counters only, so it answers in the reactor even while compute runs; reading the context
   // store's counters takes its lock briefly, and waits while an offload copy holds it.
   const auto start = std::chrono::steady_clock::now();
+  const RequestId request = RequestIdOf(*ctx);
+  RequestScope scope(request);
   auto* reactor = ctx->DefaultReactor();
   absl::StatusOr<Caller> caller = Authenticate(ctx);
   if (!caller.ok()) {
-    Report("GetServerInfo", caller.status(), 0.0, {}, {}, {});
-    reactor->Finish(ToGrpc(caller.status()));
+    Report("GetServerInfo", caller.status(), 0.0, {}, {}, Caller{}, request);
+    reactor->Finish(ToGrpc(WithRequestId(caller.status(), request)));
     return reactor;
   }
   const core::HostStats stats = host_.Stats();
@@ -548,7 +556,7 @@ grpc::ServerUnaryReactor* GradwireService::GetServerInfo(grpc::CallbackServerCon
   resp->set_context_bytes(stats.context_bytes);
   Report("GetServerInfo", absl::OkStatus(),
          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), {}, {},
-         caller->tenant);
+         *caller, request);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -19,6 +19,7 @@
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/call.h"
+#include "server/rpc/request_id.h"
 #include "server/rpc/shared_memory.h"
 #include "server/rpc/usage.h"
 
@@ -33,6 +34,9 @@ struct RpcRecord {
   std::string module_id;   // from the request, where it names one
   std::string context_id;  // from the request, where it names one
   std::string tenant;      // the caller's tenant when tokens are on
+  std::string client;      // whom per-client limits count against (Caller::client); empty when
+                           // authentication failed
+  RequestId request;       // the call's request id (request_id.h)
 };
 
 // Who is calling. Without tokens every caller sees every module (`isolated` false); with tokens
@@ -73,6 +77,9 @@ struct ServiceOptions {
   const Authenticator* authenticator = nullptr;
   // Called once per finished RPC (request-scoped logs, metrics); may be empty.
   std::function<void(const RpcRecord&)> on_rpc_done;
+  // Called on the executor as a call's work (or a Train message's) starts, with how long it
+  // waited in the queue (metrics); may be empty.
+  std::function<void(const char* method, double seconds)> on_queue_wait;
   // Test seam: called on the executor after a Forward's last check before its compute, so a test
   // can cancel or outlive a call at exactly that point; may be empty.
   std::function<void()> before_forward_compute;
@@ -290,8 +297,8 @@ class GradwireService final : public ServiceBase {
   absl::Status CheckContext(const Caller& caller, const std::string& context_id) const;
   // Logs and metrics of one finished call; ids are bounded and escaped here.
   void Report(const char* method, const absl::Status& status, double seconds,
-              const std::string& module_id, const std::string& context_id,
-              const std::string& tenant) const;
+              const std::string& module_id, const std::string& context_id, const Caller& caller,
+              const RequestId& request) const;
 
   // Saves a module's checkpoint when checkpoints are on; a failure is logged, not returned (the
   // call itself succeeded, and the next save retries).

@@ -92,9 +92,10 @@ TEST_F(DiscoveryTest, HealthIsServingForTheServerAndTheGradwireService) {
 namespace gradwire {
 namespace {
 
-// name{labels} value, as the Prometheus text format writes a sample.
+// name{labels} value, as the Prometheus text format writes a sample (prometheus-cpp writes NaN
+// as "Nan"; Prometheus reads either).
 const std::regex kSample(
-    R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (-?[0-9.]+(e[-+]?[0-9]+)?|NaN|[+-]Inf)$)");
+    R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (-?[0-9.]+(e[-+]?[0-9]+)?|NaN|Nan|[+-]Inf)$)");
 
 TEST(MetricsTest, PrometheusEndpointCountsCallsAndShowsState) {
   char dir[] = "/tmp/gradwire-metrics-XXXXXX";
@@ -146,12 +147,13 @@ TEST(MetricsTest, PrometheusEndpointCountsCallsAndShowsState) {
       ASSERT_TRUE(std::regex_match(line, s, kSample)) << "not a sample: " << line;
       samples[std::string(s[1]) + std::string(s[2])] = s[3];
     }
-    if (samples.count("gradwire_rpc_total{method=\"Forward\",code=\"NOT_FOUND\"}")) break;
+    if (samples.count("gradwire_rpc_total{code=\"NOT_FOUND\",method=\"Forward\"}")) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   } while (std::chrono::steady_clock::now() < give_up);
-  EXPECT_EQ(samples["gradwire_rpc_total{method=\"Forward\",code=\"OK\"}"], "2");
-  EXPECT_EQ(samples["gradwire_rpc_total{method=\"Forward\",code=\"NOT_FOUND\"}"], "1");
-  EXPECT_EQ(samples["gradwire_rpc_total{method=\"Backward\",code=\"OK\"}"], "2");
+  // prometheus-cpp writes a counter's labels in name order.
+  EXPECT_EQ(samples["gradwire_rpc_total{code=\"OK\",method=\"Forward\"}"], "2");
+  EXPECT_EQ(samples["gradwire_rpc_total{code=\"NOT_FOUND\",method=\"Forward\"}"], "1");
+  EXPECT_EQ(samples["gradwire_rpc_total{code=\"OK\",method=\"Backward\"}"], "2");
   EXPECT_EQ(samples["gradwire_rpc_duration_seconds_count{method=\"Forward\"}"], "3");
   EXPECT_EQ(samples["gradwire_rpc_duration_seconds_bucket{method=\"Forward\",le=\"+Inf\"}"], "3");
   EXPECT_EQ(samples["gradwire_live_contexts"], "0");

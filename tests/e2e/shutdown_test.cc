@@ -49,7 +49,7 @@ Progress ReadProgress(httplib::Client& http) {
     p.queued = std::stoll(m[1]);
   }
   p.forwards_ok = 0;
-  const std::regex ok(R"(gradwire_rpc_total\{method="Forward[A-Za-z]*",code="OK"\} (\d+))");
+  const std::regex ok(R"(gradwire_rpc_total\{code="OK",method="Forward[A-Za-z]*"\} (\d+))");
   for (auto it = std::sregex_iterator(res->body.begin(), res->body.end(), ok);
        it != std::sregex_iterator(); ++it) {
     p.forwards_ok += std::stoll((*it)[1]);

@@ -33,6 +33,15 @@ inline client::HostTensor Random(std::vector<int64_t> shape) {
   return t;
 }
 
+// An error's message without the " [request ID]" the server ends it with (rpc/request_id.h):
+// what two calls' errors must share when they should read the same.
+inline std::string WithoutRequestId(absl::string_view message) {
+  std::string m(message);
+  const auto at = m.rfind(" [request ");
+  if (at != std::string::npos && m.size() == at + 10 + 32 + 1 && m.back() == ']') m.resize(at);
+  return m;
+}
+
 // Polls `done` until it holds or `ms` pass; returns its last value.
 inline bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
   for (int i = 0; i < ms / 5; ++i) {

@@ -9,12 +9,18 @@ Lifetimes: the modules a ``RemoteModule`` creates through a client are *owned* b
 on the server, then ends the Train stream and the connection; ``close(keep=True)`` leaves them.
 
 Logging: the ``"gradwire"`` logger writes one DEBUG line per call (method, module or context,
-milliseconds) and WARNING lines for what cleanup could not do.
+milliseconds, and the call's ``traceparent``) and WARNING lines for what cleanup could not do.
+
+Requests you can follow: every call sends a W3C ``traceparent``; the server uses its trace-id as
+the call's request id, in its log lines about the call and at the end of an error's message
+(``[request ID]``). ``GradwireError.request_id`` holds it on this side.
 """
 
 import ipaddress
 import logging
 import os
+import re
+import secrets
 import socket
 import threading
 import time
@@ -55,15 +61,34 @@ def open_client_for(server: str) -> Optional["Client"]:
     return None
 
 
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_traceparent(trace_id: Optional[str] = None) -> str:
+    """A W3C ``traceparent`` (version 00, sampled): ``trace_id`` (32 lowercase hex digits) when
+    given, else a fresh random trace-id, and a fresh random parent id."""
+    if trace_id is None:
+        trace_id = "0" * 32
+        while trace_id == "0" * 32:
+            trace_id = secrets.token_hex(16)
+    parent = "0" * 16
+    while parent == "0" * 16:
+        parent = secrets.token_hex(8)
+    return f"00-{trace_id}-{parent}-01"
+
+
 class GradwireError(RuntimeError):
     """A call the server refused or could not serve: ``code`` is the gRPC status code name
-    ("NOT_FOUND", "INVALID_ARGUMENT", ...), ``message`` the server's explanation."""
+    ("NOT_FOUND", "INVALID_ARGUMENT", ...), ``message`` the server's explanation, and
+    ``request_id`` the call's request id (the trace-id of the ``traceparent`` it was sent with;
+    the server's log lines about the call carry it), or None."""
 
-    def __init__(self, method: str, code: str, message: str):
+    def __init__(self, method: str, code: str, message: str, request_id: Optional[str] = None):
         super().__init__(f"{method}: {code}: {message}")
         self.method = method
         self.code = code
         self.message = message
+        self.request_id = request_id
 
 
 class ContextLostError(GradwireError):
@@ -81,8 +106,9 @@ class ContextLostError(GradwireError):
     Run the forward again, or create the module with ``recompute_on_lost_context=True``.
     """
 
-    def __init__(self, method: str, code: str, message: str, reason: str):
-        super().__init__(method, code, message)
+    def __init__(self, method: str, code: str, message: str, reason: str,
+                 request_id: Optional[str] = None):
+        super().__init__(method, code, message, request_id)
         self.reason = reason
 
 
@@ -169,6 +195,9 @@ class Client:
         insecure: allow plaintext to an address that is not loopback. Without TLS, a token or
             a tensor would cross the network in the clear, so this is refused by default (as
             the server refuses to listen in plaintext on a public address).
+        trace_id: 32 lowercase hex digits: the trace-id of the ``traceparent`` every call sends
+            (one trace over many calls). None: a fresh trace-id per call, so each call has a
+            request id of its own in the server's logs.
     """
 
     def __init__(self, server: str = "127.0.0.1:50051", timeout: float = 30.0,
@@ -176,7 +205,7 @@ class Client:
                  token: Optional[str] = None, chunk_kib: int = 4096, chunking: str = "auto",
                  tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 insecure: bool = False):
+                 insecure: bool = False, trace_id: Optional[str] = None):
         if chunking not in ("auto", "always", "never"):
             raise ValueError("chunking must be 'auto', 'always' or 'never'")
         if wire_dtype not in wire.WIRE_DTYPES:
@@ -185,6 +214,9 @@ class Client:
             raise ValueError("tls_cert and tls_key go together (mutual TLS needs both)")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if trace_id is not None and (not _TRACE_ID.fullmatch(trace_id) or trace_id == "0" * 32):
+            raise ValueError("trace_id must be 32 lowercase hex digits, not all zero")
+        self.trace_id = trace_id
         tls = bool(tls_ca or tls_cert)
         if not tls and not insecure and not is_loopback(server):
             raise ValueError(
@@ -202,7 +234,7 @@ class Client:
         self._mutual_tls = bool(tls_cert)
         if token is None:
             token = os.environ.get("GRADWIRE_TOKEN") or None
-        self._metadata = (("authorization", "Bearer " + token),) if token else None
+        self._auth = (("authorization", "Bearer " + token),) if token else ()
         limit = max_message_mib << 20
         options = [("grpc.max_send_message_length", limit),
                    ("grpc.max_receive_message_length", limit)]
@@ -307,14 +339,19 @@ class Client:
 
     # --- errors
 
-    def _error(self, method: str, e: grpc.RpcError) -> "GradwireError":
+    def _error(self, method: str, e: grpc.RpcError,
+               traceparent: Optional[str] = None) -> "GradwireError":
         """The GradwireError of a failed call, with a hint where gRPC's own words are vague."""
         code, details = e.code().name, e.details() or ""
+        request_id = traceparent.split("-")[1] if traceparent else None
         if code == "DEADLINE_EXCEEDED":
             details = f"{details} (no answer within {self.timeout:g} s from {self.server})"
         elif code == "UNAVAILABLE":
             details = f"{details} ({self.connection_hint()})"
-        return GradwireError(method, code, details)
+        if request_id and request_id not in details:
+            # The server ends its errors with the id; one it never answered gets it here.
+            details = f"{details} [request {request_id}]"
+        return GradwireError(method, code, details, request_id)
 
     def connection_hint(self) -> str:
         """What to check when the server cannot be reached: whether anything listens at the
@@ -365,22 +402,28 @@ class Client:
         ``Outgoing``, or its encoding; a response that carries tensors comes back as a
         Received)."""
         self._check_open(method)
+        metadata, traceparent = self._metadata()
         start = time.perf_counter()
         try:
             if raw:
                 payload = request if isinstance(request, bytes) else request.SerializeToString()
-                response = self._raw(method)(payload, timeout=self.timeout,
-                                             metadata=self._metadata)
+                response = self._raw(method)(payload, timeout=self.timeout, metadata=metadata)
             else:
                 response = getattr(self._stub, method)(request, timeout=self.timeout,
-                                                       metadata=self._metadata)
+                                                       metadata=metadata)
         except grpc.RpcError as e:
-            error = self._error(method, e)
-            log.debug("%s %s: %s after %.1f ms", method, about, error.code,
-                      1e3 * (time.perf_counter() - start))
+            error = self._error(method, e, traceparent)
+            log.debug("%s %s: %s after %.1f ms (traceparent %s)", method, about, error.code,
+                      1e3 * (time.perf_counter() - start), traceparent)
             raise error from None
-        log.debug("%s %s: %.1f ms", method, about, 1e3 * (time.perf_counter() - start))
+        log.debug("%s %s: %.1f ms (traceparent %s)", method, about,
+                  1e3 * (time.perf_counter() - start), traceparent)
         return response
+
+    def _metadata(self) -> Tuple[Tuple[Tuple[str, str], ...], str]:
+        """The metadata of one call (the token, a fresh ``traceparent``) and its traceparent."""
+        traceparent = new_traceparent(self.trace_id)
+        return self._auth + (("traceparent", traceparent),), traceparent
 
     def _use_chunked(self, request_bytes: int, response_bytes: int = 0) -> bool:
         if self.chunking != "auto":
@@ -394,16 +437,18 @@ class Client:
         response of SetWeightsChunked)."""
         self._check_open(method)
         self.chunked_calls += 1
+        metadata, traceparent = self._metadata()
         start = time.perf_counter()
         try:
             result = self._raw(method)(chunked_parts(request, part_type, self.chunk_bytes),
-                                       timeout=self.timeout, metadata=self._metadata)
+                                       timeout=self.timeout, metadata=metadata)
             if response_type is not None:
                 result = _assemble(method, result, response_type)
         except grpc.RpcError as e:
-            raise self._error(method, e) from None
-        log.debug("%s: %d bytes, %.1f ms", method, request.nbytes,
-                  1e3 * (time.perf_counter() - start))
+            log.debug("%s: failed (traceparent %s)", method, traceparent)
+            raise self._error(method, e, traceparent) from None
+        log.debug("%s: %d bytes, %.1f ms (traceparent %s)", method, request.nbytes,
+                  1e3 * (time.perf_counter() - start), traceparent)
         return result
 
     def _spec(self, module_id: str) -> Optional[module_pb2.ModuleSpec]:
@@ -554,7 +599,8 @@ class Client:
         if isinstance(error, ContextLostError):
             return error
         if error.code == "UNAVAILABLE":
-            return ContextLostError(error.method, error.code, error.message, "server_unavailable")
+            return ContextLostError(error.method, error.code, error.message, "server_unavailable",
+                                    error.request_id)
         if error.code != "NOT_FOUND" or "context_id" not in error.message:
             return error
         reason = _lost_reason(error.message)
@@ -564,7 +610,7 @@ class Client:
                     reason = "server_restarted"
             except GradwireError:
                 reason = "server_unavailable"
-        return ContextLostError(error.method, error.code, error.message, reason)
+        return ContextLostError(error.method, error.code, error.message, reason, error.request_id)
 
     def backward(self, context_id: str, grad_output: torch.Tensor, skip_grad_input: bool = False,
                  retain: bool = False, grad_layernorm_output: Optional[torch.Tensor] = None,
@@ -694,13 +740,14 @@ class Client:
         if self._use_chunked(0, size):
             self._check_open("GetWeightsChunked")
             self.chunked_calls += 1
+            metadata, traceparent = self._metadata()
+            log.debug("GetWeightsChunked %s (traceparent %s)", module_id, traceparent)
             try:
                 stream = self._raw("GetWeightsChunked")(req.SerializeToString(),
-                                                        timeout=self.timeout,
-                                                        metadata=self._metadata)
+                                                        timeout=self.timeout, metadata=metadata)
                 resp = _assemble("GetWeightsChunked", stream, service_pb2.GetWeightsResponse)
             except grpc.RpcError as e:
-                raise self._error("GetWeightsChunked", e) from None
+                raise self._error("GetWeightsChunked", e, traceparent) from None
         else:
             resp = self._call("GetWeights", req, module_id, raw=True)
         version = resp.message.weight_version

@@ -92,13 +92,15 @@ class TrainStream:
 
         # Requests go as the bytes _send encoded; responses come back as Received (their
         # tensors' bytes left in the received message until decoded).
-        self._call = client._raw("Train")(requests(), metadata=client._metadata)
+        # One request id for the stream: the server logs each of its requests under it.
+        metadata, self.traceparent = client._metadata()
+        self._call = client._raw("Train")(requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="gradwire-train", daemon=True)
         self._reader.start()
         self._watchdog = threading.Thread(target=self._watch, name="gradwire-train-deadlines",
                                           daemon=True)
         self._watchdog.start()
-        log.debug("Train stream to %s opened", client.server)
+        log.debug("Train stream to %s opened (traceparent %s)", client.server, self.traceparent)
 
     def _read(self) -> None:
         try:
@@ -111,8 +113,11 @@ class TrainStream:
                 log.debug("%s request %d: %.1f ms", entry.method, msg.request_id,
                           1e3 * (time.monotonic() - entry.sent))
                 if msg.code != 0:
+                    # The stream's request id: the server logged this request under it.
+                    request_id = self.traceparent.split("-")[1]
                     entry.future.set_exception(GradwireError(
-                        entry.method, _CODE_NAMES.get(msg.code, "UNKNOWN"), msg.message))
+                        entry.method, _CODE_NAMES.get(msg.code, "UNKNOWN"),
+                        f"{msg.message} [request {request_id}]", request_id))
                 else:
                     try:
                         entry.future.set_result(entry.decode(resp))
@@ -123,7 +128,7 @@ class TrainStream:
                 entry = resp = msg = None
             error = GradwireError("Train", "CANCELLED", "the Train stream ended")
         except grpc.RpcError as e:
-            error = self.client._error("Train", e)
+            error = self.client._error("Train", e, self.traceparent)
         self._fail_all(error)
 
     def _watch(self) -> None:

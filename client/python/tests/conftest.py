@@ -38,7 +38,7 @@ class ServerProcess:
         self.address = None
         for _ in range(400):
             with open(self.log.name) as f:
-                m = re.search(r"listening on (\S+)", f.read())
+                m = re.search(r"listening on ([^\s\"]+)", f.read())  # text or JSON logs
             if m:
                 self.address = m.group(1)
                 break

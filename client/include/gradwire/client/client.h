@@ -27,6 +27,10 @@ struct ForwardResult {
   std::optional<HostTensor> layernorm_output;  // modules with return_layernorm_output
 };
 
+// A W3C `traceparent` (version 00, sampled): `trace_id` (32 lowercase hex digits) when given,
+// else a fresh random trace-id, and a fresh random parent id.
+std::string NewTraceparent(const std::string& trace_id = "");
+
 class Client {
  public:
   // Throws std::runtime_error when a TLS file cannot be read.
@@ -86,9 +90,11 @@ class Client {
   absl::StatusOr<v1::BackwardResponse> BackwardRaw(const v1::BackwardRequest& req);
 
   // The raw stub, for calls the wrapper does not cover; PrepareContext gives a context of such a
-  // call the deadline and token every wrapped call has.
+  // call the deadline, token and W3C `traceparent` every wrapped call has, logs the traceparent
+  // at debug level (spdlog's default logger) with `method`, and returns it. The server's request
+  // id for the call is its trace-id: the server's log lines and errors about the call carry it.
   v1::Gradwire::Stub& stub() { return *stub_; }
-  void PrepareContext(grpc::ClientContext* ctx) const;
+  std::string PrepareContext(grpc::ClientContext* ctx, const char* method = "call") const;
 
   // Calls made on the chunked variants so far (tests, benchmarks).
   int64_t chunked_calls() const;
@@ -101,7 +107,7 @@ class Client {
   std::optional<ModuleShape> Shape(const std::string& module_id);
 
   // A chunked call's context (PrepareContext), counted in chunked_calls_.
-  void StartChunked(grpc::ClientContext* ctx);
+  void StartChunked(grpc::ClientContext* ctx, const char* method);
   absl::StatusOr<v1::ForwardResponse> ForwardChunked(v1::ForwardRequest& req);
   absl::StatusOr<v1::BackwardResponse> BackwardChunked(v1::BackwardRequest& req);
   absl::StatusOr<v1::GetWeightsResponse> GetWeightsChunked(const v1::GetWeightsRequest& req);

@@ -24,6 +24,11 @@ struct ClientOptions {
   // Bearer token for a server that requires tokens: sent as "authorization: Bearer TOKEN" on every
   // call (health checks too; the server ignores it there).
   std::string token;
+  // Every call sends a W3C `traceparent`, whose trace-id the server uses as the call's request id
+  // in its logs and errors. Empty: a fresh trace-id per call (each call its own request id); 32
+  // lowercase hex digits: this trace-id on every call (one trace over many calls, told apart on
+  // the server by their parent ids).
+  std::string trace_id;
   // Tensors larger than one chunk travel on the chunked calls (ForwardChunked, ...) in chunks of
   // this many KiB; it must not exceed the server's --chunk-kib. kAuto picks the call by the
   // request's and the expected response's size; kAlways / kNever force one (tests, benchmarks).
