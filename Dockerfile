@@ -31,7 +31,8 @@ FROM ${DEBIAN_IMAGE} AS cpu-builder
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build ccache pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
-      libtorch-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libssl-dev \
+      libtorch-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev \
+      prometheus-cpp-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY --from=sources /src /src
@@ -43,6 +44,7 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
 FROM ${DEBIAN_IMAGE} AS cpu
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libtorch1.13 libopenblas0-pthread libgrpc++1.51 libprotobuf32 libspdlog1.10 libcpp-httplib0.11 libssl3 \
+      libprometheus-cpp-core1.0 \
       ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/gradwire --create-home \
@@ -65,7 +67,7 @@ FROM ${CUDA_DEVEL_IMAGE} AS cuda-builder
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build ccache pkg-config python3 python3-pip \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
-      libspdlog-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libssl-dev \
+      libspdlog-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev prometheus-cpp-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 # libtorch with CUDA: the PyTorch wheel carries it (headers, CMake config, shared libraries).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
@@ -77,7 +79,10 @@ ENV CCACHE_DIR=/root/.cache/ccache
 RUN --mount=type=cache,target=/root/.cache/ccache \
     scripts/container-build.sh -DGRADWIRE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="90" \
       -DCMAKE_PREFIX_PATH=/opt/torch/share/cmake \
-    && mkdir -p /out/torch-lib && cp -a /opt/torch/lib/*.so* /out/torch-lib/
+    && mkdir -p /out/torch-lib && cp -a /opt/torch/lib/*.so* /out/torch-lib/ \
+    && cp -a /usr/lib/*-linux-gnu/libprometheus-cpp-core.so.* /out/torch-lib/
+# (prometheus-cpp's core rides along with libtorch's libraries: its runtime package's name changes
+# between Ubuntu releases, the builder's own copy does not.)
 
 # ---------------------------------------------------------------------------------------------
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda

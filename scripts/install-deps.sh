@@ -7,9 +7,13 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libtorch-dev libopenblas0-pthread libspdlog-dev libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev openssl
+  # Metrics (prometheus-cpp: core and pull), and Prometheus itself with promtool for the
+  # observability tests (tests/observability). On a machine with systemd the prometheus package
+  # also enables its own service on :9090; the tests run a Prometheus of their own.
+  prometheus-cpp-dev prometheus
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest python3-venv python3-pip python3-setuptools
-  yamllint docker-compose gnuplot-nox
+  yamllint python3-yaml docker-compose gnuplot-nox
   # Fuzzing (scripts/fuzz.sh): clang and its runtimes, libFuzzer among them.
   clang libclang-rt-14-dev
 )

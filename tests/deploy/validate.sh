@@ -20,7 +20,7 @@ check "yamllint --strict on ${#yamls[@]} files" \
 cp -r "$root/deploy/k8s" "$tmp/k8s"
 for f in tls.crt tls.key ca.crt tokens.txt; do echo "placeholder" >"$tmp/k8s/overlays/example/$f"; done
 build() { "$kubectl" kustomize "$tmp/k8s/$1" 2>"$tmp/kustomize.err"; }
-for overlay in base overlays/example overlays/cpu; do
+for overlay in base overlays/example overlays/cpu overlays/monitoring; do
   check "kustomize builds $overlay" bash -c "$(declare -f build); tmp='$tmp' kubectl='$kubectl'; build $overlay >'$tmp/${overlay//\//_}.yaml'"
 done
 out="$tmp/overlays_example.yaml"
@@ -43,6 +43,24 @@ check "example: everything in namespace gradwire" \
   bash -c "[ \$(grep -c '^  namespace: gradwire$' '$out') -ge 5 ]"
 check "cpu: no GPU, the cpu image" \
   bash -c "! grep -q nvidia.com/gpu '$tmp/overlays_cpu.yaml' && grep -q 'gradwire:0.1.0-cpu$' '$tmp/overlays_cpu.yaml'"
+mon="$tmp/overlays_monitoring.yaml"
+check "monitoring: the example plus a PodMonitor of the metrics port" \
+  bash -c "grep -q '^kind: StatefulSet$' '$mon' && grep -q '^kind: PodMonitor$' '$mon' && grep -q '^  - port: metrics$' '$mon'"
+check "monitoring: the rules as a PrometheusRule" \
+  bash -c "grep -q '^kind: PrometheusRule$' '$mon' && grep -q 'alert: GradwireHighErrorRatio' '$mon'"
+check "monitoring: the PodMonitor selects the StatefulSet's pods" /usr/bin/python3 - "$mon" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+pods = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+monitor = next(d for d in docs if d["kind"] == "PodMonitor")
+want = monitor["spec"]["selector"]["matchLabels"]
+assert all(pods.get(k) == v for k, v in want.items()), (want, pods)
+ports = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["ports"]
+assert any(p["name"] == "metrics" for p in ports), ports
+for d in docs:
+    if d["kind"] != "Namespace":
+        assert d["metadata"].get("namespace") == "gradwire", d["metadata"]
+PY
 
 # The ConfigMap's configuration is one the server accepts (secret paths pointed at real files).
 sed -e "s#/etc/gradwire/secret/#$tmp/k8s/overlays/example/#" "$root/deploy/k8s/base/server.toml" >"$tmp/server.toml"
