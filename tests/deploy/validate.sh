@@ -45,7 +45,7 @@ check "cpu: no GPU, the cpu image" \
   bash -c "! grep -q nvidia.com/gpu '$tmp/overlays_cpu.yaml' && grep -q 'gradwire:0.1.0-cpu$' '$tmp/overlays_cpu.yaml'"
 mon="$tmp/overlays_monitoring.yaml"
 check "monitoring: the example plus a PodMonitor of the metrics port" \
-  bash -c "grep -q '^kind: StatefulSet$' '$mon' && grep -q '^kind: PodMonitor$' '$mon' && grep -q '^  - port: metrics$' '$mon'"
+  bash -c "grep -q '^kind: StatefulSet$' '$mon' && grep -q '^kind: PodMonitor$' '$mon' && grep -qE '^ +(- )?port: metrics$' '$mon'"
 check "monitoring: the rules as a PrometheusRule" \
   bash -c "grep -q '^kind: PrometheusRule$' '$mon' && grep -q 'alert: GradwireHighErrorRatio' '$mon'"
 check "monitoring: the PodMonitor selects the StatefulSet's pods" /usr/bin/python3 - "$mon" <<'PY'
