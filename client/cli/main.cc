@@ -1,8 +1,8 @@
 // gradwire: command-line client of gradwire-server.
-#include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>  // the stderr sinks too
 #include <spdlog/spdlog.h>
 
+#include <CLI/CLI.hpp>
 #include <cctype>
 #include <chrono>
 #include <cstdio>

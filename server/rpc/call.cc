@@ -66,14 +66,13 @@ void CallBase::SubmitTo(core::DeviceExecutor& executor, Admission admission,
   auto ticket = std::make_shared<Admission>(std::move(admission));
   // Queued under its client, whose share of the device the executor keeps fair.
   executor.Submit(
-      caller_->client,
-      [this, ticket = std::move(ticket), body = std::move(body), on_error = std::move(on_error),
-       queued = std::chrono::steady_clock::now()] {
+      caller_->client, [this, ticket = std::move(ticket), body = std::move(body),
+                        on_error = std::move(on_error), queued = std::chrono::steady_clock::now()] {
         RequestScope scope(request_);
         ticket->Release();
         if (const auto& observe = service_.options_.on_queue_wait) {
-          observe(method_, std::chrono::duration<double>(std::chrono::steady_clock::now() - queued)
-                               .count());
+          observe(method_,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count());
         }
         absl::Status failed;
         try {

@@ -70,9 +70,8 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   char base[] = "/tmp/gradwire-shutdown-XXXXXX";
   ASSERT_NE(mkdtemp(base), nullptr);
   const std::string dir = std::string(base) + "/checkpoints";
-  ServerProcess server(
-      base, {"--checkpoint-dir", dir, "--shutdown-grace", "60", "--metrics-listen", "127.0.0.1:0",
-             "--max-tensor-elements", "134217728"});
+  ServerProcess server(base, {"--checkpoint-dir", dir, "--shutdown-grace", "60", "--metrics-listen",
+                              "127.0.0.1:0", "--max-tensor-elements", "134217728"});
   std::smatch port;
   const std::string start_log = server.Log();
   ASSERT_TRUE(

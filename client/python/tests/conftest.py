@@ -79,11 +79,15 @@ class ServerProcess:
     def resume(self):
         self.proc.send_signal(signal.SIGCONT)
 
-    def stop(self, kill=False):
+    def end(self, kill=False):
+        """Ends the process and waits for it; its log stays readable until stop()."""
         self.resume()  # a stopped process would not act on SIGTERM
         if self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(timeout=30)
+
+    def stop(self, kill=False):
+        self.end(kill)
         if os.path.exists(self.log.name):
             os.unlink(self.log.name)
 

@@ -53,7 +53,7 @@ def test_calls_are_logged_with_their_traceparent_and_the_server_logs_the_same_id
         assert error.code == "NOT_FOUND" and re.fullmatch(r"[0-9a-f]{32}", error.request_id)
         assert str(error).endswith(f"[request {error.request_id}]"), str(error)
         assert error.request_id in {m.group(2) for m in sent}
-        server.stop()  # flushes the log
+        server.end()  # the log is complete once the process has exited
         lines = {(l["request_id"], l["parent_id"]): l for l in _rpc_lines(server.log.name)}
         for m in sent:
             assert (m.group(2), m.group(3)) in lines, (m.group(1), sorted(lines))
