@@ -88,6 +88,12 @@ Metrics::Metrics()
                             "thread for CreateModule and DeleteModule), by method; each Train "
                             "message counts once.")
                       .Register(*registry_)),
+      client_queue_wait_(prometheus::BuildHistogram()
+                             .Name("gradwire_client_queue_wait_seconds")
+                             .Help("Time a call's work waited for the device executor, by client "
+                                   "(its tenant with tokens, else its peer host): what the fair "
+                                   "queuing between clients gives each.")
+                             .Register(*registry_)),
       build_info_(prometheus::BuildGauge()
                       .Name("gradwire_build_info")
                       .Help("1, labelled with the server's version and device.")
@@ -120,8 +126,11 @@ void Metrics::ObserveRpc(const rpc::RpcRecord& r) {
   }
 }
 
-void Metrics::ObserveQueueWait(const char* method, double seconds) {
+void Metrics::ObserveQueueWait(const char* method, const std::string& client, double seconds) {
   Series(queue_wait_, {{"method", method}}, QueueWaitBuckets()).Observe(seconds);
+  if (!client.empty()) {
+    Series(client_queue_wait_, {{"client", Label(client)}}, QueueWaitBuckets()).Observe(seconds);
+  }
 }
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& device) {
@@ -198,6 +207,10 @@ std::vector<MetricFamily> Metrics::State(const core::ModuleHost& host, int64_t e
   out.push_back(Single("gradwire_context_quota_rejections_total", kCounter,
                        "Training forwards refused by --max-context-bytes-per-client.",
                        double(c.rejected_quota)));
+  out.push_back(Single("gradwire_context_share_rejections_total", kCounter,
+                       "Training forwards refused because their tenant was over its fair share of "
+                       "full context memory.",
+                       double(c.rejected_share)));
 
   struct Gauge {
     const char* name;

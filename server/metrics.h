@@ -43,8 +43,9 @@ class Metrics {
   // One finished RPC: counted by method and code; its time from arrival to status observed by
   // method, and by client and method when it has a client (authentication passed).
   void ObserveRpc(const rpc::RpcRecord& r);
-  // How long a call's work (or one Train message) waited for the executor before it started.
-  void ObserveQueueWait(const char* method, double seconds);
+  // How long a call's work (or one Train message) waited for the executor before it started: by
+  // method, and by client when it has one.
+  void ObserveQueueWait(const char* method, const std::string& client, double seconds);
   // gradwire_build_info{version, device}: set once the server knows its backend.
   void SetBuildInfo(const std::string& version, const std::string& device);
 
@@ -71,6 +72,7 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Histogram>& client_latency_;
   prometheus::Family<prometheus::Histogram>& queue_wait_;
+  prometheus::Family<prometheus::Histogram>& client_queue_wait_;
   prometheus::Family<prometheus::Gauge>& build_info_;
   std::mutex series_mu_;
   std::map<std::pair<const void*, prometheus::Labels>, void*> series_;  // guarded by series_mu_

@@ -247,9 +247,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     }
     spdlog::info("restored {} modules from {}", *restored, o.checkpoint_dir);
   }
-  // The device is shared between clients by the same weights as context memory (a client is its
-  // tenant with tokens).
-  s->executor_ = std::make_unique<core::DeviceExecutor>(device, o.context_limits.tenant_weights);
+  // The device is shared between clients by the same weights as context memory: with tokens a
+  // client is its tenant, named "tenant NAME" by the service (rpc::Caller::client).
+  core::DeviceExecutor::Weights executor_weights;
+  for (const auto& [tenant, weight] : o.context_limits.tenant_weights) {
+    executor_weights.emplace("tenant " + tenant, weight);
+  }
+  s->executor_ = std::make_unique<core::DeviceExecutor>(device, std::move(executor_weights));
 
   rpc::ServiceOptions service = o.service;
   service.device = device;
@@ -266,9 +270,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     if (then) then(r);
   };
   service.on_queue_wait = [metrics = &s->metrics_, then = std::move(service.on_queue_wait)](
-                              const char* method, double seconds) {
-    metrics->ObserveQueueWait(method, seconds);
-    if (then) then(method, seconds);
+                              const char* method, const std::string& client, double seconds) {
+    metrics->ObserveQueueWait(method, client, seconds);
+    if (then) then(method, client, seconds);
   };
   s->metrics_.SetBuildInfo(o.service.version, device);
   s->service_ =

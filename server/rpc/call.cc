@@ -71,7 +71,7 @@ void CallBase::SubmitTo(core::DeviceExecutor& executor, Admission admission,
         RequestScope scope(request_);
         ticket->Release();
         if (const auto& observe = service_.options_.on_queue_wait) {
-          observe(method_,
+          observe(method_, caller_->client,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count());
         }
         absl::Status failed;

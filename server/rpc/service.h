@@ -79,7 +79,7 @@ struct ServiceOptions {
   std::function<void(const RpcRecord&)> on_rpc_done;
   // Called on the executor as a call's work (or a Train message's) starts, with how long it
   // waited in the queue (metrics); may be empty.
-  std::function<void(const char* method, double seconds)> on_queue_wait;
+  std::function<void(const char* method, const std::string& client, double seconds)> on_queue_wait;
   // Test seam: called on the executor after a Forward's last check before its compute, so a test
   // can cancel or outlive a call at exactly that point; may be empty.
   std::function<void()> before_forward_compute;

@@ -75,7 +75,7 @@ class RequestIdTest : public ::testing::TestWithParam<Transport> {
         std::lock_guard<std::mutex> lock(mu_);
         records_.push_back(r);
       };
-      s.on_queue_wait = [this](const char* method, double seconds) {
+      s.on_queue_wait = [this](const char* method, const std::string&, double seconds) {
         std::lock_guard<std::mutex> lock(mu_);
         waits_.emplace_back(method, seconds);
       };
@@ -175,7 +175,8 @@ TEST(MetricsTest, ClientLatencyQueueWaitAndBuildInfoAreOnThePage) {
   r.client.clear();  // failed authentication: no client
   r.code = absl::StatusCode::kUnauthenticated;
   metrics.ObserveRpc(r);
-  metrics.ObserveQueueWait("Forward", 0.00002);
+  metrics.ObserveQueueWait("Forward", "tenant alice", 0.00002);
+  metrics.ObserveQueueWait("Forward", "", 0.00002);  // no client: by method only
   metrics.SetBuildInfo("1.2.3", "cpu");
   const std::string text = metrics.Render(server.host(), server.executor().queued());
   for (const std::string& line : std::vector<std::string>{
@@ -186,7 +187,8 @@ TEST(MetricsTest, ClientLatencyQueueWaitAndBuildInfoAreOnThePage) {
            "gradwire_rpc_duration_seconds_bucket{method=\"Forward\",le=\"0.005\"} 2",
            "gradwire_client_rpc_duration_seconds_count{client=\"tenant alice\",method=\"Forward\"} "
            "1",
-           "gradwire_queue_wait_seconds_bucket{method=\"Forward\",le=\"5e-05\"} 1",
+           "gradwire_queue_wait_seconds_bucket{method=\"Forward\",le=\"5e-05\"} 2",
+           "gradwire_client_queue_wait_seconds_count{client=\"tenant alice\"} 1",
            "gradwire_build_info{device=\"cpu\",version=\"1.2.3\"} 1"}) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << "\n" << text;
   }
