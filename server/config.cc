@@ -229,6 +229,12 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "on blocks: one set of threads for everything) or blas (BLAS's own threads)")
       ->check(CLI::IsMember({"pool", "blas"}))
       ->capture_default_str();
+  app.add_option("--cpu-gemm", config.cpu_gemm,
+                 "the CPU backend's forward and input-gradient GEMMs: blas (the fastest on large "
+                 "products) or ordered (the reference backend's arithmetic, bit for bit: a row's "
+                 "result never depends on the other rows in the call)")
+      ->check(CLI::IsMember({"blas", "ordered"}))
+      ->capture_default_str();
   app.add_option("--stream-read-ahead", config.stream_read_ahead,
                  "requests of a Train stream read ahead of the responses written: a fast client "
                  "cannot make the server buffer more")
@@ -250,10 +256,11 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "get NOT_FOUND. WEIGHT (default 1, at most 1000) is the tenant's part in the fair "
                  "shares of context memory")
       ->check(CLI::ExistingFile);
-  app.add_option("--tokens", config.tokens,
-                 "require bearer tokens given as TENANT:TOKEN[:WEIGHT] entries, comma-separated (meant for "
-                 "GRADWIRE_SERVER_TOKENS or the config file: a command line is visible to other "
-                 "users)")
+  app.add_option(
+         "--tokens", config.tokens,
+         "require bearer tokens given as TENANT:TOKEN[:WEIGHT] entries, comma-separated (meant for "
+         "GRADWIRE_SERVER_TOKENS or the config file: a command line is visible to other "
+         "users)")
       ->delimiter(',');
   for (CLI::Option* opt : app.get_options()) {
     if (!IsMeta(opt)) opt->envname(EnvName(opt->get_name(false, false).substr(2)));
@@ -330,6 +337,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";
+  out << "cpu-gemm = " << quote(f.cpu_gemm) << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
   out << "allow-shared-memory = " << (f.allow_shared_memory ? "true" : "false") << "\n";

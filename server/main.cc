@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "server/config.h"
+#include "server/core/cpu_gemm.h"
 #include "server/core/heap_trim.h"
 #include "server/logging.h"
 #include "server/rpc/auth.h"
@@ -150,6 +151,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   gradwire::core::SetCpuThreads(config.cpu_threads, config.cpu_gemm_threads == "blas");
+  gradwire::core::SetCpuGemm(config.cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
+                                                          : gradwire::core::CpuGemm::kBlas);
   if (config.heap_retain && !gradwire::core::RetainLargeBlocks()) {
     spdlog::warn("--heap-retain: this C library has no mallopt; large blocks stay mmapped");
   }

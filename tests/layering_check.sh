@@ -2,7 +2,11 @@
 # Layering rules of the source tree (docs/backends.md, "The rpc boundary"), checked on every test
 # run:
 #   server/rpc          nothing from kernels/: tensors cross into the core as wire views and the
-#                       backend converts them on its device (gradwire/wire/codec.h)
+#                       backend converts them on its device (gradwire/wire/codec.h); and no
+#                       libtorch: the core hands back encoded tensors (weights and gradients too)
+#   server/ but core    no switch on the module kind: each kind declares its wire name and the
+#                       spec fields it reads (core::ModuleKindOps), so a new kind needs no case
+#                       outside server/core
 #   wire codec          gradwire/wire/codec.h and its .cc: no libtorch, no protobuf, no gRPC
 #   server/core         no gRPC and no generated protocol code: the core is transport-free
 #   server/             nothing from client/: the server and the clients share only proto/,
@@ -35,6 +39,8 @@ check() {  # check DESCRIPTION PATTERN FILE...
 mapfile -t rpc < <(find server/rpc -name '*.h' -o -name '*.cc')
 check "server/rpc must not use kernels/ (convert through the backend and the wire codec)" \
   '#include "gradwire/kernels/|kernels::' "${rpc[@]}"
+check "server/rpc must not use libtorch (the core hands back encoded tensors)" \
+  '#include [<"](ATen|torch|c10)/|\bat::' "${rpc[@]}"
 check "the wire codec must stay torch-, protobuf- and gRPC-free" \
   '#include [<"](ATen|torch|c10|google/protobuf|grpc|gradwire/v1)' \
   wire/include/gradwire/wire/codec.h wire/codec.cc
@@ -45,11 +51,14 @@ check "server/core must be transport-free (no gRPC, no generated messages)" \
 mapfile -t server < <(find server -name '*.h' -o -name '*.cc')
 check "server/ must not use client/ (shared code lives in wire/ and storage/)" \
   '#include "gradwire/client/|#include "client/' "${server[@]}"
+mapfile -t above_core < <(find server -path server/core -prune -o \( -name '*.h' -o -name '*.cc' \) -print)
+check "no switch on the module kind outside server/core (kinds declare their name and fields)" \
+  'ModuleKind::k[A-Z]|v1::(LINEAR|LAYERNORM_LINEAR|LAYERNORM_MLP)\b' "${above_core[@]}"
 mapfile -t storage < <(find storage -name '*.h' -o -name '*.cc')
 check "storage/ must stay torch-, protobuf- and gRPC-free" \
   '#include [<"](ATen|torch|c10|google/protobuf|grpc|gradwire/v1)' "${storage[@]}"
 mapfile -t client < <(find client -name '*.h' -o -name '*.cc' | grep -v '^client/load/inprocess\.cc$')
 check "client/ must not use server/ (only the load tester's in-process baseline may)" \
   '#include "server/' "${client[@]}"
-[ "$status" -eq 0 ] && echo "layering: server, server/rpc, server/core, client, storage and the wire codec keep their rules"
+[ "$status" -eq 0 ] && echo "layering: server, server/rpc, server/core, client, storage and the wire codec keep their rules; no kind switch outside server/core"
 exit "$status"

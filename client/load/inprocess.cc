@@ -21,6 +21,11 @@ at::Tensor Random(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
   return t;
 }
 
+// An F32 tensor as the service hands it to the core: a view of its bytes.
+wire::TensorView F32View(const at::Tensor& t) {
+  return {wire::DType::kF32, t.data_ptr(), {t.sizes().begin(), t.sizes().end()}, 1.0f};
+}
+
 class HostBaseline final : public InProcess {
  public:
   absl::Status Init(const v1::ModuleSpec& p, const std::string& flow, int64_t rows, int workers,
@@ -36,9 +41,9 @@ class HostBaseline final : public InProcess {
     }
     host_ = std::make_unique<core::ModuleHost>(core::ContextLimits{}, nullptr, backend);
     core::ModuleSpec spec;
-    spec.kind = p.kind() == v1::LAYERNORM_MLP      ? core::ModuleKind::kLayerNormMlp
-                : p.kind() == v1::LAYERNORM_LINEAR ? core::ModuleKind::kLayerNormLinear
-                                                   : core::ModuleKind::kLinear;
+    // The kind by its contract name, as the service maps it; a Linear when unset.
+    const core::ModuleKindOps* kind = core::FindKindBySpecName(v1::ModuleKind_Name(p.kind()));
+    spec.kind = kind != nullptr ? kind->kind() : core::ModuleKind::kLinear;
     spec.in_features = p.in_features();
     spec.out_features = p.out_features();
     spec.ffn_features = p.ffn_features();
@@ -57,26 +62,33 @@ class HostBaseline final : public InProcess {
     return absl::OkStatus();
   }
 
+  // The core's calls as the service makes them (wire views in, F32 encoded out), without the
+  // transport.
   OpOutcome Run(int worker) override {
     OpOutcome o;
     const auto t0 = Clock::now();
-    auto fwd = host_->Forward(id_, inputs_[worker], step_);
+    core::WireForwardRequest f;
+    f.input = F32View(inputs_[worker]);
+    f.training = step_;
+    auto fwd = host_->Forward(id_, f);
     const auto t1 = Clock::now();
     if (!fwd.ok()) {
       o.code = absl::StatusCodeToString(fwd.status().code());
       return o;
     }
     o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
-    o.bytes = int64_t(inputs_[worker].nbytes() + fwd->output.nbytes());
+    o.bytes = int64_t(inputs_[worker].nbytes() + fwd->output.bytes.size());
     if (step_) {
-      auto grad = host_->Backward(fwd->context_id, grads_[worker], false, false);
+      core::WireBackwardRequest b;
+      b.grad_output = F32View(grads_[worker]);
+      auto grad = host_->Backward(fwd->context_id, b);
       const auto t2 = Clock::now();
       if (!grad.ok()) {
         o.code = absl::StatusCodeToString(grad.status().code());
         return o;
       }
       o.stage_seconds[1] = std::chrono::duration<double>(t2 - t1).count();
-      o.bytes += int64_t(grads_[worker].nbytes() + grad->nbytes());
+      o.bytes += int64_t(grads_[worker].nbytes() + (*grad ? (*grad)->bytes.size() : 0));
     }
     return o;
   }

@@ -1,17 +1,14 @@
-// The host backends.
-//
-//   ReferenceBackend  the reference kernels (kernels/ref) on host tensors, single-threaded: the
-//                     definition of the numerics every other backend is checked against
-//                     (tests/core/backend_parity_test.cc).
-//   CpuBackend        what --device cpu runs: kernels/cpu's threaded, vectorised casts, LayerNorm,
-//                     activations and accumulations (the reference's bits), and the GEMMs on the
-//                     process's BLAS (OpenBLAS on Debian) over the decoded FP8 operands, split
-//                     over the same pool. FP8 x FP8 products are exact in fp32, so only the
-//                     accumulation order differs from the reference, within the fp32
-//                     accumulation bound.
+// The CPU backend, what --device cpu runs: kernels/cpu's threaded, vectorised casts, LayerNorm,
+// activations, accumulations and wire conversions (the reference's bits), and the GEMMs on the
+// process's BLAS (OpenBLAS on Debian) over the decoded FP8 operands, split over the same pool.
+// FP8 x FP8 products are exact in fp32, so only the accumulation order differs from the
+// reference (reference_backend.cc), within the fp32 accumulation bound. It derives from the
+// reference backend for what it does not replace (host tensors in and out, the dequantize).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 
@@ -19,129 +16,17 @@
 #include "gradwire/kernels/cpu/cast.h"
 #include "gradwire/kernels/cpu/layernorm.h"
 #include "gradwire/kernels/cpu/loops.h"
+#include "gradwire/kernels/cpu/ordered_gemm.h"
 #include "gradwire/kernels/cpu/parallel.h"
 #include "gradwire/kernels/cpu/scratch.h"
-#include "gradwire/kernels/ref/activation.h"
 #include "gradwire/kernels/ref/cast.h"
 #include "server/core/backend.h"
-#include "server/core/fp8_ops.h"
-#include "server/core/layernorm_linear.h"
+#include "server/core/cpu_gemm.h"
+#include "server/core/reference_backend.h"
+#include "server/core/reference_ops.h"
 
 namespace gradwire::core {
 namespace {
-
-class ReferenceBackend : public Backend {
- public:
-  const char* name() const override { return "reference"; }
-  at::Device device() const override { return at::kCPU; }
-  std::string Describe() const override {
-    return "host CPU, reference FP8 kernels (single-threaded)";
-  }
-
-  at::Tensor ToDevice(const at::Tensor& t) const override {
-    return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
-  }
-  at::Tensor ToHost(const at::Tensor& t) const override { return ToDevice(t); }
-
-  absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
-                                 CastUsage usage) const override {
-    return Quantize(x, config, usage);
-  }
-  Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
-                      kernels::Fp8Format format, float scale_inv, CastUsage usage) const override {
-    return core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
-  }
-  at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override {
-    return core::Dequantize(t, rowwise);
-  }
-  void PrepareWeight(Fp8Tensor& w) const override { AttachDecodedCopies(w); }
-
-  at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
-                      CastUsage usage) const override {
-    if (wire::IsFp8(v.dtype) && codes != nullptr) {
-      *codes = core::FromCodes(
-          static_cast<const uint8_t*>(v.data), rows, cols,
-          v.dtype == wire::DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2,
-          v.scale_inv, usage);
-    }
-    if (v.dtype == wire::DType::kF32 && reinterpret_cast<uintptr_t>(v.data) % alignof(float) == 0) {
-      // Borrow the request's bytes: no copy on the hot path.
-      return at::from_blob(const_cast<void*>(v.data), {rows, cols}, Float32());
-    }
-    at::Tensor out = at::empty({rows, cols}, Float32());
-    Decode(v, out.data_ptr<float>());
-    return out;
-  }
-  wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
-                             std::vector<int64_t> shape) const override {
-    const at::Tensor src = ToHost(x.to(at::kFloat));
-    wire::EncodedTensor out;
-    out.dtype = dtype;
-    out.shape = std::move(shape);
-    out.bytes.resize(size_t(src.numel() * wire::ElementSize(dtype)));
-    out.scale_inv = Encode(src.data_ptr<float>(), src.numel(), dtype, out.bytes.data());
-    return out;
-  }
-
-  LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
-    return RunLayerNorm(x, ln);
-  }
-  at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
-                               const at::Tensor& rstd, const LayerNormParams& ln,
-                               at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
-    return RunLayerNormBackward(dy, x, mu, rstd, ln, gamma_grad, beta_grad);
-  }
-
-  at::Tensor ActivationForward(kernels::Activation act, const at::Tensor& in,
-                               int64_t width) const override {
-    at::Tensor out = at::empty({in.size(0), width}, at::TensorOptions().dtype(at::kFloat));
-    kernels::ActivationForward(act, in.data_ptr<float>(), in.size(0), width, out.data_ptr<float>());
-    return out;
-  }
-  at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
-                                const at::Tensor& in, int64_t width) const override {
-    at::Tensor din = at::empty_like(in);
-    kernels::ActivationBackward(act, dout.data_ptr<float>(), in.data_ptr<float>(), in.size(0),
-                                width, din.data_ptr<float>());
-    return din;
-  }
-
-  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
-    return Fp8Fprop(x, w, bias);
-  }
-  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
-    return Fp8Dgrad(dy, w);
-  }
-  void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
-             bool accumulate) const override {
-    Fp8Wgrad(dy, x, acc, accumulate);
-  }
-  void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
-    core::AccumulateBiasGrad(g, acc);
-  }
-  float AbsMax(const at::Tensor& x) const override {
-    return kernels::Amax(x.data_ptr<float>(), x.numel());
-  }
-  float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
-    const float* pa = a.data_ptr<float>();
-    const float* pb = b.data_ptr<float>();
-    float* po = out.data_ptr<float>();
-    for (int64_t i = 0; i < out.numel(); ++i) po[i] = pa[i] + pb[i];
-    return kernels::Amax(po, out.numel());
-  }
-
-  void Synchronize() const override {}
-
- protected:
-  static at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
-  // The wire codec over a whole tensor (the CPU backend splits these over threads).
-  virtual void Decode(const wire::TensorView& v, float* out) const {
-    wire::DecodeElements(v.dtype, v.data, v.numel(), v.scale_inv, out);
-  }
-  virtual float Encode(const float* x, int64_t n, wire::DType dtype, void* out) const {
-    return wire::EncodeTensor(x, n, dtype, out);
-  }
-};
 
 // The decoded floats (codes without the scale, in storage order) of one stored copy: the copy a
 // workspace weight carries, else a scratch lease decoded now.
@@ -181,6 +66,41 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
   tc.addmm_(trans_a ? ta.t() : ta, trans_b ? tb.t() : tb, beta, alpha);
 }
 
+std::atomic<CpuGemm> g_cpu_gemm{CpuGemm::kBlas};
+
+// C[m, n] = (A[m, k] . B[n, k]^T) * scale (+ bias) on the row-invariant GEMM (cpu_gemm.h).
+void Ordered(int64_t m, int64_t n, int64_t k, float scale, const float* a, const float* b,
+             const float* bias, float* c) {
+  kernels::cpu::OrderedGemmArgs g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.a = a;
+  g.lda = k;
+  g.b = b;
+  g.ldb = k;
+  g.scale = scale;
+  g.bias = bias;
+  g.c = c;
+  g.ldc = n;
+  kernels::cpu::OrderedGemm(g);
+}
+
+// out[cols, rows] = in[rows, cols]^T, in tiles that stay in cache.
+void Transpose(const float* in, int64_t rows, int64_t cols, float* out) {
+  constexpr int64_t kTile = 32;
+  kernels::cpu::ParallelFor((rows + kTile - 1) / kTile, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t r0 = t0 * kTile; r0 < std::min(rows, t1 * kTile); r0 += kTile) {
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r) {
+          for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c)
+            out[c * rows + r] = in[r * cols + c];
+        }
+      }
+    }
+  });
+}
+
 // Times one GEMM into the FP8 GEMM counters (metrics).
 class GemmTimer {
  public:
@@ -210,7 +130,13 @@ class CpuBackend final : public ReferenceBackend {
     const bool pool = kernels::cpu::GetGemmThreads() == kernels::cpu::GemmThreads::kPool;
     return "host CPU, FP8 casts and loops on " + std::to_string(kernels::cpu::Threads()) +
            " threads, GEMMs on " + kernels::cpu::BlasDescription() +
-           (pool ? " (split over the same threads)" : " (its own threads)");
+           (pool ? " (split over the same threads)" : " (its own threads)") +
+           (GetCpuGemm() == CpuGemm::kOrdered
+                ? "; forward and input-gradient GEMMs row-invariant (" +
+                      std::string(
+                          kernels::cpu::OrderedGemmCopyName(kernels::cpu::OrderedGemmBestCopy())) +
+                      ")"
+                : "");
   }
 
   // The reference cast's codes, scale, scale_inv and amax bit for bit (kernels/cpu/cast.h; the
@@ -267,6 +193,41 @@ class CpuBackend final : public ReferenceBackend {
     return out;
   }
 
+  // The wire codec split over the pool: elementwise, so the bytes are the reference's; an FP8
+  // encode takes one scale from the whole tensor's amax, as the codec does.
+  at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
+                      CastUsage usage) const override {
+    if (wire::IsFp8(v.dtype) && codes != nullptr) {
+      *codes = FromCodes(static_cast<const uint8_t*>(v.data), rows, cols, Fp8FormatOf(v.dtype),
+                         v.scale_inv, usage);
+    }
+    if (at::Tensor borrowed = BorrowF32(v, rows, cols); borrowed.defined()) return borrowed;
+    at::Tensor decoded = Empty({rows, cols});
+    float* out = decoded.data_ptr<float>();
+    const int64_t size = wire::ElementSize(v.dtype);
+    const auto* bytes = static_cast<const unsigned char*>(v.data);
+    kernels::cpu::ParallelFor(v.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+      wire::DecodeElements(v.dtype, bytes + b * size, e - b, v.scale_inv, out + b);
+    });
+    return decoded;
+  }
+  wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
+                             std::vector<int64_t> shape) const override {
+    const at::Tensor src = ToHost(x.to(at::kFloat));
+    const float* in = src.data_ptr<float>();
+    const int64_t n = src.numel();
+    wire::EncodedTensor encoded = EncodedFor(dtype, std::move(shape), n);
+    float scale = 1.0f;
+    if (wire::IsFp8(dtype)) scale = wire::Fp8EncodeScale(dtype, kernels::cpu::AbsMax(in, n));
+    const int64_t size = wire::ElementSize(dtype);
+    auto* bytes = reinterpret_cast<unsigned char*>(encoded.bytes.data());
+    kernels::cpu::ParallelFor(n, kWireGrain, [&](int64_t b, int64_t e) {
+      wire::EncodeElements(in + b, e - b, dtype, scale, bytes + b * size);
+    });
+    encoded.scale_inv = wire::IsFp8(dtype) ? 1.0f / scale : 1.0f;
+    return encoded;
+  }
+
   void PrepareWeight(Fp8Tensor& w) const override {
     auto decode = [&](const at::Tensor& codes) -> std::shared_ptr<const std::vector<float>> {
       if (!codes.defined()) return nullptr;
@@ -291,10 +252,9 @@ class CpuBackend final : public ReferenceBackend {
                                const at::Tensor& rstd, const LayerNormParams& ln,
                                at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
     at::Tensor dx = Empty(x.sizes());
-    kernels::cpu::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(),
-                                    mu.data_ptr<float>(), rstd.data_ptr<float>(),
-                                    ln.gamma.data_ptr<float>(), x.size(0), x.size(1),
-                                    ln.zero_centered_gamma, dx.data_ptr<float>(),
+    kernels::cpu::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
+                                    rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0),
+                                    x.size(1), ln.zero_centered_gamma, dx.data_ptr<float>(),
                                     gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>());
     return dx;
   }
@@ -309,8 +269,8 @@ class CpuBackend final : public ReferenceBackend {
   at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
                                 const at::Tensor& in, int64_t width) const override {
     at::Tensor din = Empty(in.sizes());
-    kernels::cpu::ActivationBackward(act, dout.data_ptr<float>(), in.data_ptr<float>(),
-                                     in.size(0), width, din.data_ptr<float>());
+    kernels::cpu::ActivationBackward(act, dout.data_ptr<float>(), in.data_ptr<float>(), in.size(0),
+                                     width, din.data_ptr<float>());
     return din;
   }
 
@@ -319,6 +279,11 @@ class CpuBackend final : public ReferenceBackend {
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Decoded a = DecodeRowwise(x), b = DecodeRowwise(w);
     at::Tensor y = Empty({x.rows, w.rows});
+    if (GetCpuGemm() == CpuGemm::kOrdered) {  // the reference's arithmetic: bias added last
+      Ordered(x.rows, w.rows, x.cols, x.scale_inv * w.scale_inv, a.data, b.data,
+              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+      return y;
+    }
     if (bias.defined()) {
       kernels::cpu::FillRows(bias.data_ptr<float>(), x.rows, w.rows, y.data_ptr<float>());
     }
@@ -330,6 +295,28 @@ class CpuBackend final : public ReferenceBackend {
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Decoded a = DecodeRowwise(dy);
     at::Tensor dx = Empty({dy.rows, w.cols});
+    if (GetCpuGemm() == CpuGemm::kOrdered) {
+      // The ordered GEMM reads B along its rows: W^T [K, N], the columnwise copy, else W's rows
+      // transposed into scratch.
+      Decoded bt;
+      if (w.has_columnwise()) {
+        bt = DecodeColumnwise(w);
+      } else {
+        Decoded rows;
+        if (!w.has_rowwise() && w.rowwise_decoded &&
+            int64_t(w.rowwise_decoded->size()) == w.rows * w.cols) {
+          rows.data = w.rowwise_decoded->data();
+        } else {
+          rows = DecodeRowwise(w);
+        }
+        bt.lease = kernels::cpu::TakeScratch(size_t(w.rows * w.cols) * sizeof(float));
+        Transpose(rows.data, w.rows, w.cols, bt.lease.floats());
+        bt.data = bt.lease.floats();
+      }
+      Ordered(dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, bt.data, nullptr,
+              dx.data_ptr<float>());
+      return dx;
+    }
     // W [N, K] rowwise: from its codes, or from the decoded copy a pinned backward weight still
     // reaches while its version is cached; else W^T [K, N], a transposed operand (slower to
     // pack for BLAS).
@@ -362,41 +349,12 @@ class CpuBackend final : public ReferenceBackend {
     return kernels::cpu::AbsMax(x.data_ptr<float>(), x.numel());
   }
   float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
-    return kernels::cpu::AddAbsMax(a.data_ptr<float>(), b.data_ptr<float>(),
-                                   out.data_ptr<float>(), out.numel());
-  }
-
- protected:
-  // The wire codec split over the pool: elementwise, so the bytes are the reference's; an FP8
-  // encode takes one scale from the whole tensor's amax, as the codec does.
-  void Decode(const wire::TensorView& v, float* out) const override {
-    const int64_t size = wire::ElementSize(v.dtype);
-    const auto* bytes = static_cast<const unsigned char*>(v.data);
-    kernels::cpu::ParallelFor(v.numel(), kWireGrain, [&](int64_t b, int64_t e) {
-      wire::DecodeElements(v.dtype, bytes + b * size, e - b, v.scale_inv, out + b);
-    });
-  }
-  float Encode(const float* x, int64_t n, wire::DType dtype, void* out) const override {
-    float scale = 1.0f;
-    if (wire::IsFp8(dtype)) scale = wire::Fp8EncodeScale(dtype, kernels::cpu::AbsMax(x, n));
-    const int64_t size = wire::ElementSize(dtype);
-    auto* bytes = static_cast<unsigned char*>(out);
-    kernels::cpu::ParallelFor(n, kWireGrain, [&](int64_t b, int64_t e) {
-      wire::EncodeElements(x + b, e - b, dtype, scale, bytes + b * size);
-    });
-    return wire::IsFp8(dtype) ? 1.0f / scale : 1.0f;
+    return kernels::cpu::AddAbsMax(a.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<float>(),
+                                   out.numel());
   }
 };
 
 }  // namespace
-
-at::Tensor Backend::Empty(at::IntArrayRef shape) const {
-  return at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
-}
-
-at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
-  return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
-}
 
 void SetCpuThreads(int threads, bool gemm_on_blas_threads) {
   kernels::cpu::SetThreads(threads);
@@ -407,10 +365,8 @@ void SetCpuThreads(int threads, bool gemm_on_blas_threads) {
   at::set_num_threads(1);
 }
 
-BackendPtr MakeReferenceBackend() {
-  static const BackendPtr reference = std::make_shared<ReferenceBackend>();
-  return reference;
-}
+void SetCpuGemm(CpuGemm gemm) { g_cpu_gemm.store(gemm); }
+CpuGemm GetCpuGemm() { return g_cpu_gemm.load(std::memory_order_relaxed); }
 
 BackendPtr MakeCpuBackend() {
   static const BackendPtr cpu = [] {

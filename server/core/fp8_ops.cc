@@ -2,64 +2,9 @@
 
 #include <ATen/ATen.h>
 
-#include <atomic>
-#include <chrono>
-
-#include "gradwire/kernels/ref/cast.h"
-#include "gradwire/kernels/ref/gemm.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
-namespace {
-
-kernels::Fp8Operand Operand(const at::Tensor& codes, const Fp8Tensor& t, bool transposed) {
-  kernels::Fp8Operand op{codes.data_ptr<uint8_t>(), t.format, t.scale_inv, transposed, nullptr};
-  const auto& decoded = codes.is_same(t.rowwise) ? t.rowwise_decoded : t.columnwise_decoded;
-  if (decoded) op.decoded = decoded->data();
-  return op;
-}
-
-// The codes of `codes` decoded to floats in storage order (no scale).
-std::shared_ptr<const std::vector<float>> Decoded(const at::Tensor& codes,
-                                                  kernels::Fp8Format format) {
-  if (!codes.defined()) return nullptr;
-  const float* table = kernels::DecodeTable(format);
-  const uint8_t* data = codes.data_ptr<uint8_t>();
-  auto out = std::make_shared<std::vector<float>>(static_cast<size_t>(codes.numel()));
-  for (int64_t i = 0; i < codes.numel(); ++i) (*out)[size_t(i)] = table[data[i]];
-  return out;
-}
-
-at::Tensor EmptyFloat(int64_t rows, int64_t cols) {
-  return at::empty({rows, cols}, at::TensorOptions().dtype(at::kFloat));
-}
-
-std::atomic<double> g_gemm_flops{0};
-std::atomic<double> g_gemm_seconds{0};
-
-void Add(std::atomic<double>& counter, double value) {
-  double seen = counter.load(std::memory_order_relaxed);
-  while (!counter.compare_exchange_weak(seen, seen + value, std::memory_order_relaxed)) {
-  }
-}
-
-// Runs one GEMM and counts its work.
-void RunGemm(const kernels::Fp8GemmArgs& gemm) {
-  const auto start = std::chrono::steady_clock::now();
-  kernels::Fp8Gemm(gemm);
-  Add(g_gemm_seconds,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  Add(g_gemm_flops, 2.0 * double(gemm.m) * double(gemm.n) * double(gemm.k));
-}
-
-}  // namespace
-
-GemmCounters GemmTotals() { return {g_gemm_flops.load(), g_gemm_seconds.load()}; }
-
-void CountGemm(double flops, double seconds) {
-  Add(g_gemm_flops, flops);
-  Add(g_gemm_seconds, seconds);
-}
 
 bool WeightWorkspace::has_columnwise() const {
   for (const Fp8Tensor& w : weights) {
@@ -102,11 +47,6 @@ const Backend& BackendOr(const Backend* backend) {
   return backend != nullptr ? *backend : *MakeReferenceBackend();
 }
 
-void AttachDecodedCopies(Fp8Tensor& w) {
-  w.rowwise_decoded = Decoded(w.rowwise, w.format);
-  w.columnwise_decoded = Decoded(w.columnwise, w.format);
-}
-
 absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
                                                     const WorkspacePtr& cached,
                                                     uint64_t weight_version, bool training,
@@ -144,53 +84,6 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
     ws->for_backward = std::move(slim);
   }
   return WorkspaceResult{std::move(ws), true};
-}
-
-at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) {
-  at::Tensor y = EmptyFloat(x.rows, w.rows);
-  kernels::Fp8GemmArgs gemm;
-  gemm.a = Operand(x.rowwise, x, /*transposed=*/false);
-  gemm.b = Operand(w.rowwise, w, /*transposed=*/true);
-  gemm.m = x.rows;
-  gemm.n = w.rows;
-  gemm.k = x.cols;
-  gemm.c = y.data_ptr<float>();
-  gemm.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  RunGemm(gemm);
-  return y;
-}
-
-at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) {
-  at::Tensor dx = EmptyFloat(dy.rows, w.cols);
-  kernels::Fp8GemmArgs gemm;
-  gemm.a = Operand(dy.rowwise, dy, false);
-  gemm.b = Operand(w.columnwise, w, true);  // W^T stored [K, N]: contiguous along N
-  gemm.m = dy.rows;
-  gemm.n = w.cols;
-  gemm.k = dy.cols;
-  gemm.c = dx.data_ptr<float>();
-  RunGemm(gemm);
-  return dx;
-}
-
-void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool accumulate) {
-  kernels::Fp8GemmArgs gemm;
-  gemm.a = Operand(dy.columnwise, dy, false);  // dY^T stored [N, M]
-  gemm.b = Operand(x.columnwise, x, true);     // X^T stored [K, M]
-  gemm.m = dy.cols;
-  gemm.n = x.cols;
-  gemm.k = dy.rows;
-  gemm.c = acc.data_ptr<float>();
-  gemm.accumulate = accumulate;
-  RunGemm(gemm);
-}
-
-void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) {
-  const int64_t rows = g.size(0), cols = g.size(1);
-  std::vector<float> sums(static_cast<size_t>(cols));
-  kernels::ColumnSums(g.data_ptr<float>(), rows, cols, sums.data());
-  float* out = acc.data_ptr<float>();
-  for (int64_t c = 0; c < cols; ++c) out[c] += sums[size_t(c)];
 }
 
 at::Tensor As2D(const at::Tensor& t) { return t.contiguous().reshape({-1, t.size(-1)}); }

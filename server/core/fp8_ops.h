@@ -1,6 +1,6 @@
-// The FP8 building blocks every module composes: the weight workspace and the three GEMMs of a
-// linear layer, each in the layout FP8 tensor cores need (both operands contiguous along the
-// reduction).
+// The FP8 weight workspace every module kind composes: the weights of one weight version cast
+// once (rowwise, and columnwise for training) on the module's backend, the slim part a saved
+// context keeps, and how a backward reads it. The GEMMs themselves are the backend's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -76,32 +76,6 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
 
 // The backend a module's arguments name, or the reference backend when they name none.
 const Backend& BackendOr(const Backend* backend);
-
-// The reference GEMMs on host tensors (CpuBackend's).
-// Attaches the decoded copies (codes as floats) the reference GEMM reads instead of decoding per
-// call: once per weight version.
-void AttachDecodedCopies(Fp8Tensor& w);
-
-// y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]); x and w rowwise. fp32 out.
-at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias);
-
-// dx[M, K] = dy[M, N] . w[N, K]; dy rowwise, w columnwise.
-at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w);
-
-// acc[N, K] = (accumulate ? acc : 0) + dy[M, N]^T . x[M, K]; dy and x columnwise.
-void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool accumulate);
-
-// acc[N] += column sums of g[M, N] (fp32, unquantized).
-void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc);
-
-// FP8 GEMM work since the process started (all threads): what metrics report as achieved FLOP/s.
-struct GemmCounters {
-  double flops = 0;    // 2 * m * n * k per GEMM
-  double seconds = 0;  // wall time inside the GEMMs
-};
-GemmCounters GemmTotals();
-// Adds one GEMM's work to the totals (backends whose GEMMs do not go through the reference's).
-void CountGemm(double flops, double seconds);
 
 // Flattens [..., last] to a contiguous float32 [rows, last].
 at::Tensor As2D(const at::Tensor& t);

@@ -1,22 +1,25 @@
 // FP8 Linear: y = x W^T + b with E4M3 forward casts and E5M2 gradient casts.
 //
-// The compute functions take every input explicitly (LinearFwdArgs / LinearBwdArgs) and hold no
-// module state. The FP8 weight workspace is an argument and a result: the caller caches it.
+// The compute functions take the kind's arguments as they are (KindForwardArgs /
+// KindBackwardArgs: every input explicit) and hold no module state. The FP8 weight workspace is an
+// argument and a result: the caller caches it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-#include <cstdint>
-#include <cmath>
-#include <memory>
+#include <cstddef>
+#include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/core/fp8_ops.h"
-#include "server/core/gradients.h"
-#include "server/core/saved_tensors.h"
+#include "server/core/module_kind.h"
 
 namespace gradwire::core {
+
+// The roles of a kind with one GEMM (Linear, LayerNormLinear), in Roles() order: the cast of the
+// GEMM's input, of its weight, and of the gradient coming back.
+enum SingleGemmRole : size_t { kInputRole, kWeightRole, kGradOutputRole };
+const std::vector<RoleDef>& SingleGemmRoles();
 
 struct LinearSaved final : SavedWithWorkspace {
   Fp8Tensor input;  // columnwise only: X^T [K, M], what wgrad reads
@@ -28,51 +31,10 @@ struct LinearSaved final : SavedWithWorkspace {
   }
 };
 
-struct LinearFwdArgs {
-  // The device the compute runs on; null: the reference backend. Tensors live on its device.
-  const Backend* backend = nullptr;
-  at::Tensor input;   // float32 [M, K], contiguous
-  at::Tensor weight;  // float32 [N, K] master weight
-  at::Tensor bias;    // float32 [N], or undefined
-  uint64_t weight_version = 0;
-  WorkspacePtr workspace;            // cached FP8 weight, may be null or stale
-  QuantizerConfig input_quantizer;   // E4M3
-  QuantizerConfig weight_quantizer;  // E4M3
-  bool training = false;
-  // The input as it arrived in FP8 (codes + scale_inv), to be used without re-quantizing; when
-  // set, `input` is its dequantized copy and input_quantizer is not used.
-  const Fp8Tensor* input_fp8 = nullptr;
-};
-
-struct LinearFwdResult {
-  at::Tensor output;                   // float32 [M, N]
-  WorkspacePtr workspace;              // args.workspace when usable, else a new one
-  bool workspace_built = false;        // true on a cache miss
-  std::shared_ptr<LinearSaved> saved;  // training only
-  float input_amax = 0.0f;
-  float weight_amax = 0.0f;
-};
-
-absl::StatusOr<LinearFwdResult> LinearForward(const LinearFwdArgs& args);
-
-struct LinearBwdArgs {
-  // The device the compute runs on; null: the reference backend. Tensors live on its device.
-  const Backend* backend = nullptr;
-  at::Tensor grad_output;              // float32 [M, N], contiguous
-  const LinearSaved* saved = nullptr;  // from the matching forward
-  QuantizerConfig grad_quantizer;      // E5M2
-  bool compute_grad_input = true;
-  bool bias = false;  // the layer has a bias (its gradient is wanted)
-  // dW goes to Param::kWeight, dbias to Param::kBias.
-  GradientSink* grads = nullptr;
-};
-
-struct LinearBwdResult {
-  at::Tensor grad_input;  // float32 [M, K], undefined unless compute_grad_input
-  double grad_input_bound = INFINITY;  // >= max |grad_input| (DgradBound)
-  float grad_output_amax = 0.0f;
-};
-
-absl::StatusOr<LinearBwdResult> LinearBackward(const LinearBwdArgs& args);
+// Params: kWeight [N, K], kBias [N] when spec.bias. With args.input_fp8 the input's codes are used
+// as they arrived (no re-quantization) and the input quantizer is not.
+absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args);
+// dW to Param::kWeight, dbias to kBias; grad_input bounded by DgradBound.
+absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args);
 
 }  // namespace gradwire::core

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <limits>
 #include <optional>
-#include <stdexcept>
 #include <set>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -22,20 +22,6 @@ at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
 
 std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-absl::Status CheckInputTensor(const char* field, const at::Tensor& t, int64_t last_dim,
-                              const char* what) {
-  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
-  if (t.scalar_type() != at::kFloat) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be float32"));
-  }
-  if (t.dim() < 1 || t.size(-1) != last_dim || t.numel() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".shape must be [..., ", last_dim,
-                                                   "] (the module's ", what, "), got ",
-                                                   ShapeString(t.sizes())));
-  }
-  return absl::OkStatus();
 }
 
 absl::Status CheckExactShape(const char* field, const at::Tensor& t, at::IntArrayRef expected) {
@@ -61,6 +47,18 @@ absl::Status CheckFinite(const std::string& field, const at::Tensor& t) {
       absl::StrCat(field, " must be finite; element ", i, " is ", flat[i].item<float>()));
 }
 
+// A host fp32 tensor encoded for the wire, as the codec rounds (master weights and gradients live
+// on the host, or are copied there first).
+wire::EncodedTensor EncodeHost(const at::Tensor& t, wire::DType dtype) {
+  const at::Tensor c = t.contiguous();
+  wire::EncodedTensor e;
+  e.dtype = dtype;
+  e.shape.assign(c.sizes().begin(), c.sizes().end());
+  e.bytes.resize(size_t(c.numel() * wire::ElementSize(dtype)));
+  e.scale_inv = wire::EncodeTensor(c.data_ptr<float>(), c.numel(), dtype, e.bytes.data());
+  return e;
+}
+
 absl::Status CheckViewShape(const char* field, const wire::TensorView& v, int64_t last_dim,
                             const char* what) {
   if (v.shape.empty() || v.shape.back() != last_dim || v.numel() == 0) {
@@ -76,9 +74,9 @@ absl::Status CheckViewShape(const char* field, const wire::TensorView& v, int64_
 struct ModuleHost::Module {
   struct Parameter {
     Param id;
-    const char* name;   // ParamName(id)
-    at::Tensor value;   // fp32 master copy, on the host
-    at::Tensor device;  // value on the backend's device, as of device_version (CPU: value)
+    const char* name;      // ParamName(id)
+    at::Tensor value;      // fp32 master copy, on the host
+    at::Tensor device;     // value on the backend's device, as of device_version (CPU: value)
     GradAccumulator grad;  // fp32 on the device, accumulated by backwards
     OptimizerSlots slots;
   };
@@ -264,44 +262,6 @@ absl::Status ModuleHost::Delete(const std::string& module_id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ForwardOutput> ModuleHost::Forward(const std::string& module_id,
-                                                  const at::Tensor& input, bool training,
-                                                  const Fp8Tensor* input_fp8,
-                                                  const std::string& client) {
-  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
-  GW_RETURN_IF_ERROR(CheckInputTensor("input", input, m->spec.in_features, "in_features"));
-  const Backend& b = *backend_;
-  // FP8 codes given on the host; other backends take their own copy. Only a kind that
-  // UsesFp8Input reads them as they are (the LayerNorm kinds normalise the decoded input).
-  Fp8Tensor fp8_on_device;
-  const Fp8Tensor* fp8 = nullptr;
-  if (input_fp8 != nullptr && m->kind->UsesFp8Input()) {
-    fp8 = input_fp8;
-    if (!b.device().is_cpu()) {
-      if (!input_fp8->has_rowwise()) {
-        return absl::InternalError("Forward: FP8 input codes without their rowwise copy");
-      }
-      fp8_on_device =
-          b.FromCodes(input_fp8->rowwise.data_ptr<uint8_t>(), input_fp8->rows, input_fp8->cols,
-                      input_fp8->format, input_fp8->scale_inv, {true, training});
-      fp8 = &fp8_on_device;
-    }
-  }
-  const std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-  GW_ASSIGN_OR_RETURN(DeviceForward d,
-                      ForwardOnDevice(module_id, m, As2D(input), shape, training, fp8, client));
-  ForwardOutput out;
-  std::vector<int64_t> out_shape = shape;
-  out_shape.back() = m->spec.out_features;
-  out.output = b.ToHost(d.output).reshape(out_shape);
-  if (d.layernorm_output.defined()) {
-    out.layernorm_output = b.ToHost(d.layernorm_output).reshape(shape);
-  }
-  out.context_id = std::move(d.context_id);
-  out.weight_version = d.weight_version;
-  return out;
-}
-
 absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_id,
                                                       const WireForwardRequest& req) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
@@ -345,15 +305,13 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   std::lock_guard<std::mutex> lock(m->mu);
   const ModuleSpec& spec = m->spec;
   m->SyncDevice();
-  const ParamTable params = m->DeviceTable();
-  const std::vector<QuantizerConfig> quantizers = m->Quantizers();
   KindForwardArgs args;
   args.backend = &b;
   args.spec = &spec;
   args.input = x;
   args.input_fp8 = fp8;
-  args.params = &params;
-  args.quantizers = &quantizers;
+  args.params = m->DeviceTable();
+  args.quantizers = m->Quantizers();
   args.weight_version = m->version;
   args.workspace = m->workspace;
   args.training = training;
@@ -366,9 +324,10 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   for (const auto& [role, amax] : r.amaxes) {
     if (roles.at(role).weight || std::isfinite(amax)) continue;
     GW_RETURN_IF_ERROR(CheckFinite("input", x));
-    return absl::OutOfRangeError(absl::StrCat(
-        "the ", roles[role].name, " of this forward came out non-finite (fp32 overflow) from a "
-        "finite input; nothing was changed: scale the input down"));
+    return absl::OutOfRangeError(
+        absl::StrCat("the ", roles[role].name,
+                     " of this forward came out non-finite (fp32 overflow) from a "
+                     "finite input; nothing was changed: scale the input down"));
   }
   // Inference leaves the scaling state alone: evaluation traffic must not move training scales.
   if (training) {
@@ -389,23 +348,6 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   return out;
 }
 
-absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
-                                                const at::Tensor& grad_output, bool retain,
-                                                bool skip_grad_input) {
-  BackwardInput in;
-  in.grad_output = grad_output;
-  in.retain = retain;
-  in.skip_grad_input = skip_grad_input;
-  return Backward(context_id, in);
-}
-
-absl::StatusOr<at::Tensor> ModuleHost::Backward(const std::string& context_id,
-                                                const BackwardInput& in) {
-  GW_ASSIGN_OR_RETURN(auto r, BackwardOnDevice(context_id, in));
-  if (!r.first.defined()) return at::Tensor();
-  return backend_->ToHost(r.first).reshape(r.second);
-}
-
 absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
     const std::string& context_id, const WireBackwardRequest& req) {
   const Backend& b = *backend_;
@@ -418,26 +360,26 @@ absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
   if (req.grad_output.shape.empty() || req.grad_output.numel() == 0) {
     return absl::InvalidArgumentError("grad_output is required");
   }
-  BackwardInput in;
-  in.grad_output = decode(req.grad_output);
+  const at::Tensor grad_output = decode(req.grad_output);
+  at::Tensor grad_layernorm_output;
   if (req.grad_layernorm_output.data != nullptr) {
-    in.grad_layernorm_output = decode(req.grad_layernorm_output);
+    grad_layernorm_output = decode(req.grad_layernorm_output);
   }
-  in.retain = req.retain;
-  in.skip_grad_input = req.skip_grad_input;
-  GW_ASSIGN_OR_RETURN(auto r, BackwardOnDevice(context_id, in));
+  GW_ASSIGN_OR_RETURN(auto r, BackwardOnDevice(context_id, grad_output, grad_layernorm_output,
+                                               req.retain, req.skip_grad_input));
   if (!r.first.defined()) return std::nullopt;
   return b.ToWire(r.first, req.grad_input_dtype, std::move(r.second));
 }
 
 absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::BackwardOnDevice(
-    const std::string& context_id, const BackwardInput& in) {
+    const std::string& context_id, const at::Tensor& grad_output,
+    const at::Tensor& grad_layernorm_output, bool retain, bool skip_grad_input) {
   compute_calls_.fetch_add(1, std::memory_order_relaxed);
   GW_ASSIGN_OR_RETURN(ContextStore::Lease lease, contexts_.Acquire(context_id));
   // Until Finish(consumed=true), every exit leaves the context as it was.
   auto fail = [&](absl::Status status) {
     lease.saved.reset();
-    contexts_.Finish(context_id, /*consumed=*/false, in.retain);
+    contexts_.Finish(context_id, /*consumed=*/false, retain);
     return status;
   };
   auto found = Find(lease.module_id);
@@ -446,13 +388,13 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
   const std::vector<int64_t> input_shape = lease.saved->input_shape;
   std::vector<int64_t> expected = input_shape;
   expected.back() = m->spec.out_features;
-  if (auto s = CheckExactShape("grad_output", in.grad_output, expected); !s.ok()) return fail(s);
-  if (in.grad_layernorm_output.defined()) {
+  if (auto s = CheckExactShape("grad_output", grad_output, expected); !s.ok()) return fail(s);
+  if (grad_layernorm_output.defined()) {
     if (!m->spec.return_layernorm_output) {
       return fail(absl::InvalidArgumentError(
           "grad_layernorm_output is only for modules created with return_layernorm_output"));
     }
-    if (auto s = CheckExactShape("grad_layernorm_output", in.grad_layernorm_output, input_shape);
+    if (auto s = CheckExactShape("grad_layernorm_output", grad_layernorm_output, input_shape);
         !s.ok()) {
       return fail(s);
     }
@@ -472,20 +414,17 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
     // The kind hands its parameter gradients to `grads`, which adds them to the accumulators only
     // after everything below has checked out: a refused backward changes nothing.
     DeferredGradients grads(b);
-    const ParamTable params = m->DeviceTable();
-    const std::vector<QuantizerConfig> quantizers = m->Quantizers();
     KindBackwardArgs args;
     args.backend = &b;
     args.spec = &m->spec;
-    args.grad_output = b.ToDevice(As2D(in.grad_output));
-    if (in.grad_layernorm_output.defined()) {
-      args.grad_layernorm_output = b.ToDevice(As2D(in.grad_layernorm_output));
+    args.grad_output = b.ToDevice(As2D(grad_output));
+    if (grad_layernorm_output.defined()) {
+      args.grad_layernorm_output = b.ToDevice(As2D(grad_layernorm_output));
     }
     args.saved = lease.saved.get();
-    args.params = &params;
     args.grads = &grads;
-    args.quantizers = &quantizers;
-    args.compute_grad_input = !in.skip_grad_input;
+    args.quantizers = m->Quantizers();
+    args.compute_grad_input = !skip_grad_input;
     absl::StatusOr<KindBackwardResult> r;
     try {
       r = m->kind->Backward(args);
@@ -533,9 +472,8 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
       // the accumulators may then hold part of this backward, so they are zeroed.
       for (Module::Parameter& p : m->params) m->ZeroGrad(p);
       m->accumulated_backwards = 0;
-      return fail(absl::InternalError(
-          absl::StrCat("backward failed while accumulating gradients (they were reset): ",
-                       e.what())));
+      return fail(absl::InternalError(absl::StrCat(
+          "backward failed while accumulating gradients (they were reset): ", e.what())));
     }
     if (overflowed.has_value()) {
       return refuse(absl::StrCat("accumulated ", ParamName(*overflowed), " gradient"));
@@ -545,7 +483,7 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
   }
   // Free the saved tensors now, before the caller encodes and sends the reply.
   lease.saved.reset();
-  contexts_.Finish(context_id, /*consumed=*/true, in.retain);
+  contexts_.Finish(context_id, /*consumed=*/true, retain);
   return std::make_pair(std::move(grad_input), input_shape);
 }
 
@@ -588,39 +526,48 @@ absl::StatusOr<uint64_t> ModuleHost::ApplyGradients(const std::string& module_id
   return ++m->version;
 }
 
-absl::StatusOr<ParametersCopy> ModuleHost::GetGradients(const std::string& module_id, bool zero) {
+absl::StatusOr<EncodedParameters> ModuleHost::GetGradients(const std::string& module_id, bool zero,
+                                                           wire::DType dtype) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
-  std::lock_guard<std::mutex> lock(m->mu);
-  ParametersCopy out;
-  for (Module::Parameter& p : m->params) {
-    out.tensors.emplace_back(p.name,
-                             p.grad.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
-    if (zero) m->ZeroGrad(p);
+  NamedTensors copies;
+  EncodedParameters out;
+  {
+    std::lock_guard<std::mutex> lock(m->mu);
+    for (Module::Parameter& p : m->params) {
+      copies.emplace_back(p.name, p.grad.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
+      if (zero) m->ZeroGrad(p);
+    }
+    out.weight_version = m->version;
+    out.accumulated_backwards = m->accumulated_backwards;
+    if (zero) m->accumulated_backwards = 0;
   }
-  out.weight_version = m->version;
-  out.accumulated_backwards = m->accumulated_backwards;
-  if (zero) m->accumulated_backwards = 0;
+  for (const auto& [name, t] : copies) out.tensors.emplace_back(name, EncodeHost(t, dtype));
   return out;
 }
 
-absl::StatusOr<ParametersCopy> ModuleHost::GetWeights(const std::string& module_id) const {
+absl::StatusOr<EncodedParameters> ModuleHost::GetWeights(const std::string& module_id,
+                                                         wire::DType dtype) const {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
-  std::lock_guard<std::mutex> lock(m->mu);
-  ParametersCopy out;
-  for (const Module::Parameter& p : m->params) out.tensors.emplace_back(p.name, p.value.clone());
-  out.weight_version = m->version;
+  NamedTensors copies;
+  EncodedParameters out;
+  {
+    std::lock_guard<std::mutex> lock(m->mu);
+    for (const Module::Parameter& p : m->params) copies.emplace_back(p.name, p.value.clone());
+    out.weight_version = m->version;
+  }
+  for (const auto& [name, t] : copies) out.tensors.emplace_back(name, EncodeHost(t, dtype));
   return out;
 }
 
 absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
-                                                const NamedTensors& params) {
+                                                const NamedViews& params) {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   if (params.empty()) return absl::InvalidArgumentError("parameters is empty: nothing to set");
   const std::vector<std::string> names = m->Names();
   std::vector<std::pair<size_t, at::Tensor>> checked;
   std::set<std::string> seen;
   for (size_t i = 0; i < params.size(); ++i) {
-    const auto& [name, tensor] = params[i];
+    const auto& [name, v] = params[i];
     const std::string field = absl::StrCat("parameters[", i, "] (", name, ")");
     size_t index = 0;
     while (index < names.size() && names[index] != name) ++index;
@@ -632,25 +579,19 @@ absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": given twice"));
     }
-    GW_RETURN_IF_ERROR(CheckExactShape(field.c_str(), tensor, m->params[index].value.sizes()));
-    at::Tensor t = tensor.contiguous();
+    const at::IntArrayRef expected = m->params[index].value.sizes();
+    if (at::IntArrayRef(v.shape) != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape must be ", ShapeString(expected), ", got ", ShapeString(v.shape)));
+    }
+    at::Tensor t = at::empty(v.shape, Float32());
+    wire::DecodeElements(v.dtype, v.data, v.numel(), v.scale_inv, t.data_ptr<float>());
     GW_RETURN_IF_ERROR(CheckFinite(field, t));
-    checked.emplace_back(index, t);
+    checked.emplace_back(index, std::move(t));
   }
   std::lock_guard<std::mutex> lock(m->mu);
   for (const auto& [index, t] : checked) m->params[index].value.copy_(t);
   return ++m->version;
-}
-
-absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
-                                                const NamedViews& params) {
-  NamedTensors decoded;
-  for (const auto& [name, v] : params) {
-    at::Tensor t = at::empty(v.shape, Float32());
-    wire::DecodeElements(v.dtype, v.data, v.numel(), v.scale_inv, t.data_ptr<float>());
-    decoded.emplace_back(name, std::move(t));
-  }
-  return SetWeights(module_id, decoded);
 }
 
 absl::StatusOr<std::vector<RoleScaling>> ModuleHost::Scaling(const std::string& module_id) const {

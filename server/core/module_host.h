@@ -43,23 +43,9 @@ struct ModuleInfo {
   std::vector<std::string> parameter_names;
 };
 
-struct ForwardOutput {
-  at::Tensor output;            // float32 [..., out_features]
-  at::Tensor layernorm_output;  // float32 [..., in_features] with return_layernorm_output
-  std::string context_id;       // empty for inference
-  uint64_t weight_version = 0;
-};
-
-struct BackwardInput {
-  at::Tensor grad_output;            // float32, the shape of that forward's output
-  at::Tensor grad_layernorm_output;  // optional, the shape of the forward's input
-  bool retain = false;
-  bool skip_grad_input = false;
-};
-
-// The wire path (what the rpc layer calls): the input as it arrived, as a view of its bytes, and
-// outputs encoded as asked. The backend converts both ways on its own device: nothing is widened
-// to fp32 on the host first.
+// Forward and Backward take the input as it arrived, as a view of its bytes, and return outputs
+// encoded as asked. The backend converts both ways on its own device: nothing is widened to fp32
+// on the host first. (Tests and tools holding tensors use tensor_calls.h.)
 struct WireForwardRequest {
   wire::TensorView input;  // [..., in_features]
   bool training = false;
@@ -85,8 +71,9 @@ struct WireBackwardRequest {
 
 using NamedViews = std::vector<std::pair<std::string, wire::TensorView>>;
 
-struct ParametersCopy {
-  NamedTensors tensors;  // float32, in the module's parameter order
+// Parameters (weights or gradients) encoded for the wire.
+struct EncodedParameters {
+  std::vector<std::pair<std::string, wire::EncodedTensor>> tensors;  // the module's order
   uint64_t weight_version = 0;
   int64_t accumulated_backwards = 0;  // gradients only
 };
@@ -118,7 +105,7 @@ struct HostStats {
   ContextStats contexts;         // budgets: offloads, restores, evictions
   int64_t workspace_builds = 0;  // FP8 weight casts (cache misses)
   int64_t workspace_hits = 0;
-  int64_t compute_calls = 0;     // forwards and backwards started (housekeeping's idle test)
+  int64_t compute_calls = 0;  // forwards and backwards started (housekeeping's idle test)
 };
 
 class ModuleHost {
@@ -155,26 +142,17 @@ class ModuleHost {
   // Deletes the module and releases its contexts.
   absl::Status Delete(const std::string& module_id);
 
-  // input: float32 [..., in_features]. Training stores the saved tensors under a new context id;
-  // inference creates nothing.
-  // `input_fp8` (optional): the input as it arrived in FP8, [rows, in_features] codes with their
-  // scale_inv and `input` its dequantized copy. A Linear uses the codes as they are (no
-  // re-quantization); the LayerNorm modules normalise the dequantized values first.
-  // `client` names who asked (ContextStore::live_contexts_of_client). RESOURCE_EXHAUSTED,
-  // before anything changes, when a training forward's saved tensors alone exceed the context
-  // memory budget.
-  absl::StatusOr<ForwardOutput> Forward(const std::string& module_id, const at::Tensor& input,
-                                        bool training, const Fp8Tensor* input_fp8 = nullptr,
-                                        const std::string& client = {});
-  // Accumulates the parameter gradients into the module's buffers; the context is freed before
-  // this returns unless `retain`. Returns grad_input (undefined with skip_grad_input).
-  absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const BackwardInput& in);
-  absl::StatusOr<at::Tensor> Backward(const std::string& context_id, const at::Tensor& grad_output,
-                                      bool retain, bool skip_grad_input);
-  // The wire forms of Forward and Backward: the same checks, compute and context handling, with
-  // the tensors converted by the backend. Backward's result is empty with skip_grad_input.
+  // input: [..., in_features] in any wire dtype. Training stores the saved tensors under a new
+  // context id; inference creates nothing. An FP8 input reaches the kind as its codes when the
+  // kind UsesFp8Input (a Linear: no re-quantization); the LayerNorm kinds normalise its decoded
+  // values. `req.client` names who asked (ContextStore::live_contexts_of_client).
+  // RESOURCE_EXHAUSTED, before anything changes, when a training forward's saved tensors alone
+  // exceed the context memory budget.
   absl::StatusOr<WireForwardOutput> Forward(const std::string& module_id,
                                             const WireForwardRequest& req);
+  // Accumulates the parameter gradients into the module's buffers; the context is freed before
+  // this returns unless `req.retain`. Returns grad_input encoded as asked (none with
+  // skip_grad_input).
   absl::StatusOr<std::optional<wire::EncodedTensor>> Backward(const std::string& context_id,
                                                               const WireBackwardRequest& req);
   absl::Status ReleaseContext(
@@ -184,12 +162,15 @@ class ModuleHost {
   // One optimizer step on the accumulated gradients, which are then zeroed; bumps the weight
   // version and returns it. learning_rate > 0 overrides the configured rate.
   absl::StatusOr<uint64_t> ApplyGradients(const std::string& module_id, float learning_rate = 0);
-  absl::StatusOr<ParametersCopy> GetGradients(const std::string& module_id, bool zero);
-  absl::StatusOr<ParametersCopy> GetWeights(const std::string& module_id) const;
-  // Replaces the named parameters (float32, exact shapes, finite); all are checked before any
-  // changes. Bumps the weight version and returns it.
-  absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const NamedTensors& params);
-  // The same from wire views, decoded on the host where the master weights live.
+  // The accumulated gradients (zeroed after the copy with `zero`) and the fp32 master weights,
+  // encoded as `dtype` on the host.
+  absl::StatusOr<EncodedParameters> GetGradients(const std::string& module_id, bool zero,
+                                                 wire::DType dtype);
+  absl::StatusOr<EncodedParameters> GetWeights(const std::string& module_id,
+                                               wire::DType dtype) const;
+  // Replaces the named parameters (exact shapes, finite values), decoded on the host where the
+  // master weights live; all are checked before any changes. Bumps the weight version and
+  // returns it.
   absl::StatusOr<uint64_t> SetWeights(const std::string& module_id, const NamedViews& params);
 
   absl::StatusOr<std::vector<RoleScaling>> Scaling(const std::string& module_id) const;
@@ -210,9 +191,9 @@ class ModuleHost {
   absl::StatusOr<std::shared_ptr<Module>> NewModule(const ModuleSpec& spec) const;
   absl::StatusOr<std::shared_ptr<Module>> Find(const std::string& module_id) const;
   ModuleInfo InfoLocked(const std::string& id, const Module& m) const;
-  // What Forward and Backward compute, on the backend's device: `x` is [rows, in_features] there
-  // (any device for the host API: it is moved), `input_fp8` the input's codes on the device
-  // when it arrived in FP8. Outputs stay 2-D on the device.
+  // What Forward and Backward compute, on the backend's device: `x` is [rows, in_features] there,
+  // `input_fp8` the input's codes on the device when it arrived in FP8. Outputs stay 2-D on the
+  // device.
   struct DeviceForward {
     at::Tensor output, layernorm_output;
     std::string context_id;
@@ -225,9 +206,11 @@ class ModuleHost {
                                                 bool training, const Fp8Tensor* input_fp8,
                                                 const std::string& client);
   // grad_input on the device as [rows, in_features] (undefined with skip_grad_input), and the
-  // forward input's shape. The context is finished (consumed or kept) when this returns.
+  // forward input's shape; the gradients are on the device, shaped as sent (grad_layernorm_output
+  // may be undefined). The context is finished (consumed or kept) when this returns.
   absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> BackwardOnDevice(
-      const std::string& context_id, const BackwardInput& in);
+      const std::string& context_id, const at::Tensor& grad_output,
+      const at::Tensor& grad_layernorm_output, bool retain, bool skip_grad_input);
 
   BackendPtr backend_;
   mutable std::mutex mu_;  // guards modules_ (each Module has its own lock)

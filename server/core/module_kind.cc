@@ -4,7 +4,6 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/kind_common.h"
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -63,37 +62,29 @@ absl::Status ValidateCommon(const ModuleSpec& s) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-const std::vector<RoleDef>& SingleGemmRoles() {
-  static const std::vector<RoleDef> roles = {{"input", kernels::Fp8Format::kE4M3},
-                                             {"weight", kernels::Fp8Format::kE4M3, true},
-                                             {"grad_output", kernels::Fp8Format::kE5M2}};
-  return roles;
-}
-
-std::vector<ParamDef> LayerNormParamDefs(const ModuleSpec& s) {
-  const int64_t k = s.in_features;
-  return {{Param::kLayerNormWeight,
-           {k},
-           s.zero_centered_gamma ? ParamDef::Init::kZeros : ParamDef::Init::kOnes},
-          {Param::kLayerNormBias, {k}, ParamDef::Init::kZeros}};
-}
-
-LayerNormParams LayerNormOf(const ParamTable& p, const ModuleSpec& s) {
-  return LayerNormParams{p[Param::kLayerNormWeight], p[Param::kLayerNormBias], s.layernorm_eps,
-                         s.zero_centered_gamma};
-}
-
-absl::Status CheckNoMlpFields(const ModuleSpec& s) {
-  if (s.ffn_features != 0) {
-    return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
+// The optional fields: the MLP's width in range where it is read; a field a kind does not read
+// must keep its default, since a spec that sets one asks for something the module would
+// silently not do.
+absl::Status CheckSpecFields(const ModuleSpec& s, SpecFields reads) {
+  if (reads.ffn) {
+    GW_RETURN_IF_ERROR(CheckSpecRange("spec.ffn_features", s.ffn_features, 1, kMaxFeatures));
+  } else {
+    if (s.ffn_features != 0) {
+      return absl::InvalidArgumentError("spec.ffn_features is only for LAYERNORM_MLP");
+    }
+    if (s.activation != kernels::Activation::kGelu) {
+      return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
+    }
   }
-  if (s.activation != kernels::Activation::kGelu) {
-    return absl::InvalidArgumentError("spec.activation is only for LAYERNORM_MLP");
+  if (!reads.layernorm && (s.zero_centered_gamma || s.return_layernorm_output || s.checkpoint)) {
+    return absl::InvalidArgumentError(
+        "spec.zero_centered_gamma, return_layernorm_output and checkpoint are for the LayerNorm "
+        "modules");
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 const char* ParamName(Param p) {
   static constexpr const char* kNames[kParamSlots] = {
@@ -113,6 +104,13 @@ const ModuleKindOps* FindKind(ModuleKind kind) {
   const auto& kinds = Kinds();
   const auto i = size_t(kind);
   return i < kinds.size() ? kinds[i] : nullptr;
+}
+
+const ModuleKindOps* FindKindBySpecName(absl::string_view name) {
+  for (const ModuleKindOps* kind : Kinds()) {
+    if (name == kind->spec_name()) return kind;
+  }
+  return nullptr;
 }
 
 const char* ModuleKindName(ModuleKind kind) {
@@ -164,6 +162,7 @@ absl::Status ValidateModuleSpec(const ModuleSpec& spec) {
     return CheckSpecRange("spec.kind", int64_t(spec.kind), 0, int64_t(Kinds().size()) - 1);
   }
   GW_RETURN_IF_ERROR(ValidateCommon(spec));
+  GW_RETURN_IF_ERROR(CheckSpecFields(spec, kind->spec_fields()));
   GW_RETURN_IF_ERROR(kind->Validate(spec));
   const int64_t total = ParameterCount(spec);  // dimensions are within kMaxFeatures here
   if (total > kMaxParameters) {

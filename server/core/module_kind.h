@@ -1,8 +1,8 @@
-// A module kind is one object: the parameters it has, the FP8 tensor roles it scales, what it
-// checks in a spec, its forward and its backward. The three kinds live next to their compute
-// functions (linear.cc, layernorm_linear.cc, layernorm_mlp.cc); the registry below holds them.
-// ModuleHost keeps ownership, locking, the weight workspace, scaling state and contexts, and
-// calls the kind: it never switches on the kind itself.
+// A module kind is one object: the parameters it has, the FP8 tensor roles it scales, the spec
+// fields it reads and what it checks in them, its forward and its backward. The three kinds live
+// next to their compute functions (linear.cc, layernorm_linear.cc, layernorm_mlp.cc); the registry
+// below holds them. ModuleHost keeps ownership, locking, the weight workspace, scaling state and
+// contexts, and calls the kind: it never switches on the kind itself.
 //
 // Parameters are reached by typed handles (Param): a kind's compute reads and writes them through
 // a ParamTable, so a misspelt parameter is a compile error, not an undefined tensor. Names exist
@@ -57,16 +57,17 @@ struct RoleDef {
 // The role of one amax a forward or backward measured: an index into ModuleKindOps::Roles().
 using RoleAmax = std::pair<size_t, float>;
 
-// Everything a kind's forward reads; tensors live on `backend`'s device.
+// Everything a kind's forward reads; tensors live on `backend`'s device. The compute functions
+// (LinearForward, LayerNormLinearForward, LayerNormMlpForward) take it as it is.
 struct KindForwardArgs {
-  const Backend* backend = nullptr;
+  const Backend* backend = nullptr;  // null: the reference backend
   const ModuleSpec* spec = nullptr;
   at::Tensor input;                      // float32 [M, in_features]
   const Fp8Tensor* input_fp8 = nullptr;  // the input's FP8 codes as they arrived, when the kind
                                          // UsesFp8Input (then `input` is their decoded copy)
-  const ParamTable* params = nullptr;    // the module's parameters (device copies)
+  ParamTable params;                     // the module's parameters (device copies)
   // One per role, in Roles() order; a weight role's scale is 0 (its own amax).
-  const std::vector<QuantizerConfig>* quantizers = nullptr;
+  std::vector<QuantizerConfig> quantizers;
   uint64_t weight_version = 0;
   WorkspacePtr workspace;  // the cached FP8 weights, may be null or stale
   bool training = false;
@@ -81,16 +82,16 @@ struct KindForwardResult {
   std::vector<RoleAmax> amaxes;         // what this forward measured, per role
 };
 
-// Everything a kind's backward reads and writes; tensors live on `backend`'s device.
+// Everything a kind's backward reads and writes; tensors live on `backend`'s device. The
+// parameters it reads are those of the forward's weight version, pinned in the saved workspace.
 struct KindBackwardArgs {
-  const Backend* backend = nullptr;
+  const Backend* backend = nullptr;  // null: the reference backend
   const ModuleSpec* spec = nullptr;
-  at::Tensor grad_output;               // float32 [M, out_features]
-  at::Tensor grad_layernorm_output;     // float32 [M, in_features] or undefined
-  const SavedTensors* saved = nullptr;  // from the matching forward of this kind
-  const ParamTable* params = nullptr;   // device copies (the LayerNorm's gamma)
-  GradientSink* grads = nullptr;        // every parameter gradient goes here
-  const std::vector<QuantizerConfig>* quantizers = nullptr;  // one per role
+  at::Tensor grad_output;                   // float32 [M, out_features]
+  at::Tensor grad_layernorm_output;         // float32 [M, in_features] or undefined
+  const SavedTensors* saved = nullptr;      // from the matching forward of this kind
+  GradientSink* grads = nullptr;            // every parameter gradient goes here
+  std::vector<QuantizerConfig> quantizers;  // one per role
   bool compute_grad_input = true;
 };
 
@@ -101,17 +102,29 @@ struct KindBackwardResult {
   std::vector<RoleAmax> amaxes;
 };
 
+// The optional fields of a ModuleSpec a kind reads. ValidateModuleSpec refuses the others set
+// away from their defaults, and the rpc layer maps only these back to the wire.
+struct SpecFields {
+  bool ffn = false;        // ffn_features and activation (the MLP)
+  bool layernorm = false;  // layernorm_eps, zero_centered_gamma, return_layernorm_output and
+                           // checkpoint (the LayerNorm kinds)
+};
+
 class ModuleKindOps {
  public:
   virtual ~ModuleKindOps() = default;
   virtual ModuleKind kind() const = 0;
   virtual const char* name() const = 0;  // "Linear", "LayerNormLinear", "LayerNormMLP"
+  // The kind's name in the wire contract (gradwire.v1.ModuleKind): "LINEAR", "LAYERNORM_LINEAR",
+  // "LAYERNORM_MLP". The rpc layer maps kinds by it, so a new kind needs no case there.
+  virtual const char* spec_name() const = 0;
+  virtual SpecFields spec_fields() const = 0;
   // The parameters a spec makes, in the module's order (dimensions taken as they are).
   virtual std::vector<ParamDef> Params(const ModuleSpec& spec) const = 0;
   virtual const std::vector<RoleDef>& Roles() const = 0;
-  // INVALID_ARGUMENT naming the field for what this kind refuses in a spec; the checks common
-  // to every kind are ValidateModuleSpec's.
-  virtual absl::Status Validate(const ModuleSpec& spec) const = 0;
+  // INVALID_ARGUMENT naming the field for what this kind refuses in the fields it reads; the
+  // checks common to every kind, and of the fields it does not read, are ValidateModuleSpec's.
+  virtual absl::Status Validate(const ModuleSpec& /*spec*/) const { return absl::OkStatus(); }
   // The widths of the [rows, width] tensors a forward builds, named for error messages (the
   // output, LayerNormMLP's FC1 output), so a request can be bounded before it runs.
   virtual std::vector<std::pair<const char*, int64_t>> BuiltWidths(
@@ -128,6 +141,8 @@ class ModuleKindOps {
 const ModuleKindOps* FindKind(ModuleKind kind);
 // Every kind, in enum order.
 const std::vector<const ModuleKindOps*>& Kinds();
+// The kind whose spec_name() is `name`, or null.
+const ModuleKindOps* FindKindBySpecName(absl::string_view name);
 const char* ModuleKindName(ModuleKind kind);
 
 // The kind objects, defined next to their compute functions.

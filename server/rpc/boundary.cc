@@ -1,5 +1,7 @@
 #include "server/rpc/boundary.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -67,6 +69,26 @@ absl::Status CheckName(absl::string_view field, absl::string_view name) {
       return absl::InvalidArgumentError(absl::StrCat(field, " must be printable ASCII, got \"",
                                                      Escaped(name, kMaxNameLength), "\""));
     }
+  }
+  return absl::OkStatus();
+}
+
+int64_t ShapeElements(const v1::Tensor& t) {
+  if (t.shape_size() == 0) return 0;
+  int64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d <= 0) return 0;  // the decoder names the bad dimension
+    if (n > std::numeric_limits<int64_t>::max() / d) return std::numeric_limits<int64_t>::max();
+    n *= d;
+  }
+  return n;
+}
+
+absl::Status CheckElements(absl::string_view what, int64_t elements, int64_t limit) {
+  if (limit > 0 && elements > limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, " has ", elements,
+                                                     " elements, over the limit of ", limit,
+                                                     " (--max-tensor-elements)"));
   }
   return absl::OkStatus();
 }

@@ -2,10 +2,12 @@
 // what the server repeats of it (errors, logs, metric labels) is bounded and escaped here.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "gradwire/v1/tensor.pb.h"
 
 namespace gradwire::rpc {
 
@@ -27,5 +29,12 @@ absl::Status CheckId(absl::string_view field, absl::string_view id);
 absl::Status CheckOptionalId(absl::string_view field, absl::string_view id);
 // INVALID_ARGUMENT unless `name` has at most kMaxNameLength printable ASCII characters.
 absl::Status CheckName(absl::string_view field, absl::string_view name);
+
+// Elements of a tensor as its shape declares them (saturating; 0 without a shape or with a
+// dimension that is not positive, which the decoder names), known before anything is decoded.
+int64_t ShapeElements(const v1::Tensor& t);
+// RESOURCE_EXHAUSTED naming `what` and --max-tensor-elements when `elements` is over `limit`
+// (0: unlimited).
+absl::Status CheckElements(absl::string_view what, int64_t elements, int64_t limit);
 
 }  // namespace gradwire::rpc

@@ -3,35 +3,135 @@
 #include <spdlog/spdlog.h>
 
 #include <exception>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
-#include "server/rpc/service.h"
+#include "server/core/executor.h"
+#include "server/core/module_host.h"
+#include "server/core/status_macros.h"
+#include "server/rpc/auth.h"
+#include "server/rpc/boundary.h"
 
 namespace gradwire::rpc {
-
-Admission& Admission::operator=(Admission&& other) noexcept {
-  if (this != &other) {
-    Release();
-    service_ = std::exchange(other.service_, nullptr);
-    module_key_ = std::move(other.module_key_);
-    client_key_ = std::move(other.client_key_);
-  }
-  return *this;
-}
-
-void Admission::Release() {
-  if (service_ == nullptr) return;
-  std::exchange(service_, nullptr)->Dequeued(module_key_, client_key_);
-}
-
 namespace {
+
 std::atomic<int64_t> g_live_calls{0};
+
+// The peer's address without its port: "ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7",
+// "ipv6:[::1]:5000" -> "ipv6:[::1]"; anything else (unix sockets) as it is.
+std::string PeerHost(const std::string& peer) {
+  if (peer.rfind("ipv4:", 0) != 0 && peer.rfind("ipv6:", 0) != 0) return peer;
+  const auto colon = peer.rfind(':');
+  return colon <= 4 ? peer : peer.substr(0, colon);
+}
+
 }  // namespace
 
-int64_t GradwireService::live_calls() { return g_live_calls.load(); }
+CallEnv::CallEnv(core::ModuleHost& host, core::DeviceExecutor& executor,
+                 const ServiceOptions& options, QuotaBook& quotas)
+    : host_(host),
+      executor_(executor),
+      options_(options),
+      quotas_(quotas),
+      control_(std::make_unique<core::DeviceExecutor>("control")) {}
 
-CallBase::CallBase(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method)
-    : service_(service),
+CallEnv::~CallEnv() { control_.reset(); }
+
+absl::StatusOr<Caller> CallEnv::Authenticate(const grpc::CallbackServerContext* ctx) const {
+  Caller caller;
+  if (options_.authenticator == nullptr) {
+    caller.client = "peer " + PeerHost(ctx->peer());
+    return caller;
+  }
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find("authorization");
+  const std::string_view header = it == metadata.end()
+                                      ? std::string_view()
+                                      : std::string_view(it->second.data(), it->second.size());
+  GW_ASSIGN_OR_RETURN(caller.tenant, options_.authenticator->Authenticate(header));
+  caller.isolated = true;
+  caller.client = "tenant " + caller.tenant;
+  return caller;
+}
+
+absl::Status CallEnv::CheckModule(const Caller& caller, const std::string& module_id) const {
+  GW_RETURN_IF_ERROR(CheckId("module_id", module_id));
+  return caller.isolated ? host_.CheckTenant(module_id, caller.tenant) : absl::OkStatus();
+}
+
+absl::Status CallEnv::CheckContext(const Caller& caller, const std::string& context_id) const {
+  GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
+  return caller.isolated ? host_.CheckContextTenant(context_id, caller.tenant) : absl::OkStatus();
+}
+
+absl::Status CallEnv::Admit(const Caller& caller, const std::string& module_id,
+                            const std::string& context_id, Admission* admission) {
+  // Ownership first: a call for a module the caller may not see is NOT_FOUND before it counts
+  // anywhere. A call naming a context counts for that context's module only when the caller may
+  // see it; otherwise its work fails at once anyway. This runs on reactor threads: the module map's
+  // lock is only held for lookups, and the context index never waits behind an offload.
+  std::string module_key;
+  if (!module_id.empty()) {
+    GW_RETURN_IF_ERROR(CheckModule(caller, module_id));
+    module_key = module_id;
+  } else if (!context_id.empty()) {
+    GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
+    module_key = host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
+  }
+  if (admission == nullptr) return absl::OkStatus();
+  return quotas_.Admit(caller.client, std::move(module_key), admission);
+}
+
+absl::Status CallEnv::CheckRequestBytes(int64_t bytes) const {
+  const int64_t limit = options_.limits.max_request_bytes;
+  if (limit <= 0) return absl::OkStatus();
+  if (bytes > limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the request is ", bytes, " bytes, over the limit of ", limit,
+                     " (--max-request-bytes); send fewer rows per call"));
+  }
+  return absl::OkStatus();
+}
+
+void CallEnv::Report(const char* method, const absl::Status& status, double seconds,
+                     const std::string& module_id, const std::string& context_id,
+                     const Caller& caller, const RequestId& request) const {
+  if (!options_.on_rpc_done) return;
+  RpcRecord record;
+  record.method = method;
+  record.code = status.code();
+  record.message = std::string(status.message());
+  record.seconds = seconds;
+  record.module_id = Escaped(module_id, kIdLength);
+  record.context_id = Escaped(context_id, kIdLength);
+  record.tenant = Escaped(caller.tenant, kMaxNameLength);
+  record.client = Escaped(caller.client, kMaxNameLength);
+  record.request = request;
+  options_.on_rpc_done(record);
+}
+
+void CallEnv::ReleaseUnconsumed(std::vector<std::string> ids,
+                                core::ContextStore::ReleaseReason reason, std::string what) {
+  if (ids.empty()) return;
+  // Logged under the request id of the call that let them go, when there is one.
+  const RequestId* current = CurrentRequest();
+  executor_.Submit([&host = host_, ids = std::move(ids), reason, what = std::move(what),
+                    request = current ? *current : RequestId{}] {
+    RequestScope scope(request);
+    std::vector<std::string> released;
+    for (const std::string& id : ids) {
+      if (host.ReleaseContext(id, reason).ok()) released.push_back(id);
+    }
+    if (released.size() == 1) {
+      spdlog::info("{}; released context {}", what, released[0]);
+    } else if (!released.empty()) {
+      spdlog::info("{}; released {} contexts", what, released.size());
+    }
+  });
+}
+
+CallBase::CallBase(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method)
+    : env_(env),
       method_(method),
       start_(std::chrono::steady_clock::now()),
       deadline_(ctx->deadline()),
@@ -42,52 +142,69 @@ CallBase::CallBase(GradwireService& service, grpc::CallbackServerContext* ctx, c
 
 CallBase::~CallBase() { --g_live_calls; }
 
+int64_t CallBase::live_calls() { return g_live_calls.load(); }
+
 bool CallBase::Abandoned(std::chrono::milliseconds slack) const {
   return cancelled_.load(std::memory_order_acquire) ||
          std::chrono::system_clock::now() + slack >= deadline_;
 }
 
 absl::Status CallBase::Authenticate(grpc::CallbackServerContext* ctx) {
-  absl::StatusOr<Caller> caller = service_.Authenticate(ctx);
+  absl::StatusOr<Caller> caller = env_.Authenticate(ctx);
   if (!caller.ok()) return caller.status();
   *caller_ = std::move(*caller);
   return absl::OkStatus();
 }
 
-void CallBase::Submit(Admission admission, std::function<void()> body,
-                      std::function<void(absl::Status)> on_error) {
-  SubmitTo(service_.executor_, std::move(admission), std::move(body), std::move(on_error));
-}
-
-void CallBase::SubmitTo(core::DeviceExecutor& executor, Admission admission,
-                        std::function<void()> body, std::function<void(absl::Status)> on_error) {
+absl::Status CallBase::AdmitAndRun(const std::string& module_id, const std::string& context_id,
+                                   RunOn on, std::function<void(absl::Status)> run,
+                                   std::function<void(absl::Status)> on_error) {
+  Admission admission;
+  GW_RETURN_IF_ERROR(
+      env_.Admit(*caller_, module_id, context_id, on == RunOn::kInline ? nullptr : &admission));
   Ref();
-  // The executor keeps copyable tasks; the admission rides in a shared holder.
+  // The executors keep copyable tasks; the admission rides in a shared holder.
   auto ticket = std::make_shared<Admission>(std::move(admission));
   // Queued under its client, whose share of the device the executor keeps fair.
-  executor.Submit(
-      caller_->client, [this, ticket = std::move(ticket), body = std::move(body),
-                        on_error = std::move(on_error), queued = std::chrono::steady_clock::now()] {
-        RequestScope scope(request_);
-        ticket->Release();
-        if (const auto& observe = service_.options_.on_queue_wait) {
-          observe(method_, caller_->client,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count());
-        }
-        absl::Status failed;
-        try {
-          body();
-        } catch (const std::exception& e) {
-          failed = absl::InternalError(absl::StrCat(method_, " failed: ", e.what()));
-        } catch (...) {
-          failed = absl::InternalError(absl::StrCat(method_, " failed with an unknown exception"));
-        }
-        if (!failed.ok()) {
-          spdlog::error("{}", std::string(failed.message()));
-          if (on_error) on_error(failed);
-        }
-        Unref();
-      });
+  auto task = [this, ticket = std::move(ticket), run = std::move(run),
+               on_error = std::move(on_error), queued = std::chrono::steady_clock::now(),
+               waited = on != RunOn::kInline] {
+    RequestScope scope(request_);
+    ticket->Release();
+    if (const auto& observe = env_.options().on_queue_wait; observe && waited) {
+      observe(method_, caller_->client,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count());
+    }
+    const absl::Status started =
+        Abandoned()
+            ? absl::CancelledError(absl::StrCat(method_, " was cancelled before it started"))
+            : absl::OkStatus();
+    absl::Status failed;
+    try {
+      run(started);
+    } catch (const std::exception& e) {
+      failed = absl::InternalError(absl::StrCat(method_, " failed: ", e.what()));
+    } catch (...) {
+      failed = absl::InternalError(absl::StrCat(method_, " failed with an unknown exception"));
+    }
+    if (!failed.ok()) {
+      spdlog::error("{}", std::string(failed.message()));
+      if (on_error) on_error(failed);
+    }
+    Unref();
+  };
+  switch (on) {
+    case RunOn::kInline:
+      task();
+      break;
+    case RunOn::kDevice:
+      env_.executor().Submit(caller_->client, std::move(task));
+      break;
+    case RunOn::kControl:
+      env_.control().Submit(caller_->client, std::move(task));
+      break;
+  }
+  return absl::OkStatus();
 }
 
 void CallBase::NoteIds(std::string module_id, std::string context_id) {
@@ -96,9 +213,73 @@ void CallBase::NoteIds(std::string module_id, std::string context_id) {
 }
 
 void CallBase::Report() const {
-  service_.Report(method_, status_,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(),
-                  module_id_, context_id_, *caller_, request_);
+  env_.Report(method_, status_,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(),
+              module_id_, context_id_, *caller_, request_);
+}
+
+namespace {
+
+// A unary call. When it ends without its status reaching the client (cancelled, past its
+// deadline, a broken connection), it releases the context its work created: the client never
+// learnt the id, so nobody would consume it and it would pin its saved tensors and weight version
+// until the TTL.
+class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
+ public:
+  UnaryCall(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method)
+      : Call(env, ctx, method) {}
+
+  void Start(grpc::CallbackServerContext* ctx, UnaryWork work, std::string module_id,
+             std::string context_id, RequestSize request,
+             std::function<std::string()> created_context, RunOn on) {
+    NoteIds(module_id, context_id);
+    absl::Status refused = Authenticate(ctx);
+    if (refused.ok() && request.bytes >= 0) refused = env_.CheckRequestBytes(request.bytes);
+    if (refused.ok()) {
+      refused = AdmitAndRun(
+          module_id, context_id, on,
+          [this, work = std::move(work),
+           created_context = std::move(created_context)](absl::Status started) {
+            absl::Status status = started.ok() ? work(caller(), *this) : started;
+            if (env_.options().before_unary_finish) {
+              env_.options().before_unary_finish(method_, status);
+            }
+            std::lock_guard<std::mutex> lock(mu_);
+            if (status.ok() && created_context) created_ = created_context();
+            EndLocked(std::move(status));
+          },
+          [this](absl::Status failed) { End(std::move(failed)); });
+    }
+    if (!refused.ok()) End(refused);
+  }
+
+ private:
+  void Cancelled() override {
+    if (env_.options().on_unary_cancel) env_.options().on_unary_cancel(method_);
+  }
+  void Ended() override {
+    // OnDone: finished, so created_ is settled. Past the deadline counts as undelivered even when
+    // gRPC did not see the cancellation: the client stopped waiting at its deadline.
+    if (!created_.empty() && Abandoned()) {
+      env_.ReleaseUnconsumed({std::move(created_)}, core::ContextStore::ReleaseReason::kUndelivered,
+                             absl::StrCat(method_, ": response not delivered"));
+    }
+  }
+
+  std::string created_;  // the context the work created (under mu_)
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* StartUnary(CallEnv& env, grpc::CallbackServerContext* ctx,
+                                     const char* method, UnaryWork work, std::string module_id,
+                                     std::string context_id, RequestSize request,
+                                     std::function<std::string()> created_context,
+                                     CallBase::RunOn on) {
+  auto* call = new UnaryCall(env, ctx, method);
+  call->Start(ctx, std::move(work), std::move(module_id), std::move(context_id), request,
+              std::move(created_context), on);
+  return call;
 }
 
 }  // namespace gradwire::rpc

@@ -1,76 +1,135 @@
-// The one call lifecycle of server/rpc. Every RPC that reaches the device goes through the same
-// steps, in order, whatever its gRPC shape (unary, chunked, the Train stream):
+// The one call lifecycle of server/rpc. Every RPC goes through the same steps, in order, whatever
+// its gRPC shape (unary, chunked, the Train stream):
 //
 //   authenticate -> admit -> submit -> run -> finish -> report
 //
 // 1. authenticate: the bearer token names the tenant (CallBase::Authenticate, on the reactor).
 // 2. admit: the caller may see what the request names (ownership first), then the queue bounds
-//    per module and per tenant have room (GradwireService::Admit). What is admitted holds an
+//    per module and per client have room (CallEnv::Admit, QuotaBook). What is admitted holds an
 //    Admission until its work starts.
-// 3. submit: the work is queued on the device executor holding a reference to the call.
-// 4. run: skipped with CANCELLED when the call is abandoned; exceptions become INTERNAL. The
+// 3. submit: the work is queued on an executor holding a reference to the call.
+// 4. run: told CANCELLED when the call is abandoned by then; exceptions become INTERNAL. The
 //    thread works under the call's request id (request_id.h), so its log lines carry it.
+//    Steps 2 to 4 are one step, CallBase::AdmitAndRun, which every call shape uses.
 // 5. finish: at most once (End); after it nothing new is admitted, submitted or written. An
 //    error's message ends with the request id.
 // 6. report: OnDone releases what the client never learnt of, reports once, and drops gRPC's
 //    reference.
 //
 // Lifetime: a call is reference counted. gRPC holds one reference until OnDone; each piece of
-// work on the executor holds one until it returns. The call is deleted when the last goes, so
+// work on an executor holds one until it returns. The call is deleted when the last goes, so
 // work that outlives OnDone (a Train request read just before a cancel) still finds its call,
 // sees it finished, and touches nothing of gRPC's. No work reads the grpc::ServerContext: the
 // deadline is copied at the start and cancellation arrives through OnCancel.
+//
+// A call sees the service only through its CallEnv: the service's part of the steps above, the
+// executors, the options. What a call computes is handed to it as a function.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/core/context_store.h"
+#include "server/rpc/options.h"
+#include "server/rpc/quota_book.h"
 #include "server/rpc/request_id.h"
 #include "server/rpc/status_map.h"
 
 namespace gradwire::core {
 class DeviceExecutor;
-}
+class ModuleHost;
+}  // namespace gradwire::core
 
 namespace gradwire::rpc {
 
-class GradwireService;
-struct Caller;
+// Who is calling. Without tokens every caller sees every module (`isolated` false); with tokens
+// a caller sees only its tenant's modules and contexts.
+struct Caller {
+  bool isolated = false;
+  std::string tenant;
+  // Whom per-client limits count against: the tenant with tokens, else the peer's address
+  // (without its port, so reconnecting does not make a new client).
+  std::string client;
+};
 
-// A call counted in the queue bounds (its module's and its tenant's) from admission until its
-// work starts, or until it is dropped.
-class Admission {
+// What a call needs of the service, and all it sees of it. The service owns one and hands it to
+// every call it starts.
+class CallEnv {
  public:
-  Admission() = default;
-  Admission(GradwireService* service, std::string module_key, std::string client_key)
-      : service_(service), module_key_(std::move(module_key)), client_key_(std::move(client_key)) {}
-  Admission(Admission&& other) noexcept { *this = std::move(other); }
-  Admission& operator=(Admission&& other) noexcept;
-  Admission(const Admission&) = delete;
-  Admission& operator=(const Admission&) = delete;
-  ~Admission() { Release(); }
-  void Release();
+  // `host`, `executor`, `options` and `quotas` must outlive the environment.
+  CallEnv(core::ModuleHost& host, core::DeviceExecutor& executor, const ServiceOptions& options,
+          QuotaBook& quotas);
+  // Joins the control thread: work still running there finishes against a live service.
+  ~CallEnv();
+  CallEnv(const CallEnv&) = delete;
+  CallEnv& operator=(const CallEnv&) = delete;
+
+  const ServiceOptions& options() const { return options_; }
+  QuotaBook& quotas() { return quotas_; }
+  // Where compute runs (one per device).
+  core::DeviceExecutor& executor() { return executor_; }
+  // Where host-only work runs (module creation, shared-memory registration), so that it never
+  // holds the device executor while other clients wait.
+  core::DeviceExecutor& control() { return *control_; }
+
+  // Step 1: who `ctx` is; UNAUTHENTICATED when tokens are on and it has none that is valid.
+  absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
+  // INVALID_ARGUMENT for a malformed id; NOT_FOUND (as for an unknown id) when the caller's tenant
+  // does not own it.
+  absl::Status CheckModule(const Caller& caller, const std::string& module_id) const;
+  absl::Status CheckContext(const Caller& caller, const std::string& context_id) const;
+  // Step 2: ownership, then the queue bounds. A call naming a module must name one the caller may
+  // see (NOT_FOUND otherwise, before anything is counted); a call naming a context counts for
+  // that context's module only when the caller may see the context. Every call counts for its
+  // client. With `admission` null only ownership is checked (work that never waits in a queue).
+  absl::Status Admit(const Caller& caller, const std::string& module_id,
+                     const std::string& context_id, Admission* admission);
+  // RESOURCE_EXHAUSTED naming --max-request-bytes when `bytes` is over it.
+  absl::Status CheckRequestBytes(int64_t bytes) const;
+  // Step 6: logs and metrics of one finished call; ids are bounded and escaped here.
+  void Report(const char* method, const absl::Status& status, double seconds,
+              const std::string& module_id, const std::string& context_id, const Caller& caller,
+              const RequestId& request) const;
+  // Releases contexts nobody will consume (a forward's response that never arrived, a Train
+  // stream's leftovers) on the device executor, in order behind the work queued there, never on
+  // the calling reactor thread: the context store's lock may be held across an offload copy.
+  // Logs `what` with what was released.
+  void ReleaseUnconsumed(std::vector<std::string> ids, core::ContextStore::ReleaseReason reason,
+                         std::string what);
+
+  // Train streams open now and the requests they have read (tests, metrics).
+  std::atomic<int64_t> streams_open{0};
+  std::atomic<int64_t> stream_requests_read{0};
 
  private:
-  GradwireService* service_ = nullptr;
-  std::string module_key_, client_key_;
+  core::ModuleHost& host_;
+  core::DeviceExecutor& executor_;
+  const ServiceOptions& options_;
+  QuotaBook& quotas_;
+  std::unique_ptr<core::DeviceExecutor> control_;
 };
 
 // The part of a call that does not depend on its gRPC shape.
 class CallBase {
  public:
-  CallBase(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method);
+  CallBase(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method);
   virtual ~CallBase();
   CallBase(const CallBase&) = delete;
   CallBase& operator=(const CallBase&) = delete;
+
+  // Calls alive now (admitted or not, until gRPC's OnDone and the last queued work), for tests.
+  static int64_t live_calls();
 
   // The one definition of abandoned: cancelled (by the client, a broken transport or the deadline,
   // as gRPC reports through OnCancel), or the deadline is less than `slack` away (checked against
@@ -80,17 +139,24 @@ class CallBase {
   const char* method() const { return method_; }
   const RequestId& request() const { return request_; }
 
+  // Where a call's work runs.
+  enum class RunOn {
+    kDevice,   // the device executor (compute)
+    kControl,  // the control thread (host-only work)
+    kInline,   // here, before AdmitAndRun returns (counters only; it never queues)
+  };
+
  protected:
   // Step 1, on the reactor, before anything else.
   absl::Status Authenticate(grpc::CallbackServerContext* ctx);
-  // Steps 3 and 4: queues `body` on the device executor with a reference to this call held.
-  // `admission` is released when the body starts. An exception from `body` is logged and
-  // becomes `on_error(INTERNAL)`.
-  void Submit(Admission admission, std::function<void()> body,
-              std::function<void(absl::Status)> on_error);
-  // The same on another executor (the service's control thread).
-  void SubmitTo(core::DeviceExecutor& executor, Admission admission, std::function<void()> body,
-                std::function<void(absl::Status)> on_error);
+  // Steps 2 to 4: admits the call for `module_id` / `context_id`, then queues `run` on `on` with
+  // a reference to this call held; the admission is released when `run` starts. `run` gets OK, or
+  // CANCELLED when the call was abandoned before it started (it must then only answer). An
+  // exception from `run` is logged and becomes `on_error(INTERNAL)`. Returns the refusal, and
+  // runs nothing, when the call is not admitted. Inline work is counted in no queue.
+  absl::Status AdmitAndRun(const std::string& module_id, const std::string& context_id, RunOn on,
+                           std::function<void(absl::Status started)> run,
+                           std::function<void(absl::Status)> on_error);
   // What the report names (bounded and escaped when reported).
   void NoteIds(std::string module_id, std::string context_id);
   // Step 6, from OnDone.
@@ -102,7 +168,7 @@ class CallBase {
   }
   virtual void Destroy() = 0;
 
-  GradwireService& service_;
+  CallEnv& env_;
   const char* const method_;
   const std::chrono::steady_clock::time_point start_;
   const std::chrono::system_clock::time_point deadline_;
@@ -124,8 +190,8 @@ class CallBase {
 template <typename Reactor>
 class Call : public Reactor, public CallBase {
  public:
-  Call(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method)
-      : CallBase(service, ctx, method) {}
+  Call(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method)
+      : CallBase(env, ctx, method) {}
 
   void OnCancel() final {
     RequestScope scope(request_);
@@ -160,5 +226,30 @@ class Call : public Reactor, public CallBase {
  private:
   void Destroy() final { delete this; }
 };
+
+// What --max-request-bytes measures of a unary call: a parsed message's size, or a raw one's
+// length; negative: nothing to check.
+struct RequestSize {
+  RequestSize() = default;
+  RequestSize(const google::protobuf::Message* m)  // NOLINT: implicit from a request pointer
+      : bytes(m != nullptr ? int64_t(m->ByteSizeLong()) : -1) {}
+  explicit RequestSize(int64_t n) : bytes(n) {}
+  int64_t bytes = -1;
+};
+
+// A unary call's work: runs once, unless the call was abandoned before it started, and returns
+// the status the call finishes with.
+using UnaryWork = std::function<absl::Status(const Caller&, const CallBase&)>;
+
+// Starts a unary call through the lifecycle: authenticated, measured against --max-request-bytes
+// (`request`), admitted for `module_id` / `context_id`, then `work` runs `on` its executor.
+// `created_context`, when given, names the context a successful `work` created (read after it
+// returns): when its response never reaches the client, the call's end releases it, since nobody
+// holds its id. Returns the reactor for gRPC.
+grpc::ServerUnaryReactor* StartUnary(CallEnv& env, grpc::CallbackServerContext* ctx,
+                                     const char* method, UnaryWork work, std::string module_id = {},
+                                     std::string context_id = {}, RequestSize request = {},
+                                     std::function<std::string()> created_context = nullptr,
+                                     CallBase::RunOn on = CallBase::RunOn::kDevice);
 
 }  // namespace gradwire::rpc

@@ -1,33 +1,32 @@
-// The chunked RPCs: ForwardChunked, BackwardChunked, GetWeightsChunked and SetWeightsChunked.
-// Each reads its request (header, then chunks placed straight into the tensors), runs the same
-// body as the unary call on the device executor, and writes its response as header + chunks. A
-// bad sequence finishes the call with INVALID_ARGUMENT at once and frees what was assembled; a
-// forward whose response cannot be delivered releases its context. All four follow the lifecycle
-// of call.h.
+#include "server/rpc/chunked.h"
+
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <exception>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/zero_copy.h"
-#include "server/rpc/service.h"
 #include "server/rpc/status_map.h"
 
 namespace gradwire::rpc {
+namespace {
 
 // Header first, then chunks: what a chunked request must look like. Nothing is allocated for the
-// tensors until the header passed every check it allows (`check`: ids, ownership, shapes, element
+// tensors until the header passed every check it allows (`checks`: ids, ownership, shapes, element
 // limits) and its bytes were reserved against the client's in-flight quota; the reservation is
 // returned when the request is dropped.
 template <typename Req, typename ReqPart>
 class PartReader {
  public:
-  PartReader(GradwireService& service, const ServiceOptions& options)
-      : service_(service), options_(options) {}
+  PartReader(CallEnv& env, const RequestChecks& checks)
+      : env_(env), options_(env.options()), checks_(checks) {}
   ~PartReader() { Drop(); }
 
   // `chunk_data`: the bytes of the part's chunk, in pieces (they may have arrived apart from its
@@ -38,10 +37,11 @@ class PartReader {
       if (started_) return absl::InvalidArgumentError("the header was sent twice");
       started_ = true;
       request_ = std::move(*part.mutable_header());
-      if (absl::Status s = service_.CheckHeader(caller, request_); !s.ok()) return s;
+      if (absl::Status s = checks_.CheckHeader(caller, request_); !s.ok()) return s;
       return assembler_.Start(wire::Slots(request_), options_.max_stream_bytes, "--max-stream-mib",
                               options_.chunk_bytes, [&](int64_t total) {
-                                absl::Status s = service_.ReserveStreamBytes(caller, total);
+                                absl::Status s =
+                                    env_.quotas().ReserveStreamBytes(caller.client, total);
                                 if (s.ok()) {
                                   reserved_ = total;
                                   client_ = caller.client;
@@ -68,20 +68,19 @@ class PartReader {
   // Frees the request's tensors and returns their reservation.
   void Drop() {
     request_ = Req();
-    if (reserved_ > 0) service_.ReturnStreamBytes(client_, std::exchange(reserved_, 0));
+    if (reserved_ > 0) env_.quotas().ReturnStreamBytes(client_, std::exchange(reserved_, 0));
   }
 
  private:
-  GradwireService& service_;
+  CallEnv& env_;
   const ServiceOptions& options_;
+  const RequestChecks& checks_;
   bool started_ = false;
   Req request_;
   wire::ChunkAssembler assembler_;
   int64_t reserved_ = 0;
   std::string client_;
 };
-
-namespace {
 
 // Header, then chunks of the response.
 template <typename Resp, typename RespPart>
@@ -131,27 +130,17 @@ class PartWriter {
   bool header_sent_ = false;
 };
 
-}  // namespace
+// A call that reads a chunked request (`Incoming` is what one read receives), then admits and
+// runs it once the client is done sending.
+template <typename Reactor, typename Incoming, typename Req, typename ReqPart>
+class ChunkedRequestCall : public Call<Reactor> {
+ protected:
+  ChunkedRequestCall(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method,
+                     const RequestChecks& checks)
+      : Call<Reactor>(env, ctx, method), reader_(env, checks) {}
 
-// Forward and Backward: chunked request in, chunked response out.
-// Raw: parts arrive and leave as grpc::ByteBuffers, so a chunk's bytes are copied once, from the
-// received slices into place, and leave as slices of the response (zero_copy.h).
-template <typename Req, typename ReqPart, typename Resp, typename RespPart>
-class ChunkedBidiCall final
-    : public Call<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>> {
-  using Base = Call<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>>;
-
- public:
-  using Work = std::function<absl::Status(const Caller&, const CallBase&, Req&, Resp*)>;
-  // What the response leaves on the server that an undelivered response must release.
-  using ContextOf = std::function<std::string(const Resp&)>;
-
-  ChunkedBidiCall(GradwireService& service, grpc::CallbackServerContext* ctx, const char* method,
-                  Work work, ContextOf context_of)
-      : Base(service, ctx, method),
-        work_(std::move(work)),
-        context_of_(std::move(context_of)),
-        reader_(service, service.options_) {
+  // Steps the derived constructor ends with: authenticated, then the first read.
+  void Begin(grpc::CallbackServerContext* ctx) {
     if (absl::Status s = this->Authenticate(ctx); !s.ok()) {
       this->End(s);
       return;
@@ -159,37 +148,73 @@ class ChunkedBidiCall final
     this->StartRead(&incoming_);
   }
 
-  void OnReadDone(bool ok) override {
-    if (ok) {
-      ReqPart part;
-      wire::ReceivedMessage received;
-      absl::Status s = received.Parse(incoming_, &part, wire::kPartChunk);
-      if (s.ok()) s = reader_.Add(part, received.pieces(2), this->caller());
-      incoming_.Clear();
-      if (!s.ok()) {
-        reader_.Drop();
-        this->End(s);
-        return;
-      }
-      this->StartRead(&incoming_);
+  // After a part was read and added (`added`): the next read, or the call ended.
+  void PartAdded(const absl::Status& added) {
+    if (!added.ok()) {
+      reader_.Drop();
+      this->End(added);
       return;
     }
+    this->StartRead(&incoming_);
+  }
+
+  // The client is done sending: the request admitted and run on the device executor, or the
+  // call ended with why not.
+  void RequestComplete() {
     if (this->Abandoned()) {
       this->End(absl::CancelledError(absl::StrCat(this->method_, " was cancelled")));
       return;
     }
     absl::Status s = reader_.Complete();
-    NoteRequestIds(reader_.request());
-    Admission admission;
-    if (s.ok()) s = this->service_.Admit(this->caller(), module_id_, context_id_, &admission);
+    const RequestIds ids = IdsOf(reader_.request());
+    this->NoteIds(ids.module_id, ids.context_id);
+    if (s.ok()) {
+      s = this->AdmitAndRun(
+          ids.module_id, ids.context_id, CallBase::RunOn::kDevice,
+          [this](absl::Status started) { Run(std::move(started)); },
+          [this](absl::Status failed) { this->End(std::move(failed)); });
+    }
     if (!s.ok()) {
       reader_.Drop();
       this->End(s);
+    }
+  }
+
+  // On the executor, with the assembled request in reader_ (`started`: see AdmitAndRun).
+  virtual void Run(absl::Status started) = 0;
+
+  PartReader<Req, ReqPart> reader_;
+  Incoming incoming_;
+};
+
+// Forward and Backward. Raw: parts arrive and leave as grpc::ByteBuffers, so a chunk's bytes are
+// copied once, from the received slices into place, and leave as slices of the response
+// (zero_copy.h).
+template <typename Req, typename ReqPart, typename Resp, typename RespPart>
+class ChunkedBidiCall final
+    : public ChunkedRequestCall<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                grpc::ByteBuffer, Req, ReqPart> {
+  using Base = ChunkedRequestCall<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                  grpc::ByteBuffer, Req, ReqPart>;
+
+ public:
+  ChunkedBidiCall(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method,
+                  const RequestChecks& checks, ChunkedWork<Req, Resp> work)
+      : Base(env, ctx, method, checks), work_(std::move(work)) {
+    this->Begin(ctx);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      this->RequestComplete();
       return;
     }
-    this->Submit(
-        std::move(admission), [this] { Run(); },
-        [this](absl::Status failed) { this->End(std::move(failed)); });
+    ReqPart part;
+    wire::ReceivedMessage received;
+    absl::Status s = received.Parse(this->incoming_, &part, wire::kPartChunk);
+    if (s.ok()) s = this->reader_.Add(part, received.pieces(2), this->caller());
+    this->incoming_.Clear();
+    this->PartAdded(s);
   }
 
   void OnWriteDone(bool ok) override {
@@ -208,21 +233,18 @@ class ChunkedBidiCall final
   }
 
  private:
-  // On the executor.
-  void Run() {
+  void Run(absl::Status started) override {
     Resp response;
     absl::Status s =
-        this->Abandoned()
-            ? absl::CancelledError(absl::StrCat(this->method_, " was cancelled before it started"))
-            : work_(this->caller(), *this, reader_.request(), &response);
-    reader_.Drop();  // the request's tensors are no longer needed
+        started.ok() ? work_(this->caller(), *this, this->reader_.request(), &response) : started;
+    this->reader_.Drop();  // the request's tensors are no longer needed
     if (!s.ok()) {
       this->End(s);
       return;
     }
     std::lock_guard<std::mutex> lock(this->mu_);
-    created_context_ = context_of_ ? context_of_(response) : std::string();
-    writer_.emplace(std::move(response), this->service_.options_.chunk_bytes);
+    created_context_ = CreatedBy(response);
+    writer_.emplace(std::move(response), this->env_.options().chunk_bytes);
     writer_->Next(&outgoing_);
     if (!this->finished_) this->StartWrite(&outgoing_);
   }
@@ -238,15 +260,6 @@ class ChunkedBidiCall final
     }
   }
 
-  void NoteRequestIds(const v1::ForwardRequest& r) {
-    module_id_ = r.module_id();
-    this->NoteIds(module_id_, {});
-  }
-  void NoteRequestIds(const v1::BackwardRequest& r) {
-    context_id_ = r.context_id();
-    this->NoteIds({}, context_id_);
-  }
-
   void ReleaseUndelivered() {
     std::string id;
     {
@@ -254,116 +267,70 @@ class ChunkedBidiCall final
       id.swap(created_context_);
     }
     if (id.empty()) return;
-    ReleaseUnconsumed(this->service_.executor_, this->service_.host_, {std::move(id)},
-                      core::ContextStore::ReleaseReason::kUndelivered,
-                      absl::StrCat(this->method_, ": response not delivered"));
+    this->env_.ReleaseUnconsumed({std::move(id)}, core::ContextStore::ReleaseReason::kUndelivered,
+                                 absl::StrCat(this->method_, ": response not delivered"));
   }
 
-  Work work_;
-  ContextOf context_of_;
-  PartReader<Req, ReqPart> reader_;
-  grpc::ByteBuffer incoming_;
+  ChunkedWork<Req, Resp> work_;
   std::optional<PartWriter<Resp, RespPart>> writer_;  // under mu_
   grpc::ByteBuffer outgoing_;
   std::string created_context_;  // under mu_
-  std::string module_id_, context_id_;
 };
 
 // SetWeights: chunked request in, one response out.
 class SetWeightsChunkedCall final
-    : public Call<grpc::ServerReadReactor<v1::SetWeightsRequestPart>> {
+    : public ChunkedRequestCall<grpc::ServerReadReactor<v1::SetWeightsRequestPart>,
+                                v1::SetWeightsRequestPart, v1::SetWeightsRequest,
+                                v1::SetWeightsRequestPart> {
  public:
-  SetWeightsChunkedCall(GradwireService& service, grpc::CallbackServerContext* ctx,
-                        v1::SetWeightsResponse* response)
-      : Call(service, ctx, "SetWeightsChunked"),
+  SetWeightsChunkedCall(CallEnv& env, grpc::CallbackServerContext* ctx,
+                        v1::SetWeightsResponse* response, const RequestChecks& checks,
+                        ChunkedWork<v1::SetWeightsRequest, v1::SetWeightsResponse> work)
+      : ChunkedRequestCall(env, ctx, "SetWeightsChunked", checks),
         response_(response),
-        reader_(service, service.options_) {
-    if (absl::Status s = Authenticate(ctx); !s.ok()) {
-      End(s);
-      return;
-    }
-    StartRead(&incoming_);
+        work_(std::move(work)) {
+    Begin(ctx);
   }
 
   void OnReadDone(bool ok) override {
-    if (ok) {
-      absl::Status s = reader_.Add(
-          incoming_, std::vector<absl::string_view>{incoming_.chunk().data()}, caller());
-      incoming_.Clear();
-      if (!s.ok()) {
-        reader_.Drop();
-        End(s);
-        return;
-      }
-      StartRead(&incoming_);
+    if (!ok) {
+      RequestComplete();
       return;
     }
-    if (Abandoned()) {
-      End(absl::CancelledError("SetWeightsChunked was cancelled"));
-      return;
-    }
-    absl::Status s = reader_.Complete();
-    const std::string module_id = reader_.request().module_id();
-    NoteIds(module_id, {});
-    Admission admission;
-    if (s.ok()) s = service_.Admit(caller(), module_id, {}, &admission);
-    if (!s.ok()) {
-      reader_.Drop();
-      End(s);
-      return;
-    }
-    Submit(
-        std::move(admission),
-        [this] {
-          absl::Status s =
-              Abandoned()
-                  ? absl::CancelledError("SetWeightsChunked was cancelled before it started")
-                  : service_.DoSetWeights(caller(), reader_.request(), response_);
-          reader_.Drop();
-          End(s);
-        },
-        [this](absl::Status failed) { End(std::move(failed)); });
+    absl::Status s =
+        reader_.Add(incoming_, std::vector<absl::string_view>{incoming_.chunk().data()}, caller());
+    incoming_.Clear();
+    PartAdded(s);
   }
 
  private:
+  void Run(absl::Status started) override {
+    absl::Status s = started.ok() ? work_(caller(), *this, reader_.request(), response_) : started;
+    reader_.Drop();
+    End(s);
+  }
+
   v1::SetWeightsResponse* response_;
-  PartReader<v1::SetWeightsRequest, v1::SetWeightsRequestPart> reader_;
-  v1::SetWeightsRequestPart incoming_;
+  ChunkedWork<v1::SetWeightsRequest, v1::SetWeightsResponse> work_;
 };
 
 // GetWeights: one request in, chunked response out.
 class GetWeightsChunkedCall final
     : public Call<grpc::ServerWriteReactor<v1::GetWeightsResponsePart>> {
  public:
-  GetWeightsChunkedCall(GradwireService& service, grpc::CallbackServerContext* ctx,
-                        const v1::GetWeightsRequest* request)
-      : Call(service, ctx, "GetWeightsChunked"), request_(*request) {
+  GetWeightsChunkedCall(CallEnv& env, grpc::CallbackServerContext* ctx,
+                        const v1::GetWeightsRequest& request,
+                        ChunkedWork<const v1::GetWeightsRequest, v1::GetWeightsResponse> work)
+      : Call(env, ctx, "GetWeightsChunked"), request_(request), work_(std::move(work)) {
     NoteIds(request_.module_id(), {});
-    Admission admission;
     absl::Status s = Authenticate(ctx);
-    if (s.ok()) s = service_.Admit(caller(), request_.module_id(), {}, &admission);
-    if (!s.ok()) {
-      End(s);
-      return;
+    if (s.ok()) {
+      s = AdmitAndRun(
+          request_.module_id(), {}, RunOn::kDevice,
+          [this](absl::Status started) { Run(std::move(started)); },
+          [this](absl::Status failed) { End(std::move(failed)); });
     }
-    Submit(
-        std::move(admission),
-        [this] {
-          v1::GetWeightsResponse response;
-          absl::Status s =
-              Abandoned()
-                  ? absl::CancelledError("GetWeightsChunked was cancelled before it started")
-                  : service_.DoGetWeights(caller(), request_, &response);
-          if (!s.ok()) {
-            End(s);
-            return;
-          }
-          std::lock_guard<std::mutex> lock(mu_);
-          writer_.emplace(std::move(response), service_.options_.chunk_bytes);
-          writer_->Next(&outgoing_);
-          if (!finished_) StartWrite(&outgoing_);
-        },
-        [this](absl::Status failed) { End(std::move(failed)); });
+    if (!s.ok()) End(s);
   }
 
   void OnWriteDone(bool ok) override {
@@ -381,39 +348,53 @@ class GetWeightsChunkedCall final
   }
 
  private:
+  void Run(absl::Status started) {
+    v1::GetWeightsResponse response;
+    absl::Status s = started.ok() ? work_(caller(), *this, request_, &response) : started;
+    if (!s.ok()) {
+      End(s);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    writer_.emplace(std::move(response), env_.options().chunk_bytes);
+    writer_->Next(&outgoing_);
+    if (!finished_) StartWrite(&outgoing_);
+  }
+
   const v1::GetWeightsRequest request_;
+  ChunkedWork<const v1::GetWeightsRequest, v1::GetWeightsResponse> work_;
   std::optional<PartWriter<v1::GetWeightsResponse, v1::GetWeightsResponsePart>> writer_;
   v1::GetWeightsResponsePart outgoing_;
 };
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradwireService::ForwardChunked(
-    grpc::CallbackServerContext* ctx) {
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StartForwardChunked(
+    CallEnv& env, grpc::CallbackServerContext* ctx, const RequestChecks& checks,
+    ChunkedWork<v1::ForwardRequest, v1::ForwardResponse> work) {
   return new ChunkedBidiCall<v1::ForwardRequest, v1::ForwardRequestPart, v1::ForwardResponse,
-                             v1::ForwardResponsePart>(
-      *this, ctx, "ForwardChunked",
-      [this](const Caller& caller, const CallBase& call, v1::ForwardRequest& req,
-             v1::ForwardResponse* resp) { return DoForward(caller, req, resp, &call); },
-      [](const v1::ForwardResponse& resp) { return resp.context_id(); });
+                             v1::ForwardResponsePart>(env, ctx, "ForwardChunked", checks,
+                                                      std::move(work));
 }
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* GradwireService::BackwardChunked(
-    grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StartBackwardChunked(
+    CallEnv& env, grpc::CallbackServerContext* ctx, const RequestChecks& checks,
+    ChunkedWork<v1::BackwardRequest, v1::BackwardResponse> work) {
   return new ChunkedBidiCall<v1::BackwardRequest, v1::BackwardRequestPart, v1::BackwardResponse,
-                             v1::BackwardResponsePart>(
-      *this, ctx, "BackwardChunked",
-      [this](const Caller& caller, const CallBase& call, v1::BackwardRequest& req,
-             v1::BackwardResponse* resp) { return DoBackward(caller, req, resp, &call); },
-      nullptr);
+                             v1::BackwardResponsePart>(env, ctx, "BackwardChunked", checks,
+                                                       std::move(work));
 }
 
-grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* GradwireService::GetWeightsChunked(
-    grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest* req) {
-  return new GetWeightsChunkedCall(*this, ctx, req);
+grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* StartGetWeightsChunked(
+    CallEnv& env, grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest& request,
+    ChunkedWork<const v1::GetWeightsRequest, v1::GetWeightsResponse> work) {
+  return new GetWeightsChunkedCall(env, ctx, request, std::move(work));
 }
 
-grpc::ServerReadReactor<v1::SetWeightsRequestPart>* GradwireService::SetWeightsChunked(
-    grpc::CallbackServerContext* ctx, v1::SetWeightsResponse* resp) {
-  return new SetWeightsChunkedCall(*this, ctx, resp);
+grpc::ServerReadReactor<v1::SetWeightsRequestPart>* StartSetWeightsChunked(
+    CallEnv& env, grpc::CallbackServerContext* ctx, v1::SetWeightsResponse* response,
+    const RequestChecks& checks, ChunkedWork<v1::SetWeightsRequest, v1::SetWeightsResponse> work) {
+  return new SetWeightsChunkedCall(env, ctx, response, checks, std::move(work));
 }
 
 }  // namespace gradwire::rpc

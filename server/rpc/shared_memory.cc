@@ -5,11 +5,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gradwire/wire/chunking.h"
+#include "gradwire/wire/tensor.h"
+#include "server/core/heap_trim.h"
+#include "server/core/status_macros.h"
 #include "server/rpc/boundary.h"
 #include "spdlog/spdlog.h"
 
@@ -305,6 +312,98 @@ absl::Status SharedMemoryRegistry::Write(const std::string& owner, const v1::Sha
     }
     done += uint64_t(n);
   }
+  return absl::OkStatus();
+}
+
+StagingBuffer::~StagingBuffer() {
+  std::vector<Buffer>& pool = Pool();
+  if (!buffer_.bytes || buffer_.capacity > kMaxRetained) return;  // freed by its deleter
+  pool.push_back(std::move(buffer_));
+  if (pool.size() > 2) {  // keep the two largest: the next large tensor finds its buffer warm
+    pool.erase(std::min_element(pool.begin(), pool.end(), [](const Buffer& a, const Buffer& b) {
+      return a.capacity < b.capacity;
+    }));
+  }
+}
+
+char* StagingBuffer::Get(size_t n) {
+  if (buffer_.capacity < n) {
+    std::vector<Buffer>& pool = Pool();
+    auto fits =
+        std::find_if(pool.begin(), pool.end(), [n](const Buffer& b) { return b.capacity >= n; });
+    if (fits != pool.end()) {
+      buffer_ = std::move(*fits);
+      pool.erase(fits);
+    } else {
+      buffer_.bytes.reset(static_cast<char*>(core::AllocateHostBuffer(n)));
+      if (!buffer_.bytes) throw std::bad_alloc();
+      buffer_.capacity = n;
+    }
+  }
+  return buffer_.bytes.get();
+}
+
+void StagingBuffer::Free::operator()(char* p) const { core::FreeHostBuffer(p); }
+
+std::vector<StagingBuffer::Buffer>& StagingBuffer::Pool() {
+  thread_local std::vector<Buffer> pool;
+  return pool;
+}
+
+absl::StatusOr<wire::TensorView> ShmStaging::Stage(const std::string& owner, const v1::Tensor& t,
+                                                   absl::string_view field, StagingBuffer* staged,
+                                                   const wire::ReceivedMessage* raw,
+                                                   int raw_field) const {
+  if (!t.has_shared_memory() && raw != nullptr && raw->pieces(raw_field).size() > 1) {
+    // The bytes arrived in several slices: gathered once into a reused buffer (the copy an f32
+    // tensor needs anyway to be contiguous), not joined into a fresh one.
+    const size_t n = raw->size(raw_field);
+    char* at = staged->Get(n);
+    size_t offset = 0;
+    for (absl::string_view piece : raw->pieces(raw_field)) {
+      std::memcpy(at + offset, piece.data(), piece.size());
+      offset += piece.size();
+    }
+    return wire::ViewOf(t, absl::string_view(at, n), field);
+  }
+  const absl::string_view received = raw != nullptr ? raw->data(raw_field) : t.data();
+  if (!t.has_shared_memory()) return wire::ViewOf(t, received, field);
+  if (!received.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " carries both data and shared_memory; send one of them"));
+  }
+  // The header first: nothing is read (or allocated) for a malformed or oversize tensor.
+  GW_ASSIGN_OR_RETURN(const int64_t bytes, wire::DataBytes(t, field));
+  if (uint64_t(bytes) != t.shared_memory().byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shared_memory.byte_size is ", t.shared_memory().byte_size(), "; shape [",
+        absl::StrJoin(t.shape(), ", "), "] of ", v1::DType_Name(t.dtype()), " needs ", bytes));
+  }
+  GW_RETURN_IF_ERROR(CheckElements(field, ShapeElements(t), max_tensor_elements_));
+  char* bytes_at = staged->Get(size_t(bytes));
+  GW_RETURN_IF_ERROR(
+      registry_.Read(owner, t.shared_memory(), absl::StrCat(field, ".shared_memory"), bytes_at));
+  // The view checks the header as for any tensor; the shared-memory reference is what it was.
+  v1::Tensor header;
+  header.set_dtype(t.dtype());
+  *header.mutable_shape() = t.shape();
+  header.set_scale_inv(t.scale_inv());
+  return wire::ViewOf(header, absl::string_view(bytes_at, size_t(bytes)), field);
+}
+
+absl::Status ShmStaging::Deliver(const std::string& owner, bool has_ref,
+                                 const v1::SharedMemoryRef& ref, absl::string_view field,
+                                 wire::EncodedTensor&& e, v1::Tensor* out) const {
+  if (!has_ref) {
+    wire::ToMessage(std::move(e), out);
+    return absl::OkStatus();
+  }
+  GW_RETURN_IF_ERROR(registry_.Write(owner, ref, field, e.bytes));
+  const uint64_t written = e.bytes.size();
+  wire::ToMessage(std::move(e), out);
+  out->clear_data();
+  *out->mutable_shared_memory() = ref;
+  out->mutable_shared_memory()->set_byte_size(written);
   return absl::OkStatus();
 }
 

@@ -13,6 +13,10 @@
 // namespace, as they share modules), are counted against --max-shared-memory-regions per owner,
 // and are closed on unregister and when the registry is destroyed (server shutdown). A region in
 // use by a call stays open until that call is done with it.
+//
+// ShmStaging is what a Forward or Backward uses of it: a request's tensor staged (read from its
+// region into a reused buffer, or its bytes gathered there when they arrived in several slices)
+// and a result delivered (into the response, or into the region the request names).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +31,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "gradwire/v1/tensor.pb.h"
+#include "gradwire/wire/codec.h"
+#include "gradwire/wire/zero_copy.h"
 
 namespace gradwire::rpc {
 
@@ -93,6 +99,65 @@ class SharedMemoryRegistry {
   mutable std::mutex mu_;
   // (owner, name) -> region
   std::map<std::pair<std::string, std::string>, std::shared_ptr<const Region>> regions_;
+};
+
+// Where shared-memory reads land, and a tensor's bytes when they arrived over several received
+// slices: buffers reused by the thread that runs the calls, never zero-filled, and backed by
+// transparent huge pages when large (core/heap_trim.h). In a fresh buffer a large tensor
+// pays a page fault per 4 KiB page, several times the cost of the copy itself. Each thread keeps
+// at most two buffers of at most kMaxRetained bytes.
+class StagingBuffer {
+ public:
+  static constexpr size_t kMaxRetained = size_t(512) << 20;
+  StagingBuffer() = default;
+  ~StagingBuffer();
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+
+  // `n` bytes, valid while this lives; their contents are whatever was there.
+  char* Get(size_t n);
+
+ private:
+  struct Free {
+    void operator()(char* p) const;
+  };
+  struct Buffer {
+    std::unique_ptr<char, Free> bytes;
+    size_t capacity = 0;
+  };
+  static std::vector<Buffer>& Pool();
+  Buffer buffer_;
+};
+
+// A request's tensors in and its results out, for the calls that may reference shared memory.
+// `owner` is whose regions the caller sees (SharedMemoryRegistry).
+class ShmStaging {
+ public:
+  // `registry` must outlive this; tensors read from a region are bounded by
+  // `max_tensor_elements` (--max-tensor-elements; 0: unlimited) before anything is read.
+  ShmStaging(const SharedMemoryRegistry& registry, int64_t max_tensor_elements)
+      : registry_(registry), max_tensor_elements_(max_tensor_elements) {}
+
+  // A checked view of tensor `t` (named `field` in errors): of its own bytes (from `raw`'s field
+  // `raw_field` when the request was received raw, gathered into `staged` when they span several
+  // slices), or of the bytes its shared-memory reference names, read into `staged` after the
+  // header was checked.
+  absl::StatusOr<wire::TensorView> Stage(const std::string& owner, const v1::Tensor& t,
+                                         absl::string_view field, StagingBuffer* staged,
+                                         const wire::ReceivedMessage* raw, int raw_field) const;
+  // Moves an encoded result into `out`: into the response, or with `has_ref`, into the region
+  // `ref` names, `out` then carrying the header and where the bytes went.
+  absl::Status Deliver(const std::string& owner, bool has_ref, const v1::SharedMemoryRef& ref,
+                       absl::string_view field, wire::EncodedTensor&& e, v1::Tensor* out) const;
+  // Room for a result of `bytes` in the range `ref` names, checked before the compute.
+  absl::Status CheckRoom(const std::string& owner, const v1::SharedMemoryRef& ref,
+                         absl::string_view field, uint64_t bytes) const {
+    return registry_.CheckRoom(owner, ref, field, bytes);
+  }
+
+ private:
+  const SharedMemoryRegistry& registry_;
+  const int64_t max_tensor_elements_;
 };
 
 }  // namespace gradwire::rpc

@@ -1,90 +1,92 @@
-// The Train bidi stream: pipelined forwards, backwards and releases with bounded read-ahead.
+#include "server/rpc/train_stream.h"
+
 #include <spdlog/spdlog.h>
 
-#include <chrono>
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/rpc/service.h"
 #include "server/rpc/status_map.h"
 
 namespace gradwire::rpc {
+namespace {
+
+// A request's status as its response carries it.
+v1::TrainResponse Refusal(uint64_t request_id, const absl::Status& status) {
+  v1::TrainResponse resp;
+  resp.set_request_id(request_id);
+  resp.set_code(int(ToGrpc(status).error_code()));
+  resp.set_message(std::string(status.message()));
+  return resp;
+}
 
 // Reads requests while fewer than `read_ahead` are unanswered, runs each on the device executor
 // in arrival order, writes responses one at a time in completion order, and finishes once the
 // client is done (or the call is cancelled) and nothing is left in flight. Every context a forward
 // on this stream created and no backward consumed is released at the end.
 //
-// The lifecycle is call.h's, per message: each request read is admitted (ownership, then the
-// queue bounds) and submitted holding a reference to the call. A request read after the call
-// finished (a read that completes after a cancel) is dropped unrun, and the call finishes only
-// when every submitted request has answered, so no work can reach a call gRPC is done with.
+// The lifecycle is call.h's, per message: each request read is counted as unanswered, then
+// admitted (ownership, then the queue bounds) and run through AdmitAndRun like a unary call. A
+// request read after the call finished (a read that completes after a cancel) is dropped unrun,
+// and the call finishes only when every counted request has answered, so no work can reach a
+// call gRPC is done with.
 class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse>> {
  public:
-  TrainCall(GradwireService& service, grpc::CallbackServerContext* ctx)
-      : Call(service, ctx, "Train") {
-    ++service_.streams_open_;
+  TrainCall(CallEnv& env, grpc::CallbackServerContext* ctx, const TrainBodies& bodies)
+      : Call(env, ctx, "Train"), bodies_(bodies) {
+    ++env_.streams_open;
     if (absl::Status s = Authenticate(ctx); !s.ok()) {
       End(s);
       return;
     }
-    limit_ = std::max(1, service_.options_.stream_read_ahead);
+    limit_ = std::max(1, env_.options().stream_read_ahead);
     std::lock_guard<std::mutex> lock(mu_);
     StartReadLocked();
   }
 
   void OnReadDone(bool ok) override {
-    // The message and its admission first, outside the call's lock: admission looks the module and
-    // the context up and takes the queue lock, and neither belongs under the call's lock. No other
-    // read is in flight until this one starts the next, so `incoming_` is ours here.
+    // No other read is in flight until this one starts the next, so `incoming_` is ours here.
     std::shared_ptr<v1::TrainRequest> request;
-    Admission admission;
-    absl::Status refused;
-    if (ok) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      if (!ok) {  // the client is done writing (or the call broke)
+        read_done_ = true;
+        MaybeFinishLocked();
+        return;
+      }
+      if (finished_ || broken_) return;  // nobody will read an answer: dropped unrun
       request = std::make_shared<v1::TrainRequest>(std::move(incoming_));
       incoming_.Clear();
-      // Each message counts against the queue bounds like a unary call; one refused gets its
-      // answer now, in its turn among the responses.
-      const std::string* module_id = &kNone;
-      const std::string* context_id = &kNone;
-      if (request->has_forward()) module_id = &request->forward().module_id();
-      if (request->has_backward()) context_id = &request->backward().context_id();
-      if (request->has_release()) context_id = &request->release().context_id();
-      refused = service_.Admit(caller(), *module_id, *context_id, &admission);
+      // Counted before it is admitted, so the call cannot finish before it answers.
+      ++env_.stream_requests_read;
+      ++unanswered_;
     }
+    // Admission outside the call's lock: it looks the module and the context up and takes the
+    // quota book's lock, and neither belongs under the call's lock. Each message counts against
+    // the queue bounds like a unary call; one refused gets its answer now, in its turn among the
+    // responses.
+    const std::string* module_id = &kNone;
+    const std::string* context_id = &kNone;
+    if (request->has_forward()) module_id = &request->forward().module_id();
+    if (request->has_backward()) context_id = &request->backward().context_id();
+    if (request->has_release()) context_id = &request->release().context_id();
+    const absl::Status refused = AdmitAndRun(
+        *module_id, *context_id, RunOn::kDevice,
+        [this, request](absl::Status started) { Process(*request, started); },
+        [this, request](absl::Status failed) {
+          // Process itself failed past its own guard: answer so the stream can finish.
+          std::lock_guard<std::mutex> lock(mu_);
+          RespondLocked(Refusal(request->request_id(), failed));
+        });
     std::lock_guard<std::mutex> lock(mu_);
-    reading_ = false;
-    if (!ok) {  // the client is done writing (or the call broke)
-      read_done_ = true;
-      MaybeFinishLocked();
-      return;
-    }
-    if (finished_ || broken_) return;  // nobody will read an answer: dropped, admission returned
-    ++service_.stream_requests_read_;
-    ++unanswered_;
-    if (!refused.ok()) {
-      v1::TrainResponse resp;
-      resp.set_request_id(request->request_id());
-      resp.set_code(int(ToGrpc(refused).error_code()));
-      resp.set_message(std::string(refused.message()));
-      RespondLocked(std::move(resp));
-    } else {
-      Submit(
-          std::move(admission), [this, request] { Process(*request); },
-          [this, request](absl::Status failed) {
-            // Process itself failed past its own guard: answer so the stream can finish.
-            v1::TrainResponse resp;
-            resp.set_request_id(request->request_id());
-            resp.set_code(int(ToGrpc(failed).error_code()));
-            resp.set_message(std::string(failed.message()));
-            std::lock_guard<std::mutex> lock(mu_);
-            RespondLocked(std::move(resp));
-          });
-    }
+    if (!refused.ok()) RespondLocked(Refusal(request->request_id(), refused));
     if (unanswered_ < limit_) StartReadLocked();
   }
 
@@ -114,7 +116,7 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
 
   void Ended() override {
     ReleaseLeftovers();
-    --service_.streams_open_;
+    --env_.streams_open;
   }
 
   // After a cancel or a failed write nothing more is written: responses not being written now are
@@ -130,34 +132,33 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
     StartRead(&incoming_);
   }
 
-  // On the executor.
-  void Process(const v1::TrainRequest& req) {
+  // On the executor (`started`: see AdmitAndRun).
+  void Process(const v1::TrainRequest& req, const absl::Status& started) {
     v1::TrainResponse resp;
     resp.set_request_id(req.request_id());
     absl::Status status;
-    if (Abandoned()) {
+    if (!started.ok()) {
       status = absl::CancelledError("the Train stream was cancelled");
-    } else if (auto too_big = service_.CheckRequestBytes(int64_t(req.ByteSizeLong()));
-               !too_big.ok()) {
+    } else if (auto too_big = env_.CheckRequestBytes(int64_t(req.ByteSizeLong())); !too_big.ok()) {
       status = too_big;  // per message, as for the unary calls
     } else {
       switch (req.op_case()) {
         case v1::TrainRequest::kForward:
-          status = service_.DoForward(caller(), req.forward(), resp.mutable_forward(), this);
+          status = bodies_.forward(caller(), req.forward(), resp.mutable_forward(), *this);
           if (status.ok() && !resp.forward().context_id().empty()) {
             std::lock_guard<std::mutex> lock(mu_);
             contexts_.insert(resp.forward().context_id());
           }
           break;
         case v1::TrainRequest::kBackward:
-          status = service_.DoBackward(caller(), req.backward(), resp.mutable_backward(), this);
+          status = bodies_.backward(caller(), req.backward(), resp.mutable_backward(), *this);
           if (status.ok() && !req.backward().retain()) {
             std::lock_guard<std::mutex> lock(mu_);
             contexts_.erase(req.backward().context_id());
           }
           break;
         case v1::TrainRequest::kRelease:
-          status = service_.DoRelease(caller(), req.release());
+          status = bodies_.release(caller(), req.release());
           if (status.ok()) {
             resp.mutable_release();
             std::lock_guard<std::mutex> lock(mu_);
@@ -204,14 +205,14 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
       std::lock_guard<std::mutex> lock(mu_);
       left.swap(contexts_);
     }
-    ReleaseUnconsumed(service_.executor_, service_.host_,
-                      std::vector<std::string>(left.begin(), left.end()),
-                      core::ContextStore::ReleaseReason::kStreamEnded,
-                      "Train stream ended before the backwards of its contexts");
+    env_.ReleaseUnconsumed(std::vector<std::string>(left.begin(), left.end()),
+                           core::ContextStore::ReleaseReason::kStreamEnded,
+                           "Train stream ended before the backwards of its contexts");
   }
 
   static inline const std::string kNone;
 
+  const TrainBodies& bodies_;
   int limit_ = 8;
   // Under mu_ (CallBase's):
   v1::TrainRequest incoming_;
@@ -224,9 +225,11 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
   bool broken_ = false;
 };
 
-grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse>* GradwireService::Train(
-    grpc::CallbackServerContext* ctx) {
-  return new TrainCall(*this, ctx);
+}  // namespace
+
+grpc::ServerBidiReactor<v1::TrainRequest, v1::TrainResponse>* StartTrain(
+    CallEnv& env, grpc::CallbackServerContext* ctx, const TrainBodies& bodies) {
+  return new TrainCall(env, ctx, bodies);
 }
 
 }  // namespace gradwire::rpc

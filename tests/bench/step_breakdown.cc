@@ -17,6 +17,7 @@
 #include "server/core/backend.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
 
 namespace {
 
@@ -86,12 +87,12 @@ int main(int argc, char** argv) {
     const double budget = seconds / 5;
     std::string context;
     auto forward = [&] {
-      auto r = host.Forward(info->module_id, x, /*training=*/true);
+      auto r = gradwire::core::TensorForward(host, info->module_id, x, /*training=*/true);
       if (!r.ok()) std::abort();
       context = r->context_id;
     };
     auto backward = [&] {
-      if (!host.Backward(context, dy, false, false).ok()) std::abort();
+      if (!gradwire::core::TensorBackward(host, context, dy, false, false).ok()) std::abort();
     };
     forward();
     backward();  // warm: workspace, scratch buffers

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "server/core/tensor_calls.h"
 #include "specs.h"
 #include "test_server.h"
 
@@ -220,7 +221,8 @@ TEST_F(RemoteModuleTest, BackwardFreesTheContextAndAccumulatesOnTheServer) {
   EXPECT_FALSE(x.grad().defined());
   const NamedTensors grads = linear->get_gradients();
   EXPECT_GT(grads["weight"].abs().sum().item<float>(), 0.0f);
-  EXPECT_EQ(server_.host().GetGradients(linear->module_id(), false)->accumulated_backwards, 1);
+  EXPECT_EQ(
+      core::TensorGradients(server_.host(), linear->module_id(), false)->accumulated_backwards, 1);
 
   const torch::Tensor w0 = linear->get_weights()["weight"];
   linear->apply_gradients(0.1f);
@@ -239,7 +241,8 @@ TEST_F(RemoteModuleTest, SecondBackwardThroughRetainedGraphRaises) {
   } catch (const std::exception& e) {
     EXPECT_TRUE(HasText(e.what(), "retain_graph"));
   }
-  EXPECT_EQ(server_.host().GetGradients(linear->module_id(), false)->accumulated_backwards, 1);
+  EXPECT_EQ(
+      core::TensorGradients(server_.host(), linear->module_id(), false)->accumulated_backwards, 1);
 }
 
 TEST_F(RemoteModuleTest, ServerErrorInBackwardRaisesThroughAutograd) {
@@ -283,7 +286,8 @@ TEST_F(RemoteModuleTest, WrongInputShapeRaisesAndLeavesTheServerUntouched) {
   EXPECT_EQ(after.workspace_builds, before.workspace_builds);
   EXPECT_EQ(after.workspace_hits, before.workspace_hits);
   EXPECT_EQ(server_.host().Info(linear->module_id())->weight_version, version);
-  EXPECT_EQ(server_.host().GetGradients(linear->module_id(), false)->accumulated_backwards, 0);
+  EXPECT_EQ(
+      core::TensorGradients(server_.host(), linear->module_id(), false)->accumulated_backwards, 0);
 }
 
 TEST_F(RemoteModuleTest, OtherDtypesRoundTripThroughFloat32) {

@@ -27,7 +27,9 @@
 #include <vector>
 
 #include "server/core/backend.h"
+#include "server/core/cpu_gemm.h"
 #include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -116,7 +118,7 @@ double Nmse(const at::Tensor& got, const at::Tensor& want) {
 ::testing::AssertionResult WithinLinearGemmBound(const at::Tensor& got, const at::Tensor& want,
                                                  const at::Tensor& x, const ModuleHost& ref_host,
                                                  const std::string& module_id) {
-  auto weights = ref_host.GetWeights(module_id);
+  auto weights = TensorWeights(ref_host, module_id);
   if (!weights.ok()) return ::testing::AssertionFailure() << weights.status();
   at::Tensor w, b;
   for (const auto& [param, t] : weights->tensors) {
@@ -281,6 +283,48 @@ INSTANTIATE_TEST_SUITE_P(All, GemmParity,
                                   std::to_string(std::get<2>(d));
                          });
 
+// The CPU backend on its row-invariant GEMMs (--cpu-gemm ordered, core/cpu_gemm.h): Fprop and
+// Dgrad give the reference backend's bits, with W's columnwise copy or only its rowwise one.
+TEST(CpuOrderedGemm, FpropAndDgradAreTheReferenceBits) {
+  struct Ordered {
+    Ordered() { SetCpuGemm(CpuGemm::kOrdered); }
+    ~Ordered() { SetCpuGemm(CpuGemm::kBlas); }
+  } ordered;
+  const Backend& ref = *MakeReferenceBackend();
+  const Backend& cpu = *MakeCpuBackend();
+  EXPECT_NE(cpu.Describe().find("row-invariant"), std::string::npos) << cpu.Describe();
+  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f}, e5m2{Fp8Format::kE5M2, 0, 0.0f};
+  auto bits = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.sizes() == b.sizes() &&
+           std::memcmp(a.data_ptr<float>(), b.data_ptr<float>(), size_t(a.numel()) * 4) == 0;
+  };
+  for (const Mnk& mnk : {Mnk{1, 1, 1}, Mnk{7, 13, 11}, Mnk{33, 5, 64}, Mnk{130, 257, 67}}) {
+    const auto [m, n, k] = mnk;
+    const at::Tensor x = RandN({m, k}), w = RandN({n, k}, 0.1), dy = RandN({m, n}, 0.01),
+                     bias = RandN({n});
+    for (bool w_columnwise : {true, false}) {
+      auto cast = [](const Backend& be, const at::Tensor& t, const QuantizerConfig& q,
+                     CastUsage usage) {
+        auto r = be.Cast(t, q, usage);
+        EXPECT_TRUE(r.ok()) << r.status();
+        return *r;
+      };
+      const CastUsage both{true, true}, wu{true, w_columnwise};
+      // The reference reads W^T for dgrad: its copy always has both.
+      const Fp8Tensor rx = cast(ref, x, e4m3, both), rw = cast(ref, w, e4m3, both),
+                      rdy = cast(ref, dy, e5m2, both);
+      const Fp8Tensor cx = cast(cpu, x, e4m3, both), cw = cast(cpu, w, e4m3, wu),
+                      cdy = cast(cpu, dy, e5m2, both);
+      const std::string where = std::to_string(m) + "x" + std::to_string(n) + "x" +
+                                std::to_string(k) + (w_columnwise ? "" : ", W rowwise only");
+      EXPECT_TRUE(bits(cpu.Fprop(cx, cw, bias), ref.Fprop(rx, rw, bias))) << "fprop " << where;
+      EXPECT_TRUE(bits(cpu.Fprop(cx, cw, at::Tensor()), ref.Fprop(rx, rw, at::Tensor())))
+          << "fprop without bias " << where;
+      EXPECT_TRUE(bits(cpu.Dgrad(cdy, cw), ref.Dgrad(rdy, rw))) << "dgrad " << where;
+    }
+  }
+}
+
 class NormParity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(NormParity, LayerNormAndActivationsWithinFp32Rounding) {
@@ -420,8 +464,8 @@ std::vector<Miss> DrawModuleCase(const BackendPtr& backend, const ModuleCase& c,
   for (int step = 0; step < 2; ++step) {  // the second step uses the rolled delayed scales
     const std::string at = "step " + std::to_string(step) + ", ";
     const at::Tensor x = RandN({c.rows, c.in}, 2.0);
-    auto want = ref_host.Forward(ref_id->module_id, x, c.training);
-    auto got = host.Forward(id->module_id, x, c.training);
+    auto want = TensorForward(ref_host, ref_id->module_id, x, c.training);
+    auto got = TensorForward(host, id->module_id, x, c.training);
     if (!want.ok()) return hard(at + "reference Forward: " + want.status().ToString());
     if (!got.ok()) return hard(at + "Forward: " + got.status().ToString());
     if (got->output.device().type() != at::kCPU) return hard(at + "output not on the host");
@@ -441,13 +485,13 @@ std::vector<Miss> DrawModuleCase(const BackendPtr& backend, const ModuleCase& c,
       continue;
     }
     const at::Tensor dy = RandN({c.rows, c.out}, 0.1);
-    auto want_dx = ref_host.Backward(want->context_id, dy, false, false);
-    auto got_dx = host.Backward(got->context_id, dy, false, false);
+    auto want_dx = TensorBackward(ref_host, want->context_id, dy, false, false);
+    auto got_dx = TensorBackward(host, got->context_id, dy, false, false);
     if (!want_dx.ok()) return hard(at + "reference Backward: " + want_dx.status().ToString());
     if (!got_dx.ok()) return hard(at + "Backward: " + got_dx.status().ToString());
     check(at + "grad_input", Nmse(*got_dx, *want_dx), exact_casts ? tight : nmse);
-    auto want_g = ref_host.GetGradients(ref_id->module_id, false);
-    auto got_g = host.GetGradients(id->module_id, false);
+    auto want_g = TensorGradients(ref_host, ref_id->module_id, false);
+    auto got_g = TensorGradients(host, id->module_id, false);
     if (!want_g.ok() || !got_g.ok()) return hard(at + "GetGradients failed");
     if (want_g->tensors.size() != got_g->tensors.size()) return hard(at + "gradient count");
     for (size_t i = 0; i < want_g->tensors.size(); ++i) {
@@ -457,8 +501,8 @@ std::vector<Miss> DrawModuleCase(const BackendPtr& backend, const ModuleCase& c,
     // Both take the same optimizer step, so the next step starts from the same weights.
     if (!ref_host.ApplyGradients(ref_id->module_id).ok()) return hard(at + "reference step");
     if (!host.ApplyGradients(id->module_id).ok()) return hard(at + "ApplyGradients failed");
-    auto want_w = ref_host.GetWeights(ref_id->module_id);
-    auto got_w = host.GetWeights(id->module_id);
+    auto want_w = TensorWeights(ref_host, ref_id->module_id);
+    auto got_w = TensorWeights(host, id->module_id);
     if (!want_w.ok() || !got_w.ok()) return hard(at + "GetWeights failed");
     for (size_t i = 0; i < want_w->tensors.size(); ++i) {
       check(at + "weight " + want_w->tensors[i].first + " after the step",

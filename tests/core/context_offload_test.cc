@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -42,7 +43,7 @@ TEST_P(OffloadParityTest, OffloadedContextsGiveTheSameGradients) {
     ModuleHost probe;
     auto id = probe.Create(spec);
     ASSERT_TRUE(id.ok());
-    ASSERT_TRUE(probe.Forward(id->module_id, inputs[0], true).ok());
+    ASSERT_TRUE(TensorForward(probe, id->module_id, inputs[0], true).ok());
     one = probe.Stats().context_bytes;
     ASSERT_GT(one, 0);
   }
@@ -53,8 +54,8 @@ TEST_P(OffloadParityTest, OffloadedContextsGiveTheSameGradients) {
   ASSERT_TRUE(ref_id.ok() && tight_id.ok());
   std::vector<std::string> ref_ctx, tight_ctx;
   for (int i = 0; i < kMicrobatches; ++i) {
-    auto a = ref.Forward(ref_id->module_id, inputs[i], true);
-    auto b = tight.Forward(tight_id->module_id, inputs[i], true);
+    auto a = TensorForward(ref, ref_id->module_id, inputs[i], true);
+    auto b = TensorForward(tight, tight_id->module_id, inputs[i], true);
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_TRUE(at::equal(a->output, b->output));
     ref_ctx.push_back(a->context_id);
@@ -68,8 +69,8 @@ TEST_P(OffloadParityTest, OffloadedContextsGiveTheSameGradients) {
   EXPECT_EQ(s.context_bytes, ref.Stats().context_bytes);
   // Oldest first: each backward restores an offloaded context.
   for (int i = 0; i < kMicrobatches; ++i) {
-    auto a = ref.Backward(ref_ctx[i], grads[i], false, false);
-    auto b = tight.Backward(tight_ctx[i], grads[i], false, false);
+    auto a = TensorBackward(ref, ref_ctx[i], grads[i], false, false);
+    auto b = TensorBackward(tight, tight_ctx[i], grads[i], false, false);
     ASSERT_TRUE(a.ok()) << a.status();
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_TRUE(at::equal(*a, *b)) << "grad_input of microbatch " << i;
@@ -81,8 +82,8 @@ TEST_P(OffloadParityTest, OffloadedContextsGiveTheSameGradients) {
   EXPECT_EQ(s.contexts.live, 0);
   EXPECT_EQ(s.contexts.device_bytes + s.contexts.host_bytes, 0);
   EXPECT_LE(s.contexts.peak_device_bytes, one);
-  auto ga = ref.GetGradients(ref_id->module_id, false);
-  auto gb = tight.GetGradients(tight_id->module_id, false);
+  auto ga = TensorGradients(ref, ref_id->module_id, false);
+  auto gb = TensorGradients(tight, tight_id->module_id, false);
   ASSERT_TRUE(ga.ok() && gb.ok());
   ASSERT_EQ(ga->tensors.size(), gb->tensors.size());
   for (size_t i = 0; i < ga->tensors.size(); ++i) {
@@ -105,12 +106,12 @@ TEST(ContextBudgetTest, AForwardWhoseContextExceedsTheBudgetChangesNothing) {
   auto id = host.Create(spec);
   ASSERT_TRUE(id.ok());
   // A small forward fits and records one step of scaling history.
-  auto small = host.Forward(id->module_id, RandN({2, spec.in_features}), true);
+  auto small = TensorForward(host, id->module_id, RandN({2, spec.in_features}), true);
   ASSERT_TRUE(small.ok()) << small.status();
   ASSERT_TRUE(host.ReleaseContext(small->context_id).ok());
   const auto before = *host.Scaling(id->module_id);
   const HostStats stats_before = host.Stats();
-  auto big = host.Forward(id->module_id, RandN({200, spec.in_features}), true);
+  auto big = TensorForward(host, id->module_id, RandN({200, spec.in_features}), true);
   ASSERT_FALSE(big.ok());
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(big.status().message().find("--context-memory"), std::string::npos) << big.status();
@@ -127,7 +128,7 @@ TEST(ContextBudgetTest, AForwardWhoseContextExceedsTheBudgetChangesNothing) {
   EXPECT_EQ(stats_after.workspace_builds + stats_after.workspace_hits,
             stats_before.workspace_builds + stats_before.workspace_hits);
   // Inference of the same size saves nothing, so it is not limited by the budget.
-  EXPECT_TRUE(host.Forward(id->module_id, RandN({200, spec.in_features}), false).ok());
+  EXPECT_TRUE(TensorForward(host, id->module_id, RandN({200, spec.in_features}), false).ok());
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "server/core/reference_ops.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -15,12 +16,15 @@ namespace {
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
 using gradwire::testing::D;
+using gradwire::testing::GemmParams;
+using gradwire::testing::GemmSpec;
 using gradwire::testing::Into;
 using gradwire::testing::MakeBwdArgs;
 using gradwire::testing::MakeFwdArgs;
 using gradwire::testing::NormwiseClose;
 using gradwire::testing::RandN;
 using gradwire::testing::RandomLn;
+using gradwire::testing::SavedAs;
 
 using gradwire::testing::kE4M3;
 
@@ -35,13 +39,14 @@ TEST_P(LayerNormLinearTest, ForwardAndBackwardMatchFloat64) {
   const at::Tensor b = has_bias ? RandN({n}) : at::Tensor(), dy = RandN({m, n});
   const at::Tensor d_ln_extra = RandN({m, k}, 0.5);
 
-  auto fa = MakeFwdArgs<LayerNormLinearFwdArgs>(x, w, b, /*training=*/true);
-  fa.ln = ln;
-  fa.return_layernorm_output = true;
-  fa.checkpoint = checkpoint;
-  auto fwd = LayerNormLinearForward(fa);
+  ModuleSpec spec = GemmSpec(ModuleKind::kLayerNormLinear, w, b);
+  spec.layernorm_eps = ln.eps;
+  spec.zero_centered_gamma = ln.zero_centered_gamma;
+  spec.return_layernorm_output = true;
+  spec.checkpoint = checkpoint;
+  auto fwd = LayerNormLinearForward(MakeFwdArgs(spec, x, GemmParams(w, b, &ln), /*training=*/true));
   ASSERT_TRUE(fwd.ok()) << fwd.status();
-  EXPECT_EQ(fwd->saved->ln_out.has_columnwise(), !checkpoint);
+  EXPECT_EQ(SavedAs<LayerNormLinearSaved>(*fwd).ln_out.has_columnwise(), !checkpoint);
 
   // Tight: the GEMM on the dequantized FP8 operands it used.
   auto lnq = Quantize(RunLayerNorm(x, ln).y, kE4M3, {true, false});
@@ -69,9 +74,8 @@ TEST_P(LayerNormLinearTest, ForwardAndBackwardMatchFloat64) {
                    bias_grad = has_bias ? at::zeros({n}) : at::Tensor(),
                    gamma_grad = at::zeros({k}), beta_grad = at::zeros({k});
   DirectGradients grads = Into(weight_grad, bias_grad, gamma_grad, beta_grad);
-  auto ba = MakeBwdArgs<LayerNormLinearBwdArgs>(dy, fwd->saved.get(), &grads, has_bias);
+  auto ba = MakeBwdArgs(spec, dy, fwd->saved.get(), &grads);
   ba.grad_layernorm_output = d_ln_extra;
-  ba.ln = ln;
   auto bwd = LayerNormLinearBackward(ba);
   ASSERT_TRUE(bwd.ok()) << bwd.status();
   EXPECT_TRUE(AllCloseToSum(weight_grad, w64u.grad(),

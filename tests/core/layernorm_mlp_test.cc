@@ -16,13 +16,12 @@ namespace {
 using gradwire::testing::Act64;
 using gradwire::testing::AllClose;
 using gradwire::testing::D;
+using gradwire::testing::MakeBwdArgs;
+using gradwire::testing::MakeFwdArgs;
 using gradwire::testing::NormwiseClose;
 using gradwire::testing::RandN;
 using gradwire::testing::RandomLn;
 using kernels::Activation;
-
-using gradwire::testing::kE4M3;
-using gradwire::testing::kE5M2;
 
 struct MlpCase {
   Activation act;
@@ -41,49 +40,47 @@ class LayerNormMlpTest : public ::testing::TestWithParam<MlpCase> {
     w2_ = RandN({kN, kF}, 1.0 / std::sqrt(double(kF)));
     if (c.bias) b1_ = RandN({f1}, 0.5), b2_ = RandN({kN}, 0.5);
     dy_ = RandN({kM, kN});
+    spec_.kind = ModuleKind::kLayerNormMlp;
+    spec_.in_features = kK;
+    spec_.out_features = kN;
+    spec_.ffn_features = kF;
+    spec_.bias = c.bias;
+    spec_.activation = c.act;
+    spec_.layernorm_eps = ln_.eps;
+    checkpoint_spec_ = spec_;
+    checkpoint_spec_.checkpoint = true;
   }
 
-  LayerNormMlpFwdArgs FwdArgs(bool checkpoint) const {
-    LayerNormMlpFwdArgs a;
-    a.input = x_;
-    a.ln = ln_;
-    a.fc1_weight = w1_;
-    a.fc1_bias = b1_;
-    a.fc2_weight = w2_;
-    a.fc2_bias = b2_;
-    a.activation = GetParam().act;
-    a.weight_version = 1;
-    a.fc1_input_quantizer = a.fc1_weight_quantizer = kE4M3;
-    a.fc2_input_quantizer = a.fc2_weight_quantizer = kE4M3;
-    a.training = true;
-    a.checkpoint = checkpoint;
-    return a;
+  KindForwardArgs FwdArgs(bool checkpoint) const {
+    ParamTable p;
+    p[Param::kLayerNormWeight] = ln_.gamma;
+    p[Param::kLayerNormBias] = ln_.beta;
+    p[Param::kFc1Weight] = w1_;
+    p[Param::kFc1Bias] = b1_;
+    p[Param::kFc2Weight] = w2_;
+    p[Param::kFc2Bias] = b2_;
+    return MakeFwdArgs(checkpoint ? checkpoint_spec_ : spec_, x_, std::move(p), /*training=*/true);
   }
 
   struct Grads {
     at::Tensor dx, dgamma, dbeta, dw1, db1, dw2, db2;
   };
 
-  Grads Backward(const LayerNormMlpSaved* saved) const {
+  Grads Backward(const SavedTensors* saved) const {
     const bool bias = GetParam().bias;
     const int64_t f1 = w1_.size(0);
-    LayerNormMlpBwdArgs b;
-    b.grad_output = dy_;
-    b.saved = saved;
-    b.ln = ln_;
-    b.activation = GetParam().act;
-    b.fc1_grad_quantizer = b.fc2_grad_quantizer = kE5M2;
     Grads g;
     ParamTable t;
     g.dgamma = t[Param::kLayerNormWeight] = at::zeros({kK});
     g.dbeta = t[Param::kLayerNormBias] = at::zeros({kK});
     g.dw1 = t[Param::kFc1Weight] = at::zeros({f1, kK});
     g.dw2 = t[Param::kFc2Weight] = at::zeros({kN, kF});
-    if (bias) g.db1 = t[Param::kFc1Bias] = at::zeros({f1}), g.db2 = t[Param::kFc2Bias] = at::zeros({kN});
+    if (bias) {
+      g.db1 = t[Param::kFc1Bias] = at::zeros({f1});
+      g.db2 = t[Param::kFc2Bias] = at::zeros({kN});
+    }
     DirectGradients grads(*MakeReferenceBackend(), t);
-    b.grads = &grads;
-    b.bias = bias;
-    auto r = LayerNormMlpBackward(b);
+    auto r = LayerNormMlpBackward(MakeBwdArgs(spec_, dy_, saved, &grads));
     EXPECT_TRUE(r.ok()) << r.status();
     g.dx = r->grad_input;
     return g;
@@ -92,6 +89,7 @@ class LayerNormMlpTest : public ::testing::TestWithParam<MlpCase> {
   static constexpr int64_t kM = 24, kK = 32, kF = 48, kN = 16;
   LayerNormParams ln_;
   at::Tensor x_, w1_, w2_, b1_, b2_, dy_;
+  ModuleSpec spec_, checkpoint_spec_;
 };
 
 TEST_P(LayerNormMlpTest, ForwardAndBackwardMatchFloat64Autograd) {
@@ -144,7 +142,7 @@ TEST_P(LayerNormMlpTest, CheckpointSavesLessAndGivesTheSameResults) {
 }
 
 TEST_P(LayerNormMlpTest, InferenceSavesNothingAndMatchesTraining) {
-  LayerNormMlpFwdArgs args = FwdArgs(false);
+  KindForwardArgs args = FwdArgs(false);
   auto train = LayerNormMlpForward(args);
   args.training = false;
   auto infer = LayerNormMlpForward(args);

@@ -21,10 +21,14 @@
 namespace gradwire::kernels::cuda {
 namespace {
 
-using gradwire::testing::kE5M2;
+using gradwire::testing::AmaxOf;
+using gradwire::testing::GemmParams;
+using gradwire::testing::GemmSpec;
 using gradwire::testing::Into;
+using gradwire::testing::kE5M2;
 using gradwire::testing::MakeBwdArgs;
 using gradwire::testing::MakeFwdArgs;
+using gradwire::testing::SavedAs;
 using testing::Bits;
 using testing::DeviceBuffer;
 
@@ -100,16 +104,16 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   for (float& b : bias_v) b = Bf16ToFloat(FloatToBf16(b));
   const at::Tensor bias = at::from_blob(bias_v.data(), {N}, at::kFloat).clone();
 
-  auto fwd = core::LinearForward(MakeFwdArgs<core::LinearFwdArgs>(x, w, bias, /*training=*/true));
+  const core::ModuleSpec spec = GemmSpec(core::ModuleKind::kLinear, w, bias);
+  auto fwd = core::LinearForward(MakeFwdArgs(spec, x, GemmParams(w, bias), /*training=*/true));
   ASSERT_TRUE(fwd.ok()) << fwd.status();
   const core::Fp8Tensor& wq = fwd->workspace->weights[0];
-  const core::Fp8Tensor& xq = fwd->saved->input;  // columnwise only
+  const core::Fp8Tensor& xq = SavedAs<core::LinearSaved>(*fwd).input;  // columnwise only
   at::Tensor weight_grad = at::randn({N, K}), bias_grad = at::randn({N});
   const std::vector<float> weight_grad0 = Floats(weight_grad);
   const std::vector<float> bias_grad0 = Floats(bias_grad);
   core::DirectGradients grads = Into(weight_grad, bias_grad);
-  auto bwd = core::LinearBackward(
-      MakeBwdArgs<core::LinearBwdArgs>(dy, fwd->saved.get(), &grads, /*bias=*/true));
+  auto bwd = core::LinearBackward(MakeBwdArgs(spec, dy, fwd->saved.get(), &grads));
   ASSERT_TRUE(bwd.ok()) << bwd.status();
 
   // The same step on the device.
@@ -139,8 +143,8 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   EXPECT_EQ(Bits(cw.scale_inv.Scalar()), Bits(wq.scale_inv));
   EXPECT_EQ(cx.data_t.Download(), Bytes(xq.columnwise));
   EXPECT_EQ(Bits(cx.scale_inv.Scalar()), Bits(xq.scale_inv));
-  EXPECT_EQ(Bits(cx.amax.Scalar()), Bits(fwd->input_amax));
-  EXPECT_EQ(Bits(cg.amax.Scalar()), Bits(bwd->grad_output_amax));
+  EXPECT_EQ(Bits(cx.amax.Scalar()), Bits(AmaxOf(fwd->amaxes, core::kInputRole)));
+  EXPECT_EQ(Bits(cg.amax.Scalar()), Bits(AmaxOf(bwd->amaxes, core::kGradOutputRole)));
 
   // GEMMs against the module's outputs.
   const at::Tensor xd = core::Dequantize(xq, false).t().to(at::kDouble);  // [M, K]

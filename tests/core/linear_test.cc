@@ -13,10 +13,13 @@ namespace {
 
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
+using gradwire::testing::GemmParams;
+using gradwire::testing::GemmSpec;
 using gradwire::testing::Into;
 using gradwire::testing::MakeBwdArgs;
 using gradwire::testing::MakeFwdArgs;
 using gradwire::testing::RandN;
+using gradwire::testing::SavedAs;
 using kernels::Fp8Format;
 
 using gradwire::testing::kE4M3;
@@ -52,10 +55,11 @@ class LinearTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, 
     w_ = RandN({n_, k_}, 1.0 / std::sqrt(double(k_)));
     if (has_bias_) b_ = RandN({n_});
     dy_ = RandN({m_, n_});
+    spec_ = GemmSpec(ModuleKind::kLinear, w_, b_);
   }
 
-  LinearFwdResult Forward(bool training) {
-    auto r = LinearForward(MakeFwdArgs<LinearFwdArgs>(x_, w_, b_, training));
+  KindForwardResult Forward(bool training) {
+    auto r = LinearForward(MakeFwdArgs(spec_, x_, GemmParams(w_, b_), training));
     EXPECT_TRUE(r.ok()) << r.status();
     return *std::move(r);
   }
@@ -63,11 +67,12 @@ class LinearTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, 
   int64_t m_, k_, n_;
   bool has_bias_;
   at::Tensor x_, w_, b_, dy_;
+  ModuleSpec spec_;
 };
 
 TEST_P(LinearTest, ForwardMatchesFloat64References) {
   for (bool training : {false, true}) {
-    const LinearFwdResult r = Forward(training);
+    const KindForwardResult r = Forward(training);
     ASSERT_EQ(r.output.sizes(), (at::IntArrayRef{m_, n_}));
     const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3);
     at::Tensor ref = at::matmul(xq, wq.t());
@@ -89,7 +94,7 @@ TEST_P(LinearTest, ForwardMatchesFloat64References) {
 }
 
 TEST_P(LinearTest, BackwardMatchesFloat64References) {
-  const LinearFwdResult fwd = Forward(/*training=*/true);
+  const KindForwardResult fwd = Forward(/*training=*/true);
   ASSERT_TRUE(fwd.saved);
   at::Tensor weight_grad = RandN({n_, k_});  // accumulation target, not zero
   const at::Tensor weight_grad_before = weight_grad.clone();
@@ -98,7 +103,7 @@ TEST_P(LinearTest, BackwardMatchesFloat64References) {
   const at::Tensor bias_grad_before = has_bias_ ? bias_grad.clone() : at::Tensor();
 
   DirectGradients grads = Into(weight_grad, bias_grad);
-  auto r = LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), &grads, has_bias_));
+  auto r = LinearBackward(MakeBwdArgs(spec_, dy_, fwd.saved.get(), &grads));
   ASSERT_TRUE(r.ok()) << r.status();
 
   const at::Tensor xq = Dq(x_, kE4M3), wq = Dq(w_, kE4M3), dyq = Dq(dy_, kE5M2);
@@ -123,12 +128,12 @@ TEST_P(LinearTest, BackwardMatchesFloat64References) {
 }
 
 TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
-  const LinearFwdResult inference = Forward(false);
+  const KindForwardResult inference = Forward(false);
   EXPECT_FALSE(inference.saved);
   EXPECT_FALSE(inference.workspace->weights[0].has_columnwise());
-  const LinearFwdResult training = Forward(true);
+  const KindForwardResult training = Forward(true);
   ASSERT_TRUE(training.saved);
-  const LinearSaved& saved = *training.saved;
+  const LinearSaved& saved = SavedAs<LinearSaved>(training);
   EXPECT_FALSE(saved.input.has_rowwise());
   ASSERT_TRUE(saved.input.has_columnwise());
   EXPECT_EQ(saved.input.columnwise.sizes(), (at::IntArrayRef{k_, m_}));
@@ -148,11 +153,13 @@ TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
 }
 
 TEST_P(LinearTest, SkippingGradInputStillAccumulatesWeightGradient) {
-  const LinearFwdResult fwd = Forward(true);
+  const KindForwardResult fwd = Forward(true);
   at::Tensor weight_grad = at::zeros({n_, k_}, at::kFloat);
   DirectGradients grads = Into(weight_grad, at::Tensor());
-  auto r = LinearBackward(MakeBwdArgs<LinearBwdArgs>(dy_, fwd.saved.get(), &grads, /*bias=*/false,
-                                                     /*compute_grad_input=*/false));
+  ModuleSpec no_bias_grad = spec_;  // the sink has no bias target
+  no_bias_grad.bias = false;
+  auto r = LinearBackward(MakeBwdArgs(no_bias_grad, dy_, fwd.saved.get(), &grads,
+                                      /*compute_grad_input=*/false));
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->grad_input.defined());
   const at::Tensor xd = x_.to(at::kDouble), dyd = dy_.to(at::kDouble);

@@ -9,6 +9,7 @@
 
 #include "server/core/checkpoint.h"
 #include "server/core/linear.h"
+#include "server/core/tensor_calls.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -37,7 +38,7 @@ class ModuleHostTest : public ::testing::Test {
   }
 
   ForwardOutput Fwd(bool training, int64_t rows = 5) {
-    auto out = host_.Forward(id_, RandN({rows, 24}), training);
+    auto out = TensorForward(host_, id_, RandN({rows, 24}), training);
     EXPECT_TRUE(out.ok()) << out.status();
     return *std::move(out);
   }
@@ -65,7 +66,8 @@ TEST_F(ModuleHostTest, WorkspaceMissAfterVersionBump) {
   ASSERT_TRUE(host_.ApplyGradients(id_, 0.1f).ok());
   Fwd(false);
   EXPECT_EQ(host_.Stats().workspace_builds, 2);
-  ASSERT_TRUE(host_.SetWeights(id_, {{"weight", RandN({10, 24})}, {"bias", RandN({10})}}).ok());
+  ASSERT_TRUE(
+      SetTensorWeights(host_, id_, {{"weight", RandN({10, 24})}, {"bias", RandN({10})}}).ok());
   Fwd(false);
   EXPECT_EQ(host_.Stats().workspace_builds, 3);
   EXPECT_EQ(host_.Stats().workspace_hits, 0);
@@ -85,7 +87,7 @@ TEST_F(ModuleHostTest, MicrobatchesQuantizeTheWeightsOncePerVersion) {
   std::vector<std::string> contexts;
   for (int i = 0; i < 4; ++i) contexts.push_back(Fwd(true).context_id);
   for (const auto& ctx : contexts)
-    ASSERT_TRUE(host_.Backward(ctx, RandN({5, 10}), false, false).ok());
+    ASSERT_TRUE(TensorBackward(host_, ctx, RandN({5, 10}), false, false).ok());
   EXPECT_EQ(host_.Stats().workspace_builds, 1);
   EXPECT_EQ(host_.Stats().workspace_hits, 3);
 }
@@ -99,7 +101,7 @@ TEST_F(ModuleHostTest, ContextKeepsItsVersionsWorkspaceUntilBackward) {
   ASSERT_FALSE(v1.expired());  // only the old context holds it now
   EXPECT_EQ(v1.lock()->weight_version, 1u);
   EXPECT_EQ(SavedWorkspace(new_fwd.context_id)->weight_version, 2u);
-  ASSERT_TRUE(host_.Backward(old_fwd.context_id, RandN({5, 10}), false, false).ok());
+  ASSERT_TRUE(TensorBackward(host_, old_fwd.context_id, RandN({5, 10}), false, false).ok());
   EXPECT_TRUE(v1.expired());
 }
 
@@ -107,8 +109,8 @@ TEST_F(ModuleHostTest, AnOldVersionKeepsOnlyWhatItsBackwardReads) {
   // Two contexts of version 1 with the same input; the first backward runs while version 1 is
   // cached, the second after version 2 replaced it.
   const at::Tensor x = RandN({5, 24});
-  auto a = host_.Forward(id_, x, true);
-  auto b = host_.Forward(id_, x, true);
+  auto a = TensorForward(host_, id_, x, true);
+  auto b = TensorForward(host_, id_, x, true);
   ASSERT_TRUE(a.ok() && b.ok());
   std::weak_ptr<const WeightWorkspace> v1 = SavedWorkspace(b->context_id);
   ASSERT_EQ(v1.lock()->columnwise_decoded.size(), 1u);
@@ -117,7 +119,7 @@ TEST_F(ModuleHostTest, AnOldVersionKeepsOnlyWhatItsBackwardReads) {
   EXPECT_EQ(host_.Stats().contexts.pinned_weights, 1);
   EXPECT_EQ(host_.Stats().contexts.weight_bytes, 10 * 24);  // one byte per weight
   const at::Tensor dy = RandN({5, 10});
-  auto ga = host_.Backward(a->context_id, dy, false, false);
+  auto ga = TensorBackward(host_, a->context_id, dy, false, false);
   ASSERT_TRUE(ga.ok()) << ga.status();
   ASSERT_TRUE(host_.ApplyGradients(id_, 0.5f).ok());
   Fwd(false);  // version 2 replaces version 1 in the cache
@@ -125,7 +127,7 @@ TEST_F(ModuleHostTest, AnOldVersionKeepsOnlyWhatItsBackwardReads) {
   EXPECT_TRUE(decoded.expired());
   ASSERT_FALSE(v1.expired());
   EXPECT_FALSE(v1.lock()->weights[0].has_rowwise());
-  auto gb = host_.Backward(b->context_id, dy, false, false);
+  auto gb = TensorBackward(host_, b->context_id, dy, false, false);
   ASSERT_TRUE(gb.ok()) << gb.status();
   // Decoding per call gives the same bits as the cached decoded copy.
   EXPECT_TRUE(at::equal(*ga, *gb));
@@ -148,7 +150,7 @@ TEST_F(ModuleHostTest, BackwardReleasesSavedBytesBeforeReturning) {
   EXPECT_EQ(host_.Stats().context_bytes, 7 * 24);
   std::weak_ptr<SavedTensors> saved = host_.contexts().Peek(out.context_id);
   ASSERT_FALSE(saved.expired());
-  auto grad = host_.Backward(out.context_id, RandN({7, 10}), false, false);
+  auto grad = TensorBackward(host_, out.context_id, RandN({7, 10}), false, false);
   ASSERT_TRUE(grad.ok()) << grad.status();
   EXPECT_TRUE(saved.expired()) << "saved tensors outlived Backward";
   EXPECT_EQ(host_.Stats().live_contexts, 0);
@@ -157,11 +159,11 @@ TEST_F(ModuleHostTest, BackwardReleasesSavedBytesBeforeReturning) {
 
 TEST_F(ModuleHostTest, SecondBackwardIsFailedPrecondition) {
   const ForwardOutput out = Fwd(true);
-  ASSERT_TRUE(host_.Backward(out.context_id, RandN({5, 10}), false, false).ok());
-  auto again = host_.Backward(out.context_id, RandN({5, 10}), false, false);
+  ASSERT_TRUE(TensorBackward(host_, out.context_id, RandN({5, 10}), false, false).ok());
+  auto again = TensorBackward(host_, out.context_id, RandN({5, 10}), false, false);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(again.status().message().find("already consumed"), std::string::npos);
-  EXPECT_EQ(host_.Backward("0123456789abcdef0123456789abcdef", RandN({5, 10}), false, false)
+  EXPECT_EQ(TensorBackward(host_, "0123456789abcdef0123456789abcdef", RandN({5, 10}), false, false)
                 .status()
                 .code(),
             absl::StatusCode::kNotFound);
@@ -170,29 +172,29 @@ TEST_F(ModuleHostTest, SecondBackwardIsFailedPrecondition) {
 TEST_F(ModuleHostTest, RetainAllowsAnotherBackwardWithTheSameResult) {
   const ForwardOutput out = Fwd(true);
   const at::Tensor dy = RandN({5, 10});
-  auto first = host_.Backward(out.context_id, dy, /*retain=*/true, false);
+  auto first = TensorBackward(host_, out.context_id, dy, /*retain=*/true, false);
   ASSERT_TRUE(first.ok());
   EXPECT_EQ(host_.Stats().live_contexts, 1);
-  auto second = host_.Backward(out.context_id, dy, /*retain=*/false, false);
+  auto second = TensorBackward(host_, out.context_id, dy, /*retain=*/false, false);
   ASSERT_TRUE(second.ok());
   EXPECT_TRUE(at::equal(*first, *second));
   EXPECT_EQ(host_.Stats().live_contexts, 0);
-  EXPECT_EQ(host_.Backward(out.context_id, dy, false, false).status().code(),
+  EXPECT_EQ(TensorBackward(host_, out.context_id, dy, false, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ModuleHostTest, FailedBackwardLeavesTheContextAndGradientsAsTheyWere) {
   const ForwardOutput out = Fwd(true);
-  auto bad = host_.Backward(out.context_id, RandN({5, 11}), false, false);
+  auto bad = TensorBackward(host_, out.context_id, RandN({5, 11}), false, false);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("grad_output.shape must be [5, 10]"), std::string::npos)
       << bad.status();
   EXPECT_EQ(host_.Stats().live_contexts, 1);
   // Gradients untouched: an SGD step now leaves the weights as they are.
-  const ParametersCopy before = *host_.GetWeights(id_);
+  const ParametersCopy before = *TensorWeights(host_, id_);
   ASSERT_TRUE(host_.ApplyGradients(id_, 1.0f).ok());
-  EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"), Get(before, "weight")));
-  EXPECT_TRUE(host_.Backward(out.context_id, RandN({5, 10}), false, false).ok());
+  EXPECT_TRUE(at::equal(Get(*TensorWeights(host_, id_), "weight"), Get(before, "weight")));
+  EXPECT_TRUE(TensorBackward(host_, out.context_id, RandN({5, 10}), false, false).ok());
 }
 
 TEST_F(ModuleHostTest, ReleaseAndDeleteFreeContexts) {
@@ -201,26 +203,26 @@ TEST_F(ModuleHostTest, ReleaseAndDeleteFreeContexts) {
   EXPECT_TRUE(host_.ReleaseContext(a.context_id).ok());
   EXPECT_EQ(host_.Stats().live_contexts, 2);
   EXPECT_EQ(host_.ReleaseContext("nope").code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(host_.Backward(a.context_id, RandN({5, 10}), false, false).status().code(),
+  EXPECT_EQ(TensorBackward(host_, a.context_id, RandN({5, 10}), false, false).status().code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(host_.Delete(id_).ok());
   EXPECT_EQ(host_.Stats().live_contexts, 0);
   EXPECT_EQ(host_.Stats().context_bytes, 0);
-  EXPECT_EQ(host_.Backward(b.context_id, RandN({5, 10}), false, false).status().code(),
+  EXPECT_EQ(TensorBackward(host_, b.context_id, RandN({5, 10}), false, false).status().code(),
             absl::StatusCode::kNotFound);
 }
 
 TEST_F(ModuleHostTest, SgdAppliesAccumulatedGradientsAndZeroesThem) {
-  const ParametersCopy w0 = *host_.GetWeights(id_);
+  const ParametersCopy w0 = *TensorWeights(host_, id_);
   const at::Tensor x = RandN({5, 24}), dy = RandN({5, 10});
   for (int micro = 0; micro < 2; ++micro) {
-    auto out = host_.Forward(id_, x, true);
-    ASSERT_TRUE(host_.Backward(out->context_id, dy, false, true).ok());
+    auto out = TensorForward(host_, id_, x, true);
+    ASSERT_TRUE(TensorBackward(host_, out->context_id, dy, false, true).ok());
   }
   auto version = host_.ApplyGradients(id_, 0.25f);
   ASSERT_TRUE(version.ok());
   EXPECT_EQ(*version, 2u);
-  const ParametersCopy w1 = *host_.GetWeights(id_);
+  const ParametersCopy w1 = *TensorWeights(host_, id_);
   // Two identical microbatches: the bias moved by 2 * lr * sum(dy) exactly as fp32 computes it.
   const at::Tensor expected_bias = Get(w0, "bias") - 0.25f * (dy.sum(0) + dy.sum(0));
   EXPECT_TRUE(at::allclose(Get(w1, "bias"), expected_bias, 1e-5, 1e-6));
@@ -229,41 +231,41 @@ TEST_F(ModuleHostTest, SgdAppliesAccumulatedGradientsAndZeroesThem) {
                                                2 * at::matmul(dy.abs().t(), x.abs()), 0.25, 0.125));
   // Gradients were zeroed: another step changes nothing.
   ASSERT_TRUE(host_.ApplyGradients(id_, 0.25f).ok());
-  EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"), Get(w1, "weight")));
+  EXPECT_TRUE(at::equal(Get(*TensorWeights(host_, id_), "weight"), Get(w1, "weight")));
 }
 
 TEST_F(ModuleHostTest, SameSeedGivesSameWeights) {
   auto other = host_.Create(MakeLinearSpec(24, 10, /*seed=*/42));
   ASSERT_TRUE(other.ok());
-  EXPECT_TRUE(at::equal(Get(*host_.GetWeights(id_), "weight"),
-                        Get(*host_.GetWeights(other->module_id), "weight")));
+  EXPECT_TRUE(at::equal(Get(*TensorWeights(host_, id_), "weight"),
+                        Get(*TensorWeights(host_, other->module_id), "weight")));
   const float bound = 1.0f / std::sqrt(24.0f);
-  EXPECT_LE(Get(*host_.GetWeights(id_), "weight").abs().max().item<float>(), bound);
+  EXPECT_LE(Get(*TensorWeights(host_, id_), "weight").abs().max().item<float>(), bound);
 }
 
 TEST_F(ModuleHostTest, BadRequestsChangeNothing) {
   EXPECT_EQ(host_.Create(MakeLinearSpec(0, 4)).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(host_.Forward(id_, RandN({5, 23}), true).status().code(),
+  EXPECT_EQ(TensorForward(host_, id_, RandN({5, 23}), true).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(host_.Forward("missing", RandN({5, 24}), true).status().code(),
+  EXPECT_EQ(TensorForward(host_, "missing", RandN({5, 24}), true).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(host_.ApplyGradients(id_, -1.0f).status().code(), absl::StatusCode::kInvalidArgument);
   at::Tensor nan_weight = RandN({10, 24});
   nan_weight[3][4] = NAN;
-  const ParametersCopy before = *host_.GetWeights(id_);
-  auto set = host_.SetWeights(
-      id_, {{"weight", RandN({10, 24})}, {"bias", RandN({10})}, {"weight", nan_weight}});
+  const ParametersCopy before = *TensorWeights(host_, id_);
+  auto set = SetTensorWeights(
+      host_, id_, {{"weight", RandN({10, 24})}, {"bias", RandN({10})}, {"weight", nan_weight}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(set.status().message().find("given twice"), std::string::npos) << set.status();
-  set = host_.SetWeights(id_, {{"bias", RandN({10})}, {"weight", nan_weight}});
+  set = SetTensorWeights(host_, id_, {{"bias", RandN({10})}, {"weight", nan_weight}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(set.status().message().find("must be finite"), std::string::npos) << set.status();
-  set = host_.SetWeights(id_, {{"bias", RandN({10})}, {"fc1_weight", RandN({10, 24})}});
+  set = SetTensorWeights(host_, id_, {{"bias", RandN({10})}, {"fc1_weight", RandN({10, 24})}});
   EXPECT_EQ(set.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(set.status().message().find("not a parameter"), std::string::npos) << set.status();
-  set = host_.SetWeights(id_, {{"bias", RandN({11})}});
+  set = SetTensorWeights(host_, id_, {{"bias", RandN({11})}});
   EXPECT_NE(set.status().message().find("shape must be [10]"), std::string::npos) << set.status();
-  const ParametersCopy after = *host_.GetWeights(id_);
+  const ParametersCopy after = *TensorWeights(host_, id_);
   EXPECT_TRUE(at::equal(Get(before, "weight"), Get(after, "weight")) &&
               at::equal(Get(before, "bias"), Get(after, "bias")));
   EXPECT_EQ(after.weight_version, 1u);
@@ -289,13 +291,13 @@ TEST(ModuleHostScalingTest, InferenceLeavesTheScalingStateUntouched) {
     auto info = host.Create(spec);
     ASSERT_TRUE(info.ok()) << info.status();
     // One training step first, so the histories hold something.
-    auto train = host.Forward(info->module_id, RandN({4, 16}), true);
+    auto train = TensorForward(host, info->module_id, RandN({4, 16}), true);
     ASSERT_TRUE(train.ok());
-    ASSERT_TRUE(host.Backward(train->context_id, RandN({4, 8}), false, false).ok());
+    ASSERT_TRUE(TensorBackward(host, train->context_id, RandN({4, 8}), false, false).ok());
     auto before = host.Scaling(info->module_id);
     ASSERT_TRUE(before.ok());
     for (int i = 0; i < 3; ++i) {
-      ASSERT_TRUE(host.Forward(info->module_id, RandN({4, 16}, 10.0), false).ok());
+      ASSERT_TRUE(TensorForward(host, info->module_id, RandN({4, 16}, 10.0), false).ok());
     }
     auto after = host.Scaling(info->module_id);
     ASSERT_TRUE(after.ok());
@@ -305,7 +307,7 @@ TEST(ModuleHostScalingTest, InferenceLeavesTheScalingStateUntouched) {
       EXPECT_EQ((*after)[r].history, (*before)[r].history) << (*before)[r].role;
     }
     // A training forward does move them.
-    ASSERT_TRUE(host.Forward(info->module_id, RandN({4, 16}, 10.0), true).ok());
+    ASSERT_TRUE(TensorForward(host, info->module_id, RandN({4, 16}, 10.0), true).ok());
     auto trained = host.Scaling(info->module_id);
     ASSERT_TRUE(trained.ok());
     EXPECT_NE((*trained)[0].history, (*before)[0].history);
@@ -323,9 +325,9 @@ TEST(ModuleHostScalingTest, DelayedScalingCastsTheWeightFromItsOwnAmax) {
   auto info = host.Create(spec);
   ASSERT_TRUE(info.ok());
   const at::Tensor w = RandN({64, 256}, 0.001);
-  ASSERT_TRUE(host.SetWeights(info->module_id, {{"weight", w}}).ok());
+  ASSERT_TRUE(SetTensorWeights(host, info->module_id, {{"weight", w}}).ok());
   const at::Tensor x = RandN({32, 256});
-  auto out = host.Forward(info->module_id, x, false);
+  auto out = TensorForward(host, info->module_id, x, false);
   ASSERT_TRUE(out.ok());
   const at::Tensor want = x.to(at::kDouble).mm(w.to(at::kDouble).t());
   const double rel_rms = (out->output.to(at::kDouble) - want).pow(2).mean().sqrt().item<double>() /
@@ -341,12 +343,12 @@ TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing)
   auto info = host.Create(spec);
   ASSERT_TRUE(info.ok()) << info.status();
   const std::string id = info->module_id;
-  ASSERT_TRUE(host.Forward(id, RandN({4, 12}), false).ok());  // some history to keep
+  ASSERT_TRUE(TensorForward(host, id, RandN({4, 12}), false).ok());  // some history to keep
   for (float bad : {NAN, INFINITY, -INFINITY}) {
     const auto scaling = *host.Scaling(id);
     at::Tensor x = RandN({4, 12});
     x[2][5] = bad;
-    auto fwd = host.Forward(id, x, true);
+    auto fwd = TensorForward(host, id, x, true);
     ASSERT_EQ(fwd.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(fwd.status().message().find("input must be finite; element 29"), std::string::npos)
         << fwd.status();
@@ -358,21 +360,21 @@ TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing)
       EXPECT_EQ(after[i].history, scaling[i].history) << after[i].role;
     }
 
-    auto ok = host.Forward(id, RandN({4, 12}), true);
+    auto ok = TensorForward(host, id, RandN({4, 12}), true);
     ASSERT_TRUE(ok.ok()) << ok.status();
     at::Tensor dy = RandN({4, 6});
     dy[1][1] = bad;
-    auto back = host.Backward(ok->context_id, dy, false, false);
+    auto back = TensorBackward(host, ok->context_id, dy, false, false);
     ASSERT_EQ(back.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(back.status().message().find("grad_output must be finite"), std::string::npos);
-    auto grads = host.GetGradients(id, false);
+    auto grads = TensorGradients(host, id, false);
     EXPECT_EQ(grads->accumulated_backwards, 0);
     for (const auto& [name, g] : grads->tensors) EXPECT_EQ(g.abs().sum().item<float>(), 0.0f);
     // The context survives the refused backward and takes a good one.
-    auto good = host.Backward(ok->context_id, RandN({4, 6}), false, false);
+    auto good = TensorBackward(host, ok->context_id, RandN({4, 6}), false, false);
     ASSERT_TRUE(good.ok()) << good.status();
     EXPECT_TRUE(at::isfinite(*good).all().item<bool>());
-    ASSERT_TRUE(host.GetGradients(id, /*zero=*/true).ok());
+    ASSERT_TRUE(TensorGradients(host, id, /*zero=*/true).ok());
   }
 }
 
@@ -421,11 +423,12 @@ TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   EXPECT_EQ(host.List(&alice)[0].module_id, mine->module_id);
   EXPECT_EQ(host.List().size(), 2u);
 
-  auto fwd = host.Forward(mine->module_id, gradwire::testing::RandN({3, 8}), true);
+  auto fwd = TensorForward(host, mine->module_id, gradwire::testing::RandN({3, 8}), true);
   ASSERT_TRUE(fwd.ok());
   EXPECT_TRUE(host.CheckContextTenant(fwd->context_id, "alice").ok());
   EXPECT_EQ(host.CheckContextTenant(fwd->context_id, "bob").code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(host.Backward(fwd->context_id, gradwire::testing::RandN({3, 4}), false, false).ok());
+  ASSERT_TRUE(
+      TensorBackward(host, fwd->context_id, gradwire::testing::RandN({3, 4}), false, false).ok());
   // Consumed: still alice's (she gets FAILED_PRECONDITION on a second backward), not bob's.
   EXPECT_TRUE(host.CheckContextTenant(fwd->context_id, "alice").ok());
   EXPECT_EQ(host.CheckContextTenant(fwd->context_id, "bob").code(), absl::StatusCode::kNotFound);
@@ -525,7 +528,7 @@ TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
     req.output_dtype = wire::DType::kF32;
     auto wf = host.Forward(a->module_id, req);
     ASSERT_TRUE(wf.ok()) << wf.status();
-    auto hf = host.Forward(b->module_id, widened, true);
+    auto hf = TensorForward(host, b->module_id, widened, true);
     ASSERT_TRUE(hf.ok()) << hf.status();
     EXPECT_EQ(wf->output.shape, (std::vector<int64_t>{2, 3, 7}));
     ASSERT_EQ(wf->output.bytes.size(), size_t(hf->output.numel() * 4));
@@ -547,13 +550,13 @@ TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
     auto wb = host.Backward(wf->context_id, breq);
     ASSERT_TRUE(wb.ok()) << wb.status();
     ASSERT_TRUE(wb->has_value());
-    auto hb = host.Backward(hf->context_id, dy_widened, false, false);
+    auto hb = TensorBackward(host, hf->context_id, dy_widened, false, false);
     ASSERT_TRUE(hb.ok()) << hb.status();
     const wire::EncodedTensor hb_bf16 = host.backend().ToWire(*hb, wire::DType::kBF16, {2, 3, 12});
     EXPECT_EQ((*wb)->shape, (std::vector<int64_t>{2, 3, 12}));
     EXPECT_TRUE((*wb)->bytes == hb_bf16.bytes) << ModuleKindName(kind);
-    auto ga = host.GetGradients(a->module_id, false);
-    auto gb = host.GetGradients(b->module_id, false);
+    auto ga = TensorGradients(host, a->module_id, false);
+    auto gb = TensorGradients(host, b->module_id, false);
     ASSERT_TRUE(ga.ok() && gb.ok());
     for (size_t i = 0; i < ga->tensors.size(); ++i) {
       EXPECT_TRUE(ga->tensors[i].second.equal(gb->tensors[i].second)) << ga->tensors[i].first;

@@ -5,12 +5,15 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
+#include <vector>
 
 #include "gradwire/kernels/activation.h"
 #include "server/core/backend.h"
 #include "server/core/gradients.h"
+#include "server/core/module_kind.h"
 #include "server/core/module_spec.h"
 #include "server/core/quantizer.h"
 #include "server/core/recipe.h"
@@ -134,20 +137,65 @@ inline core::RecipeConfig DelayedRecipe(core::AmaxAlgo algo, int64_t history_len
   return config;
 }
 
-// The arguments every FP8 GEMM module with one weight (Linear, LayerNormLinear) takes in forward:
-// weight version 1, input and weight cast to E4M3 with current scaling. Args is the module's
-// forward arguments (core::LinearFwdArgs, core::LayerNormLinearFwdArgs); the rest is the caller's.
-template <class Args>
-Args MakeFwdArgs(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
-                 bool training) {
-  Args args;
+// Current-scaling quantizers for every role of `kind`, in its Roles() order: E4M3 casts forward,
+// E5M2 casts of the gradients (the HYBRID recipe).
+inline std::vector<core::QuantizerConfig> CurrentScaling(core::ModuleKind kind) {
+  std::vector<core::QuantizerConfig> q;
+  for (const core::RoleDef& r : core::FindKind(kind)->Roles()) q.push_back({r.format, 0, 0.0f});
+  return q;
+}
+
+// The parameters of a layer with one GEMM: weight [N, K], bias [N] (undefined: none) and, for
+// LayerNormLinear, the LayerNorm's gamma and beta.
+inline core::ParamTable GemmParams(const at::Tensor& weight, const at::Tensor& bias,
+                                   const core::LayerNormParams* ln = nullptr) {
+  core::ParamTable t;
+  t[core::Param::kWeight] = weight;
+  t[core::Param::kBias] = bias;
+  if (ln != nullptr) {
+    t[core::Param::kLayerNormWeight] = ln->gamma;
+    t[core::Param::kLayerNormBias] = ln->beta;
+  }
+  return t;
+}
+
+// A kind's forward arguments as the tests make them: weight version 1, every cast with current
+// scaling. `spec` (which names the kind and what it asks for) must outlive them.
+inline core::KindForwardArgs MakeFwdArgs(const core::ModuleSpec& spec, const at::Tensor& input,
+                                         core::ParamTable params, bool training) {
+  core::KindForwardArgs args;
+  args.spec = &spec;
   args.input = input;
-  args.weight = weight;
-  args.bias = bias;
+  args.params = std::move(params);
+  args.quantizers = CurrentScaling(spec.kind);
   args.weight_version = 1;
-  args.input_quantizer = args.weight_quantizer = kE4M3;
   args.training = training;
   return args;
+}
+
+// The spec of a layer with one GEMM of this weight, with a bias when `bias` is defined.
+inline core::ModuleSpec GemmSpec(core::ModuleKind kind, const at::Tensor& weight,
+                                 const at::Tensor& bias) {
+  core::ModuleSpec spec;
+  spec.kind = kind;
+  spec.in_features = weight.size(1);
+  spec.out_features = weight.size(0);
+  spec.bias = bias.defined();
+  return spec;
+}
+
+// One role's amax among those a forward or backward measured (NaN when it measured none).
+inline float AmaxOf(const std::vector<core::RoleAmax>& amaxes, size_t role) {
+  for (const auto& [r, amax] : amaxes) {
+    if (r == role) return amax;
+  }
+  return NAN;
+}
+
+// A forward's saved state as its kind's type.
+template <class Saved>
+const Saved& SavedAs(const core::KindForwardResult& r) {
+  return dynamic_cast<const Saved&>(*r.saved);
 }
 
 // A sink that accumulates a backward's gradients straight into these tensors (on the reference
@@ -164,19 +212,20 @@ inline core::DirectGradients Into(const at::Tensor& weight_grad, const at::Tenso
   return core::DirectGradients(*core::MakeReferenceBackend(), std::move(t));
 }
 
-// The matching backward, the gradient cast to E5M2 with current scaling, its gradients into
-// `grads` (see Into; `bias`: the layer has one). Args is core::LinearBwdArgs or
-// core::LayerNormLinearBwdArgs.
-template <class Args>
-Args MakeBwdArgs(const at::Tensor& grad_output, decltype(Args::saved) saved,
-                 core::GradientSink* grads, bool bias, bool compute_grad_input = true) {
-  Args args;
+// The matching backward: the gradients cast with current scaling, every parameter gradient into
+// `grads` (see Into). `spec` must outlive the arguments; its bias says whether dbias is wanted.
+inline core::KindBackwardArgs MakeBwdArgs(const core::ModuleSpec& spec,
+                                          const at::Tensor& grad_output,
+                                          const core::SavedTensors* saved,
+                                          core::GradientSink* grads,
+                                          bool compute_grad_input = true) {
+  core::KindBackwardArgs args;
+  args.spec = &spec;
   args.grad_output = grad_output;
   args.saved = saved;
-  args.grad_quantizer = kE5M2;
-  args.compute_grad_input = compute_grad_input;
   args.grads = grads;
-  args.bias = bias;
+  args.quantizers = CurrentScaling(spec.kind);
+  args.compute_grad_input = compute_grad_input;
   return args;
 }
 

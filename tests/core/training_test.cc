@@ -8,6 +8,7 @@
 #include "server/core/module_host.h"
 #include "server/core/optimizer.h"
 #include "server/core/recipe.h"
+#include "server/core/tensor_calls.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -84,7 +85,7 @@ TEST(DelayedScalingHostTest, EachContextKeepsTheScaleItWasCastWith) {
   ModuleHost host;
   const std::string id = host.Create(spec)->module_id;
   const at::Tensor x = RandN({4, 16}), dy = RandN({4, 8});
-  auto a = host.Forward(id, x, true);
+  auto a = TensorForward(host, id, x, true);
   ASSERT_TRUE(a.ok());
   auto scaling = host.Scaling(id);
   ASSERT_TRUE(scaling.ok());
@@ -92,13 +93,14 @@ TEST(DelayedScalingHostTest, EachContextKeepsTheScaleItWasCastWith) {
   EXPECT_FLOAT_EQ((*scaling)[0].scale, 448.0f / x.abs().max().item<float>());
   // Training forwards with 1000x larger inputs move the input scale far away (inference ones
   // would not: they leave the scaling state alone)...
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(host.Forward(id, RandN({4, 16}, 1000.0), true).ok());
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(TensorForward(host, id, RandN({4, 16}, 1000.0), true).ok());
   EXPECT_LT(host.Scaling(id)->at(0).scale, (*scaling)[0].scale / 100);
   // ...yet the first context still holds the FP8 input cast with scale 1 (the first step's).
   auto saved = host.contexts().Peek(a->context_id).lock();
   ASSERT_TRUE(saved);
   EXPECT_EQ(dynamic_cast<const LinearSaved&>(*saved).input.scale_inv, 1.0f);
-  ASSERT_TRUE(host.Backward(a->context_id, dy, false, false).ok());
+  ASSERT_TRUE(TensorBackward(host, a->context_id, dy, false, false).ok());
   EXPECT_EQ(host.Scaling(id)->at(2).role, "grad_output");
   EXPECT_EQ(host.Scaling(id)->at(2).history.size(), 1u);
 }
@@ -112,12 +114,12 @@ TEST(DelayedScalingHostTest, DelayedTrainingStepsStayAccurate) {
   const at::Tensor x = RandN({8, 32});
   for (int step = 0; step < 3; ++step) {  // after the first step the scales fit the data
     // Training forwards: only they record amaxes and roll the histories.
-    auto f = host.Forward(id, x, true);
+    auto f = TensorForward(host, id, x, true);
     ASSERT_TRUE(f.ok());
     out = f->output;
     ASSERT_TRUE(host.ReleaseContext(f->context_id).ok());
   }
-  auto w = host.GetWeights(id);
+  auto w = TensorWeights(host, id);
   at::Tensor exact = at::matmul(x.to(at::kDouble), w->tensors[0].second.to(at::kDouble).t()) +
                      w->tensors[1].second.to(at::kDouble);
   EXPECT_LT((out.to(at::kDouble) - exact).norm().item<double>(), 0.1 * exact.norm().item<double>());
@@ -193,13 +195,13 @@ TEST(HostTrainingTest, AdamWModuleStepsAndCountsThem) {
   spec.optimizer.adamw.learning_rate = 0.01f;
   ModuleHost host;
   const std::string id = host.Create(spec)->module_id;
-  const at::Tensor w0 = host.GetWeights(id)->tensors[0].second;
-  auto f = host.Forward(id, RandN({3, 8}), true);
-  ASSERT_TRUE(host.Backward(f->context_id, RandN({3, 4}), false, true).ok());
+  const at::Tensor w0 = TensorWeights(host, id)->tensors[0].second;
+  auto f = TensorForward(host, id, RandN({3, 8}), true);
+  ASSERT_TRUE(TensorBackward(host, f->context_id, RandN({3, 4}), false, true).ok());
   ASSERT_EQ(*host.ApplyGradients(id), 2u);
   EXPECT_EQ(host.Info(id)->optimizer_steps, 1);
   // AdamW's first step moves every weight with a nonzero gradient by about lr.
-  const at::Tensor moved = (host.GetWeights(id)->tensors[0].second - w0).abs();
+  const at::Tensor moved = (TensorWeights(host, id)->tensors[0].second - w0).abs();
   EXPECT_NEAR(moved.mean().item<float>(), 0.01f, 0.002f);
 }
 
@@ -209,10 +211,10 @@ TEST(HostTrainingTest, MaxStalenessRefusesOldContextsNamingBothVersions) {
     spec.max_staleness = staleness;
     ModuleHost host;
     const std::string id = host.Create(spec)->module_id;
-    auto f = host.Forward(id, RandN({3, 8}), true);
+    auto f = TensorForward(host, id, RandN({3, 8}), true);
     ASSERT_TRUE(host.ApplyGradients(id).ok());
     ASSERT_TRUE(host.ApplyGradients(id).ok());  // module at version 3, context from version 1
-    auto b = host.Backward(f->context_id, RandN({3, 4}), false, false);
+    auto b = TensorBackward(host, f->context_id, RandN({3, 4}), false, false);
     if (staleness == 1) {
       EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
       EXPECT_NE(b.status().message().find("weight version 1"), std::string::npos) << b.status();
@@ -232,17 +234,17 @@ TEST(HostTrainingTest, StaleContextComputesWithItsOwnVersionsParameters) {
     // Host 1: context A, then another step changes every parameter, then A's backward.
     ModuleHost one;
     const std::string id1 = one.Create(spec)->module_id;
-    auto a = one.Forward(id1, x, true);
-    auto b = one.Forward(id1, RandN({4, 12}), true);
-    ASSERT_TRUE(one.Backward(b->context_id, RandN({4, 6}), false, false).ok());
+    auto a = TensorForward(one, id1, x, true);
+    auto b = TensorForward(one, id1, RandN({4, 12}), true);
+    ASSERT_TRUE(TensorBackward(one, b->context_id, RandN({4, 6}), false, false).ok());
     ASSERT_TRUE(one.ApplyGradients(id1, 0.5f).ok());
-    auto stale = one.Backward(a->context_id, dy, false, false);
+    auto stale = TensorBackward(one, a->context_id, dy, false, false);
     ASSERT_TRUE(stale.ok()) << stale.status();
     // Host 2: the same module and context A's backward right away.
     ModuleHost two;
     const std::string id2 = two.Create(spec)->module_id;
-    auto a2 = two.Forward(id2, x, true);
-    auto fresh = two.Backward(a2->context_id, dy, false, false);
+    auto a2 = TensorForward(two, id2, x, true);
+    auto fresh = TensorBackward(two, a2->context_id, dy, false, false);
     ASSERT_TRUE(fresh.ok());
     EXPECT_TRUE(at::equal(*stale, *fresh)) << ModuleKindName(kind);
   }
@@ -253,17 +255,17 @@ TEST(HostTrainingTest, GetGradientsReturnsTheAccumulationAndCanZeroIt) {
   const std::string id = host.Create(MakeLinearSpec(8, 4, kSeed))->module_id;
   const at::Tensor x = RandN({3, 8}), dy = RandN({3, 4});
   for (int micro = 0; micro < 3; ++micro) {
-    auto f = host.Forward(id, x, true);
-    ASSERT_TRUE(host.Backward(f->context_id, dy, false, true).ok());
+    auto f = TensorForward(host, id, x, true);
+    ASSERT_TRUE(TensorBackward(host, f->context_id, dy, false, true).ok());
   }
-  auto g = host.GetGradients(id, /*zero=*/false);
+  auto g = TensorGradients(host, id, /*zero=*/false);
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(g->accumulated_backwards, 3);
   EXPECT_EQ(g->tensors[1].first, "bias");
   EXPECT_TRUE(at::allclose(g->tensors[1].second, 3 * dy.sum(0), 1e-5, 1e-5));
-  auto again = host.GetGradients(id, /*zero=*/true);
+  auto again = TensorGradients(host, id, /*zero=*/true);
   EXPECT_TRUE(at::equal(again->tensors[0].second, g->tensors[0].second));
-  auto cleared = host.GetGradients(id, false);
+  auto cleared = TensorGradients(host, id, false);
   EXPECT_EQ(cleared->accumulated_backwards, 0);
   EXPECT_EQ(cleared->tensors[0].second.abs().max().item<float>(), 0.0f);
   EXPECT_EQ(host.Info(id)->weight_version, 1u);  // reading gradients changes no weights
@@ -278,12 +280,12 @@ TEST(HostTrainingTest, LayerNormMlpQuantizesWeightsOncePerVersionAcrossMicrobatc
   EXPECT_EQ(info->parameter_names,
             (std::vector<std::string>{"layer_norm_weight", "layer_norm_bias", "fc1_weight",
                                       "fc1_bias", "fc2_weight", "fc2_bias"}));
-  EXPECT_EQ(host.GetWeights(info->module_id)->tensors[2].second.size(0), 48);  // gated: 2 x ffn
+  EXPECT_EQ(TensorWeights(host, info->module_id)->tensors[2].second.size(0), 48);  // gated: 2 x ffn
   for (int step = 0; step < 2; ++step) {
     for (int micro = 0; micro < 4; ++micro) {
-      auto f = host.Forward(info->module_id, RandN({2, 5, 16}), true);
+      auto f = TensorForward(host, info->module_id, RandN({2, 5, 16}), true);
       ASSERT_TRUE(f.ok()) << f.status();
-      auto b = host.Backward(f->context_id, RandN({2, 5, 16}), false, false);
+      auto b = TensorBackward(host, f->context_id, RandN({2, 5, 16}), false, false);
       ASSERT_TRUE(b.ok()) << b.status();
       EXPECT_EQ(b->sizes(), (at::IntArrayRef{2, 5, 16}));
     }
@@ -300,19 +302,19 @@ TEST(HostTrainingTest, ReturnedLayerNormOutputAndItsGradient) {
   ModuleHost host;
   const std::string id = host.Create(spec)->module_id;
   const at::Tensor x = RandN({5, 12});
-  auto f = host.Forward(id, x, true);
+  auto f = TensorForward(host, id, x, true);
   ASSERT_TRUE(f.ok());
   ASSERT_TRUE(f->layernorm_output.defined());
   EXPECT_TRUE(at::allclose(f->layernorm_output, at::layer_norm(x, {12}), 1e-4, 1e-5));
   BackwardInput in;
   in.grad_output = RandN({5, 6});
   in.grad_layernorm_output = RandN({5, 11});
-  auto bad = host.Backward(f->context_id, in);
+  auto bad = TensorBackward(host, f->context_id, in);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("grad_layernorm_output.shape must be [5, 12]"),
             std::string::npos);
   in.grad_layernorm_output = RandN({5, 12});
-  EXPECT_TRUE(host.Backward(f->context_id, in).ok());
+  EXPECT_TRUE(TensorBackward(host, f->context_id, in).ok());
 }
 
 }  // namespace

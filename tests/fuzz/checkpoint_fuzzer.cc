@@ -17,6 +17,7 @@
 
 #include "server/core/checkpoint.h"
 #include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
 
 namespace {
 
@@ -81,7 +82,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (spec.in_features * std::max(spec.out_features, spec.ffn_features) <= (1 << 16)) {
     at::Tensor x = at::rand({2, spec.in_features});
     const auto scaling = host.Scaling(info.module_id);
-    auto fwd = host.Forward(info.module_id, x, true);
+    auto fwd = gradwire::core::TensorForward(host, info.module_id, x, true);
     if (fwd.status().code() == absl::StatusCode::kOutOfRange) {
       // Restored weights may be huge finite values whose products overflow fp32 on the way (an
       // FC1 output, an activation): the documented refusal, which must leave no context and the
@@ -100,11 +101,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     }
     if (!fwd.ok()) Fail("forward on a restored module: " + fwd.status().ToString());
-    auto back = host.Backward(fwd->context_id, at::ones_like(fwd->output), false, false);
+    auto back = gradwire::core::TensorBackward(host, fwd->context_id, at::ones_like(fwd->output),
+                                               false, false);
     if (back.status().code() == absl::StatusCode::kOutOfRange) {
       // Restored weights may be huge finite values whose gradients overflow fp32: the documented
       // refusal, which must accumulate nothing and keep the context for the caller to release.
-      auto grads = host.GetGradients(info.module_id, false);
+      auto grads = gradwire::core::TensorGradients(host, info.module_id, false);
       if (!grads.ok()) Fail("gradients after a refused backward: " + grads.status().ToString());
       for (const auto& [name, g] : grads->tensors) {
         if (g.abs().max().item<float>() != 0.0f) Fail("a refused backward accumulated " + name);

@@ -29,6 +29,7 @@
 #include "gradwire/v1/service.pb.h"
 #include "gradwire/wire/tensor.h"
 #include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
 
 namespace {
 
@@ -115,7 +116,7 @@ struct Fixture {
         s.message().find(context_id) == absl::string_view::npos) {
       Fail("an OUT_OF_RANGE backward does not say why or which context it kept: " + s.ToString());
     }
-    auto grads = host.GetGradients(module_id, false);
+    auto grads = gradwire::core::TensorGradients(host, module_id, false);
     if (!grads.ok()) Fail("gradients after a refused backward: " + grads.status().ToString());
     for (const auto& [name, g] : grads->tensors) {
       if (g.abs().max().item<float>() != 0.0f) Fail("a refused backward accumulated " + name);
@@ -235,7 +236,7 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
   // A real context from a valid forward, so the fuzzed grad_output meets the shape checks.
   const std::string& module_id = f.ids[selector % f.ids.size()];
   const int64_t rows = 1 + (selector >> 4) % 4;
-  auto fwd = f.host.Forward(module_id, at::rand({rows, Fixture::kIn}), true);
+  auto fwd = gradwire::core::TensorForward(f.host, module_id, at::rand({rows, Fixture::kIn}), true);
   if (!fwd.ok()) Fail("fixture forward: " + fwd.status().ToString());
   if (!(selector & 8)) req.set_context_id(fwd->context_id);
   const auto version_before = f.host.Info(module_id)->weight_version;
@@ -280,7 +281,7 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
 
 void RunSetWeights(Fixture& f, v1::SetWeightsRequest req, uint8_t selector) {
   req.set_module_id(f.Pick(req.module_id(), selector));
-  auto before = f.host.GetWeights(req.module_id());
+  auto before = gradwire::core::TensorWeights(f.host, req.module_id());
   gradwire::core::NamedViews params;
   absl::Status status = absl::OkStatus();
   for (int i = 0; i < req.parameters_size() && status.ok(); ++i) {
@@ -294,7 +295,7 @@ void RunSetWeights(Fixture& f, v1::SetWeightsRequest req, uint8_t selector) {
   if (status.ok()) status = f.host.SetWeights(req.module_id(), params).status();
   CheckBadInputCode(status, "SetWeights");
   if (!status.ok() && before.ok()) {
-    auto after = f.host.GetWeights(req.module_id());
+    auto after = gradwire::core::TensorWeights(f.host, req.module_id());
     if (!after.ok() || after->weight_version != before->weight_version) Fail("version moved");
     for (size_t i = 0; i < before->tensors.size(); ++i) {
       if (!at::equal(before->tensors[i].second, after->tensors[i].second)) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
+#include "server/core/tensor_calls.h"
 #include "server/rpc/auth.h"
 #include "specs.h"
 #include "test_server.h"
@@ -244,8 +245,8 @@ struct Snapshot {
       core::ModuleHost& host = server->host();
       for (const core::ModuleInfo& info : host.List()) {
         Module& m = s.modules[info.module_id];
-        m.weights = host.GetWeights(info.module_id)->tensors;
-        auto g = host.GetGradients(info.module_id, false);
+        m.weights = core::TensorWeights(host, info.module_id)->tensors;
+        auto g = core::TensorGradients(host, info.module_id, false);
         m.grads = g->tensors;
         m.accumulated = g->accumulated_backwards;
         m.version = info.weight_version;
@@ -812,12 +813,12 @@ TEST(GradLayerNormOutputTest, ReachesTheModuleOverTheWire) {
   ASSERT_TRUE(wire_dx.ok()) << wire_dx.status();
 
   core::ModuleHost& host = server.host();
-  auto local = host.Forward(local_module->module_id(), torch(x), true);
+  auto local = core::TensorForward(host, local_module->module_id(), torch(x), true);
   ASSERT_TRUE(local.ok()) << local.status();
   core::BackwardInput in;
   in.grad_output = torch(dy);
   in.grad_layernorm_output = torch(dln);
-  auto local_dx = host.Backward(local->context_id, in);
+  auto local_dx = core::TensorBackward(host, local->context_id, in);
   ASSERT_TRUE(local_dx.ok()) << local_dx.status();
   EXPECT_TRUE(at::equal(torch(*wire_dx), *local_dx));
 
@@ -827,8 +828,8 @@ TEST(GradLayerNormOutputTest, ReachesTheModuleOverTheWire) {
   auto plain_dx = c->Backward(fwd2->context_id, dy);
   ASSERT_TRUE(plain_dx.ok());
   EXPECT_FALSE(at::allclose(torch(*plain_dx), *local_dx));
-  auto wire_grads = host.GetGradients(wire_module->module_id(), false);
-  auto local_grads = host.GetGradients(local_module->module_id(), false);
+  auto wire_grads = core::TensorGradients(host, wire_module->module_id(), false);
+  auto local_grads = core::TensorGradients(host, local_module->module_id(), false);
   ASSERT_TRUE(wire_grads.ok() && local_grads.ok());
   // layer_norm_weight's gradient of the first backward matches (the second added more to it).
   EXPECT_EQ(wire_grads->tensors[0].first, "layer_norm_weight");

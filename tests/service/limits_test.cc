@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "gradwire/client/client.h"
+#include "server/core/tensor_calls.h"
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
 #include "specs.h"
@@ -47,7 +48,7 @@ Snapshot Take(TestServer& server, const std::string& module) {
   s.live = server.host().Stats().live_contexts;
   s.version = server.host().Info(module)->weight_version;
   s.scaling = *server.host().Scaling(module);
-  s.weights = *server.host().GetWeights(module);
+  s.weights = *core::TensorWeights(server.host(), module);
   return s;
 }
 void ExpectUnchanged(const Snapshot& a, const Snapshot& b) {

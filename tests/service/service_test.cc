@@ -14,6 +14,7 @@
 #include "gradwire/kernels/fp8.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
 #include "specs.h"
 #include "test_server.h"
 
@@ -98,7 +99,7 @@ TEST_P(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
   ASSERT_TRUE(remote_fwd.ok()) << remote_fwd.status();
   EXPECT_EQ(remote_fwd->context_id.size(), 32u);
   EXPECT_EQ(remote_fwd->weight_version, 1u);
-  auto local_fwd = local.Forward(local_id, ToAt(x), true);
+  auto local_fwd = core::TensorForward(local, local_id, ToAt(x), true);
   ASSERT_TRUE(local_fwd.ok());
   EXPECT_TRUE(at::equal(ToAt(remote_fwd->output), local_fwd->output));
   EXPECT_EQ(host_.Stats().live_contexts, 1);
@@ -107,7 +108,7 @@ TEST_P(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
   ASSERT_TRUE(remote_dx.ok()) << remote_dx.status();
   EXPECT_EQ(host_.Stats().live_contexts, 0);  // freed before the reply
   EXPECT_EQ(host_.Stats().context_bytes, 0);
-  auto local_dx = local.Backward(local_fwd->context_id, ToAt(dy), false, false);
+  auto local_dx = core::TensorBackward(local, local_fwd->context_id, ToAt(dy), false, false);
   ASSERT_TRUE(local_dx.ok());
   EXPECT_TRUE(at::equal(ToAt(*remote_dx), *local_dx));
 
@@ -118,7 +119,7 @@ TEST_P(ServiceTest, TrainingStepMatchesTheInProcessModuleBitForBit) {
   auto weights = client_->GetWeights(module_);
   ASSERT_TRUE(weights.ok());
   EXPECT_EQ(weights->weight_version, 2u);
-  const core::ParametersCopy local_weights = *local.GetWeights(local_id);
+  const core::ParametersCopy local_weights = *core::TensorWeights(local, local_id);
   ASSERT_EQ(weights->tensors.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(weights->tensors[i].first, local_weights.tensors[i].first);

@@ -1,0 +1,61 @@
+// The reference numerics on host tensors, below every backend: the FP8 GEMMs of kernels/ref, the
+// decoded weight copies they read, the LayerNorm, the wire conversions, and the GEMM counters
+// that metrics report. The reference backend (reference_backend.cc) is made of these; the CPU
+// backend shares the counters and the wire helpers. Nothing here calls back into a backend or a
+// module.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "gradwire/kernels/fp8.h"
+#include "gradwire/wire/codec.h"
+#include "server/core/backend.h"
+#include "server/core/fp8_tensor.h"
+
+namespace gradwire::core {
+
+// Attaches the decoded copies (codes as floats) the reference GEMM reads instead of decoding per
+// call: once per weight version.
+void AttachDecodedCopies(Fp8Tensor& w);
+
+// y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]); x and w rowwise. fp32 out.
+at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias);
+
+// dx[M, K] = dy[M, N] . w[N, K]; dy rowwise, w columnwise.
+at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w);
+
+// acc[N, K] = (accumulate ? acc : 0) + dy[M, N]^T . x[M, K]; dy and x columnwise.
+void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool accumulate);
+
+// acc[N] += column sums of g[M, N] (fp32, unquantized).
+void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc);
+
+// The reference LayerNorm: forward into fresh tensors, and the backward that returns dx and
+// accumulates gamma_grad / beta_grad.
+LayerNormOut RunLayerNorm(const at::Tensor& x, const LayerNormParams& ln);
+at::Tensor RunLayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+                                const at::Tensor& rstd, const LayerNormParams& ln,
+                                at::Tensor& gamma_grad, at::Tensor& beta_grad);
+
+// The FP8 format of an FP8 wire dtype.
+kernels::Fp8Format Fp8FormatOf(wire::DType dtype);
+// The bytes of an F32 view as a host fp32 [rows, cols] tensor, without a copy, when they are
+// aligned for floats; undefined otherwise (the caller decodes them). The view's bytes must
+// outlive the result.
+at::Tensor BorrowF32(const wire::TensorView& v, int64_t rows, int64_t cols);
+// An encoded tensor of `dtype` reporting `shape`, with room for n elements.
+wire::EncodedTensor EncodedFor(wire::DType dtype, std::vector<int64_t> shape, int64_t n);
+
+// FP8 GEMM work since the process started (all threads): what metrics report as achieved FLOP/s.
+struct GemmCounters {
+  double flops = 0;    // 2 * m * n * k per GEMM
+  double seconds = 0;  // wall time inside the GEMMs
+};
+GemmCounters GemmTotals();
+// Adds one GEMM's work to the totals (backends whose GEMMs do not go through the reference's).
+void CountGemm(double flops, double seconds);
+
+}  // namespace gradwire::core
