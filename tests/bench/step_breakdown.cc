@@ -3,7 +3,8 @@
 // gradient commit, context bookkeeping), next to the module's GEMMs alone on the same backend and
 // shapes (operands cast beforehand). A backward should cost what its GEMMs cost (docs/
 // performance.md: within 2x). Prints a table; --json writes it with the machine's description.
-//   step_breakdown [--rows 16,256,4096] [--in 1024] [--out 1024] [--seconds 2] [--json PATH]
+//   step_breakdown [--rows 16,256,4096] [--in 1024] [--out 1024] [--seconds 2]
+//                  [--cpu-gemm blas|ordered] [--json PATH]
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 
 #include "CLI/CLI.hpp"
 #include "server/core/backend.h"
+#include "server/core/cpu_gemm.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
@@ -52,13 +54,19 @@ int main(int argc, char** argv) {
   std::vector<int64_t> rows_list = {16, 256, 4096};
   int64_t in = 1024, out = 1024;
   double seconds = 2.0;
-  std::string json_path;
+  std::string json_path, cpu_gemm = "blas";
   app.add_option("--rows", rows_list, "rows per step")->delimiter(',')->capture_default_str();
   app.add_option("--in", in, "in_features")->capture_default_str();
   app.add_option("--out", out, "out_features")->capture_default_str();
   app.add_option("--seconds", seconds, "time per measurement")->capture_default_str();
+  app.add_option("--cpu-gemm", cpu_gemm,
+                 "the forward and input-gradient GEMMs: blas or ordered (core/cpu_gemm.h)")
+      ->check(CLI::IsMember({"blas", "ordered"}))
+      ->capture_default_str();
   app.add_option("--json", json_path, "write the table as JSON");
   CLI11_PARSE(app, argc, argv);
+  gradwire::core::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
+                                                   : gradwire::core::CpuGemm::kBlas);
   gradwire::core::RetainLargeBlocks();
   gradwire::core::SetCpuThreads(0);
   const gradwire::core::BackendPtr backend = gradwire::core::MakeCpuBackend();
@@ -131,7 +139,8 @@ int main(int argc, char** argv) {
   if (!json_path.empty()) {
     std::ofstream f(json_path);
     f << "{\n  \"benchmark\": \"step_breakdown\",\n  \"backend\": \"" << b.Describe()
-      << "\",\n  \"in\": " << in << ", \"out\": " << out << ",\n  \"rows\": [\n";
+      << "\",\n  \"cpu_gemm\": \"" << cpu_gemm << "\",\n  \"in\": " << in << ", \"out\": " << out
+      << ",\n  \"rows\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {
       const Row& r = results[i];
       f << "    {\"rows\": " << r.rows << ", \"forward_ms\": " << r.fwd * 1e3
