@@ -77,6 +77,22 @@ absl::Status ReadChunked(const char* method, Reader* reader, Msg* out, bool* ope
   return absl::OkStatus();
 }
 
+// Finishes a stream whose response was read (`read`: how the reading went; `open`: whether the
+// stream was still open when it failed). A malformed response wins over the CANCELLED of the
+// cancel that closes the stream; otherwise the server's status comes first, then the read's.
+// `stream` is a pointer or a smart pointer to the stream.
+template <typename StreamPtr>
+absl::Status FinishAfterRead(const char* method, grpc::ClientContext& ctx, StreamPtr& stream,
+                             const absl::Status& read, bool open) {
+  if (!read.ok() && open) {
+    ctx.TryCancel();
+    (void)stream->Finish();
+    return read;
+  }
+  if (auto s = FromGrpc(method, stream->Finish()); !s.ok()) return s;
+  return read;
+}
+
 // Reads a chunked response to its end and finishes the call. A malformed response (the read
 // failed while the stream was still open) wins over the CANCELLED of the cancel that closes it;
 // otherwise the server's status comes first, then the read's.
@@ -85,13 +101,7 @@ absl::StatusOr<Msg> ReadToEnd(const char* method, grpc::ClientContext& ctx, Stre
   Msg resp;
   bool open = false;
   absl::Status read = ReadChunked<Part>(method, stream, &resp, &open);
-  if (!read.ok() && open) {
-    ctx.TryCancel();
-    (void)stream->Finish();
-    return read;
-  }
-  if (auto s = FromGrpc(method, stream->Finish()); !s.ok()) return s;
-  if (!read.ok()) return read;
+  if (absl::Status s = FinishAfterRead(method, ctx, stream, read, open); !s.ok()) return s;
   return resp;
 }
 
@@ -148,7 +158,8 @@ absl::StatusOr<Resp> ZeroCopyChunked(grpc::ChannelInterface* channel, const char
     part.mutable_chunk()->set_tensor(tensor);
     part.mutable_chunk()->set_offset(offset);
     grpc::ByteBuffer out;
-    wire::SerializeReferencing(part, {{2, data}}, [keep = splitter] {}, &out);
+    wire::SerializeReferencing(
+        part, {{2, data}}, [keep = splitter] {}, &out);
     written = stream->Write(out);
   }
   if (written) stream->WritesDone();
@@ -196,13 +207,7 @@ absl::StatusOr<Resp> ZeroCopyChunked(grpc::ChannelInterface* channel, const char
       read = malformed(s);
     }
   }
-  if (!read.ok() && open) {
-    ctx.TryCancel();
-    (void)stream->Finish();
-    return read;
-  }
-  if (auto s = FromGrpc(method, stream->Finish()); !s.ok()) return s;
-  if (!read.ok()) return read;
+  if (absl::Status s = FinishAfterRead(method, ctx, stream, read, open); !s.ok()) return s;
   return resp;
 }
 

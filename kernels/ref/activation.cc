@@ -23,9 +23,9 @@ constexpr float kGeluCubic = 0.044715f;
 GRADWIRE_INLINE float ExpF(float x) {
   x = x < -80.0f ? -80.0f : (x > 80.0f ? 80.0f : x);
   constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693145751953125f;        // 16 bits: n * kLn2Hi is exact
+  constexpr float kLn2Hi = 0.693145751953125f;          // 16 bits: n * kLn2Hi is exact
   constexpr float kLn2Lo = 1.42860682030941723212e-6f;  // ln 2 - kLn2Hi
-  constexpr float kRound = 12582912.0f;                // 1.5 * 2^23: adding it rounds to integer
+  constexpr float kRound = 12582912.0f;                 // 1.5 * 2^23: adding it rounds to integer
   const float n = (x * kLog2e + kRound) - kRound;
   const float r = (x - n * kLn2Hi) - n * kLn2Lo;
   float p = 1.0f / 720.0f;
@@ -73,7 +73,8 @@ GRADWIRE_INLINE void Forward(const float* a, const float* gate, int64_t width, f
   }
 }
 template <float (*F)(float), float (*G)(float)>
-GRADWIRE_INLINE void Backward(const float* d, const float* a, const float* gate, int64_t width, float* g) {
+GRADWIRE_INLINE void Backward(const float* d, const float* a, const float* gate, int64_t width,
+                              float* g) {
   if (gate != nullptr) {
     for (int64_t c = 0; c < width; ++c) {
       g[c] = d[c] * gate[c] * G(a[c]);

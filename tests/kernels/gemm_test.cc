@@ -10,30 +10,16 @@
 #include <vector>
 
 #include "gradwire/kernels/ref/cast.h"
+#include "random_codes.h"
 
 namespace gradwire::kernels {
 namespace {
 
-std::mt19937& Rng() {
-  thread_local std::mt19937 rng(std::random_device{}());
-  return rng;
-}
-
-std::vector<float> RandomNormal(int64_t n, float stddev) {
-  std::normal_distribution<float> dist(0.0f, stddev);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = dist(Rng());
-  return v;
-}
+using test_data::RandomNormal;
 
 // Random FP8 codes of finite values: a random tensor cast at its current scale.
 std::vector<uint8_t> RandomCodes(int64_t n, Fp8Format format, float* scale_inv) {
-  const std::vector<float> x = RandomNormal(n, 3.0f);
-  const float scale = ComputeScale(Amax(x.data(), n), format, 0);
-  std::vector<uint8_t> codes(static_cast<size_t>(n));
-  QuantizeFp8(x.data(), 1, n, scale, format, codes.data(), nullptr, nullptr);
-  *scale_inv = 1.0f / scale;
-  return codes;
+  return test_data::RandomCodes(n, format, 3.0f, scale_inv);
 }
 
 TEST(QuantizeTest, RowwiseColumnwiseAndAmaxAgree) {

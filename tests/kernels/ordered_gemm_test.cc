@@ -13,6 +13,7 @@
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/kernels/ref/cast.h"
 #include "gradwire/kernels/ref/gemm.h"
+#include "random_codes.h"
 
 namespace gradwire::kernels {
 namespace {
@@ -20,23 +21,8 @@ namespace {
 using cpu::OrderedGemmArgs;
 using cpu::OrderedGemmCopy;
 
-std::mt19937& Rng() {
-  thread_local std::mt19937 rng(std::random_device{}());
-  return rng;
-}
-
-// Codes of a fresh random tensor cast at its own current scale (finite, a wide spread of
-// exponents), in `format`.
-std::vector<uint8_t> RandomCodes(int64_t n, Fp8Format format, float stddev, float* scale_inv) {
-  std::normal_distribution<float> dist(0.0f, stddev);
-  std::vector<float> x(static_cast<size_t>(n));
-  for (float& v : x) v = dist(Rng());
-  const float scale = n == 0 ? 1.0f : ComputeScale(Amax(x.data(), n), format, 0);
-  std::vector<uint8_t> codes(static_cast<size_t>(n));
-  if (n > 0) QuantizeFp8(x.data(), 1, n, scale, format, codes.data(), nullptr, nullptr);
-  *scale_inv = 1.0f / scale;
-  return codes;
-}
+using test_data::RandomCodes;
+using test_data::Rng;
 
 std::vector<float> Decode(const std::vector<uint8_t>& codes, Fp8Format format) {
   const float* table = DecodeTable(format);
