@@ -235,6 +235,18 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "result never depends on the other rows in the call)")
       ->check(CLI::IsMember({"blas", "ordered"}))
       ->capture_default_str();
+  app.add_option("--max-batch-rows", config.max_batch_rows,
+                 "dynamic batching: forwards of one module waiting for the device run as "
+                 "one backend call over up to this many rows in all (0 or 1: off). Every request "
+                 "still gets exactly the bits it gets alone (docs/batching.md); with --cpu-gemm "
+                 "ordered a batch is one GEMM, with blas one GEMM per request")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
+      ->capture_default_str();
+  app.add_option("--batch-delay-us", config.batch_delay_us,
+                 "with --max-batch-rows: the longest a batch waits for more requests when the "
+                 "device has nothing else to do (0: it runs with whoever is waiting)")
+      ->check(CLI::Range(int64_t(0), int64_t(1000000)))
+      ->capture_default_str();
   app.add_option("--stream-read-ahead", config.stream_read_ahead,
                  "requests of a Train stream read ahead of the responses written: a fast client "
                  "cannot make the server buffer more")
@@ -338,6 +350,8 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";
   out << "cpu-gemm = " << quote(f.cpu_gemm) << "\n";
+  out << "max-batch-rows = " << f.max_batch_rows << "\n";
+  out << "batch-delay-us = " << f.batch_delay_us << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
   out << "allow-shared-memory = " << (f.allow_shared_memory ? "true" : "false") << "\n";

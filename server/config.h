@@ -51,6 +51,8 @@ struct ServerConfig {
   int cpu_threads = 0;                    // CPU backend's threads (0: one per core)
   std::string cpu_gemm_threads = "pool";  // who splits the CPU GEMMs: "pool" or "blas"
   std::string cpu_gemm = "blas";          // the CPU GEMMs: "blas" or "ordered" (core/cpu_gemm.h)
+  int64_t max_batch_rows = 0;             // dynamic batching of inference forwards; <= 1: off
+  int64_t batch_delay_us = 0;             // the longest a batch waits for company
   int chunk_kib = 4096;                   // chunks of the chunked calls, sent and accepted
   int max_stream_mib = 4096;              // most tensor bytes one chunked request may carry
   std::string tokens_file;                // "TENANT TOKEN" lines: bearer tokens required

@@ -94,6 +94,15 @@ Metrics::Metrics()
                                    "(its tenant with tokens, else its peer host): what the fair "
                                    "queuing between clients gives each.")
                              .Register(*registry_)),
+      batch_requests_(prometheus::BuildHistogram()
+                          .Name("gradwire_batch_requests")
+                          .Help("Requests per batch of the dynamic batcher (--max-batch-rows): "
+                                "forwards of one module run as one backend call.")
+                          .Register(*registry_)),
+      batch_rows_(prometheus::BuildHistogram()
+                      .Name("gradwire_batch_rows")
+                      .Help("Rows per batch of the dynamic batcher, all its requests together.")
+                      .Register(*registry_)),
       build_info_(prometheus::BuildGauge()
                       .Name("gradwire_build_info")
                       .Help("1, labelled with the server's version and device.")
@@ -131,6 +140,14 @@ void Metrics::ObserveQueueWait(const char* method, const std::string& client, do
   if (!client.empty()) {
     Series(client_queue_wait_, {{"client", Label(client)}}, QueueWaitBuckets()).Observe(seconds);
   }
+}
+
+void Metrics::ObserveBatch(int64_t requests, int64_t rows) {
+  static const std::vector<double> request_buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+  static const std::vector<double> row_buckets = {1,   2,   4,   8,    16,   32,   64,
+                                                  128, 256, 512, 1024, 2048, 4096, 8192};
+  Series(batch_requests_, {}, request_buckets).Observe(double(requests));
+  Series(batch_rows_, {}, row_buckets).Observe(double(rows));
 }
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& device) {

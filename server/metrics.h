@@ -46,6 +46,8 @@ class Metrics {
   // How long a call's work (or one Train message) waited for the executor before it started: by
   // method, and by client when it has one.
   void ObserveQueueWait(const char* method, const std::string& client, double seconds);
+  // One batch of the dynamic batcher: how many requests and rows ran in one backend call.
+  void ObserveBatch(int64_t requests, int64_t rows);
   // gradwire_build_info{version, device}: set once the server knows its backend.
   void SetBuildInfo(const std::string& version, const std::string& device);
 
@@ -73,6 +75,8 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>& client_latency_;
   prometheus::Family<prometheus::Histogram>& queue_wait_;
   prometheus::Family<prometheus::Histogram>& client_queue_wait_;
+  prometheus::Family<prometheus::Histogram>& batch_requests_;
+  prometheus::Family<prometheus::Histogram>& batch_rows_;
   prometheus::Family<prometheus::Gauge>& build_info_;
   std::mutex series_mu_;
   std::map<std::pair<const void*, prometheus::Labels>, void*> series_;  // guarded by series_mu_

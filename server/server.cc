@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/cpu_gemm.h"
 #include "server/core/heap_trim.h"
 #include "server/rpc/boundary.h"
 
@@ -274,6 +275,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     metrics->ObserveQueueWait(method, client, seconds);
     if (then) then(method, client, seconds);
   };
+  service.on_batch = [metrics = &s->metrics_, then = std::move(service.on_batch)](int64_t requests,
+                                                                                  int64_t rows) {
+    metrics->ObserveBatch(requests, rows);
+    if (then) then(requests, rows);
+  };
+  if (service.batching.enabled()) {
+    spdlog::info(
+        "dynamic batching on: forwards of one module in batches of up to {} "
+        "rows, waiting up to {} us for company ({})",
+        service.batching.max_rows, service.batching.delay.count(),
+        device.rfind("cpu", 0) != 0 ? "one GEMM per request on this backend"
+        : core::GetCpuGemm() == core::CpuGemm::kOrdered
+            ? "one GEMM per batch"
+            : "one GEMM per request: --cpu-gemm ordered makes it one per batch");
+  }
   s->metrics_.SetBuildInfo(o.service.version, device);
   s->service_ =
       std::make_unique<rpc::GradwireService>(*s->host_, *s->executor_, std::move(service));

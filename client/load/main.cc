@@ -73,6 +73,7 @@ void Merge(RunResult& a, const RunResult& b) {
   a.server_seconds += b.server_seconds;
   a.bytes += b.bytes;
   a.max_send_lag = std::max(a.max_send_lag, b.max_send_lag);
+  for (const auto& [size, n] : b.batch_sizes) a.batch_sizes[size] += n;
 }
 
 std::string CodeName(grpc::StatusCode code) {
@@ -185,6 +186,7 @@ class RemoteOps {
     const auto t1 = Clock::now();
     o.stage_seconds[0] = std::chrono::duration<double>(t1 - t0).count();
     o.server_seconds = fr.server_seconds();
+    o.batch_requests = fr.batch_requests();
     o.bytes = TensorBytes(fwd_[w].input()) + TensorBytes(fr.output());
     if (flow_ == "step") {
       bwd_[w].set_context_id(fr.context_id());
@@ -270,6 +272,17 @@ nlohmann::json SummaryJson(const gradwire::load::LatencySummary& s) {
           {"max_ms", Ms(s.max)}};
 }
 
+// The mean size of the server batches the OK forwards ran in, as each forward saw it (1: none
+// batched).
+double MeanBatch(const RunResult& x) {
+  int64_t n = 0, sum = 0;
+  for (const auto& [size, count] : x.batch_sizes) {
+    n += count;
+    sum += size * count;
+  }
+  return n > 0 ? double(sum) / double(n) : 0.0;
+}
+
 nlohmann::json RowJson(const Row& r) {
   const RunResult& x = r.result;
   nlohmann::json j = {
@@ -287,13 +300,19 @@ nlohmann::json RowJson(const Row& r) {
       {"forward", SummaryJson(gradwire::load::Summarize(x.stage[0]))},
       {"backward", SummaryJson(gradwire::load::Summarize(x.stage[1]))}};
   if (r.rate > 0) j["max_send_lag_ms"] = Ms(x.max_send_lag);
+  if (!x.batch_sizes.empty()) {
+    nlohmann::json sizes = nlohmann::json::object();
+    for (const auto& [size, n] : x.batch_sizes) sizes[std::to_string(size)] = n;
+    j["batch_requests"] = {{"mean", MeanBatch(x)}, {"forwards_by_batch_size", sizes}};
+  }
   return j;
 }
 
 void PrintTable(std::FILE* out, const std::vector<Row>& rows, const std::string& flow) {
-  std::fprintf(out, "\n%-11s %5s %8s %10s %10s %9s %9s %9s %9s %9s %9s %9s  %s\n", "mode", "conc",
-               "rate", (flow == "step" || flow == "stream") ? "steps/s" : "req/s", "MB/s", "p50 ms",
-               "p90 ms", "p99 ms", "p99.9 ms", "max ms", "fwd p50", "bwd p50", "codes");
+  std::fprintf(out, "\n%-11s %5s %8s %10s %10s %9s %9s %9s %9s %9s %9s %9s %6s  %s\n", "mode",
+               "conc", "rate", (flow == "step" || flow == "stream") ? "steps/s" : "req/s", "MB/s",
+               "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms", "fwd p50", "bwd p50", "batch",
+               "codes");
   for (const Row& r : rows) {
     const RunResult& x = r.result;
     const auto s = gradwire::load::Summarize(x.latency);
@@ -302,12 +321,13 @@ void PrintTable(std::FILE* out, const std::vector<Row>& rows, const std::string&
     std::string codes;
     for (const auto& [code, n] : x.codes)
       codes += (codes.empty() ? "" : " ") + code + "=" + std::to_string(n);
-    std::fprintf(out, "%-11s %5d %8s %10.1f %10.2f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f  %s\n",
-                 r.mode.c_str(), r.concurrency,
-                 r.rate > 0 ? std::to_string(int64_t(r.rate)).c_str() : "closed",
-                 x.seconds > 0 ? double(x.requests) / x.seconds : 0.0,
-                 x.seconds > 0 ? double(x.bytes) / x.seconds / 1e6 : 0.0, Ms(s.p50), Ms(s.p90),
-                 Ms(s.p99), Ms(s.p999), Ms(s.max), Ms(f.p50), Ms(b.p50), codes.c_str());
+    std::fprintf(
+        out, "%-11s %5d %8s %10.1f %10.2f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %6.2f  %s\n",
+        r.mode.c_str(), r.concurrency,
+        r.rate > 0 ? std::to_string(int64_t(r.rate)).c_str() : "closed",
+        x.seconds > 0 ? double(x.requests) / x.seconds : 0.0,
+        x.seconds > 0 ? double(x.bytes) / x.seconds / 1e6 : 0.0, Ms(s.p50), Ms(s.p90), Ms(s.p99),
+        Ms(s.p999), Ms(s.max), Ms(f.p50), Ms(b.p50), MeanBatch(x), codes.c_str());
   }
 }
 

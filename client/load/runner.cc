@@ -35,6 +35,7 @@ class Collector {
       for (int s = 0; s < 2; ++s) {
         if (o.stage_seconds[s] >= 0) r_.stage[s].push_back(o.stage_seconds[s]);
       }
+      if (o.stage_seconds[0] >= 0) ++r_.batch_sizes[std::max(1, o.batch_requests)];
     }
     r_.server_seconds += o.server_seconds;
     r_.bytes += o.bytes;

@@ -19,6 +19,7 @@ struct OpOutcome {
   std::array<double, 2> stage_seconds{-1, -1};
   double server_seconds = 0;  // the server's own compute time, where it reports one
   int64_t bytes = 0;          // payload bytes sent and received
+  int batch_requests = 0;     // a forward the server batched: the requests in its batch (0: alone)
 };
 
 // `worker` is 0..workers-1: ops may keep per-worker state.
@@ -44,6 +45,8 @@ struct RunResult {
   double server_seconds = 0;                 // sum over measured requests
   int64_t bytes = 0;
   double max_send_lag = 0;  // open loop: worst delay between intended and actual send
+  // OK forwards by the size of the server's batch they ran in (1: alone).
+  std::map<int64_t, int64_t> batch_sizes;
 };
 
 // `progress` (may be empty) is called about twice a second with the fraction done.

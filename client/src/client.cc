@@ -179,7 +179,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
   if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
   auto output = FromWire(resp.output(), output_bytes);
   if (!output.ok()) return output.status();
-  ForwardResult result{*std::move(output), resp.context_id(), resp.weight_version(), {}};
+  ForwardResult result{
+      *std::move(output), resp.context_id(), resp.weight_version(), {}, resp.batch_requests()};
   if (resp.has_layernorm_output()) {
     auto ln = FromWire(resp.layernorm_output(), ln_bytes);
     if (!ln.ok()) return ln.status();

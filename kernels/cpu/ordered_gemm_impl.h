@@ -79,9 +79,10 @@ inline void Tile(const OrderedGemmArgs& g, int64_t i0, int64_t j0) {
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     float* crow = g.c + (i0 + r) * g.ldc + j0;
+    const float scale = g.row_scale != nullptr ? g.row_scale[i0 + r] : g.scale;
 #pragma GCC unroll 8
     for (int c = 0; c < NJ; ++c) {
-      float value = Combine(acc[r][c]) * g.scale;
+      float value = Combine(acc[r][c]) * scale;
       if (g.bias != nullptr) value += g.bias[j0 + c];
       crow[c] = g.accumulate ? crow[c] + value : value;
     }

@@ -117,6 +117,12 @@ class Backend {
   virtual at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const = 0;
   virtual void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
                      bool accumulate) const = 0;
+  // Fprop of a row-grouped x (a batch: Fp8Tensor::groups, each part with its own scale_inv):
+  // every output row bit for bit what Fprop of its group alone gives. The default runs one Fprop
+  // per group, which is that by construction; a backend whose GEMM is row-invariant runs one GEMM
+  // over all the rows, applying each group's scale_inv to its rows (docs/batching.md).
+  virtual at::Tensor FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
+                                 const at::Tensor& bias) const;
   // acc[N] += column sums of g[M, N] (fp32, unquantized).
   virtual void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const = 0;
 

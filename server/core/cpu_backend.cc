@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <vector>
 
 #include "gradwire/kernels/cpu/blas.h"
 #include "gradwire/kernels/cpu/cast.h"
@@ -68,10 +69,12 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
 
 std::atomic<CpuGemm> g_cpu_gemm{CpuGemm::kBlas};
 
-// C[m, n] = (A[m, k] . B[n, k]^T) * scale (+ bias) on the row-invariant GEMM (cpu_gemm.h).
+// C[m, n] = (A[m, k] . B[n, k]^T) * scale (+ bias) on the row-invariant GEMM (cpu_gemm.h); with
+// row_scale, row i takes row_scale[i] instead of scale.
 void Ordered(int64_t m, int64_t n, int64_t k, float scale, const float* a, const float* b,
-             const float* bias, float* c) {
+             const float* bias, float* c, const float* row_scale = nullptr) {
   kernels::cpu::OrderedGemmArgs g;
+  g.row_scale = row_scale;
   g.m = m;
   g.n = n;
   g.k = k;
@@ -289,6 +292,31 @@ class CpuBackend final : public ReferenceBackend {
     }
     Gemm(false, true, x.rows, w.rows, x.cols, x.scale_inv * w.scale_inv, a.data, b.data,
          bias.defined() ? 1.0f : 0.0f, y.data_ptr<float>());
+    return y;
+  }
+  // A batch's rows in one GEMM when the GEMM is the row-invariant one: each group's codes decoded
+  // into its rows of one operand, each row scaled by its group's scale_inv. Row-invariance makes
+  // every row the bits of its group's Fprop alone; BLAS is not row-invariant, so under it each
+  // group runs its own Fprop (the default).
+  at::Tensor FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
+                         const at::Tensor& bias) const override {
+    if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::FpropGroups(x, w, bias);
+    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
+    const Decoded b = DecodeRowwise(w);
+    kernels::cpu::Scratch a = kernels::cpu::TakeScratch(size_t(x.rows * x.cols) * sizeof(float));
+    std::vector<float> row_scale;
+    row_scale.reserve(size_t(x.rows));
+    int64_t row = 0;
+    for (const Fp8Tensor& g : x.groups) {
+      kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
+                                a.floats() + row * x.cols);
+      row_scale.insert(row_scale.end(), size_t(g.rows), g.scale_inv * w.scale_inv);
+      row += g.rows;
+    }
+    at::Tensor y = Empty({x.rows, w.rows});
+    Ordered(x.rows, w.rows, x.cols, 1.0f, a.floats(), b.data,
+            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+            row_scale.data());
     return y;
   }
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {

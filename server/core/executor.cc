@@ -46,6 +46,10 @@ void DeviceExecutor::Submit(const std::string& client, std::function<void()> tas
   cv_.notify_one();
 }
 
+void DeviceExecutor::ShareCurrentTask(std::vector<std::pair<std::string, double>> shares) {
+  shares_ = std::move(shares);
+}
+
 int64_t DeviceExecutor::queued() const {
   std::lock_guard<std::mutex> lock(mu_);
   return queued_;
@@ -101,9 +105,17 @@ void DeviceExecutor::Run() {
     }
     task = nullptr;  // what it captured goes now, before the next task starts
     const double seconds = std::max(0.0, clock_() - start);
+    std::vector<std::pair<std::string, double>> shares = std::move(shares_);
+    shares_.clear();
+    double total = 0;
+    for (const auto& share : shares) total += std::max(0.0, share.second);
+    if (!(total > 0)) shares = {{client, 1.0}}, total = 1.0;
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = queues_.find(client);
-    it->second.vtime += seconds / WeightOf(client);
+    for (const auto& [who, share] : shares) {
+      Queue& q = queues_[who];  // a client whose only task rode in this one may have none left
+      if (q.tasks.empty() && q.vtime < vtime_) q.vtime = vtime_;
+      q.vtime += seconds * (std::max(0.0, share) / total) / WeightOf(who);
+    }
     // Idle: the virtual time moves to the furthest any client has got, so clients that join
     // later start level with everyone, and idle clients owe nothing (and are forgotten).
     if (queued_ == 0) {

@@ -20,6 +20,8 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace gradwire::core {
 
@@ -41,6 +43,11 @@ class DeviceExecutor {
   void Submit(const std::string& client, std::function<void()> task);
   // The same for work of no client in particular (housekeeping), queued as client "".
   void Submit(std::function<void()> task) { Submit(std::string(), std::move(task)); }
+
+  // From inside a running task (on the worker): charge its run time to these clients in
+  // proportion to their shares instead of to the client that submitted it (a batch charges its
+  // members' clients by their rows).
+  void ShareCurrentTask(std::vector<std::pair<std::string, double>> shares);
 
   // Tasks queued and not yet started, in all and of one client.
   int64_t queued() const;
@@ -70,6 +77,8 @@ class DeviceExecutor {
   double vtime_ = 0;  // the virtual time of the task started last
   uint64_t joins_ = 0;
   bool stopping_ = false;
+  // The running task's ShareCurrentTask; touched only on the worker thread.
+  std::vector<std::pair<std::string, double>> shares_;
   std::thread worker_;
 };
 

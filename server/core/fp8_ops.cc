@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "server/core/status_macros.h"
 
 namespace gradwire::core {
@@ -41,6 +43,55 @@ Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i) {
 bool WorkspaceUsable(const WorkspacePtr& ws, uint64_t weight_version, bool training) {
   return ws && ws->weight_version == weight_version && !ws->weights.empty() &&
          (!training || ws->has_columnwise());
+}
+
+absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
+                                   const QuantizerConfig& config, CastUsage usage) {
+  if (!config.row_groups) return backend.Cast(x, config, usage);
+  QuantizerConfig one = config;
+  one.row_groups = nullptr;
+  one.steps = nullptr;
+  std::vector<Fp8Tensor> parts;
+  parts.reserve(config.row_groups->size());
+  int64_t row = 0;
+  for (int64_t rows : *config.row_groups) {
+    if (rows <= 0 || row + rows > x.size(0)) break;
+    if (config.steps) one.scale = config.steps->NextScale();
+    GW_ASSIGN_OR_RETURN(Fp8Tensor part, backend.Cast(x.narrow(0, row, rows), one, usage));
+    if (config.steps) config.steps->Stepped(part.amax);
+    parts.push_back(std::move(part));
+    row += rows;
+  }
+  if (row != x.size(0) || parts.size() != config.row_groups->size()) {
+    return absl::InternalError("CastRows: the row groups do not add up to the tensor's rows");
+  }
+  return StackRows(std::move(parts));
+}
+
+Fp8Tensor StackRows(std::vector<Fp8Tensor> parts) {
+  if (parts.size() == 1) return std::move(parts[0]);
+  Fp8Tensor out;
+  if (parts.empty()) return out;
+  out.format = parts[0].format;
+  out.cols = parts[0].cols;
+  out.amax = 0.0f;
+  for (const Fp8Tensor& p : parts) {
+    out.rows += p.rows;
+    if (std::isnan(p.amax) || std::isnan(out.amax) || p.amax > out.amax) {
+      out.amax = std::isnan(out.amax) ? out.amax : p.amax;
+    }
+  }
+  out.groups = std::move(parts);
+  return out;
+}
+
+at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows) {
+  return t.narrow(0, row, rows).clone();
+}
+
+at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
+                     const at::Tensor& bias) {
+  return x.grouped() ? backend.FpropGroups(x, w, bias) : backend.Fprop(x, w, bias);
 }
 
 const Backend& BackendOr(const Backend* backend) {

@@ -74,6 +74,20 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
                                                     const std::vector<QuantizerConfig>& quantizers,
                                                     const std::vector<at::Tensor>& aux = {});
 
+// Batches (docs/batching.md). A cast that honours config.row_groups: each group of rows cast on
+// its own by `backend.Cast`, exactly as alone, the result row-grouped; without row_groups, just
+// backend.Cast. INTERNAL when the groups do not add up to x's rows.
+absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
+                                   const QuantizerConfig& config, CastUsage usage);
+// A tensor stacking `parts` (each [rows_i, cols], one per request) by rows: row-grouped when
+// there are several, the part itself when there is one.
+Fp8Tensor StackRows(std::vector<Fp8Tensor> parts);
+// Rows [row, row + rows) of t, a copy of their own (what one request of a batch keeps).
+at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows);
+// y = x . w^T (+ bias) for x row-grouped or not: Backend::FpropGroups or Backend::Fprop.
+at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
+                     const at::Tensor& bias);
+
 // The backend a module's arguments name, or the reference backend when they name none.
 const Backend& BackendOr(const Backend* backend);
 

@@ -30,12 +30,20 @@ struct Fp8Tensor {
   // scale_inv in device memory (fp32 [1], 16-byte aligned) for backends whose GEMM reads it from
   // there (CUDA); undefined on the CPU backend. Always equal to `scale_inv`.
   at::Tensor scale_inv_device;
+  // A row-grouped tensor (the rows of a batch of requests, each cast on its own as if alone):
+  // these parts, stacked by rows, each with its own scale, scale_inv and amax and its own copies.
+  // Then rowwise and columnwise stay undefined here, rows is the parts' total, amax their largest
+  // (NaN when one is NaN) and scale / scale_inv mean nothing. Empty for an ordinary tensor.
+  std::vector<Fp8Tensor> groups;
 
   bool has_rowwise() const { return rowwise.defined(); }
   bool has_columnwise() const { return columnwise.defined(); }
+  bool grouped() const { return !groups.empty(); }
   // Bytes of FP8 codes held (both copies).
   int64_t bytes() const {
-    return (has_rowwise() ? rows * cols : 0) + (has_columnwise() ? rows * cols : 0);
+    int64_t total = (has_rowwise() ? rows * cols : 0) + (has_columnwise() ? rows * cols : 0);
+    for (const Fp8Tensor& g : groups) total += g.bytes();
+    return total;
   }
 };
 

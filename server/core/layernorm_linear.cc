@@ -64,11 +64,27 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
   const LayerNormOut ln = LayerNormHead(b, args, &result, saved.get());
   const bool keep_columnwise = args.training && !args.spec->checkpoint;
   const QuantizerConfig& q = args.quantizers[kInputRole];
-  GW_ASSIGN_OR_RETURN(Fp8Tensor x, b.Cast(ln.y, q, {true, keep_columnwise}));
+  GW_ASSIGN_OR_RETURN(Fp8Tensor x, CastRows(b, ln.y, q, {true, keep_columnwise}));
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = b.Fprop(x, w, p[Param::kBias]);
+  result.output = FpropRows(b, x, w, p[Param::kBias]);
   result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
-  if (saved) {
+  if (saved && x.grouped()) {  // a batch: each request keeps its own rows
+    int64_t row = 0;
+    for (Fp8Tensor& g : x.groups) {
+      auto one = std::make_shared<LayerNormLinearSaved>();
+      one->input = RowsOf(saved->input, row, g.rows);
+      one->mu = RowsOf(saved->mu, row, g.rows);
+      one->rstd = RowsOf(saved->rstd, row, g.rows);
+      one->input_quantizer = ReplayOf(q, g);
+      row += g.rows;
+      if (keep_columnwise) {
+        g.rowwise = at::Tensor();
+        one->ln_out = std::move(g);
+      }
+      one->workspace = PinForBackward(result.workspace);
+      result.saved_groups.push_back(std::move(one));
+    }
+  } else if (saved) {
     saved->input_quantizer = ReplayOf(q, x);
     if (keep_columnwise) {
       x.rowwise = at::Tensor();

@@ -19,11 +19,11 @@ absl::StatusOr<MlpHidden> Hidden(const Backend& b, const at::Tensor& ln_y, const
                                  const QuantizerConfig& q1, const QuantizerConfig& q2,
                                  CastUsage usage) {
   MlpHidden h;
-  GW_ASSIGN_OR_RETURN(h.ln_q, b.Cast(ln_y, q1, usage));
+  GW_ASSIGN_OR_RETURN(h.ln_q, CastRows(b, ln_y, q1, usage));
   if (usage.rowwise) {
-    h.fc1_out = b.Fprop(h.ln_q, w1, fc1_bias);
+    h.fc1_out = FpropRows(b, h.ln_q, w1, fc1_bias);
     at::Tensor act_out = b.ActivationForward(act, h.fc1_out, ffn);
-    GW_ASSIGN_OR_RETURN(h.act_q, b.Cast(act_out, q2, usage));
+    GW_ASSIGN_OR_RETURN(h.act_q, CastRows(b, act_out, q2, usage));
   }
   return h;
 }
@@ -57,12 +57,36 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
   GW_ASSIGN_OR_RETURN(MlpHidden h,
                       Hidden(b, ln.y, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
                              q[kFc1InputRole], q[kFc2InputRole], {true, keep}));
-  result.output = b.Fprop(h.act_q, w2, p[Param::kFc2Bias]);
+  result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias]);
   result.amaxes = {{kFc1InputRole, h.ln_q.amax},
                    {kFc1WeightRole, w1.amax},
                    {kFc2InputRole, h.act_q.amax},
                    {kFc2WeightRole, w2.amax}};
-  if (saved) {
+  if (saved && h.ln_q.grouped()) {  // a batch: each request keeps its own rows
+    const WorkspacePtr pinned = PinForBackward(result.workspace, /*needs_rowwise=*/!keep);
+    int64_t row = 0;
+    for (size_t i = 0; i < h.ln_q.groups.size(); ++i) {
+      Fp8Tensor& ln_q = h.ln_q.groups[i];
+      Fp8Tensor& act_q = h.act_q.groups.at(i);
+      const int64_t rows = ln_q.rows;
+      auto one = std::make_shared<LayerNormMlpSaved>();
+      one->input = RowsOf(saved->input, row, rows);
+      one->mu = RowsOf(saved->mu, row, rows);
+      one->rstd = RowsOf(saved->rstd, row, rows);
+      one->fc1_input_quantizer = ReplayOf(q[kFc1InputRole], ln_q);
+      one->fc2_input_quantizer = ReplayOf(q[kFc2InputRole], act_q);
+      if (keep) {
+        ln_q.rowwise = at::Tensor();
+        act_q.rowwise = at::Tensor();
+        one->ln_out = std::move(ln_q);
+        one->fc1_out = RowsOf(h.fc1_out, row, rows);
+        one->act_out = std::move(act_q);
+      }
+      row += rows;
+      one->workspace = pinned;
+      result.saved_groups.push_back(std::move(one));
+    }
+  } else if (saved) {
     saved->fc1_input_quantizer = ReplayOf(q[kFc1InputRole], h.ln_q);
     saved->fc2_input_quantizer = ReplayOf(q[kFc2InputRole], h.act_q);
     if (keep) {

@@ -35,18 +35,26 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
   if (codes != nullptr) {
     x = *codes;
   } else {
-    GW_ASSIGN_OR_RETURN(x, b.Cast(args.input, args.quantizers[kInputRole],
-                                  {/*rowwise=*/true, /*columnwise=*/args.training}));
+    GW_ASSIGN_OR_RETURN(x, CastRows(b, args.input, args.quantizers[kInputRole],
+                                    {/*rowwise=*/true, /*columnwise=*/args.training}));
   }
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = b.Fprop(x, w, args.params[Param::kBias]);
+  result.output = FpropRows(b, x, w, args.params[Param::kBias]);
   result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
   if (args.training) {
-    x.rowwise = at::Tensor();
-    auto saved = std::make_shared<LinearSaved>();
-    saved->input = std::move(x);
-    saved->workspace = PinForBackward(result.workspace);
-    result.saved = std::move(saved);
+    const WorkspacePtr pinned = PinForBackward(result.workspace);
+    auto keep = [&](Fp8Tensor input) {
+      auto saved = std::make_shared<LinearSaved>();
+      input.rowwise = at::Tensor();
+      saved->input = std::move(input);
+      saved->workspace = pinned;
+      return saved;
+    };
+    if (x.grouped()) {
+      for (Fp8Tensor& g : x.groups) result.saved_groups.push_back(keep(std::move(g)));
+    } else {
+      result.saved = keep(std::move(x));
+    }
   }
   return result;
 }

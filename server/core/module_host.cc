@@ -295,6 +295,197 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
   }
 }
 
+namespace {
+
+// One role's steps across a training batch: a copy of its scaling state, stepped once per
+// request as CastRows casts each request's rows, and the amaxes it saw.
+class RoleSteps final : public ScaleSteps {
+ public:
+  explicit RoleSteps(ScalingState state) : state_(std::move(state)) {}
+  float NextScale() override { return state_.Quantizer().scale; }
+  void Stepped(float amax) override {
+    amaxes.push_back(amax);
+    state_.Record(amax);
+    state_.Roll();
+  }
+  std::vector<float> amaxes;
+
+ private:
+  ScalingState state_;
+};
+
+}  // namespace
+
+std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
+    const std::string& module_id, const std::vector<const WireForwardRequest*>& reqs) {
+  std::vector<absl::StatusOr<WireForwardOutput>> results(
+      reqs.size(), absl::InternalError("ForwardBatch: request not run"));
+  auto alone = [&](const std::vector<size_t>& which) {
+    for (size_t i : which) results[i] = Forward(module_id, *reqs[i]);
+  };
+  absl::StatusOr<std::shared_ptr<Module>> found = Find(module_id);
+  if (!found.ok()) {
+    for (auto& r : results) r = found.status();
+    return results;
+  }
+  const std::shared_ptr<Module> m = *std::move(found);
+  const int64_t k = m->spec.in_features;
+  // The batch: the well-formed requests (a malformed one gets its own error, which changes
+  // nothing). They must all be training or all inference, and reach the kind the same way (FP8
+  // codes as they came, or values); a training batch takes values. Otherwise every request runs
+  // alone, in order.
+  std::vector<size_t> members;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (absl::Status s = CheckViewShape("input", reqs[i]->input, k, "in_features"); !s.ok()) {
+      results[i] = s;
+    } else {
+      members.push_back(i);
+    }
+  }
+  auto codes_of = [&](size_t i) {
+    return wire::IsFp8(reqs[i]->input.dtype) && m->kind->UsesFp8Input();
+  };
+  const bool training = !members.empty() && reqs[members[0]]->training;
+  const bool codes = !members.empty() && codes_of(members[0]);
+  bool uniform = !(training && codes);
+  for (size_t i : members)
+    uniform = uniform && reqs[i]->training == training && codes_of(i) == codes;
+  if (members.size() <= 1 || !uniform) {
+    alone(members);
+    return results;
+  }
+  const Backend& b = *backend_;
+  const size_t n = members.size();
+  auto groups = std::make_shared<std::vector<int64_t>>();
+  std::vector<at::Tensor> inputs;
+  std::vector<Fp8Tensor> parts;
+  for (size_t i : members) {
+    const wire::TensorView& v = reqs[i]->input;
+    groups->push_back(v.numel() / k);
+    Fp8Tensor part;
+    inputs.push_back(
+        b.ToDevice(b.FromWire(v, groups->back(), k, codes ? &part : nullptr, {true, false})));
+    if (codes) parts.push_back(std::move(part));
+  }
+  const at::Tensor x = at::cat(inputs, 0);
+  inputs.clear();
+  const Fp8Tensor input_codes = StackRows(std::move(parts));
+  compute_calls_.fetch_add(int64_t(n), std::memory_order_relaxed);
+  KindForwardResult r;
+  std::vector<std::string> context_ids(n);
+  std::vector<absl::Status> put(n);
+  uint64_t version = 0;
+  bool batched = false;
+  {
+    std::lock_guard<std::mutex> lock(m->mu);
+    m->SyncDevice();
+    KindForwardArgs args;
+    args.backend = &b;
+    args.spec = &m->spec;
+    args.input = x;
+    args.input_fp8 = codes ? &input_codes : nullptr;
+    args.params = m->DeviceTable();
+    args.quantizers = m->Quantizers();
+    const std::vector<RoleDef>& roles = m->kind->Roles();
+    std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
+    for (size_t role = 0; role < roles.size(); ++role) {
+      if (roles[role].weight) continue;
+      args.quantizers[role].row_groups = groups;
+      if (training) {
+        steps[role] = std::make_shared<RoleSteps>(m->scaling[role]);
+        args.quantizers[role].steps = steps[role];
+      }
+    }
+    args.weight_version = m->version;
+    args.workspace = m->workspace;
+    args.training = training;
+    // A refusal, a non-finite value, or saved state over the budget: the requests run alone, so
+    // each gets the answer Forward gives it (and the one that caused it its message).
+    absl::StatusOr<KindForwardResult> done = m->kind->Forward(args);
+    batched = done.ok();
+    if (batched) r = *std::move(done);
+    // Per request and role, the amax its step records: a cast's own, a weight's for every one.
+    std::vector<std::vector<RoleAmax>> step_amaxes(n);
+    for (const auto& [role, amax] : r.amaxes) {
+      if (!roles.at(role).weight && !std::isfinite(amax)) batched = false;
+      for (size_t j = 0; j < n && batched; ++j) {
+        if (!training) break;
+        const std::shared_ptr<RoleSteps>& st = steps.at(role);
+        if (st && st->amaxes.size() != n) {
+          batched = false;  // not one cast per request: the steps would not be the sequence's
+        } else {
+          step_amaxes[j].emplace_back(role, st ? st->amaxes[j] : amax);
+        }
+      }
+    }
+    if (batched && training) {
+      batched = r.saved_groups.size() == n;
+      for (size_t j = 0; j < n && batched; ++j) {
+        batched = contexts_.CheckFits(r.saved_groups[j]->bytes()).ok();
+      }
+    }
+    if (batched) {
+      if (training) {
+        for (size_t j = 0; j < n; ++j) m->EndStep(step_amaxes[j]);
+      }
+      if (r.workspace_built) workspace_builds_.fetch_add(1);
+      workspace_hits_.fetch_add(int64_t(n) - (r.workspace_built ? 1 : 0));
+      m->workspace = r.workspace;
+      version = m->version;
+      for (size_t j = 0; training && j < n; ++j) {
+        r.saved_groups[j]->input_shape = reqs[members[j]]->input.shape;
+        absl::StatusOr<std::string> id =
+            contexts_.Put(module_id, m->version, std::move(r.saved_groups[j]), m->tenant,
+                          reqs[members[j]]->client);
+        if (id.ok()) {
+          context_ids[j] = *std::move(id);
+        } else {
+          put[j] = id.status();
+        }
+      }
+    }
+  }
+  if (!batched) {
+    compute_calls_.fetch_sub(int64_t(n), std::memory_order_relaxed);
+    alone(members);
+    return results;
+  }
+  batched_forwards_.fetch_add(int64_t(n), std::memory_order_relaxed);
+  int64_t row = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const WireForwardRequest& req = *reqs[members[j]];
+    const int64_t rows = (*groups)[j];
+    const int64_t at_row = row;
+    row += rows;
+    if (!put[j].ok()) {
+      results[members[j]] = put[j];
+      continue;
+    }
+    // From here a context must not outlive a failure: nobody would ever consume it.
+    try {
+      WireForwardOutput out;
+      std::vector<int64_t> out_shape = req.input.shape;
+      out_shape.back() = m->spec.out_features;
+      out.output =
+          b.ToWire(r.output.narrow(0, at_row, rows), req.output_dtype, std::move(out_shape));
+      if (r.layernorm_output.defined()) {
+        out.layernorm_output =
+            b.ToWire(r.layernorm_output.narrow(0, at_row, rows), req.output_dtype, req.input.shape);
+        out.has_layernorm_output = true;
+      }
+      out.context_id = context_ids[j];
+      out.weight_version = version;
+      results[members[j]] = std::move(out);
+    } catch (...) {
+      for (size_t rest = 0; rest < n; ++rest) {
+        if (!context_ids[rest].empty()) (void)contexts_.Release(context_ids[rest]);
+      }
+      throw;
+    }
+  }
+  return results;
+}
+
 absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
     const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& input,
     const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* fp8,
@@ -681,6 +872,7 @@ HostStats ModuleHost::Stats() const {
   s.workspace_builds = workspace_builds_.load();
   s.workspace_hits = workspace_hits_.load();
   s.compute_calls = compute_calls_.load();
+  s.batched_forwards = batched_forwards_.load();
   return s;
 }
 

@@ -105,7 +105,8 @@ struct HostStats {
   ContextStats contexts;         // budgets: offloads, restores, evictions
   int64_t workspace_builds = 0;  // FP8 weight casts (cache misses)
   int64_t workspace_hits = 0;
-  int64_t compute_calls = 0;  // forwards and backwards started (housekeeping's idle test)
+  int64_t compute_calls = 0;     // forwards and backwards started (housekeeping's idle test)
+  int64_t batched_forwards = 0;  // forwards computed in a batch with others (ForwardBatch)
 };
 
 class ModuleHost {
@@ -150,6 +151,19 @@ class ModuleHost {
   // exceed the context memory budget.
   absl::StatusOr<WireForwardOutput> Forward(const std::string& module_id,
                                             const WireForwardRequest& req);
+  // Forwards of several requests to one module as one backend call over their rows stacked
+  // (docs/batching.md): every request's result, and for training its context and the scaling
+  // state after it, is bit for bit what Forward gives when the requests run alone one after
+  // another in this order. Each cast of an activation is one per request (its own amax and
+  // scale; under delayed scaling a training request casts with the scale the steps of the
+  // requests before it left, and is one step of the history), and the GEMMs apply each
+  // request's scale_inv to its rows. Each training request's context holds only its own rows.
+  // A malformed request gets its own error and the others go on; when a value comes out
+  // non-finite, a context would not fit, or the requests are not all of one kind (all training
+  // or all inference, reaching the module the same way; training with FP8 codes is not
+  // batched), every request runs alone through Forward, in order. One result per request.
+  std::vector<absl::StatusOr<WireForwardOutput>> ForwardBatch(
+      const std::string& module_id, const std::vector<const WireForwardRequest*>& reqs);
   // Accumulates the parameter gradients into the module's buffers; the context is freed before
   // this returns unless `req.retain`. Returns grad_input encoded as asked (none with
   // skip_grad_input).
@@ -219,6 +233,7 @@ class ModuleHost {
   std::atomic<int64_t> workspace_builds_{0};
   std::atomic<int64_t> workspace_hits_{0};
   std::atomic<int64_t> compute_calls_{0};
+  std::atomic<int64_t> batched_forwards_{0};
 };
 
 }  // namespace gradwire::core

@@ -79,7 +79,10 @@ struct KindForwardResult {
   WorkspacePtr workspace;       // args.workspace when usable, else a new one
   bool workspace_built = false;
   std::shared_ptr<SavedTensors> saved;  // training only
-  std::vector<RoleAmax> amaxes;         // what this forward measured, per role
+  // Training over a batch (the input quantizer has row_groups): one saved state per request, in
+  // order, each holding only that request's rows; `saved` is then null.
+  std::vector<std::shared_ptr<SavedTensors>> saved_groups;
+  std::vector<RoleAmax> amaxes;  // what this forward measured, per role
 };
 
 // Everything a kind's backward reads and writes; tensors live on `backend`'s device. The

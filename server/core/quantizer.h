@@ -3,11 +3,27 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <memory>
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/fp8.h"
 #include "server/core/fp8_tensor.h"
 
 namespace gradwire::core {
+
+// Delayed scaling across a batch of training forwards (CastRows): each request is a step of its
+// role's amax history, so request g casts with the scale the steps of requests 0 .. g-1 left.
+// CastRows asks for each group's scale, in order, and reports each group's amax as one step.
+class ScaleSteps {
+ public:
+  virtual ~ScaleSteps() = default;
+  // The next group's quantizer scale (0: current scaling, from its own amax).
+  virtual float NextScale() = 0;
+  // That group's cast measured `amax`: one step.
+  virtual void Stepped(float amax) = 0;
+};
 
 // How one cast chooses its scale.
 struct QuantizerConfig {
@@ -16,6 +32,12 @@ struct QuantizerConfig {
   // > 0: cast with exactly this scale (delayed scaling: it came from the amax history).
   // 0: current scaling, the scale comes from the tensor's own amax.
   float scale = 0.0f;
+  // A batch (CastRows, fp8_ops.h): the cast's input is several requests' rows stacked, this many
+  // rows each, in order. Each group is cast on its own with the settings above, exactly as it
+  // would be alone, and the result is row-grouped (Fp8Tensor::groups). Null: one tensor.
+  std::shared_ptr<const std::vector<int64_t>> row_groups;
+  // With row_groups, a training batch: each group's scale comes from here (ScaleSteps above).
+  std::shared_ptr<ScaleSteps> steps;
 };
 
 // Which copies of the FP8 data a cast writes.
@@ -38,9 +60,12 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 
 // The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
 // backward must use so its FP8 data is bit-identical to the forward's.
+// A replay is of one cast (one group of a batch): it carries no row groups or steps.
 inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {
   QuantizerConfig replay = config;
   replay.scale = cast.scale;
+  replay.row_groups = nullptr;
+  replay.steps = nullptr;
   return replay;
 }
 

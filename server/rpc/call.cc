@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <string_view>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "server/core/executor.h"
@@ -158,7 +159,7 @@ absl::Status CallBase::Authenticate(grpc::CallbackServerContext* ctx) {
 
 absl::Status CallBase::AdmitAndRun(const std::string& module_id, const std::string& context_id,
                                    RunOn on, std::function<void(absl::Status)> run,
-                                   std::function<void(absl::Status)> on_error) {
+                                   std::function<void(absl::Status)> on_error, Submitter submit) {
   Admission admission;
   GW_RETURN_IF_ERROR(
       env_.Admit(*caller_, module_id, context_id, on == RunOn::kInline ? nullptr : &admission));
@@ -198,7 +199,11 @@ absl::Status CallBase::AdmitAndRun(const std::string& module_id, const std::stri
       task();
       break;
     case RunOn::kDevice:
-      env_.executor().Submit(caller_->client, std::move(task));
+      if (submit) {
+        submit(std::move(task));
+      } else {
+        env_.executor().Submit(caller_->client, std::move(task));
+      }
       break;
     case RunOn::kControl:
       env_.control().Submit(caller_->client, std::move(task));
@@ -229,31 +234,65 @@ class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
   UnaryCall(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method)
       : Call(env, ctx, method) {}
 
-  void Start(grpc::CallbackServerContext* ctx, UnaryWork work, std::string module_id,
+  void Start(grpc::CallbackServerContext* ctx, DeferrableWork work, std::string module_id,
              std::string context_id, RequestSize request,
-             std::function<std::string()> created_context, RunOn on) {
+             std::function<std::string()> created_context, RunOn on,
+             std::function<void(const Caller&, std::function<void()>)> submit = nullptr) {
     NoteIds(module_id, context_id);
     absl::Status refused = Authenticate(ctx);
     if (refused.ok() && request.bytes >= 0) refused = env_.CheckRequestBytes(request.bytes);
     if (refused.ok()) {
+      Submitter submitter;
+      if (submit) {
+        submitter = [this, submit = std::move(submit)](std::function<void()> task) {
+          submit(caller(), std::move(task));
+        };
+      }
       refused = AdmitAndRun(
           module_id, context_id, on,
           [this, work = std::move(work),
            created_context = std::move(created_context)](absl::Status started) {
-            absl::Status status = started.ok() ? work(caller(), *this) : started;
-            if (env_.options().before_unary_finish) {
-              env_.options().before_unary_finish(method_, status);
-            }
-            std::lock_guard<std::mutex> lock(mu_);
-            if (status.ok() && created_context) created_ = created_context();
-            EndLocked(std::move(status));
+            std::unique_ptr<PendingUnary> pending = std::make_unique<Pending>(this);
+            absl::Status status = started.ok() ? work(caller(), *this, &pending) : started;
+            if (pending == nullptr) return;  // the work finishes the call later
+            static_cast<Pending*>(pending.get())
+                ->Finish(status,
+                         status.ok() && created_context ? created_context() : std::string());
           },
-          [this](absl::Status failed) { End(std::move(failed)); });
+          [this](absl::Status failed) { End(std::move(failed)); }, std::move(submitter));
     }
     if (!refused.ok()) End(refused);
   }
 
  private:
+  // The call's end, now or later; holds a reference to the call while unfinished.
+  class Pending final : public PendingUnary {
+   public:
+    explicit Pending(UnaryCall* call) : call_(call) { call_->Ref(); }
+    ~Pending() override {
+      if (call_ != nullptr) {
+        Finish(absl::InternalError(absl::StrCat(call_->method_, " failed before it finished")), {});
+      }
+    }
+    void Finish(absl::Status status, std::string created_context) override {
+      if (call_ == nullptr) return;
+      UnaryCall* call = std::exchange(call_, nullptr);
+      if (call->env_.options().before_unary_finish) {
+        call->env_.options().before_unary_finish(call->method_, status);
+      }
+      {
+        std::lock_guard<std::mutex> lock(call->mu_);
+        if (status.ok()) call->created_ = std::move(created_context);
+        call->EndLocked(std::move(status));
+      }
+      call->Unref();
+    }
+    const CallBase& call() const override { return *call_; }
+
+   private:
+    UnaryCall* call_;
+  };
+
   void Cancelled() override {
     if (env_.options().on_unary_cancel) env_.options().on_unary_cancel(method_);
   }
@@ -277,8 +316,21 @@ grpc::ServerUnaryReactor* StartUnary(CallEnv& env, grpc::CallbackServerContext* 
                                      std::function<std::string()> created_context,
                                      CallBase::RunOn on) {
   auto* call = new UnaryCall(env, ctx, method);
-  call->Start(ctx, std::move(work), std::move(module_id), std::move(context_id), request,
-              std::move(created_context), on);
+  call->Start(
+      ctx,
+      [work = std::move(work)](const Caller& caller, const CallBase& c,
+                               std::unique_ptr<PendingUnary>*) { return work(caller, c); },
+      std::move(module_id), std::move(context_id), request, std::move(created_context), on);
+  return call;
+}
+
+grpc::ServerUnaryReactor* StartDeferrableUnary(
+    CallEnv& env, grpc::CallbackServerContext* ctx, const char* method, DeferrableWork work,
+    std::function<void(const Caller&, std::function<void()> task)> submit, std::string module_id,
+    RequestSize request, std::function<std::string()> created_context) {
+  auto* call = new UnaryCall(env, ctx, method);
+  call->Start(ctx, std::move(work), std::move(module_id), {}, request, std::move(created_context),
+              CallBase::RunOn::kDevice, std::move(submit));
   return call;
 }
 

@@ -154,9 +154,12 @@ class CallBase {
   // CANCELLED when the call was abandoned before it started (it must then only answer). An
   // exception from `run` is logged and becomes `on_error(INTERNAL)`. Returns the refusal, and
   // runs nothing, when the call is not admitted. Inline work is counted in no queue.
+  // `submit`, when given, queues the work instead of `on`'s executor (a batch former that puts
+  // it in a batch and runs it on the device executor).
+  using Submitter = std::function<void(std::function<void()> task)>;
   absl::Status AdmitAndRun(const std::string& module_id, const std::string& context_id, RunOn on,
                            std::function<void(absl::Status started)> run,
-                           std::function<void(absl::Status)> on_error);
+                           std::function<void(absl::Status)> on_error, Submitter submit = nullptr);
   // What the report names (bounded and escaped when reported).
   void NoteIds(std::string module_id, std::string context_id);
   // Step 6, from OnDone.
@@ -240,6 +243,30 @@ struct RequestSize {
 // A unary call's work: runs once, unless the call was abandoned before it started, and returns
 // the status the call finishes with.
 using UnaryWork = std::function<absl::Status(const Caller&, const CallBase&)>;
+
+// A unary call whose end was handed on by its work (to the rest of a batch): it holds a reference
+// to the call until it finishes it. Destroyed unfinished, it finishes the call with INTERNAL.
+class PendingUnary {
+ public:
+  virtual ~PendingUnary() = default;
+  // Finishes the call with `status` (at most once). `created_context` names a context the work
+  // created: released when the response does not reach the client.
+  virtual void Finish(absl::Status status, std::string created_context = {}) = 0;
+  virtual const CallBase& call() const = 0;
+};
+
+// Work that may finish its call later: it returns the status to finish with now, or moves
+// `*pending` out, returns OK, and finishes the call through it.
+using DeferrableWork = std::function<absl::Status(const Caller&, const CallBase&,
+                                                  std::unique_ptr<PendingUnary>* pending)>;
+
+// StartUnary for deferrable work queued by `submit` (which gets the caller, for its client and
+// tenant, and the task to queue) instead of on an executor: a request the dynamic batcher puts
+// in a batch.
+grpc::ServerUnaryReactor* StartDeferrableUnary(
+    CallEnv& env, grpc::CallbackServerContext* ctx, const char* method, DeferrableWork work,
+    std::function<void(const Caller&, std::function<void()> task)> submit, std::string module_id,
+    RequestSize request, std::function<std::string()> created_context);
 
 // Starts a unary call through the lifecycle: authenticated, measured against --max-request-bytes
 // (`request`), admitted for `module_id` / `context_id`, then `work` runs `on` its executor.

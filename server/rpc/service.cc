@@ -73,6 +73,9 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
           }},
       checks_(host_, env_, options_.limits),
       env_(host, executor, options_, quotas_) {
+  if (options_.batching.enabled()) {
+    batcher_ = std::make_unique<core::BatchFormer>(executor, options_.batching, options_.on_batch);
+  }
   // Modules already here (restored from checkpoints) count for their tenants.
   for (const core::ModuleInfo& info : host_.List()) {
     if (info.tenant.empty()) continue;
@@ -183,19 +186,27 @@ GradwireService::Unary* GradwireService::DeleteModule(Ctx* ctx, const v1::Delete
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
                                         v1::ForwardResponse* resp, const CallBase& call,
                                         const wire::ReceivedMessage* raw) {
-  const auto start = std::chrono::steady_clock::now();
+  PreparedForward p;
+  GW_RETURN_IF_ERROR(PrepareForward(caller, req, call, raw, &p));
+  // The request's bytes go to the backend as they are (FP8 as codes, bf16 as 2-byte values); the
+  // outputs come back encoded.
+  return FinishForward(caller, req, resp, call, p, host_.Forward(req.module_id(), p.f));
+}
+
+absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::ForwardRequest& req,
+                                             const CallBase& call, const wire::ReceivedMessage* raw,
+                                             PreparedForward* p) {
+  p->start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(env_.CheckModule(caller, req.module_id()));
   if (!req.has_input()) return absl::InvalidArgumentError("input is required");
   GW_ASSIGN_OR_RETURN(const wire::DType output_dtype,
                       wire::OutputDType(req.output_dtype(), "output_dtype"));
   const std::string owner = RegionOwner(caller);
   // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
-  core::WireForwardRequest f;
-  StagingBuffer staged;  // the input's bytes, when they lie in shared memory
-  double transfer = 0;
+  core::WireForwardRequest& f = p->f;
   {
-    TransferTimer timer(transfer);
-    GW_ASSIGN_OR_RETURN(f.input, staging_.Stage(owner, req.input(), "input", &staged, raw, 2));
+    TransferTimer timer(p->transfer);
+    GW_ASSIGN_OR_RETURN(f.input, staging_.Stage(owner, req.input(), "input", &p->staged, raw, 2));
   }
   GW_RETURN_IF_ERROR(checks_.CheckForward(caller, req));
   f.training = req.training();
@@ -221,9 +232,16 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
     return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
   }
   if (options_.before_forward_compute) options_.before_forward_compute();
-  // The request's bytes go to the backend as they are (FP8 as codes, bf16 as 2-byte values); the
-  // outputs come back encoded.
-  GW_ASSIGN_OR_RETURN(core::WireForwardOutput out, host_.Forward(req.module_id(), f));
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::FinishForward(const Caller& caller, const v1::ForwardRequest& req,
+                                            v1::ForwardResponse* resp, const CallBase& call,
+                                            PreparedForward& p,
+                                            absl::StatusOr<core::WireForwardOutput> computed) {
+  GW_RETURN_IF_ERROR(computed.status());
+  core::WireForwardOutput& out = *computed;
+  const std::string owner = RegionOwner(caller);
   // A context is only worth returning when the response can still reach the client in time.
   if (!out.context_id.empty() && call.Abandoned(options_.delivery_slack)) {
     (void)host_.ReleaseContext(out.context_id, core::ContextStore::ReleaseReason::kUndelivered);
@@ -233,7 +251,7 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   }
   absl::Status delivered;
   {
-    TransferTimer timer(transfer);
+    TransferTimer timer(p.transfer);
     delivered =
         staging_.Deliver(owner, req.has_output_shared_memory(), req.output_shared_memory(),
                          "output_shared_memory", std::move(out.output), resp->mutable_output());
@@ -250,7 +268,7 @@ absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardR
   }
   resp->set_context_id(out.context_id);
   resp->set_weight_version(out.weight_version);
-  resp->set_server_seconds(SecondsSince(start) - transfer);
+  resp->set_server_seconds(SecondsSince(p.start) - p.transfer);
   return absl::OkStatus();
 }
 
@@ -352,9 +370,117 @@ GradwireService::Unary* GradwireService::RawUnary(Ctx* ctx, const char* method,
 
 GradwireService::Unary* GradwireService::Forward(Ctx* ctx, const grpc::ByteBuffer* req,
                                                  grpc::ByteBuffer* resp) {
+  if (batcher_) return BatchedForward(ctx, req, resp);
   return RawUnary<v1::ForwardRequest, v1::ForwardResponse>(
       ctx, "Forward", req, resp, wire::kForwardRequestTensors, wire::kForwardResponseTensors,
       &GradwireService::DoForward);
+}
+
+GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                        grpc::ByteBuffer* resp) {
+  // One request: its message, and what passes between the halves of its work.
+  struct Slot {
+    wire::ReceivedMessage received;
+    v1::ForwardRequest req;
+    v1::ForwardResponse resp;
+    absl::Status parsed;
+    grpc::ByteBuffer* out = nullptr;
+    PreparedForward prepared;
+    const Caller* caller = nullptr;         // the call's, alive while `pending` holds it
+    std::unique_ptr<PendingUnary> pending;  // set when prepared: the batch finishes the call
+    std::function<void()> task;             // the call's queued work, until the batch runs it
+  };
+  auto slot = std::make_shared<Slot>();
+  slot->out = resp;
+  slot->parsed = slot->received.Parse(*req, &slot->req, wire::kForwardRequestTensors);
+  const RequestIds ids = slot->parsed.ok() ? IdsOf(slot->req) : RequestIds{};
+  // In a batch: forwards keyed by module, training or not, and input dtype (how the input
+  // reaches the kind); rows bound the batch.
+  const bool batchable = slot->parsed.ok() && slot->req.has_input() &&
+                         !slot->req.input().shape().empty() &&
+                         slot->req.input().shape(slot->req.input().shape_size() - 1) > 0;
+  int64_t rows = 1;
+  if (batchable) {
+    for (int i = 0; i + 1 < slot->req.input().shape_size(); ++i) {
+      rows = std::min<int64_t>(int64_t(1) << 40,
+                               rows * std::max<int64_t>(0, slot->req.input().shape(i)));
+    }
+  }
+  const std::string key =
+      absl::StrCat(slot->req.module_id(), slot->req.training() ? "/train/" : "/",
+                   int(slot->req.input().dtype()));
+  return StartDeferrableUnary(
+      env_, ctx, "Forward",
+      [this, slot, batchable](const Caller& caller, const CallBase& call,
+                              std::unique_ptr<PendingUnary>* pending) -> absl::Status {
+        GW_RETURN_IF_ERROR(slot->parsed);
+        if (!batchable) {
+          GW_RETURN_IF_ERROR(DoForward(caller, slot->req, &slot->resp, call, &slot->received));
+          wire::SerializeMoving(&slot->resp, wire::kForwardResponseTensors, slot->out);
+          return absl::OkStatus();
+        }
+        GW_RETURN_IF_ERROR(
+            PrepareForward(caller, slot->req, call, &slot->received, &slot->prepared));
+        slot->caller = &caller;
+        slot->pending = std::move(*pending);
+        return absl::OkStatus();
+      },
+      [this, slot, batchable, key, rows](const Caller& caller, std::function<void()> task) {
+        if (!batchable) {
+          env_.executor().Submit(caller.client, std::move(task));
+          return;
+        }
+        slot->task = std::move(task);
+        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members) {
+          // Each request's work up to the compute (its own checks, its own cancellation), then
+          // one compute for those still there, then each one's delivery and end.
+          std::vector<std::shared_ptr<Slot>> ready;
+          for (core::BatchFormer::Member& m : members) {
+            auto s = std::static_pointer_cast<Slot>(m.item);
+            std::function<void()> run = std::move(s->task);
+            s->task = nullptr;
+            run();
+            if (s->pending) ready.push_back(std::move(s));
+          }
+          if (ready.empty()) return;
+          std::vector<const core::WireForwardRequest*> reqs;
+          for (const auto& s : ready) reqs.push_back(&s->prepared.f);
+          std::vector<absl::StatusOr<core::WireForwardOutput>> outs;
+          try {
+            outs = host_.ForwardBatch(ready[0]->req.module_id(), reqs);
+          } catch (const std::exception& e) {
+            const absl::Status failed =
+                absl::InternalError(absl::StrCat("Forward failed: ", e.what()));
+            spdlog::error("a batch of {} forwards failed: {}", ready.size(), e.what());
+            for (const auto& s : ready) s->pending->Finish(failed);
+            return;
+          }
+          // Delivery and the end of each call are host work: on the control thread, so the
+          // device executor goes on to the next task (another tenant's) at once.
+          const int32_t together = ready.size() > 1 ? int32_t(ready.size()) : 0;
+          for (size_t i = 0; i < ready.size(); ++i) {
+            env_.control().Submit(ready[i]->caller->client, [this, s = ready[i], together,
+                                                             out = std::move(outs[i])]() mutable {
+              RequestScope scope(s->pending->call().request());
+              absl::Status status;
+              try {
+                status = FinishForward(*s->caller, s->req, &s->resp, s->pending->call(),
+                                       s->prepared, std::move(out));
+                if (status.ok()) {
+                  s->resp.set_batch_requests(together);
+                  wire::SerializeMoving(&s->resp, wire::kForwardResponseTensors, s->out);
+                }
+              } catch (const std::exception& e) {
+                status = absl::InternalError(absl::StrCat("Forward failed: ", e.what()));
+                spdlog::error("{}", std::string(status.message()));
+              }
+              std::string created = status.ok() ? s->resp.context_id() : std::string();
+              s->pending->Finish(std::move(status), std::move(created));
+            });
+          }
+        });
+      },
+      ids.module_id, RequestSize(int64_t(req->Length())), [slot] { return CreatedBy(slot->resp); });
 }
 
 GradwireService::Unary* GradwireService::Backward(Ctx* ctx, const grpc::ByteBuffer* req,

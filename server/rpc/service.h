@@ -12,6 +12,7 @@
 // (train_stream.h).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -19,6 +20,7 @@
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "gradwire/wire/zero_copy.h"
+#include "server/core/batcher.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
@@ -119,6 +121,24 @@ class GradwireService final : public ServiceBase {
   absl::Status DoForward(const Caller& caller, const v1::ForwardRequest& req,
                          v1::ForwardResponse* resp, const CallBase& call,
                          const wire::ReceivedMessage* raw = nullptr);
+  // DoForward in its two halves around the compute, so a batch can compute many at once:
+  // everything up to the compute (checks, staging) into `p`, and everything after it (delivery,
+  // the response) from the compute's result.
+  struct PreparedForward {
+    core::WireForwardRequest f;
+    StagingBuffer staged;  // the input's bytes, when they lie in shared memory
+    double transfer = 0;   // seconds spent moving tensors (not the server's compute)
+    std::chrono::steady_clock::time_point start;
+  };
+  absl::Status PrepareForward(const Caller& caller, const v1::ForwardRequest& req,
+                              const CallBase& call, const wire::ReceivedMessage* raw,
+                              PreparedForward* p);
+  absl::Status FinishForward(const Caller& caller, const v1::ForwardRequest& req,
+                             v1::ForwardResponse* resp, const CallBase& call, PreparedForward& p,
+                             absl::StatusOr<core::WireForwardOutput> computed);
+  // The unary Forward with dynamic batching on: a well-formed forward goes to the batch former
+  // (docs/batching.md), anything else runs as without batching.
+  Unary* BatchedForward(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
                           v1::BackwardResponse* resp, const CallBase& call,
                           const wire::ReceivedMessage* raw = nullptr);
@@ -149,6 +169,7 @@ class GradwireService final : public ServiceBase {
   QuotaBook quotas_;
   const TrainBodies train_;
   const RequestChecks checks_;
+  std::unique_ptr<core::BatchFormer> batcher_;  // null unless batching is on
   // Last: destroyed first, it joins the control thread, so a creation still running there
   // finishes against a live service.
   CallEnv env_;

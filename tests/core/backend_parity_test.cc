@@ -144,7 +144,7 @@ TEST_P(CastParity, CodesScalesAndAmaxBitForBit) {
   const Backend& ref = *MakeReferenceBackend();
   const Backend& b = *Get(name).backend;
   const at::Tensor x = RandN({shape.rows, shape.cols}, 3.0);
-  QuantizerConfig q{format, 1, delayed ? 0.37f : 0.0f};
+  QuantizerConfig q{format, 1, delayed ? 0.37f : 0.0f, nullptr, nullptr};
   for (CastUsage usage : {CastUsage{true, true}, CastUsage{true, false}, CastUsage{false, true}}) {
     auto want = ref.Cast(x, q, usage);
     auto got = b.Cast(b.ToDevice(x), q, usage);
@@ -238,7 +238,8 @@ TEST_P(GemmParity, FpropDgradWgradWithinTheAccumulationBound) {
   const Backend& ref = *MakeReferenceBackend();
   const Backend& b = *Get(name).backend;
   const auto [m, n, k] = mnk;
-  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f}, e5m2{Fp8Format::kE5M2, 0, 0.0f};
+  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr},
+      e5m2{Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
   const at::Tensor x = RandN({m, k}), w = RandN({n, k}, 0.1), dy = RandN({m, n}, 0.01),
                    bias = RandN({n});
   auto cast = [](const Backend& be, const at::Tensor& t, const QuantizerConfig& q) {
@@ -293,7 +294,8 @@ TEST(CpuOrderedGemm, FpropAndDgradAreTheReferenceBits) {
   const Backend& ref = *MakeReferenceBackend();
   const Backend& cpu = *MakeCpuBackend();
   EXPECT_NE(cpu.Describe().find("row-invariant"), std::string::npos) << cpu.Describe();
-  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f}, e5m2{Fp8Format::kE5M2, 0, 0.0f};
+  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr},
+      e5m2{Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
   auto bits = [](const at::Tensor& a, const at::Tensor& b) {
     return a.sizes() == b.sizes() &&
            std::memcmp(a.data_ptr<float>(), b.data_ptr<float>(), size_t(a.numel()) * 4) == 0;

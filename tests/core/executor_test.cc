@@ -1,9 +1,11 @@
 // The device executor's scheduling: submission order within a client, weighted fair shares of
-// run time between clients, no credit for idle time, and no state kept for clients gone idle.
+// run time between clients, no credit for idle time, no state kept for clients gone idle, and a
+// shared task charged by shares; and the batch former in front of it.
 #include "server/core/executor.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -11,6 +13,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "server/core/batcher.h"
 
 namespace gradwire::core {
 namespace {
@@ -164,6 +168,122 @@ TEST(ExecutorTest, TheStateKeptForIdleClientsIsBounded) {
   executor.Submit("last", [] {});
   Drain(executor);
   EXPECT_LE(executor.clients(), 2);
+}
+
+}  // namespace
+}  // namespace gradwire::core
+
+namespace gradwire::core {
+namespace {
+
+TEST(ExecutorTest, ASharedTaskIsChargedToItsClientsByTheirShares) {
+  Log log;
+  DeviceExecutor executor("test", {}, log.clock());
+  Gate gate;
+  gate.Submit(executor);
+  // A 10 ms task of "a" that carried "b"'s work too (a batch): b pays 9 ms of it.
+  executor.Submit("a", [&] {
+    log.Task("shared", 10e-3)();
+    executor.ShareCurrentTask({{"a", 1.0}, {"b", 9.0}});
+  });
+  for (int i = 0; i < 12; ++i) {
+    executor.Submit("a", log.Task("a", 1e-3));
+    executor.Submit("b", log.Task("b", 1e-3));
+  }
+  gate.Open();
+  Drain(executor);
+  const std::vector<std::string> order = log.order();
+  ASSERT_EQ(order.size(), 25u);
+  EXPECT_EQ(order[0], "shared");
+  // "a" owes 1 ms and "b" 9: "a" runs about 8 tasks before "b" gets one.
+  int a_before_b = 0;
+  while (1 + a_before_b < int(order.size()) && order[size_t(1 + a_before_b)] == "a") ++a_before_b;
+  EXPECT_GE(a_before_b, 7);
+  EXPECT_LE(a_before_b, 9);
+}
+
+// A batch former over an executor held by a gate, so the test decides what waits together.
+struct Batches {
+  std::mutex mu;
+  std::vector<std::vector<std::string>> ran;  // each batch's members' names, in order
+  std::vector<std::pair<int64_t, int64_t>> observed;
+  BatchFormer::Runner Runner() {
+    return [this](std::vector<BatchFormer::Member>& members) {
+      std::vector<std::string> names;
+      for (const auto& m : members) names.push_back(*std::static_pointer_cast<std::string>(m.item));
+      std::lock_guard<std::mutex> lock(mu);
+      ran.push_back(std::move(names));
+    };
+  }
+  BatchFormer::Observer Observer() {
+    return [this](int64_t requests, int64_t rows) {
+      std::lock_guard<std::mutex> lock(mu);
+      observed.emplace_back(requests, rows);
+    };
+  }
+  BatchFormer::Member Member(const std::string& client, int64_t rows, const std::string& name) {
+    return {client, rows, std::make_shared<std::string>(name)};
+  }
+};
+
+TEST(BatchFormerTest, RequestsWaitingTogetherRunAsBatchesOfBoundedRows) {
+  DeviceExecutor executor("test");
+  Batches b;
+  BatchFormer former(executor, {/*max_rows=*/10, std::chrono::microseconds(0)}, b.Observer());
+  Gate gate;
+  gate.Submit(executor);
+  former.Add("m1", b.Member("x", 4, "r1"), b.Runner());
+  former.Add("m1", b.Member("y", 4, "r2"), b.Runner());
+  former.Add("m2", b.Member("x", 1, "s1"), b.Runner());    // another key: its own batch
+  former.Add("m1", b.Member("z", 3, "r3"), b.Runner());    // 11 rows: does not fit, opens one
+  former.Add("m1", b.Member("x", 2, "r4"), b.Runner());    // joins r3's
+  former.Add("m1", b.Member("x", 25, "big"), b.Runner());  // larger than a batch: alone
+  // Open (still taking requests): m1's latest (r3, r4) and m2's; "big" was full already.
+  EXPECT_EQ(former.open(), 2);
+  gate.Open();
+  Drain(executor);
+  std::lock_guard<std::mutex> lock(b.mu);
+  std::vector<std::vector<std::string>> sorted = b.ran;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted,
+            (std::vector<std::vector<std::string>>{{"big"}, {"r1", "r2"}, {"r3", "r4"}, {"s1"}}));
+  std::sort(b.observed.begin(), b.observed.end());
+  EXPECT_EQ(b.observed,
+            (std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {1, 25}, {2, 5}, {2, 8}}));
+  EXPECT_EQ(former.open(), 0);
+}
+
+TEST(BatchFormerTest, AStartedBatchTakesNoMoreRequests) {
+  DeviceExecutor executor("test");
+  Batches b;
+  BatchFormer former(executor, {8, std::chrono::microseconds(0)});
+  std::promise<void> inside, release;
+  std::shared_future<void> released = release.get_future().share();
+  former.Add("m", b.Member("x", 1, "first"), [&](std::vector<BatchFormer::Member>& members) {
+    inside.set_value();
+    released.wait();
+    b.Runner()(members);
+  });
+  inside.get_future().wait();  // the batch has started
+  former.Add("m", b.Member("y", 1, "second"), b.Runner());
+  release.set_value();
+  Drain(executor);
+  std::lock_guard<std::mutex> lock(b.mu);
+  EXPECT_EQ(b.ran, (std::vector<std::vector<std::string>>{{"first"}, {"second"}}));
+}
+
+TEST(BatchFormerTest, ADelayedBatchRunsOnceFull) {
+  DeviceExecutor executor("test");
+  Batches b;
+  // A delay far longer than the test: the batch must go as soon as it is full, not at the delay.
+  BatchFormer former(executor, {3, std::chrono::microseconds(60'000'000)});
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) former.Add("m", b.Member("c", 1, std::to_string(i)), b.Runner());
+  Drain(executor);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  std::lock_guard<std::mutex> lock(b.mu);
+  ASSERT_EQ(b.ran.size(), 1u);
+  EXPECT_EQ(b.ran[0], (std::vector<std::string>{"0", "1", "2"}));
 }
 
 }  // namespace

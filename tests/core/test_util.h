@@ -21,8 +21,8 @@
 namespace gradwire::testing {
 
 // Current-scaling casts of the HYBRID recipe.
-inline const core::QuantizerConfig kE4M3{kernels::Fp8Format::kE4M3, 0, 0.0f};
-inline const core::QuantizerConfig kE5M2{kernels::Fp8Format::kE5M2, 0, 0.0f};
+inline const core::QuantizerConfig kE4M3{kernels::Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr};
+inline const core::QuantizerConfig kE5M2{kernels::Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
 
 inline at::Generator& Gen() {
   static at::Generator gen = [] {
@@ -141,7 +141,8 @@ inline core::RecipeConfig DelayedRecipe(core::AmaxAlgo algo, int64_t history_len
 // E5M2 casts of the gradients (the HYBRID recipe).
 inline std::vector<core::QuantizerConfig> CurrentScaling(core::ModuleKind kind) {
   std::vector<core::QuantizerConfig> q;
-  for (const core::RoleDef& r : core::FindKind(kind)->Roles()) q.push_back({r.format, 0, 0.0f});
+  for (const core::RoleDef& r : core::FindKind(kind)->Roles())
+    q.push_back({r.format, 0, 0.0f, nullptr, nullptr});
   return q;
 }
 

@@ -152,5 +152,51 @@ TEST(OrderedGemmTest, ARowsResultDoesNotDependOnTheRowsStackedWithIt) {
   cpu::SetThreads(threads_before);
 }
 
+TEST(OrderedGemmTest, RowScalesGiveEachRowGroupTheBitsOfItsOwnScale) {
+  // Rows that came from different casts: each group's scale through row_scale, in one call,
+  // against each group alone with that scale as the scalar (what the batcher's fused GEMM does).
+  const std::vector<int64_t> groups = {1, 5, 17, 2, 40};
+  int64_t total = 0;
+  for (int64_t g : groups) total += g;
+  const Problem p(total, 77, 129, Fp8Format::kE4M3, Fp8Format::kE4M3);
+  std::uniform_real_distribution<float> scale(0.01f, 8.0f);
+  std::vector<float> group_scale, row_scale;
+  for (int64_t g : groups) {
+    group_scale.push_back(scale(Rng()));
+    row_scale.insert(row_scale.end(), size_t(g), group_scale.back());
+  }
+  for (OrderedGemmCopy copy : Copies()) {
+    std::vector<float> stacked(size_t(total * p.n));
+    OrderedGemmArgs g;
+    g.m = total;
+    g.n = p.n;
+    g.k = p.k;
+    g.a = p.a.data();
+    g.lda = p.k;
+    g.b = p.b.data();
+    g.ldb = p.k;
+    g.scale = 12345.0f;  // ignored: row_scale wins
+    g.row_scale = row_scale.data();
+    g.bias = p.bias.data();
+    g.c = stacked.data();
+    g.ldc = p.n;
+    cpu::OrderedGemmUsing(copy, g);
+    int64_t row0 = 0;
+    for (size_t i = 0; i < groups.size(); ++i) {
+      std::vector<float> alone(size_t(groups[i] * p.n));
+      g.m = groups[i];
+      g.a = p.a.data() + row0 * p.k;
+      g.scale = group_scale[i];
+      g.row_scale = nullptr;
+      g.c = alone.data();
+      cpu::OrderedGemmUsing(copy, g);
+      const std::vector<float> part(stacked.begin() + row0 * p.n,
+                                    stacked.begin() + (row0 + groups[i]) * p.n);
+      EXPECT_TRUE(SameBits(alone, part)) << cpu::OrderedGemmCopyName(copy) << " group " << i;
+      row0 += groups[i];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradwire::kernels

@@ -45,7 +45,11 @@ class RaceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     TestServerOptions o;
-    o.configure = [](rpc::ServiceOptions& options) {
+    o.configure = [this](rpc::ServiceOptions& options) {
+      if (batching_) {
+        options.batching.max_rows = 64;
+        options.batching.delay = std::chrono::microseconds(300);
+      }
       options.chunk_bytes = 64 << 10;
       // The slack must exceed how long a response takes to reach the client once it has left
       // the executor. With four storm threads on two cores, and ctest running another test
@@ -99,10 +103,68 @@ class RaceTest : public ::testing::Test {
     for (auto& th : pool) th.join();
   }
 
+  bool batching_ = false;  // dynamic batching on (BatchRaceTest)
   std::unique_ptr<TestServer> server_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
   std::string module_;
 };
+
+// The same server with dynamic batching on (docs/batching.md).
+class BatchRaceTest : public RaceTest {
+ protected:
+  BatchRaceTest() { batching_ = true; }
+};
+
+// Inference forwards in batches, mixed with training forwards that run alone, under deadlines
+// from far too short to comfortable and cancellations at random points: every call ends once,
+// every batch's other members go on, and nothing is left behind.
+TEST_F(BatchRaceTest, BatchedForwardsUnderTinyDeadlinesAndCancels) {
+  const int cycles = kThreadSanitized ? std::min(Cycles(2000), 120) : Cycles(2000);
+  std::atomic<int> ok{0}, failed{0}, batched{0};
+  Storm(6, cycles / 6, [&](int i, std::mt19937& rng) {
+    v1::ForwardRequest req;
+    req.set_module_id(module_);
+    req.set_training(i % 5 == 4);
+    *req.mutable_input() = Input(1 + int(rng() % 4));
+    grpc::ClientContext ctx;
+    const int span_us = kThreadSanitized ? 6000000 : kSanitized ? 1500000 : 300000;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(100 + rng() % span_us));
+    v1::ForwardResponse resp;
+    grpc::Status s;
+    // An inference forward cancelled from another thread while it waits or computes. (A client
+    // that cancels a training forward whose response already left drops a delivered context:
+    // nobody but that client could release it, so those only race their deadlines, as above.)
+    if (i % 7 == 3 && !req.training()) {
+      std::thread cancel([&ctx, wait = rng() % 3000] {
+        std::this_thread::sleep_for(std::chrono::microseconds(wait));
+        ctx.TryCancel();
+      });
+      s = stub_->Forward(&ctx, req, &resp);
+      cancel.join();
+    } else {
+      s = stub_->Forward(&ctx, req, &resp);
+    }
+    if (!s.ok()) {
+      ++failed;
+      return;
+    }
+    ++ok;
+    if (resp.batch_requests() > 1) ++batched;
+    if (!resp.context_id().empty()) {
+      v1::ReleaseContextRequest rel;
+      rel.set_context_id(resp.context_id());
+      v1::ReleaseContextResponse rr;
+      grpc::ClientContext rctx;
+      EXPECT_TRUE(stub_->ReleaseContext(&rctx, rel, &rr).ok());
+    }
+  });
+  ExpectQuiet();
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_GT(failed.load(), 0);
+  std::printf("batched storm: %d ok (%d in batches), %d failed\n", ok.load(), batched.load(),
+              failed.load());
+}
 
 // The outside probe's crash: a Train stream cancelled right after its first request. Every point
 // of the request's life is hit: before it is read, while it waits for the executor, during the

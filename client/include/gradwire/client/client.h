@@ -25,6 +25,9 @@ struct ForwardResult {
   std::string context_id;  // empty for inference
   uint64_t weight_version = 0;
   std::optional<HostTensor> layernorm_output;  // modules with return_layernorm_output
+  // Requests computed in one backend call with this one when the server batches
+  // (--max-batch-rows); 0: alone. The result is the same bits either way.
+  int32_t batch_requests = 0;
 };
 
 // A W3C `traceparent` (version 00, sampled): `trace_id` (32 lowercase hex digits) when given,

@@ -29,7 +29,11 @@ struct OrderedGemmArgs {
   int64_t lda = 0;
   const float* b = nullptr;  // [n, k], row stride ldb (contiguous along k, as the reference reads)
   int64_t ldb = 0;
-  float scale = 1.0f;           // applied once to each dot product
+  float scale = 1.0f;  // applied once to each dot product
+  // When set: row i's dot products take row_scale[i] instead of `scale` ([m]; rows of A that
+  // came from different casts, each with its own scale_inv). Row i's result is then exactly what
+  // a GEMM of that row alone with scale = row_scale[i] computes.
+  const float* row_scale = nullptr;
   const float* bias = nullptr;  // [n] or nullptr
   bool accumulate = false;      // C += result instead of C = result
   float* c = nullptr;           // [m, n], row stride ldc

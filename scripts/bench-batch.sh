@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Dynamic batching (docs/batching.md), measured side by side on one machine; the JSON records it
+# (scripts/lib/machine.py).
+#   scripts/bench-batch.sh [OUT_JSON, default docs/perf/batching.json] [seconds per run, default 5]
+# 1. Throughput: Linear 1024->1024 inference forwards of 1 row from 32 concurrent clients
+#    (gradwire-load -c 32), against servers with batching off (--cpu-gemm blas, the default, and
+#    ordered) and on (--max-batch-rows 256, --cpu-gemm ordered and blas, with and without a
+#    delay), and the empty-RPC rate of the same server (the ceiling of any forward rate).
+# 2. Fairness: two tenants of equal weight on one batching server, each with its own module; the
+#    light tenant (1 request in flight) alone, then next to the heavy one (32 in flight): its p99
+#    both times.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-docs/perf/batching.json}
+secs=${2:-5}
+build_dir=${BUILD_DIR:-build}
+server_bin="$build_dir/server/gradwire-server"
+load_bin="$build_dir/client/gradwire-load"
+[ -x "$server_bin" ] && [ -x "$load_bin" ] || { echo "build first (scripts/build.sh)" >&2; exit 1; }
+tmp=$(mktemp -d)
+server_pid=
+stop_server() { [ -n "$server_pid" ] && { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; }; server_pid=; }
+trap 'stop_server; rm -rf "$tmp"' EXIT
+
+start_server() {  # flags...
+  "$server_bin" --listen 127.0.0.1:0 --device cpu "$@" > "$tmp/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 200); do grep -q "listening on" "$tmp/server.log" && break; sleep 0.05; done
+  addr=$(grep -o "listening on [0-9.:]*" "$tmp/server.log" | awk '{print $3}')
+  [ -n "$addr" ] || { cat "$tmp/server.log"; exit 1; }
+}
+
+load() {  # name, flags...
+  local name=$1; shift
+  "$load_bin" --server "$addr" --duration "$secs" --warmup 1 --json "$tmp/$name.json" "$@" \
+    > "$tmp/$name.txt" 2>&1 || { cat "$tmp/$name.txt"; exit 1; }
+  grep -A1 "^mode" "$tmp/$name.txt" | tail -1 | sed "s/^/  $name: /"
+}
+
+echo "== throughput: Linear 1024->1024, 1 row, 32 clients, ${secs} s each"
+configs=(
+  "off-blas|"
+  "off-ordered|--cpu-gemm ordered"
+  "on-ordered|--cpu-gemm ordered --max-batch-rows 256"
+  "on-ordered-delay500|--cpu-gemm ordered --max-batch-rows 256 --batch-delay-us 500"
+  "on-blas|--max-batch-rows 256"
+)
+for c in "${configs[@]}"; do
+  name=${c%%|*}; flags=${c#*|}
+  # shellcheck disable=SC2086
+  start_server $flags
+  load "$name" --flow forward --rows 1 -c 32
+  [ "$name" = off-ordered ] && load "empty-rpc" --flow empty -c 32
+  stop_server
+done
+
+echo "== fairness: light tenant (1 in flight) alone, then beside a heavy one (32 in flight)"
+printf 'heavy heavy-token-0123456789abcdef\nlight light-token-0123456789abcdef\n' > "$tmp/tokens"
+printf 'heavy-token-0123456789abcdef\n' > "$tmp/heavy.token"
+printf 'light-token-0123456789abcdef\n' > "$tmp/light.token"
+for mode in on off; do
+  flags="--cpu-gemm ordered --tokens-file $tmp/tokens"
+  [ "$mode" = on ] && flags="$flags --max-batch-rows 256"
+  # shellcheck disable=SC2086
+  start_server $flags
+  load "light-alone-$mode" --token-file "$tmp/light.token" --flow forward --rows 1 -c 1
+  "$load_bin" --server "$addr" --token-file "$tmp/heavy.token" --flow forward --rows 1 -c 32 \
+    --duration "$((secs + 3))" --warmup 0 --json "$tmp/heavy-$mode.json" > "$tmp/heavy-$mode.txt" 2>&1 &
+  heavy=$!
+  sleep 1.5
+  load "light-beside-heavy-$mode" --token-file "$tmp/light.token" --flow forward --rows 1 -c 1
+  wait $heavy || { cat "$tmp/heavy-$mode.txt"; exit 1; }
+  grep -A1 "^mode" "$tmp/heavy-$mode.txt" | tail -1 | sed "s/^/  heavy-$mode: /"
+  stop_server
+done
+
+python3 - "$tmp" "$out" "$secs" <<'PY'
+import json, os, sys
+sys.path.insert(0, "scripts/lib")
+import machine
+tmp, out, secs = sys.argv[1:]
+def run(name):
+    j = json.load(open(os.path.join(tmp, name + ".json")))
+    r = [x for x in j["runs"] if x["mode"] in ("remote", "empty-rpc")][0]
+    return {"requests_per_s": r["requests_per_s"], "p50_ms": r["latency"]["p50_ms"],
+            "p99_ms": r["latency"]["p99_ms"], "codes": r["codes"],
+            "batch_requests": r.get("batch_requests")}
+names = ["off-blas", "off-ordered", "on-ordered", "on-ordered-delay500", "on-blas", "empty-rpc"]
+tp = {n: run(n) for n in names}
+def ratio(a, b, key="requests_per_s"):
+    return tp[a][key] / tp[b][key] if tp[b][key] else None
+fair = {m: {"light_alone": run(f"light-alone-{m}"), "light_beside_heavy": run(f"light-beside-heavy-{m}"),
+            "heavy": run(f"heavy-{m}")} for m in ("on", "off")}
+for m, f in fair.items():
+    f["light_p99_ratio"] = f["light_beside_heavy"]["p99_ms"] / f["light_alone"]["p99_ms"]
+result = {
+    "benchmark": "dynamic batching: Linear 1024->1024, 1-row inference forwards",
+    "command": f"scripts/bench-batch.sh {out} {secs}",
+    "machine": machine.describe(),
+    "throughput_32_clients": tp,
+    "ratios": {
+        "rate_on_ordered_vs_off_blas": ratio("on-ordered", "off-blas"),
+        "rate_on_ordered_vs_off_ordered": ratio("on-ordered", "off-ordered"),
+        "rate_on_blas_vs_off_blas": ratio("on-blas", "off-blas"),
+        "p99_on_ordered_vs_off_blas": ratio("on-ordered", "off-blas", "p99_ms"),
+        "p99_on_ordered_vs_off_ordered": ratio("on-ordered", "off-ordered", "p99_ms"),
+        "rate_on_ordered_vs_empty_rpc": ratio("on-ordered", "empty-rpc"),
+    },
+    "fairness_equal_weights": fair,
+}
+os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+json.dump(result, open(out, "w"), indent=2)
+print("\nratios:", json.dumps(result["ratios"], indent=1))
+for m, f in fair.items():
+    print(f"fairness, batching {m}: light p99 alone {f['light_alone']['p99_ms']:.3f} ms, "
+          f"beside heavy {f['light_beside_heavy']['p99_ms']:.3f} ms: x{f['light_p99_ratio']:.2f}")
+print(f"wrote {out}")
+PY

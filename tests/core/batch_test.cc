@@ -1,0 +1,296 @@
+// ModuleHost::ForwardBatch: forwards of many requests as one backend call, bit for bit what
+// each request gets alone (inference) or in the sequence of its requests (training: outputs,
+// scaling state, and each context through its backward) (docs/batching.md). Every kind x recipe
+// x wire dtype, batches of 1-16 requests of 1-300 rows, on the reference backend and the CPU
+// backend under both of its GEMMs.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/core/cpu_gemm.h"
+#include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
+#include "test_util.h"
+
+namespace gradwire::testing {
+namespace {
+
+using core::ModuleKind;
+using wire::DType;
+
+std::mt19937& Rng() {
+  static std::mt19937 rng(std::random_device{}());
+  return rng;
+}
+
+// One request's input, encoded as it would arrive, and the view ForwardBatch reads.
+struct WireInput {
+  std::string bytes;
+  core::WireForwardRequest req;
+};
+
+WireInput Encode(const at::Tensor& x, DType dtype, DType output_dtype) {
+  WireInput w;
+  const at::Tensor c = x.contiguous();
+  w.bytes.resize(size_t(c.numel() * wire::ElementSize(dtype)));
+  w.req.input.dtype = dtype;
+  w.req.input.scale_inv = wire::EncodeTensor(c.data_ptr<float>(), c.numel(), dtype, w.bytes.data());
+  w.req.input.data = w.bytes.data();
+  w.req.input.shape.assign(c.sizes().begin(), c.sizes().end());
+  w.req.output_dtype = output_dtype;
+  return w;
+}
+
+::testing::AssertionResult SameEncoding(const wire::EncodedTensor& a,
+                                        const wire::EncodedTensor& b) {
+  if (a.dtype != b.dtype || a.shape != b.shape) {
+    return ::testing::AssertionFailure() << "dtype or shape differs";
+  }
+  if (std::memcmp(&a.scale_inv, &b.scale_inv, sizeof(float)) != 0) {
+    return ::testing::AssertionFailure() << "scale_inv " << a.scale_inv << " vs " << b.scale_inv;
+  }
+  if (a.bytes != b.bytes) return ::testing::AssertionFailure() << "bytes differ";
+  return ::testing::AssertionSuccess();
+}
+
+struct Case {
+  const char* backend;  // "reference", "cpu-blas", "cpu-ordered"
+  ModuleKind kind;
+  bool delayed;
+  DType dtype;
+};
+
+std::string Name(const Case& c) {
+  return std::string(c.backend) + " " + core::ModuleKindName(c.kind) +
+         (c.delayed ? " delayed " : " current ") + wire::DTypeName(c.dtype);
+}
+
+core::BackendPtr BackendFor(const std::string& name) {
+  if (name == "reference") return core::MakeReferenceBackend();
+  core::SetCpuGemm(name == "cpu-ordered" ? core::CpuGemm::kOrdered : core::CpuGemm::kBlas);
+  return core::MakeCpuBackend();
+}
+
+core::ModuleSpec SpecFor(const Case& c, uint64_t seed) {
+  core::ModuleSpec spec = MakeModuleSpec(c.kind, 40, 24, 56, seed);
+  if (c.kind != ModuleKind::kLinear) spec.return_layernorm_output = seed % 2 == 0;
+  if (c.delayed) spec.recipe = DelayedRecipe(core::AmaxAlgo::kMax, 4);
+  return spec;
+}
+
+class ForwardBatchTest : public ::testing::Test {
+ protected:
+  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kBlas); }
+};
+
+TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
+  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kFp8E4M3, DType::kFp8E5M2};
+  const DType outputs[] = {DType::kF32, DType::kBF16, DType::kFp8E4M3};
+  std::uniform_int_distribution<int> requests(1, 16), rows(1, 300), pick(0, 2);
+  int cases = 0;
+  for (const char* backend : {"reference", "cpu-blas", "cpu-ordered"}) {
+    for (ModuleKind kind :
+         {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+      for (bool delayed : {false, true}) {
+        for (DType dtype : dtypes) {
+          const Case c{backend, kind, delayed, dtype};
+          SCOPED_TRACE(Name(c));
+          core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor(backend));
+          auto info = host.Create(SpecFor(c, uint64_t(cases)));
+          ASSERT_TRUE(info.ok()) << info.status();
+          const std::string id = info->module_id;
+          // Delayed scaling: a few training forwards first, so the scales are not their
+          // initial 1 (inference then leaves them alone).
+          if (delayed) {
+            for (int i = 0; i < 3; ++i) {
+              auto f = core::TensorForward(host, id, RandN({5, 40}, 1.0 + i), true);
+              ASSERT_TRUE(f.ok()) << f.status();
+              ASSERT_TRUE(host.ReleaseContext(f->context_id).ok());
+            }
+          }
+          const int n = cases % 5 == 0 ? 1 : requests(Rng());
+          std::vector<WireInput> inputs;
+          for (int i = 0; i < n; ++i) {
+            // Mixed magnitudes: each request's own amax sets its scale.
+            const at::Tensor x = RandN({rows(Rng()) > 250 ? 2 : 1, rows(Rng()) / 2 + 1, 40},
+                                       std::pow(4.0, double(i % 5) - 2.0));
+            inputs.push_back(Encode(x, dtype, outputs[pick(Rng())]));
+          }
+          std::vector<const core::WireForwardRequest*> reqs;
+          for (const WireInput& w : inputs) reqs.push_back(&w.req);
+          const int64_t before = host.Stats().batched_forwards;
+          const auto batched = host.ForwardBatch(id, reqs);
+          ASSERT_EQ(batched.size(), inputs.size());
+          EXPECT_EQ(host.Stats().batched_forwards - before, n > 1 ? n : 0);
+          for (int i = 0; i < n; ++i) {
+            auto alone = host.Forward(id, inputs[size_t(i)].req);
+            ASSERT_TRUE(alone.ok()) << alone.status();
+            ASSERT_TRUE(batched[size_t(i)].ok()) << batched[size_t(i)].status();
+            EXPECT_TRUE(SameEncoding(batched[size_t(i)]->output, alone->output))
+                << "request " << i << " of " << n;
+            EXPECT_EQ(batched[size_t(i)]->has_layernorm_output, alone->has_layernorm_output);
+            if (alone->has_layernorm_output) {
+              EXPECT_TRUE(
+                  SameEncoding(batched[size_t(i)]->layernorm_output, alone->layernorm_output))
+                  << "request " << i;
+            }
+            EXPECT_TRUE(batched[size_t(i)]->context_id.empty());
+            EXPECT_EQ(batched[size_t(i)]->weight_version, alone->weight_version);
+          }
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 3 * 2 * 5);
+}
+
+TEST_F(ForwardBatchTest, TrainingBatchesAreTheSequenceOfTheirRequests) {
+  // Two identical modules: one runs the batch, the other the same requests one after another.
+  // Outputs, the scaling state after, and each context (through its backward: grad_input and
+  // the accumulated gradients) must match bit for bit.
+  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kFp8E4M3};
+  std::uniform_int_distribution<int> requests(2, 16), rows(1, 300);
+  int cases = 0;
+  for (const char* backend : {"reference", "cpu-blas", "cpu-ordered"}) {
+    for (ModuleKind kind :
+         {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+      for (bool delayed : {false, true}) {
+        for (DType dtype : dtypes) {
+          const Case c{backend, kind, delayed, dtype};
+          SCOPED_TRACE(Name(c));
+          core::ModuleSpec spec = SpecFor(c, uint64_t(cases));
+          spec.checkpoint = kind != ModuleKind::kLinear && cases % 2 == 1;
+          core::ModuleHost batched(core::ContextLimits{}, nullptr, BackendFor(backend));
+          core::ModuleHost sequential(core::ContextLimits{}, nullptr, BackendFor(backend));
+          auto a = batched.Create(spec);
+          auto b = sequential.Create(spec);
+          ASSERT_TRUE(a.ok() && b.ok());
+          const int n = requests(Rng());
+          std::vector<WireInput> inputs;
+          for (int i = 0; i < n; ++i) {
+            const at::Tensor x =
+                RandN({rows(Rng()), 40}, std::pow(4.0, double((i + cases) % 5) - 2.0));
+            inputs.push_back(Encode(x, dtype, i % 2 ? DType::kBF16 : DType::kF32));
+            inputs.back().req.training = true;
+          }
+          std::vector<const core::WireForwardRequest*> reqs;
+          for (const WireInput& w : inputs) reqs.push_back(&w.req);
+          const auto together = batched.ForwardBatch(a->module_id, reqs);
+          ASSERT_EQ(together.size(), size_t(n));
+          EXPECT_EQ(batched.Stats().live_contexts, n);
+          // Computed as one batch, except a Linear's FP8 codes, which train one by one.
+          const bool codes = kind == ModuleKind::kLinear && wire::IsFp8(dtype);
+          EXPECT_EQ(batched.Stats().batched_forwards, codes ? 0 : n);
+          for (int i = 0; i < n; ++i) {
+            auto alone = sequential.Forward(b->module_id, inputs[size_t(i)].req);
+            ASSERT_TRUE(alone.ok()) << alone.status();
+            ASSERT_TRUE(together[size_t(i)].ok()) << together[size_t(i)].status();
+            EXPECT_TRUE(SameEncoding(together[size_t(i)]->output, alone->output))
+                << "request " << i;
+            if (alone->has_layernorm_output) {
+              EXPECT_TRUE(
+                  SameEncoding(together[size_t(i)]->layernorm_output, alone->layernorm_output));
+            }
+            // Each context holds its own request's rows: its backward is the sequence's.
+            const at::Tensor g = RandN({inputs[size_t(i)].req.input.shape[0], 24});
+            auto ga =
+                core::TensorBackward(batched, together[size_t(i)]->context_id, g, false, false);
+            auto gb = core::TensorBackward(sequential, alone->context_id, g, false, false);
+            ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+            EXPECT_TRUE(at::equal(*ga, *gb)) << "grad_input of request " << i;
+          }
+          EXPECT_EQ(batched.Stats().live_contexts, 0);
+          const auto sa = batched.Scaling(a->module_id), sb = sequential.Scaling(b->module_id);
+          ASSERT_TRUE(sa.ok() && sb.ok());
+          for (size_t r = 0; r < sa->size(); ++r) {
+            EXPECT_EQ((*sa)[r].scale, (*sb)[r].scale) << (*sa)[r].role;
+            EXPECT_EQ((*sa)[r].history, (*sb)[r].history) << (*sa)[r].role;
+          }
+          const auto wa = core::TensorGradients(batched, a->module_id, false);
+          const auto wb = core::TensorGradients(sequential, b->module_id, false);
+          ASSERT_TRUE(wa.ok() && wb.ok());
+          for (size_t p = 0; p < wa->tensors.size(); ++p) {
+            EXPECT_TRUE(at::equal(wa->tensors[p].second, wb->tensors[p].second))
+                << wa->tensors[p].first;
+          }
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 3 * 2 * 3);
+}
+
+TEST_F(ForwardBatchTest, AMalformedOrNonFiniteRequestFailsAloneAndTheOthersGoOn) {
+  core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
+  auto info = host.Create(MakeModuleSpec(ModuleKind::kLayerNormMlp, 32, 16, 48, 7));
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  std::vector<WireInput> inputs;
+  inputs.push_back(Encode(RandN({3, 32}), DType::kF32, DType::kF32));
+  inputs.push_back(Encode(RandN({2, 31}), DType::kF32, DType::kF32));  // wrong width
+  at::Tensor bad = RandN({4, 32});
+  bad[2][5] = std::numeric_limits<float>::infinity();
+  inputs.push_back(Encode(bad, DType::kF32, DType::kF32));
+  inputs.push_back(Encode(RandN({1, 32}), DType::kBF16, DType::kF32));
+  std::vector<const core::WireForwardRequest*> reqs;
+  for (const WireInput& w : inputs) reqs.push_back(&w.req);
+  const core::HostStats before = host.Stats();
+  const auto batched = host.ForwardBatch(id, reqs);
+  ASSERT_EQ(batched.size(), 4u);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto alone = host.Forward(id, inputs[i].req);
+    ASSERT_EQ(batched[i].ok(), alone.ok()) << "request " << i;
+    if (alone.ok()) {
+      EXPECT_TRUE(SameEncoding(batched[i]->output, alone->output)) << "request " << i;
+    } else {
+      EXPECT_EQ(batched[i].status(), alone.status()) << "request " << i;
+    }
+  }
+  EXPECT_EQ(batched[1].status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(batched[2].ok());
+  EXPECT_TRUE(batched[0].ok());
+  EXPECT_TRUE(batched[3].ok());
+  // Nothing was kept and no scaling state moved.
+  EXPECT_EQ(host.Stats().live_contexts, before.live_contexts);
+}
+
+TEST_F(ForwardBatchTest, AnUnknownModuleFailsEveryRequest) {
+  core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
+  WireInput w = Encode(RandN({2, 8}), DType::kF32, DType::kF32);
+  const auto batched = host.ForwardBatch("00000000000000000000000000000000", {&w.req, &w.req});
+  ASSERT_EQ(batched.size(), 2u);
+  for (const auto& r : batched) EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ForwardBatchTest, TheScalingStateDoesNotMove) {
+  core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
+  core::ModuleSpec spec = MakeLinearSpec(16, 8, 3);
+  spec.recipe = DelayedRecipe(core::AmaxAlgo::kMostRecent, 8);
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok());
+  auto f = core::TensorForward(host, info->module_id, RandN({4, 16}), true);
+  ASSERT_TRUE(f.ok());
+  const auto before = host.Scaling(info->module_id);
+  ASSERT_TRUE(before.ok());
+  WireInput a = Encode(RandN({3, 16}, 10.0), DType::kF32, DType::kF32);
+  WireInput b = Encode(RandN({5, 16}, 0.1), DType::kF32, DType::kF32);
+  for (const auto& r : host.ForwardBatch(info->module_id, {&a.req, &b.req})) ASSERT_TRUE(r.ok());
+  const auto after = host.Scaling(info->module_id);
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(before->size(), after->size());
+  for (size_t i = 0; i < before->size(); ++i) {
+    EXPECT_EQ((*before)[i].scale, (*after)[i].scale) << (*before)[i].role;
+    EXPECT_EQ((*before)[i].history, (*after)[i].history) << (*before)[i].role;
+  }
+}
+
+}  // namespace
+}  // namespace gradwire::testing

@@ -1,0 +1,203 @@
+// Dynamic batching through the real service (--max-batch-rows, docs/batching.md): concurrent
+// forwards of many clients run in batches and each gets exactly the bits a server without
+// batching gives it (training forwards: their own contexts, whose backwards give the same
+// grad_input); a request that passes its deadline inside a batch fails alone while the others
+// go on; bad requests get their own errors.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/core/cpu_gemm.h"
+#include "test_server.h"
+
+namespace gradwire::testing {
+namespace {
+
+constexpr int64_t kIn = 96, kOut = 64, kFfn = 128;
+
+std::string CreateModule(client::Client& c, v1::ModuleKind kind, uint64_t seed) {
+  v1::ModuleSpec spec;
+  spec.set_kind(kind);
+  spec.set_in_features(kIn);
+  spec.set_out_features(kOut);
+  if (kind == v1::LAYERNORM_MLP) spec.set_ffn_features(kFfn);
+  spec.set_bias(true);
+  spec.set_seed(seed);
+  auto info = c.CreateModule(spec);
+  EXPECT_TRUE(info.ok()) << info.status();
+  return info.ok() ? info->module_id() : std::string();
+}
+
+class BatchServiceTest : public ::testing::TestWithParam<core::CpuGemm> {
+ protected:
+  void SetUp() override { core::SetCpuGemm(GetParam()); }
+  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kBlas); }
+};
+
+TEST_P(BatchServiceTest, ConcurrentForwardsGetTheBitsOfAServerWithoutBatching) {
+  TestServer batched([](rpc::ServiceOptions& o) {
+    o.batching.max_rows = 512;
+    o.batching.delay = std::chrono::microseconds(20000);
+  });
+  TestServer plain;
+  ASSERT_TRUE(batched.ok() && plain.ok());
+  auto b = batched.Connect();
+  auto p = plain.Connect();
+  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
+    SCOPED_TRACE(v1::ModuleKind_Name(kind));
+    const std::string on_batched = CreateModule(*b, kind, 11);
+    const std::string on_plain = CreateModule(*p, kind, 11);
+    constexpr int kClients = 24;
+    std::vector<client::HostTensor> inputs;
+    std::mt19937 rng(std::random_device{}());
+    for (int i = 0; i < kClients; ++i) {
+      client::HostTensor x = Random({1 + int64_t(rng() % 9), kIn});
+      const float scale = std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
+      for (float& v : x.data) v *= scale;
+      inputs.push_back(std::move(x));
+    }
+    std::vector<absl::StatusOr<client::ForwardResult>> results(kClients,
+                                                               absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kClients; ++i) {
+      threads.emplace_back([&, i] {
+        auto c = batched.Connect();
+        results[size_t(i)] = c->Forward(on_batched, inputs[size_t(i)], false);
+      });
+    }
+    for (auto& t : threads) t.join();
+    int batched_requests = 0;
+    for (int i = 0; i < kClients; ++i) {
+      ASSERT_TRUE(results[size_t(i)].ok()) << results[size_t(i)].status();
+      auto alone = p->Forward(on_plain, inputs[size_t(i)], false);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      EXPECT_EQ(alone->batch_requests, 0);
+      EXPECT_EQ(results[size_t(i)]->output.shape, alone->output.shape);
+      EXPECT_EQ(results[size_t(i)]->output.data, alone->output.data) << "request " << i;
+      if (results[size_t(i)]->batch_requests > 1) ++batched_requests;
+    }
+    // The 20 ms delay gathers the clients that arrive together.
+    EXPECT_GT(batched_requests, kClients / 2);
+  }
+}
+
+TEST_P(BatchServiceTest, ARequestPastItsDeadlineInsideABatchFailsAloneAndTheOthersGoOn) {
+  std::atomic<int> prepared{0};
+  TestServer server([&](rpc::ServiceOptions& o) {
+    o.batching.max_rows = 512;
+    o.batching.delay = std::chrono::microseconds(50000);
+    // The first request of the batch takes 300 ms to prepare: the short deadline passes meanwhile.
+    o.before_forward_compute = [&] {
+      if (prepared.fetch_add(1) == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    };
+  });
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string module = CreateModule(*c, v1::LAYERNORM_LINEAR, 5);
+  constexpr int kClients = 6;
+  std::vector<client::HostTensor> inputs;
+  for (int i = 0; i < kClients; ++i) inputs.push_back(Random({2 + i, kIn}));
+  std::vector<absl::StatusOr<client::ForwardResult>> results(kClients,
+                                                             absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      client::ClientOptions options;
+      options.server = server.address();
+      options.timeout = std::chrono::milliseconds(i == 3 ? 150 : 20000);
+      client::Client client(options);
+      results[size_t(i)] = client.Forward(module, inputs[size_t(i)], false);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(results[3].status().code(), absl::StatusCode::kDeadlineExceeded) << results[3].status();
+  for (int i = 0; i < kClients; ++i) {
+    if (i == 3) continue;
+    ASSERT_TRUE(results[size_t(i)].ok()) << "request " << i << ": " << results[size_t(i)].status();
+    auto again = c->Forward(module, inputs[size_t(i)], false);  // alone now
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(results[size_t(i)]->output.data, again->output.data) << "request " << i;
+  }
+  EXPECT_TRUE(WaitFor([] { return rpc::GradwireService::live_calls() <= 1; }));
+}
+
+TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
+  // Current scaling, so no request's numbers depend on the order the batch put it in: each
+  // output and each context's grad_input must be a plain server's bits.
+  TestServer batched([](rpc::ServiceOptions& o) {
+    o.batching.max_rows = 512;
+    o.batching.delay = std::chrono::microseconds(20000);
+  });
+  TestServer plain;
+  auto b = batched.Connect();
+  auto p = plain.Connect();
+  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_MLP}) {
+    SCOPED_TRACE(v1::ModuleKind_Name(kind));
+    const std::string mb = CreateModule(*b, kind, 3), mp = CreateModule(*p, kind, 3);
+    constexpr int kClients = 12;
+    std::vector<client::HostTensor> xs, gs;
+    for (int i = 0; i < kClients; ++i) {
+      xs.push_back(Random({1 + i % 4, kIn}));
+      gs.push_back(Random({1 + i % 4, kOut}));
+    }
+    std::vector<absl::StatusOr<client::ForwardResult>> fwd(kClients, absl::UnknownError(""));
+    std::vector<absl::StatusOr<client::HostTensor>> bwd(kClients, absl::UnknownError(""));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kClients; ++i) {
+      threads.emplace_back([&, i] {
+        auto c = batched.Connect();
+        fwd[size_t(i)] = c->Forward(mb, xs[size_t(i)], true);
+        if (fwd[size_t(i)].ok())
+          bwd[size_t(i)] = c->Backward(fwd[size_t(i)]->context_id, gs[size_t(i)]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    int in_batches = 0;
+    for (int i = 0; i < kClients; ++i) {
+      ASSERT_TRUE(fwd[size_t(i)].ok()) << fwd[size_t(i)].status();
+      ASSERT_TRUE(bwd[size_t(i)].ok()) << bwd[size_t(i)].status();
+      if (fwd[size_t(i)]->batch_requests > 1) ++in_batches;
+      auto f = p->Forward(mp, xs[size_t(i)], true);
+      ASSERT_TRUE(f.ok());
+      EXPECT_EQ(fwd[size_t(i)]->output.data, f->output.data) << "request " << i;
+      auto g = p->Backward(f->context_id, gs[size_t(i)]);
+      ASSERT_TRUE(g.ok());
+      EXPECT_EQ(bwd[size_t(i)]->data, g->data) << "grad_input of request " << i;
+    }
+    EXPECT_GT(in_batches, kClients / 2);
+    EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
+  }
+}
+
+TEST_P(BatchServiceTest, BadRequestsGetTheirErrorsWithBatchingOn) {
+  TestServer server([](rpc::ServiceOptions& o) { o.batching.max_rows = 64; });
+  auto c = server.Connect();
+  const std::string module = CreateModule(*c, v1::LINEAR, 1);
+  auto wrong = c->Forward(module, Random({2, kIn + 1}), false);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument) << wrong.status();
+  auto unknown = c->Forward("0123456789abcdef0123456789abcdef", Random({2, kIn}), false);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
+  client::HostTensor inf = Random({2, kIn});
+  inf.data[7] = std::numeric_limits<float>::infinity();
+  auto bad = c->Forward(module, inf, false);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_TRUE(c->Forward(module, Random({2, kIn}), false).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Gemms, BatchServiceTest,
+                         ::testing::Values(core::CpuGemm::kBlas, core::CpuGemm::kOrdered),
+                         [](const ::testing::TestParamInfo<core::CpuGemm>& info) {
+                           return std::string(info.param == core::CpuGemm::kBlas ? "Blas"
+                                                                                 : "Ordered");
+                         });
+
+}  // namespace
+}  // namespace gradwire::testing
