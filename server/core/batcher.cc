@@ -10,7 +10,17 @@ BatchFormer::BatchFormer(DeviceExecutor& executor, BatchOptions options, Observe
     : executor_(executor),
       options_(options),
       observer_(std::move(observer)),
-      state_(std::make_shared<State>()) {}
+      state_(std::make_shared<State>()) {
+  // A batch waiting for company stops waiting when other work arrives on the executor.
+  if (options_.delay.count() > 0) {
+    executor_.SetOnSubmit([state = std::weak_ptr<State>(state_)] {
+      if (auto s = state.lock()) {
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->joined.notify_all();
+      }
+    });
+  }
+}
 
 int64_t BatchFormer::open() const {
   std::lock_guard<std::mutex> lock(state_->mu);
@@ -40,11 +50,15 @@ void BatchFormer::Add(const std::string& key, Member member, Runner run) {
                                    options = options_, observer = observer_,
                                    &executor = executor_] {
     std::vector<Member> members;
+    double waited = 0;
     {
       std::unique_lock<std::mutex> lock(state->mu);
       if (options.delay.count() > 0 && batch->rows < options.max_rows && executor.queued() == 0) {
-        state->joined.wait_until(lock, batch->first + options.delay,
-                                 [&] { return batch->rows >= options.max_rows; });
+        const auto since = std::chrono::steady_clock::now();
+        state->joined.wait_until(lock, batch->first + options.delay, [&] {
+          return batch->rows >= options.max_rows || executor.queued() > 0;
+        });
+        waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
       }
       auto it = state->open.find(key);
       if (it != state->open.end() && it->second == batch) state->open.erase(it);
@@ -52,7 +66,7 @@ void BatchFormer::Add(const std::string& key, Member member, Runner run) {
     }
     std::vector<std::pair<std::string, double>> shares;
     for (const Member& m : members) shares.emplace_back(m.client, double(m.rows));
-    executor.ShareCurrentTask(std::move(shares));
+    executor.ShareCurrentTask(std::move(shares), waited);
     if (observer) observer(int64_t(members.size()), batch->rows);
     run(members);
   });

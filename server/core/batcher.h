@@ -43,6 +43,8 @@ class BatchFormer {
   using Observer = std::function<void(int64_t requests, int64_t rows)>;
 
   // `executor` must outlive the batches queued on it.
+  // With a delay, the former hooks the executor's submissions (SetOnSubmit); the hook holds the
+  // former's state weakly, so it does nothing once the former is gone.
   BatchFormer(DeviceExecutor& executor, BatchOptions options, Observer observer = nullptr);
   BatchFormer(const BatchFormer&) = delete;
   BatchFormer& operator=(const BatchFormer&) = delete;

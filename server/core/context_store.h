@@ -101,6 +101,8 @@ class ContextStore {
   // RESOURCE_EXHAUSTED when a context of `bytes` could never fit the device budget (counted in
   // rejected_too_large).
   absl::Status CheckFits(int64_t bytes);
+  // Whether a context of `bytes` could fit the device budget, counting nothing.
+  bool Fits(int64_t bytes) const { return FitsStatus(bytes).ok(); }
 
   // Stores `saved` under a fresh random 128-bit id (32 hex digits) and returns the id, moving
   // older contexts to host memory (and evicting) as the budgets require. `tenant` owns the

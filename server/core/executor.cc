@@ -33,8 +33,10 @@ double DeviceExecutor::WeightOf(const std::string& client) const {
 }
 
 void DeviceExecutor::Submit(const std::string& client, std::function<void()> task) {
+  std::shared_ptr<const std::function<void()>> hook;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    hook = on_submit_;
     Queue& q = queues_[client];
     if (q.tasks.empty()) {
       q.vtime = std::max(q.vtime, vtime_);  // no credit for the time it was idle
@@ -44,10 +46,18 @@ void DeviceExecutor::Submit(const std::string& client, std::function<void()> tas
     ++queued_;
   }
   cv_.notify_one();
+  if (hook) (*hook)();
 }
 
-void DeviceExecutor::ShareCurrentTask(std::vector<std::pair<std::string, double>> shares) {
+void DeviceExecutor::ShareCurrentTask(std::vector<std::pair<std::string, double>> shares,
+                                      double idle_seconds) {
   shares_ = std::move(shares);
+  idle_ = std::max(0.0, idle_seconds);
+}
+
+void DeviceExecutor::SetOnSubmit(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_submit_ = hook ? std::make_shared<const std::function<void()>>(std::move(hook)) : nullptr;
 }
 
 int64_t DeviceExecutor::queued() const {
@@ -104,7 +114,8 @@ void DeviceExecutor::Run() {
       spdlog::error("executor {}: task threw a non-standard exception", name_);
     }
     task = nullptr;  // what it captured goes now, before the next task starts
-    const double seconds = std::max(0.0, clock_() - start);
+    const double seconds = std::max(0.0, clock_() - start - idle_);
+    idle_ = 0;
     std::vector<std::pair<std::string, double>> shares = std::move(shares_);
     shares_.clear();
     double total = 0;

@@ -16,6 +16,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -44,10 +45,15 @@ class DeviceExecutor {
   // The same for work of no client in particular (housekeeping), queued as client "".
   void Submit(std::function<void()> task) { Submit(std::string(), std::move(task)); }
 
-  // From inside a running task (on the worker): charge its run time to these clients in
-  // proportion to their shares instead of to the client that submitted it (a batch charges its
-  // members' clients by their rows).
-  void ShareCurrentTask(std::vector<std::pair<std::string, double>> shares);
+  // From inside a running task (on the worker): charge its run time, less `idle_seconds` it spent
+  // waiting rather than computing, to these clients in proportion to their shares instead of to
+  // the client that submitted it (a batch charges its members' clients by their rows, not the
+  // time it waited for company).
+  void ShareCurrentTask(std::vector<std::pair<std::string, double>> shares,
+                        double idle_seconds = 0);
+  // Called (outside the executor's lock) after every Submit: a batch waiting for company on the
+  // worker stops waiting when other work arrives. Set once, before tasks are submitted.
+  void SetOnSubmit(std::function<void()> hook);
 
   // Tasks queued and not yet started, in all and of one client.
   int64_t queued() const;
@@ -79,6 +85,8 @@ class DeviceExecutor {
   bool stopping_ = false;
   // The running task's ShareCurrentTask; touched only on the worker thread.
   std::vector<std::pair<std::string, double>> shares_;
+  double idle_ = 0;
+  std::shared_ptr<const std::function<void()>> on_submit_;  // guarded by mu_
   std::thread worker_;
 };
 

@@ -421,7 +421,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     if (batched && training) {
       batched = r.saved_groups.size() == n;
       for (size_t j = 0; j < n && batched; ++j) {
-        batched = contexts_.CheckFits(r.saved_groups[j]->bytes()).ok();
+        batched = contexts_.Fits(r.saved_groups[j]->bytes());
       }
     }
     if (batched) {
@@ -432,16 +432,23 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
       workspace_hits_.fetch_add(int64_t(n) - (r.workspace_built ? 1 : 0));
       m->workspace = r.workspace;
       version = m->version;
-      for (size_t j = 0; training && j < n; ++j) {
-        r.saved_groups[j]->input_shape = reqs[members[j]]->input.shape;
-        absl::StatusOr<std::string> id =
-            contexts_.Put(module_id, m->version, std::move(r.saved_groups[j]), m->tenant,
-                          reqs[members[j]]->client);
-        if (id.ok()) {
-          context_ids[j] = *std::move(id);
-        } else {
-          put[j] = id.status();
+      try {
+        for (size_t j = 0; training && j < n; ++j) {
+          r.saved_groups[j]->input_shape = reqs[members[j]]->input.shape;
+          absl::StatusOr<std::string> id =
+              contexts_.Put(module_id, m->version, std::move(r.saved_groups[j]), m->tenant,
+                            reqs[members[j]]->client);
+          if (id.ok()) {
+            context_ids[j] = *std::move(id);
+          } else {
+            put[j] = id.status();
+          }
         }
+      } catch (...) {
+        for (const std::string& id : context_ids) {
+          if (!id.empty()) (void)contexts_.Release(id);
+        }
+        throw;
       }
     }
   }
@@ -475,6 +482,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
       }
       out.context_id = context_ids[j];
       out.weight_version = version;
+      out.batch_requests = int32_t(n);
       results[members[j]] = std::move(out);
     } catch (...) {
       for (size_t rest = 0; rest < n; ++rest) {

@@ -59,6 +59,7 @@ struct WireForwardOutput {
   bool has_layernorm_output = false;
   std::string context_id;  // empty for inference
   uint64_t weight_version = 0;
+  int32_t batch_requests = 0;  // ForwardBatch: the requests computed together (0: alone)
 };
 
 struct WireBackwardRequest {

@@ -253,7 +253,19 @@ class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
           [this, work = std::move(work),
            created_context = std::move(created_context)](absl::Status started) {
             std::unique_ptr<PendingUnary> pending = std::make_unique<Pending>(this);
-            absl::Status status = started.ok() ? work(caller(), *this, &pending) : started;
+            absl::Status status = started;
+            // An exception from the work finishes the call here with its cause (as AdmitAndRun
+            // words it), not through the pending end's fallback.
+            try {
+              if (started.ok()) status = work(caller(), *this, &pending);
+            } catch (const std::exception& e) {
+              status = absl::InternalError(absl::StrCat(method_, " failed: ", e.what()));
+              spdlog::error("{}", std::string(status.message()));
+            } catch (...) {
+              status =
+                  absl::InternalError(absl::StrCat(method_, " failed with an unknown exception"));
+              spdlog::error("{}", std::string(status.message()));
+            }
             if (pending == nullptr) return;  // the work finishes the call later
             static_cast<Pending*>(pending.get())
                 ->Finish(status,

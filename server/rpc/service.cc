@@ -74,7 +74,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
       checks_(host_, env_, options_.limits),
       env_(host, executor, options_, quotas_) {
   if (options_.batching.enabled()) {
-    batcher_ = std::make_unique<core::BatchFormer>(executor, options_.batching, options_.on_batch);
+    batcher_ = std::make_unique<core::BatchFormer>(executor, options_.batching);
   }
   // Modules already here (restored from checkpoints) count for their tenants.
   for (const core::ModuleInfo& info : host_.List()) {
@@ -206,7 +206,8 @@ absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::For
   core::WireForwardRequest& f = p->f;
   {
     TransferTimer timer(p->transfer);
-    GW_ASSIGN_OR_RETURN(f.input, staging_.Stage(owner, req.input(), "input", &p->staged, raw, 2));
+    GW_ASSIGN_OR_RETURN(f.input,
+                        staging_.Stage(owner, req.input(), "input", p->staged.get(), raw, 2));
   }
   GW_RETURN_IF_ERROR(checks_.CheckForward(caller, req));
   f.training = req.training();
@@ -268,6 +269,7 @@ absl::Status GradwireService::FinishForward(const Caller& caller, const v1::Forw
   }
   resp->set_context_id(out.context_id);
   resp->set_weight_version(out.weight_version);
+  resp->set_batch_requests(out.batch_requests);
   resp->set_server_seconds(SecondsSince(p.start) - p.transfer);
   return absl::OkStatus();
 }
@@ -435,6 +437,7 @@ GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::By
           // Each request's work up to the compute (its own checks, its own cancellation), then
           // one compute for those still there, then each one's delivery and end.
           std::vector<std::shared_ptr<Slot>> ready;
+          ready.reserve(members.size());
           for (core::BatchFormer::Member& m : members) {
             auto s = std::static_pointer_cast<Slot>(m.item);
             std::function<void()> run = std::move(s->task);
@@ -455,28 +458,37 @@ GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::By
             for (const auto& s : ready) s->pending->Finish(failed);
             return;
           }
+          // What ran as one backend call (a batch that fell back to its requests one by one
+          // reports none), for the metrics.
+          int64_t together = 0, rows = 0;
+          for (size_t i = 0; i < ready.size(); ++i) {
+            ready[i]->prepared.staged.reset();  // the input was read: its staging goes now
+            if (!outs[i].ok() || outs[i]->batch_requests == 0) continue;
+            together = outs[i]->batch_requests;
+            const wire::TensorView& in = ready[i]->prepared.f.input;
+            rows += in.numel() / std::max<int64_t>(1, in.shape.back());
+          }
+          if (together > 0 && options_.on_batch) options_.on_batch(together, rows);
           // Delivery and the end of each call are host work: on the control thread, so the
           // device executor goes on to the next task (another tenant's) at once.
-          const int32_t together = ready.size() > 1 ? int32_t(ready.size()) : 0;
           for (size_t i = 0; i < ready.size(); ++i) {
-            env_.control().Submit(ready[i]->caller->client, [this, s = ready[i], together,
-                                                             out = std::move(outs[i])]() mutable {
-              RequestScope scope(s->pending->call().request());
-              absl::Status status;
-              try {
-                status = FinishForward(*s->caller, s->req, &s->resp, s->pending->call(),
-                                       s->prepared, std::move(out));
-                if (status.ok()) {
-                  s->resp.set_batch_requests(together);
-                  wire::SerializeMoving(&s->resp, wire::kForwardResponseTensors, s->out);
-                }
-              } catch (const std::exception& e) {
-                status = absl::InternalError(absl::StrCat("Forward failed: ", e.what()));
-                spdlog::error("{}", std::string(status.message()));
-              }
-              std::string created = status.ok() ? s->resp.context_id() : std::string();
-              s->pending->Finish(std::move(status), std::move(created));
-            });
+            env_.control().Submit(
+                ready[i]->caller->client, [this, s = ready[i], out = std::move(outs[i])]() mutable {
+                  RequestScope scope(s->pending->call().request());
+                  absl::Status status;
+                  try {
+                    status = FinishForward(*s->caller, s->req, &s->resp, s->pending->call(),
+                                           s->prepared, std::move(out));
+                    if (status.ok()) {
+                      wire::SerializeMoving(&s->resp, wire::kForwardResponseTensors, s->out);
+                    }
+                  } catch (const std::exception& e) {
+                    status = absl::InternalError(absl::StrCat("Forward failed: ", e.what()));
+                    spdlog::error("{}", std::string(status.message()));
+                  }
+                  std::string created = status.ok() ? s->resp.context_id() : std::string();
+                  s->pending->Finish(std::move(status), std::move(created));
+                });
           }
         });
       },

@@ -126,8 +126,10 @@ class GradwireService final : public ServiceBase {
   // the response) from the compute's result.
   struct PreparedForward {
     core::WireForwardRequest f;
-    StagingBuffer staged;  // the input's bytes, when they lie in shared memory
-    double transfer = 0;   // seconds spent moving tensors (not the server's compute)
+    // The input's bytes, when they lie in shared memory (a staging buffer returns to the pool of
+    // the thread that frees it: a batch frees it on the executor, before handing off).
+    std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();
+    double transfer = 0;  // seconds spent moving tensors (not the server's compute)
     std::chrono::steady_clock::time_point start;
   };
   absl::Status PrepareForward(const Caller& caller, const v1::ForwardRequest& req,

@@ -272,6 +272,21 @@ TEST(BatchFormerTest, AStartedBatchTakesNoMoreRequests) {
   EXPECT_EQ(b.ran, (std::vector<std::vector<std::string>>{{"first"}, {"second"}}));
 }
 
+TEST(BatchFormerTest, AWaitingBatchGoesWhenOtherWorkArrives) {
+  DeviceExecutor executor("test");
+  Batches b;
+  BatchFormer former(executor, {8, std::chrono::microseconds(60'000'000)});
+  const auto start = std::chrono::steady_clock::now();
+  former.Add("m", b.Member("c", 1, "alone"), b.Runner());  // starts at once, waits for company
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::promise<void> other;
+  executor.Submit("someone else", [&other] { other.set_value(); });
+  other.get_future().wait();  // runs after the batch, which stopped waiting for it
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  std::lock_guard<std::mutex> lock(b.mu);
+  EXPECT_EQ(b.ran, (std::vector<std::vector<std::string>>{{"alone"}}));
+}
+
 TEST(BatchFormerTest, ADelayedBatchRunsOnceFull) {
   DeviceExecutor executor("test");
   Batches b;

@@ -94,12 +94,18 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   // Rows for a forward of about 2 s on this machine, so four of them queued back to back are
   // still running well after SIGTERM and the refused calls (which may take a while to fail on a
   // busy machine).
+  // Each size is timed twice and the faster counts: a moment of load from a test running beside
+  // this one must not stop the search early (the forwards below would then be over before any
+  // waited on the executor).
   int64_t rows = 64;
   for (;;) {
-    const auto t0 = Clock::now();
-    const auto fwd = c->Forward(m, Random({rows, 512}), false);
-    ASSERT_TRUE(fwd.ok()) << fwd.status();
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    double s = 1e9;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const auto t0 = Clock::now();
+      const auto fwd = c->Forward(m, Random({rows, 512}), false);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      s = std::min(s, std::chrono::duration<double>(Clock::now() - t0).count());
+    }
     // 16384 rows: 32 MiB in, under --max-request-bytes; the FC1 output (16384 x 8192) is what
     // --max-tensor-elements allows this server.
     if (s > 2.0 || rows >= 16384) break;
@@ -121,6 +127,16 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
     inputs.push_back(Random({rows, 512}));
   }
   std::vector<std::thread> flights;
+  // Joined on every way out, a failed assertion included (a joinable thread destroyed would end
+  // the process instead of reporting the failure).
+  struct JoinAll {
+    std::vector<std::thread>& threads;
+    ~JoinAll() {
+      for (auto& t : threads) {
+        if (t.joinable()) t.join();
+      }
+    }
+  } join_all{flights};
   for (int i = 0; i < kInFlight; ++i) {
     flights.emplace_back([&, i] {
       auto r = clients[i]->Forward(m, inputs[i], true);
@@ -133,7 +149,7 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
       done[i] = Clock::now();
     });
   }
-  // SIGTERM once forwards wait on the executor behind the one computing, ideally all four. (A
+  // SIGTERM once forwards wait on the executor behind the one computing, two or more. (A
   // fixed sleep is not enough on a busy machine. On 2 cores the compute can starve gRPC's threads,
   // so a forward may not arrive until the one before it is done; after 5 s, one queued is enough.)
   // The queue is the unambiguous sign: finished counts lag for chunked calls (counted once the
@@ -144,7 +160,7 @@ TEST(ShutdownTest, SigtermRefusesNewCallsFinishesInFlightOnesAndCheckpoints) {
   while (Clock::now() - flights_sent < std::chrono::seconds(90)) {
     const Progress p = ReadProgress(http);
     seen += std::to_string(p.queued) + "/" + std::to_string(p.forwards_ok) + " ";
-    if (p.queued >= kInFlight - 1 ||
+    if (p.queued >= kInFlight - 2 ||
         (p.queued >= 1 && Clock::now() - flights_sent > std::chrono::seconds(5))) {
       queued_at_sigterm = p.queued;
       break;
