@@ -61,20 +61,22 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
   result.workspace_built = ws.built;
   std::shared_ptr<LayerNormLinearSaved> saved;
   if (args.training) saved = std::make_shared<LayerNormLinearSaved>();
-  const LayerNormOut ln = LayerNormHead(b, args, &result, saved.get());
-  const bool keep_columnwise = args.training && !args.spec->checkpoint;
   const QuantizerConfig& q = args.quantizers[kInputRole];
+  // A batch's contexts copy their own rows below; the whole batch's input is not kept.
+  const bool grouped = q.row_groups && q.row_groups->size() > 1;  // as CastRows stacks them
+  const LayerNormOut ln = LayerNormHead(b, args, &result, grouped ? nullptr : saved.get());
+  const bool keep_columnwise = args.training && !args.spec->checkpoint;
   GW_ASSIGN_OR_RETURN(Fp8Tensor x, CastRows(b, ln.y, q, {true, keep_columnwise}));
   const Fp8Tensor& w = result.workspace->weights[0];
   result.output = FpropRows(b, x, w, p[Param::kBias]);
   result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
-  if (saved && x.grouped()) {  // a batch: each request keeps its own rows
+  if (saved && grouped) {  // a batch: each request keeps its own rows
     int64_t row = 0;
     for (Fp8Tensor& g : x.groups) {
       auto one = std::make_shared<LayerNormLinearSaved>();
-      one->input = RowsOf(saved->input, row, g.rows);
-      one->mu = RowsOf(saved->mu, row, g.rows);
-      one->rstd = RowsOf(saved->rstd, row, g.rows);
+      one->input = RowsOf(args.input, row, g.rows);
+      one->mu = RowsOf(ln.mu, row, g.rows);
+      one->rstd = RowsOf(ln.rstd, row, g.rows);
       one->input_quantizer = ReplayOf(q, g);
       row += g.rows;
       if (keep_columnwise) {

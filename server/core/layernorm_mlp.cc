@@ -52,7 +52,10 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
   const Fp8Tensor& w2 = result.workspace->weights[1];
   std::shared_ptr<LayerNormMlpSaved> saved;
   if (args.training) saved = std::make_shared<LayerNormMlpSaved>();
-  const LayerNormOut ln = LayerNormHead(b, args, &result, saved.get());
+  // A batch's contexts copy their own rows below; the whole batch's input is not kept.
+  const bool grouped =
+      q[kFc1InputRole].row_groups && q[kFc1InputRole].row_groups->size() > 1;  // as CastRows stacks
+  const LayerNormOut ln = LayerNormHead(b, args, &result, grouped ? nullptr : saved.get());
   const bool keep = args.training && !args.spec->checkpoint;
   GW_ASSIGN_OR_RETURN(MlpHidden h,
                       Hidden(b, ln.y, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
@@ -62,7 +65,7 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
                    {kFc1WeightRole, w1.amax},
                    {kFc2InputRole, h.act_q.amax},
                    {kFc2WeightRole, w2.amax}};
-  if (saved && h.ln_q.grouped()) {  // a batch: each request keeps its own rows
+  if (saved && grouped) {  // a batch: each request keeps its own rows
     const WorkspacePtr pinned = PinForBackward(result.workspace, /*needs_rowwise=*/!keep);
     int64_t row = 0;
     for (size_t i = 0; i < h.ln_q.groups.size(); ++i) {
@@ -70,9 +73,9 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
       Fp8Tensor& act_q = h.act_q.groups.at(i);
       const int64_t rows = ln_q.rows;
       auto one = std::make_shared<LayerNormMlpSaved>();
-      one->input = RowsOf(saved->input, row, rows);
-      one->mu = RowsOf(saved->mu, row, rows);
-      one->rstd = RowsOf(saved->rstd, row, rows);
+      one->input = RowsOf(args.input, row, rows);
+      one->mu = RowsOf(ln.mu, row, rows);
+      one->rstd = RowsOf(ln.rstd, row, rows);
       one->fc1_input_quantizer = ReplayOf(q[kFc1InputRole], ln_q);
       one->fc2_input_quantizer = ReplayOf(q[kFc2InputRole], act_q);
       if (keep) {

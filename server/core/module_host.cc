@@ -408,15 +408,11 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     std::vector<std::vector<RoleAmax>> step_amaxes(n);
     for (const auto& [role, amax] : r.amaxes) {
       if (!roles.at(role).weight && !std::isfinite(amax)) batched = false;
-      for (size_t j = 0; j < n && batched; ++j) {
-        if (!training) break;
-        const std::shared_ptr<RoleSteps>& st = steps.at(role);
-        if (st && st->amaxes.size() != n) {
-          batched = false;  // not one cast per request: the steps would not be the sequence's
-        } else {
-          step_amaxes[j].emplace_back(role, st ? st->amaxes[j] : amax);
-        }
-      }
+      const RoleSteps* st = steps.at(role).get();
+      // Not one cast per request: the steps would not be the sequence's.
+      if (st && st->amaxes.size() != n) batched = false;
+      if (!batched || !training) continue;
+      for (size_t j = 0; j < n; ++j) step_amaxes[j].emplace_back(role, st ? st->amaxes[j] : amax);
     }
     if (batched && training) {
       batched = r.saved_groups.size() == n;

@@ -71,6 +71,20 @@ std::string Name(const Case& c) {
          (c.delayed ? " delayed " : " current ") + wire::DTypeName(c.dtype);
 }
 
+// Every backend x kind x recipe x one of `dtypes`.
+std::vector<Case> Cases(std::initializer_list<DType> dtypes) {
+  std::vector<Case> out;
+  for (const char* backend : {"reference", "cpu-blas", "cpu-ordered"}) {
+    for (ModuleKind kind :
+         {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+      for (bool delayed : {false, true}) {
+        for (DType dtype : dtypes) out.push_back({backend, kind, delayed, dtype});
+      }
+    }
+  }
+  return out;
+}
+
 core::BackendPtr BackendFor(const std::string& name) {
   if (name == "reference") return core::MakeReferenceBackend();
   core::SetCpuGemm(name == "cpu-ordered" ? core::CpuGemm::kOrdered : core::CpuGemm::kBlas);
@@ -90,63 +104,54 @@ class ForwardBatchTest : public ::testing::Test {
 };
 
 TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
-  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kFp8E4M3, DType::kFp8E5M2};
+  const auto dtypes = {DType::kF32, DType::kBF16, DType::kF16, DType::kFp8E4M3, DType::kFp8E5M2};
   const DType outputs[] = {DType::kF32, DType::kBF16, DType::kFp8E4M3};
   std::uniform_int_distribution<int> requests(1, 16), rows(1, 300), pick(0, 2);
   int cases = 0;
-  for (const char* backend : {"reference", "cpu-blas", "cpu-ordered"}) {
-    for (ModuleKind kind :
-         {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
-      for (bool delayed : {false, true}) {
-        for (DType dtype : dtypes) {
-          const Case c{backend, kind, delayed, dtype};
-          SCOPED_TRACE(Name(c));
-          core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor(backend));
-          auto info = host.Create(SpecFor(c, uint64_t(cases)));
-          ASSERT_TRUE(info.ok()) << info.status();
-          const std::string id = info->module_id;
-          // Delayed scaling: a few training forwards first, so the scales are not their
-          // initial 1 (inference then leaves them alone).
-          if (delayed) {
-            for (int i = 0; i < 3; ++i) {
-              auto f = core::TensorForward(host, id, RandN({5, 40}, 1.0 + i), true);
-              ASSERT_TRUE(f.ok()) << f.status();
-              ASSERT_TRUE(host.ReleaseContext(f->context_id).ok());
-            }
-          }
-          const int n = cases % 5 == 0 ? 1 : requests(Rng());
-          std::vector<WireInput> inputs;
-          for (int i = 0; i < n; ++i) {
-            // Mixed magnitudes: each request's own amax sets its scale.
-            const at::Tensor x = RandN({rows(Rng()) > 250 ? 2 : 1, rows(Rng()) / 2 + 1, 40},
-                                       std::pow(4.0, double(i % 5) - 2.0));
-            inputs.push_back(Encode(x, dtype, outputs[pick(Rng())]));
-          }
-          std::vector<const core::WireForwardRequest*> reqs;
-          for (const WireInput& w : inputs) reqs.push_back(&w.req);
-          const int64_t before = host.Stats().batched_forwards;
-          const auto batched = host.ForwardBatch(id, reqs);
-          ASSERT_EQ(batched.size(), inputs.size());
-          EXPECT_EQ(host.Stats().batched_forwards - before, n > 1 ? n : 0);
-          for (int i = 0; i < n; ++i) {
-            auto alone = host.Forward(id, inputs[size_t(i)].req);
-            ASSERT_TRUE(alone.ok()) << alone.status();
-            ASSERT_TRUE(batched[size_t(i)].ok()) << batched[size_t(i)].status();
-            EXPECT_TRUE(SameEncoding(batched[size_t(i)]->output, alone->output))
-                << "request " << i << " of " << n;
-            EXPECT_EQ(batched[size_t(i)]->has_layernorm_output, alone->has_layernorm_output);
-            if (alone->has_layernorm_output) {
-              EXPECT_TRUE(
-                  SameEncoding(batched[size_t(i)]->layernorm_output, alone->layernorm_output))
-                  << "request " << i;
-            }
-            EXPECT_TRUE(batched[size_t(i)]->context_id.empty());
-            EXPECT_EQ(batched[size_t(i)]->weight_version, alone->weight_version);
-          }
-          ++cases;
-        }
+  for (const Case& c : Cases(dtypes)) {
+    SCOPED_TRACE(Name(c));
+    core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor(c.backend));
+    auto info = host.Create(SpecFor(c, uint64_t(cases)));
+    ASSERT_TRUE(info.ok()) << info.status();
+    const std::string id = info->module_id;
+    // Delayed scaling: a few training forwards first, so the scales are not their
+    // initial 1 (inference then leaves them alone).
+    if (c.delayed) {
+      for (int i = 0; i < 3; ++i) {
+        auto f = core::TensorForward(host, id, RandN({5, 40}, 1.0 + i), true);
+        ASSERT_TRUE(f.ok()) << f.status();
+        ASSERT_TRUE(host.ReleaseContext(f->context_id).ok());
       }
     }
+    const int n = cases % 5 == 0 ? 1 : requests(Rng());
+    std::vector<WireInput> inputs;
+    for (int i = 0; i < n; ++i) {
+      // Mixed magnitudes: each request's own amax sets its scale.
+      const at::Tensor x = RandN({rows(Rng()) > 250 ? 2 : 1, rows(Rng()) / 2 + 1, 40},
+                                 std::pow(4.0, double(i % 5) - 2.0));
+      inputs.push_back(Encode(x, c.dtype, outputs[pick(Rng())]));
+    }
+    std::vector<const core::WireForwardRequest*> reqs;
+    for (const WireInput& w : inputs) reqs.push_back(&w.req);
+    const int64_t before = host.Stats().batched_forwards;
+    const auto batched = host.ForwardBatch(id, reqs);
+    ASSERT_EQ(batched.size(), inputs.size());
+    EXPECT_EQ(host.Stats().batched_forwards - before, n > 1 ? n : 0);
+    for (int i = 0; i < n; ++i) {
+      auto alone = host.Forward(id, inputs[size_t(i)].req);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      ASSERT_TRUE(batched[size_t(i)].ok()) << batched[size_t(i)].status();
+      EXPECT_TRUE(SameEncoding(batched[size_t(i)]->output, alone->output))
+          << "request " << i << " of " << n;
+      EXPECT_EQ(batched[size_t(i)]->has_layernorm_output, alone->has_layernorm_output);
+      if (alone->has_layernorm_output) {
+        EXPECT_TRUE(SameEncoding(batched[size_t(i)]->layernorm_output, alone->layernorm_output))
+            << "request " << i;
+      }
+      EXPECT_TRUE(batched[size_t(i)]->context_id.empty());
+      EXPECT_EQ(batched[size_t(i)]->weight_version, alone->weight_version);
+    }
+    ++cases;
   }
   EXPECT_EQ(cases, 3 * 3 * 2 * 5);
 }
@@ -155,75 +160,62 @@ TEST_F(ForwardBatchTest, TrainingBatchesAreTheSequenceOfTheirRequests) {
   // Two identical modules: one runs the batch, the other the same requests one after another.
   // Outputs, the scaling state after, and each context (through its backward: grad_input and
   // the accumulated gradients) must match bit for bit.
-  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kFp8E4M3};
+  const auto dtypes = {DType::kF32, DType::kBF16, DType::kFp8E4M3};
   std::uniform_int_distribution<int> requests(2, 16), rows(1, 300);
   int cases = 0;
-  for (const char* backend : {"reference", "cpu-blas", "cpu-ordered"}) {
-    for (ModuleKind kind :
-         {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
-      for (bool delayed : {false, true}) {
-        for (DType dtype : dtypes) {
-          const Case c{backend, kind, delayed, dtype};
-          SCOPED_TRACE(Name(c));
-          core::ModuleSpec spec = SpecFor(c, uint64_t(cases));
-          spec.checkpoint = kind != ModuleKind::kLinear && cases % 2 == 1;
-          core::ModuleHost batched(core::ContextLimits{}, nullptr, BackendFor(backend));
-          core::ModuleHost sequential(core::ContextLimits{}, nullptr, BackendFor(backend));
-          auto a = batched.Create(spec);
-          auto b = sequential.Create(spec);
-          ASSERT_TRUE(a.ok() && b.ok());
-          const int n = requests(Rng());
-          std::vector<WireInput> inputs;
-          for (int i = 0; i < n; ++i) {
-            const at::Tensor x =
-                RandN({rows(Rng()), 40}, std::pow(4.0, double((i + cases) % 5) - 2.0));
-            inputs.push_back(Encode(x, dtype, i % 2 ? DType::kBF16 : DType::kF32));
-            inputs.back().req.training = true;
-          }
-          std::vector<const core::WireForwardRequest*> reqs;
-          for (const WireInput& w : inputs) reqs.push_back(&w.req);
-          const auto together = batched.ForwardBatch(a->module_id, reqs);
-          ASSERT_EQ(together.size(), size_t(n));
-          EXPECT_EQ(batched.Stats().live_contexts, n);
-          // Computed as one batch, except a Linear's FP8 codes, which train one by one.
-          const bool codes = kind == ModuleKind::kLinear && wire::IsFp8(dtype);
-          EXPECT_EQ(batched.Stats().batched_forwards, codes ? 0 : n);
-          for (int i = 0; i < n; ++i) {
-            auto alone = sequential.Forward(b->module_id, inputs[size_t(i)].req);
-            ASSERT_TRUE(alone.ok()) << alone.status();
-            ASSERT_TRUE(together[size_t(i)].ok()) << together[size_t(i)].status();
-            EXPECT_TRUE(SameEncoding(together[size_t(i)]->output, alone->output))
-                << "request " << i;
-            if (alone->has_layernorm_output) {
-              EXPECT_TRUE(
-                  SameEncoding(together[size_t(i)]->layernorm_output, alone->layernorm_output));
-            }
-            // Each context holds its own request's rows: its backward is the sequence's.
-            const at::Tensor g = RandN({inputs[size_t(i)].req.input.shape[0], 24});
-            auto ga =
-                core::TensorBackward(batched, together[size_t(i)]->context_id, g, false, false);
-            auto gb = core::TensorBackward(sequential, alone->context_id, g, false, false);
-            ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
-            EXPECT_TRUE(at::equal(*ga, *gb)) << "grad_input of request " << i;
-          }
-          EXPECT_EQ(batched.Stats().live_contexts, 0);
-          const auto sa = batched.Scaling(a->module_id), sb = sequential.Scaling(b->module_id);
-          ASSERT_TRUE(sa.ok() && sb.ok());
-          for (size_t r = 0; r < sa->size(); ++r) {
-            EXPECT_EQ((*sa)[r].scale, (*sb)[r].scale) << (*sa)[r].role;
-            EXPECT_EQ((*sa)[r].history, (*sb)[r].history) << (*sa)[r].role;
-          }
-          const auto wa = core::TensorGradients(batched, a->module_id, false);
-          const auto wb = core::TensorGradients(sequential, b->module_id, false);
-          ASSERT_TRUE(wa.ok() && wb.ok());
-          for (size_t p = 0; p < wa->tensors.size(); ++p) {
-            EXPECT_TRUE(at::equal(wa->tensors[p].second, wb->tensors[p].second))
-                << wa->tensors[p].first;
-          }
-          ++cases;
-        }
-      }
+  for (const Case& c : Cases(dtypes)) {
+    SCOPED_TRACE(Name(c));
+    core::ModuleSpec spec = SpecFor(c, uint64_t(cases));
+    spec.checkpoint = c.kind != ModuleKind::kLinear && cases % 2 == 1;
+    core::ModuleHost batched(core::ContextLimits{}, nullptr, BackendFor(c.backend));
+    core::ModuleHost sequential(core::ContextLimits{}, nullptr, BackendFor(c.backend));
+    auto a = batched.Create(spec);
+    auto b = sequential.Create(spec);
+    ASSERT_TRUE(a.ok() && b.ok());
+    const int n = requests(Rng());
+    std::vector<WireInput> inputs;
+    for (int i = 0; i < n; ++i) {
+      const at::Tensor x = RandN({rows(Rng()), 40}, std::pow(4.0, double((i + cases) % 5) - 2.0));
+      inputs.push_back(Encode(x, c.dtype, i % 2 ? DType::kBF16 : DType::kF32));
+      inputs.back().req.training = true;
     }
+    std::vector<const core::WireForwardRequest*> reqs;
+    for (const WireInput& w : inputs) reqs.push_back(&w.req);
+    const auto together = batched.ForwardBatch(a->module_id, reqs);
+    ASSERT_EQ(together.size(), size_t(n));
+    EXPECT_EQ(batched.Stats().live_contexts, n);
+    // Computed as one batch, except a Linear's FP8 codes, which train one by one.
+    const bool codes = c.kind == ModuleKind::kLinear && wire::IsFp8(c.dtype);
+    EXPECT_EQ(batched.Stats().batched_forwards, codes ? 0 : n);
+    for (int i = 0; i < n; ++i) {
+      auto alone = sequential.Forward(b->module_id, inputs[size_t(i)].req);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      ASSERT_TRUE(together[size_t(i)].ok()) << together[size_t(i)].status();
+      EXPECT_TRUE(SameEncoding(together[size_t(i)]->output, alone->output)) << "request " << i;
+      if (alone->has_layernorm_output) {
+        EXPECT_TRUE(SameEncoding(together[size_t(i)]->layernorm_output, alone->layernorm_output));
+      }
+      // Each context holds its own request's rows: its backward is the sequence's.
+      const at::Tensor g = RandN({inputs[size_t(i)].req.input.shape[0], 24});
+      auto ga = core::TensorBackward(batched, together[size_t(i)]->context_id, g, false, false);
+      auto gb = core::TensorBackward(sequential, alone->context_id, g, false, false);
+      ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+      EXPECT_TRUE(at::equal(*ga, *gb)) << "grad_input of request " << i;
+    }
+    EXPECT_EQ(batched.Stats().live_contexts, 0);
+    const auto sa = batched.Scaling(a->module_id), sb = sequential.Scaling(b->module_id);
+    ASSERT_TRUE(sa.ok() && sb.ok());
+    for (size_t r = 0; r < sa->size(); ++r) {
+      EXPECT_EQ((*sa)[r].scale, (*sb)[r].scale) << (*sa)[r].role;
+      EXPECT_EQ((*sa)[r].history, (*sb)[r].history) << (*sa)[r].role;
+    }
+    const auto wa = core::TensorGradients(batched, a->module_id, false);
+    const auto wb = core::TensorGradients(sequential, b->module_id, false);
+    ASSERT_TRUE(wa.ok() && wb.ok());
+    for (size_t p = 0; p < wa->tensors.size(); ++p) {
+      EXPECT_TRUE(at::equal(wa->tensors[p].second, wb->tensors[p].second)) << wa->tensors[p].first;
+    }
+    ++cases;
   }
   EXPECT_EQ(cases, 3 * 3 * 2 * 3);
 }
