@@ -16,6 +16,10 @@ if [ "${1:-}" != "--gtest" ]; then
     libssl-dev libssl3 zlib1g-dev libbrotli-dev libbrotli1
     libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
     libcli11-dev nlohmann-json3-dev libcpp-httplib-dev libcpp-httplib0.11
+    # prometheus-cpp's CMake config finds civetweb, ZLIB and CURL (pull and push); the server
+    # links only its core.
+    prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0
+    libprometheus-cpp-push1.0 civetweb libcivetweb-dev libcivetweb1 libcurl4-openssl-dev libcurl4
   )
 fi
 cd .device-deps
