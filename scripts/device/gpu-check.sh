@@ -387,16 +387,23 @@ fi
 # GEMM has. Linear 4096 -> 4096, 8192 rows: 128 MiB of f32 each way per call, over the 64 MiB
 # default message limits, hence the larger limits on both ends.
 #
-# server_step NAME WIRE SECONDS: gradwire-load against a fresh --device cuda server, the wire
-# carrying WIRE (f32: the issue's figure; fp8: a quarter of the bytes, for comparison).
+# server_step NAME WIRE SECONDS [shm]: gradwire-load against a fresh --device cuda server, the
+# wire carrying WIRE (f32: the issue's figure; fp8: a quarter of the bytes, for comparison); with
+# shm the tensors go through POSIX shared memory instead of the gRPC messages.
 server_step() {
   local name=$1 wire=$2 secs=$3 rc started
+  local server_flags=() load_flags=()
+  if [ "${4:-}" = shm ]; then
+    server_flags=(--allow-shared-memory)
+    load_flags=(--shared-memory)
+  fi
   started=$(date +%s)
   if [ ! -x "$build/client/gradwire-load" ] || [ ! -x "$build/server/gradwire-server" ]; then
     step_done "$name" "not built" "$started"
     return
   fi
-  if ! start_server "$name" cuda --max-message-mib 512 --max-request-bytes 512MiB; then
+  if ! start_server "$name" cuda --max-message-mib 512 --max-request-bytes 512MiB \
+    "${server_flags[@]}"; then
     echo "the cuda server did not start: $(tail -n 3 "$work/server-$name.log")" >> "$out/bench.txt"
     step_done "$name" FAILED "$started" "the cuda server did not start (bench.txt says why)"
     return
@@ -404,7 +411,7 @@ server_step() {
   run "$secs" "$work/$name.log" "$build/client/gradwire-load" --server "$server_addr" \
     --max-message-mib 512 --timeout 60 --kind linear --in 4096 --out 4096 --rows 8192 \
     --wire-dtype "$wire" --flow step --concurrency 1 --warmup 2 --duration 8 --baselines \
-    --baseline-device cuda --json "$work/$name.json"
+    --baseline-device cuda "${load_flags[@]}" --json "$work/$name.json"
   rc=$?
   stop_server "$server_pid"
   {
@@ -413,7 +420,7 @@ server_step() {
       grep -E '^(mode|remote|in-process|empty-rpc|ratios|server after|gradwire-load)' | tail -n 12
   } >> "$out/bench.txt"
   step_done "$name" "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" "$started" \
-    "$(tr '\r' '\n' < "$work/$name.log" | grep -E '^(remote|in-process|empty-rpc) ' |
+    "$(tr '\r' '\n' < "$work/$name.log" | grep -E '^(remote|remote-shm|in-process|empty-rpc) ' |
       awk '{print $1 " " $4 "/s"}' | tr '\n' ' ')"
 }
 server_step server-step f32 "$(cap 75 0)"
@@ -440,7 +447,11 @@ else
   step_done torch-bench "not run" "$started" "no results from gradwire-cuda-bench"
 fi
 
-# Last, if there is time: the same server step with FP8 on the wire, a quarter of f32's bytes.
+# Last, if there is time: the same f32 step with the tensors through shared memory (a client on
+# the server's host), then with FP8 on the wire, a quarter of f32's bytes.
+if [ "$(left)" -ge 60 ]; then
+  server_step server-step-shm f32 "$(cap 75 0)" shm
+fi
 if [ "$(left)" -ge 60 ]; then
   server_step server-step-fp8 fp8 "$(cap 75 0)"
 fi

@@ -159,10 +159,12 @@ def server_step(work, name="server-step"):
     if not isinstance(j, dict):
         return None
     runs = {r.get("mode"): r for r in j.get("runs", [])}
-    remote, local, empty = runs.get("remote"), runs.get("in-process"), runs.get("empty-rpc")
+    remote = runs.get("remote") or runs.get("remote-shm")  # the latter: --shared-memory
+    local, empty = runs.get("in-process"), runs.get("empty-rpc")
     rows, fin, fout = j.get("rows", 0), j.get("in_features", 0), j.get("out_features", 0)
     out = {
         "rows": rows, "in_features": fin, "out_features": fout, "wire_dtype": j.get("wire_dtype"),
+        "transport": "shared memory" if "remote-shm" in runs else "grpc",
         "remote_steps_per_s": remote and remote.get("requests_per_s"),
         "inprocess_steps_per_s": local and local.get("requests_per_s"),
         "empty_rpc_per_s": empty and empty.get("requests_per_s"),
@@ -317,6 +319,8 @@ def main():
         "server_step": step,
         # The same step with FP8 on the wire (not a target: what the wire format is worth).
         "server_step_fp8_wire": server_step(work, "server-step-fp8"),
+        # The f32 step with the tensors through shared memory (a client on the server's host).
+        "server_step_shared_memory": server_step(work, "server-step-shm"),
         "gemm": gemm,
         "modules": modules,
         "targets": targets(parity, service, demo_rows, step, gemm, modules, with_torch),

@@ -165,7 +165,15 @@ class CudaBackend final : public Backend {
       const at::ScalarType type = dtype == wire::DType::kF32    ? at::kFloat
                                   : dtype == wire::DType::kBF16 ? at::kBFloat16
                                                                 : at::kHalf;
-      host = x.to(type).to(at::kCPU).contiguous();
+      // Straight into the response's bytes: no host tensor in between (cudaMemcpyDefault: the
+      // source may be device or host memory).
+      const at::Tensor src = x.to(type).contiguous();
+      out.bytes.resize(size_t(src.numel() * wire::ElementSize(dtype)));
+      if (!out.bytes.empty()) {
+        GRADWIRE_CUDA_CHECK(
+            cudaMemcpy(out.bytes.data(), src.data_ptr(), out.bytes.size(), cudaMemcpyDefault));
+      }
+      return out;
     }
     out.bytes.resize(size_t(host.numel() * wire::ElementSize(dtype)));
     std::memcpy(out.bytes.data(), host.data_ptr(), out.bytes.size());
@@ -300,6 +308,10 @@ class CudaBackend final : public Backend {
     if (!a.defined() || !b.defined()) {
       throw std::logic_error("CudaBackend::Gemm: an operand's codes are missing");
     }
+    if (as.format == kernels::Fp8Format::kE5M2 && bs.format == kernels::Fp8Format::kE5M2) {
+      GemmBothE5m2(a, as, b, bs, d, accumulate);
+      return;
+    }
     const int64_t M = Up16(m), N = Up16(n), K = Up16(k);
     const at::Tensor pa = Pad(a, M, K), pb = Pad(b, N, K);
     const bool padded_out = M != m || N != n;
@@ -325,6 +337,29 @@ class CudaBackend final : public Backend {
     g.stream = kStream;
     gwc::Fp8GemmLt(g);
     if (padded_out) Copy2D(out, N, d, n, m, n);
+  }
+
+  // E5M2 x E5M2 (a wgrad of E5M2 gradient codes and an input that came as E5M2 codes): the FP8
+  // tensor cores need one E4M3 operand, and E5M2 does not fit E4M3 exactly. Both operands are
+  // decoded without their scales (exact in fp32), multiplied in float64 and scaled once: a rare
+  // path, slower but more exact than the FP8 GEMM it stands in for.
+  void GemmBothE5m2(const at::Tensor& a, const Fp8Tensor& as, const at::Tensor& b,
+                    const Fp8Tensor& bs, at::Tensor& d, bool accumulate) const {
+    const at::Tensor one = at::ones({4}, Floats());
+    auto decode = [&](const at::Tensor& codes) {
+      at::Tensor out = at::empty(codes.sizes(), Floats());
+      gwc::Dequantize(codes.data_ptr<uint8_t>(), codes.numel(), kernels::Fp8Format::kE5M2,
+                      one.data_ptr<float>(), out.data_ptr<float>(), kStream);
+      return out.to(at::kDouble);
+    };
+    const at::Tensor scale =
+        as.scale_inv_device.to(at::kDouble) * bs.scale_inv_device.to(at::kDouble);
+    const at::Tensor prod = (at::mm(decode(a), decode(b).t()) * scale).to(at::kFloat);
+    if (accumulate) {
+      d.add_(prod);
+    } else {
+      d.copy_(prod);
+    }
   }
 
   // The [rows, cols] corner of fp32 `from` (row pitch from_ld elements) into `to` (pitch to_ld).
