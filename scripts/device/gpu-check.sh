@@ -447,6 +447,14 @@ else
   step_done torch-bench "not run" "$started" "no results from gradwire-cuda-bench"
 fi
 
+# What moving one step's tensor between host and GPU costs on this machine (explains the step).
+started=$(date +%s)
+run "$(cap 30 0)" "$work/host-copies.log" "$tpy" scripts/device/host_copies.py \
+  --json "$work/host-copies.json"
+rc=$?
+{ echo "=== host copies (rc $rc)"; cat "$work/host-copies.log"; } >> "$out/bench.txt"
+step_done host-copies "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" "$started"
+
 # Last, if there is time: the same f32 step with the tensors through shared memory (a client on
 # the server's host), then with FP8 on the wire, a quarter of f32's bytes.
 if [ "$(left)" -ge 60 ]; then

@@ -321,6 +321,8 @@ def main():
         "server_step_fp8_wire": server_step(work, "server-step-fp8"),
         # The f32 step with the tensors through shared memory (a client on the server's host).
         "server_step_shared_memory": server_step(work, "server-step-shm"),
+        # Host<->GPU copies of one step tensor, pageable and pinned (scripts/device/host_copies.py).
+        "host_copies": load_json(os.path.join(work, "host-copies.json")),
         "gemm": gemm,
         "modules": modules,
         "targets": targets(parity, service, demo_rows, step, gemm, modules, with_torch),
