@@ -133,6 +133,8 @@ finish() {
   say "done in $(elapsed) s, exit status $rc"
   exit "$rc"
 }
+# want STEP: whether GW_CHECK_STEPS (space-separated step names; unset: every step) names it.
+want() { [ -z "${GW_CHECK_STEPS:-}" ] || [[ " $GW_CHECK_STEPS " == *" $1 "* ]]; }
 reached_end=0  # "complete" in the JSON: every step had its turn
 trap finish EXIT
 trap 'say "stopped by a signal"; exit 143' TERM INT HUP
@@ -183,7 +185,9 @@ mapfile -t suites < <(sed -n 's/^gradwire_service_test(\([a-z0-9_]*\).*/\1/p' \
   tests/service/CMakeLists.txt)
 kernel_tests=(kernels_test cuda_host_test cuda_kernels_test cuda_kernels_vs_core_test)
 targets=(gradwire-server gradwire gradwire-load backend_parity_test "${suites[@]}"
-  "${kernel_tests[@]}" gradwire-cuda-bench)
+  "${kernel_tests[@]}" gradwire-cuda-bench step_breakdown core_test)
+# shellcheck disable=SC2206  # GW_CHECK_TARGETS: a space-separated subset, split on purpose
+[ -z "${GW_CHECK_TARGETS:-}" ] || targets=(${GW_CHECK_TARGETS})
 started=$(date +%s)
 rm -f "$build/CMakeCache.txt"  # a fresh configure; objects already built are kept
 # GoogleTest discovery at test time, not after each link: nothing here runs ctest.
@@ -266,7 +270,9 @@ report
 
 # --- 1. The parity harness, CUDA rows only (the CPU rows are CI's) ----------------------------
 started=$(date +%s)
-if [ -x "$build/tests/core/backend_parity_test" ]; then
+if ! want parity; then
+  say "parity: not asked for (GW_CHECK_STEPS)"
+elif [ -x "$build/tests/core/backend_parity_test" ]; then
   run "$(cap 120 110)" "$work/parity.log" "$build/tests/core/backend_parity_test" \
     --gtest_filter='*/cuda*:CudaBackendAvailability.*' --gtest_color=no
   echo $? > "$work/parity.rc"
@@ -285,55 +291,59 @@ fi
 
 # --- 2. The service suites on the CUDA backend, and the kernel tests, all at once --------------
 started=$(date +%s)
-secs=$(cap 120 40)
-pids=()
-names=()
-for t in "${suites[@]}"; do
-  [ -x "$build/tests/service/$t" ] || continue
-  (
-    export GRADWIRE_TEST_DEVICE=cuda
-    run "$secs" "$work/svc-$t.log" "$build/tests/service/$t" --gtest_color=no
-    echo $? > "$work/svc-$t.rc"
-  ) 2> /dev/null &  # bash's "Aborted" job notices; the log has the test's own output
-  pids+=($!)
-  names+=("$t")
-done
-for t in "${kernel_tests[@]}"; do
-  bin=$(find "$build/tests" -name "$t" -type f -perm -u+x -not -path '*/CMakeFiles/*' | head -n 1)
-  [ -n "$bin" ] || continue
-  (
-    run "$secs" "$work/kt-$t.log" "$bin" --gtest_color=no
-    echo $? > "$work/kt-$t.rc"
-  ) 2> /dev/null &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p"; done
-svc_fail=0
-for t in "${names[@]}"; do
-  rc=$(cat "$work/svc-$t.rc" 2>/dev/null || echo "?")
-  f=$(grep -c -E '^\[  FAILED  \].*\([0-9]+ ms\)$' "$work/svc-$t.log")
-  if [ "$rc" != 0 ] || [ "$f" != 0 ]; then
-    svc_fail=$((svc_fail + 1))
-    tests_excerpt "service $t (rc $rc)" "$work/svc-$t.log"
-  fi
-done
-for t in "${kernel_tests[@]}"; do
-  [ -f "$work/kt-$t.log" ] || continue
-  rc=$(cat "$work/kt-$t.rc" 2>/dev/null || echo "?")
-  if [ "$rc" != 0 ] || grep -q -E '^\[  SKIPPED \]' "$work/kt-$t.log"; then
-    tests_excerpt "kernel test $t (rc $rc)" "$work/kt-$t.log"
-  fi
-  if grep -q -E '^\[ measured \]' "$work/kt-$t.log"; then
-    { echo "=== $t [ measured ]"; grep -E '^\[ measured \]' "$work/kt-$t.log"; } >> "$out/tests.log"
-  fi
-done
-passed=$(cat "$work"/svc-*.log 2>/dev/null | grep -c -E '^\[       OK \]')
-step_done service "$([ "$svc_fail" = 0 ] && [ "${#names[@]}" -gt 0 ] && echo ok || echo FAILED)" \
-  "$started" "${#names[@]} suites, $svc_fail failing or skipping, $passed tests passed"
+if want service; then
+  secs=$(cap 120 40)
+  pids=()
+  names=()
+  for t in "${suites[@]}"; do
+    [ -x "$build/tests/service/$t" ] || continue
+    (
+      export GRADWIRE_TEST_DEVICE=cuda
+      run "$secs" "$work/svc-$t.log" "$build/tests/service/$t" --gtest_color=no
+      echo $? > "$work/svc-$t.rc"
+    ) 2> /dev/null &  # bash's "Aborted" job notices; the log has the test's own output
+    pids+=($!)
+    names+=("$t")
+  done
+  for t in "${kernel_tests[@]}"; do
+    bin=$(find "$build/tests" -name "$t" -type f -perm -u+x -not -path '*/CMakeFiles/*' | head -n 1)
+    [ -n "$bin" ] || continue
+    (
+      run "$secs" "$work/kt-$t.log" "$bin" --gtest_color=no
+      echo $? > "$work/kt-$t.rc"
+    ) 2> /dev/null &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  svc_fail=0
+  for t in "${names[@]}"; do
+    rc=$(cat "$work/svc-$t.rc" 2>/dev/null || echo "?")
+    f=$(grep -c -E '^\[  FAILED  \].*\([0-9]+ ms\)$' "$work/svc-$t.log")
+    if [ "$rc" != 0 ] || [ "$f" != 0 ]; then
+      svc_fail=$((svc_fail + 1))
+      tests_excerpt "service $t (rc $rc)" "$work/svc-$t.log"
+    fi
+  done
+  for t in "${kernel_tests[@]}"; do
+    [ -f "$work/kt-$t.log" ] || continue
+    rc=$(cat "$work/kt-$t.rc" 2>/dev/null || echo "?")
+    if [ "$rc" != 0 ] || grep -q -E '^\[  SKIPPED \]' "$work/kt-$t.log"; then
+      tests_excerpt "kernel test $t (rc $rc)" "$work/kt-$t.log"
+    fi
+    if grep -q -E '^\[ measured \]' "$work/kt-$t.log"; then
+      { echo "=== $t [ measured ]"; grep -E '^\[ measured \]' "$work/kt-$t.log"; } >> "$out/tests.log"
+    fi
+  done
+  passed=$(cat "$work"/svc-*.log 2>/dev/null | grep -c -E '^\[       OK \]')
+  step_done service "$([ "$svc_fail" = 0 ] && [ "${#names[@]}" -gt 0 ] && echo ok || echo FAILED)" \
+    "$started" "${#names[@]} suites, $svc_fail failing or skipping, $passed tests passed"
+fi
 
 # --- 3. The demo through a real server, CPU and CUDA side by side -----------------------------
 started=$(date +%s)
-if [ -x "$build/server/gradwire-server" ] && [ -x "$build/client/gradwire" ]; then
+if ! want demo; then
+  say "demo: not asked for (GW_CHECK_STEPS)"
+elif [ -x "$build/server/gradwire-server" ] && [ -x "$build/client/gradwire" ]; then
   secs=$(cap 60 0)
   pids=()
   for model in linear mlp; do
@@ -423,10 +433,12 @@ server_step() {
     "$(tr '\r' '\n' < "$work/$name.log" | grep -E '^(remote|remote-shm|in-process|empty-rpc) ' |
       awk '{print $1 " " $4 "/s"}' | tr '\n' ' ')"
 }
-server_step server-step f32 "$(cap 75 0)"
+! want server-step || server_step server-step f32 "$(cap 75 0)"
 
 started=$(date +%s)
-if [ -x "$build/tests/gradwire-cuda-bench" ]; then
+if ! want cuda-bench; then
+  say "cuda-bench: not asked for (GW_CHECK_STEPS)"
+elif [ -x "$build/tests/gradwire-cuda-bench" ]; then
   run "$(cap 90 0)" "$work/ours.log" "$build/tests/gradwire-cuda-bench" \
     --shapes 8192x8192x8192,16x4096x4096,256x4096x4096,2048x4096x4096 --json "$work/ours.json"
   rc=$?
@@ -437,7 +449,9 @@ else
 fi
 
 started=$(date +%s)
-if [ -f "$work/ours.json" ]; then
+if ! want cuda-bench; then
+  :
+elif [ -f "$work/ours.json" ]; then
   run "$(cap 90 0)" "$work/torch-bench.log" "$tpy" scripts/device/bench_torch.py \
     --ours "$work/ours.json" --json "$work/bench.json"
   rc=$?
@@ -448,19 +462,72 @@ else
 fi
 
 # What moving one step's tensor between host and GPU costs on this machine (explains the step).
-started=$(date +%s)
-run "$(cap 30 0)" "$work/host-copies.log" "$tpy" scripts/device/host_copies.py \
-  --json "$work/host-copies.json"
-rc=$?
-{ echo "=== host copies (rc $rc)"; cat "$work/host-copies.log"; } >> "$out/bench.txt"
-step_done host-copies "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" "$started"
+if want host-copies; then
+  started=$(date +%s)
+  run "$(cap 30 0)" "$work/host-copies.log" "$tpy" scripts/device/host_copies.py \
+    --json "$work/host-copies.json"
+  rc=$?
+  { echo "=== host copies (rc $rc)"; cat "$work/host-copies.log"; } >> "$out/bench.txt"
+  step_done host-copies "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" "$started"
+fi
+
+# Where the in-process step's time goes on the GPU: ModuleHost's forward and backward next to
+# their GEMMs, the input's crossing onto the device and the output's back (step_breakdown).
+if want step-breakdown; then
+  started=$(date +%s)
+  if [ -x "$build/tests/step_breakdown" ]; then
+    run "$(cap 60 0)" "$work/step-breakdown.log" "$build/tests/step_breakdown" --device cuda \
+      --rows 16,256,8192 --in 4096 --out 4096 --seconds 2 --json "$work/step-breakdown.json"
+    rc=$?
+    { echo "=== step_breakdown --device cuda (rc $rc)"; cat "$work/step-breakdown.log"; } \
+      >> "$out/bench.txt"
+    step_done step-breakdown "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" "$started"
+  else
+    step_done step-breakdown "not built" "$started"
+  fi
+fi
+
+# Batched inference forwards on the CUDA backend: each request's bytes as it gets them alone
+# (core_test's ForwardBatchTest, with its cuda rows), then 1-row forwards from 32 clients to a
+# server with batching off and on (docs/batching.md).
+if want batching; then
+  started=$(date +%s)
+  if [ -x "$build/tests/core/core_test" ]; then
+    run "$(cap 60 0)" "$work/core-batch.log" "$build/tests/core/core_test" --gtest_color=no \
+      --gtest_filter='ForwardBatchTest.EveryRequestGetsTheBitsItGetsAlone'
+    echo $? > "$work/core-batch.rc"
+    tests_excerpt "core batch (cuda rows)" "$work/core-batch.log"
+    step_done core-batch "$([ "$(cat "$work/core-batch.rc")" = 0 ] && echo ok || echo FAILED)" \
+      "$started"
+  else
+    step_done core-batch "not built" "$started"
+  fi
+  for mode in off on; do
+    started=$(date +%s)
+    flags=()
+    [ "$mode" = on ] && flags=(--max-batch-rows 256)
+    if start_server "batch-$mode" cuda "${flags[@]}"; then
+      run "$(cap 20 0)" "$work/batch-$mode.log" "$build/client/gradwire-load" \
+        --server "$server_addr" --kind linear --in 1024 --out 1024 --rows 1 --flow forward \
+        -c 32 --warmup 1 --duration 5 --json "$work/batch-$mode.json"
+      rc=$?
+      stop_server "$server_pid"
+      { echo "=== batching $mode: 1-row forwards, 32 clients (rc $rc)"
+        tr '\r' '\n' < "$work/batch-$mode.log" | grep -E '^(mode|remote) ' | tail -n 2
+      } >> "$out/bench.txt"
+      step_done "batching-$mode" "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" "$started"
+    else
+      step_done "batching-$mode" FAILED "$started" "the cuda server did not start"
+    fi
+  done
+fi
 
 # Last, if there is time: the same f32 step with the tensors through shared memory (a client on
 # the server's host), then with FP8 on the wire, a quarter of f32's bytes.
-if [ "$(left)" -ge 60 ]; then
+if want server-step-shm && [ "$(left)" -ge 60 ]; then
   server_step server-step-shm f32 "$(cap 75 0)" shm
 fi
-if [ "$(left)" -ge 60 ]; then
+if want server-step-fp8 && [ "$(left)" -ge 60 ]; then
   server_step server-step-fp8 fp8 "$(cap 75 0)"
 fi
 

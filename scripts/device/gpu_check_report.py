@@ -185,6 +185,24 @@ def server_step(work, name="server-step"):
     return out
 
 
+def batching(work):
+    """The CUDA rows of the batched-forward bit test and the 1-row load with batching off/on."""
+    rc = (read(os.path.join(work, "core-batch.rc")) or "").strip()
+    out = {"bit_test_rc": int(rc) if rc.lstrip("-").isdigit() else None}
+    for mode in ("off", "on"):
+        j = load_json(os.path.join(work, f"batch-{mode}.json"))
+        run = (j.get("runs") or [None])[0] if isinstance(j, dict) else None
+        out[mode] = run and {
+            "requests_per_s": run.get("requests_per_s"),
+            "p50_ms": run["latency"]["p50_ms"], "p99_ms": run["latency"]["p99_ms"],
+            "codes": run.get("codes"), "batch_requests": run.get("batch_requests"),
+        }
+    on, off = out.get("on"), out.get("off")
+    if on and off and off.get("requests_per_s"):
+        out["on_vs_off"] = on["requests_per_s"] / off["requests_per_s"]
+    return out if any(v is not None for v in out.values()) else None
+
+
 def bench(work):
     merged = load_json(os.path.join(work, "bench.json"))  # ours next to PyTorch
     ours = load_json(os.path.join(work, "ours.json"))  # ours alone, if PyTorch's side failed
@@ -323,6 +341,9 @@ def main():
         "server_step_shared_memory": server_step(work, "server-step-shm"),
         # Host<->GPU copies of one step tensor, pageable and pinned (scripts/device/host_copies.py).
         "host_copies": load_json(os.path.join(work, "host-copies.json")),
+        # ModuleHost's step on the GPU next to its GEMMs and wire crossings (step_breakdown).
+        "step_breakdown": load_json(os.path.join(work, "step-breakdown.json")),
+        "batching": batching(work),
         "gemm": gemm,
         "modules": modules,
         "targets": targets(parity, service, demo_rows, step, gemm, modules, with_torch),

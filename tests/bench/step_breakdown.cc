@@ -1,10 +1,13 @@
-// Where an in-process training step's time goes on the CPU backend: the forward and the backward
-// of a module through ModuleHost (everything a server call computes: casts, finite checks,
-// gradient commit, context bookkeeping), next to the module's GEMMs alone on the same backend and
-// shapes (operands cast beforehand). A backward should cost what its GEMMs cost (docs/
-// performance.md: within 2x). Prints a table; --json writes it with the machine's description.
-//   step_breakdown [--rows 16,256,4096] [--in 1024] [--out 1024] [--seconds 2]
-//                  [--cpu-gemm blas|ordered] [--json PATH]
+// Where an in-process training step's time goes: the forward and the backward of a module through
+// ModuleHost as the service calls it (an F32 wire view in, F32 wire bytes out: decode onto the
+// device, casts, finite checks, gradient commit, context bookkeeping, encode), next to the pieces
+// alone on the same backend and shapes: the module's GEMMs (operands cast beforehand), the input
+// crossing onto the device (FromWire) and the output leaving it (ToWire). On the CPU a backward
+// should cost what its GEMMs cost (docs/performance.md: within 2x); on the GPU the table shows what
+// the host side of a step costs next to the GPU's work (docs/cuda.md). Every timed piece ends with
+// the backend's Synchronize. Prints a table; --json writes it with the machine's description.
+//   step_breakdown [--device cpu|cuda] [--rows 16,256,4096] [--in 1024] [--out 1024]
+//                  [--seconds 2] [--cpu-gemm blas|ordered] [--json PATH]
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "gradwire/wire/codec.h"
 #include "server/core/backend.h"
 #include "server/core/cpu_gemm.h"
 #include "server/core/heap_trim.h"
@@ -47,6 +51,11 @@ double Median(double budget, Fn&& fn) {
 
 at::Tensor RandN(int64_t rows, int64_t cols) { return at::randn({rows, cols}, at::kFloat); }
 
+// An F32 host tensor as the service hands it to the core: a view of its bytes.
+gradwire::wire::TensorView F32View(const at::Tensor& t) {
+  return {gradwire::wire::DType::kF32, t.data_ptr(), {t.sizes().begin(), t.sizes().end()}, 1.0f};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -63,20 +72,33 @@ int main(int argc, char** argv) {
                  "the forward and input-gradient GEMMs: blas or ordered (core/cpu_gemm.h)")
       ->check(CLI::IsMember({"blas", "ordered"}))
       ->capture_default_str();
+  std::string device = "cpu";
+  app.add_option("--device", device, "the backend: cpu, or cuda (device 0)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--json", json_path, "write the table as JSON");
   CLI11_PARSE(app, argc, argv);
   gradwire::core::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
                                                    : gradwire::core::CpuGemm::kBlas);
   gradwire::core::RetainLargeBlocks();
   gradwire::core::SetCpuThreads(0);
-  const gradwire::core::BackendPtr backend = gradwire::core::MakeCpuBackend();
+  gradwire::core::BackendPtr backend = gradwire::core::MakeCpuBackend();
+  if (device == "cuda") {
+    auto cuda = gradwire::core::MakeCudaBackend(0);
+    if (!cuda.ok()) {
+      std::fprintf(stderr, "step_breakdown: %s\n", cuda.status().ToString().c_str());
+      return 1;
+    }
+    backend = *cuda;
+  }
   const Backend& b = *backend;
   std::printf("%s\n\n", b.Describe().c_str());
-  std::printf("%8s | %10s %10s %10s | %10s %10s %10s | %9s %9s\n", "rows", "fwd ms", "bwd ms",
-              "step ms", "fprop ms", "dgrad ms", "wgrad ms", "fwd/gemm", "bwd/gemm");
+  std::printf("%8s | %10s %10s %10s | %10s %10s %10s | %9s %9s | %8s %8s %8s %8s\n", "rows",
+              "fwd ms", "bwd ms", "step ms", "fprop ms", "dgrad ms", "wgrad ms", "fwd/gemm",
+              "bwd/gemm", "x in ms", "y out ms", "dy in ms", "dx out ms");
   struct Row {
     int64_t rows;
-    double fwd, bwd, fprop, dgrad, wgrad;
+    double fwd, bwd, fprop, dgrad, wgrad, x_in, y_out, dy_in, dx_out;
   };
   std::vector<Row> results;
   for (int64_t rows : rows_list) {
@@ -95,12 +117,24 @@ int main(int argc, char** argv) {
     const double budget = seconds / 5;
     std::string context;
     auto forward = [&] {
-      auto r = gradwire::core::TensorForward(host, info->module_id, x, /*training=*/true);
-      if (!r.ok()) std::abort();
+      gradwire::core::WireForwardRequest f;
+      f.input = F32View(x);
+      f.training = true;
+      auto r = host.Forward(info->module_id, f);
+      if (!r.ok()) {
+        std::fprintf(stderr, "forward: %s\n", r.status().ToString().c_str());
+        std::abort();
+      }
       context = r->context_id;
     };
     auto backward = [&] {
-      if (!gradwire::core::TensorBackward(host, context, dy, false, false).ok()) std::abort();
+      gradwire::core::WireBackwardRequest g;
+      g.grad_output = F32View(dy);
+      auto r = host.Backward(context, g);
+      if (!r.ok()) {
+        std::fprintf(stderr, "backward: %s\n", r.status().ToString().c_str());
+        std::abort();
+      }
     };
     forward();
     backward();  // warm: workspace, scratch buffers
@@ -122,32 +156,64 @@ int main(int argc, char** argv) {
                                                nullptr, nullptr};
     const gradwire::core::QuantizerConfig e5m2{gradwire::kernels::Fp8Format::kE5M2, 0, 0.0f,
                                                nullptr, nullptr};
-    Fp8Tensor xq = *b.Cast(x, e4m3, {true, true});
-    Fp8Tensor wq = *b.Cast(RandN(out, in), e4m3, {true, true});
+    Fp8Tensor xq = *b.Cast(b.ToDevice(x), e4m3, {true, true});
+    Fp8Tensor wq = *b.Cast(b.ToDevice(RandN(out, in)), e4m3, {true, true});
     b.PrepareWeight(wq);
-    Fp8Tensor dyq = *b.Cast(dy, e5m2, {true, true});
-    const at::Tensor bias = at::randn({out}, at::kFloat);
-    at::Tensor acc = at::zeros({out, in}, at::kFloat);
-    Row row{rows, fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0};
-    row.fprop = Median(budget, [&] { (void)b.Fprop(xq, wq, bias); });
-    row.dgrad = Median(budget, [&] { (void)b.Dgrad(dyq, wq); });
-    row.wgrad = Median(budget, [&] { b.Wgrad(dyq, xq, acc, true); });
+    Fp8Tensor dyq = *b.Cast(b.ToDevice(dy), e5m2, {true, true});
+    const at::Tensor bias = b.ToDevice(at::randn({out}, at::kFloat));
+    at::Tensor acc = b.ToDevice(at::zeros({out, in}, at::kFloat));
+    const at::Tensor y_dev = b.ToDevice(RandN(rows, out)), dx_dev = b.ToDevice(RandN(rows, in));
+    const gradwire::core::CastUsage rowwise{true, false};
+    Row row{rows, fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0, 0, 0, 0, 0};
+    row.fprop = Median(budget, [&] {
+      (void)b.Fprop(xq, wq, bias);
+      b.Synchronize();
+    });
+    row.dgrad = Median(budget, [&] {
+      (void)b.Dgrad(dyq, wq);
+      b.Synchronize();
+    });
+    row.wgrad = Median(budget, [&] {
+      b.Wgrad(dyq, xq, acc, true);
+      b.Synchronize();
+    });
+    // The wire crossings alone: the request's F32 bytes onto the device, the F32 result back.
+    row.x_in = Median(budget, [&] {
+      (void)b.FromWire(F32View(x), rows, in, nullptr, rowwise);
+      b.Synchronize();
+    });
+    row.y_out = Median(budget, [&] {
+      (void)b.ToWire(y_dev, gradwire::wire::DType::kF32, {rows, out});
+    });
+    row.dy_in = Median(budget, [&] {
+      (void)b.FromWire(F32View(dy), rows, out, nullptr, rowwise);
+      b.Synchronize();
+    });
+    row.dx_out = Median(budget, [&] {
+      (void)b.ToWire(dx_dev, gradwire::wire::DType::kF32, {rows, in});
+    });
     results.push_back(row);
-    std::printf("%8lld | %10.3f %10.3f %10.3f | %10.3f %10.3f %10.3f | %9.2f %9.2f\n",
-                (long long)rows, row.fwd * 1e3, row.bwd * 1e3, (row.fwd + row.bwd) * 1e3,
-                row.fprop * 1e3, row.dgrad * 1e3, row.wgrad * 1e3, row.fwd / row.fprop,
-                row.bwd / (row.dgrad + row.wgrad));
+    std::printf(
+        "%8lld | %10.3f %10.3f %10.3f | %10.3f %10.3f %10.3f | %9.2f %9.2f | %8.3f %8.3f %8.3f "
+        "%8.3f\n",
+        (long long)rows, row.fwd * 1e3, row.bwd * 1e3, (row.fwd + row.bwd) * 1e3, row.fprop * 1e3,
+        row.dgrad * 1e3, row.wgrad * 1e3, row.fwd / row.fprop, row.bwd / (row.dgrad + row.wgrad),
+        row.x_in * 1e3, row.y_out * 1e3, row.dy_in * 1e3, row.dx_out * 1e3);
   }
   if (!json_path.empty()) {
     std::ofstream f(json_path);
-    f << "{\n  \"benchmark\": \"step_breakdown\",\n  \"backend\": \"" << b.Describe()
-      << "\",\n  \"cpu_gemm\": \"" << cpu_gemm << "\",\n  \"in\": " << in << ", \"out\": " << out
-      << ",\n  \"rows\": [\n";
+    f << "{\n  \"benchmark\": \"step_breakdown\",\n  \"device\": \"" << device
+      << "\",\n  \"backend\": \"" << b.Describe() << "\",\n  \"cpu_gemm\": \"" << cpu_gemm
+      << "\",\n  \"in\": " << in << ", \"out\": " << out << ",\n  \"rows\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {
       const Row& r = results[i];
       f << "    {\"rows\": " << r.rows << ", \"forward_ms\": " << r.fwd * 1e3
         << ", \"backward_ms\": " << r.bwd * 1e3 << ", \"fprop_ms\": " << r.fprop * 1e3
         << ", \"dgrad_ms\": " << r.dgrad * 1e3 << ", \"wgrad_ms\": " << r.wgrad * 1e3
+        << ", \"input_from_wire_ms\": " << r.x_in * 1e3
+        << ", \"output_to_wire_ms\": " << r.y_out * 1e3
+        << ", \"grad_output_from_wire_ms\": " << r.dy_in * 1e3
+        << ", \"grad_input_to_wire_ms\": " << r.dx_out * 1e3
         << ", \"backward_over_gemms\": " << r.bwd / (r.dgrad + r.wgrad) << "}"
         << (i + 1 < results.size() ? "," : "") << "\n";
     }

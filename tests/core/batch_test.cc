@@ -60,7 +60,7 @@ WireInput Encode(const at::Tensor& x, DType dtype, DType output_dtype) {
 }
 
 struct Case {
-  const char* backend;  // "reference", "cpu-blas", "cpu-ordered"
+  const char* backend;  // "reference", "cpu-blas", "cpu-ordered", "cuda"
   ModuleKind kind;
   bool delayed;
   DType dtype;
@@ -71,10 +71,20 @@ std::string Name(const Case& c) {
          (c.delayed ? " delayed " : " current ") + wire::DTypeName(c.dtype);
 }
 
-// Every backend x kind x recipe x one of `dtypes`.
-std::vector<Case> Cases(std::initializer_list<DType> dtypes) {
+// Whether this machine runs the CUDA backend (a GPU and a libtorch with CUDA; not in CI).
+bool HaveCuda() {
+  static const bool have = core::MakeCudaBackend(0).ok();
+  return have;
+}
+
+// Every backend x kind x recipe x one of `dtypes`; with `cuda`, the CUDA backend too where it
+// runs (only where its results are deterministic: its LayerNorm parameter gradients sum with
+// float atomics, so a training batch cannot be held bit for bit to a sequence there).
+std::vector<Case> Cases(std::initializer_list<DType> dtypes, bool cuda = false) {
   std::vector<Case> out;
-  for (const char* backend : {"reference", "cpu-blas", "cpu-ordered"}) {
+  std::vector<const char*> backends = {"reference", "cpu-blas", "cpu-ordered"};
+  if (cuda && HaveCuda()) backends.push_back("cuda");
+  for (const char* backend : backends) {
     for (ModuleKind kind :
          {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
       for (bool delayed : {false, true}) {
@@ -87,6 +97,7 @@ std::vector<Case> Cases(std::initializer_list<DType> dtypes) {
 
 core::BackendPtr BackendFor(const std::string& name) {
   if (name == "reference") return core::MakeReferenceBackend();
+  if (name == "cuda") return *core::MakeCudaBackend(0);
   core::SetCpuGemm(name == "cpu-ordered" ? core::CpuGemm::kOrdered : core::CpuGemm::kBlas);
   return core::MakeCpuBackend();
 }
@@ -108,7 +119,7 @@ TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
   const DType outputs[] = {DType::kF32, DType::kBF16, DType::kFp8E4M3};
   std::uniform_int_distribution<int> requests(1, 16), rows(1, 300), pick(0, 2);
   int cases = 0;
-  for (const Case& c : Cases(dtypes)) {
+  for (const Case& c : Cases(dtypes, /*cuda=*/true)) {
     SCOPED_TRACE(Name(c));
     core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor(c.backend));
     auto info = host.Create(SpecFor(c, uint64_t(cases)));
@@ -153,7 +164,7 @@ TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
     }
     ++cases;
   }
-  EXPECT_EQ(cases, 3 * 3 * 2 * 5);
+  EXPECT_EQ(cases, (HaveCuda() ? 4 : 3) * 3 * 2 * 5);
 }
 
 TEST_F(ForwardBatchTest, TrainingBatchesAreTheSequenceOfTheirRequests) {
