@@ -229,6 +229,13 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "on blocks: one set of threads for everything) or blas (BLAS's own threads)")
       ->check(CLI::IsMember({"pool", "blas"}))
       ->capture_default_str();
+  app.add_option("--cuda-staging-mib", config.cuda_staging_mib,
+                 "--device cuda: requests and responses of 1 MiB or more cross to and from the GPU "
+                 "through two pinned buffers of this many MiB, copied on the host by the CPU "
+                 "threads while the previous chunk crosses (0: plain pageable copies). Not yet "
+                 "measured on a GPU: docs/cuda.md")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   app.add_option("--cpu-gemm", config.cpu_gemm,
                  "the CPU backend's forward and input-gradient GEMMs: blas (the fastest on large "
                  "products) or ordered (the reference backend's arithmetic, bit for bit: a row's "
@@ -350,6 +357,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";
   out << "cpu-gemm = " << quote(f.cpu_gemm) << "\n";
+  out << "cuda-staging-mib = " << f.cuda_staging_mib << "\n";
   out << "max-batch-rows = " << f.max_batch_rows << "\n";
   out << "batch-delay-us = " << f.batch_delay_us << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";

@@ -158,6 +158,7 @@ int main(int argc, char** argv) {
   if (config.heap_retain && !gradwire::core::RetainLargeBlocks()) {
     spdlog::warn("--heap-retain: this C library has no mallopt; large blocks stay mmapped");
   }
+  gradwire::core::SetCudaStaging(int64_t(config.cuda_staging_mib) << 20);
   auto backend = gradwire::server::ResolveDevice(config.device);
   if (!backend.ok()) {
     spdlog::error("{}", std::string(backend.status().message()));

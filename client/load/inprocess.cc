@@ -120,4 +120,6 @@ void SetBaselineCpuThreads(int threads, bool gemm_on_blas) {
   core::SetCpuThreads(threads, gemm_on_blas);
 }
 
+void SetBaselineCudaStaging(int mib) { core::SetCudaStaging(int64_t(mib) << 20); }
+
 }  // namespace gradwire::load

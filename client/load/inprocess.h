@@ -32,4 +32,7 @@ bool UseServerHeapPolicy();
 // --cpu-gemm-threads set them (0: one per core; gemm_on_blas: BLAS's own threads).
 void SetBaselineCpuThreads(int threads, bool gemm_on_blas);
 
+// The CUDA in-process baseline's pinned staging, as gradwire-server's --cuda-staging-mib.
+void SetBaselineCudaStaging(int mib);
+
 }  // namespace gradwire::load

@@ -499,9 +499,15 @@ int main(int argc, char** argv) {
                  "who splits the in-process baseline's GEMMs, as the server's flag")
       ->check(CLI::IsMember({"pool", "blas"}))
       ->capture_default_str();
+  int cuda_staging_mib = 0;
+  app.add_option("--cuda-staging-mib", cuda_staging_mib,
+                 "the CUDA in-process baseline's pinned staging, as the server's flag (0: off)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   gradwire::load::UseServerHeapPolicy();
   gradwire::load::SetBaselineCpuThreads(cpu_threads, cpu_gemm_threads == "blas");
+  gradwire::load::SetBaselineCudaStaging(cuda_staging_mib);
 
   o.run.poisson = o.arrivals == "poisson";
   if (o.sweep.empty()) o.sweep = {o.run.concurrency};

@@ -399,14 +399,21 @@ fi
 #
 # server_step NAME WIRE SECONDS [shm]: gradwire-load against a fresh --device cuda server, the
 # wire carrying WIRE (f32: the issue's figure; fp8: a quarter of the bytes, for comparison); with
-# shm the tensors go through POSIX shared memory instead of the gRPC messages.
+# shm the tensors go through POSIX shared memory instead of the gRPC messages; with staged the
+# server and the in-process baseline move them through pinned staging (--cuda-staging-mib 8).
 server_step() {
   local name=$1 wire=$2 secs=$3 rc started
   local server_flags=() load_flags=()
-  if [ "${4:-}" = shm ]; then
-    server_flags=(--allow-shared-memory)
-    load_flags=(--shared-memory)
-  fi
+  case "${4:-}" in
+    shm)
+      server_flags=(--allow-shared-memory)
+      load_flags=(--shared-memory)
+      ;;
+    staged)  # the server and the in-process baseline with 8 MiB pinned staging
+      server_flags=(--cuda-staging-mib 8)
+      load_flags=(--cuda-staging-mib 8)
+      ;;
+  esac
   started=$(date +%s)
   if [ ! -x "$build/client/gradwire-load" ] || [ ! -x "$build/server/gradwire-server" ]; then
     step_done "$name" "not built" "$started"
@@ -520,6 +527,43 @@ if want batching; then
       step_done "batching-$mode" FAILED "$started" "the cuda server did not start"
     fi
   done
+fi
+
+# Pinned staging of the wire crossings (--cuda-staging-mib; off by default until measured here):
+# the wire parity rows and the Linear rows through 1 MiB slots (several chunks per tensor), then
+# the step breakdown and the server step with 8 MiB slots, next to the runs above without.
+if want staging; then
+  started=$(date +%s)
+  if [ -x "$build/tests/core/backend_parity_test" ]; then
+    (
+      export GRADWIRE_CUDA_STAGING_MIB=1
+      run "$(cap 60 0)" "$work/staged-parity.log" "$build/tests/core/backend_parity_test" \
+        --gtest_filter='*WireParity*/cuda_*:*ModuleParity*/cuda_Linear_*' --gtest_color=no
+      echo $? > "$work/staged-parity.rc"
+    )
+    tests_excerpt "parity with pinned staging (1 MiB)" "$work/staged-parity.log"
+    c=$(grep -c -E '^\[       OK \]' "$work/staged-parity.log")
+    f=$(grep -c -E '^\[  FAILED  \].*\([0-9]+ ms\)$' "$work/staged-parity.log")
+    k=$(grep -c -E '^\[  SKIPPED \].*\([0-9]+ ms\)$' "$work/staged-parity.log")
+    status=ok  # a skip counts as a failure, as in the parity step
+    [ "$(cat "$work/staged-parity.rc")" = 0 ] && [ "$f" = 0 ] && [ "$k" = 0 ] && [ "$c" -gt 0 ] ||
+      status=FAILED
+    step_done staged-parity "$status" "$started" "$c passed, $f failed, $k skipped"
+  else
+    step_done staged-parity "not built" "$started"
+  fi
+  started=$(date +%s)
+  if [ -x "$build/tests/step_breakdown" ]; then
+    run "$(cap 60 0)" "$work/step-breakdown-staged.log" "$build/tests/step_breakdown" \
+      --device cuda --cuda-staging-mib 8 --rows 16,256,8192 --in 4096 --out 4096 --seconds 2 \
+      --json "$work/step-breakdown-staged.json"
+    rc=$?
+    { echo "=== step_breakdown --device cuda --cuda-staging-mib 8 (rc $rc)"
+      cat "$work/step-breakdown-staged.log"; } >> "$out/bench.txt"
+    step_done step-breakdown-staged "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" \
+      "$started"
+  fi
+  [ "$(left)" -lt 60 ] || server_step server-step-staged f32 "$(cap 75 0)" staged
 fi
 
 # Last, if there is time: the same f32 step with the tensors through shared memory (a client on

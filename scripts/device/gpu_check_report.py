@@ -203,6 +203,19 @@ def batching(work):
     return out if any(v is not None for v in out.values()) else None
 
 
+def staging(work):
+    rc = (read(os.path.join(work, "staged-parity.rc")) or "").strip()
+    log = read(os.path.join(work, "staged-parity.log")) or ""
+    out = {
+        "parity_rc": int(rc) if rc.lstrip("-").isdigit() else None,
+        "parity_passed": len(re.findall(r"^\[       OK \]", log, re.M)),
+        "parity_skipped": len(re.findall(r"^\[  SKIPPED \].*\(\d+ ms\)$", log, re.M)),
+        "step_breakdown": load_json(os.path.join(work, "step-breakdown-staged.json")),
+        "server_step": server_step(work, "server-step-staged"),
+    }
+    return out if any(v is not None for v in out.values()) else None
+
+
 def bench(work):
     merged = load_json(os.path.join(work, "bench.json"))  # ours next to PyTorch
     ours = load_json(os.path.join(work, "ours.json"))  # ours alone, if PyTorch's side failed
@@ -344,6 +357,8 @@ def main():
         # ModuleHost's step on the GPU next to its GEMMs and wire crossings (step_breakdown).
         "step_breakdown": load_json(os.path.join(work, "step-breakdown.json")),
         "batching": batching(work),
+        # Pinned staging (--cuda-staging-mib): parity through 1 MiB slots, then 8 MiB slots.
+        "staging": staging(work),
         "gemm": gemm,
         "modules": modules,
         "targets": targets(parity, service, demo_rows, step, gemm, modules, with_torch),

@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
 namespace gradwire::core {
@@ -21,6 +24,21 @@ at::Tensor Backend::FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
   parts.reserve(x.groups.size());
   for (const Fp8Tensor& g : x.groups) parts.push_back(Fprop(g, w, bias));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
+namespace {
+std::atomic<int64_t> cuda_staging{-1};  // -1: not set, read the environment
+}  // namespace
+
+void SetCudaStaging(int64_t chunk_bytes) { cuda_staging = std::max<int64_t>(chunk_bytes, 0); }
+
+int64_t CudaStaging() {
+  int64_t v = cuda_staging.load();
+  if (v >= 0) return v;
+  const char* env = std::getenv("GRADWIRE_CUDA_STAGING_MIB");
+  v = env != nullptr ? std::max<int64_t>(std::atoll(env), 0) << 20 : 0;
+  cuda_staging = v;
+  return v;
 }
 
 }  // namespace gradwire::core

@@ -157,4 +157,11 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device = 0);
 // True when this build compiled the CUDA backend in.
 bool CudaBackendBuilt();
 
+// Pinned staging for the CUDA backend's wire crossings (server/core/staged_copy.h): the chunk
+// size in bytes of its two pinned slots, 0 for plain pageable copies. A CUDA backend reads it when
+// it is made. Until set, GRADWIRE_CUDA_STAGING_MIB (MiB) gives it, else 0. gradwire-server sets
+// it from --cuda-staging-mib.
+void SetCudaStaging(int64_t chunk_bytes);
+int64_t CudaStaging();
+
 }  // namespace gradwire::core

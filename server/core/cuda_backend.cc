@@ -14,7 +14,9 @@
 #include <ATen/Context.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +28,7 @@
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/cuda/layernorm.h"
 #include "server/core/backend.h"
+#include "server/core/staged_copy.h"
 
 namespace gradwire::core {
 namespace {
@@ -36,10 +39,72 @@ constexpr cudaStream_t kStream = nullptr;  // the legacy default stream (see abo
 
 int64_t Up16(int64_t v) { return (v + 15) / 16 * 16; }
 
+// Two pinned slots and their events for StagedCopier, the copies on the backend's stream. Wire
+// tensors of at least kStagedMinBytes cross through it when --cuda-staging-mib is set; smaller
+// ones cost less as one plain copy.
+constexpr size_t kStagedMinBytes = size_t(1) << 20;
+
+class PinnedStaging {
+ public:
+  explicit PinnedStaging(size_t chunk) {
+    try {
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        GRADWIRE_CUDA_CHECK(cudaHostAlloc(&slots_[i], chunk, cudaHostAllocDefault));
+        GRADWIRE_CUDA_CHECK(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming));
+      }
+    } catch (...) {
+      Free();
+      throw;
+    }
+    StagingOps ops;
+    ops.to_device = [](void* device, const void* pinned, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(device, pinned, n, cudaMemcpyHostToDevice, kStream));
+    };
+    ops.to_host = [](void* pinned, const void* device, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(pinned, device, n, cudaMemcpyDeviceToHost, kStream));
+    };
+    ops.record = [this](int slot) {
+      GRADWIRE_CUDA_CHECK(cudaEventRecord(events_[size_t(slot)], kStream));
+    };
+    ops.wait = [this](int slot) {
+      GRADWIRE_CUDA_CHECK(cudaEventSynchronize(events_[size_t(slot)]));
+    };
+    copier_ = std::make_unique<StagedCopier>(std::vector<void*>(slots_.begin(), slots_.end()),
+                                             chunk, std::move(ops));
+  }
+  ~PinnedStaging() { Free(); }
+  PinnedStaging(const PinnedStaging&) = delete;
+  PinnedStaging& operator=(const PinnedStaging&) = delete;
+
+  StagedCopier& copier() { return *copier_; }
+
+ private:
+  // Nothing may still read or write the slots: wait for the stream, then free (errors ignored:
+  // this runs in a destructor).
+  void Free() {
+    (void)cudaStreamSynchronize(kStream);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (events_[i] != nullptr) (void)cudaEventDestroy(events_[i]);
+      if (slots_[i] != nullptr) (void)cudaFreeHost(slots_[i]);
+      events_[i] = nullptr;
+      slots_[i] = nullptr;
+    }
+  }
+
+  std::array<void*, 2> slots_{};
+  std::array<cudaEvent_t, 2> events_{};
+  std::unique_ptr<StagedCopier> copier_;
+};
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, std::string description)
-      : device_(device), description_(std::move(description)) {}
+  CudaBackend(int device, std::string description, int64_t staging_chunk)
+      : device_(device), description_(std::move(description)) {
+    if (staging_chunk > 0) {
+      staging_ = std::make_unique<PinnedStaging>(size_t(staging_chunk));
+      description_ += absl::StrCat(", pinned staging ", staging_chunk >> 20, " MiB x 2");
+    }
+  }
 
   const char* name() const override { return "cuda"; }
   at::Device device() const override { return at::Device(at::kCUDA, at::DeviceIndex(device_)); }
@@ -132,6 +197,14 @@ class CudaBackend final : public Backend {
                                 : v.dtype == wire::DType::kBF16 ? at::kBFloat16
                                                                 : at::kHalf;
     const int64_t size = wire::ElementSize(v.dtype);
+    const size_t bytes = size_t(rows * cols * size);
+    if (staging_ && bytes >= kStagedMinBytes) {
+      // Through the pinned slots: the host may free v's bytes once this returns, and the last
+      // crossings run in order before the widening below.
+      at::Tensor dev = at::empty({rows, cols}, at::TensorOptions(type).device(device()));
+      staging_->copier().ToDevice(dev.data_ptr(), v.data, bytes);
+      return dev.to(at::kFloat).contiguous();
+    }
     at::Tensor host;
     if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(size) == 0) {
       host = at::from_blob(const_cast<void*>(v.data), {rows, cols}, at::TensorOptions(type));
@@ -169,7 +242,9 @@ class CudaBackend final : public Backend {
       // source may be device or host memory).
       const at::Tensor src = x.to(type).contiguous();
       out.bytes.resize(size_t(src.numel() * wire::ElementSize(dtype)));
-      if (!out.bytes.empty()) {
+      if (staging_ && src.is_cuda() && out.bytes.size() >= kStagedMinBytes) {
+        staging_->copier().ToHost(out.bytes.data(), src.data_ptr(), out.bytes.size());
+      } else if (!out.bytes.empty()) {
         GRADWIRE_CUDA_CHECK(
             cudaMemcpy(out.bytes.data(), src.data_ptr(), out.bytes.size(), cudaMemcpyDefault));
       }
@@ -372,6 +447,7 @@ class CudaBackend final : public Backend {
 
   int device_;
   std::string description_;
+  std::unique_ptr<PinnedStaging> staging_;  // null: plain copies (CudaStaging() 0)
 };
 
 }  // namespace
@@ -392,7 +468,8 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
         absl::StrCat("CUDA device ", device, " does not exist; this machine has ", count));
   }
   GRADWIRE_CUDA_CHECK(cudaSetDevice(device));
-  return BackendPtr(std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device)));
+  return BackendPtr(
+      std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device), CudaStaging()));
 }
 
 }  // namespace gradwire::core

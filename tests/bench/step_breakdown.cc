@@ -76,12 +76,18 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "the backend: cpu, or cuda (device 0)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  int cuda_staging_mib = 0;
+  app.add_option("--cuda-staging-mib", cuda_staging_mib,
+                 "--device cuda: wire crossings through pinned staging, as the server's flag")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   app.add_option("--json", json_path, "write the table as JSON");
   CLI11_PARSE(app, argc, argv);
   gradwire::core::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
                                                    : gradwire::core::CpuGemm::kBlas);
   gradwire::core::RetainLargeBlocks();
   gradwire::core::SetCpuThreads(0);
+  gradwire::core::SetCudaStaging(int64_t(cuda_staging_mib) << 20);
   gradwire::core::BackendPtr backend = gradwire::core::MakeCpuBackend();
   if (device == "cuda") {
     auto cuda = gradwire::core::MakeCudaBackend(0);
@@ -203,8 +209,9 @@ int main(int argc, char** argv) {
   if (!json_path.empty()) {
     std::ofstream f(json_path);
     f << "{\n  \"benchmark\": \"step_breakdown\",\n  \"device\": \"" << device
-      << "\",\n  \"backend\": \"" << b.Describe() << "\",\n  \"cpu_gemm\": \"" << cpu_gemm
-      << "\",\n  \"in\": " << in << ", \"out\": " << out << ",\n  \"rows\": [\n";
+      << "\",\n  \"cuda_staging_mib\": " << cuda_staging_mib << ",\n  \"backend\": \""
+      << b.Describe() << "\",\n  \"cpu_gemm\": \"" << cpu_gemm << "\",\n  \"in\": " << in
+      << ", \"out\": " << out << ",\n  \"rows\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {
       const Row& r = results[i];
       f << "    {\"rows\": " << r.rows << ", \"forward_ms\": " << r.fwd * 1e3

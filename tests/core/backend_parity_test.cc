@@ -171,8 +171,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The rpc boundary's conversions: a wire tensor decoded on the device (FromWire, with the FP8
 // codes a Linear takes as they are) and an output encoded from it (ToWire) give the reference's
-// values and bytes exactly, whatever the dtype, size (past the CPU backend's threading cutoff) or
-// alignment of the request's bytes.
+// values and bytes exactly, whatever the dtype, size (past the CPU backend's threading cutoff, and
+// over several chunks of the CUDA backend's pinned staging) or alignment of the request's bytes.
 class WireParity
     : public ::testing::TestWithParam<std::tuple<const char*, Shape, wire::DType, bool>> {};
 
@@ -217,8 +217,11 @@ TEST_P(WireParity, DecodeAndEncodeBitForBit) {
 INSTANTIATE_TEST_SUITE_P(
     All, WireParity,
     ::testing::Combine(::testing::ValuesIn(kBackends),
-                       ::testing::Values(Shape{1, 1}, Shape{7, 13},
-                                         Shape{300, 1031}),  // past the threaded cutoff
+                       // 300 x 1031: past the CPU backend's threading cutoff; 1024 x 1537:
+                       // several chunks of the CUDA backend's pinned staging at 1 MiB
+                       // (GRADWIRE_CUDA_STAGING_MIB=1), a partial one last
+                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{300, 1031},
+                                         Shape{1024, 1537}),
                        ::testing::Values(wire::DType::kF32, wire::DType::kBF16, wire::DType::kF16,
                                          wire::DType::kFp8E4M3, wire::DType::kFp8E5M2),
                        ::testing::Bool()),
