@@ -36,7 +36,7 @@ int64_t CudaStaging() {
   int64_t v = cuda_staging.load();
   if (v >= 0) return v;
   const char* env = std::getenv("GRADWIRE_CUDA_STAGING_MIB");
-  v = env != nullptr ? std::max<int64_t>(std::atoll(env), 0) << 20 : 0;
+  v = env != nullptr ? std::clamp<int64_t>(std::atoll(env), 0, 1024) << 20 : 0;
   cuda_staging = v;
   return v;
 }

@@ -159,8 +159,9 @@ bool CudaBackendBuilt();
 
 // Pinned staging for the CUDA backend's wire crossings (server/core/staged_copy.h): the chunk
 // size in bytes of its two pinned slots, 0 for plain pageable copies. A CUDA backend reads it when
-// it is made. Until set, GRADWIRE_CUDA_STAGING_MIB (MiB) gives it, else 0. gradwire-server sets
-// it from --cuda-staging-mib.
+// it is made. gradwire-server, gradwire-load and step_breakdown always set it from their
+// --cuda-staging-mib; elsewhere (the test binaries) GRADWIRE_CUDA_STAGING_MIB (MiB, at most 1024)
+// gives it until it is set, else 0.
 void SetCudaStaging(int64_t chunk_bytes);
 int64_t CudaStaging();
 

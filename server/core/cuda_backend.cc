@@ -384,6 +384,12 @@ class CudaBackend final : public Backend {
       throw std::logic_error("CudaBackend::Gemm: an operand's codes are missing");
     }
     if (as.format == kernels::Fp8Format::kE5M2 && bs.format == kernels::Fp8Format::kE5M2) {
+      if (a.size(0) != m || a.size(1) != k || b.size(0) != n || b.size(1) != k || d.size(0) != m ||
+          d.size(1) != n) {
+        throw std::logic_error("CudaBackend::Gemm: E5M2 x E5M2 operands do not match m, n, k");
+      }
+      (void)ScaleInv(as);  // both scale_inv on the device, as every GEMM needs
+      (void)ScaleInv(bs);
       GemmBothE5m2(a, as, b, bs, d, accumulate);
       return;
     }
@@ -468,8 +474,14 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
         absl::StrCat("CUDA device ", device, " does not exist; this machine has ", count));
   }
   GRADWIRE_CUDA_CHECK(cudaSetDevice(device));
-  return BackendPtr(
-      std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device), CudaStaging()));
+  const int64_t staging = CudaStaging();
+  try {
+    return BackendPtr(
+        std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device), staging));
+  } catch (const std::exception& e) {  // the pinned staging slots could not be had
+    return absl::ResourceExhaustedError(absl::StrCat("pinned staging of 2 x ", staging >> 20,
+                                                     " MiB (--cuda-staging-mib): ", e.what()));
+  }
 }
 
 }  // namespace gradwire::core

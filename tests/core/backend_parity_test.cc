@@ -470,14 +470,15 @@ std::vector<Miss> DrawModuleCase(const BackendPtr& backend, const ModuleCase& c,
   //
   // LayerNormMLP's backward also casts values each backend computed to E5M2 (the gradient of the
   // FC1 output, after the activation's backward), where a rounding flip is a step twice E4M3's:
-  // four times the squared error, so its gradients are held to 4e-4 (measured on an H100: up to
-  // 3.5e-4 in a few draws of a hundred). A wrong computation is off by far more (a skipped cast
-  // alone is ~1e-3).
+  // four times the squared error. On the GPU, whose fast-accumulating forward GEMMs move those
+  // values most, its gradients are held to 4e-4 (measured on an H100: up to 3.5e-4 in a few
+  // draws of a hundred); the CPU backend stays at 1e-4. A skipped cast alone is off by ~1e-3.
   const bool exact_casts = c.kind == ModuleKind::kLinear;
   const double tight = 1e-5, nmse = 1e-4;
-  const double grad_limit = exact_casts                           ? tight
-                            : c.kind == ModuleKind::kLayerNormMlp ? 4 * nmse
-                                                                  : nmse;
+  const bool gpu = std::string(backend->name()) == "cuda";
+  const double grad_limit = exact_casts                                  ? tight
+                            : gpu && c.kind == ModuleKind::kLayerNormMlp ? 4 * nmse
+                                                                         : nmse;
   auto check = [&](const std::string& what, double value, double limit) {
     if (!(value < limit)) {
       std::ostringstream m;

@@ -5,10 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <vector>
@@ -77,7 +79,11 @@ TEST(StagedCopy, EverySizeArrivesBothWays) {
       Rig rig(slots, kChunk);
       const auto host = Bytes(n, uint32_t(n + 1));
       std::vector<unsigned char> device(n, 0xAB), back(n, 0xCD);
-      rig.copier->ToDevice(device.data(), host.data(), n);
+      auto sent = host;
+      rig.copier->ToDevice(device.data(), sent.data(), n);
+      // The caller may free its bytes once ToDevice returns: what crosses later must not read
+      // them.
+      std::fill(sent.begin(), sent.end(), 0xEE);
       rig.stream.Sync();  // what the device's next use of the tensor waits for
       EXPECT_EQ(device, host);
       const auto other = Bytes(n, uint32_t(n + 2));
@@ -116,6 +122,37 @@ TEST(StagedCopy, TheFakeStreamCatchesAMissingWait) {
   rig.copier->ToDevice(device.data(), host.data(), host.size());
   rig.stream.Sync();
   EXPECT_NE(device, host);
+}
+
+TEST(StagedCopy, TheFakeStreamCatchesAMissingWaitOnTheWayBack) {
+  constexpr size_t kChunk = 16;
+  Rig rig(2, kChunk, /*honour_waits=*/false);
+  const auto device = Bytes(8 * kChunk, 4);
+  std::vector<unsigned char> back(device.size());
+  rig.copier->ToHost(back.data(), device.data(), device.size());
+  EXPECT_NE(back, device);
+}
+
+// An operation that throws mid-pipeline (a CUDA error) leaves the copier usable: the next call
+// moves its bytes.
+TEST(StagedCopy, AFailedCopyLeavesTheCopierUsable) {
+  constexpr size_t kChunk = 16;
+  std::vector<std::vector<unsigned char>> buffers(2, std::vector<unsigned char>(kChunk));
+  FakeStream stream;
+  StagingOps ops = stream.Ops();
+  int calls = 0;
+  const auto to_device = ops.to_device;
+  ops.to_device = [&](void* d, const void* p, size_t n) {
+    if (++calls == 3) throw std::runtime_error("simulated CUDA error");
+    to_device(d, p, n);
+  };
+  StagedCopier copier({buffers[0].data(), buffers[1].data()}, kChunk, ops);
+  const auto host = Bytes(6 * kChunk, 5);
+  std::vector<unsigned char> device(host.size());
+  EXPECT_THROW(copier.ToDevice(device.data(), host.data(), host.size()), std::runtime_error);
+  copier.ToDevice(device.data(), host.data(), host.size());
+  stream.Sync();
+  EXPECT_EQ(device, host);
 }
 
 TEST(StagedCopy, NeedsTwoSlots) {

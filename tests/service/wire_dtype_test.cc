@@ -201,6 +201,7 @@ TEST_F(WireDTypeTest, Fp8InputIsUsedWithoutRequantizing) {
   kernels::DequantizeFp8(reinterpret_cast<const uint8_t*>(codes.data()), 8 * 64, 1.0f / scale,
                          kernels::Fp8Format::kE4M3, dequantized.data.data());
   const HostTensor y_f32 = Forward(dequantized, WireDType::kF32, WireDType::kF32, false);
+  ASSERT_EQ(y_f32.data.size(), expected.size());
   bool beyond_rounding = false;
   for (size_t i = 0; i < expected.size(); ++i) {
     beyond_rounding |= std::fabs(double(y_f32.data[i]) - expected[i]) > 4 * bound[i];
