@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (a Debian 12 machine with apt, repo root): pack the C++ libraries the GPU machine lacks
 # (gRPC/protobuf C++, spdlog, GoogleTest, ...) as Debian packages into .device-deps/, an ignored
-# folder the device tool carries. scripts/device/env.sh unpacks them there.
+# folder the device tool carries. scripts/device/env.sh unpacks them there. Run it right before
+# each device call: it also records the commit the tree is at (.device-deps/commit).
 #   scripts/device/deps.sh            everything gpu-check.sh and stage2.sh need
 #   scripts/device/deps.sh --gtest    GoogleTest only (stage 1)
 set -euo pipefail
@@ -28,4 +29,7 @@ for p in "${pkgs[@]}"; do
   ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download "$p" >/dev/null 2>&1 \
     || echo "device deps: could not download $p (skipped)" >&2
 done
+# The commit this tree is at, for the GPU machine's report: the device copy's .git can be older.
+git rev-parse HEAD > commit
+git status --porcelain | wc -l > tree_changes
 du -sh . | sed 's/^/device deps: /'

@@ -157,8 +157,14 @@ cat "$work/env.log" >> "$out/progress.log"
   echo "memory_gib=$(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)"
   echo "os=$(sed -n 's/^PRETTY_NAME="*\([^"]*\)"*$/\1/p' /etc/os-release 2>/dev/null), $(uname -r)"
   echo "nvcc=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
-  echo "commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)"
-  echo "tree_changes=$(git status --porcelain 2>/dev/null | wc -l)"
+  # deps.sh records the commit here before the call; the device copy's .git can be older.
+  if [ -s .device-deps/commit ]; then
+    echo "commit=$(cat .device-deps/commit)"
+    echo "tree_changes=$(cat .device-deps/tree_changes 2>/dev/null || echo unknown)"
+  else
+    echo "commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "tree_changes=$(git status --porcelain 2>/dev/null | wc -l)"
+  fi
 } > "$work/machine.txt"
 if nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit \
   --format=csv > "$work/gpu.csv" 2> "$work/gpu.err"; then
