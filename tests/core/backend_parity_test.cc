@@ -263,24 +263,21 @@ TEST_P(GemmParity, FpropDgradWgradWithinTheAccumulationBound) {
   EXPECT_TRUE(WithinGemmBound(b.ToHost(b.Dgrad(bdy, bw)), ref.Dgrad(rdy, rw),
                               dyd.abs().mm(wd.abs()), n, std::ldexp(1.0, -11)))
       << "dgrad";
-  // acc += dy^T x, from a random start
+  // acc += dy^T x, from a random start, with x cast as `q`
   const at::Tensor acc0 = RandN({n, k});
-  at::Tensor want = acc0.clone(), got = b.ToDevice(acc0);
-  ref.Wgrad(rdy, rx, want, /*accumulate=*/true);
-  b.Wgrad(bdy, bx, got, /*accumulate=*/true);
-  EXPECT_TRUE(WithinGemmBound(b.ToHost(got), want, dyd.abs().t().mm(xd.abs()) + acc0.abs(), m,
-                              std::ldexp(1.0, -11)))
-      << "wgrad";
-  // acc += dy^T x with both operands E5M2 (an input that came as E5M2 codes): no FP8 tensor-core
-  // kernel takes that pair, so the CUDA backend decodes both (exactly) and multiplies in float64.
-  const Fp8Tensor rx5 = cast(ref, x, e5m2), bx5 = cast(b, x, e5m2);
-  const at::Tensor x5d = ref.Dequantize(rx5, true).to(at::kDouble);
-  at::Tensor want5 = acc0.clone(), got5 = b.ToDevice(acc0);
-  ref.Wgrad(rdy, rx5, want5, /*accumulate=*/true);
-  b.Wgrad(bdy, bx5, got5, /*accumulate=*/true);
-  EXPECT_TRUE(WithinGemmBound(b.ToHost(got5), want5, dyd.abs().t().mm(x5d.abs()) + acc0.abs(), m,
-                              std::ldexp(1.0, -11)))
-      << "wgrad E5M2 x E5M2";
+  auto wgrad = [&](const QuantizerConfig& q) {
+    const Fp8Tensor rxq = cast(ref, x, q), bxq = cast(b, x, q);
+    const at::Tensor xqd = ref.Dequantize(rxq, true).to(at::kDouble);
+    at::Tensor want = acc0.clone(), got = b.ToDevice(acc0);
+    ref.Wgrad(rdy, rxq, want, /*accumulate=*/true);
+    b.Wgrad(bdy, bxq, got, /*accumulate=*/true);
+    return WithinGemmBound(b.ToHost(got), want, dyd.abs().t().mm(xqd.abs()) + acc0.abs(), m,
+                           std::ldexp(1.0, -11));
+  };
+  EXPECT_TRUE(wgrad(e4m3)) << "wgrad";
+  // Both operands E5M2 (an input that came as E5M2 codes): no FP8 tensor-core kernel takes that
+  // pair, so the CUDA backend decodes both (exactly) and multiplies in float64.
+  EXPECT_TRUE(wgrad(e5m2)) << "wgrad E5M2 x E5M2";
 }
 
 // Size 1, primes, and multiples of 16 (no padding on the GPU).

@@ -112,25 +112,20 @@ TEST(StagedCopy, CallsBackToBackKeepEachOthersBytes) {
   EXPECT_EQ(back, b);
 }
 
-// The simulated stream has teeth: without the waits, slots are refilled before their crossings
-// ran and the bytes come out wrong.
-TEST(StagedCopy, TheFakeStreamCatchesAMissingWait) {
+// The simulated stream has teeth: without the waits, a slot is refilled before its crossing ran
+// (to the device) or read before its crossing arrived (back), and the bytes come out wrong.
+TEST(StagedCopy, TheFakeStreamCatchesAMissingWaitBothWays) {
   constexpr size_t kChunk = 16;
-  Rig rig(2, kChunk, /*honour_waits=*/false);
-  const auto host = Bytes(8 * kChunk, 3);
-  std::vector<unsigned char> device(host.size());
-  rig.copier->ToDevice(device.data(), host.data(), host.size());
-  rig.stream.Sync();
-  EXPECT_NE(device, host);
-}
-
-TEST(StagedCopy, TheFakeStreamCatchesAMissingWaitOnTheWayBack) {
-  constexpr size_t kChunk = 16;
-  Rig rig(2, kChunk, /*honour_waits=*/false);
-  const auto device = Bytes(8 * kChunk, 4);
-  std::vector<unsigned char> back(device.size());
-  rig.copier->ToHost(back.data(), device.data(), device.size());
-  EXPECT_NE(back, device);
+  const auto sent = Bytes(8 * kChunk, 3);
+  std::vector<unsigned char> received(sent.size());
+  Rig to_device(2, kChunk, /*honour_waits=*/false);
+  to_device.copier->ToDevice(received.data(), sent.data(), sent.size());
+  to_device.stream.Sync();
+  EXPECT_NE(received, sent) << "to the device";
+  std::fill(received.begin(), received.end(), 0);
+  Rig to_host(2, kChunk, /*honour_waits=*/false);
+  to_host.copier->ToHost(received.data(), sent.data(), sent.size());
+  EXPECT_NE(received, sent) << "back to the host";
 }
 
 // An operation that throws mid-pipeline (a CUDA error) leaves the copier usable: the next call
