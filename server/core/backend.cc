@@ -26,6 +26,13 @@ at::Tensor Backend::FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
+at::Tensor Backend::DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const {
+  std::vector<at::Tensor> parts;
+  parts.reserve(dy.groups.size());
+  for (const Fp8Tensor& g : dy.groups) parts.push_back(Dgrad(g, w));
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
 namespace {
 std::atomic<int64_t> cuda_staging{-1};  // -1: not set, read the environment
 }  // namespace

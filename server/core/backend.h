@@ -123,6 +123,10 @@ class Backend {
   // over all the rows, applying each group's scale_inv to its rows (docs/batching.md).
   virtual at::Tensor FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
                                  const at::Tensor& bias) const;
+  // Dgrad of a row-grouped dy (a batch of backwards, each group cast on its own): every row of
+  // dx bit for bit what Dgrad of its group alone gives. The default runs one Dgrad per group; a
+  // backend whose dgrad GEMM is row-invariant runs one GEMM with a scale per row group.
+  virtual at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const;
   // acc[N] += column sums of g[M, N] (fp32, unquantized).
   virtual void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const = 0;
 

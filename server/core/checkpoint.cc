@@ -15,9 +15,9 @@ namespace gradwire::core {
 namespace {
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 using storage::StDType;
 using storage::StTensor;
-using nlohmann::json;
 
 constexpr char kSuffix[] = ".gradwire.safetensors";
 constexpr int kFormatVersion = 1;

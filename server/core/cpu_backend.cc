@@ -319,28 +319,29 @@ class CpuBackend final : public ReferenceBackend {
             row_scale.data());
     return y;
   }
+  // What the ordered GEMM reads as B for a dgrad: W^T [K, N], the columnwise copy, else W's rows
+  // transposed into scratch.
+  static Decoded OrderedDgradOperand(const Fp8Tensor& w) {
+    Decoded bt;
+    if (w.has_columnwise()) return DecodeColumnwise(w);
+    Decoded rows;
+    if (!w.has_rowwise() && w.rowwise_decoded &&
+        int64_t(w.rowwise_decoded->size()) == w.rows * w.cols) {
+      rows.data = w.rowwise_decoded->data();
+    } else {
+      rows = DecodeRowwise(w);
+    }
+    bt.lease = kernels::cpu::TakeScratch(size_t(w.rows * w.cols) * sizeof(float));
+    Transpose(rows.data, w.rows, w.cols, bt.lease.floats());
+    bt.data = bt.lease.floats();
+    return bt;
+  }
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Decoded a = DecodeRowwise(dy);
     at::Tensor dx = Empty({dy.rows, w.cols});
     if (GetCpuGemm() == CpuGemm::kOrdered) {
-      // The ordered GEMM reads B along its rows: W^T [K, N], the columnwise copy, else W's rows
-      // transposed into scratch.
-      Decoded bt;
-      if (w.has_columnwise()) {
-        bt = DecodeColumnwise(w);
-      } else {
-        Decoded rows;
-        if (!w.has_rowwise() && w.rowwise_decoded &&
-            int64_t(w.rowwise_decoded->size()) == w.rows * w.cols) {
-          rows.data = w.rowwise_decoded->data();
-        } else {
-          rows = DecodeRowwise(w);
-        }
-        bt.lease = kernels::cpu::TakeScratch(size_t(w.rows * w.cols) * sizeof(float));
-        Transpose(rows.data, w.rows, w.cols, bt.lease.floats());
-        bt.data = bt.lease.floats();
-      }
+      const Decoded bt = OrderedDgradOperand(w);
       Ordered(dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, bt.data, nullptr,
               dx.data_ptr<float>());
       return dx;
@@ -360,6 +361,26 @@ class CpuBackend final : public ReferenceBackend {
     }
     Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, b.data,
          0.0f, dx.data_ptr<float>());
+    return dx;
+  }
+  // A batch of backwards in one dgrad GEMM under the row-invariant GEMM, as FpropGroups does.
+  at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
+    if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::DgradGroups(dy, w);
+    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
+    const Decoded bt = OrderedDgradOperand(w);
+    kernels::cpu::Scratch a = kernels::cpu::TakeScratch(size_t(dy.rows * dy.cols) * sizeof(float));
+    std::vector<float> row_scale;
+    row_scale.reserve(size_t(dy.rows));
+    int64_t row = 0;
+    for (const Fp8Tensor& g : dy.groups) {
+      kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
+                                a.floats() + row * dy.cols);
+      row_scale.insert(row_scale.end(), size_t(g.rows), g.scale_inv * w.scale_inv);
+      row += g.rows;
+    }
+    at::Tensor dx = Empty({dy.rows, w.cols});
+    Ordered(dy.rows, w.cols, dy.cols, 1.0f, a.floats(), bt.data, nullptr, dx.data_ptr<float>(),
+            row_scale.data());
     return dx;
   }
   void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,

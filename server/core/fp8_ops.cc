@@ -94,6 +94,10 @@ at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor
   return x.grouped() ? backend.FpropGroups(x, w, bias) : backend.Fprop(x, w, bias);
 }
 
+at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w) {
+  return dy.grouped() ? backend.DgradGroups(dy, w) : backend.Dgrad(dy, w);
+}
+
 const Backend& BackendOr(const Backend* backend) {
   return backend != nullptr ? *backend : *MakeReferenceBackend();
 }

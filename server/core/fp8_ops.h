@@ -88,6 +88,9 @@ at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows);
 at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
                      const at::Tensor& bias);
 
+// dx = dy . w for dy row-grouped or not: Backend::DgradGroups or Backend::Dgrad.
+at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w);
+
 // The backend a module's arguments name, or the reference backend when they name none.
 const Backend& BackendOr(const Backend* backend);
 

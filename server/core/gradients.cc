@@ -1,5 +1,6 @@
 #include "server/core/gradients.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <stdexcept>
@@ -29,26 +30,50 @@ double ProductBound(int64_t n, const Fp8Tensor& a, const Fp8Tensor& b) {
 
 double WgradBound(const Fp8Tensor& dy, const Fp8Tensor& x) { return ProductBound(dy.rows, dy, x); }
 
-double DgradBound(const Fp8Tensor& dy, const Fp8Tensor& w) { return ProductBound(dy.cols, dy, w); }
+double DgradBound(const Fp8Tensor& dy, const Fp8Tensor& w) {
+  if (!dy.grouped()) return ProductBound(dy.cols, dy, w);
+  double bound = 0;
+  for (const Fp8Tensor& g : dy.groups) bound = std::max(bound, DgradBound(g, w));
+  return bound;
+}
 
 bool ProvablyFinite(double bound) { return bound <= 0.25 * double(FLT_MAX); }
 
-void DirectGradients::Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) {
+void GradientSink::Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) {
+  if (!dy.grouped() && !x.grouped()) return CollectWgrad(p, dy, x, 0);
+  if (dy.groups.size() != x.groups.size()) {
+    throw std::logic_error(std::string("the weight gradient of ") + ParamName(p) +
+                           " got row groups that do not pair up");
+  }
+  for (size_t j = 0; j < dy.groups.size(); ++j) CollectWgrad(p, dy.groups[j], x.groups[j], j);
+}
+
+void GradientSink::BiasGrad(Param p, const at::Tensor& g, const Fp8Tensor& cast) {
+  if (!cast.grouped()) return CollectBias(p, g, cast.amax, 0);
+  int64_t row = 0;
+  for (size_t j = 0; j < cast.groups.size(); ++j) {
+    const Fp8Tensor& part = cast.groups[j];
+    CollectBias(p, g.narrow(0, row, part.rows), part.amax, j);
+    row += part.rows;
+  }
+}
+
+void DirectGradients::CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t) {
   backend_.Wgrad(dy, x, targets_[p], /*accumulate=*/true);
 }
 
-void DirectGradients::BiasGrad(Param p, const at::Tensor& g, float) {
+void DirectGradients::CollectBias(Param p, const at::Tensor& g, float, size_t) {
   backend_.AccumulateBiasGrad(g, targets_[p]);
 }
 
-void DirectGradients::Add(Param p, const at::Tensor& v) {
+void DirectGradients::CollectAdd(Param p, const at::Tensor& v, size_t) {
   at::Tensor& acc = targets_[p];
   backend_.AddAbsMax(acc, v, acc);
 }
 
 void DeferredGradients::Collect(Pending p) {
   for (const Pending& q : pending_) {
-    if (q.param == p.param) {
+    if (q.param == p.param && q.group == p.group) {
       throw std::logic_error(std::string("two gradient contributions to ") + ParamName(p.param) +
                              " in one backward");
     }
@@ -56,29 +81,31 @@ void DeferredGradients::Collect(Pending p) {
   pending_.push_back(std::move(p));
 }
 
-void DeferredGradients::Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) {
-  Collect({Kind::kWgrad, p, dy, x, at::Tensor(), WgradBound(dy, x)});
+void DeferredGradients::CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x,
+                                     size_t group) {
+  Collect({Kind::kWgrad, p, dy, x, at::Tensor(), WgradBound(dy, x), group});
 }
 
-void DeferredGradients::BiasGrad(Param p, const at::Tensor& g, float g_amax) {
+void DeferredGradients::CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) {
   const int64_t rows = g.size(0);
   double bound = double(rows) * double(g_amax) * SumSlack(rows);
   if (std::isnan(bound)) bound = INFINITY;
-  Collect({Kind::kBias, p, {}, {}, g, bound});
+  Collect({Kind::kBias, p, {}, {}, g, bound, group});
 }
 
-void DeferredGradients::Add(Param p, const at::Tensor& v) {
+void DeferredGradients::CollectAdd(Param p, const at::Tensor& v, size_t group) {
   // A small vector: its bound is its own max, measured.
   const float amax = backend_.AbsMax(v);
-  Collect({Kind::kAdd, p, {}, {}, v, std::isnan(amax) ? INFINITY : double(amax)});
+  Collect({Kind::kAdd, p, {}, {}, v, std::isnan(amax) ? INFINITY : double(amax), group});
 }
 
 std::optional<Param> DeferredGradients::Commit(
-    const std::function<GradAccumulator*(Param)>& accumulator) {
+    const std::function<GradAccumulator*(Param)>& accumulator, size_t group) {
   // Contributions whose bound does not prove the sum finite are built first, in the spare
   // buffers, and checked; nothing visible changes until all of them passed.
   std::vector<std::pair<const Pending*, double>> checked;  // with the measured max |sum|
   for (const Pending& p : pending_) {
+    if (p.group != group) continue;
     GradAccumulator& acc = *accumulator(p.param);
     if (ProvablyFinite(acc.bound + p.bound)) continue;
     if (!acc.spare.defined()) acc.spare = backend_.Empty(acc.grad.sizes());
@@ -107,6 +134,7 @@ std::optional<Param> DeferredGradients::Commit(
   }
   // The rest cannot overflow: straight into the accumulators.
   for (const Pending& p : pending_) {
+    if (p.group != group) continue;
     bool done = false;
     for (const auto& c : checked) done |= c.first == &p;
     if (done) continue;
@@ -124,7 +152,9 @@ std::optional<Param> DeferredGradients::Commit(
     }
     acc.bound += p.bound;
   }
-  pending_.clear();
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [group](const Pending& p) { return p.group == group; }),
+                 pending_.end());
   return std::nullopt;
 }
 

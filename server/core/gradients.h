@@ -27,23 +27,35 @@ class GradientSink {
  public:
   virtual ~GradientSink() = default;
   // acc(p)[N, K] += dy^T . x: the weight-gradient GEMM of dy [M, N] and x [M, K], both given with
-  // their columnwise copies. At most one contribution per parameter and backward.
-  virtual void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) = 0;
+  // their columnwise copies. At most one contribution per parameter and backward. Row-grouped
+  // (a batch of backwards): one contribution per group, each that group's request's.
+  void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x);
   // acc(p)[N] += column sums of g [M, N], every |g| being at most g_amax.
-  virtual void BiasGrad(Param p, const at::Tensor& g, float g_amax) = 0;
-  // acc(p) += v, a gradient computed whole (LayerNorm's gamma and beta).
-  virtual void Add(Param p, const at::Tensor& v) = 0;
+  void BiasGrad(Param p, const at::Tensor& g, float g_amax) { CollectBias(p, g, g_amax, 0); }
+  // The same for g the unquantized input of `cast` (its amax bounds g): row-grouped with it, one
+  // contribution per group.
+  void BiasGrad(Param p, const at::Tensor& g, const Fp8Tensor& cast);
+  // acc(p) += v, a gradient computed whole (LayerNorm's gamma and beta), for request `group` of
+  // a batch (0 alone).
+  void Add(Param p, const at::Tensor& v, size_t group = 0) { CollectAdd(p, v, group); }
+
+ protected:
+  virtual void CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t group) = 0;
+  virtual void CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) = 0;
+  virtual void CollectAdd(Param p, const at::Tensor& v, size_t group) = 0;
 };
 
 // Accumulates each contribution at once into the tensors of a table, unchecked: for tests and
-// tools that call the compute functions directly.
+// tools that call the compute functions directly. A batch's groups add up in their order.
 class DirectGradients final : public GradientSink {
  public:
   DirectGradients(const Backend& backend, ParamTable targets)
       : backend_(backend), targets_(std::move(targets)) {}
-  void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) override;
-  void BiasGrad(Param p, const at::Tensor& g, float g_amax) override;
-  void Add(Param p, const at::Tensor& v) override;
+
+ protected:
+  void CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t group) override;
+  void CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) override;
+  void CollectAdd(Param p, const at::Tensor& v, size_t group) override;
 
  private:
   const Backend& backend_;
@@ -52,7 +64,7 @@ class DirectGradients final : public GradientSink {
 
 // A bound on every |value| of dy^T . x (the sum runs over dy's rows), and of dy . w (over dy's
 // columns), from the casts' scales: the rounding of an fp32 sum of n terms included. +inf when
-// no useful bound exists.
+// no useful bound exists. A row-grouped dy: the largest of its groups' bounds.
 double WgradBound(const Fp8Tensor& dy, const Fp8Tensor& x);
 double DgradBound(const Fp8Tensor& dy, const Fp8Tensor& w);
 // True when values bounded by `bound` are finite in fp32 with room to spare (a quarter of
@@ -66,18 +78,22 @@ struct GradAccumulator {
   double bound = 0;  // at least max |grad|; 0 when grad is zero
 };
 
-// Collects a backward's contributions, then commits them all or none (ModuleHost).
+// Collects a backward's contributions, then commits them all or none (ModuleHost). A batch of
+// backwards commits one request (group) at a time, in order: exactly the sequence's sums.
 class DeferredGradients final : public GradientSink {
  public:
   explicit DeferredGradients(const Backend& backend) : backend_(backend) {}
-  void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) override;
-  void BiasGrad(Param p, const at::Tensor& g, float g_amax) override;
-  void Add(Param p, const at::Tensor& v) override;
 
-  // Adds every contribution to its accumulator (accumulator(p), never null for a collected p),
-  // or none: returns the parameter whose sum would have come out non-finite (then no accumulator
-  // changed), or nullopt when every sum was added.
-  std::optional<Param> Commit(const std::function<GradAccumulator*(Param)>& accumulator);
+  // Adds every contribution of `group` to its accumulator (accumulator(p), never null for a
+  // collected p), or none: returns the parameter whose sum would have come out non-finite (then
+  // no accumulator changed), or nullopt when every sum was added.
+  std::optional<Param> Commit(const std::function<GradAccumulator*(Param)>& accumulator,
+                              size_t group = 0);
+
+ protected:
+  void CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t group) override;
+  void CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) override;
+  void CollectAdd(Param p, const at::Tensor& v, size_t group) override;
 
  private:
   enum class Kind { kWgrad, kBias, kAdd };
@@ -87,6 +103,7 @@ class DeferredGradients final : public GradientSink {
     Fp8Tensor dy, x;  // kWgrad
     at::Tensor g;     // kBias: the gradient summed; kAdd: the vector added
     double bound = 0;
+    size_t group = 0;
   };
   void Collect(Pending p);
 

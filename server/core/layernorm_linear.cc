@@ -41,12 +41,44 @@ void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNo
                    const LayerNormParams& ln, at::Tensor d_ln, KindBackwardResult* result) {
   if (args.grad_layernorm_output.defined()) b.AddAbsMax(d_ln, args.grad_layernorm_output, d_ln);
   const int64_t k = saved.input.size(1);
-  at::Tensor gamma_grad = b.Zeros({k}), beta_grad = b.Zeros({k});
-  at::Tensor dx =
-      b.LayerNormBackward(d_ln, saved.input, saved.mu, saved.rstd, ln, gamma_grad, beta_grad);
-  args.grads->Add(Param::kLayerNormWeight, gamma_grad);
-  args.grads->Add(Param::kLayerNormBias, beta_grad);
-  if (args.compute_grad_input) result->grad_input = dx;
+  // A batch: gamma's and beta's gradients are each request's own sums, so each request's rows go
+  // through the LayerNorm backward on their own.
+  const std::vector<int64_t> one = {saved.input.size(0)};
+  const std::vector<int64_t>& groups = args.row_groups ? *args.row_groups : one;
+  std::vector<at::Tensor> dx;
+  int64_t row = 0;
+  for (size_t j = 0; j < groups.size(); ++j) {
+    const int64_t rows = groups[j];
+    auto part = [&](const at::Tensor& t) {
+      return groups.size() == 1 ? t : t.narrow(0, row, rows);
+    };
+    at::Tensor gamma_grad = b.Zeros({k}), beta_grad = b.Zeros({k});
+    dx.push_back(b.LayerNormBackward(part(d_ln), part(saved.input), part(saved.mu),
+                                     part(saved.rstd), ln, gamma_grad, beta_grad));
+    args.grads->Add(Param::kLayerNormWeight, gamma_grad, j);
+    args.grads->Add(Param::kLayerNormBias, beta_grad, j);
+    row += rows;
+  }
+  if (args.compute_grad_input) result->grad_input = dx.size() == 1 ? dx[0] : at::cat(dx, 0);
+}
+
+absl::StatusOr<LayerNormStack> StackLayerNorm(const std::vector<const LayerNormSaved*>& parts) {
+  LayerNormStack out;
+  if (parts.empty()) return absl::InternalError("no contexts to stack");
+  std::vector<at::Tensor> input, mu, rstd;
+  for (const LayerNormSaved* p : parts) {
+    if (p == nullptr || !p->workspace || p->workspace != parts[0]->workspace) {
+      return absl::FailedPreconditionError("the contexts do not share one workspace");
+    }
+    input.push_back(p->input);
+    mu.push_back(p->mu);
+    rstd.push_back(p->rstd);
+  }
+  out.input = at::cat(input, 0);
+  out.mu = at::cat(mu, 0);
+  out.rstd = at::cat(rstd, 0);
+  out.workspace = parts[0]->workspace;
+  return out;
 }
 
 absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& args) {
@@ -106,20 +138,43 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
   const LayerNormParams ln = SavedLayerNorm(*args.spec, *saved);
   Fp8Tensor recomputed;
   const Fp8Tensor* ln_out = &saved->ln_out;
-  if (!saved->ln_out.has_columnwise()) {  // checkpointed: redo LayerNorm and its cast
+  // Checkpointed: redo LayerNorm and its cast (a batch's stacked state is never checkpointed).
+  if (!saved->ln_out.has_columnwise() && !saved->ln_out.grouped()) {
     LayerNormOut again = b.LayerNormForward(saved->input, ln);
     GW_ASSIGN_OR_RETURN(recomputed, b.Cast(again.y, saved->input_quantizer, {false, true}));
     ln_out = &recomputed;
   }
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dy,
-                      b.Cast(args.grad_output, args.quantizers[kGradOutputRole], {true, true}));
+  GW_ASSIGN_OR_RETURN(
+      Fp8Tensor dy, CastRows(b, args.grad_output, args.quantizers[kGradOutputRole], {true, true}));
   KindBackwardResult result;
   result.amaxes = {{kGradOutputRole, dy.amax}};
-  at::Tensor d_ln = b.Dgrad(dy, w);  // LayerNorm's parameters need it even without grad_input
+  at::Tensor d_ln = DgradRows(b, dy, w);  // LayerNorm's parameters need it without grad_input too
   args.grads->Wgrad(Param::kWeight, dy, *ln_out);
-  if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy.amax);
+  if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
   LayerNormTail(b, args, *saved, ln, std::move(d_ln), &result);
   return result;
+}
+
+std::shared_ptr<SavedTensors> LayerNormLinearStackSaved(
+    const std::vector<const SavedTensors*>& parts) {
+  std::vector<const LayerNormSaved*> ln;
+  std::vector<Fp8Tensor> ln_out;
+  for (const SavedTensors* part : parts) {
+    const auto* one = dynamic_cast<const LayerNormLinearSaved*>(part);
+    // A checkpointed context recomputes its cast: not stacked.
+    if (one == nullptr || !one->ln_out.has_columnwise()) return nullptr;
+    ln.push_back(one);
+    ln_out.push_back(one->ln_out);
+  }
+  absl::StatusOr<LayerNormStack> stack = StackLayerNorm(ln);
+  if (!stack.ok()) return nullptr;
+  auto out = std::make_shared<LayerNormLinearSaved>();
+  out->input = std::move(stack->input);
+  out->mu = std::move(stack->mu);
+  out->rstd = std::move(stack->rstd);
+  out->workspace = std::move(stack->workspace);
+  out->ln_out = StackRows(std::move(ln_out));
+  return out;
 }
 
 namespace {
@@ -148,6 +203,10 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
   }
   absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
     return LayerNormLinearBackward(a);
+  }
+  std::shared_ptr<SavedTensors> StackSaved(
+      const std::vector<const SavedTensors*>& parts) const override {
+    return LayerNormLinearStackSaved(parts);
   }
 };
 

@@ -57,4 +57,14 @@ LayerNormParams SavedLayerNorm(const ModuleSpec& spec, const LayerNormSaved& sav
 void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNormSaved& saved,
                    const LayerNormParams& ln, at::Tensor d_ln, KindBackwardResult* result);
 
+// A batch of backwards (StackSaved): the LayerNorm state of several contexts of one workspace,
+// stacked by rows in order; FAILED_PRECONDITION when their workspaces differ.
+struct LayerNormStack {
+  at::Tensor input, mu, rstd;
+  WorkspacePtr workspace;
+};
+absl::StatusOr<LayerNormStack> StackLayerNorm(const std::vector<const LayerNormSaved*>& parts);
+std::shared_ptr<SavedTensors> LayerNormLinearStackSaved(
+    const std::vector<const SavedTensors*>& parts);
+
 }  // namespace gradwire::core

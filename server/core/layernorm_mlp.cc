@@ -132,22 +132,51 @@ absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& 
   }
   KindBackwardResult result;
   // FC2
+  // A batch (row_groups): each request's rows cast on their own, each GEMM over all of them.
   GW_ASSIGN_OR_RETURN(Fp8Tensor dy,
-                      b.Cast(args.grad_output, args.quantizers[kFc2GradRole], {true, true}));
-  at::Tensor d_act = b.Dgrad(dy, w2);
+                      CastRows(b, args.grad_output, args.quantizers[kFc2GradRole], {true, true}));
+  at::Tensor d_act = DgradRows(b, dy, w2);
   args.grads->Wgrad(Param::kFc2Weight, dy, *act_q);
-  if (args.spec->bias) args.grads->BiasGrad(Param::kFc2Bias, args.grad_output, dy.amax);
+  if (args.spec->bias) args.grads->BiasGrad(Param::kFc2Bias, args.grad_output, dy);
   // Activation
   at::Tensor d_fc1 = b.ActivationBackward(act, d_act, *fc1_out, ffn);
   // FC1
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dh, b.Cast(d_fc1, args.quantizers[kFc1GradRole], {true, true}));
-  at::Tensor d_ln = b.Dgrad(dh, w1);
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dh,
+                      CastRows(b, d_fc1, args.quantizers[kFc1GradRole], {true, true}));
+  at::Tensor d_ln = DgradRows(b, dh, w1);
   args.grads->Wgrad(Param::kFc1Weight, dh, *ln_q);
-  if (args.spec->bias) args.grads->BiasGrad(Param::kFc1Bias, d_fc1, dh.amax);
+  if (args.spec->bias) args.grads->BiasGrad(Param::kFc1Bias, d_fc1, dh);
   result.amaxes = {{kFc1GradRole, dh.amax}, {kFc2GradRole, dy.amax}};
   // LayerNorm
   LayerNormTail(b, args, *saved, ln, std::move(d_ln), &result);
   return result;
+}
+
+std::shared_ptr<SavedTensors> LayerNormMlpStackSaved(
+    const std::vector<const SavedTensors*>& parts) {
+  std::vector<const LayerNormSaved*> ln;
+  std::vector<Fp8Tensor> ln_out, act_out;
+  std::vector<at::Tensor> fc1_out;
+  for (const SavedTensors* part : parts) {
+    const auto* one = dynamic_cast<const LayerNormMlpSaved*>(part);
+    // A checkpointed context recomputes its forward with its own casts: not stacked.
+    if (one == nullptr || !one->fc1_out.defined()) return nullptr;
+    ln.push_back(one);
+    ln_out.push_back(one->ln_out);
+    act_out.push_back(one->act_out);
+    fc1_out.push_back(one->fc1_out);
+  }
+  absl::StatusOr<LayerNormStack> stack = StackLayerNorm(ln);
+  if (!stack.ok()) return nullptr;
+  auto out = std::make_shared<LayerNormMlpSaved>();
+  out->input = std::move(stack->input);
+  out->mu = std::move(stack->mu);
+  out->rstd = std::move(stack->rstd);
+  out->workspace = std::move(stack->workspace);
+  out->ln_out = StackRows(std::move(ln_out));
+  out->act_out = StackRows(std::move(act_out));
+  out->fc1_out = at::cat(fc1_out, 0);
+  return out;
 }
 
 namespace {
@@ -188,6 +217,10 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
   }
   absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
     return LayerNormMlpBackward(a);
+  }
+  std::shared_ptr<SavedTensors> StackSaved(
+      const std::vector<const SavedTensors*>& parts) const override {
+    return LayerNormMlpStackSaved(parts);
   }
 };
 

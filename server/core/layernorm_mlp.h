@@ -48,5 +48,8 @@ struct LayerNormMlpSaved final : LayerNormSaved {
 absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& args);
 // To Param::kLayerNormWeight, kLayerNormBias, kFc1Weight, kFc1Bias, kFc2Weight, kFc2Bias.
 absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& args);
+// A batch of non-checkpointed LayerNormMLP contexts of one workspace as one row-grouped saved
+// state (StackSaved); null otherwise.
+std::shared_ptr<SavedTensors> LayerNormMlpStackSaved(const std::vector<const SavedTensors*>& parts);
 
 }  // namespace gradwire::core

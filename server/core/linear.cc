@@ -68,19 +68,37 @@ absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args) 
   if (args.grad_output.size(0) != x.rows || args.grad_output.size(1) != w.rows) {
     return absl::InternalError("LinearBackward: grad_output does not match the saved forward");
   }
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dy, b.Cast(args.grad_output, args.quantizers[kGradOutputRole],
-                                           {/*rowwise=*/args.compute_grad_input,
-                                            /*columnwise=*/true}));
+  // A batch (row_groups): each request's rows cast on their own, one dgrad over all of them.
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dy,
+                      CastRows(b, args.grad_output, args.quantizers[kGradOutputRole],
+                               {/*rowwise=*/args.compute_grad_input, /*columnwise=*/true}));
   KindBackwardResult result;
   result.amaxes = {{kGradOutputRole, dy.amax}};
   if (args.compute_grad_input) {
-    result.grad_input = b.Dgrad(dy, w);
+    result.grad_input = DgradRows(b, dy, w);
     result.grad_input_bound = DgradBound(dy, w);
   }
   args.grads->Wgrad(Param::kWeight, dy, x);
   // dbias from the unquantized gradient, as the fused cast does; |grad_output| <= its amax.
-  if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy.amax);
+  if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
   return result;
+}
+
+std::shared_ptr<SavedTensors> LinearStackSaved(const std::vector<const SavedTensors*>& parts) {
+  if (parts.empty()) return nullptr;
+  auto out = std::make_shared<LinearSaved>();
+  std::vector<Fp8Tensor> inputs;
+  for (const SavedTensors* part : parts) {
+    const auto* one = dynamic_cast<const LinearSaved*>(part);
+    if (one == nullptr || one->input.grouped() || !one->workspace ||
+        one->workspace != dynamic_cast<const LinearSaved*>(parts[0])->workspace) {
+      return nullptr;
+    }
+    inputs.push_back(one->input);  // the codes are shared, not copied
+  }
+  out->input = StackRows(std::move(inputs));
+  out->workspace = dynamic_cast<const LinearSaved*>(parts[0])->workspace;
+  return out;
 }
 
 namespace {
@@ -108,6 +126,10 @@ class LinearKindOps final : public ModuleKindOps {
   }
   absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& a) const override {
     return LinearBackward(a);
+  }
+  std::shared_ptr<SavedTensors> StackSaved(
+      const std::vector<const SavedTensors*>& parts) const override {
+    return LinearStackSaved(parts);
   }
 };
 

@@ -36,5 +36,7 @@ struct LinearSaved final : SavedWithWorkspace {
 absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args);
 // dW to Param::kWeight, dbias to kBias; grad_input bounded by DgradBound.
 absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args);
+// A batch of Linear contexts of one workspace as one row-grouped saved state (StackSaved).
+std::shared_ptr<SavedTensors> LinearStackSaved(const std::vector<const SavedTensors*>& parts);
 
 }  // namespace gradwire::core

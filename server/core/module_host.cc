@@ -682,6 +682,234 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
   return std::make_pair(std::move(grad_input), input_shape);
 }
 
+std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::BackwardBatch(
+    const std::vector<std::string>& context_ids,
+    const std::vector<const WireBackwardRequest*>& reqs) {
+  using Result = absl::StatusOr<std::optional<wire::EncodedTensor>>;
+  const size_t count = std::min(context_ids.size(), reqs.size());
+  std::vector<Result> results(count, absl::InternalError("BackwardBatch: request not run"));
+  // Requests that run alone through Backward once the batch is done, in order.
+  std::vector<size_t> alone;
+  auto run_alone = [&] {
+    std::sort(alone.begin(), alone.end());
+    for (size_t i : alone) results[i] = Backward(context_ids[i], *reqs[i]);
+  };
+  if (count <= 1) {
+    for (size_t i = 0; i < count; ++i) alone.push_back(i);
+    run_alone();
+    return results;
+  }
+  const Backend& b = *backend_;
+  // The candidates: leased contexts of one module whose gradients have their forward's shapes.
+  // A request that fails a check here runs alone and gets Backward's answer (nothing changes).
+  struct Member {
+    size_t index = 0;
+    ContextStore::Lease lease;
+    at::Tensor grad_output, grad_layernorm_output;  // on the device, 2-D
+    bool consumed = false;
+    at::Tensor grad_input;  // rows of the batch's
+  };
+  std::vector<Member> members;
+  std::shared_ptr<Module> m;
+  const bool skip = reqs[0]->skip_grad_input;
+  const bool with_ln = reqs[0]->grad_layernorm_output.data != nullptr;
+  auto decode = [&](const wire::TensorView& v) {
+    const int64_t cols = std::max<int64_t>(1, v.shape.back());
+    return b.ToDevice(As2D(b.FromWire(v, v.numel() / cols, cols, nullptr, {}).reshape(v.shape)));
+  };
+  // Hands a leased context back untouched (as Backward's refusals do).
+  auto give_back = [&](Member& one) {
+    one.lease.saved.reset();
+    contexts_.Finish(context_ids[one.index], /*consumed=*/false, reqs[one.index]->retain);
+  };
+  for (size_t i = 0; i < count; ++i) {
+    const WireBackwardRequest& req = *reqs[i];
+    if (req.skip_grad_input != skip || (req.grad_layernorm_output.data != nullptr) != with_ln ||
+        req.grad_output.shape.empty() || req.grad_output.numel() == 0) {
+      alone.push_back(i);
+      continue;
+    }
+    absl::StatusOr<ContextStore::Lease> lease = contexts_.Acquire(context_ids[i]);
+    if (!lease.ok()) {
+      alone.push_back(i);
+      continue;
+    }
+    Member one;
+    one.index = i;
+    one.lease = *std::move(lease);
+    if (!m) {
+      absl::StatusOr<std::shared_ptr<Module>> found = Find(one.lease.module_id);
+      if (found.ok()) m = *std::move(found);
+    }
+    bool fits = m && one.lease.module_id ==
+                         (members.empty() ? one.lease.module_id : members[0].lease.module_id);
+    if (fits) {
+      const std::vector<int64_t>& input_shape = one.lease.saved->input_shape;
+      std::vector<int64_t> expected = input_shape;
+      expected.back() = m->spec.out_features;
+      fits = req.grad_output.shape == expected &&
+             (!with_ln ||
+              (m->spec.return_layernorm_output && req.grad_layernorm_output.shape == input_shape));
+    }
+    if (!fits) {
+      give_back(one);
+      alone.push_back(i);
+      continue;
+    }
+    one.grad_output = decode(req.grad_output);
+    if (with_ln) one.grad_layernorm_output = decode(req.grad_layernorm_output);
+    members.push_back(std::move(one));
+  }
+  if (members.size() <= 1) {
+    for (Member& one : members) {
+      give_back(one);
+      alone.push_back(one.index);
+    }
+    run_alone();
+    return results;
+  }
+  compute_calls_.fetch_add(int64_t(members.size()), std::memory_order_relaxed);
+  size_t committed = 0;  // members[0, committed) ran in the batch
+  at::Tensor grad_input;
+  {
+    std::lock_guard<std::mutex> lock(m->mu);
+    // Contexts past the module's staleness bound get Backward's refusal, alone.
+    for (size_t j = 0; j < members.size();) {
+      if (m->spec.max_staleness >= 0 &&
+          m->version - members[j].lease.weight_version > uint64_t(m->spec.max_staleness)) {
+        give_back(members[j]);
+        alone.push_back(members[j].index);
+        members.erase(members.begin() + std::ptrdiff_t(j));
+      } else {
+        ++j;
+      }
+    }
+    const size_t n = members.size();
+    std::vector<const SavedTensors*> parts;
+    auto groups = std::make_shared<std::vector<int64_t>>();
+    std::vector<at::Tensor> grads_out, grads_ln;
+    for (const Member& one : members) {
+      parts.push_back(one.lease.saved.get());
+      groups->push_back(one.grad_output.size(0));
+      grads_out.push_back(one.grad_output);
+      if (with_ln) grads_ln.push_back(one.grad_layernorm_output);
+    }
+    std::shared_ptr<SavedTensors> stacked = n > 1 ? m->kind->StackSaved(parts) : nullptr;
+    if (stacked) {
+      m->SyncDevice();
+      DeferredGradients grads(b);
+      KindBackwardArgs args;
+      args.backend = &b;
+      args.spec = &m->spec;
+      args.grad_output = at::cat(grads_out, 0);
+      if (with_ln) args.grad_layernorm_output = at::cat(grads_ln, 0);
+      args.saved = stacked.get();
+      args.grads = &grads;
+      args.quantizers = m->Quantizers();
+      args.compute_grad_input = !skip;
+      args.row_groups = groups;
+      const std::vector<RoleDef>& roles = m->kind->Roles();
+      std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
+      for (size_t role = 0; role < roles.size(); ++role) {
+        if (roles[role].weight) continue;
+        steps[role] = std::make_shared<RoleSteps>(m->scaling[role]);
+        args.quantizers[role].row_groups = groups;
+        args.quantizers[role].steps = steps[role];
+      }
+      absl::StatusOr<KindBackwardResult> r = absl::InternalError("not run");
+      try {
+        r = m->kind->Backward(args);
+      } catch (const std::exception& e) {
+        // Nothing was accumulated: every request runs alone and meets the failure itself.
+        r = absl::InternalError(e.what());
+      }
+      // Each request's step: the amax of each gradient cast of its rows, in the kind's order.
+      bool usable = r.ok();
+      for (size_t k = 0; usable && k < r->amaxes.size(); ++k) {
+        const RoleSteps* st = steps.at(r->amaxes[k].first).get();
+        usable = st != nullptr && st->amaxes.size() == n;
+      }
+      int64_t row = 0;
+      for (size_t j = 0; usable && j < n; ++j) {
+        const int64_t rows = (*groups)[j];
+        std::vector<RoleAmax> step;
+        bool finite = true;
+        for (const auto& [role, amax] : r->amaxes) {
+          const float a = steps[role]->amaxes[j];
+          finite = finite && std::isfinite(a);
+          step.emplace_back(role, a);
+        }
+        at::Tensor mine;
+        if (r->grad_input.defined()) {
+          mine = r->grad_input.narrow(0, row, rows);
+          finite = finite && (ProvablyFinite(r->grad_input_bound) || std::isfinite(b.AbsMax(mine)));
+        }
+        // A non-finite value: this request and those after it run alone (its refusal is
+        // Backward's; theirs depend on its step not being taken).
+        if (!finite) break;
+        std::optional<Param> overflowed;
+        try {
+          overflowed = grads.Commit(
+              [&](Param id) -> GradAccumulator* {
+                for (Module::Parameter& p : m->params) {
+                  if (p.id == id) return &p.grad;
+                }
+                throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
+                                                    ", which this module does not have"));
+              },
+              j);
+        } catch (const std::exception& e) {
+          // As Backward: the accumulators may hold part of this request's sums, so they are
+          // zeroed; it fails, its context kept, and the rest run alone.
+          for (Module::Parameter& p : m->params) m->ZeroGrad(p);
+          m->accumulated_backwards = 0;
+          results[members[j].index] = absl::InternalError(absl::StrCat(
+              "backward failed while accumulating gradients (they were reset): ", e.what()));
+          give_back(members[j]);
+          members[j].lease.module_id.clear();  // answered
+          committed = j;
+          usable = false;
+          break;
+        }
+        if (overflowed.has_value()) break;
+        m->EndStep(step);
+        ++m->accumulated_backwards;
+        members[j].consumed = true;
+        members[j].grad_input = mine;
+        committed = j + 1;
+        row += rows;
+      }
+    }
+  }
+  // The ones not run in the batch go back untouched and run alone, after it.
+  for (size_t j = 0; j < members.size(); ++j) {
+    Member& one = members[j];
+    if (one.consumed) continue;
+    if (one.lease.module_id.empty()) continue;  // answered above
+    give_back(one);
+    alone.push_back(one.index);
+  }
+  if (members.size() > 1) {
+    batched_backwards_.fetch_add(int64_t(committed), std::memory_order_relaxed);
+  }
+  compute_calls_.fetch_sub(int64_t(members.size() - committed), std::memory_order_relaxed);
+  for (Member& one : members) {
+    if (!one.consumed) continue;
+    const WireBackwardRequest& req = *reqs[one.index];
+    const std::vector<int64_t> input_shape = one.lease.saved->input_shape;
+    // Free the saved tensors now, before the encoding.
+    one.lease.saved.reset();
+    contexts_.Finish(context_ids[one.index], /*consumed=*/true, req.retain);
+    if (!one.grad_input.defined()) {
+      results[one.index] = std::optional<wire::EncodedTensor>();
+      continue;
+    }
+    results[one.index] = b.ToWire(one.grad_input, req.grad_input_dtype, input_shape);
+  }
+  run_alone();
+  return results;
+}
+
 absl::Status ModuleHost::ReleaseContext(const std::string& context_id,
                                         ContextStore::ReleaseReason reason) {
   return contexts_.Release(context_id, reason);
@@ -877,6 +1105,7 @@ HostStats ModuleHost::Stats() const {
   s.workspace_hits = workspace_hits_.load();
   s.compute_calls = compute_calls_.load();
   s.batched_forwards = batched_forwards_.load();
+  s.batched_backwards = batched_backwards_.load();
   return s;
 }
 

@@ -106,8 +106,9 @@ struct HostStats {
   ContextStats contexts;         // budgets: offloads, restores, evictions
   int64_t workspace_builds = 0;  // FP8 weight casts (cache misses)
   int64_t workspace_hits = 0;
-  int64_t compute_calls = 0;     // forwards and backwards started (housekeeping's idle test)
-  int64_t batched_forwards = 0;  // forwards computed in a batch with others (ForwardBatch)
+  int64_t compute_calls = 0;      // forwards and backwards started (housekeeping's idle test)
+  int64_t batched_forwards = 0;   // forwards computed in a batch with others (ForwardBatch)
+  int64_t batched_backwards = 0;  // backwards computed in a batch with others (BackwardBatch)
 };
 
 class ModuleHost {
@@ -170,6 +171,20 @@ class ModuleHost {
   // skip_grad_input).
   absl::StatusOr<std::optional<wire::EncodedTensor>> Backward(const std::string& context_id,
                                                               const WireBackwardRequest& req);
+  // Backwards of several contexts of one module as one backend call over their gradients'
+  // rows stacked (docs/batching.md): every request's grad_input, the accumulated gradients and
+  // the scaling state after each are bit for bit what Backward gives when the requests run alone
+  // one after another in this order. Each gradient cast is one per request (under delayed
+  // scaling one step of the history each, in order); the dgrad GEMMs apply each request's
+  // scale_inv to its rows; each request's weight gradients are its own GEMMs, added to the
+  // accumulators request by request. A request that fails a check gets Backward's answer alone
+  // and changes nothing; when a value comes out non-finite at request j, j and those after it
+  // run alone, in order, after the ones before it were committed. Contexts that cannot share a
+  // call (another module or weight workspace, checkpointed LayerNorm kinds, mixed
+  // skip_grad_input or grad_layernorm_output) run alone, in order. One result per request.
+  std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> BackwardBatch(
+      const std::vector<std::string>& context_ids,
+      const std::vector<const WireBackwardRequest*>& reqs);
   absl::Status ReleaseContext(
       const std::string& context_id,
       ContextStore::ReleaseReason reason = ContextStore::ReleaseReason::kByClient);
@@ -235,6 +250,7 @@ class ModuleHost {
   std::atomic<int64_t> workspace_hits_{0};
   std::atomic<int64_t> compute_calls_{0};
   std::atomic<int64_t> batched_forwards_{0};
+  std::atomic<int64_t> batched_backwards_{0};
 };
 
 }  // namespace gradwire::core

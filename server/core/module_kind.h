@@ -96,6 +96,9 @@ struct KindBackwardArgs {
   GradientSink* grads = nullptr;            // every parameter gradient goes here
   std::vector<QuantizerConfig> quantizers;  // one per role
   bool compute_grad_input = true;
+  // A batch of backwards (docs/batching.md): the requests' rows, in order, which `saved` (from
+  // StackSaved), grad_output and the gradient roles' quantizers share; null: one backward.
+  std::shared_ptr<const std::vector<int64_t>> row_groups;
 };
 
 struct KindBackwardResult {
@@ -137,6 +140,15 @@ class ModuleKindOps {
   virtual bool UsesFp8Input() const { return false; }
   virtual absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& args) const = 0;
   virtual absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& args) const = 0;
+  // A batch of backwards: one saved state stacking `parts` (contexts of this kind and of one
+  // weight workspace) by rows, in order, row-grouped, for a Backward whose grad_output stacks the
+  // requests' gradients the same way. Null when they cannot run together (a checkpointed context
+  // recomputes its forward with its own casts; a part of another kind or workspace). The parts
+  // stay their contexts'.
+  virtual std::shared_ptr<SavedTensors> StackSaved(
+      const std::vector<const SavedTensors*>& /*parts*/) const {
+    return nullptr;
+  }
 };
 
 // The registry: the kind object of `kind`, or null for a value outside the enum (a spec read back

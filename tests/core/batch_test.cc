@@ -1,7 +1,7 @@
-// ModuleHost::ForwardBatch: forwards of many requests as one backend call, bit for bit what
-// each request gets alone (inference) or in the sequence of its requests (training: outputs,
-// scaling state, and each context through its backward) (docs/batching.md). Every kind x recipe
-// x wire dtype, batches of 1-16 requests of 1-300 rows, on the reference backend and the CPU
+// ModuleHost::ForwardBatch and BackwardBatch: forwards of many requests as one backend call, bit
+// for bit what each request gets alone (inference) or in the sequence of its requests (training:
+// outputs, scaling state, and each context through its backward) (docs/batching.md). Every kind x
+// recipe x wire dtype, batches of 1-16 requests of 1-300 rows, on the reference backend and the CPU
 // backend under both of its GEMMs.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -300,6 +300,186 @@ TEST_F(ForwardBatchTest, TheScalingStateDoesNotMove) {
     EXPECT_EQ((*before)[i].scale, (*after)[i].scale) << (*before)[i].role;
     EXPECT_EQ((*before)[i].history, (*after)[i].history) << (*before)[i].role;
   }
+}
+
+// ModuleHost::BackwardBatch: two identical modules with the same contexts (each made by a
+// training forward alone); one runs the backwards as a batch, the other one after another. Every
+// grad_input, the scaling state and the accumulated gradients must match bit for bit.
+class BackwardBatchTest : public ForwardBatchTest {
+ protected:
+  struct Pair {
+    core::ModuleHost batched, sequential;
+    std::string a, b;  // the module on each
+    Pair(const core::ModuleSpec& spec, const std::string& backend)
+        : batched(core::ContextLimits{}, nullptr, BackendFor(backend)),
+          sequential(core::ContextLimits{}, nullptr, BackendFor(backend)) {
+      auto x = batched.Create(spec);
+      auto y = sequential.Create(spec);
+      EXPECT_TRUE(x.ok() && y.ok());
+      if (x.ok()) a = x->module_id;
+      if (y.ok()) b = y->module_id;
+    }
+  };
+  // One backward request: its gradients' bytes and the views BackwardBatch reads.
+  struct Grad {
+    WireInput out, ln;
+    core::WireBackwardRequest req;
+  };
+  static Grad MakeGrad(const at::Tensor& g, const at::Tensor& g_ln, DType dtype,
+                       DType grad_input_dtype, bool skip) {
+    Grad w;
+    w.out = Encode(g, dtype, DType::kF32);
+    w.req.grad_output = w.out.req.input;
+    if (g_ln.defined()) {
+      w.ln = Encode(g_ln, dtype, DType::kF32);
+      w.req.grad_layernorm_output = w.ln.req.input;
+    }
+    w.req.grad_input_dtype = grad_input_dtype;
+    w.req.skip_grad_input = skip;
+    return w;
+  }
+  // The same training forward on both hosts: the two contexts.
+  static std::pair<std::string, std::string> Contexts(Pair& p, const at::Tensor& x) {
+    auto fa = core::TensorForward(p.batched, p.a, x, true);
+    auto fb = core::TensorForward(p.sequential, p.b, x, true);
+    EXPECT_TRUE(fa.ok() && fb.ok());
+    return {fa.ok() ? fa->context_id : "", fb.ok() ? fb->context_id : ""};
+  }
+  static void ExpectSameState(Pair& p) {
+    const auto sa = p.batched.Scaling(p.a), sb = p.sequential.Scaling(p.b);
+    ASSERT_TRUE(sa.ok() && sb.ok());
+    for (size_t r = 0; r < sa->size(); ++r) {
+      EXPECT_EQ((*sa)[r].scale, (*sb)[r].scale) << (*sa)[r].role;
+      EXPECT_EQ((*sa)[r].history, (*sb)[r].history) << (*sa)[r].role;
+    }
+    const auto wa = core::TensorGradients(p.batched, p.a, false);
+    const auto wb = core::TensorGradients(p.sequential, p.b, false);
+    ASSERT_TRUE(wa.ok() && wb.ok());
+    ASSERT_EQ(wa->tensors.size(), wb->tensors.size());
+    for (size_t i = 0; i < wa->tensors.size(); ++i) {
+      EXPECT_TRUE(at::equal(wa->tensors[i].second, wb->tensors[i].second)) << wa->tensors[i].first;
+    }
+    EXPECT_EQ(p.batched.Stats().live_contexts, p.sequential.Stats().live_contexts);
+  }
+};
+
+TEST_F(BackwardBatchTest, BackwardBatchesAreTheSequenceOfTheirRequests) {
+  const auto dtypes = {DType::kF32, DType::kBF16};
+  std::uniform_int_distribution<int> requests(2, 16), rows(1, 300);
+  int cases = 0;
+  for (const Case& c : Cases(dtypes)) {
+    SCOPED_TRACE(Name(c));
+    core::ModuleSpec spec = SpecFor(c, uint64_t(cases));
+    // A checkpointed LayerNorm kind recomputes its forward: those batches run one by one.
+    spec.checkpoint = c.kind != ModuleKind::kLinear && cases % 4 == 3;
+    Pair p(spec, c.backend);
+    const bool skip = cases % 5 == 4;
+    // Two rounds, so that under delayed scaling the second starts from moved scales.
+    for (int round = 0; round < 2; ++round) {
+      const int n = requests(Rng());
+      std::vector<std::string> ids_a, ids_b;
+      std::vector<Grad> grads;
+      for (int i = 0; i < n; ++i) {
+        const int64_t m = rows(Rng());
+        auto [ca, cb] = Contexts(p, RandN({m, 40}, std::pow(2.0, double(i % 3))));
+        ids_a.push_back(ca);
+        ids_b.push_back(cb);
+        // Mixed magnitudes: each request's own amax sets its gradient casts' scales.
+        const double scale = std::pow(4.0, double((i + cases) % 5) - 2.0);
+        at::Tensor g_ln;
+        if (spec.return_layernorm_output) g_ln = RandN({m, 40}, scale);
+        grads.push_back(MakeGrad(RandN({m, 24}, scale), g_ln, c.dtype,
+                                 i % 2 ? DType::kBF16 : DType::kF32, skip));
+      }
+      std::vector<const core::WireBackwardRequest*> reqs;
+      for (const Grad& g : grads) reqs.push_back(&g.req);
+      const int64_t before = p.batched.Stats().batched_backwards;
+      const auto together = p.batched.BackwardBatch(ids_a, reqs);
+      ASSERT_EQ(together.size(), size_t(n));
+      EXPECT_EQ(p.batched.Stats().batched_backwards - before, spec.checkpoint ? 0 : n);
+      for (int i = 0; i < n; ++i) {
+        auto alone = p.sequential.Backward(ids_b[size_t(i)], grads[size_t(i)].req);
+        ASSERT_TRUE(alone.ok()) << alone.status();
+        ASSERT_TRUE(together[size_t(i)].ok()) << together[size_t(i)].status();
+        ASSERT_EQ(together[size_t(i)]->has_value(), alone->has_value());
+        EXPECT_EQ(alone->has_value(), !skip);
+        if (alone->has_value()) {
+          EXPECT_TRUE(SameEncoding(**together[size_t(i)], **alone))
+              << "grad_input of request " << i << " of " << n;
+        }
+      }
+      ExpectSameState(p);
+      EXPECT_EQ(p.batched.Stats().live_contexts, 0);
+    }
+    ++cases;
+  }
+  EXPECT_EQ(cases, 3 * 3 * 2 * 2);
+}
+
+TEST_F(BackwardBatchTest, ABadOrNonFiniteRequestGetsItsOwnAnswerAndTheOthersAreTheSequence) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed" : "current");
+    core::ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormMlp, 40, 24, 56, 9);
+    if (delayed) spec.recipe = DelayedRecipe(core::AmaxAlgo::kMax, 4);
+    Pair p(spec, "cpu-ordered");
+    std::vector<std::string> ids_a, ids_b;
+    std::vector<Grad> grads;
+    for (int i = 0; i < 7; ++i) {
+      auto [ca, cb] = Contexts(p, RandN({3 + i, 40}));
+      ids_a.push_back(ca);
+      ids_b.push_back(cb);
+      at::Tensor g = RandN({3 + i, 24});
+      if (i == 4) g[1][2] = std::numeric_limits<float>::quiet_NaN();  // refused, context kept
+      if (i == 2) g = RandN({3 + i, 23});                             // the wrong width
+      grads.push_back(MakeGrad(g, at::Tensor(), DType::kF32, DType::kF32, false));
+    }
+    ids_a[5] = ids_b[5] = "0123456789abcdef0123456789abcdef";  // unknown
+    std::vector<const core::WireBackwardRequest*> reqs;
+    for (const Grad& g : grads) reqs.push_back(&g.req);
+    const auto together = p.batched.BackwardBatch(ids_a, reqs);
+    ASSERT_EQ(together.size(), 7u);
+    for (size_t i = 0; i < 7; ++i) {
+      auto alone = p.sequential.Backward(ids_b[i], grads[i].req);
+      ASSERT_EQ(together[i].ok(), alone.ok()) << "request " << i << ": " << together[i].status();
+      if (!alone.ok()) {
+        EXPECT_EQ(together[i].status().code(), alone.status().code()) << "request " << i;
+        continue;
+      }
+      EXPECT_TRUE(SameEncoding(**together[i], **alone)) << "request " << i;
+    }
+    EXPECT_EQ(together[2].status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_FALSE(together[4].ok());
+    EXPECT_EQ(together[5].status().code(), absl::StatusCode::kNotFound);
+    // Requests 0, 1 and 3 ran together; 4 was refused, so 6 ran alone after it.
+    EXPECT_EQ(p.batched.Stats().batched_backwards, 3);
+    // The refused one's, the bad shape's, and the one request 5 did not name.
+    EXPECT_EQ(p.batched.Stats().live_contexts, 3);
+    ExpectSameState(p);
+  }
+}
+
+TEST_F(BackwardBatchTest, RetainedContextsStayAndOneModulesContextsOnlyGoTogether) {
+  core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
+  auto one = host.Create(MakeLinearSpec(16, 8, 1));
+  auto two = host.Create(MakeLinearSpec(16, 8, 2));
+  ASSERT_TRUE(one.ok() && two.ok());
+  auto f1 = core::TensorForward(host, one->module_id, RandN({3, 16}), true);
+  auto f2 = core::TensorForward(host, two->module_id, RandN({2, 16}), true);
+  auto f3 = core::TensorForward(host, one->module_id, RandN({4, 16}), true);
+  ASSERT_TRUE(f1.ok() && f2.ok() && f3.ok());
+  std::vector<Grad> grads;
+  grads.push_back(MakeGrad(RandN({3, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
+  grads.push_back(MakeGrad(RandN({2, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
+  grads.push_back(MakeGrad(RandN({4, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
+  grads[0].req.retain = true;
+  const auto r = host.BackwardBatch({f1->context_id, f2->context_id, f3->context_id},
+                                    {&grads[0].req, &grads[1].req, &grads[2].req});
+  ASSERT_EQ(r.size(), 3u);
+  for (const auto& x : r) EXPECT_TRUE(x.ok()) << x.status();
+  // The other module's context ran alone; the retained one is still there.
+  EXPECT_EQ(host.Stats().batched_backwards, 2);
+  EXPECT_EQ(host.Stats().live_contexts, 1);
+  EXPECT_TRUE(host.ReleaseContext(f1->context_id).ok());
 }
 
 }  // namespace
