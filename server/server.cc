@@ -282,7 +282,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   };
   if (service.batching.enabled()) {
     spdlog::info(
-        "dynamic batching on: forwards of one module in batches of up to {} "
+        "dynamic batching on: forwards, and backwards, of one module in batches of up to {} "
         "rows, waiting up to {} us for company ({})",
         service.batching.max_rows, service.batching.delay.count(),
         device.rfind("cpu", 0) != 0 ? "one GEMM per request on this backend"

@@ -339,10 +339,10 @@ grpc::ServerUnaryReactor* StartUnary(CallEnv& env, grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* StartDeferrableUnary(
     CallEnv& env, grpc::CallbackServerContext* ctx, const char* method, DeferrableWork work,
     std::function<void(const Caller&, std::function<void()> task)> submit, std::string module_id,
-    RequestSize request, std::function<std::string()> created_context) {
+    RequestSize request, std::function<std::string()> created_context, std::string context_id) {
   auto* call = new UnaryCall(env, ctx, method);
-  call->Start(ctx, std::move(work), std::move(module_id), {}, request, std::move(created_context),
-              CallBase::RunOn::kDevice, std::move(submit));
+  call->Start(ctx, std::move(work), std::move(module_id), std::move(context_id), request,
+              std::move(created_context), CallBase::RunOn::kDevice, std::move(submit));
   return call;
 }
 

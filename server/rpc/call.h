@@ -266,7 +266,7 @@ using DeferrableWork = std::function<absl::Status(const Caller&, const CallBase&
 grpc::ServerUnaryReactor* StartDeferrableUnary(
     CallEnv& env, grpc::CallbackServerContext* ctx, const char* method, DeferrableWork work,
     std::function<void(const Caller&, std::function<void()> task)> submit, std::string module_id,
-    RequestSize request, std::function<std::string()> created_context);
+    RequestSize request, std::function<std::string()> created_context, std::string context_id = {});
 
 // Starts a unary call through the lifecycle: authenticated, measured against --max-request-bytes
 // (`request`), admitted for `module_id` / `context_id`, then `work` runs `on` its executor.

@@ -277,27 +277,34 @@ absl::Status GradwireService::FinishForward(const Caller& caller, const v1::Forw
 absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
                                          v1::BackwardResponse* resp, const CallBase& call,
                                          const wire::ReceivedMessage* raw) {
-  const auto start = std::chrono::steady_clock::now();
+  PreparedBackward p;
+  GW_RETURN_IF_ERROR(PrepareBackward(caller, req, call, raw, &p));
+  return FinishBackward(caller, req, resp, p, host_.Backward(req.context_id(), p.in));
+}
+
+absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::BackwardRequest& req,
+                                              const CallBase& call,
+                                              const wire::ReceivedMessage* raw,
+                                              PreparedBackward* p) {
+  p->start = std::chrono::steady_clock::now();
   GW_RETURN_IF_ERROR(env_.CheckContext(caller, req.context_id()));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
-  core::WireBackwardRequest in;
+  core::WireBackwardRequest& in = p->in;
   GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
                       wire::OutputDType(req.grad_input_dtype(), "grad_input_dtype"));
   const std::string owner = RegionOwner(caller);
   const int64_t limit = options_.limits.max_tensor_elements;
-  StagingBuffer staged, staged_ln;  // bytes that lie in shared memory
-  double transfer = 0;
   {
-    TransferTimer timer(transfer);
-    GW_ASSIGN_OR_RETURN(in.grad_output,
-                        staging_.Stage(owner, req.grad_output(), "grad_output", &staged, raw, 2));
+    TransferTimer timer(p->transfer);
+    GW_ASSIGN_OR_RETURN(in.grad_output, staging_.Stage(owner, req.grad_output(), "grad_output",
+                                                       p->staged.get(), raw, 2));
   }
   GW_RETURN_IF_ERROR(CheckElements("grad_output", in.grad_output.numel(), limit));
   if (req.has_grad_layernorm_output()) {
-    TransferTimer timer(transfer);
+    TransferTimer timer(p->transfer);
     GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
                         staging_.Stage(owner, req.grad_layernorm_output(), "grad_layernorm_output",
-                                       &staged_ln, raw, 6));
+                                       p->staged_ln.get(), raw, 6));
     GW_RETURN_IF_ERROR(
         CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(), limit));
   }
@@ -316,12 +323,18 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
   if (call.Abandoned()) {  // the context stays for a retry
     return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
   }
-  GW_ASSIGN_OR_RETURN(std::optional<wire::EncodedTensor> grad_input,
-                      host_.Backward(req.context_id(), in));
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::FinishBackward(
+    const Caller& caller, const v1::BackwardRequest& req, v1::BackwardResponse* resp,
+    PreparedBackward& p, absl::StatusOr<std::optional<wire::EncodedTensor>> computed) {
+  GW_RETURN_IF_ERROR(computed.status());
+  std::optional<wire::EncodedTensor>& grad_input = *computed;
   if (grad_input) {
-    TransferTimer timer(transfer);
+    TransferTimer timer(p.transfer);
     absl::Status delivered = staging_.Deliver(
-        owner, req.has_grad_input_shared_memory(), req.grad_input_shared_memory(),
+        RegionOwner(caller), req.has_grad_input_shared_memory(), req.grad_input_shared_memory(),
         "grad_input_shared_memory", std::move(*grad_input), resp->mutable_grad_input());
     if (!delivered.ok()) {
       return absl::Status(delivered.code(),
@@ -330,7 +343,7 @@ absl::Status GradwireService::DoBackward(const Caller& caller, const v1::Backwar
                                        "grad_input could not be delivered"));
     }
   }
-  resp->set_server_seconds(SecondsSince(start) - transfer);
+  resp->set_server_seconds(SecondsSince(p.start) - p.transfer);
   return absl::OkStatus();
 }
 
@@ -497,9 +510,125 @@ GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::By
 
 GradwireService::Unary* GradwireService::Backward(Ctx* ctx, const grpc::ByteBuffer* req,
                                                   grpc::ByteBuffer* resp) {
+  if (batcher_) return BatchedBackward(ctx, req, resp);
   return RawUnary<v1::BackwardRequest, v1::BackwardResponse>(
       ctx, "Backward", req, resp, wire::kBackwardRequestTensors, wire::kBackwardResponseTensors,
       &GradwireService::DoBackward);
+}
+
+GradwireService::Unary* GradwireService::BatchedBackward(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                         grpc::ByteBuffer* resp) {
+  // One request: its message, and what passes between the halves of its work.
+  struct Slot {
+    wire::ReceivedMessage received;
+    v1::BackwardRequest req;
+    v1::BackwardResponse resp;
+    absl::Status parsed;
+    grpc::ByteBuffer* out = nullptr;
+    PreparedBackward prepared;
+    const Caller* caller = nullptr;         // the call's, alive while `pending` holds it
+    std::unique_ptr<PendingUnary> pending;  // set when prepared: the batch finishes the call
+    std::function<void()> task;             // the call's queued work, until the batch runs it
+    bool batched = false;                   // queued in a batch (set before the work runs)
+  };
+  auto slot = std::make_shared<Slot>();
+  slot->out = resp;
+  slot->parsed = slot->received.Parse(*req, &slot->req, wire::kBackwardRequestTensors);
+  const RequestIds ids = slot->parsed.ok() ? IdsOf(slot->req) : RequestIds{};
+  // Rows bound the batch: grad_output's leading dimensions.
+  const bool shaped =
+      slot->parsed.ok() && slot->req.has_grad_output() && !slot->req.grad_output().shape().empty();
+  int64_t rows = 1;
+  if (shaped) {
+    for (int i = 0; i + 1 < slot->req.grad_output().shape_size(); ++i) {
+      rows = std::min<int64_t>(int64_t(1) << 40,
+                               rows * std::max<int64_t>(0, slot->req.grad_output().shape(i)));
+    }
+  }
+  return StartDeferrableUnary(
+      env_, ctx, "Backward",
+      [this, slot](const Caller& caller, const CallBase& call,
+                   std::unique_ptr<PendingUnary>* pending) -> absl::Status {
+        GW_RETURN_IF_ERROR(slot->parsed);
+        if (!slot->batched) {  // not in a batch: the whole call
+          GW_RETURN_IF_ERROR(DoBackward(caller, slot->req, &slot->resp, call, &slot->received));
+          wire::SerializeMoving(&slot->resp, wire::kBackwardResponseTensors, slot->out);
+          return absl::OkStatus();
+        }
+        GW_RETURN_IF_ERROR(
+            PrepareBackward(caller, slot->req, call, &slot->received, &slot->prepared));
+        slot->caller = &caller;
+        slot->pending = std::move(*pending);
+        return absl::OkStatus();
+      },
+      [this, slot, shaped, rows](const Caller& caller, std::function<void()> task) {
+        // Backwards of one module's contexts share a batch; the module is looked up as the
+        // call's admission does (a context of another tenant, or none, runs alone and fails).
+        const std::string module =
+            shaped ? host_.contexts().ModuleOf(slot->req.context_id(), TenantOf(caller))
+                   : std::string();
+        if (module.empty()) {
+          env_.executor().Submit(caller.client, std::move(task));
+          return;
+        }
+        slot->task = std::move(task);
+        slot->batched = true;
+        batcher_->Add(
+            absl::StrCat(module, "/backward"), {caller.client, rows, slot}, [this](auto& members) {
+              // Each request's work up to the compute, one compute for those still there, then each
+              // one's delivery and end, as for forwards.
+              std::vector<std::shared_ptr<Slot>> ready;
+              ready.reserve(members.size());
+              for (core::BatchFormer::Member& m : members) {
+                auto s = std::static_pointer_cast<Slot>(m.item);
+                std::function<void()> run = std::move(s->task);
+                s->task = nullptr;
+                run();
+                if (s->pending) ready.push_back(std::move(s));
+              }
+              if (ready.empty()) return;
+              std::vector<std::string> contexts;
+              std::vector<const core::WireBackwardRequest*> reqs;
+              for (const auto& s : ready) {
+                contexts.push_back(s->req.context_id());
+                reqs.push_back(&s->prepared.in);
+              }
+              std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> outs;
+              try {
+                outs = host_.BackwardBatch(contexts, reqs);
+              } catch (const std::exception& e) {
+                const absl::Status failed =
+                    absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
+                spdlog::error("a batch of {} backwards failed: {}", ready.size(), e.what());
+                for (const auto& s : ready) s->pending->Finish(failed, {});
+                return;
+              }
+              for (const auto& s : ready) {  // the gradients were read: their staging goes now
+                s->prepared.staged.reset();
+                s->prepared.staged_ln.reset();
+              }
+              for (size_t i = 0; i < ready.size(); ++i) {
+                env_.control().Submit(
+                    ready[i]->caller->client,
+                    [this, s = ready[i], out = std::move(outs[i])]() mutable {
+                      RequestScope scope(s->pending->call().request());
+                      absl::Status status;
+                      try {
+                        status = FinishBackward(*s->caller, s->req, &s->resp, s->prepared,
+                                                std::move(out));
+                        if (status.ok()) {
+                          wire::SerializeMoving(&s->resp, wire::kBackwardResponseTensors, s->out);
+                        }
+                      } catch (const std::exception& e) {
+                        status = absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
+                        spdlog::error("{}", std::string(status.message()));
+                      }
+                      s->pending->Finish(std::move(status), {});
+                    });
+              }
+            });
+      },
+      ids.module_id, RequestSize(int64_t(req->Length())), nullptr, ids.context_id);
 }
 
 GradwireService::Unary* GradwireService::ReleaseContext(Ctx* ctx,

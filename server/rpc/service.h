@@ -144,6 +144,24 @@ class GradwireService final : public ServiceBase {
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
                           v1::BackwardResponse* resp, const CallBase& call,
                           const wire::ReceivedMessage* raw = nullptr);
+  // DoBackward in its two halves around the compute, as for forwards.
+  struct PreparedBackward {
+    core::WireBackwardRequest in;
+    // The gradients' bytes, when they lie in shared memory (freed on the executor by a batch).
+    std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();
+    std::unique_ptr<StagingBuffer> staged_ln = std::make_unique<StagingBuffer>();
+    double transfer = 0;  // seconds spent moving tensors (not the server's compute)
+    std::chrono::steady_clock::time_point start;
+  };
+  absl::Status PrepareBackward(const Caller& caller, const v1::BackwardRequest& req,
+                               const CallBase& call, const wire::ReceivedMessage* raw,
+                               PreparedBackward* p);
+  absl::Status FinishBackward(const Caller& caller, const v1::BackwardRequest& req,
+                              v1::BackwardResponse* resp, PreparedBackward& p,
+                              absl::StatusOr<std::optional<wire::EncodedTensor>> computed);
+  // The unary Backward with dynamic batching on: backwards of one module's contexts go to the
+  // batch former together (docs/batching.md); anything else runs as without batching.
+  Unary* BatchedBackward(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
   // The bodies of GetWeights and SetWeights, shared with their chunked variants.
   absl::Status DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,

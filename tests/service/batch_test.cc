@@ -1,8 +1,9 @@
 // Dynamic batching through the real service (--max-batch-rows, docs/batching.md): concurrent
 // forwards of many clients run in batches and each gets exactly the bits a server without
 // batching gives it (training forwards: their own contexts, whose backwards give the same
-// grad_input); a request that passes its deadline inside a batch fails alone while the others
-// go on; bad requests get their own errors.
+// grad_input); queued backwards of one module run as one batch with a plain server's grad_input; a
+// request that passes its deadline inside a batch fails alone while the others go on; bad requests
+// get their own errors.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -217,6 +218,66 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
     }
     // All forwards were queued together: most ran in batches.
     EXPECT_GT(in_batches, kClients / 2);
+    EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
+  }
+}
+
+TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
+  // A forward holds the executor until every backward is live at the server, so they all wait
+  // in one open batch. Current scaling: each grad_input is a plain server's bits in any order.
+  constexpr int kClients = 8;
+  std::atomic<bool> hold{false}, held{false};
+  TestServer batched([&](rpc::ServiceOptions& o) {
+    o.batching.max_rows = 4096;
+    o.batching.delay = std::chrono::microseconds(20000);
+    o.before_forward_compute = [&] {
+      if (!hold.exchange(false)) return;
+      held = true;
+      WaitFor([] { return rpc::GradwireService::live_calls() >= kClients + 1; }, 20000);
+    };
+  });
+  TestServer plain;
+  ASSERT_TRUE(batched.ok() && plain.ok());
+  auto b = batched.Connect();
+  auto p = plain.Connect();
+  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
+    SCOPED_TRACE(v1::ModuleKind_Name(kind));
+    const std::string mb = CreateModule(*b, kind, 4), mp = CreateModule(*p, kind, 4);
+    std::vector<std::string> cb, cp;
+    std::vector<client::HostTensor> gs;
+    for (int i = 0; i < kClients; ++i) {
+      const client::HostTensor x = Random({1 + i % 3, kIn});
+      auto fb = b->Forward(mb, x, true);
+      auto fp = p->Forward(mp, x, true);
+      ASSERT_TRUE(fb.ok() && fp.ok()) << fb.status() << fp.status();
+      cb.push_back(fb->context_id);
+      cp.push_back(fp->context_id);
+      client::HostTensor g = Random({1 + i % 3, kOut});
+      for (float& v : g.data) v *= std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
+      gs.push_back(std::move(g));
+    }
+    const int64_t before = batched.host().Stats().batched_backwards;
+    hold = true;
+    held = false;
+    std::thread blocker([&] { EXPECT_TRUE(b->Forward(mb, Random({2, kIn}), false).ok()); });
+    ASSERT_TRUE(WaitFor([&] { return held.load(); }));
+    std::vector<absl::StatusOr<client::HostTensor>> got(kClients, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kClients; ++i) {
+      threads.emplace_back([&, i] {
+        auto c = batched.Connect();
+        got[size_t(i)] = c->Backward(cb[size_t(i)], gs[size_t(i)]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    blocker.join();
+    EXPECT_EQ(batched.host().Stats().batched_backwards - before, kClients);
+    for (int i = 0; i < kClients; ++i) {
+      ASSERT_TRUE(got[size_t(i)].ok()) << got[size_t(i)].status();
+      auto alone = p->Backward(cp[size_t(i)], gs[size_t(i)]);
+      ASSERT_TRUE(alone.ok());
+      EXPECT_EQ(got[size_t(i)]->data, alone->data) << "grad_input of request " << i;
+    }
     EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
   }
 }

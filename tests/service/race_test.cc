@@ -166,6 +166,68 @@ TEST_F(BatchRaceTest, BatchedForwardsUnderTinyDeadlinesAndCancels) {
               failed.load());
 }
 
+// Backwards of one module in batches, under deadlines from far too short to comfortable and
+// cancellations at random points: every call ends once; a backward that did not run leaves its
+// context for the client to release; nothing is left behind.
+TEST_F(BatchRaceTest, BatchedBackwardsUnderTinyDeadlinesAndCancels) {
+  const int cycles = kThreadSanitized ? std::min(Cycles(1000), 60) : Cycles(1000);
+  std::atomic<int> ok{0}, failed{0};
+  Storm(6, cycles / 6, [&](int i, std::mt19937& rng) {
+    const int rows = 1 + int(rng() % 4);
+    v1::ForwardRequest fwd;
+    fwd.set_module_id(module_);
+    fwd.set_training(true);
+    *fwd.mutable_input() = Input(rows);
+    v1::ForwardResponse made;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      if (!stub_->Forward(&ctx, fwd, &made).ok()) return;
+    }
+    v1::BackwardRequest req;
+    req.set_context_id(made.context_id());
+    client::HostTensor g = Random({rows, kOut});
+    req.mutable_grad_output()->set_dtype(v1::F32);
+    req.mutable_grad_output()->add_shape(rows);
+    req.mutable_grad_output()->add_shape(kOut);
+    req.mutable_grad_output()->set_data(
+        std::string(reinterpret_cast<const char*>(g.data.data()), g.data.size() * 4));
+    grpc::ClientContext ctx;
+    const int span_us = kThreadSanitized ? 6000000 : kSanitized ? 1500000 : 300000;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(100 + rng() % span_us));
+    v1::BackwardResponse resp;
+    grpc::Status s;
+    if (i % 7 == 3) {
+      std::thread cancel([&ctx, wait = rng() % 3000] {
+        std::this_thread::sleep_for(std::chrono::microseconds(wait));
+        ctx.TryCancel();
+      });
+      s = stub_->Backward(&ctx, req, &resp);
+      cancel.join();
+    } else {
+      s = stub_->Backward(&ctx, req, &resp);
+    }
+    if (s.ok()) {
+      ++ok;
+      return;
+    }
+    ++failed;
+    // It may or may not have run: the release answers OK or NOT_FOUND, never anything else.
+    v1::ReleaseContextRequest rel;
+    rel.set_context_id(made.context_id());
+    v1::ReleaseContextResponse rr;
+    grpc::ClientContext rctx;
+    const grpc::Status r = stub_->ReleaseContext(&rctx, rel, &rr);
+    EXPECT_TRUE(r.ok() || r.error_code() == grpc::StatusCode::NOT_FOUND) << r.error_message();
+  });
+  ExpectQuiet();
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_GT(failed.load(), 0);
+  std::printf("batched backward storm: %d ok, %d failed; %lld backwards in batches\n", ok.load(),
+              failed.load(), static_cast<long long>(server_->host().Stats().batched_backwards));
+}
+
 // The outside probe's crash: a Train stream cancelled right after its first request. Every point
 // of the request's life is hit: before it is read, while it waits for the executor, during the
 // forward, while the response is written.
