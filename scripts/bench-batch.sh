@@ -6,7 +6,9 @@
 #    (gradwire-load -c 32), against servers with batching off (--cpu-gemm blas, the default, and
 #    ordered) and on (--max-batch-rows 256, --cpu-gemm ordered and blas, with and without a
 #    delay), and the empty-RPC rate of the same server (the ceiling of any forward rate).
-# 2. Fairness: two tenants of equal weight on one batching server, each with its own module; the
+# 2. Training steps: the same Linear, 1-row training forwards each followed by its backward, from
+#    32 clients (gradwire-load --flow step), batching off and on (forwards and backwards batch).
+# 3. Fairness: two tenants of equal weight on one batching server, each with its own module; the
 #    light tenant (1 request in flight) alone, then next to the heavy one (32 in flight): its p99
 #    both times.
 set -euo pipefail
@@ -54,6 +56,16 @@ for c in "${configs[@]}"; do
   stop_server
 done
 
+echo "== training steps: Linear 1024->1024, 1 row, 32 clients (a forward and its backward each)"
+for c in "step-off-ordered|--cpu-gemm ordered" \
+         "step-on-ordered|--cpu-gemm ordered --max-batch-rows 256"; do
+  name=${c%%|*}; flags=${c#*|}
+  # shellcheck disable=SC2086
+  start_server $flags
+  load "$name" --flow step --rows 1 -c 32
+  stop_server
+done
+
 echo "== fairness: light tenant (1 in flight) alone, then beside a heavy one (32 in flight)"
 printf 'heavy heavy-token-0123456789abcdef\nlight light-token-0123456789abcdef\n' > "$tmp/tokens"
 printf 'heavy-token-0123456789abcdef\n' > "$tmp/heavy.token"
@@ -89,6 +101,7 @@ names = ["off-blas", "off-ordered", "on-ordered", "on-ordered-delay500", "on-bla
 tp = {n: run(n) for n in names}
 def ratio(a, b, key="requests_per_s"):
     return tp[a][key] / tp[b][key] if tp[b][key] else None
+steps = {n: run(n) for n in ["step-off-ordered", "step-on-ordered"]}
 fair = {m: {"light_alone": run(f"light-alone-{m}"), "light_beside_heavy": run(f"light-beside-heavy-{m}"),
             "heavy": run(f"heavy-{m}")} for m in ("on", "off")}
 for m, f in fair.items():
@@ -106,11 +119,18 @@ result = {
         "p99_on_ordered_vs_off_ordered": ratio("on-ordered", "off-ordered", "p99_ms"),
         "rate_on_ordered_vs_empty_rpc": ratio("on-ordered", "empty-rpc"),
     },
+    "training_steps_32_clients": steps,
+    "steps_on_ordered_vs_off_ordered": {
+        "rate": steps["step-on-ordered"]["requests_per_s"] / steps["step-off-ordered"]["requests_per_s"],
+        "p99": steps["step-on-ordered"]["p99_ms"] / steps["step-off-ordered"]["p99_ms"],
+    },
     "fairness_equal_weights": fair,
 }
 os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 json.dump(result, open(out, "w"), indent=2)
 print("\nratios:", json.dumps(result["ratios"], indent=1))
+print("training steps, batching on vs off (ordered):",
+      json.dumps(result["steps_on_ordered_vs_off_ordered"]))
 for m, f in fair.items():
     print(f"fairness, batching {m}: light p99 alone {f['light_alone']['p99_ms']:.3f} ms, "
           f"beside heavy {f['light_beside_heavy']['p99_ms']:.3f} ms: x{f['light_p99_ratio']:.2f}")

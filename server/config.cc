@@ -243,10 +243,11 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::IsMember({"blas", "ordered"}))
       ->capture_default_str();
   app.add_option("--max-batch-rows", config.max_batch_rows,
-                 "dynamic batching: forwards of one module waiting for the device run as "
-                 "one backend call over up to this many rows in all (0 or 1: off). Every request "
-                 "still gets exactly the bits it gets alone (docs/batching.md); with --cpu-gemm "
-                 "ordered a batch is one GEMM, with blas one GEMM per request")
+                 "dynamic batching: forwards of one module, and backwards of one module's "
+                 "contexts, waiting for the device run as one backend call over up to this many "
+                 "rows in all (0 or 1: off). Every request still gets exactly the bits it gets "
+                 "alone or in sequence (docs/batching.md); with --cpu-gemm ordered a batch is one "
+                 "GEMM, with blas one GEMM per request")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
       ->capture_default_str();
   app.add_option("--batch-delay-us", config.batch_delay_us,
