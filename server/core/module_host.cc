@@ -686,225 +686,279 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
     const std::vector<std::string>& context_ids,
     const std::vector<const WireBackwardRequest*>& reqs) {
   using Result = absl::StatusOr<std::optional<wire::EncodedTensor>>;
-  const size_t count = std::min(context_ids.size(), reqs.size());
+  if (context_ids.size() != reqs.size()) {
+    return std::vector<Result>(
+        std::max(context_ids.size(), reqs.size()),
+        absl::InternalError("BackwardBatch: as many context ids as requests are needed"));
+  }
+  const size_t count = reqs.size();
   std::vector<Result> results(count, absl::InternalError("BackwardBatch: request not run"));
-  // Requests that run alone through Backward once the batch is done, in order.
+  // Requests that run alone through Backward once the batch is done, in order: those that change
+  // nothing wherever they run (a failed check), and every request from the first one that could
+  // change something but cannot join (so the sequence's order holds).
   std::vector<size_t> alone;
   auto run_alone = [&] {
     std::sort(alone.begin(), alone.end());
-    for (size_t i : alone) results[i] = Backward(context_ids[i], *reqs[i]);
+    for (size_t i : alone) {
+      try {
+        results[i] = Backward(context_ids[i], *reqs[i]);
+      } catch (const std::exception& e) {
+        results[i] = absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
+      }
+    }
   };
-  if (count <= 1) {
-    for (size_t i = 0; i < count; ++i) alone.push_back(i);
-    run_alone();
-    return results;
-  }
   const Backend& b = *backend_;
-  // The candidates: leased contexts of one module whose gradients have their forward's shapes.
-  // A request that fails a check here runs alone and gets Backward's answer (nothing changes).
   struct Member {
     size_t index = 0;
     ContextStore::Lease lease;
     at::Tensor grad_output, grad_layernorm_output;  // on the device, 2-D
-    bool consumed = false;
-    at::Tensor grad_input;  // rows of the batch's
+    bool done = false;      // its context was finished (consumed, or given back and answered)
+    bool consumed = false;  // ran in the batch
+    at::Tensor grad_input;  // its rows of the batch's
   };
   std::vector<Member> members;
   std::shared_ptr<Module> m;
-  const bool skip = reqs[0]->skip_grad_input;
-  const bool with_ln = reqs[0]->grad_layernorm_output.data != nullptr;
-  auto decode = [&](const wire::TensorView& v) {
-    const int64_t cols = std::max<int64_t>(1, v.shape.back());
-    return b.ToDevice(As2D(b.FromWire(v, v.numel() / cols, cols, nullptr, {}).reshape(v.shape)));
-  };
+  bool skip = false, with_ln = false;  // the batch's, from its first member
   // Hands a leased context back untouched (as Backward's refusals do).
   auto give_back = [&](Member& one) {
+    if (one.done) return;
+    one.done = true;
     one.lease.saved.reset();
     contexts_.Finish(context_ids[one.index], /*consumed=*/false, reqs[one.index]->retain);
   };
-  for (size_t i = 0; i < count; ++i) {
-    const WireBackwardRequest& req = *reqs[i];
-    if (req.skip_grad_input != skip || (req.grad_layernorm_output.data != nullptr) != with_ln ||
-        req.grad_output.shape.empty() || req.grad_output.numel() == 0) {
-      alone.push_back(i);
-      continue;
+  // Every lease not consumed goes back, whatever happens below.
+  auto give_back_all = [&] {
+    for (Member& one : members) {
+      if (!one.consumed) {
+        give_back(one);
+      } else if (!one.done) {
+        one.done = true;
+        one.lease.saved.reset();
+        contexts_.Finish(context_ids[one.index], /*consumed=*/true, reqs[one.index]->retain);
+      }
     }
-    absl::StatusOr<ContextStore::Lease> lease = contexts_.Acquire(context_ids[i]);
-    if (!lease.ok()) {
-      alone.push_back(i);
-      continue;
-    }
-    Member one;
-    one.index = i;
-    one.lease = *std::move(lease);
-    if (!m) {
-      absl::StatusOr<std::shared_ptr<Module>> found = Find(one.lease.module_id);
-      if (found.ok()) m = *std::move(found);
-    }
-    bool fits = m && one.lease.module_id ==
-                         (members.empty() ? one.lease.module_id : members[0].lease.module_id);
-    if (fits) {
+  };
+  int64_t counted = 0;   // compute calls counted for the batch
+  size_t committed = 0;  // members[0, committed) ran in the batch
+  try {
+    for (size_t i = 0; i < count; ++i) {
+      const WireBackwardRequest& req = *reqs[i];
+      const bool has_ln = req.grad_layernorm_output.data != nullptr;
+      if (req.grad_output.shape.empty() || req.grad_output.numel() == 0) {
+        alone.push_back(i);  // malformed: refused, nothing changes
+        continue;
+      }
+      if (!members.empty() && (req.skip_grad_input != skip || has_ln != with_ln)) {
+        for (size_t rest = i; rest < count; ++rest) alone.push_back(rest);  // the batch ends
+        break;
+      }
+      absl::StatusOr<ContextStore::Lease> lease = contexts_.Acquire(context_ids[i]);
+      if (!lease.ok()) {
+        alone.push_back(i);
+        // Unknown or gone for good: refused wherever it runs. Live but not available now (its
+        // backward running, no room to restore it): the batch ends before it.
+        if (contexts_.Locate(context_ids[i]) == ContextStore::Residence::kNone) continue;
+        for (size_t rest = i + 1; rest < count; ++rest) alone.push_back(rest);
+        break;
+      }
+      Member one;
+      one.index = i;
+      one.lease = *std::move(lease);
+      std::shared_ptr<Module> mine = m;
+      if (!mine) {
+        absl::StatusOr<std::shared_ptr<Module>> found = Find(one.lease.module_id);
+        if (found.ok()) mine = *std::move(found);
+      }
+      if (!mine || (!members.empty() && one.lease.module_id != members[0].lease.module_id)) {
+        // Another module's context (or a module gone): alone, and the batch ends before it.
+        members.push_back(std::move(one));
+        give_back(members.back());
+        members.pop_back();
+        for (size_t rest = i; rest < count; ++rest) alone.push_back(rest);
+        break;
+      }
       const std::vector<int64_t>& input_shape = one.lease.saved->input_shape;
       std::vector<int64_t> expected = input_shape;
-      expected.back() = m->spec.out_features;
-      fits = req.grad_output.shape == expected &&
-             (!with_ln ||
-              (m->spec.return_layernorm_output && req.grad_layernorm_output.shape == input_shape));
-    }
-    if (!fits) {
-      give_back(one);
-      alone.push_back(i);
-      continue;
-    }
-    one.grad_output = decode(req.grad_output);
-    if (with_ln) one.grad_layernorm_output = decode(req.grad_layernorm_output);
-    members.push_back(std::move(one));
-  }
-  if (members.size() <= 1) {
-    for (Member& one : members) {
-      give_back(one);
-      alone.push_back(one.index);
-    }
-    run_alone();
-    return results;
-  }
-  compute_calls_.fetch_add(int64_t(members.size()), std::memory_order_relaxed);
-  size_t committed = 0;  // members[0, committed) ran in the batch
-  at::Tensor grad_input;
-  {
-    std::lock_guard<std::mutex> lock(m->mu);
-    // Contexts past the module's staleness bound get Backward's refusal, alone.
-    for (size_t j = 0; j < members.size();) {
-      if (m->spec.max_staleness >= 0 &&
-          m->version - members[j].lease.weight_version > uint64_t(m->spec.max_staleness)) {
-        give_back(members[j]);
-        alone.push_back(members[j].index);
-        members.erase(members.begin() + std::ptrdiff_t(j));
-      } else {
-        ++j;
+      expected.back() = mine->spec.out_features;
+      const bool fits = req.grad_output.shape == expected &&
+                        (!has_ln || (mine->spec.return_layernorm_output &&
+                                     req.grad_layernorm_output.shape == input_shape));
+      members.push_back(std::move(one));
+      Member& added = members.back();
+      if (!fits) {  // refused wherever it runs: nothing changes
+        give_back(added);
+        members.pop_back();
+        alone.push_back(i);
+        continue;
+      }
+      auto decode = [&](const wire::TensorView& v) {
+        const int64_t cols = std::max<int64_t>(1, v.shape.back());
+        return b.ToDevice(
+            As2D(b.FromWire(v, v.numel() / cols, cols, nullptr, {}).reshape(v.shape)));
+      };
+      added.grad_output = decode(req.grad_output);
+      if (has_ln) added.grad_layernorm_output = decode(req.grad_layernorm_output);
+      if (members.size() == 1) {
+        m = mine;
+        skip = req.skip_grad_input;
+        with_ln = has_ln;
       }
     }
-    const size_t n = members.size();
-    std::vector<const SavedTensors*> parts;
-    auto groups = std::make_shared<std::vector<int64_t>>();
-    std::vector<at::Tensor> grads_out, grads_ln;
-    for (const Member& one : members) {
-      parts.push_back(one.lease.saved.get());
-      groups->push_back(one.grad_output.size(0));
-      grads_out.push_back(one.grad_output);
-      if (with_ln) grads_ln.push_back(one.grad_layernorm_output);
-    }
-    std::shared_ptr<SavedTensors> stacked = n > 1 ? m->kind->StackSaved(parts) : nullptr;
-    if (stacked) {
-      m->SyncDevice();
-      DeferredGradients grads(b);
-      KindBackwardArgs args;
-      args.backend = &b;
-      args.spec = &m->spec;
-      args.grad_output = at::cat(grads_out, 0);
-      if (with_ln) args.grad_layernorm_output = at::cat(grads_ln, 0);
-      args.saved = stacked.get();
-      args.grads = &grads;
-      args.quantizers = m->Quantizers();
-      args.compute_grad_input = !skip;
-      args.row_groups = groups;
-      const std::vector<RoleDef>& roles = m->kind->Roles();
-      std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
-      for (size_t role = 0; role < roles.size(); ++role) {
-        if (roles[role].weight) continue;
-        steps[role] = std::make_shared<RoleSteps>(m->scaling[role]);
-        args.quantizers[role].row_groups = groups;
-        args.quantizers[role].steps = steps[role];
-      }
-      absl::StatusOr<KindBackwardResult> r = absl::InternalError("not run");
-      try {
-        r = m->kind->Backward(args);
-      } catch (const std::exception& e) {
-        // Nothing was accumulated: every request runs alone and meets the failure itself.
-        r = absl::InternalError(e.what());
-      }
-      // Each request's step: the amax of each gradient cast of its rows, in the kind's order.
-      bool usable = r.ok();
-      for (size_t k = 0; usable && k < r->amaxes.size(); ++k) {
-        const RoleSteps* st = steps.at(r->amaxes[k].first).get();
-        usable = st != nullptr && st->amaxes.size() == n;
-      }
-      int64_t row = 0;
-      for (size_t j = 0; usable && j < n; ++j) {
-        const int64_t rows = (*groups)[j];
-        std::vector<RoleAmax> step;
-        bool finite = true;
-        for (const auto& [role, amax] : r->amaxes) {
-          const float a = steps[role]->amaxes[j];
-          finite = finite && std::isfinite(a);
-          step.emplace_back(role, a);
-        }
-        at::Tensor mine;
-        if (r->grad_input.defined()) {
-          mine = r->grad_input.narrow(0, row, rows);
-          finite = finite && (ProvablyFinite(r->grad_input_bound) || std::isfinite(b.AbsMax(mine)));
-        }
-        // A non-finite value: this request and those after it run alone (its refusal is
-        // Backward's; theirs depend on its step not being taken).
-        if (!finite) break;
-        std::optional<Param> overflowed;
-        try {
-          overflowed = grads.Commit(
-              [&](Param id) -> GradAccumulator* {
-                for (Module::Parameter& p : m->params) {
-                  if (p.id == id) return &p.grad;
-                }
-                throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
-                                                    ", which this module does not have"));
-              },
-              j);
-        } catch (const std::exception& e) {
-          // As Backward: the accumulators may hold part of this request's sums, so they are
-          // zeroed; it fails, its context kept, and the rest run alone.
-          for (Module::Parameter& p : m->params) m->ZeroGrad(p);
-          m->accumulated_backwards = 0;
-          results[members[j].index] = absl::InternalError(absl::StrCat(
-              "backward failed while accumulating gradients (they were reset): ", e.what()));
+    if (members.size() >= 2) {
+      counted = int64_t(members.size());
+      compute_calls_.fetch_add(counted, std::memory_order_relaxed);
+      std::lock_guard<std::mutex> lock(m->mu);
+      // Contexts past the module's staleness bound get Backward's refusal, alone (it changes
+      // nothing).
+      for (size_t j = 0; j < members.size();) {
+        if (m->spec.max_staleness >= 0 &&
+            m->version - members[j].lease.weight_version > uint64_t(m->spec.max_staleness)) {
           give_back(members[j]);
-          members[j].lease.module_id.clear();  // answered
-          committed = j;
-          usable = false;
-          break;
+          alone.push_back(members[j].index);
+          members.erase(members.begin() + std::ptrdiff_t(j));
+        } else {
+          ++j;
         }
-        if (overflowed.has_value()) break;
-        m->EndStep(step);
-        ++m->accumulated_backwards;
-        members[j].consumed = true;
-        members[j].grad_input = mine;
-        committed = j + 1;
-        row += rows;
       }
+      const size_t n = members.size();
+      if (n >= 2)
+        committed = [&]() -> size_t {
+          // The batch: one kind call over the members' stacked rows. Anything that fails before a
+          // gradient is committed changes nothing, and every member runs alone.
+          auto groups = std::make_shared<std::vector<int64_t>>();
+          DeferredGradients grads(b);
+          const std::vector<RoleDef>& roles = m->kind->Roles();
+          std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
+          absl::StatusOr<KindBackwardResult> r = absl::InternalError("not run");
+          try {
+            std::vector<const SavedTensors*> parts;
+            std::vector<at::Tensor> grads_out, grads_ln;
+            for (const Member& one : members) {
+              parts.push_back(one.lease.saved.get());
+              groups->push_back(one.grad_output.size(0));
+              grads_out.push_back(one.grad_output);
+              if (with_ln) grads_ln.push_back(one.grad_layernorm_output);
+            }
+            const std::shared_ptr<SavedTensors> stacked = m->kind->StackSaved(parts);
+            if (!stacked) return 0;
+            m->SyncDevice();
+            KindBackwardArgs args;
+            args.backend = &b;
+            args.spec = &m->spec;
+            args.grad_output = at::cat(grads_out, 0);
+            if (with_ln) args.grad_layernorm_output = at::cat(grads_ln, 0);
+            args.saved = stacked.get();
+            args.grads = &grads;
+            args.quantizers = m->Quantizers();
+            args.compute_grad_input = !skip;
+            args.row_groups = groups;
+            for (size_t role = 0; role < roles.size(); ++role) {
+              if (roles[role].weight) continue;
+              steps[role] = std::make_shared<RoleSteps>(m->scaling[role]);
+              args.quantizers[role].row_groups = groups;
+              args.quantizers[role].steps = steps[role];
+            }
+            r = m->kind->Backward(args);
+          } catch (const std::exception&) {
+            return 0;  // each request meets the failure alone
+          }
+          if (!r.ok()) return 0;
+          // Each request's step: the amax of each gradient cast of its rows, in the kind's order.
+          for (const auto& [role, amax] : r->amaxes) {
+            const RoleSteps* st = steps.at(role).get();
+            if (st == nullptr || st->amaxes.size() != n) return 0;
+          }
+          int64_t row = 0;
+          for (size_t j = 0; j < n; ++j) {
+            const int64_t rows = (*groups)[j];
+            std::vector<RoleAmax> step;
+            bool finite = true;
+            for (const auto& [role, amax] : r->amaxes) {
+              const float a = steps[role]->amaxes[j];
+              finite = finite && std::isfinite(a);
+              step.emplace_back(role, a);
+            }
+            at::Tensor mine;
+            try {
+              if (finite && r->grad_input.defined()) {
+                mine = r->grad_input.narrow(0, row, rows);
+                finite = ProvablyFinite(r->grad_input_bound) || std::isfinite(b.AbsMax(mine));
+              }
+            } catch (const std::exception&) {
+              finite = false;
+            }
+            // A non-finite value: this request and those after it run alone (its refusal is
+            // Backward's; theirs depend on its step not being taken).
+            if (!finite) return j;
+            std::optional<Param> overflowed;
+            try {
+              overflowed = grads.Commit(
+                  [&](Param id) -> GradAccumulator* {
+                    for (Module::Parameter& p : m->params) {
+                      if (p.id == id) return &p.grad;
+                    }
+                    throw std::logic_error(absl::StrCat("the kind gave a gradient of ",
+                                                        ParamName(id),
+                                                        ", which this module does not have"));
+                  },
+                  j);
+            } catch (const std::exception& e) {
+              // As Backward: the accumulators may hold part of this request's sums, so they are
+              // zeroed; it fails with its context kept, and the rest run alone.
+              for (Module::Parameter& p : m->params) m->ZeroGrad(p);
+              m->accumulated_backwards = 0;
+              results[members[j].index] = absl::InternalError(absl::StrCat(
+                  "backward failed while accumulating gradients (they were reset): ", e.what()));
+              give_back(members[j]);
+              return j;
+            }
+            if (overflowed.has_value()) return j;
+            m->EndStep(step);
+            ++m->accumulated_backwards;
+            members[j].consumed = true;
+            members[j].grad_input = mine;
+            row += rows;
+          }
+          return n;
+        }();
+    }
+  } catch (...) {
+    give_back_all();
+    throw;
+  }
+  // The members not run in the batch go back untouched and run alone after it, in order.
+  for (size_t j = committed; j < members.size(); ++j) {
+    if (!members[j].done) {
+      give_back(members[j]);
+      alone.push_back(members[j].index);
     }
   }
-  // The ones not run in the batch go back untouched and run alone, after it.
-  for (size_t j = 0; j < members.size(); ++j) {
+  if (committed > 0) batched_backwards_.fetch_add(int64_t(committed), std::memory_order_relaxed);
+  // Those that run alone count themselves there.
+  compute_calls_.fetch_sub(counted - int64_t(committed), std::memory_order_relaxed);
+  // First every consumed context is finished (its saved tensors freed), then each grad_input is
+  // encoded on its own: a failure there is that request's.
+  std::vector<std::vector<int64_t>> shapes(members.size());
+  for (size_t j = 0; j < committed; ++j) {
     Member& one = members[j];
-    if (one.consumed) continue;
-    if (one.lease.module_id.empty()) continue;  // answered above
-    give_back(one);
-    alone.push_back(one.index);
-  }
-  if (members.size() > 1) {
-    batched_backwards_.fetch_add(int64_t(committed), std::memory_order_relaxed);
-  }
-  compute_calls_.fetch_sub(int64_t(members.size() - committed), std::memory_order_relaxed);
-  for (Member& one : members) {
-    if (!one.consumed) continue;
-    const WireBackwardRequest& req = *reqs[one.index];
-    const std::vector<int64_t> input_shape = one.lease.saved->input_shape;
-    // Free the saved tensors now, before the encoding.
+    shapes[j] = one.lease.saved->input_shape;
     one.lease.saved.reset();
-    contexts_.Finish(context_ids[one.index], /*consumed=*/true, req.retain);
-    if (!one.grad_input.defined()) {
-      results[one.index] = std::optional<wire::EncodedTensor>();
-      continue;
+    one.done = true;
+    contexts_.Finish(context_ids[one.index], /*consumed=*/true, reqs[one.index]->retain);
+  }
+  for (size_t j = 0; j < committed; ++j) {
+    Member& one = members[j];
+    const WireBackwardRequest& req = *reqs[one.index];
+    try {
+      results[one.index] = one.grad_input.defined()
+                               ? Result(b.ToWire(one.grad_input, req.grad_input_dtype, shapes[j]))
+                               : Result(std::optional<wire::EncodedTensor>());
+    } catch (const std::exception& e) {
+      results[one.index] = absl::InternalError(
+          absl::StrCat("Backward failed while encoding grad_input (its gradients were "
+                       "accumulated): ",
+                       e.what()));
     }
-    results[one.index] = b.ToWire(one.grad_input, req.grad_input_dtype, input_shape);
   }
   run_alone();
   return results;

@@ -573,60 +573,61 @@ GradwireService::Unary* GradwireService::BatchedBackward(Ctx* ctx, const grpc::B
         }
         slot->task = std::move(task);
         slot->batched = true;
-        batcher_->Add(
-            absl::StrCat(module, "/backward"), {caller.client, rows, slot}, [this](auto& members) {
-              // Each request's work up to the compute, one compute for those still there, then each
-              // one's delivery and end, as for forwards.
-              std::vector<std::shared_ptr<Slot>> ready;
-              ready.reserve(members.size());
-              for (core::BatchFormer::Member& m : members) {
-                auto s = std::static_pointer_cast<Slot>(m.item);
-                std::function<void()> run = std::move(s->task);
-                s->task = nullptr;
-                run();
-                if (s->pending) ready.push_back(std::move(s));
-              }
-              if (ready.empty()) return;
-              std::vector<std::string> contexts;
-              std::vector<const core::WireBackwardRequest*> reqs;
-              for (const auto& s : ready) {
-                contexts.push_back(s->req.context_id());
-                reqs.push_back(&s->prepared.in);
-              }
-              std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> outs;
+        // Keyed also by what the kind computes (grad_input or not, a LayerNorm output's
+        // gradient or not): a batch is one kind call.
+        const std::string key = absl::StrCat(module, "/backward/", int(slot->req.skip_grad_input()),
+                                             int(slot->req.has_grad_layernorm_output()));
+        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members) {
+          // Each request's work up to the compute, one compute for those still there, then each
+          // one's delivery and end, as for forwards.
+          std::vector<std::shared_ptr<Slot>> ready;
+          ready.reserve(members.size());
+          for (core::BatchFormer::Member& m : members) {
+            auto s = std::static_pointer_cast<Slot>(m.item);
+            std::function<void()> run = std::move(s->task);
+            s->task = nullptr;
+            run();
+            if (s->pending) ready.push_back(std::move(s));
+          }
+          if (ready.empty()) return;
+          std::vector<std::string> contexts;
+          std::vector<const core::WireBackwardRequest*> reqs;
+          for (const auto& s : ready) {
+            contexts.push_back(s->req.context_id());
+            reqs.push_back(&s->prepared.in);
+          }
+          std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> outs;
+          try {
+            outs = host_.BackwardBatch(contexts, reqs);
+          } catch (const std::exception& e) {
+            const absl::Status failed =
+                absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
+            spdlog::error("a batch of {} backwards failed: {}", ready.size(), e.what());
+            for (const auto& s : ready) s->pending->Finish(failed, {});
+            return;
+          }
+          for (const auto& s : ready) {  // the gradients were read: their staging goes now
+            s->prepared.staged.reset();
+            s->prepared.staged_ln.reset();
+          }
+          for (size_t i = 0; i < ready.size(); ++i) {
+            env_.control().Submit(ready[i]->caller->client, [this, s = ready[i],
+                                                             out = std::move(outs[i])]() mutable {
+              RequestScope scope(s->pending->call().request());
+              absl::Status status;
               try {
-                outs = host_.BackwardBatch(contexts, reqs);
+                status = FinishBackward(*s->caller, s->req, &s->resp, s->prepared, std::move(out));
+                if (status.ok()) {
+                  wire::SerializeMoving(&s->resp, wire::kBackwardResponseTensors, s->out);
+                }
               } catch (const std::exception& e) {
-                const absl::Status failed =
-                    absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
-                spdlog::error("a batch of {} backwards failed: {}", ready.size(), e.what());
-                for (const auto& s : ready) s->pending->Finish(failed, {});
-                return;
+                status = absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
+                spdlog::error("{}", std::string(status.message()));
               }
-              for (const auto& s : ready) {  // the gradients were read: their staging goes now
-                s->prepared.staged.reset();
-                s->prepared.staged_ln.reset();
-              }
-              for (size_t i = 0; i < ready.size(); ++i) {
-                env_.control().Submit(
-                    ready[i]->caller->client,
-                    [this, s = ready[i], out = std::move(outs[i])]() mutable {
-                      RequestScope scope(s->pending->call().request());
-                      absl::Status status;
-                      try {
-                        status = FinishBackward(*s->caller, s->req, &s->resp, s->prepared,
-                                                std::move(out));
-                        if (status.ok()) {
-                          wire::SerializeMoving(&s->resp, wire::kBackwardResponseTensors, s->out);
-                        }
-                      } catch (const std::exception& e) {
-                        status = absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
-                        spdlog::error("{}", std::string(status.message()));
-                      }
-                      s->pending->Finish(std::move(status), {});
-                    });
-              }
+              s->pending->Finish(std::move(status), {});
             });
+          }
+        });
       },
       ids.module_id, RequestSize(int64_t(req->Length())), nullptr, ids.context_id);
 }

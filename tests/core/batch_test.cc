@@ -458,28 +458,111 @@ TEST_F(BackwardBatchTest, ABadOrNonFiniteRequestGetsItsOwnAnswerAndTheOthersAreT
   }
 }
 
-TEST_F(BackwardBatchTest, RetainedContextsStayAndOneModulesContextsOnlyGoTogether) {
+TEST_F(BackwardBatchTest, MixedRequestsKeepTheSequencesOrder) {
+  // Under delayed scaling every backward is a step: whatever cannot join the batch must not run
+  // out of its turn. A request with another skip_grad_input ends the batch; it and the later
+  // ones run alone, in order, and everything is still the sequence's bits.
+  for (const char* backend : {"reference", "cpu-ordered"}) {
+    SCOPED_TRACE(backend);
+    core::ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormLinear, 40, 24, 56, 5);
+    spec.recipe = DelayedRecipe(core::AmaxAlgo::kMostRecent, 2);
+    Pair p(spec, backend);
+    std::vector<std::string> ids_a, ids_b;
+    std::vector<Grad> grads;
+    const bool skips[] = {false, false, false, true, false, true, false};
+    for (int i = 0; i < 7; ++i) {
+      auto [ca, cb] = Contexts(p, RandN({2 + i, 40}));
+      ids_a.push_back(ca);
+      ids_b.push_back(cb);
+      grads.push_back(MakeGrad(RandN({2 + i, 24}, std::pow(4.0, double(i % 3) - 1.0)), at::Tensor(),
+                               DType::kF32, DType::kF32, skips[i]));
+    }
+    ids_a[1] = ids_b[1] = "0123456789abcdef0123456789abcdef";  // unknown: changes nothing
+    std::vector<const core::WireBackwardRequest*> reqs;
+    for (const Grad& g : grads) reqs.push_back(&g.req);
+    const auto together = p.batched.BackwardBatch(ids_a, reqs);
+    ASSERT_EQ(together.size(), 7u);
+    for (size_t i = 0; i < 7; ++i) {
+      auto alone = p.sequential.Backward(ids_b[i], grads[i].req);
+      ASSERT_EQ(together[i].ok(), alone.ok()) << "request " << i;
+      if (!alone.ok()) continue;
+      ASSERT_EQ(together[i]->has_value(), alone->has_value());
+      if (alone->has_value()) {
+        EXPECT_TRUE(SameEncoding(**together[i], **alone)) << i;
+      }
+    }
+    EXPECT_EQ(together[1].status().code(), absl::StatusCode::kNotFound);
+    // Requests 0 and 2 ran as the batch (1 was skipped over); 3 ended it.
+    EXPECT_EQ(p.batched.Stats().batched_backwards, 2);
+    ExpectSameState(p);
+  }
+}
+
+TEST_F(BackwardBatchTest, AContextOfAnotherModuleNeverRunsOnThisOne) {
+  // Module one's context with the wrong shape comes first, then module two's contexts (same
+  // widths): they run on module two, and module one's gradients stay zero.
   core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
   auto one = host.Create(MakeLinearSpec(16, 8, 1));
   auto two = host.Create(MakeLinearSpec(16, 8, 2));
   ASSERT_TRUE(one.ok() && two.ok());
   auto f1 = core::TensorForward(host, one->module_id, RandN({3, 16}), true);
   auto f2 = core::TensorForward(host, two->module_id, RandN({2, 16}), true);
-  auto f3 = core::TensorForward(host, one->module_id, RandN({4, 16}), true);
+  auto f3 = core::TensorForward(host, two->module_id, RandN({4, 16}), true);
   ASSERT_TRUE(f1.ok() && f2.ok() && f3.ok());
   std::vector<Grad> grads;
-  grads.push_back(MakeGrad(RandN({3, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
+  grads.push_back(MakeGrad(RandN({5, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
   grads.push_back(MakeGrad(RandN({2, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
   grads.push_back(MakeGrad(RandN({4, 8}), at::Tensor(), DType::kF32, DType::kF32, false));
-  grads[0].req.retain = true;
   const auto r = host.BackwardBatch({f1->context_id, f2->context_id, f3->context_id},
                                     {&grads[0].req, &grads[1].req, &grads[2].req});
   ASSERT_EQ(r.size(), 3u);
-  for (const auto& x : r) EXPECT_TRUE(x.ok()) << x.status();
-  // The other module's context ran alone; the retained one is still there.
+  EXPECT_EQ(r[0].status().code(), absl::StatusCode::kInvalidArgument) << r[0].status();
+  EXPECT_TRUE(r[1].ok() && r[2].ok());
   EXPECT_EQ(host.Stats().batched_backwards, 2);
+  const auto g1 = core::TensorGradients(host, one->module_id, false);
+  const auto g2 = core::TensorGradients(host, two->module_id, false);
+  ASSERT_TRUE(g1.ok() && g2.ok());
+  for (const auto& [name, t] : g1->tensors) EXPECT_EQ(t.abs().max().item<float>(), 0.0f) << name;
+  EXPECT_GT(g2->tensors[0].second.abs().max().item<float>(), 0.0f);
+  EXPECT_EQ(host.Stats().live_contexts, 1);  // module one's, refused and kept
+}
+
+TEST_F(BackwardBatchTest, MismatchedListsAreRefused) {
+  core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
+  Grad g = MakeGrad(RandN({2, 8}), at::Tensor(), DType::kF32, DType::kF32, false);
+  const auto r = host.BackwardBatch({"a", "b"}, {&g.req});
+  ASSERT_EQ(r.size(), 2u);
+  for (const auto& x : r) EXPECT_EQ(x.status().code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(BackwardBatchTest, RetainedContextsStayAndAnotherModulesContextEndsTheBatch) {
+  // Module one's two contexts (the first retained), then module two's, then module one's again:
+  // the first two run as a batch, module two's context ends it, and the rest run alone in order.
+  core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
+  auto one = host.Create(MakeLinearSpec(16, 8, 1));
+  auto two = host.Create(MakeLinearSpec(16, 8, 2));
+  ASSERT_TRUE(one.ok() && two.ok());
+  const int64_t rows[] = {3, 4, 2, 5};
+  const bool of_one[] = {true, true, false, true};
+  std::vector<std::string> ids;
+  std::vector<Grad> grads;
+  for (int i = 0; i < 4; ++i) {
+    auto f = core::TensorForward(host, of_one[i] ? one->module_id : two->module_id,
+                                 RandN({rows[i], 16}), true);
+    ASSERT_TRUE(f.ok());
+    ids.push_back(f->context_id);
+    grads.push_back(MakeGrad(RandN({rows[i], 8}), at::Tensor(), DType::kF32, DType::kF32, false));
+  }
+  grads[0].req.retain = true;
+  const auto r =
+      host.BackwardBatch(ids, {&grads[0].req, &grads[1].req, &grads[2].req, &grads[3].req});
+  ASSERT_EQ(r.size(), 4u);
+  for (const auto& x : r) EXPECT_TRUE(x.ok()) << x.status();
+  EXPECT_EQ(host.Stats().batched_backwards, 2);
+  // The retained one is still there, and its second backward runs.
   EXPECT_EQ(host.Stats().live_contexts, 1);
-  EXPECT_TRUE(host.ReleaseContext(f1->context_id).ok());
+  EXPECT_TRUE(host.Backward(ids[0], grads[0].req).ok());
+  EXPECT_TRUE(host.ReleaseContext(ids[0]).ok());
 }
 
 }  // namespace

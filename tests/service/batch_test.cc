@@ -229,7 +229,8 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
   std::atomic<bool> hold{false}, held{false};
   TestServer batched([&](rpc::ServiceOptions& o) {
     o.batching.max_rows = 4096;
-    o.batching.delay = std::chrono::microseconds(20000);
+    // Long enough for a straggler that was live but not yet in the batch when the hold let go.
+    o.batching.delay = std::chrono::microseconds(200000);
     o.before_forward_compute = [&] {
       if (!hold.exchange(false)) return;
       held = true;
