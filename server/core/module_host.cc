@@ -605,23 +605,23 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
                        " and allows max_staleness ", m->spec.max_staleness)));
     }
     const Backend& b = *backend_;
-    m->SyncDevice();
     // The kind hands its parameter gradients to `grads`, which adds them to the accumulators only
     // after everything below has checked out: a refused backward changes nothing.
     DeferredGradients grads(b);
     KindBackwardArgs args;
-    args.backend = &b;
-    args.spec = &m->spec;
-    args.grad_output = b.ToDevice(As2D(grad_output));
-    if (grad_layernorm_output.defined()) {
-      args.grad_layernorm_output = b.ToDevice(As2D(grad_layernorm_output));
-    }
-    args.saved = lease.saved.get();
-    args.grads = &grads;
-    args.quantizers = m->Quantizers();
-    args.compute_grad_input = !skip_grad_input;
     absl::StatusOr<KindBackwardResult> r;
     try {
+      m->SyncDevice();
+      args.backend = &b;
+      args.spec = &m->spec;
+      args.grad_output = b.ToDevice(As2D(grad_output));
+      if (grad_layernorm_output.defined()) {
+        args.grad_layernorm_output = b.ToDevice(As2D(grad_layernorm_output));
+      }
+      args.saved = lease.saved.get();
+      args.grads = &grads;
+      args.quantizers = m->Quantizers();
+      args.compute_grad_input = !skip_grad_input;
       r = m->kind->Backward(args);
     } catch (const std::exception& e) {
       // A device or library error: nothing was accumulated (the gradients are still only
