@@ -1,5 +1,7 @@
 #include "server/core/batcher.h"
 
+#include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "server/core/executor.h"
@@ -27,6 +29,13 @@ int64_t BatchFormer::open() const {
   return int64_t(state_->open.size());
 }
 
+bool BatchFormer::Run::OthersWaiting() const { return executor_.queued_besides(clients_) > 0; }
+
+void BatchFormer::Run::GiveBack(std::vector<Member>& members, size_t from) {
+  for (size_t i = from; i < members.size(); ++i) given_back_.push_back(std::move(members[i]));
+  members.resize(std::min(from, members.size()));
+}
+
 void BatchFormer::Add(const std::string& key, Member member, Runner run) {
   std::shared_ptr<Open> batch;
   {
@@ -46,9 +55,15 @@ void BatchFormer::Add(const std::string& key, Member member, Runner run) {
     // opens a new one.
     if (batch->rows < options_.max_rows) state_->open[key] = batch;
   }
-  executor_.Submit(member.client, [state = state_, batch, key, run = std::move(run),
-                                   options = options_, observer = observer_,
-                                   &executor = executor_] {
+  Launch(executor_, state_, options_, observer_, key, std::move(batch), std::move(run));
+}
+
+void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>& state,
+                         const BatchOptions& options, const Observer& observer, std::string key,
+                         std::shared_ptr<Open> batch, Runner run) {
+  const std::string client = batch->members.front().client;
+  executor.Submit(client, [state, batch, key = std::move(key), run = std::move(run), options,
+                           observer, &executor] {
     std::vector<Member> members;
     double waited = 0;
     {
@@ -64,11 +79,49 @@ void BatchFormer::Add(const std::string& key, Member member, Runner run) {
       if (it != state->open.end() && it->second == batch) state->open.erase(it);
       members = std::move(batch->members);
     }
-    std::vector<std::pair<std::string, double>> shares;
-    for (const Member& m : members) shares.emplace_back(m.client, double(m.rows));
-    executor.ShareCurrentTask(std::move(shares), waited);
-    if (observer) observer(int64_t(members.size()), batch->rows);
-    run(members);
+    auto charge = [&] {
+      std::vector<std::pair<std::string, double>> shares;
+      for (const Member& m : members) shares.emplace_back(m.client, double(m.rows));
+      executor.ShareCurrentTask(std::move(shares), waited);
+    };
+    charge();
+    std::vector<std::string> clients;
+    for (const Member& m : members) {
+      if (std::find(clients.begin(), clients.end(), m.client) == clients.end()) {
+        clients.push_back(m.client);
+      }
+    }
+    Run control(executor, std::move(clients));
+    run(members, control);
+    int64_t rows = 0;
+    for (const Member& m : members) rows += m.rows;
+    if (observer && !members.empty()) observer(int64_t(members.size()), rows);
+    std::vector<Member>& rest = control.given_back();
+    if (rest.empty()) return;
+    charge();  // only the members that ran pay for this task
+    // The rest go to the front of their key's open batch (they came first), or form a new one
+    // that keeps their original start (it waited for company already).
+    std::shared_ptr<Open> again;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      int64_t rest_rows = 0;
+      for (const Member& m : rest) rest_rows += m.rows;
+      auto it = state->open.find(key);
+      if (it != state->open.end() && it->second->rows + rest_rows <= options.max_rows) {
+        Open& open = *it->second;
+        open.members.insert(open.members.begin(), std::make_move_iterator(rest.begin()),
+                            std::make_move_iterator(rest.end()));
+        open.rows += rest_rows;
+        open.first = std::min(open.first, batch->first);
+        return;
+      }
+      again = std::make_shared<Open>();
+      again->first = batch->first;
+      again->rows = rest_rows;
+      again->members = std::move(rest);
+      if (it == state->open.end() && again->rows < options.max_rows) state->open[key] = again;
+    }
+    Launch(executor, state, options, observer, key, std::move(again), run);
   });
 }
 

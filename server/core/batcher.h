@@ -37,8 +37,29 @@ class BatchFormer {
     int64_t rows = 0;
     std::shared_ptr<void> item;  // the runner's (the request)
   };
+  // What a running batch may do besides running its members: yield to other clients. A runner
+  // that works member by member asks OthersWaiting() after each and, when it is true, gives the
+  // members it has not started back; they return to the front of their key's open batch (or a
+  // new one), queued behind the waiting work, so a batch delays another client's call by about
+  // one member's work rather than the whole batch's. The run time is then charged only to the
+  // members that ran.
+  class Run {
+   public:
+    Run(const DeviceExecutor& executor, std::vector<std::string> clients)
+        : executor_(executor), clients_(std::move(clients)) {}
+    // True when a client with no member in this batch has work queued.
+    bool OthersWaiting() const;
+    // Members [from, end) leave `members` (the runner's vector) and go back.
+    void GiveBack(std::vector<Member>& members, size_t from);
+    std::vector<Member>& given_back() { return given_back_; }
+
+   private:
+    const DeviceExecutor& executor_;
+    const std::vector<std::string> clients_;
+    std::vector<Member> given_back_;
+  };
   // Runs a batch's members (all of one key, in the order they came) on the executor's thread.
-  using Runner = std::function<void(std::vector<Member>& members)>;
+  using Runner = std::function<void(std::vector<Member>& members, Run& run)>;
   // Told of every batch that ran: its requests and rows (metrics).
   using Observer = std::function<void(int64_t requests, int64_t rows)>;
 
@@ -67,6 +88,10 @@ class BatchFormer {
     std::condition_variable joined;
     std::map<std::string, std::shared_ptr<Open>> open;
   };
+  // Queues `batch`'s task on the executor under its first member's client.
+  static void Launch(DeviceExecutor& executor, const std::shared_ptr<State>& state,
+                     const BatchOptions& options, const Observer& observer, std::string key,
+                     std::shared_ptr<Open> batch, Runner run);
 
   DeviceExecutor& executor_;
   const BatchOptions options_;

@@ -71,6 +71,17 @@ int64_t DeviceExecutor::queued(const std::string& client) const {
   return it == queues_.end() ? 0 : int64_t(it->second.tasks.size());
 }
 
+int64_t DeviceExecutor::queued_besides(const std::vector<std::string>& clients) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t n = 0;
+  for (const auto& [client, q] : queues_) {
+    if (!q.tasks.empty() && std::find(clients.begin(), clients.end(), client) == clients.end()) {
+      n += int64_t(q.tasks.size());
+    }
+  }
+  return n;
+}
+
 int64_t DeviceExecutor::clients() const {
   std::lock_guard<std::mutex> lock(mu_);
   return int64_t(queues_.size());

@@ -446,17 +446,23 @@ GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::By
           return;
         }
         slot->task = std::move(task);
-        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members) {
+        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members, auto& run) {
           // Each request's work up to the compute (its own checks, its own cancellation), then
           // one compute for those still there, then each one's delivery and end.
           std::vector<std::shared_ptr<Slot>> ready;
           ready.reserve(members.size());
-          for (core::BatchFormer::Member& m : members) {
-            auto s = std::static_pointer_cast<Slot>(m.item);
-            std::function<void()> run = std::move(s->task);
+          for (size_t i = 0; i < members.size(); ++i) {
+            auto s = std::static_pointer_cast<Slot>(members[i].item);
+            std::function<void()> task = std::move(s->task);
             s->task = nullptr;
-            run();
+            task();
             if (s->pending) ready.push_back(std::move(s));
+            // Another client's work waits: the members not started yield to it (they go back
+            // to the front of their key's batch), so the batch delays it by about one request.
+            if (i + 1 < members.size() && run.OthersWaiting()) {
+              run.GiveBack(members, i + 1);
+              break;
+            }
           }
           if (ready.empty()) return;
           std::vector<const core::WireForwardRequest*> reqs;
@@ -577,17 +583,23 @@ GradwireService::Unary* GradwireService::BatchedBackward(Ctx* ctx, const grpc::B
         // gradient or not): a batch is one kind call.
         const std::string key = absl::StrCat(module, "/backward/", int(slot->req.skip_grad_input()),
                                              int(slot->req.has_grad_layernorm_output()));
-        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members) {
+        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members, auto& run) {
           // Each request's work up to the compute, one compute for those still there, then each
           // one's delivery and end, as for forwards.
           std::vector<std::shared_ptr<Slot>> ready;
           ready.reserve(members.size());
-          for (core::BatchFormer::Member& m : members) {
-            auto s = std::static_pointer_cast<Slot>(m.item);
-            std::function<void()> run = std::move(s->task);
+          for (size_t i = 0; i < members.size(); ++i) {
+            auto s = std::static_pointer_cast<Slot>(members[i].item);
+            std::function<void()> task = std::move(s->task);
             s->task = nullptr;
-            run();
+            task();
             if (s->pending) ready.push_back(std::move(s));
+            // Another client's work waits: the members not started yield to it (they go back
+            // to the front of their key's batch), so the batch delays it by about one request.
+            if (i + 1 < members.size() && run.OthersWaiting()) {
+              run.GiveBack(members, i + 1);
+              break;
+            }
           }
           if (ready.empty()) return;
           std::vector<std::string> contexts;

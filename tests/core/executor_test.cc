@@ -208,7 +208,7 @@ struct Batches {
   std::vector<std::vector<std::string>> ran;  // each batch's members' names, in order
   std::vector<std::pair<int64_t, int64_t>> observed;
   BatchFormer::Runner Runner() {
-    return [this](std::vector<BatchFormer::Member>& members) {
+    return [this](std::vector<BatchFormer::Member>& members, BatchFormer::Run&) {
       std::vector<std::string> names;
       for (const auto& m : members) names.push_back(*std::static_pointer_cast<std::string>(m.item));
       std::lock_guard<std::mutex> lock(mu);
@@ -259,11 +259,12 @@ TEST(BatchFormerTest, AStartedBatchTakesNoMoreRequests) {
   BatchFormer former(executor, {8, std::chrono::microseconds(0)});
   std::promise<void> inside, release;
   std::shared_future<void> released = release.get_future().share();
-  former.Add("m", b.Member("x", 1, "first"), [&](std::vector<BatchFormer::Member>& members) {
-    inside.set_value();
-    released.wait();
-    b.Runner()(members);
-  });
+  former.Add("m", b.Member("x", 1, "first"),
+             [&](std::vector<BatchFormer::Member>& members, BatchFormer::Run& run) {
+               inside.set_value();
+               released.wait();
+               b.Runner()(members, run);
+             });
   inside.get_future().wait();  // the batch has started
   former.Add("m", b.Member("y", 1, "second"), b.Runner());
   release.set_value();
@@ -299,6 +300,92 @@ TEST(BatchFormerTest, ADelayedBatchRunsOnceFull) {
   std::lock_guard<std::mutex> lock(b.mu);
   ASSERT_EQ(b.ran.size(), 1u);
   EXPECT_EQ(b.ran[0], (std::vector<std::string>{"0", "1", "2"}));
+}
+
+TEST(BatchFormerTest, ABatchYieldsToAnotherClientsWorkBetweenItsMembers) {
+  // The heavy client's five requests wait together; while the batch runs its second, a light
+  // client's task arrives. The batch gives its last three back, the light task runs, then they
+  // do, as a batch of their own, charged only for themselves.
+  DeviceExecutor executor("test");
+  Batches b;
+  BatchFormer former(executor, {100, std::chrono::microseconds(0)}, b.Observer());
+  std::mutex mu;
+  std::vector<std::string> order;
+  auto record = [&](const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back(what);
+  };
+  BatchFormer::Runner runner = [&](std::vector<BatchFormer::Member>& members,
+                                   BatchFormer::Run& run) {
+    for (size_t i = 0; i < members.size(); ++i) {
+      const std::string name = *std::static_pointer_cast<std::string>(members[i].item);
+      record(name);
+      if (name == "h1") executor.Submit("light", [&] { record("light"); });
+      if (i + 1 < members.size() && run.OthersWaiting()) {
+        run.GiveBack(members, i + 1);
+        break;
+      }
+    }
+  };
+  Gate gate;
+  gate.Submit(executor);
+  for (int i = 0; i < 5; ++i)
+    former.Add("m", b.Member("heavy", 1, "h" + std::to_string(i)), runner);
+  gate.Open();
+  // No other work may be queued while the batch runs: wait for its end, then drain.
+  auto size = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return order.size();
+  };
+  for (int i = 0; i < 30000 && size() < 6; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Drain(executor);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"h0", "h1", "light", "h2", "h3", "h4"}));
+  std::lock_guard<std::mutex> lock2(b.mu);
+  EXPECT_EQ(b.observed, (std::vector<std::pair<int64_t, int64_t>>{{2, 2}, {3, 3}}));
+  EXPECT_EQ(former.open(), 0);
+}
+
+TEST(BatchFormerTest, GivenBackMembersGoBeforeLaterOnesOfTheirKey) {
+  // While the batch runs, a later request of its key opens the next batch; the members given
+  // back go to its front, so the order the requests came in holds.
+  DeviceExecutor executor("test");
+  Batches b;
+  BatchFormer former(executor, {100, std::chrono::microseconds(0)});
+  std::mutex mu;
+  std::vector<std::string> order;
+  BatchFormer::Runner runner;
+  runner = [&](std::vector<BatchFormer::Member>& members, BatchFormer::Run& run) {
+    for (size_t i = 0; i < members.size(); ++i) {
+      const std::string name = *std::static_pointer_cast<std::string>(members[i].item);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        order.push_back(name);
+      }
+      if (name == "a0") {
+        former.Add("k", b.Member("a", 1, "a3"), runner);  // opens the next batch of the key
+        executor.Submit("other", [] {});
+      }
+      if (i + 1 < members.size() && run.OthersWaiting()) {
+        run.GiveBack(members, i + 1);
+        break;
+      }
+    }
+  };
+  Gate gate;
+  gate.Submit(executor);
+  for (int i = 0; i < 3; ++i) former.Add("k", b.Member("a", 1, "a" + std::to_string(i)), runner);
+  gate.Open();
+  auto size = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return order.size();
+  };
+  for (int i = 0; i < 30000 && size() < 4; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Drain(executor);
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"a0", "a1", "a2", "a3"}));
 }
 
 }  // namespace
