@@ -97,7 +97,8 @@ Metrics::Metrics()
       batch_requests_(prometheus::BuildHistogram()
                           .Name("gradwire_batch_requests")
                           .Help("Requests per batch of the dynamic batcher (--max-batch-rows): "
-                                "forwards of one module run as one backend call.")
+                                "forwards of one module, or backwards of its contexts, run as "
+                                "one backend call; by method.")
                           .Register(*registry_)),
       batch_rows_(prometheus::BuildHistogram()
                       .Name("gradwire_batch_rows")
@@ -142,12 +143,12 @@ void Metrics::ObserveQueueWait(const char* method, const std::string& client, do
   }
 }
 
-void Metrics::ObserveBatch(int64_t requests, int64_t rows) {
+void Metrics::ObserveBatch(const char* method, int64_t requests, int64_t rows) {
   static const std::vector<double> request_buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256};
   static const std::vector<double> row_buckets = {1,   2,   4,   8,    16,   32,   64,
                                                   128, 256, 512, 1024, 2048, 4096, 8192};
-  Series(batch_requests_, {}, request_buckets).Observe(double(requests));
-  Series(batch_rows_, {}, row_buckets).Observe(double(rows));
+  Series(batch_requests_, {{"method", method}}, request_buckets).Observe(double(requests));
+  Series(batch_rows_, {{"method", method}}, row_buckets).Observe(double(rows));
 }
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& device) {

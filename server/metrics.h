@@ -47,7 +47,7 @@ class Metrics {
   // method, and by client when it has one.
   void ObserveQueueWait(const char* method, const std::string& client, double seconds);
   // One batch of the dynamic batcher: how many requests and rows ran in one backend call.
-  void ObserveBatch(int64_t requests, int64_t rows);
+  void ObserveBatch(const char* method, int64_t requests, int64_t rows);
   // gradwire_build_info{version, device}: set once the server knows its backend.
   void SetBuildInfo(const std::string& version, const std::string& device);
 

@@ -275,10 +275,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     metrics->ObserveQueueWait(method, client, seconds);
     if (then) then(method, client, seconds);
   };
-  service.on_batch = [metrics = &s->metrics_, then = std::move(service.on_batch)](int64_t requests,
-                                                                                  int64_t rows) {
-    metrics->ObserveBatch(requests, rows);
-    if (then) then(requests, rows);
+  service.on_batch = [metrics = &s->metrics_, then = std::move(service.on_batch)](
+                         const char* method, int64_t requests, int64_t rows) {
+    metrics->ObserveBatch(method, requests, rows);
+    if (then) then(method, requests, rows);
   };
   if (service.batching.enabled()) {
     spdlog::info(

@@ -684,8 +684,9 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
 
 std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::BackwardBatch(
     const std::vector<std::string>& context_ids,
-    const std::vector<const WireBackwardRequest*>& reqs) {
+    const std::vector<const WireBackwardRequest*>& reqs, BatchRan* ran) {
   using Result = absl::StatusOr<std::optional<wire::EncodedTensor>>;
+  if (ran != nullptr) *ran = BatchRan{};
   if (context_ids.size() != reqs.size()) {
     return std::vector<Result>(
         std::max(context_ids.size(), reqs.size()),
@@ -933,7 +934,13 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
       alone.push_back(members[j].index);
     }
   }
-  if (committed > 0) batched_backwards_.fetch_add(int64_t(committed), std::memory_order_relaxed);
+  if (committed > 0) {
+    batched_backwards_.fetch_add(int64_t(committed), std::memory_order_relaxed);
+    if (ran != nullptr) {
+      ran->requests = int64_t(committed);
+      for (size_t j = 0; j < committed; ++j) ran->rows += members[j].grad_output.size(0);
+    }
+  }
   // Those that run alone count themselves there.
   compute_calls_.fetch_sub(counted - int64_t(committed), std::memory_order_relaxed);
   // First every consumed context is finished (its saved tensors freed), then each grad_input is

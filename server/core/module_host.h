@@ -182,9 +182,14 @@ class ModuleHost {
   // run alone, in order, after the ones before it were committed. Contexts that cannot share a
   // call (another module or weight workspace, checkpointed LayerNorm kinds, mixed
   // skip_grad_input or grad_layernorm_output) run alone, in order. One result per request.
+  // `ran`, when given, gets the requests and rows that ran as the one call (0 when none did).
+  struct BatchRan {
+    int64_t requests = 0;
+    int64_t rows = 0;
+  };
   std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> BackwardBatch(
       const std::vector<std::string>& context_ids,
-      const std::vector<const WireBackwardRequest*>& reqs);
+      const std::vector<const WireBackwardRequest*>& reqs, BatchRan* ran = nullptr);
   absl::Status ReleaseContext(
       const std::string& context_id,
       ContextStore::ReleaseReason reason = ContextStore::ReleaseReason::kByClient);

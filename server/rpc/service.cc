@@ -487,7 +487,7 @@ GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::By
             const wire::TensorView& in = ready[i]->prepared.f.input;
             rows += in.numel() / std::max<int64_t>(1, in.shape.back());
           }
-          if (together > 0 && options_.on_batch) options_.on_batch(together, rows);
+          if (together > 0 && options_.on_batch) options_.on_batch("Forward", together, rows);
           // Delivery and the end of each call are host work: on the control thread, so the
           // device executor goes on to the next task (another tenant's) at once.
           for (size_t i = 0; i < ready.size(); ++i) {
@@ -609,8 +609,9 @@ GradwireService::Unary* GradwireService::BatchedBackward(Ctx* ctx, const grpc::B
             reqs.push_back(&s->prepared.in);
           }
           std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> outs;
+          core::ModuleHost::BatchRan together;
           try {
-            outs = host_.BackwardBatch(contexts, reqs);
+            outs = host_.BackwardBatch(contexts, reqs, &together);
           } catch (const std::exception& e) {
             const absl::Status failed =
                 absl::InternalError(absl::StrCat("Backward failed: ", e.what()));
@@ -621,6 +622,9 @@ GradwireService::Unary* GradwireService::BatchedBackward(Ctx* ctx, const grpc::B
           for (const auto& s : ready) {  // the gradients were read: their staging goes now
             s->prepared.staged.reset();
             s->prepared.staged_ln.reset();
+          }
+          if (together.requests > 0 && options_.on_batch) {
+            options_.on_batch("Backward", together.requests, together.rows);
           }
           for (size_t i = 0; i < ready.size(); ++i) {
             env_.control().Submit(ready[i]->caller->client, [this, s = ready[i],

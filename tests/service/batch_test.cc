@@ -227,7 +227,13 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
   // in one open batch. Current scaling: each grad_input is a plain server's bits in any order.
   constexpr int kClients = 8;
   std::atomic<bool> hold{false}, held{false};
+  std::mutex mu;
+  std::vector<std::pair<std::string, int64_t>> observed;  // on_batch: method, requests
   TestServer batched([&](rpc::ServiceOptions& o) {
+    o.on_batch = [&](const char* method, int64_t requests, int64_t) {
+      std::lock_guard<std::mutex> lock(mu);
+      observed.emplace_back(method, requests);
+    };
     o.batching.max_rows = 4096;
     // Long enough for a straggler that was live but not yet in the batch when the hold let go.
     o.batching.delay = std::chrono::microseconds(200000);
@@ -273,6 +279,11 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
     for (auto& t : threads) t.join();
     blocker.join();
     EXPECT_EQ(batched.host().Stats().batched_backwards - before, kClients);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ASSERT_FALSE(observed.empty());
+      EXPECT_EQ(observed.back(), (std::pair<std::string, int64_t>("Backward", kClients)));
+    }
     for (int i = 0; i < kClients; ++i) {
       ASSERT_TRUE(got[size_t(i)].ok()) << got[size_t(i)].status();
       auto alone = p->Backward(cp[size_t(i)], gs[size_t(i)]);
