@@ -250,6 +250,11 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "GEMM, with blas one GEMM per request")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
       ->capture_default_str();
+  app.add_option("--batch-yield", config.batch_yield,
+                 "with --max-batch-rows: a running batch gives the requests it has not started "
+                 "back when another client's work is waiting, so one tenant's batch delays "
+                 "another's call by about one request (false: a batch runs whole)")
+      ->capture_default_str();
   app.add_option("--batch-delay-us", config.batch_delay_us,
                  "with --max-batch-rows: the longest a batch waits for more requests when the "
                  "device has nothing else to do (0: it runs with whoever is waiting)")
@@ -361,6 +366,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "cuda-staging-mib = " << f.cuda_staging_mib << "\n";
   out << "max-batch-rows = " << f.max_batch_rows << "\n";
   out << "batch-delay-us = " << f.batch_delay_us << "\n";
+  out << "batch-yield = " << (f.batch_yield ? "true" : "false") << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
   out << "allow-shared-memory = " << (f.allow_shared_memory ? "true" : "false") << "\n";

@@ -106,6 +106,7 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
   s.stream_read_ahead = c.stream_read_ahead;
   s.batching.max_rows = c.max_batch_rows;
   s.batching.delay = std::chrono::microseconds(c.batch_delay_us);
+  s.batching.yield = c.batch_yield;
   s.chunk_bytes = int64_t(c.chunk_kib) << 10;
   s.delivery_slack = std::chrono::milliseconds(static_cast<int64_t>(c.delivery_slack_ms));
   s.max_stream_bytes = int64_t(c.max_stream_mib) << 20;

@@ -283,8 +283,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (service.batching.enabled()) {
     spdlog::info(
         "dynamic batching on: forwards, and backwards, of one module in batches of up to {} "
-        "rows, waiting up to {} us for company ({})",
+        "rows, waiting up to {} us for company, {} ({})",
         service.batching.max_rows, service.batching.delay.count(),
+        service.batching.yield ? "yielding to other clients' waiting work between requests"
+                               : "each batch run whole",
         device.rfind("cpu", 0) != 0 ? "one GEMM per request on this backend"
         : core::GetCpuGemm() == core::CpuGemm::kOrdered
             ? "one GEMM per batch"

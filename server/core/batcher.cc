@@ -29,7 +29,9 @@ int64_t BatchFormer::open() const {
   return int64_t(state_->open.size());
 }
 
-bool BatchFormer::Run::OthersWaiting() const { return executor_.queued_besides(clients_) > 0; }
+bool BatchFormer::Run::OthersWaiting() const {
+  return yield_ && executor_.queued_besides(clients_) > 0;
+}
 
 void BatchFormer::Run::GiveBack(std::vector<Member>& members, size_t from) {
   for (size_t i = from; i < members.size(); ++i) given_back_.push_back(std::move(members[i]));
@@ -55,13 +57,14 @@ void BatchFormer::Add(const std::string& key, Member member, Runner run) {
     // opens a new one.
     if (batch->rows < options_.max_rows) state_->open[key] = batch;
   }
-  Launch(executor_, state_, options_, observer_, key, std::move(batch), std::move(run));
+  // The client is this request's own copy: once the batch is open, others join it concurrently.
+  Launch(executor_, state_, options_, observer_, key, member.client, std::move(batch),
+         std::move(run));
 }
 
 void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>& state,
                          const BatchOptions& options, const Observer& observer, std::string key,
-                         std::shared_ptr<Open> batch, Runner run) {
-  const std::string client = batch->members.front().client;
+                         std::string client, std::shared_ptr<Open> batch, Runner run) {
   executor.Submit(client, [state, batch, key = std::move(key), run = std::move(run), options,
                            observer, &executor] {
     std::vector<Member> members;
@@ -91,7 +94,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
         clients.push_back(m.client);
       }
     }
-    Run control(executor, std::move(clients));
+    Run control(executor, std::move(clients), options.yield);
     run(members, control);
     int64_t rows = 0;
     for (const Member& m : members) rows += m.rows;
@@ -102,6 +105,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
     // The rest go to the front of their key's open batch (they came first), or form a new one
     // that keeps their original start (it waited for company already).
     std::shared_ptr<Open> again;
+    std::string first_client;
     {
       std::lock_guard<std::mutex> lock(state->mu);
       int64_t rest_rows = 0;
@@ -119,9 +123,10 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
       again->first = batch->first;
       again->rows = rest_rows;
       again->members = std::move(rest);
+      first_client = again->members.front().client;
       if (it == state->open.end() && again->rows < options.max_rows) state->open[key] = again;
     }
-    Launch(executor, state, options, observer, key, std::move(again), run);
+    Launch(executor, state, options, observer, key, first_client, std::move(again), run);
   });
 }
 

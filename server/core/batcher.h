@@ -27,6 +27,7 @@ class DeviceExecutor;
 struct BatchOptions {
   int64_t max_rows = 0;                // rows of one batch, at most; <= 1: no batching
   std::chrono::microseconds delay{0};  // the longest a batch waits for company
+  bool yield = true;                   // Run::OthersWaiting may say true (else a batch runs whole)
   bool enabled() const { return max_rows > 1; }
 };
 
@@ -45,8 +46,8 @@ class BatchFormer {
   // members that ran.
   class Run {
    public:
-    Run(const DeviceExecutor& executor, std::vector<std::string> clients)
-        : executor_(executor), clients_(std::move(clients)) {}
+    Run(const DeviceExecutor& executor, std::vector<std::string> clients, bool yield = true)
+        : executor_(executor), clients_(std::move(clients)), yield_(yield) {}
     // True when a client with no member in this batch has work queued.
     bool OthersWaiting() const;
     // Members [from, end) leave `members` (the runner's vector) and go back.
@@ -56,6 +57,7 @@ class BatchFormer {
    private:
     const DeviceExecutor& executor_;
     const std::vector<std::string> clients_;
+    const bool yield_;
     std::vector<Member> given_back_;
   };
   // Runs a batch's members (all of one key, in the order they came) on the executor's thread.
@@ -88,10 +90,11 @@ class BatchFormer {
     std::condition_variable joined;
     std::map<std::string, std::shared_ptr<Open>> open;
   };
-  // Queues `batch`'s task on the executor under its first member's client.
+  // Queues `batch`'s task on the executor under `client` (its first member's, read while the
+  // batch could not change: once it is open, other requests join it concurrently).
   static void Launch(DeviceExecutor& executor, const std::shared_ptr<State>& state,
                      const BatchOptions& options, const Observer& observer, std::string key,
-                     std::shared_ptr<Open> batch, Runner run);
+                     std::string client, std::shared_ptr<Open> batch, Runner run);
 
   DeviceExecutor& executor_;
   const BatchOptions options_;
