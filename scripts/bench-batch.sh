@@ -10,8 +10,8 @@
 #    32 clients (gradwire-load --flow step), batching off and on (forwards and backwards batch).
 # 3. Fairness: two tenants of equal weight on one server, each with its own module; the light
 #    tenant (1 request in flight) alone, then next to the heavy one (32 in flight): its p99 both
-#    times; with batching on (batches yield to other clients' work, the default), on with
-#    --batch-yield false, and off.
+#    times; with batching on, on with --batch-yield true (batches yield to other clients' work),
+#    and off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/perf/batching.json}
@@ -71,10 +71,10 @@ echo "== fairness: light tenant (1 in flight) alone, then beside a heavy one (32
 printf 'heavy heavy-token-0123456789abcdef\nlight light-token-0123456789abcdef\n' > "$tmp/tokens"
 printf 'heavy-token-0123456789abcdef\n' > "$tmp/heavy.token"
 printf 'light-token-0123456789abcdef\n' > "$tmp/light.token"
-for mode in on on-noyield off; do
+for mode in on on-yield off; do
   flags="--cpu-gemm ordered --tokens-file $tmp/tokens"
   [ "$mode" = on ] && flags="$flags --max-batch-rows 256"
-  [ "$mode" = on-noyield ] && flags="$flags --max-batch-rows 256 --batch-yield false"
+  [ "$mode" = on-yield ] && flags="$flags --max-batch-rows 256 --batch-yield true"
   # shellcheck disable=SC2086
   start_server $flags
   load "light-alone-$mode" --token-file "$tmp/light.token" --flow forward --rows 1 -c 1
@@ -105,7 +105,7 @@ def ratio(a, b, key="requests_per_s"):
     return tp[a][key] / tp[b][key] if tp[b][key] else None
 steps = {n: run(n) for n in ["step-off-ordered", "step-on-ordered"]}
 fair = {m: {"light_alone": run(f"light-alone-{m}"), "light_beside_heavy": run(f"light-beside-heavy-{m}"),
-            "heavy": run(f"heavy-{m}")} for m in ("on", "on-noyield", "off")}
+            "heavy": run(f"heavy-{m}")} for m in ("on", "on-yield", "off")}
 for m, f in fair.items():
     f["light_p99_ratio"] = f["light_beside_heavy"]["p99_ms"] / f["light_alone"]["p99_ms"]
 result = {

@@ -251,9 +251,10 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
       ->capture_default_str();
   app.add_option("--batch-yield", config.batch_yield,
-                 "with --max-batch-rows: a running batch gives the requests it has not started "
-                 "back when another client's work is waiting, so one tenant's batch delays "
-                 "another's call by about one request (false: a batch runs whole)")
+                 "with --max-batch-rows: a running batch gives the requests it has not prepared "
+                 "back (once) when another client's work is waiting, so one tenant's batch "
+                 "delays another's call by one request's preparation and the batch's compute "
+                 "(false: a batch runs whole; docs/batching.md says what it gains)")
       ->capture_default_str();
   app.add_option("--batch-delay-us", config.batch_delay_us,
                  "with --max-batch-rows: the longest a batch waits for more requests when the "

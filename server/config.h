@@ -56,7 +56,7 @@ struct ServerConfig {
   std::string cpu_gemm = "blas";          // the CPU GEMMs: "blas" or "ordered" (core/cpu_gemm.h)
   int64_t max_batch_rows = 0;             // dynamic batching of inference forwards; <= 1: off
   int64_t batch_delay_us = 0;             // the longest a batch waits for company
-  bool batch_yield = true;                // a running batch yields to other clients' work
+  bool batch_yield = false;               // a running batch yields to other clients' work
   int chunk_kib = 4096;                   // chunks of the chunked calls, sent and accepted
   int max_stream_mib = 4096;              // most tensor bytes one chunked request may carry
   std::string tokens_file;                // "TENANT TOKEN" lines: bearer tokens required

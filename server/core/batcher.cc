@@ -69,6 +69,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
                            observer, &executor] {
     std::vector<Member> members;
     double waited = 0;
+    bool given_back_before = false;
     {
       std::unique_lock<std::mutex> lock(state->mu);
       if (options.delay.count() > 0 && batch->rows < options.max_rows && executor.queued() == 0) {
@@ -81,6 +82,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
       auto it = state->open.find(key);
       if (it != state->open.end() && it->second == batch) state->open.erase(it);
       members = std::move(batch->members);
+      given_back_before = batch->given_back;
     }
     auto charge = [&] {
       std::vector<std::pair<std::string, double>> shares;
@@ -94,39 +96,55 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
         clients.push_back(m.client);
       }
     }
-    Run control(executor, std::move(clients), options.yield);
-    run(members, control);
+    // A batch holding requests given back once does not yield again: each request is cut at
+    // most once, so two busy tenants cannot split each other's batches down to single requests.
+    Run control(executor, std::move(clients), options.yield && !given_back_before);
+    // The rest go to the front of their key's open batch (they came first), or form a new one
+    // that keeps their original start (it waited for company already). The executor has one
+    // worker: the open batch's task cannot be running now, so it has not taken its members.
+    auto requeue = [&] {
+      std::vector<Member>& rest = control.given_back();
+      if (rest.empty()) return;
+      std::shared_ptr<Open> again;
+      std::string first_client;
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        int64_t rest_rows = 0;
+        for (const Member& m : rest) rest_rows += m.rows;
+        auto it = state->open.find(key);
+        if (it != state->open.end() && it->second->rows + rest_rows <= options.max_rows) {
+          Open& open = *it->second;
+          open.members.insert(open.members.begin(), std::make_move_iterator(rest.begin()),
+                              std::make_move_iterator(rest.end()));
+          open.rows += rest_rows;
+          open.first = std::min(open.first, batch->first);
+          open.given_back = true;
+          rest.clear();
+          return;
+        }
+        again = std::make_shared<Open>();
+        again->first = batch->first;
+        again->rows = rest_rows;
+        again->members = std::move(rest);
+        again->given_back = true;
+        rest.clear();
+        first_client = again->members.front().client;
+        if (it == state->open.end() && again->rows < options.max_rows) state->open[key] = again;
+      }
+      Launch(executor, state, options, observer, key, first_client, std::move(again), run);
+    };
+    try {
+      run(members, control);
+    } catch (...) {
+      requeue();  // what was given back still runs
+      throw;
+    }
     int64_t rows = 0;
     for (const Member& m : members) rows += m.rows;
     if (observer && !members.empty()) observer(int64_t(members.size()), rows);
-    std::vector<Member>& rest = control.given_back();
-    if (rest.empty()) return;
+    if (control.given_back().empty()) return;
     charge();  // only the members that ran pay for this task
-    // The rest go to the front of their key's open batch (they came first), or form a new one
-    // that keeps their original start (it waited for company already).
-    std::shared_ptr<Open> again;
-    std::string first_client;
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      int64_t rest_rows = 0;
-      for (const Member& m : rest) rest_rows += m.rows;
-      auto it = state->open.find(key);
-      if (it != state->open.end() && it->second->rows + rest_rows <= options.max_rows) {
-        Open& open = *it->second;
-        open.members.insert(open.members.begin(), std::make_move_iterator(rest.begin()),
-                            std::make_move_iterator(rest.end()));
-        open.rows += rest_rows;
-        open.first = std::min(open.first, batch->first);
-        return;
-      }
-      again = std::make_shared<Open>();
-      again->first = batch->first;
-      again->rows = rest_rows;
-      again->members = std::move(rest);
-      first_client = again->members.front().client;
-      if (it == state->open.end() && again->rows < options.max_rows) state->open[key] = again;
-    }
-    Launch(executor, state, options, observer, key, first_client, std::move(again), run);
+    requeue();
   });
 }
 

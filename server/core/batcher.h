@@ -27,7 +27,7 @@ class DeviceExecutor;
 struct BatchOptions {
   int64_t max_rows = 0;                // rows of one batch, at most; <= 1: no batching
   std::chrono::microseconds delay{0};  // the longest a batch waits for company
-  bool yield = true;                   // Run::OthersWaiting may say true (else a batch runs whole)
+  bool yield = false;                  // Run::OthersWaiting may say true (else a batch runs whole)
   bool enabled() const { return max_rows > 1; }
 };
 
@@ -46,9 +46,10 @@ class BatchFormer {
   // members that ran.
   class Run {
    public:
-    Run(const DeviceExecutor& executor, std::vector<std::string> clients, bool yield = true)
+    Run(const DeviceExecutor& executor, std::vector<std::string> clients, bool yield)
         : executor_(executor), clients_(std::move(clients)), yield_(yield) {}
-    // True when a client with no member in this batch has work queued.
+    // True when yielding is on for this batch and a client with no member in it has work queued
+    // (housekeeping, queued as client "", does not count).
     bool OthersWaiting() const;
     // Members [from, end) leave `members` (the runner's vector) and go back.
     void GiveBack(std::vector<Member>& members, size_t from);
@@ -84,6 +85,7 @@ class BatchFormer {
     std::vector<Member> members;
     int64_t rows = 0;
     std::chrono::steady_clock::time_point first;
+    bool given_back = false;  // holds requests a batch gave back: it does not yield
   };
   struct State {
     std::mutex mu;

@@ -73,12 +73,13 @@ int64_t DeviceExecutor::queued(const std::string& client) const {
 
 int64_t DeviceExecutor::queued_besides(const std::vector<std::string>& clients) const {
   std::lock_guard<std::mutex> lock(mu_);
-  int64_t n = 0;
-  for (const auto& [client, q] : queues_) {
-    if (!q.tasks.empty() && std::find(clients.begin(), clients.end(), client) == clients.end()) {
-      n += int64_t(q.tasks.size());
-    }
-  }
+  int64_t n = queued_;
+  auto drop = [&](const std::string& client) {
+    auto it = queues_.find(client);
+    if (it != queues_.end()) n -= int64_t(it->second.tasks.size());
+  };
+  for (const std::string& client : clients) drop(client);
+  if (std::find(clients.begin(), clients.end(), std::string()) == clients.end()) drop({});
   return n;
 }
 

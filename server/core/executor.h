@@ -58,7 +58,8 @@ class DeviceExecutor {
   // Tasks queued and not yet started, in all and of one client.
   int64_t queued() const;
   int64_t queued(const std::string& client) const;
-  // Tasks queued for clients other than these (a batch yielding to other clients).
+  // Tasks queued for clients other than these and other than housekeeping's "" (a batch
+  // yielding to other clients).
   int64_t queued_besides(const std::vector<std::string>& clients) const;
   // Clients the executor keeps state for (those queued, or owing run time); tests. Idle clients
   // past kMaxClients are forgotten, debts and all.

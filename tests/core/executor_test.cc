@@ -305,10 +305,11 @@ TEST(BatchFormerTest, ADelayedBatchRunsOnceFull) {
 TEST(BatchFormerTest, ABatchYieldsToAnotherClientsWorkBetweenItsMembers) {
   // The heavy client's five requests wait together; while the batch runs its second, a light
   // client's task arrives. The batch gives its last three back, the light task runs, then they
-  // do, as a batch of their own, charged only for themselves.
+  // do, as a batch of their own. That batch does not yield again: a second light task that
+  // arrives while it runs waits for its end.
   DeviceExecutor executor("test");
   Batches b;
-  BatchFormer former(executor, {100, std::chrono::microseconds(0)}, b.Observer());
+  BatchFormer former(executor, {100, std::chrono::microseconds(0), /*yield=*/true}, b.Observer());
   std::mutex mu;
   std::vector<std::string> order;
   auto record = [&](const std::string& what) {
@@ -321,6 +322,7 @@ TEST(BatchFormerTest, ABatchYieldsToAnotherClientsWorkBetweenItsMembers) {
       const std::string name = *std::static_pointer_cast<std::string>(members[i].item);
       record(name);
       if (name == "h1") executor.Submit("light", [&] { record("light"); });
+      if (name == "h2") executor.Submit("light", [&] { record("light again"); });
       if (i + 1 < members.size() && run.OthersWaiting()) {
         run.GiveBack(members, i + 1);
         break;
@@ -337,11 +339,12 @@ TEST(BatchFormerTest, ABatchYieldsToAnotherClientsWorkBetweenItsMembers) {
     std::lock_guard<std::mutex> lock(mu);
     return order.size();
   };
-  for (int i = 0; i < 30000 && size() < 6; ++i)
+  for (int i = 0; i < 30000 && size() < 7; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   Drain(executor);
   std::lock_guard<std::mutex> lock(mu);
-  EXPECT_EQ(order, (std::vector<std::string>{"h0", "h1", "light", "h2", "h3", "h4"}));
+  EXPECT_EQ(order,
+            (std::vector<std::string>{"h0", "h1", "light", "h2", "h3", "h4", "light again"}));
   std::lock_guard<std::mutex> lock2(b.mu);
   EXPECT_EQ(b.observed, (std::vector<std::pair<int64_t, int64_t>>{{2, 2}, {3, 3}}));
   EXPECT_EQ(former.open(), 0);
@@ -352,7 +355,7 @@ TEST(BatchFormerTest, GivenBackMembersGoBeforeLaterOnesOfTheirKey) {
   // back go to its front, so the order the requests came in holds.
   DeviceExecutor executor("test");
   Batches b;
-  BatchFormer former(executor, {100, std::chrono::microseconds(0)});
+  BatchFormer former(executor, {100, std::chrono::microseconds(0), /*yield=*/true}, b.Observer());
   std::mutex mu;
   std::vector<std::string> order;
   BatchFormer::Runner runner;
@@ -386,6 +389,30 @@ TEST(BatchFormerTest, GivenBackMembersGoBeforeLaterOnesOfTheirKey) {
   Drain(executor);
   std::lock_guard<std::mutex> lock(mu);
   EXPECT_EQ(order, (std::vector<std::string>{"a0", "a1", "a2", "a3"}));
+  // a0 ran alone; a1 and a2 were given back into a3's batch.
+  std::lock_guard<std::mutex> lock2(b.mu);
+  EXPECT_EQ(b.observed, (std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 3}}));
+}
+
+TEST(BatchFormerTest, WithoutYieldABatchRunsWhole) {
+  DeviceExecutor executor("test");
+  Batches b;
+  BatchFormer former(executor, {100, std::chrono::microseconds(0)}, b.Observer());  // the default
+  std::atomic<bool> others{false};
+  BatchFormer::Runner runner = [&](std::vector<BatchFormer::Member>& members,
+                                   BatchFormer::Run& run) {
+    executor.Submit("light", [] {});
+    others = run.OthersWaiting();
+    b.Runner()(members, run);
+  };
+  Gate gate;
+  gate.Submit(executor);
+  for (int i = 0; i < 3; ++i) former.Add("m", b.Member("heavy", 1, std::to_string(i)), runner);
+  gate.Open();
+  Drain(executor);
+  EXPECT_FALSE(others.load());
+  std::lock_guard<std::mutex> lock(b.mu);
+  EXPECT_EQ(b.ran, (std::vector<std::vector<std::string>>{{"0", "1", "2"}}));
 }
 
 }  // namespace
