@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "server/core/cpu_gemm.h"
+#include "server/rpc/auth.h"
 #include "test_server.h"
 
 namespace gradwire::testing {
@@ -292,6 +293,69 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
     }
     EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
   }
+}
+
+TEST_P(BatchServiceTest, TwoBusyTenantsWithYieldGetAPlainServersBits) {
+  // --batch-yield true with two tenants keeping the device busy: batches give requests back to
+  // each other's waiting work. Every forward and backward still gets a plain server's bits and
+  // every call ends once.
+  auto auth = rpc::Authenticator::FromEntries(
+      {{"alice", "alice-token-0123456789abcdef"}, {"bob", "bob-token-0123456789abcdef"}});
+  ASSERT_TRUE(auth.ok());
+  TestServerOptions o;
+  o.authenticator = &*auth;
+  o.configure = [](rpc::ServiceOptions& s) {
+    s.batching.max_rows = 512;
+    s.batching.yield = true;
+  };
+  TestServer batched(o);
+  TestServer plain;
+  ASSERT_TRUE(batched.ok() && plain.ok());
+  auto p = plain.Connect();
+  const std::string on_plain = CreateModule(*p, v1::LAYERNORM_LINEAR, 8);
+  std::vector<std::unique_ptr<client::Client>> owners;
+  std::vector<std::string> modules;
+  for (const char* token : {"alice-token-0123456789abcdef", "bob-token-0123456789abcdef"}) {
+    owners.push_back(batched.Connect(token));
+    modules.push_back(CreateModule(*owners.back(), v1::LAYERNORM_LINEAR, 8));
+  }
+  constexpr int kThreads = 6, kCalls = 15;
+  struct Done {
+    client::HostTensor x, g;
+    absl::StatusOr<client::ForwardResult> fwd = absl::UnknownError("not run");
+    absl::StatusOr<client::HostTensor> bwd = absl::UnknownError("not run");
+  };
+  std::vector<std::vector<Done>> done(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto c =
+          batched.Connect(t % 2 ? "bob-token-0123456789abcdef" : "alice-token-0123456789abcdef");
+      for (int i = 0; i < kCalls; ++i) {
+        Done d;
+        d.x = Random({1 + (t + i) % 3, kIn});
+        d.g = Random({1 + (t + i) % 3, kOut});
+        d.fwd = c->Forward(modules[size_t(t % 2)], d.x, true);
+        if (d.fwd.ok()) d.bwd = c->Backward(d.fwd->context_id, d.g);
+        done[size_t(t)].push_back(std::move(d));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    for (const Done& d : done[size_t(t)]) {
+      ASSERT_TRUE(d.fwd.ok()) << d.fwd.status();
+      ASSERT_TRUE(d.bwd.ok()) << d.bwd.status();
+      auto f = p->Forward(on_plain, d.x, true);
+      ASSERT_TRUE(f.ok());
+      EXPECT_EQ(d.fwd->output.data, f->output.data);
+      auto g = p->Backward(f->context_id, d.g);
+      ASSERT_TRUE(g.ok());
+      EXPECT_EQ(d.bwd->data, g->data);
+    }
+  }
+  EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
+  EXPECT_TRUE(WaitFor([] { return rpc::GradwireService::live_calls() <= 1; }));
 }
 
 TEST_P(BatchServiceTest, BadRequestsGetTheirErrorsWithBatchingOn) {
