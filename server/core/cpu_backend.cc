@@ -303,21 +303,32 @@ class CpuBackend final : public ReferenceBackend {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::FpropGroups(x, w, bias);
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Decoded b = DecodeRowwise(w);
-    kernels::cpu::Scratch a = kernels::cpu::TakeScratch(size_t(x.rows * x.cols) * sizeof(float));
+    const GroupedRows a = DecodeGroups(x, w.scale_inv);
+    at::Tensor y = Empty({x.rows, w.rows});
+    Ordered(x.rows, w.rows, x.cols, 1.0f, a.codes.floats(), b.data,
+            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+            a.row_scale.data());
+    return y;
+  }
+  // The A operand of a batch's ordered GEMM: each group's codes decoded into its rows of one
+  // scratch operand, and each row's scale (its group's scale_inv x the other operand's), which
+  // is the scalar the group's own GEMM would use.
+  struct GroupedRows {
+    kernels::cpu::Scratch codes;
     std::vector<float> row_scale;
-    row_scale.reserve(size_t(x.rows));
+  };
+  static GroupedRows DecodeGroups(const Fp8Tensor& x, float other_scale_inv) {
+    GroupedRows out;
+    out.codes = kernels::cpu::TakeScratch(size_t(x.rows * x.cols) * sizeof(float));
+    out.row_scale.reserve(size_t(x.rows));
     int64_t row = 0;
     for (const Fp8Tensor& g : x.groups) {
       kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
-                                a.floats() + row * x.cols);
-      row_scale.insert(row_scale.end(), size_t(g.rows), g.scale_inv * w.scale_inv);
+                                out.codes.floats() + row * x.cols);
+      out.row_scale.insert(out.row_scale.end(), size_t(g.rows), g.scale_inv * other_scale_inv);
       row += g.rows;
     }
-    at::Tensor y = Empty({x.rows, w.rows});
-    Ordered(x.rows, w.rows, x.cols, 1.0f, a.floats(), b.data,
-            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-            row_scale.data());
-    return y;
+    return out;
   }
   // What the ordered GEMM reads as B for a dgrad: W^T [K, N], the columnwise copy, else W's rows
   // transposed into scratch.
@@ -368,19 +379,10 @@ class CpuBackend final : public ReferenceBackend {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::DgradGroups(dy, w);
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Decoded bt = OrderedDgradOperand(w);
-    kernels::cpu::Scratch a = kernels::cpu::TakeScratch(size_t(dy.rows * dy.cols) * sizeof(float));
-    std::vector<float> row_scale;
-    row_scale.reserve(size_t(dy.rows));
-    int64_t row = 0;
-    for (const Fp8Tensor& g : dy.groups) {
-      kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
-                                a.floats() + row * dy.cols);
-      row_scale.insert(row_scale.end(), size_t(g.rows), g.scale_inv * w.scale_inv);
-      row += g.rows;
-    }
+    const GroupedRows a = DecodeGroups(dy, w.scale_inv);
     at::Tensor dx = Empty({dy.rows, w.cols});
-    Ordered(dy.rows, w.cols, dy.cols, 1.0f, a.floats(), bt.data, nullptr, dx.data_ptr<float>(),
-            row_scale.data());
+    Ordered(dy.rows, w.cols, dy.cols, 1.0f, a.codes.floats(), bt.data, nullptr,
+            dx.data_ptr<float>(), a.row_scale.data());
     return dx;
   }
   void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,

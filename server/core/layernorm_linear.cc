@@ -62,23 +62,20 @@ void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNo
   if (args.compute_grad_input) result->grad_input = dx.size() == 1 ? dx[0] : at::cat(dx, 0);
 }
 
-absl::StatusOr<LayerNormStack> StackLayerNorm(const std::vector<const LayerNormSaved*>& parts) {
-  LayerNormStack out;
-  if (parts.empty()) return absl::InternalError("no contexts to stack");
+bool StackLayerNorm(const std::vector<const LayerNormSaved*>& parts, LayerNormSaved* out) {
+  if (parts.empty()) return false;
   std::vector<at::Tensor> input, mu, rstd;
   for (const LayerNormSaved* p : parts) {
-    if (p == nullptr || !p->workspace || p->workspace != parts[0]->workspace) {
-      return absl::FailedPreconditionError("the contexts do not share one workspace");
-    }
+    if (p == nullptr || !p->workspace || p->workspace != parts[0]->workspace) return false;
     input.push_back(p->input);
     mu.push_back(p->mu);
     rstd.push_back(p->rstd);
   }
-  out.input = at::cat(input, 0);
-  out.mu = at::cat(mu, 0);
-  out.rstd = at::cat(rstd, 0);
-  out.workspace = parts[0]->workspace;
-  return out;
+  out->input = at::cat(input, 0);
+  out->mu = at::cat(mu, 0);
+  out->rstd = at::cat(rstd, 0);
+  out->workspace = parts[0]->workspace;
+  return true;
 }
 
 absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& args) {
@@ -166,13 +163,8 @@ std::shared_ptr<SavedTensors> LayerNormLinearStackSaved(
     ln.push_back(one);
     ln_out.push_back(one->ln_out);
   }
-  absl::StatusOr<LayerNormStack> stack = StackLayerNorm(ln);
-  if (!stack.ok()) return nullptr;
   auto out = std::make_shared<LayerNormLinearSaved>();
-  out->input = std::move(stack->input);
-  out->mu = std::move(stack->mu);
-  out->rstd = std::move(stack->rstd);
-  out->workspace = std::move(stack->workspace);
+  if (!StackLayerNorm(ln, out.get())) return nullptr;
   out->ln_out = StackRows(std::move(ln_out));
   return out;
 }

@@ -58,12 +58,9 @@ void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNo
                    const LayerNormParams& ln, at::Tensor d_ln, KindBackwardResult* result);
 
 // A batch of backwards (StackSaved): the LayerNorm state of several contexts of one workspace,
-// stacked by rows in order; FAILED_PRECONDITION when their workspaces differ.
-struct LayerNormStack {
-  at::Tensor input, mu, rstd;
-  WorkspacePtr workspace;
-};
-absl::StatusOr<LayerNormStack> StackLayerNorm(const std::vector<const LayerNormSaved*>& parts);
+// stacked by rows in order, into `out` (input, mu, rstd, workspace); false when their
+// workspaces differ.
+bool StackLayerNorm(const std::vector<const LayerNormSaved*>& parts, LayerNormSaved* out);
 std::shared_ptr<SavedTensors> LayerNormLinearStackSaved(
     const std::vector<const SavedTensors*>& parts);
 

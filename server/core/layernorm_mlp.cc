@@ -166,13 +166,8 @@ std::shared_ptr<SavedTensors> LayerNormMlpStackSaved(
     act_out.push_back(one->act_out);
     fc1_out.push_back(one->fc1_out);
   }
-  absl::StatusOr<LayerNormStack> stack = StackLayerNorm(ln);
-  if (!stack.ok()) return nullptr;
   auto out = std::make_shared<LayerNormMlpSaved>();
-  out->input = std::move(stack->input);
-  out->mu = std::move(stack->mu);
-  out->rstd = std::move(stack->rstd);
-  out->workspace = std::move(stack->workspace);
+  if (!StackLayerNorm(ln, out.get())) return nullptr;
   out->ln_out = StackRows(std::move(ln_out));
   out->act_out = StackRows(std::move(act_out));
   out->fc1_out = at::cat(fc1_out, 0);

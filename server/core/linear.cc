@@ -85,19 +85,19 @@ absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args) 
 }
 
 std::shared_ptr<SavedTensors> LinearStackSaved(const std::vector<const SavedTensors*>& parts) {
-  if (parts.empty()) return nullptr;
-  auto out = std::make_shared<LinearSaved>();
+  const auto* first = parts.empty() ? nullptr : dynamic_cast<const LinearSaved*>(parts[0]);
+  if (first == nullptr || !first->workspace) return nullptr;
   std::vector<Fp8Tensor> inputs;
   for (const SavedTensors* part : parts) {
     const auto* one = dynamic_cast<const LinearSaved*>(part);
-    if (one == nullptr || one->input.grouped() || !one->workspace ||
-        one->workspace != dynamic_cast<const LinearSaved*>(parts[0])->workspace) {
+    if (one == nullptr || one->input.grouped() || one->workspace != first->workspace) {
       return nullptr;
     }
     inputs.push_back(one->input);  // the codes are shared, not copied
   }
+  auto out = std::make_shared<LinearSaved>();
   out->input = StackRows(std::move(inputs));
-  out->workspace = dynamic_cast<const LinearSaved*>(parts[0])->workspace;
+  out->workspace = first->workspace;
   return out;
 }
 

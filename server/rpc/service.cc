@@ -39,6 +39,29 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 // Whose shared-memory regions a caller sees: its tenant with tokens, else everyone's.
 std::string RegionOwner(const Caller& caller) { return caller.isolated ? caller.tenant : ""; }
 
+// A batch's first half (docs/batching.md): runs each member's queued work up to its compute (its
+// checks and cancellation; a member answered there drops out) and returns the members still
+// waiting for the compute. With yielding on, it stops after the member it is on when another
+// client's work waits, and gives the members not started back to the batch former.
+template <typename Slot>
+std::vector<std::shared_ptr<Slot>> PrepareMembers(std::vector<core::BatchFormer::Member>& members,
+                                                  core::BatchFormer::Run& run) {
+  std::vector<std::shared_ptr<Slot>> ready;
+  ready.reserve(members.size());
+  for (size_t i = 0; i < members.size(); ++i) {
+    auto s = std::static_pointer_cast<Slot>(members[i].item);
+    std::function<void()> task = std::move(s->task);
+    s->task = nullptr;
+    task();
+    if (s->pending) ready.push_back(std::move(s));
+    if (i + 1 < members.size() && run.OthersWaiting()) {
+      run.GiveBack(members, i + 1);
+      break;
+    }
+  }
+  return ready;
+}
+
 const std::string* TenantOf(const Caller& caller) {
   return caller.isolated ? &caller.tenant : nullptr;
 }
@@ -449,21 +472,7 @@ GradwireService::Unary* GradwireService::BatchedForward(Ctx* ctx, const grpc::By
         batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members, auto& run) {
           // Each request's work up to the compute (its own checks, its own cancellation), then
           // one compute for those still there, then each one's delivery and end.
-          std::vector<std::shared_ptr<Slot>> ready;
-          ready.reserve(members.size());
-          for (size_t i = 0; i < members.size(); ++i) {
-            auto s = std::static_pointer_cast<Slot>(members[i].item);
-            std::function<void()> task = std::move(s->task);
-            s->task = nullptr;
-            task();
-            if (s->pending) ready.push_back(std::move(s));
-            // Another client's work waits: the members not started yield to it (they go back
-            // to the front of their key's batch), so the batch delays it by about one request.
-            if (i + 1 < members.size() && run.OthersWaiting()) {
-              run.GiveBack(members, i + 1);
-              break;
-            }
-          }
+          std::vector<std::shared_ptr<Slot>> ready = PrepareMembers<Slot>(members, run);
           if (ready.empty()) return;
           std::vector<const core::WireForwardRequest*> reqs;
           for (const auto& s : ready) reqs.push_back(&s->prepared.f);
@@ -586,21 +595,7 @@ GradwireService::Unary* GradwireService::BatchedBackward(Ctx* ctx, const grpc::B
         batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members, auto& run) {
           // Each request's work up to the compute, one compute for those still there, then each
           // one's delivery and end, as for forwards.
-          std::vector<std::shared_ptr<Slot>> ready;
-          ready.reserve(members.size());
-          for (size_t i = 0; i < members.size(); ++i) {
-            auto s = std::static_pointer_cast<Slot>(members[i].item);
-            std::function<void()> task = std::move(s->task);
-            s->task = nullptr;
-            task();
-            if (s->pending) ready.push_back(std::move(s));
-            // Another client's work waits: the members not started yield to it (they go back
-            // to the front of their key's batch), so the batch delays it by about one request.
-            if (i + 1 < members.size() && run.OthersWaiting()) {
-              run.GiveBack(members, i + 1);
-              break;
-            }
-          }
+          std::vector<std::shared_ptr<Slot>> ready = PrepareMembers<Slot>(members, run);
           if (ready.empty()) return;
           std::vector<std::string> contexts;
           std::vector<const core::WireBackwardRequest*> reqs;

@@ -302,6 +302,18 @@ TEST(BatchFormerTest, ADelayedBatchRunsOnceFull) {
   EXPECT_EQ(b.ran[0], (std::vector<std::string>{"0", "1", "2"}));
 }
 
+// Polls (up to 30 s) until `log`, guarded by `mu`, holds `n` entries: a test whose batches must
+// run with no other work queued waits for them this way before it drains the executor.
+void WaitForEntries(std::mutex& mu, const std::vector<std::string>& log, size_t n) {
+  for (int i = 0; i < 30000; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (log.size() >= n) return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 TEST(BatchFormerTest, ABatchYieldsToAnotherClientsWorkBetweenItsMembers) {
   // The heavy client's five requests wait together; while the batch runs its second, a light
   // client's task arrives. The batch gives its last three back, the light task runs, then they
@@ -335,12 +347,7 @@ TEST(BatchFormerTest, ABatchYieldsToAnotherClientsWorkBetweenItsMembers) {
     former.Add("m", b.Member("heavy", 1, "h" + std::to_string(i)), runner);
   gate.Open();
   // No other work may be queued while the batch runs: wait for its end, then drain.
-  auto size = [&] {
-    std::lock_guard<std::mutex> lock(mu);
-    return order.size();
-  };
-  for (int i = 0; i < 30000 && size() < 7; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  WaitForEntries(mu, order, 7);
   Drain(executor);
   std::lock_guard<std::mutex> lock(mu);
   EXPECT_EQ(order,
@@ -380,12 +387,7 @@ TEST(BatchFormerTest, GivenBackMembersGoBeforeLaterOnesOfTheirKey) {
   gate.Submit(executor);
   for (int i = 0; i < 3; ++i) former.Add("k", b.Member("a", 1, "a" + std::to_string(i)), runner);
   gate.Open();
-  auto size = [&] {
-    std::lock_guard<std::mutex> lock(mu);
-    return order.size();
-  };
-  for (int i = 0; i < 30000 && size() < 4; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  WaitForEntries(mu, order, 4);
   Drain(executor);
   std::lock_guard<std::mutex> lock(mu);
   EXPECT_EQ(order, (std::vector<std::string>{"a0", "a1", "a2", "a3"}));
