@@ -12,6 +12,15 @@ struct PlainLoader {
   __device__ float operator()(int64_t r, int64_t c) const { return x[r * cols + c]; }
 };
 
+// bfloat16 is the upper half of a float32: widening is a shift, exact.
+struct Bf16Loader {
+  const uint16_t* x;
+  int64_t cols;
+  __device__ float operator()(int64_t r, int64_t c) const {
+    return __uint_as_float(uint32_t(x[r * cols + c]) << 16);
+  }
+};
+
 __global__ void AmaxKernel(const float* x, int64_t n, uint32_t* amax_bits) {
   uint32_t amax = 0;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -81,6 +90,19 @@ void CastTranspose(const float* x, int64_t rows, int64_t cols, const Fp8Output& 
                    cudaStream_t stream) {
   detail::RunTileCast("CastTranspose", PlainLoader{x, cols}, rows, cols, nullptr, &out, nullptr,
                       stream);
+}
+
+void CastTransposeBf16(const uint16_t* x, int64_t rows, int64_t cols, const Fp8Output& out,
+                       cudaStream_t stream) {
+  detail::RunTileCast("CastTransposeBf16", Bf16Loader{x, cols}, rows, cols, nullptr, &out, nullptr,
+                      stream);
+}
+
+void CastTransposeDbiasBf16(const uint16_t* x, int64_t rows, int64_t cols, const Fp8Output& out,
+                            float* dbias, cudaStream_t stream) {
+  if (dbias == nullptr) throw std::invalid_argument("CastTransposeDbiasBf16: dbias is null");
+  detail::RunTileCast("CastTransposeDbiasBf16", Bf16Loader{x, cols}, rows, cols, nullptr, &out,
+                      dbias, stream);
 }
 
 void CastTransposeDbias(const float* x, int64_t rows, int64_t cols, const Fp8Output& out,

@@ -579,12 +579,16 @@ if want staging; then
 fi
 
 # Last, if there is time: the same f32 step with the tensors through shared memory (a client on
-# the server's host), then with FP8 on the wire, a quarter of f32's bytes.
+# the server's host), then with FP8 on the wire, a quarter of f32's bytes, then with bf16.
 if want server-step-shm && [ "$(left)" -ge 60 ]; then
   server_step server-step-shm f32 "$(cap 75 0)" shm
 fi
 if want server-step-fp8 && [ "$(left)" -ge 60 ]; then
   server_step server-step-fp8 fp8 "$(cap 75 0)"
+fi
+# bf16 on the wire: half f32's bytes, kept bf16 on the GPU up to the Linear's cast.
+if want server-step-bf16 && [ "$(left)" -ge 60 ]; then
+  server_step server-step-bf16 bf16 "$(cap 75 0)"
 fi
 
 reached_end=1

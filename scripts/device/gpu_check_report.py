@@ -274,7 +274,9 @@ def targets(parity, service, demo_rows, step, gemm, modules, with_torch):
             r >= 0.85, f"{step['remote_steps_per_s']:.3f} / {step['inprocess_steps_per_s']:.3f} "
                        f"steps/s = {r:.3f}")
     # The module-step targets belong to the GPU fast-path work; recorded as they stand.
-    for name, want in (("linear", 1.7), ("layernorm_mlp", 1.6)):
+    # linear_bf16: the same Linear with bf16 activations and gradients in and out, as the fast
+    # path moves them (gradwire-cuda-bench composes it; the server does not run it yet).
+    for name, want in (("linear", 1.7), ("linear_bf16", 1.7), ("layernorm_mlp", 1.6)):
         row = next((m for m in modules if m.get("name") == name), None)
         key = f"{name}_step_ge_{want}x_bf16 (fast-path work, recorded only)"
         if row is None or "speedup_step" not in row:
@@ -350,6 +352,8 @@ def main():
         "server_step": step,
         # The same step with FP8 on the wire (not a target: what the wire format is worth).
         "server_step_fp8_wire": server_step(work, "server-step-fp8"),
+        # With bf16 on the wire (half the bytes; the input reaches the cast as bf16).
+        "server_step_bf16_wire": server_step(work, "server-step-bf16"),
         # The f32 step with the tensors through shared memory (a client on the server's host).
         "server_step_shared_memory": server_step(work, "server-step-shm"),
         # Host<->GPU copies of one step tensor, pageable and pinned (scripts/device/host_copies.py).

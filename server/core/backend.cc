@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <stdexcept>
 #include <vector>
 
 namespace gradwire::core {
@@ -31,6 +34,50 @@ at::Tensor Backend::DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const {
   parts.reserve(dy.groups.size());
   for (const Fp8Tensor& g : dy.groups) parts.push_back(Dgrad(g, w));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
+at::Tensor Backend::FromWireBf16(const wire::TensorView& v, int64_t rows, int64_t cols) const {
+  if (v.dtype != wire::DType::kBF16 || rows * cols != v.numel()) {
+    throw std::logic_error("FromWireBf16: not a bf16 view of rows x cols");
+  }
+  const auto options = at::TensorOptions().dtype(at::kBFloat16);
+  at::Tensor host;
+  if (reinterpret_cast<uintptr_t>(v.data) % 2 == 0) {
+    host = at::from_blob(const_cast<void*>(v.data), {rows, cols}, options);
+  } else {  // protobuf keeps no alignment promise: one aligned copy
+    host = at::empty({rows, cols}, options);
+    std::memcpy(host.data_ptr(), v.data, size_t(rows * cols) * 2);
+  }
+  return ToDevice(host);
+}
+
+absl::StatusOr<Fp8Tensor> Backend::LayerNormCast(const at::Tensor& x, const LayerNormParams& ln,
+                                                 const QuantizerConfig& config, CastUsage usage,
+                                                 bool keep_y, LayerNormOut* ln_out) const {
+  LayerNormOut out = LayerNormForward(x, ln);
+  absl::StatusOr<Fp8Tensor> cast = Cast(out.y, config, usage);
+  if (!keep_y) out.y = at::Tensor();
+  if (ln_out != nullptr) *ln_out = std::move(out);
+  return cast;
+}
+
+absl::StatusOr<Fp8Tensor> Backend::ActivationCast(kernels::Activation act, const at::Tensor& in,
+                                                  int64_t width, const QuantizerConfig& config,
+                                                  CastUsage usage, at::Tensor* y) const {
+  at::Tensor out = ActivationForward(act, in, width);
+  absl::StatusOr<Fp8Tensor> cast = Cast(out, config, usage);
+  if (y != nullptr) *y = std::move(out);
+  return cast;
+}
+
+absl::StatusOr<Fp8Tensor> Backend::DActivationCast(kernels::Activation act, const at::Tensor& dout,
+                                                   const at::Tensor& in, int64_t width,
+                                                   const QuantizerConfig& config, CastUsage usage,
+                                                   at::Tensor* din) const {
+  at::Tensor out = ActivationBackward(act, dout, in, width);
+  absl::StatusOr<Fp8Tensor> cast = Cast(out, config, usage);
+  if (din != nullptr) *din = std::move(out);
+  return cast;
 }
 
 namespace {

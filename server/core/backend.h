@@ -63,7 +63,8 @@ class Backend {
 
   // Casts x (fp32 [rows, cols]) to FP8 under `config` (delayed: config.scale; current: from
   // x's amax with config.margin), writing the copies `usage` asks for. The result's amax is
-  // x's amax whatever the recipe.
+  // x's amax whatever the recipe. x may also be bfloat16 (FromWireBf16): the cast is then that
+  // of its exact fp32 widening, bit for bit.
   virtual absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
                                          CastUsage usage) const = 0;
   // An FP8 tensor from host codes that arrived already cast (rows x cols, row-major) with their
@@ -81,6 +82,10 @@ class Backend {
   // for, so a module can use them without re-quantizing.
   virtual at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                               Fp8Tensor* codes, CastUsage usage) const = 0;
+  // A bf16 view (v.dtype kBF16) as it arrived: bfloat16 [rows, cols] on this device, not widened
+  // (2 bytes per element cross to a GPU), for a kind that UsesBf16Input (its casts read bf16).
+  // The default takes the host bytes (borrowed when aligned, as FromWire may) and ToDevice.
+  virtual at::Tensor FromWireBf16(const wire::TensorView& v, int64_t rows, int64_t cols) const;
   // Encodes x (fp32 on this device) as `dtype` into host bytes, rounding as the wire codec does;
   // FP8 takes a scale from x's own amax (current scaling, margin 0). `shape` is what the
   // encoded tensor reports (x's element count).
@@ -106,6 +111,32 @@ class Backend {
   // d act(in) given dout [M, width]: [M, (gated ? 2 : 1) * width].
   virtual at::Tensor ActivationBackward(kernels::Activation act, const at::Tensor& dout,
                                         const at::Tensor& in, int64_t width) const = 0;
+
+  // Fused forms: an op and the FP8 cast of its result, which a backend may run as one kernel that
+  // never writes the fp32 result it does not need (docs/backends.md, "Fused forms"). Each has a
+  // composed default (the op, then Cast): a backend's fused form gives that default's results bit
+  // for bit (tests/core/backend_parity_test.cc, FusedParity), so modules call the fused forms
+  // everywhere and a batch's per-request casts (CastRows, which composes) match them. The config
+  // casts one tensor (its row_groups are not read here; fp8_ops.h's *Rows helpers split them).
+  enum class Fused { kLayerNormCast, kActivationCast, kDActivationCast };
+  // True when this backend runs `form` as one kernel instead of the composed default.
+  virtual bool Fuses(Fused form) const {
+    (void)form;
+    return false;
+  }
+  // Cast of LayerNormForward(x, ln).y; `ln_out` receives mu and rstd, and y only when keep_y.
+  virtual absl::StatusOr<Fp8Tensor> LayerNormCast(const at::Tensor& x, const LayerNormParams& ln,
+                                                  const QuantizerConfig& config, CastUsage usage,
+                                                  bool keep_y, LayerNormOut* ln_out) const;
+  // Cast of ActivationForward(act, in, width); `y` (when not null) receives the activation.
+  virtual absl::StatusOr<Fp8Tensor> ActivationCast(kernels::Activation act, const at::Tensor& in,
+                                                   int64_t width, const QuantizerConfig& config,
+                                                   CastUsage usage, at::Tensor* y) const;
+  // Cast of ActivationBackward(act, dout, in, width); `din` (when not null) receives it.
+  virtual absl::StatusOr<Fp8Tensor> DActivationCast(kernels::Activation act, const at::Tensor& dout,
+                                                    const at::Tensor& in, int64_t width,
+                                                    const QuantizerConfig& config, CastUsage usage,
+                                                    at::Tensor* din) const;
 
   // The three FP8 GEMMs of a linear layer, fp32 accumulation and output:
   //   Fprop  y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]), x and w rowwise, fast accumulation

@@ -146,15 +146,29 @@ class CpuBackend final : public ReferenceBackend {
   // parity harness checks it), in one threaded pass that writes both copies.
   absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
                                  CastUsage usage) const override {
-    if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || !x.is_cpu() ||
-        (!usage.rowwise && !usage.columnwise)) {
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    if (x.dim() != 2 || (x.scalar_type() != at::kFloat && !bf16) || !x.is_contiguous() ||
+        !x.is_cpu() || (!usage.rowwise && !usage.columnwise)) {
       return ReferenceBackend::Cast(x, config, usage);  // refused there, with its message
     }
     Fp8Tensor out;
     out.format = config.format;
     out.rows = x.size(0);
     out.cols = x.size(1);
-    const float* data = x.data_ptr<float>();
+    // bfloat16 is widened (exactly, as the wire codec decodes it) into scratch first.
+    kernels::cpu::Scratch widened;
+    const float* data = nullptr;
+    if (bf16) {
+      widened = kernels::cpu::TakeScratch(size_t(x.numel()) * 4);
+      float* to = widened.floats();
+      const auto* from = static_cast<const unsigned char*>(x.data_ptr());
+      kernels::cpu::ParallelFor(x.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+        wire::DecodeElements(wire::DType::kBF16, from + b * 2, e - b, 1.0f, to + b);
+      });
+      data = to;
+    } else {
+      data = x.data_ptr<float>();
+    }
     const bool delayed = config.scale > 0.0f;
     float scale = config.scale;
     if (!delayed) {

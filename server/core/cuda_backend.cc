@@ -29,6 +29,7 @@
 #include "gradwire/kernels/cuda/layernorm.h"
 #include "server/core/backend.h"
 #include "server/core/staged_copy.h"
+#include "server/core/status_macros.h"
 
 namespace gradwire::core {
 namespace {
@@ -121,46 +122,70 @@ class CudaBackend final : public Backend {
   absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
                                  CastUsage usage) const override {
     Use();
-    if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
-        x.device() != device()) {
-      return absl::InternalError(absl::StrCat(
-          "CudaBackend::Cast expects a contiguous 2-D float32 tensor on ", device().str()));
+    const bool bf16 = x.scalar_type() == at::kBFloat16;  // FromWireBf16's: read as it is
+    GW_RETURN_IF_ERROR(CheckInput("Cast", x, /*bf16_ok=*/true));
+    GW_ASSIGN_OR_RETURN(PendingCast c, BeginCast("Cast", x.size(0), x.size(1), config, usage));
+    if (bf16) {
+      gwc::CastTransposeBf16(static_cast<const uint16_t*>(x.data_ptr()), c.out.rows, c.out.cols,
+                             c.o, kStream);
+    } else {
+      gwc::CastTranspose(x.data_ptr<float>(), c.out.rows, c.out.cols, c.o, kStream);
     }
-    if (!usage.rowwise && !usage.columnwise) {
-      return absl::InternalError("CudaBackend::Cast asked for neither rowwise nor columnwise data");
-    }
-    Fp8Tensor out;
-    out.format = config.format;
-    out.rows = x.size(0);
-    out.cols = x.size(1);
-    if (usage.rowwise) out.rowwise = at::empty({out.rows, out.cols}, Bytes());
-    if (usage.columnwise) out.columnwise = at::empty({out.cols, out.rows}, Bytes());
-    // scale, scale_inv and amax in 16-byte slots of one allocation (cuBLASLt reads scale_inv
-    // and needs it 16-byte aligned; the allocator's blocks are).
-    at::Tensor scalars = at::empty({12}, Floats());
-    float* s = scalars.data_ptr<float>();
-    gwc::Fp8Output o;
-    o.format = config.format;
-    o.scale = s;
-    o.scale_inv = s + 4;
-    o.amax = s + 8;
-    o.current = config.scale <= 0.0f;
-    o.margin = config.margin;
-    o.data = usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr;
-    o.data_t = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
-    if (!o.current) {
-      GRADWIRE_CUDA_CHECK(
-          cudaMemcpyAsync(s, &config.scale, sizeof(float), cudaMemcpyHostToDevice, kStream));
-    }
-    gwc::CastTranspose(x.data_ptr<float>(), out.rows, out.cols, o, kStream);
-    float host[12];
-    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(host, s, sizeof host, cudaMemcpyDeviceToHost, kStream));
-    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
-    out.scale = host[0];
-    out.scale_inv = host[4];
-    out.amax = host[8];
-    out.scale_inv_device = scalars.narrow(0, 4, 1);
-    return out;
+    return EndCast(std::move(c));
+  }
+
+  // The fused forms: the LayerNorm / activation / d-activation kernels write the FP8 cast of
+  // their result in the same pass (under current scaling, a first pass finds the amax), and the
+  // fp32 result only when asked. Each kernel computes its values with the same code whether or not
+  // it casts, so the fused form equals the composed one bit for bit (FusedParity).
+  bool Fuses(Fused form) const override {
+    (void)form;
+    return true;
+  }
+  absl::StatusOr<Fp8Tensor> LayerNormCast(const at::Tensor& x, const LayerNormParams& ln,
+                                          const QuantizerConfig& config, CastUsage usage,
+                                          bool keep_y, LayerNormOut* ln_out) const override {
+    Use();
+    GW_RETURN_IF_ERROR(CheckInput("LayerNormCast", x));
+    const int64_t m = x.size(0), k = x.size(1);
+    GW_ASSIGN_OR_RETURN(PendingCast c, BeginCast("LayerNormCast", m, k, config, usage));
+    LayerNormOut out{keep_y ? at::empty({m, k}, Floats()) : at::Tensor(), at::empty({m}, Floats()),
+                     at::empty({m}, Floats())};
+    gwc::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
+                          ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma,
+                          keep_y ? out.y.data_ptr<float>() : nullptr, &c.o,
+                          out.mu.data_ptr<float>(), out.rstd.data_ptr<float>(), kStream);
+    if (ln_out != nullptr) *ln_out = std::move(out);
+    return EndCast(std::move(c));
+  }
+  absl::StatusOr<Fp8Tensor> ActivationCast(kernels::Activation act, const at::Tensor& in,
+                                           int64_t width, const QuantizerConfig& config,
+                                           CastUsage usage, at::Tensor* y) const override {
+    Use();
+    GW_RETURN_IF_ERROR(CheckInput("ActivationCast", in));
+    GW_ASSIGN_OR_RETURN(PendingCast c,
+                        BeginCast("ActivationCast", in.size(0), width, config, usage));
+    at::Tensor out = y != nullptr ? at::empty({in.size(0), width}, Floats()) : at::Tensor();
+    gwc::ActivationForward(act, in.data_ptr<float>(), in.size(0), width,
+                           y != nullptr ? out.data_ptr<float>() : nullptr, &c.o, kStream);
+    if (y != nullptr) *y = std::move(out);
+    return EndCast(std::move(c));
+  }
+  absl::StatusOr<Fp8Tensor> DActivationCast(kernels::Activation act, const at::Tensor& dout,
+                                            const at::Tensor& in, int64_t width,
+                                            const QuantizerConfig& config, CastUsage usage,
+                                            at::Tensor* din) const override {
+    Use();
+    GW_RETURN_IF_ERROR(CheckInput("DActivationCast", dout));
+    GW_RETURN_IF_ERROR(CheckInput("DActivationCast", in));
+    GW_ASSIGN_OR_RETURN(PendingCast c,
+                        BeginCast("DActivationCast", in.size(0), in.size(1), config, usage));
+    at::Tensor out = din != nullptr ? at::empty_like(in) : at::Tensor();
+    gwc::DActivationDbiasCast(act, dout.data_ptr<float>(), in.data_ptr<float>(), in.size(0), width,
+                              din != nullptr ? out.data_ptr<float>() : nullptr, &c.o, nullptr,
+                              kStream);
+    if (din != nullptr) *din = std::move(out);
+    return EndCast(std::move(c));
   }
 
   Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
@@ -193,27 +218,15 @@ class CudaBackend final : public Backend {
       if (codes != nullptr) *codes = std::move(c);
       return decoded;
     }
-    const at::ScalarType type = v.dtype == wire::DType::kF32    ? at::kFloat
-                                : v.dtype == wire::DType::kBF16 ? at::kBFloat16
-                                                                : at::kHalf;
-    const int64_t size = wire::ElementSize(v.dtype);
-    const size_t bytes = size_t(rows * cols * size);
-    if (staging_ && bytes >= kStagedMinBytes) {
-      // Through the pinned slots: the host may free v's bytes once this returns, and the last
-      // crossings run in order before the widening below.
-      at::Tensor dev = at::empty({rows, cols}, at::TensorOptions(type).device(device()));
-      staging_->copier().ToDevice(dev.data_ptr(), v.data, bytes);
-      return dev.to(at::kFloat).contiguous();
+    return Narrow(v, rows, cols).to(at::kFloat).contiguous();
+  }
+  // Kept in bf16 on the device: the casts read it as it is (CastTransposeBf16).
+  at::Tensor FromWireBf16(const wire::TensorView& v, int64_t rows, int64_t cols) const override {
+    Use();
+    if (v.dtype != wire::DType::kBF16 || rows * cols != v.numel()) {
+      throw std::logic_error("FromWireBf16: not a bf16 view of rows x cols");
     }
-    at::Tensor host;
-    if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(size) == 0) {
-      host = at::from_blob(const_cast<void*>(v.data), {rows, cols}, at::TensorOptions(type));
-    } else {  // protobuf keeps no alignment promise: one aligned host copy first
-      host = at::empty({rows, cols}, at::TensorOptions(type));
-      std::memcpy(host.data_ptr(), v.data, size_t(rows * cols * size));
-    }
-    // The copy is synchronous for pageable host memory, so v's bytes are free after it.
-    return host.to(device()).to(at::kFloat).contiguous();
+    return Narrow(v, rows, cols);
   }
 
   wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
@@ -355,6 +368,95 @@ class CudaBackend final : public Backend {
     return at::TensorOptions().dtype(at::kFloat).device(device());
   }
   at::TensorOptions Bytes() const { return at::TensorOptions().dtype(at::kByte).device(device()); }
+
+  // An F32, BF16 or F16 view on the device in its own dtype, [rows, cols]: through the pinned
+  // slots when staging is on and the tensor is large enough, else one pageable copy. Either way
+  // v's bytes are free when this returns, and the copy is ordered before later work on the
+  // stream.
+  at::Tensor Narrow(const wire::TensorView& v, int64_t rows, int64_t cols) const {
+    const at::ScalarType type = v.dtype == wire::DType::kF32    ? at::kFloat
+                                : v.dtype == wire::DType::kBF16 ? at::kBFloat16
+                                                                : at::kHalf;
+    const int64_t size = wire::ElementSize(v.dtype);
+    const size_t bytes = size_t(rows * cols * size);
+    if (staging_ && bytes >= kStagedMinBytes) {
+      at::Tensor dev = at::empty({rows, cols}, at::TensorOptions(type).device(device()));
+      staging_->copier().ToDevice(dev.data_ptr(), v.data, bytes);
+      return dev;
+    }
+    at::Tensor host;
+    if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(size) == 0) {
+      host = at::from_blob(const_cast<void*>(v.data), {rows, cols}, at::TensorOptions(type));
+    } else {  // protobuf keeps no alignment promise: one aligned host copy first
+      host = at::empty({rows, cols}, at::TensorOptions(type));
+      std::memcpy(host.data_ptr(), v.data, bytes);
+    }
+    // The copy is synchronous for pageable host memory, so v's bytes are free after it.
+    return host.to(device());
+  }
+
+  // A contiguous 2-D float32 (or, with bf16_ok, bfloat16) tensor on this device, or why not.
+  absl::Status CheckInput(const char* what, const at::Tensor& x, bool bf16_ok = false) const {
+    const bool type_ok =
+        x.scalar_type() == at::kFloat || (bf16_ok && x.scalar_type() == at::kBFloat16);
+    if (x.dim() != 2 || !type_ok || !x.is_contiguous() || x.device() != device()) {
+      return absl::InternalError(absl::StrCat("CudaBackend::", what, " expects a contiguous 2-D ",
+                                              bf16_ok ? "float32 or bfloat16" : "float32",
+                                              " tensor on ", device().str()));
+    }
+    return absl::OkStatus();
+  }
+
+  // A cast's outputs before its kernel runs: the codes `usage` asks for, and scale, scale_inv and
+  // amax in 16-byte slots of one allocation (cuBLASLt reads scale_inv and needs it 16-byte
+  // aligned; the allocator's blocks are). `o` points the kernel at them; under delayed scaling
+  // the scale is already on its way to the device.
+  struct PendingCast {
+    Fp8Tensor out;
+    at::Tensor scalars;
+    gwc::Fp8Output o;
+  };
+  absl::StatusOr<PendingCast> BeginCast(const char* what, int64_t rows, int64_t cols,
+                                        const QuantizerConfig& config, CastUsage usage) const {
+    if (!usage.rowwise && !usage.columnwise) {
+      return absl::InternalError(
+          absl::StrCat("CudaBackend::", what, " asked for neither rowwise nor columnwise data"));
+    }
+    PendingCast c;
+    c.out.format = config.format;
+    c.out.rows = rows;
+    c.out.cols = cols;
+    if (usage.rowwise) c.out.rowwise = at::empty({rows, cols}, Bytes());
+    if (usage.columnwise) c.out.columnwise = at::empty({cols, rows}, Bytes());
+    c.scalars = at::empty({12}, Floats());
+    float* s = c.scalars.data_ptr<float>();
+    c.o.format = config.format;
+    c.o.scale = s;
+    c.o.scale_inv = s + 4;
+    c.o.amax = s + 8;
+    c.o.current = config.scale <= 0.0f;
+    c.o.margin = config.margin;
+    c.o.data = usage.rowwise ? c.out.rowwise.data_ptr<uint8_t>() : nullptr;
+    c.o.data_t = usage.columnwise ? c.out.columnwise.data_ptr<uint8_t>() : nullptr;
+    if (!c.o.current) {
+      GRADWIRE_CUDA_CHECK(
+          cudaMemcpyAsync(s, &config.scale, sizeof(float), cudaMemcpyHostToDevice, kStream));
+    }
+    return c;
+  }
+  // After the kernel: scale, scale_inv and amax back on the host (a synchronisation, see the top
+  // of this file), scale_inv kept on the device for the GEMMs.
+  Fp8Tensor EndCast(PendingCast c) const {
+    float host[12];
+    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(host, c.scalars.data_ptr<float>(), sizeof host,
+                                        cudaMemcpyDeviceToHost, kStream));
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
+    c.out.scale = host[0];
+    c.out.scale_inv = host[4];
+    c.out.amax = host[8];
+    c.out.scale_inv_device = c.scalars.narrow(0, 4, 1);
+    return std::move(c.out);
+  }
 
   static const float* ScaleInv(const Fp8Tensor& t) {
     if (!t.scale_inv_device.defined()) {

@@ -68,6 +68,40 @@ absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
   return StackRows(std::move(parts));
 }
 
+absl::StatusOr<Fp8Tensor> LayerNormCastRows(const Backend& backend, const at::Tensor& x,
+                                            const LayerNormParams& ln,
+                                            const QuantizerConfig& config, CastUsage usage,
+                                            bool keep_y, LayerNormOut* ln_out) {
+  if (!config.row_groups) return backend.LayerNormCast(x, ln, config, usage, keep_y, ln_out);
+  LayerNormOut out = backend.LayerNormForward(x, ln);
+  absl::StatusOr<Fp8Tensor> cast = CastRows(backend, out.y, config, usage);
+  if (!keep_y) out.y = at::Tensor();
+  if (ln_out != nullptr) *ln_out = std::move(out);
+  return cast;
+}
+
+absl::StatusOr<Fp8Tensor> ActivationCastRows(const Backend& backend, kernels::Activation act,
+                                             const at::Tensor& in, int64_t width,
+                                             const QuantizerConfig& config, CastUsage usage,
+                                             at::Tensor* y) {
+  if (!config.row_groups) return backend.ActivationCast(act, in, width, config, usage, y);
+  at::Tensor out = backend.ActivationForward(act, in, width);
+  absl::StatusOr<Fp8Tensor> cast = CastRows(backend, out, config, usage);
+  if (y != nullptr) *y = std::move(out);
+  return cast;
+}
+
+absl::StatusOr<Fp8Tensor> DActivationCastRows(const Backend& backend, kernels::Activation act,
+                                              const at::Tensor& dout, const at::Tensor& in,
+                                              int64_t width, const QuantizerConfig& config,
+                                              CastUsage usage, at::Tensor* din) {
+  if (!config.row_groups) return backend.DActivationCast(act, dout, in, width, config, usage, din);
+  at::Tensor out = backend.ActivationBackward(act, dout, in, width);
+  absl::StatusOr<Fp8Tensor> cast = CastRows(backend, out, config, usage);
+  if (din != nullptr) *din = std::move(out);
+  return cast;
+}
+
 Fp8Tensor StackRows(std::vector<Fp8Tensor> parts) {
   if (parts.size() == 1) return std::move(parts[0]);
   Fp8Tensor out;

@@ -79,6 +79,21 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
 // backend.Cast. INTERNAL when the groups do not add up to x's rows.
 absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
                                    const QuantizerConfig& config, CastUsage usage);
+// The backend's fused forms (Backend::LayerNormCast, ActivationCast, DActivationCast) for a
+// config that may be row-grouped: ungrouped, the fused form itself; grouped, the op over all the
+// rows, then CastRows. The same bits either way, as a fused form equals its composed default.
+absl::StatusOr<Fp8Tensor> LayerNormCastRows(const Backend& backend, const at::Tensor& x,
+                                            const LayerNormParams& ln,
+                                            const QuantizerConfig& config, CastUsage usage,
+                                            bool keep_y, LayerNormOut* ln_out);
+absl::StatusOr<Fp8Tensor> ActivationCastRows(const Backend& backend, kernels::Activation act,
+                                             const at::Tensor& in, int64_t width,
+                                             const QuantizerConfig& config, CastUsage usage,
+                                             at::Tensor* y);
+absl::StatusOr<Fp8Tensor> DActivationCastRows(const Backend& backend, kernels::Activation act,
+                                              const at::Tensor& dout, const at::Tensor& in,
+                                              int64_t width, const QuantizerConfig& config,
+                                              CastUsage usage, at::Tensor* din);
 // A tensor stacking `parts` (each [rows_i, cols], one per request) by rows: row-grouped when
 // there are several, the part itself when there is one.
 Fp8Tensor StackRows(std::vector<Fp8Tensor> parts);

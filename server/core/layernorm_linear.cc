@@ -20,16 +20,21 @@ LayerNormParams LayerNormOf(const ParamTable& p, const ModuleSpec& s) {
                          s.zero_centered_gamma};
 }
 
-LayerNormOut LayerNormHead(const Backend& b, const KindForwardArgs& args, KindForwardResult* result,
-                           LayerNormSaved* saved) {
-  LayerNormOut ln = b.LayerNormForward(args.input, LayerNormOf(args.params, *args.spec));
-  if (args.spec->return_layernorm_output) result->layernorm_output = ln.y;
+absl::StatusOr<Fp8Tensor> LayerNormHead(const Backend& b, const KindForwardArgs& args,
+                                        const QuantizerConfig& config, CastUsage usage,
+                                        KindForwardResult* result, LayerNormSaved* saved,
+                                        LayerNormOut* ln) {
+  const bool keep_y = args.spec->return_layernorm_output;
+  GW_ASSIGN_OR_RETURN(Fp8Tensor x,
+                      LayerNormCastRows(b, args.input, LayerNormOf(args.params, *args.spec), config,
+                                        usage, keep_y, ln));
+  if (keep_y) result->layernorm_output = ln->y;
   if (saved != nullptr) {
     saved->input = args.input.clone();  // own it: the request's bytes do not outlive the call
-    saved->mu = ln.mu;
-    saved->rstd = ln.rstd;
+    saved->mu = ln->mu;
+    saved->rstd = ln->rstd;
   }
-  return ln;
+  return x;
 }
 
 LayerNormParams SavedLayerNorm(const ModuleSpec& spec, const LayerNormSaved& saved) {
@@ -93,9 +98,10 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
   const QuantizerConfig& q = args.quantizers[kInputRole];
   // A batch's contexts copy their own rows below; the whole batch's input is not kept.
   const bool grouped = q.row_groups && q.row_groups->size() > 1;  // as CastRows stacks them
-  const LayerNormOut ln = LayerNormHead(b, args, &result, grouped ? nullptr : saved.get());
   const bool keep_columnwise = args.training && !args.spec->checkpoint;
-  GW_ASSIGN_OR_RETURN(Fp8Tensor x, CastRows(b, ln.y, q, {true, keep_columnwise}));
+  LayerNormOut ln;
+  GW_ASSIGN_OR_RETURN(Fp8Tensor x, LayerNormHead(b, args, q, {true, keep_columnwise}, &result,
+                                                 grouped ? nullptr : saved.get(), &ln));
   const Fp8Tensor& w = result.workspace->weights[0];
   result.output = FpropRows(b, x, w, p[Param::kBias]);
   result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
@@ -137,8 +143,8 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
   const Fp8Tensor* ln_out = &saved->ln_out;
   // Checkpointed: redo LayerNorm and its cast (a batch's stacked state is never checkpointed).
   if (!saved->ln_out.has_columnwise() && !saved->ln_out.grouped()) {
-    LayerNormOut again = b.LayerNormForward(saved->input, ln);
-    GW_ASSIGN_OR_RETURN(recomputed, b.Cast(again.y, saved->input_quantizer, {false, true}));
+    GW_ASSIGN_OR_RETURN(recomputed, b.LayerNormCast(saved->input, ln, saved->input_quantizer,
+                                                    {false, true}, /*keep_y=*/false, nullptr));
     ln_out = &recomputed;
   }
   GW_ASSIGN_OR_RETURN(

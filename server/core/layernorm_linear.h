@@ -44,10 +44,14 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
 std::vector<ParamDef> LayerNormParamDefs(const ModuleSpec& spec);
 // The LayerNorm of `params` (device copies) under `spec`'s eps and gamma convention.
 LayerNormParams LayerNormOf(const ParamTable& params, const ModuleSpec& spec);
-// The forward's head: LayerNorm of args.input on the backend; hands its output to `result` when
-// the spec returns it, and for training keeps what the backward reads in `saved`.
-LayerNormOut LayerNormHead(const Backend& b, const KindForwardArgs& args, KindForwardResult* result,
-                           LayerNormSaved* saved);
+// The forward's head: LayerNorm of args.input and the cast of its output under `config` (a
+// batch's row-grouped), one fused call where the backend has it (LayerNormCastRows); hands the
+// LayerNorm output to `result` when the spec returns it, and for training keeps what the backward
+// reads in `saved`. `ln` receives mu and rstd (a batch's contexts copy their rows of them).
+absl::StatusOr<Fp8Tensor> LayerNormHead(const Backend& b, const KindForwardArgs& args,
+                                        const QuantizerConfig& config, CastUsage usage,
+                                        KindForwardResult* result, LayerNormSaved* saved,
+                                        LayerNormOut* ln);
 // The LayerNorm of the forward's weight version: gamma and beta pinned in the saved workspace
 // (its aux[0] and aux[1]).
 LayerNormParams SavedLayerNorm(const ModuleSpec& spec, const LayerNormSaved& saved);

@@ -9,23 +9,18 @@ namespace {
 
 // What the forward computes after LayerNorm, up to FC2's input; kept or recomputed.
 struct MlpHidden {
-  Fp8Tensor ln_q;      // FC1 input (E4M3)
+  Fp8Tensor ln_q;      // FC1 input (E4M3): the LayerNorm output's cast
   at::Tensor fc1_out;  // [M, F1]
   Fp8Tensor act_q;     // FC2 input (E4M3)
 };
 
-absl::StatusOr<MlpHidden> Hidden(const Backend& b, const at::Tensor& ln_y, const Fp8Tensor& w1,
-                                 const at::Tensor& fc1_bias, kernels::Activation act, int64_t ffn,
-                                 const QuantizerConfig& q1, const QuantizerConfig& q2,
-                                 CastUsage usage) {
-  MlpHidden h;
-  GW_ASSIGN_OR_RETURN(h.ln_q, CastRows(b, ln_y, q1, usage));
-  if (usage.rowwise) {
-    h.fc1_out = FpropRows(b, h.ln_q, w1, fc1_bias);
-    at::Tensor act_out = b.ActivationForward(act, h.fc1_out, ffn);
-    GW_ASSIGN_OR_RETURN(h.act_q, CastRows(b, act_out, q2, usage));
-  }
-  return h;
+// FC1 from h->ln_q, then the activation and its cast (one fused call where the backend has it).
+absl::Status Hidden(const Backend& b, const Fp8Tensor& w1, const at::Tensor& fc1_bias,
+                    kernels::Activation act, int64_t ffn, const QuantizerConfig& q2,
+                    CastUsage usage, MlpHidden* h) {
+  h->fc1_out = FpropRows(b, h->ln_q, w1, fc1_bias);
+  GW_ASSIGN_OR_RETURN(h->act_q, ActivationCastRows(b, act, h->fc1_out, ffn, q2, usage, nullptr));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -55,11 +50,13 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
   // A batch's contexts copy their own rows below; the whole batch's input is not kept.
   const bool grouped =
       q[kFc1InputRole].row_groups && q[kFc1InputRole].row_groups->size() > 1;  // as CastRows stacks
-  const LayerNormOut ln = LayerNormHead(b, args, &result, grouped ? nullptr : saved.get());
   const bool keep = args.training && !args.spec->checkpoint;
-  GW_ASSIGN_OR_RETURN(MlpHidden h,
-                      Hidden(b, ln.y, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
-                             q[kFc1InputRole], q[kFc2InputRole], {true, keep}));
+  LayerNormOut ln;
+  MlpHidden h;
+  GW_ASSIGN_OR_RETURN(h.ln_q, LayerNormHead(b, args, q[kFc1InputRole], {true, keep}, &result,
+                                            grouped ? nullptr : saved.get(), &ln));
+  GW_RETURN_IF_ERROR(Hidden(b, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
+                            q[kFc2InputRole], {true, keep}, &h));
   result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias]);
   result.amaxes = {{kFc1InputRole, h.ln_q.amax},
                    {kFc1WeightRole, w1.amax},
@@ -122,10 +119,11 @@ absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& 
   const at::Tensor* fc1_out = &saved->fc1_out;
   const Fp8Tensor* act_q = &saved->act_out;
   if (!saved->fc1_out.defined()) {  // checkpointed: replay the forward's exact casts
-    LayerNormOut again = b.LayerNormForward(saved->input, ln);
-    GW_ASSIGN_OR_RETURN(recomputed,
-                        Hidden(b, again.y, w1, fc1_bias, act, ffn, saved->fc1_input_quantizer,
-                               saved->fc2_input_quantizer, {true, true}));
+    GW_ASSIGN_OR_RETURN(recomputed.ln_q,
+                        LayerNormCastRows(b, saved->input, ln, saved->fc1_input_quantizer,
+                                          {true, true}, /*keep_y=*/false, nullptr));
+    GW_RETURN_IF_ERROR(
+        Hidden(b, w1, fc1_bias, act, ffn, saved->fc2_input_quantizer, {true, true}, &recomputed));
     ln_q = &recomputed.ln_q;
     fc1_out = &recomputed.fc1_out;
     act_q = &recomputed.act_q;
@@ -139,10 +137,13 @@ absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& 
   args.grads->Wgrad(Param::kFc2Weight, dy, *act_q);
   if (args.spec->bias) args.grads->BiasGrad(Param::kFc2Bias, args.grad_output, dy);
   // Activation
-  at::Tensor d_fc1 = b.ActivationBackward(act, d_act, *fc1_out, ffn);
+  // and FC1's gradient cast, one fused call where the backend has it; the fp32 gradient is
+  // written only for FC1's bias gradient.
+  at::Tensor d_fc1;
+  GW_ASSIGN_OR_RETURN(
+      Fp8Tensor dh, DActivationCastRows(b, act, d_act, *fc1_out, ffn, args.quantizers[kFc1GradRole],
+                                        {true, true}, args.spec->bias ? &d_fc1 : nullptr));
   // FC1
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dh,
-                      CastRows(b, d_fc1, args.quantizers[kFc1GradRole], {true, true}));
   at::Tensor d_ln = DgradRows(b, dh, w1);
   args.grads->Wgrad(Param::kFc1Weight, dh, *ln_q);
   if (args.spec->bias) args.grads->BiasGrad(Param::kFc1Bias, d_fc1, dh);

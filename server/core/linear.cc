@@ -121,6 +121,7 @@ class LinearKindOps final : public ModuleKindOps {
     return {{"the output", s.out_features}};
   }
   bool UsesFp8Input() const override { return true; }
+  bool UsesBf16Input() const override { return true; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LinearForward(a);
   }

@@ -271,9 +271,12 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
   const Backend& b = *backend_;
   // FP8 input reaches the device as its codes; a kind that UsesFp8Input takes them as they are.
   const bool use_codes = wire::IsFp8(v.dtype) && m->kind->UsesFp8Input();
+  // bf16 input stays bf16 (half the bytes of fp32) for a kind whose casts read it.
+  const bool use_bf16 = v.dtype == wire::DType::kBF16 && m->kind->UsesBf16Input();
   Fp8Tensor codes;
-  const at::Tensor x =
-      b.FromWire(v, v.numel() / k, k, use_codes ? &codes : nullptr, {true, req.training});
+  const at::Tensor x = use_bf16 ? b.FromWireBf16(v, v.numel() / k, k)
+                                : b.FromWire(v, v.numel() / k, k, use_codes ? &codes : nullptr,
+                                             {true, req.training});
   GW_ASSIGN_OR_RETURN(DeviceForward d, ForwardOnDevice(module_id, m, x, v.shape, req.training,
                                                        use_codes ? &codes : nullptr, req.client));
   // From here the context must not outlive a failure: nobody would ever consume it.
@@ -332,8 +335,8 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
   const int64_t k = m->spec.in_features;
   // The batch: the well-formed requests (a malformed one gets its own error, which changes
   // nothing). They must all be training or all inference, and reach the kind the same way (FP8
-  // codes as they came, or values); a training batch takes values. Otherwise every request runs
-  // alone, in order.
+  // codes as they came, bf16 as it came, or fp32 values); a training batch takes values.
+  // Otherwise every request runs alone, in order.
   std::vector<size_t> members;
   for (size_t i = 0; i < reqs.size(); ++i) {
     if (absl::Status s = CheckViewShape("input", reqs[i]->input, k, "in_features"); !s.ok()) {
@@ -345,11 +348,17 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
   auto codes_of = [&](size_t i) {
     return wire::IsFp8(reqs[i]->input.dtype) && m->kind->UsesFp8Input();
   };
+  auto bf16_of = [&](size_t i) {
+    return reqs[i]->input.dtype == wire::DType::kBF16 && m->kind->UsesBf16Input();
+  };
   const bool training = !members.empty() && reqs[members[0]]->training;
   const bool codes = !members.empty() && codes_of(members[0]);
+  const bool bf16 = !members.empty() && bf16_of(members[0]);
   bool uniform = !(training && codes);
-  for (size_t i : members)
-    uniform = uniform && reqs[i]->training == training && codes_of(i) == codes;
+  for (size_t i : members) {
+    uniform =
+        uniform && reqs[i]->training == training && codes_of(i) == codes && bf16_of(i) == bf16;
+  }
   if (members.size() <= 1 || !uniform) {
     alone(members);
     return results;
@@ -363,8 +372,9 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     const wire::TensorView& v = reqs[i]->input;
     groups->push_back(v.numel() / k);
     Fp8Tensor part;
-    inputs.push_back(
-        b.ToDevice(b.FromWire(v, groups->back(), k, codes ? &part : nullptr, {true, false})));
+    inputs.push_back(b.ToDevice(
+        bf16 ? b.FromWireBf16(v, groups->back(), k)
+             : b.FromWire(v, groups->back(), k, codes ? &part : nullptr, {true, false})));
     if (codes) parts.push_back(std::move(part));
   }
   const at::Tensor x = at::cat(inputs, 0);
@@ -571,115 +581,124 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
     const at::Tensor& grad_layernorm_output, bool retain, bool skip_grad_input) {
   compute_calls_.fetch_add(1, std::memory_order_relaxed);
   GW_ASSIGN_OR_RETURN(ContextStore::Lease lease, contexts_.Acquire(context_id));
-  // Until Finish(consumed=true), every exit leaves the context as it was.
+  // Until Finish(consumed=true), every exit leaves the context as it was, an exception's too
+  // (the scan of a refused request and the grad_input check run on the device and may throw).
+  bool finished = false;
   auto fail = [&](absl::Status status) {
     lease.saved.reset();
     contexts_.Finish(context_id, /*consumed=*/false, retain);
+    finished = true;
     return status;
   };
-  auto found = Find(lease.module_id);
-  if (!found.ok()) return fail(found.status());
-  std::shared_ptr<Module> m = *std::move(found);
-  const std::vector<int64_t> input_shape = lease.saved->input_shape;
-  std::vector<int64_t> expected = input_shape;
-  expected.back() = m->spec.out_features;
-  if (auto s = CheckExactShape("grad_output", grad_output, expected); !s.ok()) return fail(s);
-  if (grad_layernorm_output.defined()) {
-    if (!m->spec.return_layernorm_output) {
-      return fail(absl::InvalidArgumentError(
-          "grad_layernorm_output is only for modules created with return_layernorm_output"));
-    }
-    if (auto s = CheckExactShape("grad_layernorm_output", grad_layernorm_output, input_shape);
-        !s.ok()) {
-      return fail(s);
-    }
-  }
-  at::Tensor grad_input;
-  {
-    std::lock_guard<std::mutex> lock(m->mu);
-    if (m->spec.max_staleness >= 0 &&
-        m->version - lease.weight_version > uint64_t(m->spec.max_staleness)) {
-      return fail(absl::FailedPreconditionError(
-          absl::StrCat("context_id ", context_id, " was made under weight version ",
-                       lease.weight_version, "; the module is at version ", m->version,
-                       " and allows max_staleness ", m->spec.max_staleness)));
-    }
-    const Backend& b = *backend_;
-    // The kind hands its parameter gradients to `grads`, which adds them to the accumulators only
-    // after everything below has checked out: a refused backward changes nothing.
-    DeferredGradients grads(b);
-    KindBackwardArgs args;
-    absl::StatusOr<KindBackwardResult> r;
-    try {
-      m->SyncDevice();
-      args.backend = &b;
-      args.spec = &m->spec;
-      args.grad_output = b.ToDevice(As2D(grad_output));
-      if (grad_layernorm_output.defined()) {
-        args.grad_layernorm_output = b.ToDevice(As2D(grad_layernorm_output));
+  try {
+    auto found = Find(lease.module_id);
+    if (!found.ok()) return fail(found.status());
+    std::shared_ptr<Module> m = *std::move(found);
+    const std::vector<int64_t> input_shape = lease.saved->input_shape;
+    std::vector<int64_t> expected = input_shape;
+    expected.back() = m->spec.out_features;
+    if (auto s = CheckExactShape("grad_output", grad_output, expected); !s.ok()) return fail(s);
+    if (grad_layernorm_output.defined()) {
+      if (!m->spec.return_layernorm_output) {
+        return fail(absl::InvalidArgumentError(
+            "grad_layernorm_output is only for modules created with return_layernorm_output"));
       }
-      args.saved = lease.saved.get();
-      args.grads = &grads;
-      args.quantizers = m->Quantizers();
-      args.compute_grad_input = !skip_grad_input;
-      r = m->kind->Backward(args);
-    } catch (const std::exception& e) {
-      // A device or library error: nothing was accumulated (the gradients are still only
-      // collected) and the context stays as it was.
-      return fail(absl::InternalError(absl::StrCat("backward failed: ", e.what())));
-    }
-    if (!r.ok()) return fail(r.status());
-    grad_input = std::move(r->grad_input);
-    // A non-finite value anywhere comes from the request (a NaN or inf in a gradient sent) or
-    // from fp32 overflow of finite values; the scan that tells which runs only then.
-    auto refuse = [&](const std::string& what) {
-      if (auto s = CheckFinite("grad_output", args.grad_output); !s.ok()) return fail(s);
-      if (args.grad_layernorm_output.defined()) {
-        if (auto s = CheckFinite("grad_layernorm_output", args.grad_layernorm_output); !s.ok()) {
-          return fail(s);
-        }
+      if (auto s = CheckExactShape("grad_layernorm_output", grad_layernorm_output, input_shape);
+          !s.ok()) {
+        return fail(s);
       }
-      return fail(absl::OutOfRangeError(
-          absl::StrCat("the ", what,
-                       " of this backward came out non-finite (fp32 overflow); nothing was "
-                       "accumulated, the scaling state is unchanged and context_id ",
-                       context_id, " is kept: scale grad_output down and retry, or release it")));
-    };
-    // The casts' amaxes: the gradients as they were cast (grad_output first).
-    for (const auto& [role, amax] : r->amaxes) {
-      if (!std::isfinite(amax)) return refuse(m->kind->Roles().at(role).name);
     }
-    if (grad_input.defined() && !ProvablyFinite(r->grad_input_bound) &&
-        !std::isfinite(b.AbsMax(grad_input))) {
-      return refuse("grad_input");
-    }
-    std::optional<Param> overflowed;
-    try {
-      overflowed = grads.Commit([&](Param id) -> GradAccumulator* {
-        for (Module::Parameter& p : m->params) {
-          if (p.id == id) return &p.grad;
+    at::Tensor grad_input;
+    {
+      std::lock_guard<std::mutex> lock(m->mu);
+      if (m->spec.max_staleness >= 0 &&
+          m->version - lease.weight_version > uint64_t(m->spec.max_staleness)) {
+        return fail(absl::FailedPreconditionError(
+            absl::StrCat("context_id ", context_id, " was made under weight version ",
+                         lease.weight_version, "; the module is at version ", m->version,
+                         " and allows max_staleness ", m->spec.max_staleness)));
+      }
+      const Backend& b = *backend_;
+      // The kind hands its parameter gradients to `grads`, which adds them to the accumulators only
+      // after everything below has checked out: a refused backward changes nothing.
+      DeferredGradients grads(b);
+      KindBackwardArgs args;
+      absl::StatusOr<KindBackwardResult> r;
+      try {
+        m->SyncDevice();
+        args.backend = &b;
+        args.spec = &m->spec;
+        args.grad_output = b.ToDevice(As2D(grad_output));
+        if (grad_layernorm_output.defined()) {
+          args.grad_layernorm_output = b.ToDevice(As2D(grad_layernorm_output));
         }
-        throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
-                                            ", which this module does not have"));
-      });
-    } catch (const std::exception& e) {
-      // Only a device or library failure gets here (a refused sum returns, changing nothing);
-      // the accumulators may then hold part of this backward, so they are zeroed.
-      for (Module::Parameter& p : m->params) m->ZeroGrad(p);
-      m->accumulated_backwards = 0;
-      return fail(absl::InternalError(absl::StrCat(
-          "backward failed while accumulating gradients (they were reset): ", e.what())));
+        args.saved = lease.saved.get();
+        args.grads = &grads;
+        args.quantizers = m->Quantizers();
+        args.compute_grad_input = !skip_grad_input;
+        r = m->kind->Backward(args);
+      } catch (const std::exception& e) {
+        // A device or library error: nothing was accumulated (the gradients are still only
+        // collected) and the context stays as it was.
+        return fail(absl::InternalError(absl::StrCat("backward failed: ", e.what())));
+      }
+      if (!r.ok()) return fail(r.status());
+      grad_input = std::move(r->grad_input);
+      // A non-finite value anywhere comes from the request (a NaN or inf in a gradient sent) or
+      // from fp32 overflow of finite values; the scan that tells which runs only then.
+      auto refuse = [&](const std::string& what) {
+        if (auto s = CheckFinite("grad_output", args.grad_output); !s.ok()) return fail(s);
+        if (args.grad_layernorm_output.defined()) {
+          if (auto s = CheckFinite("grad_layernorm_output", args.grad_layernorm_output); !s.ok()) {
+            return fail(s);
+          }
+        }
+        return fail(absl::OutOfRangeError(
+            absl::StrCat("the ", what,
+                         " of this backward came out non-finite (fp32 overflow); nothing was "
+                         "accumulated, the scaling state is unchanged and context_id ",
+                         context_id, " is kept: scale grad_output down and retry, or release it")));
+      };
+      // The casts' amaxes: the gradients as they were cast (grad_output first).
+      for (const auto& [role, amax] : r->amaxes) {
+        if (!std::isfinite(amax)) return refuse(m->kind->Roles().at(role).name);
+      }
+      if (grad_input.defined() && !ProvablyFinite(r->grad_input_bound) &&
+          !std::isfinite(b.AbsMax(grad_input))) {
+        return refuse("grad_input");
+      }
+      std::optional<Param> overflowed;
+      try {
+        overflowed = grads.Commit([&](Param id) -> GradAccumulator* {
+          for (Module::Parameter& p : m->params) {
+            if (p.id == id) return &p.grad;
+          }
+          throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
+                                              ", which this module does not have"));
+        });
+      } catch (const std::exception& e) {
+        // Only a device or library failure gets here (a refused sum returns, changing nothing);
+        // the accumulators may then hold part of this backward, so they are zeroed.
+        for (Module::Parameter& p : m->params) m->ZeroGrad(p);
+        m->accumulated_backwards = 0;
+        return fail(absl::InternalError(absl::StrCat(
+            "backward failed while accumulating gradients (they were reset): ", e.what())));
+      }
+      if (overflowed.has_value()) {
+        return refuse(absl::StrCat("accumulated ", ParamName(*overflowed), " gradient"));
+      }
+      m->EndStep(r->amaxes);
+      ++m->accumulated_backwards;
     }
-    if (overflowed.has_value()) {
-      return refuse(absl::StrCat("accumulated ", ParamName(*overflowed), " gradient"));
-    }
-    m->EndStep(r->amaxes);
-    ++m->accumulated_backwards;
+    // Free the saved tensors now, before the caller encodes and sends the reply.
+    lease.saved.reset();
+    finished = true;
+    contexts_.Finish(context_id, /*consumed=*/true, retain);
+    return std::make_pair(std::move(grad_input), input_shape);
+  } catch (const std::exception& e) {
+    if (finished) throw;
+    return fail(absl::InternalError(absl::StrCat("backward failed: ", e.what())));
   }
-  // Free the saved tensors now, before the caller encodes and sends the reply.
-  lease.saved.reset();
-  contexts_.Finish(context_id, /*consumed=*/true, retain);
-  return std::make_pair(std::move(grad_input), input_shape);
 }
 
 std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::BackwardBatch(

@@ -62,7 +62,7 @@ using RoleAmax = std::pair<size_t, float>;
 struct KindForwardArgs {
   const Backend* backend = nullptr;  // null: the reference backend
   const ModuleSpec* spec = nullptr;
-  at::Tensor input;                      // float32 [M, in_features]
+  at::Tensor input;                      // float32 [M, in_features] (bfloat16: UsesBf16Input)
   const Fp8Tensor* input_fp8 = nullptr;  // the input's FP8 codes as they arrived, when the kind
                                          // UsesFp8Input (then `input` is their decoded copy)
   ParamTable params;                     // the module's parameters (device copies)
@@ -138,6 +138,9 @@ class ModuleKindOps {
   // True when the forward uses FP8 input codes as they arrived (no re-quantization); otherwise
   // it reads the decoded input.
   virtual bool UsesFp8Input() const { return false; }
+  // True when the forward's input may be bfloat16 as it arrived (Backend::FromWireBf16): it only
+  // casts it, and a cast reads bf16. Otherwise a bf16 request is widened to fp32 first.
+  virtual bool UsesBf16Input() const { return false; }
   virtual absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& args) const = 0;
   virtual absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& args) const = 0;
   // A batch of backwards: one saved state stacking `parts` (contexts of this kind and of one

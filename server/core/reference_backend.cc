@@ -18,6 +18,8 @@ at::Tensor ReferenceBackend::ToDevice(const at::Tensor& t) const {
 
 absl::StatusOr<Fp8Tensor> ReferenceBackend::Cast(const at::Tensor& x, const QuantizerConfig& config,
                                                  CastUsage usage) const {
+  // bfloat16 widens to fp32 exactly: its cast is that of the widened values.
+  if (x.scalar_type() == at::kBFloat16) return Quantize(x.to(at::kFloat), config, usage);
   return Quantize(x, config, usage);
 }
 

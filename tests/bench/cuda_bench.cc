@@ -1,6 +1,7 @@
 // GPU benchmark of the CUDA backend: FP8 GEMM TFLOP/s, and forward+backward step times of a
 // Linear and a LayerNormMLP composed from the backend's kernels as the modules compose them
-// (current scaling, E4M3 forward, E5M2 gradients, weights cast once as the workspace cache does).
+// (current scaling, E4M3 forward, E5M2 gradients, weights cast once as the workspace cache does),
+// and of the Linear with bf16 activations and gradients in and out (linear_bf16).
 // Prints a table and writes JSON (--json PATH); scripts/device/bench_torch.py adds PyTorch.
 // Times are CUDA-event times averaged over --iters runs after warm-up; nothing passes or fails.
 #include <cuda_runtime_api.h>
@@ -54,6 +55,21 @@ void FillRandom(float* dev, size_t n, uint64_t seed, float spread) {
     host[i] = acc * spread;
   }
   GRADWIRE_CUDA_CHECK(cudaMemcpy(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+}
+
+// FillRandom's values rounded to bfloat16 (round to nearest even), as raw 16-bit patterns.
+void FillRandomBf16(uint16_t* dev, size_t n, uint64_t seed, float spread) {
+  std::vector<float> values(n);
+  Buf tmp(n * sizeof(float));
+  FillRandom(tmp.as<float>(), n, seed, spread);
+  GRADWIRE_CUDA_CHECK(cudaMemcpy(values.data(), tmp.p, n * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<uint16_t> host(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    host[i] = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // finite inputs only
+  }
+  GRADWIRE_CUDA_CHECK(cudaMemcpy(dev, host.data(), n * 2, cudaMemcpyHostToDevice));
 }
 
 // Average milliseconds of fn over iters runs after warmup runs, on stream.
@@ -171,30 +187,54 @@ struct StepRow {
   double fwd_ms, bwd_ms, step_ms;
 };
 
-StepRow BenchLinear(int64_t tokens, int64_t h, int iters, cudaStream_t stream) {
+// bf16_io: the activations and gradients in and out as bfloat16, as the GPU fast path moves them
+// (the input and grad_output cast straight from bf16, the GEMMs write bf16 y and dx), next to the
+// fp32 path the server's CUDA backend runs today. The weight gradient stays fp32 either way.
+StepRow BenchLinear(int64_t tokens, int64_t h, bool bf16_io, int iters, cudaStream_t stream) {
   const int64_t M = tokens, K = h, N = h;
-  Buf x(static_cast<size_t>(M * K) * 4), w(static_cast<size_t>(N * K) * 4),
-      y(static_cast<size_t>(M * N) * 4), dy(static_cast<size_t>(M * N) * 4),
-      dx(static_cast<size_t>(M * K) * 4), dw(static_cast<size_t>(N * K) * 4),
+  const size_t act = bf16_io ? 2 : 4;  // bytes per activation or gradient element
+  Buf x(static_cast<size_t>(M * K) * act), w(static_cast<size_t>(N * K) * 4),
+      y(static_cast<size_t>(M * N) * act), dy(static_cast<size_t>(M * N) * act),
+      dx(static_cast<size_t>(M * K) * act), dw(static_cast<size_t>(N * K) * 4),
       dbias(static_cast<size_t>(N) * 4);
-  FillRandom(x.as<float>(), size_t(M * K), 3, 2.0f);
+  if (bf16_io) {
+    FillRandomBf16(x.as<uint16_t>(), size_t(M * K), 3, 2.0f);
+    FillRandomBf16(dy.as<uint16_t>(), size_t(M * N), 5, 0.01f);
+  } else {
+    FillRandom(x.as<float>(), size_t(M * K), 3, 2.0f);
+    FillRandom(dy.as<float>(), size_t(M * N), 5, 0.01f);
+  }
   FillRandom(w.as<float>(), size_t(N * K), 4, 0.05f);
-  FillRandom(dy.as<float>(), size_t(M * N), 5, 0.01f);
   Fp8Dev xq(M, K, Fp8Format::kE4M3), wq(N, K, Fp8Format::kE4M3), gq(M, N, Fp8Format::kE5M2);
   gwc::CastTranspose(w.as<float>(), N, K, wq.Out(true), stream);  // the workspace, once
+  const gwc::GemmOut out_type = bf16_io ? gwc::GemmOut::kBFloat16 : gwc::GemmOut::kFloat32;
   auto fwd = [&] {
-    gwc::CastTranspose(x.as<float>(), M, K, xq.Out(true), stream);
-    gwc::Fp8GemmLt(Gemm(xq.data.as<uint8_t>(), xq, wq.data.as<uint8_t>(), wq, M, N, K,
-                        y.as<float>(), false, gwc::GemmAccumulation::kFast, stream));
+    if (bf16_io) {
+      gwc::CastTransposeBf16(x.as<uint16_t>(), M, K, xq.Out(true), stream);
+    } else {
+      gwc::CastTranspose(x.as<float>(), M, K, xq.Out(true), stream);
+    }
+    gwc::LtGemmArgs g = Gemm(xq.data.as<uint8_t>(), xq, wq.data.as<uint8_t>(), wq, M, N, K, nullptr,
+                             false, gwc::GemmAccumulation::kFast, stream);
+    g.d = y.p;
+    g.d_type = out_type;
+    gwc::Fp8GemmLt(g);
   };
   auto bwd = [&] {
-    gwc::CastTransposeDbias(dy.as<float>(), M, N, gq.Out(true), dbias.as<float>(), stream);
-    gwc::Fp8GemmLt(Gemm(gq.data.as<uint8_t>(), gq, wq.data_t.as<uint8_t>(), wq, M, K, N,
-                        dx.as<float>(), false, gwc::GemmAccumulation::kSplit, stream));
+    if (bf16_io) {
+      gwc::CastTransposeDbiasBf16(dy.as<uint16_t>(), M, N, gq.Out(true), dbias.as<float>(), stream);
+    } else {
+      gwc::CastTransposeDbias(dy.as<float>(), M, N, gq.Out(true), dbias.as<float>(), stream);
+    }
+    gwc::LtGemmArgs dgrad = Gemm(gq.data.as<uint8_t>(), gq, wq.data_t.as<uint8_t>(), wq, M, K, N,
+                                 nullptr, false, gwc::GemmAccumulation::kSplit, stream);
+    dgrad.d = dx.p;
+    dgrad.d_type = out_type;
+    gwc::Fp8GemmLt(dgrad);
     gwc::Fp8GemmLt(Gemm(gq.data_t.as<uint8_t>(), gq, xq.data_t.as<uint8_t>(), xq, N, K, M,
                         dw.as<float>(), true, gwc::GemmAccumulation::kSplit, stream));
   };
-  StepRow row{"linear", tokens, h, 0, 0, 0, 0};
+  StepRow row{bf16_io ? "linear_bf16" : "linear", tokens, h, 0, 0, 0, 0};
   row.fwd_ms = TimeMs(stream, 3, iters, fwd);
   fwd();
   row.bwd_ms = TimeMs(stream, 3, iters, bwd);
@@ -337,7 +377,12 @@ int main(int argc, char** argv) {
               [&] { gemms.push_back(BenchGemm(shape.m, shape.n, shape.k, iters, stream)); });
     }
     std::vector<StepRow> steps;
-    attempt("linear", [&] { steps.push_back(BenchLinear(16384 / s, 4096 / s, iters, stream)); });
+    attempt("linear", [&] {
+      steps.push_back(BenchLinear(16384 / s, 4096 / s, /*bf16_io=*/false, iters, stream));
+    });
+    attempt("linear_bf16", [&] {
+      steps.push_back(BenchLinear(16384 / s, 4096 / s, /*bf16_io=*/true, iters, stream));
+    });
     attempt("layernorm_mlp", [&] {
       steps.push_back(BenchLayerNormMlp(16384 / s, 4096 / s, 16384 / s, iters, stream));
     });

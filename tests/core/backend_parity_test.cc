@@ -5,7 +5,8 @@
 //   casts                 bit for bit: codes, transposed codes, scale, scale_inv, amax
 //   GEMMs                 within the fp32 accumulation bound plus the tensor cores' partial sums
 //   wire conversions      bit for bit: every wire dtype decoded onto the device and encoded
-//                         back, at aligned and unaligned addresses
+//                         back, at aligned and unaligned addresses; bf16 also kept narrow and
+//                         cast as it is
 //   LayerNorm, activation within fp32 rounding
 //   modules               Linear, LayerNormLinear, LayerNormMLP x recipe x activation x shape
 //                         (size 1, primes, aligned) x training/inference x bias: outputs,
@@ -212,6 +213,20 @@ TEST_P(WireParity, DecodeAndEncodeBitForBit) {
   if (dtype == wire::DType::kF32) {
     EXPECT_TRUE(got_x.equal(x)) << "F32 crosses exactly";
   }
+  if (dtype == wire::DType::kBF16) {
+    // Kept narrow for a kind whose casts read bf16: the same values, and a cast of the bf16
+    // tensor is the reference's cast of the widened one, bit for bit.
+    const at::Tensor narrow = b.FromWireBf16(v, shape.rows, shape.cols);
+    ASSERT_EQ(narrow.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(b.ToHost(narrow).to(at::kFloat).equal(ref_x)) << "bf16 kept as it came";
+    for (float delayed_scale : {0.0f, 0.37f}) {
+      const QuantizerConfig q{Fp8Format::kE4M3, 1, delayed_scale, nullptr, nullptr};
+      auto want_cast = ref.Cast(ref_x, q, usage);
+      auto got_cast = b.Cast(narrow, q, usage);
+      ASSERT_TRUE(want_cast.ok() && got_cast.ok()) << got_cast.status();
+      ExpectSameCast(*got_cast, *want_cast, b);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -378,6 +393,111 @@ TEST_P(NormParity, LayerNormAndActivationsWithinFp32Rounding) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, NormParity, ::testing::ValuesIn(kBackends),
+                         [](const auto& info) { return std::string(info.param); });
+
+// The fused forms (Backend::LayerNormCast, ActivationCast, DActivationCast) against the same
+// backend's composed ops (the Backend defaults: the op, then Cast), bit for bit: the codes, scales
+// and amax, and the fp32 results a caller asks for. A backend that fuses a form must say so
+// (Fuses), and one that does not runs the defaults; the CPU backend's ops are the reference's bits
+// too, so its fused-form entry points are also held to the reference backend's ops composed here
+// (the check of the defaults themselves). The
+// modules call the fused forms, and a batch casts each request's rows through the composed ops
+// (CastRows), so a fused form that drifted from its composed one would break batching's
+// exactness as well as parity.
+class FusedParity : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FusedParity, FusedFormsAreTheComposedOpsBitForBit) {
+  GW_REQUIRE_BACKEND(GetParam());
+  const Backend& ref = *MakeReferenceBackend();
+  const Backend& b = *Get(GetParam()).backend;
+  const bool gpu = std::string(b.name()) == "cuda";
+  for (Backend::Fused form : {Backend::Fused::kLayerNormCast, Backend::Fused::kActivationCast,
+                              Backend::Fused::kDActivationCast}) {
+    EXPECT_EQ(b.Fuses(form), gpu) << "form " << int(form);
+  }
+  // The same values, bit for bit, wherever each lives.
+  auto same = [&](const at::Tensor& got, const at::Tensor& want, const char* what) {
+    ASSERT_EQ(got.defined(), want.defined()) << what;
+    if (want.defined()) {
+      EXPECT_TRUE(b.ToHost(got).equal(b.ToHost(want))) << what;
+    }
+  };
+  for (Shape s : {Shape{1, 16}, Shape{7, 61}, Shape{130, 1031}}) {
+    for (bool delayed : {false, true}) {
+      SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols) +
+                   (delayed ? " delayed" : " current"));
+      for (CastUsage usage :
+           {CastUsage{true, true}, CastUsage{true, false}, CastUsage{false, true}}) {
+        SCOPED_TRACE(std::string(usage.rowwise ? "rowwise" : "") +
+                     (usage.columnwise ? " columnwise" : ""));
+        // LayerNorm + cast (E4M3), the fp32 output kept or not.
+        const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
+        const QuantizerConfig q4{Fp8Format::kE4M3, 0, delayed ? 0.61f : 0.0f, nullptr, nullptr};
+        const bool zc = s.rows % 2 == 1;
+        LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
+        const LayerNormParams bln{b.ToDevice(ln.gamma), b.ToDevice(ln.beta), ln.eps, zc};
+        const at::Tensor bx = b.ToDevice(x);
+        for (bool keep_y : {false, true}) {
+          LayerNormOut fused_ln, composed_ln;
+          auto fused = b.LayerNormCast(bx, bln, q4, usage, keep_y, &fused_ln);
+          auto composed = b.Backend::LayerNormCast(bx, bln, q4, usage, keep_y, &composed_ln);
+          ASSERT_TRUE(fused.ok() && composed.ok());
+          ExpectSameCast(*fused, *composed, b);
+          same(fused_ln.y, composed_ln.y, "LayerNorm y");
+          same(fused_ln.mu, composed_ln.mu, "LayerNorm mu");
+          same(fused_ln.rstd, composed_ln.rstd, "LayerNorm rstd");
+          if (!gpu) {  // the CPU backend's LayerNorm and casts are the reference's bits
+            const LayerNormOut want_ln = ref.LayerNormForward(x, ln);
+            auto want = ref.Cast(want_ln.y, q4, usage);
+            ASSERT_TRUE(want.ok());
+            ExpectSameCast(*fused, *want, b);
+            same(fused_ln.mu, want_ln.mu, "LayerNorm mu against the reference");
+            if (keep_y) same(fused_ln.y, want_ln.y, "LayerNorm y against the reference");
+          }
+        }
+        // Activation + cast (E4M3) and d-activation + cast (E5M2), every activation.
+        const QuantizerConfig q5{Fp8Format::kE5M2, 0, delayed ? 3.1f : 0.0f, nullptr, nullptr};
+        for (Activation act :
+             {Activation::kGelu, Activation::kRelu, Activation::kSwiglu, Activation::kGeglu}) {
+          SCOPED_TRACE(kernels::ActivationName(act));
+          const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
+          const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
+          const at::Tensor bin = b.ToDevice(in), bdout = b.ToDevice(dout);
+          at::Tensor fused_y, composed_y;
+          auto fused = b.ActivationCast(act, bin, s.cols, q4, usage, &fused_y);
+          auto fused_no_y = b.ActivationCast(act, bin, s.cols, q4, usage, nullptr);
+          auto composed = b.Backend::ActivationCast(act, bin, s.cols, q4, usage, &composed_y);
+          ASSERT_TRUE(fused.ok() && fused_no_y.ok() && composed.ok());
+          ExpectSameCast(*fused, *composed, b);
+          ExpectSameCast(*fused_no_y, *composed, b);
+          same(fused_y, composed_y, "activation");
+          at::Tensor fused_din, composed_din;
+          auto dfused = b.DActivationCast(act, bdout, bin, s.cols, q5, usage, &fused_din);
+          auto dfused_no = b.DActivationCast(act, bdout, bin, s.cols, q5, usage, nullptr);
+          auto dcomposed =
+              b.Backend::DActivationCast(act, bdout, bin, s.cols, q5, usage, &composed_din);
+          ASSERT_TRUE(dfused.ok() && dfused_no.ok() && dcomposed.ok());
+          ExpectSameCast(*dfused, *dcomposed, b);
+          ExpectSameCast(*dfused_no, *dcomposed, b);
+          same(fused_din, composed_din, "d activation");
+          if (!gpu) {  // the reference's ops, composed here
+            const at::Tensor y = ref.ActivationForward(act, in, s.cols);
+            const at::Tensor din = ref.ActivationBackward(act, dout, in, s.cols);
+            auto want = ref.Cast(y, q4, usage);
+            auto dwant = ref.Cast(din, q5, usage);
+            ASSERT_TRUE(want.ok() && dwant.ok());
+            ExpectSameCast(*fused, *want, b);
+            ExpectSameCast(*dfused, *dwant, b);
+            same(fused_y, y, "activation against the reference");
+            same(fused_din, din, "d activation against the reference");
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FusedParity, ::testing::ValuesIn(kBackends),
                          [](const auto& info) { return std::string(info.param); });
 
 // One module case: kind, recipe, activation, shape, training, bias.

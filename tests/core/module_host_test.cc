@@ -9,6 +9,7 @@
 
 #include "server/core/checkpoint.h"
 #include "server/core/linear.h"
+#include "server/core/reference_backend.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 
@@ -195,6 +196,58 @@ TEST_F(ModuleHostTest, FailedBackwardLeavesTheContextAndGradientsAsTheyWere) {
   ASSERT_TRUE(host_.ApplyGradients(id_, 1.0f).ok());
   EXPECT_TRUE(at::equal(Get(*TensorWeights(host_, id_), "weight"), Get(before, "weight")));
   EXPECT_TRUE(TensorBackward(host_, out.context_id, RandN({5, 10}), false, false).ok());
+}
+
+// The reference backend with a device that fails on demand: while `armed`, AbsMax of a 2-D
+// tensor throws, as a device or library error would. In a LayerNormLinear backward the first
+// such call is the check of grad_input (its bound is not provable), after the kind has run.
+class AbsMaxFails final : public ReferenceBackend {
+ public:
+  float AbsMax(const at::Tensor& x) const override {
+    if (armed && x.dim() == 2) throw std::runtime_error("the device went away");
+    return ReferenceBackend::AbsMax(x);
+  }
+  mutable bool armed = false;
+};
+
+TEST(ModuleHostDeviceFailureTest, AThrowAfterTheKindRanKeepsTheContextAndChangesNothing) {
+  const ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormLinear, 12, 7, 0, /*seed=*/3);
+  auto backend = std::make_shared<AbsMaxFails>();
+  ModuleHost host(ContextLimits{}, nullptr, backend);
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const at::Tensor x = RandN({4, 12}), dy = RandN({4, 7});
+  auto out = TensorForward(host, info->module_id, x, true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  backend->armed = true;
+  absl::StatusOr<at::Tensor> failed = absl::UnknownError("not run");
+  ASSERT_NO_THROW(failed = TensorBackward(host, out->context_id, dy, false, false));
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  EXPECT_NE(failed.status().message().find("the device went away"), std::string::npos);
+  backend->armed = false;
+  // The context is still there and not held: the same backward now runs, once, and leaves the
+  // gradients a healthy device leaves (nothing of the failed one was accumulated).
+  EXPECT_EQ(host.Stats().live_contexts, 1);
+  auto again = TensorBackward(host, out->context_id, dy, false, false);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(host.Stats().live_contexts, 0);
+  EXPECT_EQ(TensorBackward(host, out->context_id, dy, false, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ModuleHost healthy(ContextLimits{}, nullptr, MakeReferenceBackend());
+  auto twin = healthy.Create(spec);
+  ASSERT_TRUE(twin.ok());
+  auto twin_out = TensorForward(healthy, twin->module_id, x, true);
+  ASSERT_TRUE(twin_out.ok());
+  auto twin_dx = TensorBackward(healthy, twin_out->context_id, dy, false, false);
+  ASSERT_TRUE(twin_dx.ok());
+  EXPECT_TRUE(again->equal(*twin_dx));
+  auto got = TensorGradients(host, info->module_id, false);
+  auto want = TensorGradients(healthy, twin->module_id, false);
+  ASSERT_TRUE(got.ok() && want.ok());
+  ASSERT_EQ(got->tensors.size(), want->tensors.size());
+  for (size_t i = 0; i < want->tensors.size(); ++i) {
+    EXPECT_TRUE(got->tensors[i].second.equal(want->tensors[i].second)) << want->tensors[i].first;
+  }
 }
 
 TEST_F(ModuleHostTest, ReleaseAndDeleteFreeContexts) {

@@ -114,6 +114,48 @@ TEST_P(CudaCastTest, CastTransposeAmaxBitExact) {
   ExpectSameCast(cast.Result(), want);
 }
 
+// A bfloat16 input: the reference cast of its exact fp32 widening, bit for bit, and (with dbias)
+// the widened values' column sums within fp32 rounding.
+TEST_P(CudaCastTest, CastTransposeBf16IsTheCastOfTheWidenedValues) {
+  GW_REQUIRE_CUDA_DEVICE();
+  const auto [format, shape, current] = GetParam();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> x = RandomNormal(shape.rows * shape.cols, seed, 3.0f);
+  std::vector<uint16_t> bf16(x.size());
+  std::vector<float> widened(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    bf16[i] = uint16_t(Bits(x[i]) >> 16);  // truncation: any bf16 pattern will do
+    const uint32_t w = uint32_t(bf16[i]) << 16;
+    std::memcpy(&widened[i], &w, 4);
+  }
+  const float amax = kernels::Amax(widened.data(), int64_t(widened.size()));
+  const float delayed_scale = ComputeScale(amax * 0.6f, format, 0);
+  const int margin = current ? 1 : 0;
+  const CastResult want =
+      ReferenceCast(widened, shape.rows, shape.cols, format, current, margin, delayed_scale);
+  DeviceBuffer<uint16_t> dx(bf16);
+  DeviceCast cast(x.size(), format, current, margin, delayed_scale);
+  CastTransposeBf16(dx.get(), shape.rows, shape.cols, cast.out, nullptr);
+  ExpectSameCast(cast.Result(), want);
+  // With the column sums (a gradient's cast and its bias gradient), as CastTransposeDbias has them.
+  DeviceCast cast2(x.size(), format, current, margin, delayed_scale);
+  DeviceBuffer<float> dbias(static_cast<size_t>(shape.cols));
+  CastTransposeDbiasBf16(dx.get(), shape.rows, shape.cols, cast2.out, dbias.get(), nullptr);
+  ExpectSameCast(cast2.Result(), want);
+  std::vector<float> sums(static_cast<size_t>(shape.cols));
+  ColumnSums(widened.data(), shape.rows, shape.cols, sums.data());
+  const std::vector<float> got = dbias.Download();
+  for (int64_t c = 0; c < shape.cols; ++c) {
+    double abs_sum = 0;
+    for (int64_t r = 0; r < shape.rows; ++r) {
+      abs_sum += std::fabs(widened[size_t(r * shape.cols + c)]);
+    }
+    const double tol = 2.0 * double(shape.rows) * std::ldexp(1.0, -24) * abs_sum + 1e-30;
+    ASSERT_NEAR(got[size_t(c)], sums[size_t(c)], tol) << "column " << c;
+  }
+}
+
 TEST_P(CudaCastTest, CastTransposeDbias) {
   GW_REQUIRE_CUDA_DEVICE();
   const auto [format, shape, current] = GetParam();

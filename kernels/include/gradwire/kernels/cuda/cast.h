@@ -34,6 +34,14 @@ struct Fp8Output {
 void CastTranspose(const float* x, int64_t rows, int64_t cols, const Fp8Output& out,
                    cudaStream_t stream);
 
+// CastTranspose of x[rows, cols] in bfloat16 (raw 16-bit patterns): each value widened to fp32
+// exactly, so the codes, transposed codes and amax are CastTranspose's of the widened tensor.
+void CastTransposeBf16(const uint16_t* x, int64_t rows, int64_t cols, const Fp8Output& out,
+                       cudaStream_t stream);
+// CastTransposeDbias of a bfloat16 x (the widened values' column sums, in fp32).
+void CastTransposeDbiasBf16(const uint16_t* x, int64_t rows, int64_t cols, const Fp8Output& out,
+                            float* dbias, cudaStream_t stream);
+
 // CastTranspose plus dbias[cols] = column sums of x (the unquantized gradient, overwritten;
 // fp32 sums whose order differs from the reference's, so equal only to rounding).
 void CastTransposeDbias(const float* x, int64_t rows, int64_t cols, const Fp8Output& out,
