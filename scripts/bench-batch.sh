@@ -11,7 +11,8 @@
 # 3. Fairness: two tenants of equal weight on one server, each with its own module; the light
 #    tenant (1 request in flight) alone, then next to the heavy one (32 in flight): its p99 both
 #    times; with batching on, on with --batch-yield true (batches yield to other clients' work),
-#    and off.
+#    and off; then on and off again with the heavy tenant's load tool at nice 19 (its client
+#    threads then leave the two cores to the server and the light client).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/perf/batching.json}
@@ -71,15 +72,23 @@ echo "== fairness: light tenant (1 in flight) alone, then beside a heavy one (32
 printf 'heavy heavy-token-0123456789abcdef\nlight light-token-0123456789abcdef\n' > "$tmp/tokens"
 printf 'heavy-token-0123456789abcdef\n' > "$tmp/heavy.token"
 printf 'light-token-0123456789abcdef\n' > "$tmp/light.token"
-for mode in on on-yield off; do
+for mode in on on-yield off on-nice off-nice; do
   flags="--cpu-gemm ordered --tokens-file $tmp/tokens"
-  [ "$mode" = on ] && flags="$flags --max-batch-rows 256"
-  [ "$mode" = on-yield ] && flags="$flags --max-batch-rows 256 --batch-yield true"
+  case "$mode" in
+    on | on-nice) flags="$flags --max-batch-rows 256" ;;
+    on-yield) flags="$flags --max-batch-rows 256 --batch-yield true" ;;
+  esac
+  # *-nice: the heavy tenant's load tool at the lowest CPU priority, so that its own 32 client
+  # threads take (almost) no CPU from the server and the light client: what is left of the light
+  # tenant's tail is the server's doing.
+  heavy_nice=0
+  case "$mode" in *-nice) heavy_nice=19 ;; esac
   # shellcheck disable=SC2086
   start_server $flags
   load "light-alone-$mode" --token-file "$tmp/light.token" --flow forward --rows 1 -c 1
-  "$load_bin" --server "$addr" --token-file "$tmp/heavy.token" --flow forward --rows 1 -c 32 \
-    --duration "$((secs + 3))" --warmup 0 --json "$tmp/heavy-$mode.json" > "$tmp/heavy-$mode.txt" 2>&1 &
+  nice -n "$heavy_nice" "$load_bin" --server "$addr" --token-file "$tmp/heavy.token" \
+    --flow forward --rows 1 -c 32 --duration "$((secs + 3))" --warmup 0 \
+    --json "$tmp/heavy-$mode.json" > "$tmp/heavy-$mode.txt" 2>&1 &
   heavy=$!
   sleep 1.5
   load "light-beside-heavy-$mode" --token-file "$tmp/light.token" --flow forward --rows 1 -c 1
@@ -105,7 +114,7 @@ def ratio(a, b, key="requests_per_s"):
     return tp[a][key] / tp[b][key] if tp[b][key] else None
 steps = {n: run(n) for n in ["step-off-ordered", "step-on-ordered"]}
 fair = {m: {"light_alone": run(f"light-alone-{m}"), "light_beside_heavy": run(f"light-beside-heavy-{m}"),
-            "heavy": run(f"heavy-{m}")} for m in ("on", "on-yield", "off")}
+            "heavy": run(f"heavy-{m}")} for m in ("on", "on-yield", "off", "on-nice", "off-nice")}
 for m, f in fair.items():
     f["light_p99_ratio"] = f["light_beside_heavy"]["p99_ms"] / f["light_alone"]["p99_ms"]
 result = {

@@ -36,6 +36,13 @@ at::Tensor Backend::DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const {
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
+at::Tensor Backend::NarrowBf16(const at::Tensor& x) const { return x.to(at::kBFloat16); }
+
+at::Tensor Backend::FpropBf16(const Fp8Tensor& x, const Fp8Tensor& w,
+                              const at::Tensor& bias) const {
+  return NarrowBf16(Fprop(x, w, bias));
+}
+
 at::Tensor Backend::FromWireBf16(const wire::TensorView& v, int64_t rows, int64_t cols) const {
   if (v.dtype != wire::DType::kBF16 || rows * cols != v.numel()) {
     throw std::logic_error("FromWireBf16: not a bf16 view of rows x cols");

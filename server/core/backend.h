@@ -82,12 +82,16 @@ class Backend {
   // for, so a module can use them without re-quantizing.
   virtual at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                               Fp8Tensor* codes, CastUsage usage) const = 0;
+  // x (fp32 on this device) rounded to bfloat16, to nearest even as the wire codec rounds. The
+  // default is libtorch's conversion; the host backends use the wire codec's.
+  virtual at::Tensor NarrowBf16(const at::Tensor& x) const;
   // A bf16 view (v.dtype kBF16) as it arrived: bfloat16 [rows, cols] on this device, not widened
   // (2 bytes per element cross to a GPU), for a kind that UsesBf16Input (its casts read bf16).
   // The default takes the host bytes (borrowed when aligned, as FromWire may) and ToDevice.
   virtual at::Tensor FromWireBf16(const wire::TensorView& v, int64_t rows, int64_t cols) const;
   // Encodes x (fp32 on this device) as `dtype` into host bytes, rounding as the wire codec does;
-  // FP8 takes a scale from x's own amax (current scaling, margin 0). `shape` is what the
+  // FP8 takes a scale from x's own amax (current scaling, margin 0). A bfloat16 x (FpropBf16's)
+  // encodes as its widening would, so as BF16 its bytes go as they are. `shape` is what the
   // encoded tensor reports (x's element count).
   virtual wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
                                      std::vector<int64_t> shape) const = 0;
@@ -148,6 +152,10 @@ class Backend {
   virtual at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const = 0;
   virtual void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
                      bool accumulate) const = 0;
+  // Fprop with its output in bfloat16 (what a bf16 response carries): NarrowBf16 of Fprop's
+  // output, bit for bit. The default is exactly that; a backend may have its GEMM write bf16.
+  virtual at::Tensor FpropBf16(const Fp8Tensor& x, const Fp8Tensor& w,
+                               const at::Tensor& bias) const;
   // Fprop of a row-grouped x (a batch: Fp8Tensor::groups, each part with its own scale_inv):
   // every output row bit for bit what Fprop of its group alone gives. The default runs one Fprop
   // per group, which is that by construction; a backend whose GEMM is row-invariant runs one GEMM
@@ -158,7 +166,7 @@ class Backend {
   // dx bit for bit what Dgrad of its group alone gives. The default runs one Dgrad per group; a
   // backend whose dgrad GEMM is row-invariant runs one GEMM with a scale per row group.
   virtual at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const;
-  // acc[N] += column sums of g[M, N] (fp32, unquantized).
+  // acc[N] += column sums of g[M, N] (unquantized; fp32, or bf16 summed as its exact widening).
   virtual void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const = 0;
 
   // The finite checks ride on these: each returns, with its result, the largest |value| it saw

@@ -120,6 +120,19 @@ class GemmTimer {
 
 constexpr int64_t kWireGrain = int64_t(1) << 16;  // elements per thread's slice, at least
 
+// A contiguous bfloat16 host tensor widened to fp32 (exact, as the wire codec decodes it) into
+// scratch, split over the pool.
+kernels::cpu::Scratch WidenBf16(const at::Tensor& t) {
+  const at::Tensor src = t.contiguous();
+  kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(src.numel()) * 4);
+  float* to = out.floats();
+  const auto* from = static_cast<const unsigned char*>(src.data_ptr());
+  kernels::cpu::ParallelFor(src.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+    wire::DecodeElements(wire::DType::kBF16, from + b * 2, e - b, 1.0f, to + b);
+  });
+  return out;
+}
+
 at::TensorOptions Bytes() { return at::TensorOptions().dtype(at::kByte); }
 
 // What --device cpu runs. Every loop over activations is one of kernels/cpu's (threaded on its
@@ -157,18 +170,8 @@ class CpuBackend final : public ReferenceBackend {
     out.cols = x.size(1);
     // bfloat16 is widened (exactly, as the wire codec decodes it) into scratch first.
     kernels::cpu::Scratch widened;
-    const float* data = nullptr;
-    if (bf16) {
-      widened = kernels::cpu::TakeScratch(size_t(x.numel()) * 4);
-      float* to = widened.floats();
-      const auto* from = static_cast<const unsigned char*>(x.data_ptr());
-      kernels::cpu::ParallelFor(x.numel(), kWireGrain, [&](int64_t b, int64_t e) {
-        wire::DecodeElements(wire::DType::kBF16, from + b * 2, e - b, 1.0f, to + b);
-      });
-      data = to;
-    } else {
-      data = x.data_ptr<float>();
-    }
+    if (bf16) widened = WidenBf16(x);
+    const float* data = bf16 ? widened.floats() : x.data_ptr<float>();
     const bool delayed = config.scale > 0.0f;
     float scale = config.scale;
     if (!delayed) {
@@ -228,8 +231,23 @@ class CpuBackend final : public ReferenceBackend {
     });
     return decoded;
   }
+  // The wire codec's rounding, split over the pool.
+  at::Tensor NarrowBf16(const at::Tensor& x) const override {
+    const at::Tensor src = x.contiguous();
+    at::Tensor out = at::empty(src.sizes(), at::TensorOptions().dtype(at::kBFloat16));
+    const float* in = src.data_ptr<float>();
+    auto* bytes = static_cast<unsigned char*>(out.data_ptr());
+    kernels::cpu::ParallelFor(src.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+      wire::EncodeElements(in + b, e - b, wire::DType::kBF16, 1.0f, bytes + b * 2);
+    });
+    return out;
+  }
+
   wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
                              std::vector<int64_t> shape) const override {
+    if (x.scalar_type() == at::kBFloat16 && dtype == wire::DType::kBF16) {
+      return Bf16AsItIs(x, std::move(shape));
+    }
     const at::Tensor src = ToHost(x.to(at::kFloat));
     const float* in = src.data_ptr<float>();
     const int64_t n = src.numel();
@@ -407,6 +425,11 @@ class CpuBackend final : public ReferenceBackend {
          accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
   }
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
+    if (g.scalar_type() == at::kBFloat16) {
+      const kernels::cpu::Scratch widened = WidenBf16(g);
+      kernels::cpu::AddColumnSums(widened.floats(), g.size(0), g.size(1), acc.data_ptr<float>());
+      return;
+    }
     kernels::cpu::AddColumnSums(g.data_ptr<float>(), g.size(0), g.size(1), acc.data_ptr<float>());
   }
 

@@ -124,8 +124,12 @@ at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows) {
 }
 
 at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
-                     const at::Tensor& bias) {
-  return x.grouped() ? backend.FpropGroups(x, w, bias) : backend.Fprop(x, w, bias);
+                     const at::Tensor& bias, bool bf16) {
+  if (x.grouped()) {
+    at::Tensor y = backend.FpropGroups(x, w, bias);
+    return bf16 ? backend.NarrowBf16(y) : y;
+  }
+  return bf16 ? backend.FpropBf16(x, w, bias) : backend.Fprop(x, w, bias);
 }
 
 at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w) {

@@ -99,9 +99,11 @@ absl::StatusOr<Fp8Tensor> DActivationCastRows(const Backend& backend, kernels::A
 Fp8Tensor StackRows(std::vector<Fp8Tensor> parts);
 // Rows [row, row + rows) of t, a copy of their own (what one request of a batch keeps).
 at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows);
-// y = x . w^T (+ bias) for x row-grouped or not: Backend::FpropGroups or Backend::Fprop.
+// y = x . w^T (+ bias) for x row-grouped or not: Backend::FpropGroups or Backend::Fprop. With
+// bf16, y in bfloat16 (a module's output for a bf16 response): FpropBf16, or NarrowBf16 of
+// FpropGroups.
 at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
-                     const at::Tensor& bias);
+                     const at::Tensor& bias, bool bf16 = false);
 
 // dx = dy . w for dy row-grouped or not: Backend::DgradGroups or Backend::Dgrad.
 at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w);

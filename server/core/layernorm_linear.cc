@@ -103,7 +103,7 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
   GW_ASSIGN_OR_RETURN(Fp8Tensor x, LayerNormHead(b, args, q, {true, keep_columnwise}, &result,
                                                  grouped ? nullptr : saved.get(), &ln));
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = FpropRows(b, x, w, p[Param::kBias]);
+  result.output = FpropRows(b, x, w, p[Param::kBias], args.bf16_output);
   result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
   if (saved && grouped) {  // a batch: each request keeps its own rows
     int64_t row = 0;
@@ -196,6 +196,7 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
   std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
     return {{"the output", s.out_features}};
   }
+  bool UsesBf16GradOutput() const override { return true; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LayerNormLinearForward(a);
   }

@@ -57,7 +57,7 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
                                             grouped ? nullptr : saved.get(), &ln));
   GW_RETURN_IF_ERROR(Hidden(b, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
                             q[kFc2InputRole], {true, keep}, &h));
-  result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias]);
+  result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias], args.bf16_output);
   result.amaxes = {{kFc1InputRole, h.ln_q.amax},
                    {kFc1WeightRole, w1.amax},
                    {kFc2InputRole, h.act_q.amax},
@@ -208,6 +208,7 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
   std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
     return {{"the output", s.out_features}, {"the FC1 output", Fc1Width(s)}};
   }
+  bool UsesBf16GradOutput() const override { return true; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LayerNormMlpForward(a);
   }

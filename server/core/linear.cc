@@ -39,7 +39,7 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
                                     {/*rowwise=*/true, /*columnwise=*/args.training}));
   }
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = FpropRows(b, x, w, args.params[Param::kBias]);
+  result.output = FpropRows(b, x, w, args.params[Param::kBias], args.bf16_output);
   result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
   if (args.training) {
     const WorkspacePtr pinned = PinForBackward(result.workspace);
@@ -122,6 +122,7 @@ class LinearKindOps final : public ModuleKindOps {
   }
   bool UsesFp8Input() const override { return true; }
   bool UsesBf16Input() const override { return true; }
+  bool UsesBf16GradOutput() const override { return true; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LinearForward(a);
   }

@@ -24,9 +24,10 @@ std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-absl::Status CheckExactShape(const char* field, const at::Tensor& t, at::IntArrayRef expected) {
+absl::Status CheckExactShape(const char* field, const at::Tensor& t, at::IntArrayRef expected,
+                             bool bf16_ok = false) {
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
-  if (t.scalar_type() != at::kFloat) {
+  if (t.scalar_type() != at::kFloat && !(bf16_ok && t.scalar_type() == at::kBFloat16)) {
     return absl::InvalidArgumentError(absl::StrCat(field, " must be float32"));
   }
   if (t.sizes() != expected) {
@@ -277,8 +278,11 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
   const at::Tensor x = use_bf16 ? b.FromWireBf16(v, v.numel() / k, k)
                                 : b.FromWire(v, v.numel() / k, k, use_codes ? &codes : nullptr,
                                              {true, req.training});
-  GW_ASSIGN_OR_RETURN(DeviceForward d, ForwardOnDevice(module_id, m, x, v.shape, req.training,
-                                                       use_codes ? &codes : nullptr, req.client));
+  // A bf16 response: the module's last GEMM writes bf16 (the same bits ToWire would round to).
+  GW_ASSIGN_OR_RETURN(DeviceForward d,
+                      ForwardOnDevice(module_id, m, x, v.shape, req.training,
+                                      use_codes ? &codes : nullptr, req.client,
+                                      /*bf16_output=*/req.output_dtype == wire::DType::kBF16));
   // From here the context must not outlive a failure: nobody would ever consume it.
   try {
     WireForwardOutput out;
@@ -394,6 +398,11 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     args.spec = &m->spec;
     args.input = x;
     args.input_fp8 = codes ? &input_codes : nullptr;
+    // bf16 from the GEMM when every request's response is bf16 (else each narrows its own).
+    args.bf16_output = true;
+    for (size_t i : members) {
+      args.bf16_output = args.bf16_output && reqs[i]->output_dtype == wire::DType::kBF16;
+    }
     args.params = m->DeviceTable();
     args.quantizers = m->Quantizers();
     const std::vector<RoleDef>& roles = m->kind->Roles();
@@ -503,7 +512,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
 absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
     const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& input,
     const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* fp8,
-    const std::string& client) {
+    const std::string& client, bool bf16_output) {
   const Backend& b = *backend_;
   compute_calls_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor x = b.ToDevice(input);
@@ -520,6 +529,7 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   args.weight_version = m->version;
   args.workspace = m->workspace;
   args.training = training;
+  args.bf16_output = bf16_output;
   GW_ASSIGN_OR_RETURN(KindForwardResult r, m->kind->Forward(args));
   // A NaN or inf would stick in the amax history and, through the backward, in the shared
   // gradient buffers: it is refused before it touches any state. The casts measured every
@@ -565,7 +575,13 @@ absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
   if (req.grad_output.shape.empty() || req.grad_output.numel() == 0) {
     return absl::InvalidArgumentError("grad_output is required");
   }
-  const at::Tensor grad_output = decode(req.grad_output);
+  // A bf16 grad_output stays bf16 for a kind whose backward only casts it and sums its columns
+  // (UsesBf16GradOutput; BackwardOnDevice widens it for any other).
+  const wire::TensorView& g = req.grad_output;
+  const int64_t g_cols = std::max<int64_t>(1, g.shape.back());
+  const at::Tensor grad_output =
+      g.dtype == wire::DType::kBF16 ? b.FromWireBf16(g, g.numel() / g_cols, g_cols).reshape(g.shape)
+                                    : decode(g);
   at::Tensor grad_layernorm_output;
   if (req.grad_layernorm_output.data != nullptr) {
     grad_layernorm_output = decode(req.grad_layernorm_output);
@@ -597,7 +613,9 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
     const std::vector<int64_t> input_shape = lease.saved->input_shape;
     std::vector<int64_t> expected = input_shape;
     expected.back() = m->spec.out_features;
-    if (auto s = CheckExactShape("grad_output", grad_output, expected); !s.ok()) return fail(s);
+    if (auto s = CheckExactShape("grad_output", grad_output, expected, /*bf16_ok=*/true); !s.ok()) {
+      return fail(s);
+    }
     if (grad_layernorm_output.defined()) {
       if (!m->spec.return_layernorm_output) {
         return fail(absl::InvalidArgumentError(
@@ -629,6 +647,9 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
         args.backend = &b;
         args.spec = &m->spec;
         args.grad_output = b.ToDevice(As2D(grad_output));
+        if (args.grad_output.scalar_type() != at::kFloat && !m->kind->UsesBf16GradOutput()) {
+          args.grad_output = args.grad_output.to(at::kFloat);  // exact
+        }
         if (grad_layernorm_output.defined()) {
           args.grad_layernorm_output = b.ToDevice(As2D(grad_layernorm_output));
         }

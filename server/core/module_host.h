@@ -228,7 +228,7 @@ class ModuleHost {
   ModuleInfo InfoLocked(const std::string& id, const Module& m) const;
   // What Forward and Backward compute, on the backend's device: `x` is [rows, in_features] there,
   // `input_fp8` the input's codes on the device when it arrived in FP8. Outputs stay 2-D on the
-  // device.
+  // device; with bf16_output the output is bfloat16 (for a bf16 response).
   struct DeviceForward {
     at::Tensor output, layernorm_output;
     std::string context_id;
@@ -239,7 +239,7 @@ class ModuleHost {
                                                 const at::Tensor& x,
                                                 const std::vector<int64_t>& input_shape,
                                                 bool training, const Fp8Tensor* input_fp8,
-                                                const std::string& client);
+                                                const std::string& client, bool bf16_output);
   // grad_input on the device as [rows, in_features] (undefined with skip_grad_input), and the
   // forward input's shape; the gradients are on the device, shaped as sent (grad_layernorm_output
   // may be undefined). The context is finished (consumed or kept) when this returns.

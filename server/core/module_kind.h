@@ -71,10 +71,13 @@ struct KindForwardArgs {
   uint64_t weight_version = 0;
   WorkspacePtr workspace;  // the cached FP8 weights, may be null or stale
   bool training = false;
+  // The output leaves as bf16: the last GEMM writes it so (FpropRows with bf16), bit for bit
+  // the bf16 rounding of the fp32 output.
+  bool bf16_output = false;
 };
 
 struct KindForwardResult {
-  at::Tensor output;            // float32 [M, out_features]
+  at::Tensor output;            // float32 [M, out_features] (bfloat16 with args.bf16_output)
   at::Tensor layernorm_output;  // float32 [M, in_features] when the spec asks for it
   WorkspacePtr workspace;       // args.workspace when usable, else a new one
   bool workspace_built = false;
@@ -90,10 +93,10 @@ struct KindForwardResult {
 struct KindBackwardArgs {
   const Backend* backend = nullptr;  // null: the reference backend
   const ModuleSpec* spec = nullptr;
-  at::Tensor grad_output;                   // float32 [M, out_features]
-  at::Tensor grad_layernorm_output;         // float32 [M, in_features] or undefined
-  const SavedTensors* saved = nullptr;      // from the matching forward of this kind
-  GradientSink* grads = nullptr;            // every parameter gradient goes here
+  at::Tensor grad_output;               // float32 [M, out_features] (bfloat16: UsesBf16GradOutput)
+  at::Tensor grad_layernorm_output;     // float32 [M, in_features] or undefined
+  const SavedTensors* saved = nullptr;  // from the matching forward of this kind
+  GradientSink* grads = nullptr;        // every parameter gradient goes here
   std::vector<QuantizerConfig> quantizers;  // one per role
   bool compute_grad_input = true;
   // A batch of backwards (docs/batching.md): the requests' rows, in order, which `saved` (from
@@ -141,6 +144,9 @@ class ModuleKindOps {
   // True when the forward's input may be bfloat16 as it arrived (Backend::FromWireBf16): it only
   // casts it, and a cast reads bf16. Otherwise a bf16 request is widened to fp32 first.
   virtual bool UsesBf16Input() const { return false; }
+  // True when the backward may take grad_output as bfloat16 as it arrived: it only casts it and
+  // sums its columns (GradientSink::BiasGrad), both of which read bf16.
+  virtual bool UsesBf16GradOutput() const { return false; }
   virtual absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& args) const = 0;
   virtual absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& args) const = 0;
   // A batch of backwards: one saved state stacking `parts` (contexts of this kind and of one

@@ -49,8 +49,19 @@ at::Tensor ReferenceBackend::FromWire(const wire::TensorView& v, int64_t rows, i
   return out;
 }
 
+at::Tensor ReferenceBackend::NarrowBf16(const at::Tensor& x) const {
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty(src.sizes(), at::TensorOptions().dtype(at::kBFloat16));
+  wire::EncodeElements(src.data_ptr<float>(), src.numel(), wire::DType::kBF16, 1.0f,
+                       out.data_ptr());
+  return out;
+}
+
 wire::EncodedTensor ReferenceBackend::ToWire(const at::Tensor& x, wire::DType dtype,
                                              std::vector<int64_t> shape) const {
+  if (x.scalar_type() == at::kBFloat16 && dtype == wire::DType::kBF16) {
+    return Bf16AsItIs(x, std::move(shape));
+  }
   const at::Tensor src = ToHost(x.to(at::kFloat));
   wire::EncodedTensor out = EncodedFor(dtype, std::move(shape), src.numel());
   out.scale_inv = wire::EncodeTensor(src.data_ptr<float>(), src.numel(), dtype, out.bytes.data());

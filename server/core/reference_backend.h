@@ -35,6 +35,7 @@ class ReferenceBackend : public Backend {
 
   at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
                       CastUsage usage) const override;
+  at::Tensor NarrowBf16(const at::Tensor& x) const override;
   wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
                              std::vector<int64_t> shape) const override;
 

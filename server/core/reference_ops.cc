@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "gradwire/kernels/ref/cast.h"
@@ -109,7 +110,8 @@ void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool acc
 void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) {
   const int64_t rows = g.size(0), cols = g.size(1);
   std::vector<float> sums(static_cast<size_t>(cols));
-  kernels::ColumnSums(g.data_ptr<float>(), rows, cols, sums.data());
+  const at::Tensor f = g.scalar_type() == at::kFloat ? g.contiguous() : g.to(at::kFloat);  // exact
+  kernels::ColumnSums(f.data_ptr<float>(), rows, cols, sums.data());
   float* out = acc.data_ptr<float>();
   for (int64_t c = 0; c < cols; ++c) out[c] += sums[size_t(c)];
 }
@@ -146,6 +148,13 @@ at::Tensor BorrowF32(const wire::TensorView& v, int64_t rows, int64_t cols) {
     return at::Tensor();
   }
   return at::from_blob(const_cast<void*>(v.data), {rows, cols}, Float32());
+}
+
+wire::EncodedTensor Bf16AsItIs(const at::Tensor& x, std::vector<int64_t> shape) {
+  const at::Tensor src = x.contiguous();
+  wire::EncodedTensor out = EncodedFor(wire::DType::kBF16, std::move(shape), src.numel());
+  if (!out.bytes.empty()) std::memcpy(out.bytes.data(), src.data_ptr(), out.bytes.size());
+  return out;
 }
 
 wire::EncodedTensor EncodedFor(wire::DType dtype, std::vector<int64_t> shape, int64_t n) {

@@ -48,6 +48,8 @@ kernels::Fp8Format Fp8FormatOf(wire::DType dtype);
 at::Tensor BorrowF32(const wire::TensorView& v, int64_t rows, int64_t cols);
 // An encoded tensor of `dtype` reporting `shape`, with room for n elements.
 wire::EncodedTensor EncodedFor(wire::DType dtype, std::vector<int64_t> shape, int64_t n);
+// A bfloat16 host tensor's bytes as a BF16 wire tensor, copied as they are.
+wire::EncodedTensor Bf16AsItIs(const at::Tensor& x, std::vector<int64_t> shape);
 
 // FP8 GEMM work since the process started (all threads): what metrics report as achieved FLOP/s.
 struct GemmCounters {

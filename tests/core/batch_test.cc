@@ -174,6 +174,55 @@ TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
   EXPECT_EQ(cases, (HaveCuda() ? 4 : 3) * 3 * 2 * 5);
 }
 
+// A bf16 response: the module's last GEMM writes bf16 (FpropBf16), alone and in a batch whose
+// every request wants bf16 (NarrowBf16 of the batch's GEMM). Either way the bytes are the fp32
+// response's values rounded as the wire codec rounds, and so is the LayerNorm output.
+TEST_F(ForwardBatchTest, ABf16ResponseIsTheF32OutputRounded) {
+  auto rounded = [](const wire::EncodedTensor& f32) {
+    std::vector<float> values(f32.bytes.size() / 4);
+    std::memcpy(values.data(), f32.bytes.data(), f32.bytes.size());
+    std::string out(values.size() * 2, '\0');
+    wire::EncodeElements(values.data(), int64_t(values.size()), DType::kBF16, 1.0f, out.data());
+    return out;
+  };
+  int cases = 0;
+  for (const Case& c : Cases({DType::kF32, DType::kBF16})) {
+    SCOPED_TRACE(Name(c));
+    core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor(c.backend));
+    auto info = host.Create(SpecFor(c, uint64_t(cases)));
+    ASSERT_TRUE(info.ok()) << info.status();
+    const std::string id = info->module_id;
+    std::vector<WireInput> as_bf16, as_f32;
+    for (int i = 0; i < 4; ++i) {
+      const at::Tensor x = RandN({i + 1, 40}, std::pow(4.0, double(i) - 2.0));
+      as_bf16.push_back(Encode(x, c.dtype, DType::kBF16));
+      as_f32.push_back(Encode(x, c.dtype, DType::kF32));
+    }
+    std::vector<const core::WireForwardRequest*> reqs;
+    for (const WireInput& w : as_bf16) reqs.push_back(&w.req);
+    const auto batched = host.ForwardBatch(id, reqs);  // inference: the state stays as it is
+    ASSERT_EQ(batched.size(), as_bf16.size());
+    for (size_t i = 0; i < as_bf16.size(); ++i) {
+      auto f32 = host.Forward(id, as_f32[i].req);
+      auto bf16 = host.Forward(id, as_bf16[i].req);
+      ASSERT_TRUE(f32.ok()) << f32.status();
+      ASSERT_TRUE(bf16.ok()) << bf16.status();
+      ASSERT_TRUE(batched[i].ok()) << batched[i].status();
+      const std::string want = rounded(f32->output);
+      EXPECT_EQ(bf16->output.dtype, DType::kBF16);
+      EXPECT_EQ(bf16->output.shape, f32->output.shape);
+      EXPECT_TRUE(bf16->output.bytes == want) << "request " << i << " alone";
+      EXPECT_TRUE(batched[i]->output.bytes == want) << "request " << i << " in the batch";
+      if (f32->has_layernorm_output) {
+        EXPECT_TRUE(bf16->layernorm_output.bytes == rounded(f32->layernorm_output));
+        EXPECT_TRUE(batched[i]->layernorm_output.bytes == rounded(f32->layernorm_output));
+      }
+    }
+    ++cases;
+  }
+  EXPECT_EQ(cases, 3 * 3 * 2 * 2);
+}
+
 TEST_F(ForwardBatchTest, TrainingBatchesAreTheSequenceOfTheirRequests) {
   // Two identical modules: one runs the batch, the other the same requests one after another.
   // Outputs, the scaling state after, and each context (through its backward: grad_input and
