@@ -275,7 +275,8 @@ def targets(parity, service, demo_rows, step, gemm, modules, with_torch):
                        f"steps/s = {r:.3f}")
     # The module-step targets belong to the GPU fast-path work; recorded as they stand.
     # linear_bf16: the same Linear with bf16 activations and gradients in and out, as the fast
-    # path moves them (gradwire-cuda-bench composes it; the server does not run it yet).
+    # path moves them (gradwire-cuda-bench composes it; the server casts bf16 in, but its GEMMs
+    # still write fp32 y and dx).
     for name, want in (("linear", 1.7), ("linear_bf16", 1.7), ("layernorm_mlp", 1.6)):
         row = next((m for m in modules if m.get("name") == name), None)
         key = f"{name}_step_ge_{want}x_bf16 (fast-path work, recorded only)"

@@ -153,7 +153,9 @@ class Backend {
   virtual void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
                      bool accumulate) const = 0;
   // Fprop with its output in bfloat16 (what a bf16 response carries): NarrowBf16 of Fprop's
-  // output, bit for bit. The default is exactly that; a backend may have its GEMM write bf16.
+  // output, bit for bit. The default is exactly that, and every backend keeps it: a GEMM that
+  // writes bf16 itself (cuBLASLt D in bf16) may pick another algorithm than the fp32 one, and a
+  // request's bits would then depend on whether it ran alone or in a batch.
   virtual at::Tensor FpropBf16(const Fp8Tensor& x, const Fp8Tensor& w,
                                const at::Tensor& bias) const;
   // Fprop of a row-grouped x (a batch: Fp8Tensor::groups, each part with its own scale_inv):

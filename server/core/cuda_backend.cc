@@ -327,23 +327,6 @@ class CudaBackend final : public Backend {
     if (bias.defined()) y.add_(bias);
     return y;
   }
-  // Without a bias, and at shapes the FP8 tensor cores take unpadded, the GEMM writes bf16 itself
-  // (cuBLASLt D in bf16, rounded to nearest even from its fp32 result); otherwise fp32, then
-  // NarrowBf16. A bias is added in fp32 before the rounding, as in Fprop.
-  at::Tensor FpropBf16(const Fp8Tensor& x, const Fp8Tensor& w,
-                       const at::Tensor& bias) const override {
-    Use();
-    if (bias.defined() || Up16(x.rows) != x.rows || Up16(w.rows) != w.rows ||
-        Up16(x.cols) != x.cols ||
-        (x.format == kernels::Fp8Format::kE5M2 && w.format == kernels::Fp8Format::kE5M2)) {
-      return NarrowBf16(Fprop(x, w, bias));
-    }
-    at::Tensor y =
-        at::empty({x.rows, w.rows}, at::TensorOptions().dtype(at::kBFloat16).device(device()));
-    Gemm(x.rowwise, x, w.rowwise, w, x.rows, w.rows, x.cols, y, false, gwc::GemmAccumulation::kFast,
-         gwc::GemmOut::kBFloat16);
-    return y;
-  }
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     Use();
     at::Tensor dx = at::empty({dy.rows, w.cols}, Floats());
@@ -359,8 +342,8 @@ class CudaBackend final : public Backend {
   }
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
     Use();
-    // A bf16 gradient sums in fp32 (at::sum would otherwise round its result to bf16).
-    acc.add_(g.sum(at::IntArrayRef{0}, /*keepdim=*/false, at::kFloat));
+    // A bf16 gradient is widened first (exact), so its sum is the fp32 path's, bit for bit.
+    acc.add_((g.scalar_type() == at::kFloat ? g : g.to(at::kFloat)).sum(0));
   }
   // Through libtorch's reductions, which keep NaN; each reads its result back to the host (a
   // synchronisation): the GPU fast path moves these checks onto the device.
@@ -497,11 +480,9 @@ class CudaBackend final : public Backend {
   // d[m, n] (=|+=) scale_inv_a scale_inv_b a[m, k] . b[n, k]^T on cuBLASLt. FP8 tensor cores take
   // multiples of 16 in m, n and k: other shapes run zero-padded (zero codes add nothing) and the
   // [m, n] corner is copied out.
-  // d_type kBFloat16: d is bf16 and the shapes must need no padding (FpropBf16 checks).
   void Gemm(const at::Tensor& a, const Fp8Tensor& as, const at::Tensor& b, const Fp8Tensor& bs,
             int64_t m, int64_t n, int64_t k, at::Tensor& d, bool accumulate,
-            gwc::GemmAccumulation accumulation,
-            gwc::GemmOut d_type = gwc::GemmOut::kFloat32) const {
+            gwc::GemmAccumulation accumulation) const {
     if (!a.defined() || !b.defined()) {
       throw std::logic_error("CudaBackend::Gemm: an operand's codes are missing");
     }
@@ -518,9 +499,6 @@ class CudaBackend final : public Backend {
     const int64_t M = Up16(m), N = Up16(n), K = Up16(k);
     const at::Tensor pa = Pad(a, M, K), pb = Pad(b, N, K);
     const bool padded_out = M != m || N != n;
-    if (d_type != gwc::GemmOut::kFloat32 && (padded_out || K != k)) {
-      throw std::logic_error("CudaBackend::Gemm: a bf16 output needs unpadded shapes");
-    }
     at::Tensor out = d;
     if (padded_out) {
       out = accumulate ? at::zeros({M, N}, Floats()) : at::empty({M, N}, Floats());
@@ -536,8 +514,8 @@ class CudaBackend final : public Backend {
     g.m = M;
     g.n = N;
     g.k = K;
-    g.d = out.data_ptr();
-    g.d_type = d_type;
+    g.d = out.data_ptr<float>();
+    g.d_type = gwc::GemmOut::kFloat32;
     g.accumulate = accumulate;
     g.accumulation = accumulation;
     g.stream = kStream;

@@ -278,7 +278,8 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
   const at::Tensor x = use_bf16 ? b.FromWireBf16(v, v.numel() / k, k)
                                 : b.FromWire(v, v.numel() / k, k, use_codes ? &codes : nullptr,
                                              {true, req.training});
-  // A bf16 response: the module's last GEMM writes bf16 (the same bits ToWire would round to).
+  // A bf16 response: the module's output comes back in bf16 (FpropBf16: the bits ToWire would
+  // round the fp32 output to).
   GW_ASSIGN_OR_RETURN(DeviceForward d,
                       ForwardOnDevice(module_id, m, x, v.shape, req.training,
                                       use_codes ? &codes : nullptr, req.client,
@@ -602,8 +603,8 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
   bool finished = false;
   auto fail = [&](absl::Status status) {
     lease.saved.reset();
-    contexts_.Finish(context_id, /*consumed=*/false, retain);
     finished = true;
+    contexts_.Finish(context_id, /*consumed=*/false, retain);
     return status;
   };
   try {

@@ -71,8 +71,8 @@ struct KindForwardArgs {
   uint64_t weight_version = 0;
   WorkspacePtr workspace;  // the cached FP8 weights, may be null or stale
   bool training = false;
-  // The output leaves as bf16: the last GEMM writes it so (FpropRows with bf16), bit for bit
-  // the bf16 rounding of the fp32 output.
+  // The output leaves as bf16: the last GEMM's output comes back so (FpropRows with bf16), bit
+  // for bit the bf16 rounding of the fp32 output.
   bool bf16_output = false;
 };
 

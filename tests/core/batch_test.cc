@@ -174,9 +174,9 @@ TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
   EXPECT_EQ(cases, (HaveCuda() ? 4 : 3) * 3 * 2 * 5);
 }
 
-// A bf16 response: the module's last GEMM writes bf16 (FpropBf16), alone and in a batch whose
-// every request wants bf16 (NarrowBf16 of the batch's GEMM). Either way the bytes are the fp32
-// response's values rounded as the wire codec rounds, and so is the LayerNorm output.
+// A bf16 response: the module's output comes back in bf16 (FpropBf16), alone and in a batch
+// whose every request wants bf16 (NarrowBf16 of the batch's GEMM). Either way the bytes are the
+// fp32 response's values rounded as the wire codec rounds, and so is the LayerNorm output.
 TEST_F(ForwardBatchTest, ABf16ResponseIsTheF32OutputRounded) {
   auto rounded = [](const wire::EncodedTensor& f32) {
     std::vector<float> values(f32.bytes.size() / 4);
@@ -213,6 +213,7 @@ TEST_F(ForwardBatchTest, ABf16ResponseIsTheF32OutputRounded) {
       EXPECT_EQ(bf16->output.shape, f32->output.shape);
       EXPECT_TRUE(bf16->output.bytes == want) << "request " << i << " alone";
       EXPECT_TRUE(batched[i]->output.bytes == want) << "request " << i << " in the batch";
+      EXPECT_EQ(batched[i]->batch_requests, 4) << "request " << i << " ran alone";
       if (f32->has_layernorm_output) {
         EXPECT_TRUE(bf16->layernorm_output.bytes == rounded(f32->layernorm_output));
         EXPECT_TRUE(batched[i]->layernorm_output.bytes == rounded(f32->layernorm_output));
