@@ -36,6 +36,10 @@ at::Tensor Backend::DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const {
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
+at::Tensor Backend::Widen(const at::Tensor& x) const {
+  return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+}
+
 at::Tensor Backend::NarrowBf16(const at::Tensor& x) const { return x.to(at::kBFloat16); }
 
 at::Tensor Backend::FpropBf16(const Fp8Tensor& x, const Fp8Tensor& w,

@@ -82,6 +82,9 @@ class Backend {
   // for, so a module can use them without re-quantizing.
   virtual at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                               Fp8Tensor* codes, CastUsage usage) const = 0;
+  // x as float32 on this device: x itself when it is float32, a bfloat16 x widened (exactly).
+  // The default is libtorch's conversion; the CPU backend's is threaded.
+  virtual at::Tensor Widen(const at::Tensor& x) const;
   // x (fp32 on this device) rounded to bfloat16, to nearest even as the wire codec rounds. The
   // default is libtorch's conversion; the host backends use the wire codec's.
   virtual at::Tensor NarrowBf16(const at::Tensor& x) const;

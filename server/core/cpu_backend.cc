@@ -231,6 +231,19 @@ class CpuBackend final : public ReferenceBackend {
     });
     return decoded;
   }
+  // The wire codec's widening, split over the pool.
+  at::Tensor Widen(const at::Tensor& x) const override {
+    if (x.scalar_type() != at::kBFloat16) return ReferenceBackend::Widen(x);
+    const at::Tensor src = x.contiguous();
+    at::Tensor out = Empty(src.sizes());
+    float* to = out.data_ptr<float>();
+    const auto* from = static_cast<const unsigned char*>(src.data_ptr());
+    kernels::cpu::ParallelFor(src.numel(), kWireGrain, [&](int64_t b, int64_t e) {
+      wire::DecodeElements(wire::DType::kBF16, from + b * 2, e - b, 1.0f, to + b);
+    });
+    return out;
+  }
+
   // The wire codec's rounding, split over the pool.
   at::Tensor NarrowBf16(const at::Tensor& x) const override {
     const at::Tensor src = x.contiguous();

@@ -25,9 +25,10 @@ absl::StatusOr<Fp8Tensor> LayerNormHead(const Backend& b, const KindForwardArgs&
                                         KindForwardResult* result, LayerNormSaved* saved,
                                         LayerNormOut* ln) {
   const bool keep_y = args.spec->return_layernorm_output;
-  GW_ASSIGN_OR_RETURN(Fp8Tensor x,
-                      LayerNormCastRows(b, args.input, LayerNormOf(args.params, *args.spec), config,
-                                        usage, keep_y, ln));
+  // LayerNorm reads fp32; a bf16 input is kept as it came for the backward (half the bytes).
+  GW_ASSIGN_OR_RETURN(
+      Fp8Tensor x, LayerNormCastRows(b, b.Widen(args.input), LayerNormOf(args.params, *args.spec),
+                                     config, usage, keep_y, ln));
   if (keep_y) result->layernorm_output = ln->y;
   if (saved != nullptr) {
     saved->input = args.input.clone();  // own it: the request's bytes do not outlive the call
@@ -58,7 +59,7 @@ void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNo
       return groups.size() == 1 ? t : t.narrow(0, row, rows);
     };
     at::Tensor gamma_grad = b.Zeros({k}), beta_grad = b.Zeros({k});
-    dx.push_back(b.LayerNormBackward(part(d_ln), part(saved.input), part(saved.mu),
+    dx.push_back(b.LayerNormBackward(part(d_ln), b.Widen(part(saved.input)), part(saved.mu),
                                      part(saved.rstd), ln, gamma_grad, beta_grad));
     args.grads->Add(Param::kLayerNormWeight, gamma_grad, j);
     args.grads->Add(Param::kLayerNormBias, beta_grad, j);
@@ -75,6 +76,12 @@ bool StackLayerNorm(const std::vector<const LayerNormSaved*>& parts, LayerNormSa
     input.push_back(p->input);
     mu.push_back(p->mu);
     rstd.push_back(p->rstd);
+  }
+  // Inputs kept as bf16 and as fp32 stack widened (exact; LayerNormTail reads them widened).
+  bool mixed = false;
+  for (const at::Tensor& t : input) mixed = mixed || t.scalar_type() != input[0].scalar_type();
+  if (mixed) {
+    for (at::Tensor& t : input) t = t.to(at::kFloat);
   }
   out->input = at::cat(input, 0);
   out->mu = at::cat(mu, 0);
@@ -143,8 +150,9 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
   const Fp8Tensor* ln_out = &saved->ln_out;
   // Checkpointed: redo LayerNorm and its cast (a batch's stacked state is never checkpointed).
   if (!saved->ln_out.has_columnwise() && !saved->ln_out.grouped()) {
-    GW_ASSIGN_OR_RETURN(recomputed, b.LayerNormCast(saved->input, ln, saved->input_quantizer,
-                                                    {false, true}, /*keep_y=*/false, nullptr));
+    GW_ASSIGN_OR_RETURN(recomputed,
+                        b.LayerNormCast(b.Widen(saved->input), ln, saved->input_quantizer,
+                                        {false, true}, /*keep_y=*/false, nullptr));
     ln_out = &recomputed;
   }
   GW_ASSIGN_OR_RETURN(
@@ -196,6 +204,7 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
   std::vector<std::pair<const char*, int64_t>> BuiltWidths(const ModuleSpec& s) const override {
     return {{"the output", s.out_features}};
   }
+  bool UsesBf16Input() const override { return true; }
   bool UsesBf16GradOutput() const override { return true; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LayerNormLinearForward(a);

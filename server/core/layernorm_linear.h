@@ -18,9 +18,13 @@ namespace gradwire::core {
 // What the LayerNorm kinds save of their LayerNorm: the input and the statistics its backward
 // (and a recompute) read.
 struct LayerNormSaved : SavedWithWorkspace {
-  at::Tensor input;     // float32 [M, K]: owned (the request's bytes do not outlive the call)
+  // [M, K], float32 or bfloat16 as the request came (half the bytes): owned (the request's bytes
+  // do not outlive the call); read through Backend::Widen.
+  at::Tensor input;
   at::Tensor mu, rstd;  // float32 [M]
-  int64_t layernorm_bytes() const { return (input.numel() + mu.numel() + rstd.numel()) * 4; }
+  int64_t layernorm_bytes() const {
+    return (input.defined() ? int64_t(input.nbytes()) : 0) + (mu.numel() + rstd.numel()) * 4;
+  }
 };
 
 struct LayerNormLinearSaved final : LayerNormSaved {

@@ -62,7 +62,7 @@ using RoleAmax = std::pair<size_t, float>;
 struct KindForwardArgs {
   const Backend* backend = nullptr;  // null: the reference backend
   const ModuleSpec* spec = nullptr;
-  at::Tensor input;                      // float32 [M, in_features] (bfloat16: UsesBf16Input)
+  at::Tensor input;                      // float32 [M, in_features] (or bf16: UsesBf16Input)
   const Fp8Tensor* input_fp8 = nullptr;  // the input's FP8 codes as they arrived, when the kind
                                          // UsesFp8Input (then `input` is their decoded copy)
   ParamTable params;                     // the module's parameters (device copies)
@@ -141,8 +141,9 @@ class ModuleKindOps {
   // True when the forward uses FP8 input codes as they arrived (no re-quantization); otherwise
   // it reads the decoded input.
   virtual bool UsesFp8Input() const { return false; }
-  // True when the forward's input may be bfloat16 as it arrived (Backend::FromWireBf16): it only
-  // casts it, and a cast reads bf16. Otherwise a bf16 request is widened to fp32 first.
+  // True when the forward's input may be bfloat16 as it arrived (Backend::FromWireBf16): a cast
+  // reads bf16, and what needs fp32 widens it there (Backend::Widen: LayerNorm, whose saved
+  // input then keeps half the bytes). Otherwise a bf16 request is widened to fp32 on arrival.
   virtual bool UsesBf16Input() const { return false; }
   // True when the backward may take grad_output as bfloat16 as it arrived: it only casts it and
   // sums its columns (GradientSink::BiasGrad), both of which read bf16.

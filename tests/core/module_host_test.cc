@@ -618,6 +618,106 @@ TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
   }
 }
 
+// A bf16 input to a LayerNorm module stays bf16 in its context (half the input's bytes) and
+// gives exactly what the same values sent as F32 give: outputs, grad_input and gradients, with
+// the saved activations and with selective recompute (checkpoint).
+TEST(ModuleHostWireTest, Bf16InputOfALayerNormModuleIsKeptNarrowAndChangesNoBit) {
+  for (ModuleKind kind : {ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    for (bool checkpoint : {false, true}) {
+      SCOPED_TRACE(std::string(ModuleKindName(kind)) + (checkpoint ? " checkpoint" : ""));
+      ModuleSpec spec = MakeModuleSpec(kind, 16, 8, /*ffn=*/12, /*seed=*/9);
+      spec.checkpoint = checkpoint;
+      ModuleHost narrow_host, wide_host;
+      auto a = narrow_host.Create(spec);
+      auto b = wide_host.Create(spec);
+      ASSERT_TRUE(a.ok() && b.ok());
+      const at::Tensor x = RandN({6, 16});
+      const wire::EncodedTensor xe = narrow_host.backend().ToWire(x, wire::DType::kBF16, {6, 16});
+      at::Tensor widened = at::empty({6, 16});
+      wire::DecodeElements(wire::DType::kBF16, xe.bytes.data(), 96, 1.0f,
+                           widened.data_ptr<float>());
+      WireForwardRequest nreq, wreq;
+      nreq.input = {wire::DType::kBF16, xe.bytes.data(), xe.shape, 1.0f};
+      wreq.input = {wire::DType::kF32, widened.data_ptr(), {6, 16}, 1.0f};
+      nreq.training = wreq.training = true;
+      auto nf = narrow_host.Forward(a->module_id, nreq);
+      auto wf = wide_host.Forward(b->module_id, wreq);
+      ASSERT_TRUE(nf.ok()) << nf.status();
+      ASSERT_TRUE(wf.ok()) << wf.status();
+      EXPECT_TRUE(nf->output.bytes == wf->output.bytes);
+      auto nsaved = narrow_host.contexts().Peek(nf->context_id).lock();
+      auto wsaved = wide_host.contexts().Peek(wf->context_id).lock();
+      ASSERT_TRUE(nsaved && wsaved);
+      EXPECT_EQ(wsaved->bytes() - nsaved->bytes(), 6 * 16 * 2) << "the input kept as bf16";
+      const at::Tensor dy = RandN({6, 8});
+      auto ndx = TensorBackward(narrow_host, nf->context_id, dy, false, false);
+      auto wdx = TensorBackward(wide_host, wf->context_id, dy, false, false);
+      ASSERT_TRUE(ndx.ok()) << ndx.status();
+      ASSERT_TRUE(wdx.ok()) << wdx.status();
+      EXPECT_TRUE(ndx->equal(*wdx));
+      auto ng = TensorGradients(narrow_host, a->module_id, false);
+      auto wg = TensorGradients(wide_host, b->module_id, false);
+      ASSERT_TRUE(ng.ok() && wg.ok());
+      ASSERT_EQ(ng->tensors.size(), wg->tensors.size());
+      for (size_t i = 0; i < ng->tensors.size(); ++i) {
+        EXPECT_TRUE(ng->tensors[i].second.equal(wg->tensors[i].second)) << ng->tensors[i].first;
+      }
+    }
+  }
+}
+
+// A batch of backwards over contexts whose forwards came as bf16 and as F32, mixed: the stacked
+// inputs are widened where their dtypes differ, and every grad_input and the gradients are bit
+// for bit those of the same backwards run one after another.
+TEST(ModuleHostWireTest, BackwardBatchesOfBf16AndF32ContextsAreTheirSequence) {
+  for (ModuleKind kind : {ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    SCOPED_TRACE(ModuleKindName(kind));
+    const ModuleSpec spec = MakeModuleSpec(kind, 16, 8, /*ffn=*/12, /*seed=*/11);
+    ModuleHost batch_host, seq_host;
+    auto a = batch_host.Create(spec);
+    auto b = seq_host.Create(spec);
+    ASSERT_TRUE(a.ok() && b.ok());
+    const wire::DType dtypes[] = {wire::DType::kBF16, wire::DType::kF32, wire::DType::kBF16};
+    std::vector<wire::EncodedTensor> xs, dys;
+    std::vector<std::string> batch_ctx, seq_ctx;
+    for (size_t i = 0; i < 3; ++i) {
+      const int64_t rows = int64_t(i) + 2;
+      xs.push_back(batch_host.backend().ToWire(RandN({rows, 16}), dtypes[i], {rows, 16}));
+      WireForwardRequest f;
+      f.input = {dtypes[i], xs.back().bytes.data(), xs.back().shape, 1.0f};
+      f.training = true;
+      auto fa = batch_host.Forward(a->module_id, f);
+      auto fb = seq_host.Forward(b->module_id, f);
+      ASSERT_TRUE(fa.ok() && fb.ok());
+      EXPECT_TRUE(fa->output.bytes == fb->output.bytes);
+      batch_ctx.push_back(fa->context_id);
+      seq_ctx.push_back(fb->context_id);
+      dys.push_back(batch_host.backend().ToWire(RandN({rows, 8}), wire::DType::kF32, {rows, 8}));
+    }
+    std::vector<WireBackwardRequest> breqs(3);
+    std::vector<const WireBackwardRequest*> ptrs;
+    for (size_t i = 0; i < 3; ++i) {
+      breqs[i].grad_output = {wire::DType::kF32, dys[i].bytes.data(), dys[i].shape, 1.0f};
+      ptrs.push_back(&breqs[i]);
+    }
+    ModuleHost::BatchRan ran;
+    const auto batched = batch_host.BackwardBatch(batch_ctx, ptrs, &ran);
+    EXPECT_EQ(ran.requests, 3) << "the mixed contexts ran as one batch";
+    for (size_t i = 0; i < 3; ++i) {
+      auto alone = seq_host.Backward(seq_ctx[i], breqs[i]);
+      ASSERT_TRUE(alone.ok() && alone->has_value()) << alone.status();
+      ASSERT_TRUE(batched[i].ok() && batched[i]->has_value()) << batched[i].status();
+      EXPECT_TRUE((*batched[i])->bytes == (*alone)->bytes) << "grad_input " << i;
+    }
+    auto ga = TensorGradients(batch_host, a->module_id, false);
+    auto gb = TensorGradients(seq_host, b->module_id, false);
+    ASSERT_TRUE(ga.ok() && gb.ok());
+    for (size_t i = 0; i < ga->tensors.size(); ++i) {
+      EXPECT_TRUE(ga->tensors[i].second.equal(gb->tensors[i].second)) << ga->tensors[i].first;
+    }
+  }
+}
+
 // A wire request refused by the host changes nothing and leaves no context.
 TEST(ModuleHostWireTest, BadWireRequestsAreRefusedByField) {
   ModuleHost host;
