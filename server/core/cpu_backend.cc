@@ -120,16 +120,18 @@ class GemmTimer {
 
 constexpr int64_t kWireGrain = int64_t(1) << 16;  // elements per thread's slice, at least
 
-// A contiguous bfloat16 host tensor widened to fp32 (exact, as the wire codec decodes it) into
-// scratch, split over the pool.
-kernels::cpu::Scratch WidenBf16(const at::Tensor& t) {
+// A bfloat16 host tensor widened to fp32 (exact, as the wire codec decodes it) into `to`, or
+// into scratch, split over the pool.
+void WidenBf16Into(const at::Tensor& t, float* to) {
   const at::Tensor src = t.contiguous();
-  kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(src.numel()) * 4);
-  float* to = out.floats();
   const auto* from = static_cast<const unsigned char*>(src.data_ptr());
   kernels::cpu::ParallelFor(src.numel(), kWireGrain, [&](int64_t b, int64_t e) {
     wire::DecodeElements(wire::DType::kBF16, from + b * 2, e - b, 1.0f, to + b);
   });
+}
+kernels::cpu::Scratch WidenBf16(const at::Tensor& t) {
+  kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(t.numel()) * 4);
+  WidenBf16Into(t, out.floats());
   return out;
 }
 
@@ -234,13 +236,8 @@ class CpuBackend final : public ReferenceBackend {
   // The wire codec's widening, split over the pool.
   at::Tensor Widen(const at::Tensor& x) const override {
     if (x.scalar_type() != at::kBFloat16) return ReferenceBackend::Widen(x);
-    const at::Tensor src = x.contiguous();
-    at::Tensor out = Empty(src.sizes());
-    float* to = out.data_ptr<float>();
-    const auto* from = static_cast<const unsigned char*>(src.data_ptr());
-    kernels::cpu::ParallelFor(src.numel(), kWireGrain, [&](int64_t b, int64_t e) {
-      wire::DecodeElements(wire::DType::kBF16, from + b * 2, e - b, 1.0f, to + b);
-    });
+    at::Tensor out = Empty(x.sizes());
+    WidenBf16Into(x, out.data_ptr<float>());
     return out;
   }
 

@@ -29,6 +29,23 @@ at::Tensor Get(const ParametersCopy& p, const std::string& name) {
   return at::Tensor();
 }
 
+// Every accumulated gradient of module `a` on `ha` bit for bit that of module `b` on `hb`.
+::testing::AssertionResult SameGradients(ModuleHost& ha, const std::string& a, ModuleHost& hb,
+                                         const std::string& b) {
+  auto ga = TensorGradients(ha, a, false);
+  auto gb = TensorGradients(hb, b, false);
+  if (!ga.ok() || !gb.ok()) return ::testing::AssertionFailure() << "GetGradients failed";
+  if (ga->tensors.size() != gb->tensors.size()) {
+    return ::testing::AssertionFailure() << "different parameter lists";
+  }
+  for (size_t i = 0; i < ga->tensors.size(); ++i) {
+    if (!ga->tensors[i].second.equal(gb->tensors[i].second)) {
+      return ::testing::AssertionFailure() << "the gradient of " << ga->tensors[i].first;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 class ModuleHostTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -241,13 +258,7 @@ TEST(ModuleHostDeviceFailureTest, AThrowAfterTheKindRanKeepsTheContextAndChanges
   auto twin_dx = TensorBackward(healthy, twin_out->context_id, dy, false, false);
   ASSERT_TRUE(twin_dx.ok());
   EXPECT_TRUE(again->equal(*twin_dx));
-  auto got = TensorGradients(host, info->module_id, false);
-  auto want = TensorGradients(healthy, twin->module_id, false);
-  ASSERT_TRUE(got.ok() && want.ok());
-  ASSERT_EQ(got->tensors.size(), want->tensors.size());
-  for (size_t i = 0; i < want->tensors.size(); ++i) {
-    EXPECT_TRUE(got->tensors[i].second.equal(want->tensors[i].second)) << want->tensors[i].first;
-  }
+  EXPECT_TRUE(SameGradients(host, info->module_id, healthy, twin->module_id));
 }
 
 TEST_F(ModuleHostTest, ReleaseAndDeleteFreeContexts) {
@@ -608,12 +619,7 @@ TEST(ModuleHostWireTest, WireForwardAndBackwardMatchTheHostPath) {
     const wire::EncodedTensor hb_bf16 = host.backend().ToWire(*hb, wire::DType::kBF16, {2, 3, 12});
     EXPECT_EQ((*wb)->shape, (std::vector<int64_t>{2, 3, 12}));
     EXPECT_TRUE((*wb)->bytes == hb_bf16.bytes) << ModuleKindName(kind);
-    auto ga = TensorGradients(host, a->module_id, false);
-    auto gb = TensorGradients(host, b->module_id, false);
-    ASSERT_TRUE(ga.ok() && gb.ok());
-    for (size_t i = 0; i < ga->tensors.size(); ++i) {
-      EXPECT_TRUE(ga->tensors[i].second.equal(gb->tensors[i].second)) << ga->tensors[i].first;
-    }
+    EXPECT_TRUE(SameGradients(host, a->module_id, host, b->module_id)) << ModuleKindName(kind);
     EXPECT_EQ(host.Stats().live_contexts, 0);
   }
 }
@@ -655,13 +661,7 @@ TEST(ModuleHostWireTest, Bf16InputOfALayerNormModuleIsKeptNarrowAndChangesNoBit)
       ASSERT_TRUE(ndx.ok()) << ndx.status();
       ASSERT_TRUE(wdx.ok()) << wdx.status();
       EXPECT_TRUE(ndx->equal(*wdx));
-      auto ng = TensorGradients(narrow_host, a->module_id, false);
-      auto wg = TensorGradients(wide_host, b->module_id, false);
-      ASSERT_TRUE(ng.ok() && wg.ok());
-      ASSERT_EQ(ng->tensors.size(), wg->tensors.size());
-      for (size_t i = 0; i < ng->tensors.size(); ++i) {
-        EXPECT_TRUE(ng->tensors[i].second.equal(wg->tensors[i].second)) << ng->tensors[i].first;
-      }
+      EXPECT_TRUE(SameGradients(narrow_host, a->module_id, wide_host, b->module_id));
     }
   }
 }
@@ -709,12 +709,7 @@ TEST(ModuleHostWireTest, BackwardBatchesOfBf16AndF32ContextsAreTheirSequence) {
       ASSERT_TRUE(batched[i].ok() && batched[i]->has_value()) << batched[i].status();
       EXPECT_TRUE((*batched[i])->bytes == (*alone)->bytes) << "grad_input " << i;
     }
-    auto ga = TensorGradients(batch_host, a->module_id, false);
-    auto gb = TensorGradients(seq_host, b->module_id, false);
-    ASSERT_TRUE(ga.ok() && gb.ok());
-    for (size_t i = 0; i < ga->tensors.size(); ++i) {
-      EXPECT_TRUE(ga->tensors[i].second.equal(gb->tensors[i].second)) << ga->tensors[i].first;
-    }
+    EXPECT_TRUE(SameGradients(batch_host, a->module_id, seq_host, b->module_id));
   }
 }
 

@@ -91,6 +91,20 @@ void ExpectSameCast(const CastResult& got, const CastResult& want) {
   ExpectSameBits(got.scale_inv, want.scale_inv, "scale_inv");
 }
 
+// dbias[c] against the reference's column sums of x[rows, cols]: fp32 sums in two orders, each
+// within rows * 2^-24 of the exact sum, relative to sum |x|.
+void ExpectColumnSums(const std::vector<float>& dbias, const std::vector<float>& x, int64_t rows,
+                      int64_t cols) {
+  std::vector<float> sums(static_cast<size_t>(cols));
+  ColumnSums(x.data(), rows, cols, sums.data());
+  for (int64_t c = 0; c < cols; ++c) {
+    double abs_sum = 0;
+    for (int64_t r = 0; r < rows; ++r) abs_sum += std::fabs(x[size_t(r * cols + c)]);
+    const double tol = 2.0 * double(rows) * std::ldexp(1.0, -24) * abs_sum + 1e-30;
+    ASSERT_NEAR(dbias[size_t(c)], sums[size_t(c)], tol) << "column " << c;
+  }
+}
+
 class CudaCastTest : public ::testing::TestWithParam<std::tuple<Fp8Format, Shape, bool>> {};
 
 // Delayed scaling with a scale that saturates the largest values, and current scaling with a
@@ -143,17 +157,7 @@ TEST_P(CudaCastTest, CastTransposeBf16IsTheCastOfTheWidenedValues) {
   DeviceBuffer<float> dbias(static_cast<size_t>(shape.cols));
   CastTransposeDbiasBf16(dx.get(), shape.rows, shape.cols, cast2.out, dbias.get(), nullptr);
   ExpectSameCast(cast2.Result(), want);
-  std::vector<float> sums(static_cast<size_t>(shape.cols));
-  ColumnSums(widened.data(), shape.rows, shape.cols, sums.data());
-  const std::vector<float> got = dbias.Download();
-  for (int64_t c = 0; c < shape.cols; ++c) {
-    double abs_sum = 0;
-    for (int64_t r = 0; r < shape.rows; ++r) {
-      abs_sum += std::fabs(widened[size_t(r * shape.cols + c)]);
-    }
-    const double tol = 2.0 * double(shape.rows) * std::ldexp(1.0, -24) * abs_sum + 1e-30;
-    ASSERT_NEAR(got[size_t(c)], sums[size_t(c)], tol) << "column " << c;
-  }
+  ExpectColumnSums(dbias.Download(), widened, shape.rows, shape.cols);
 }
 
 TEST_P(CudaCastTest, CastTransposeDbias) {
@@ -164,20 +168,11 @@ TEST_P(CudaCastTest, CastTransposeDbias) {
   const std::vector<float> x = RandomNormal(shape.rows * shape.cols, seed, 2.0f);
   const float scale = ComputeScale(kernels::Amax(x.data(), int64_t(x.size())), format, 0);
   const CastResult want = ReferenceCast(x, shape.rows, shape.cols, format, current, 0, scale);
-  std::vector<float> sums(static_cast<size_t>(shape.cols));
-  ColumnSums(x.data(), shape.rows, shape.cols, sums.data());
   DeviceBuffer<float> dx(x), dbias(static_cast<size_t>(shape.cols));
   DeviceCast cast(x.size(), format, current, 0, scale);
   CastTransposeDbias(dx.get(), shape.rows, shape.cols, cast.out, dbias.get(), nullptr);
   ExpectSameCast(cast.Result(), want);
-  const std::vector<float> got = dbias.Download();
-  for (int64_t c = 0; c < shape.cols; ++c) {
-    double abs_sum = 0;
-    for (int64_t r = 0; r < shape.rows; ++r) abs_sum += std::fabs(x[size_t(r * shape.cols + c)]);
-    // fp32 sums in two orders: each within rows * 2^-24 of the exact sum, relative to sum |x|.
-    const double tol = 2.0 * double(shape.rows) * std::ldexp(1.0, -24) * abs_sum + 1e-30;
-    ASSERT_NEAR(got[size_t(c)], sums[size_t(c)], tol) << "column " << c;
-  }
+  ExpectColumnSums(dbias.Download(), x, shape.rows, shape.cols);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaCastTest,
