@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <stdexcept>
 #include <vector>
 
@@ -34,6 +35,42 @@ at::Tensor Backend::DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const {
   parts.reserve(dy.groups.size());
   for (const Fp8Tensor& g : dy.groups) parts.push_back(Dgrad(g, w));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
+void Backend::RollScaling(ScalingTensors& s, const std::vector<int64_t>& roles,
+                          const std::vector<float>& amaxes, kernels::Fp8Format format,
+                          const RecipeConfig& config) const {
+  if (roles.size() != amaxes.size()) {
+    throw std::logic_error("RollScaling: one amax per role");
+  }
+  const bool host = s.history.device().is_cpu();
+  ScalingTensors h =
+      host ? s
+           : ScalingTensors{s.history.to(at::kCPU).contiguous(), s.scale.to(at::kCPU).contiguous(),
+                            s.scale_inv.to(at::kCPU).contiguous()};
+  const int64_t n = h.history.size(0), len = h.history.size(1);
+  float* history = h.history.data_ptr<float>();
+  float* scale = h.scale.data_ptr<float>();
+  float* scale_inv = h.scale_inv.data_ptr<float>();
+  for (size_t i = 0; i < roles.size(); ++i) {
+    const int64_t role = roles[i];
+    if (role < 0 || role >= n) throw std::logic_error("RollScaling: role out of range");
+    // The whole zero-padded row as the history: zeros never change the roll's max, and the
+    // oldest entry drops exactly as the shift of a full row does.
+    float* row = history + role * len;
+    ScalingState state(format, config);
+    state.Set(std::deque<float>(row, row + len), scale[role]);
+    state.Record(amaxes[i]);
+    state.Roll();
+    std::copy(state.history().begin(), state.history().end(), row);
+    scale[role] = state.scale();
+  }
+  for (int64_t i = 0; i < n; ++i) scale_inv[i] = 1.0f / scale[i];
+  if (!host) {
+    s.history.copy_(h.history);
+    s.scale.copy_(h.scale);
+    s.scale_inv.copy_(h.scale_inv);
+  }
 }
 
 at::Tensor Backend::Widen(const at::Tensor& x) const {

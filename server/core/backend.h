@@ -26,6 +26,7 @@
 #include "gradwire/wire/codec.h"
 #include "server/core/fp8_tensor.h"
 #include "server/core/quantizer.h"
+#include "server/core/recipe.h"
 
 namespace gradwire::core {
 
@@ -39,6 +40,13 @@ struct LayerNormParams {
 // LayerNorm forward results: y [M, K], mu [M], rstd [M].
 struct LayerNormOut {
   at::Tensor y, mu, rstd;
+};
+
+// The FP8 scaling state of a module's roles on a backend's device (DeviceScaling owns one): for n
+// roles, history fp32 [n, history_len] (most recent first; entries not yet filled are 0, which
+// never changes a max of amaxes), scale and scale_inv fp32 [n].
+struct ScalingTensors {
+  at::Tensor history, scale, scale_inv;
 };
 
 class Backend {
@@ -173,6 +181,16 @@ class Backend {
   virtual at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const;
   // acc[N] += column sums of g[M, N] (unquantized; fp32, or bf16 summed as its exact widening).
   virtual void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const = 0;
+
+  // Ends one step of the delayed-scaling recipe for `roles` (distinct indices into s, all of
+  // `format`), role roles[i] having measured amaxes[i]: for each, bit for bit
+  // ScalingState::Record(amax) then Roll() (recipe.h), on the device; scale_inv = 1 / scale.
+  // Nothing comes back to the host. The default runs ScalingState on the host (the host
+  // backends' tensors are host tensors; others' are copied out and back, synchronously); the
+  // CUDA backend runs cuda::DelayedScalingRoll on its stream.
+  virtual void RollScaling(ScalingTensors& s, const std::vector<int64_t>& roles,
+                           const std::vector<float>& amaxes, kernels::Fp8Format format,
+                           const RecipeConfig& config) const;
 
   // The finite checks ride on these: each returns, with its result, the largest |value| it saw
   // (NaN when any value is NaN), on the host.

@@ -174,8 +174,8 @@ class CpuBackend final : public ReferenceBackend {
     kernels::cpu::Scratch widened;
     if (bf16) widened = WidenBf16(x);
     const float* data = bf16 ? widened.floats() : x.data_ptr<float>();
-    const bool delayed = config.scale > 0.0f;
-    float scale = config.scale;
+    const bool delayed = GivenScale(config);
+    float scale = HostScale(config);
     if (!delayed) {
       out.amax = kernels::cpu::AbsMax(data, x.numel());
       scale = kernels::ComputeScale(out.amax, config.format, config.margin);

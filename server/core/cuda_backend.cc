@@ -8,8 +8,10 @@
 // build does not have: this file must compile on a machine without CUDA libtorch).
 //
 // Host values: a cast reads its amax, scale and scale_inv back to the host when it returns (one
-// small device-to-host copy per cast), because the modules and the scaling recipes still take
-// them as floats. docs/backends.md lists this among what the seam does not do yet.
+// small device-to-host copy per cast), because the modules still take them as floats (a step's
+// amaxes, the finite checks, the error bounds). The scaling state is on the device: a delayed
+// cast copies its scale from there and the roll runs there (RollScaling). docs/backends.md lists
+// what the seam does not do yet.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <cuda_runtime_api.h>
@@ -27,6 +29,7 @@
 #include "gradwire/kernels/cuda/cast.h"
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/cuda/layernorm.h"
+#include "gradwire/kernels/cuda/recipe.h"
 #include "server/core/backend.h"
 #include "server/core/staged_copy.h"
 #include "server/core/status_macros.h"
@@ -37,6 +40,8 @@ namespace {
 namespace gwc = kernels::cuda;
 
 constexpr cudaStream_t kStream = nullptr;  // the legacy default stream (see above)
+// The longest amax history cuda::DelayedScalingRoll takes (it stages a row in shared memory).
+constexpr int64_t kMaxDeviceHistory = 8192;
 
 int64_t Up16(int64_t v) { return (v + 15) / 16 * 16; }
 
@@ -358,6 +363,45 @@ class CudaBackend final : public Backend {
     return AbsMax(out);
   }
 
+  // The roll on the device (cuda::DelayedScalingRoll, one launch): this step's amaxes and which
+  // roles step cross as one small pageable copy, which the runtime stages at once (no
+  // synchronisation). Histories longer than the kernel's limit roll through the host default.
+  void RollScaling(ScalingTensors& s, const std::vector<int64_t>& roles,
+                   const std::vector<float>& amaxes, kernels::Fp8Format format,
+                   const RecipeConfig& config) const override {
+    Use();
+    const int64_t n = s.history.size(0), len = s.history.size(1);
+    if (len > kMaxDeviceHistory || roles.size() != amaxes.size()) {
+      Backend::RollScaling(s, roles, amaxes, format, config);
+      return;
+    }
+    if (s.history.device() != device() || s.scale.device() != device() ||
+        s.scale_inv.device() != device() || s.scale.numel() != n || s.scale_inv.numel() != n) {
+      throw std::logic_error("CudaBackend::RollScaling: the state is not [n] tensors on " +
+                             device().str());
+    }
+    // [pending amax: n floats | recorded: n bytes]
+    std::vector<uint8_t> host(size_t(n) * 5, 0);
+    float* pending = reinterpret_cast<float*>(host.data());
+    uint8_t* recorded = host.data() + size_t(n) * 4;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      if (roles[i] < 0 || roles[i] >= n) {
+        throw std::logic_error("CudaBackend::RollScaling: role out of range");
+      }
+      pending[roles[i]] = amaxes[i];
+      recorded[roles[i]] = 1;
+    }
+    at::Tensor step = at::empty({Up16(n * 5) / 4}, Floats());
+    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(step.data_ptr(), host.data(), host.size(),
+                                        cudaMemcpyHostToDevice, kStream));
+    const uint8_t* step_bytes = static_cast<const uint8_t*>(step.data_ptr());
+    gwc::DelayedScalingRoll(
+        s.history.data_ptr<float>(), step.data_ptr<float>(), step_bytes + n * 4, n, len, format,
+        config.margin,
+        config.algo == AmaxAlgo::kMax ? gwc::AmaxAlgo::kMax : gwc::AmaxAlgo::kMostRecent,
+        s.scale.data_ptr<float>(), s.scale_inv.data_ptr<float>(), kStream);
+  }
+
   void Synchronize() const override {
     Use();
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
@@ -435,11 +479,22 @@ class CudaBackend final : public Backend {
     c.o.scale = s;
     c.o.scale_inv = s + 4;
     c.o.amax = s + 8;
-    c.o.current = config.scale <= 0.0f;
+    c.o.current = !GivenScale(config);
     c.o.margin = config.margin;
     c.o.data = usage.rowwise ? c.out.rowwise.data_ptr<uint8_t>() : nullptr;
     c.o.data_t = usage.columnwise ? c.out.columnwise.data_ptr<uint8_t>() : nullptr;
-    if (!c.o.current) {
+    if (config.scale_device.defined()) {
+      // The module's scaling state on this device: copied in stream order, never via the host.
+      const at::Tensor& given = config.scale_device;
+      if (given.device() != device() || given.scalar_type() != at::kFloat || given.numel() != 1) {
+        return absl::InternalError(absl::StrCat("CudaBackend::", what,
+                                                " was given a scale that is not one fp32 value on ",
+                                                device().str()));
+      }
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(s, given.data_ptr<float>(), sizeof(float),
+                                          cudaMemcpyDeviceToDevice, kStream));
+    } else if (!c.o.current) {
+      // Pageable host to device: staged at once, so config may go away (no synchronisation).
       GRADWIRE_CUDA_CHECK(
           cudaMemcpyAsync(s, &config.scale, sizeof(float), cudaMemcpyHostToDevice, kStream));
     }

@@ -56,7 +56,7 @@ absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
   int64_t row = 0;
   for (int64_t rows : *config.row_groups) {
     if (rows <= 0 || row + rows > x.size(0)) break;
-    if (config.steps) one.scale = config.steps->NextScale();
+    if (config.steps) config.steps->Next(one);
     GW_ASSIGN_OR_RETURN(Fp8Tensor part, backend.Cast(x.narrow(0, row, rows), one, usage));
     if (config.steps) config.steps->Stepped(part.amax);
     parts.push_back(std::move(part));

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/kernels/random.h"
+#include "server/core/device_scaling.h"
 #include "server/core/gradients.h"
 #include "server/core/status_macros.h"
 
@@ -83,11 +84,11 @@ struct ModuleHost::Module {
   };
 
   ModuleSpec spec;
-  const ModuleKindOps* kind = nullptr;  // FindKind(spec.kind), never null
-  std::string tenant;                   // set before the module is shared, then constant
-  mutable std::mutex mu;                // guards everything below
-  std::vector<Parameter> params;        // kind->Params(spec) order
-  std::vector<ScalingState> scaling;    // one per kind->Roles() entry
+  const ModuleKindOps* kind = nullptr;   // FindKind(spec.kind), never null
+  std::string tenant;                    // set before the module is shared, then constant
+  mutable std::mutex mu;                 // guards everything below
+  std::vector<Parameter> params;         // kind->Params(spec) order
+  std::optional<DeviceScaling> scaling;  // kind->Roles()' scaling, on the backend's device
   uint64_t version = 1;
   int64_t optimizer_steps = 0;
   int64_t accumulated_backwards = 0;
@@ -125,12 +126,16 @@ struct ModuleHost::Module {
   // the weight's own amax (with the recipe's margin) under either recipe: the weights are cast
   // once per weight version (the workspace), and a delayed scale would be whatever the history
   // held when the version was first used, 1.0 for a new or imported module.
+  // Under delayed scaling the other roles' casts read their scale where it lives, on the device.
   std::vector<QuantizerConfig> Quantizers() const {
     const std::vector<RoleDef>& roles = kind->Roles();
-    std::vector<QuantizerConfig> q;
+    std::vector<QuantizerConfig> q(roles.size());
     for (size_t i = 0; i < roles.size(); ++i) {
-      q.push_back(scaling[i].Quantizer());
-      if (roles[i].weight) q.back().scale = 0.0f;
+      q[i].format = roles[i].format;
+      q[i].margin = spec.recipe.margin;
+      if (spec.recipe.mode == ScalingMode::kDelayed && !roles[i].weight) {
+        q[i].scale_device = scaling->Scale(i);
+      }
     }
     return q;
   }
@@ -139,11 +144,15 @@ struct ModuleHost::Module {
     p.grad.bound = 0;
   }
   // Ends a step of the given roles: records their amaxes and rolls their histories.
-  void EndStep(const std::vector<RoleAmax>& amaxes) {
-    for (const auto& [role, amax] : amaxes) {
-      scaling.at(role).Record(amax);
-      scaling.at(role).Roll();
+  void EndStep(const std::vector<RoleAmax>& amaxes) { scaling->Step(amaxes); }
+  // The roles' scaling state by name, read back to the host.
+  std::vector<RoleScaling> ReadScaling() const {
+    std::vector<RoleScaling> out;
+    std::vector<DeviceScaling::HostView> views = scaling->Read();
+    for (size_t i = 0; i < views.size(); ++i) {
+      out.push_back({kind->Roles()[i].name, views[i].scale, std::move(views[i].history)});
     }
+    return out;
   }
 };
 
@@ -197,7 +206,9 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::NewModule(
     p.grad.grad = backend_->Zeros(d.shape);
     m->params.push_back(std::move(p));
   }
-  for (const RoleDef& r : m->kind->Roles()) m->scaling.emplace_back(r.format, spec.recipe);
+  std::vector<kernels::Fp8Format> formats;
+  for (const RoleDef& r : m->kind->Roles()) formats.push_back(r.format);
+  m->scaling.emplace(*backend_, std::move(formats), spec.recipe);
   return m;
 }
 
@@ -305,21 +316,29 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
 
 namespace {
 
-// One role's steps across a training batch: a copy of its scaling state, stepped once per
-// request as CastRows casts each request's rows, and the amaxes it saw.
+// One role's steps across a training batch, on a copy of the module's scaling state (shared by
+// the batch's roles, each stepping only its own): stepped once per request as CastRows casts each
+// request's rows, and the amaxes it saw. Under delayed scaling each request's cast reads the scale
+// the copy holds after the steps before it (on a GPU in stream order: the cast is queued before
+// the roll that follows it).
 class RoleSteps final : public ScaleSteps {
  public:
-  explicit RoleSteps(ScalingState state) : state_(std::move(state)) {}
-  float NextScale() override { return state_.Quantizer().scale; }
+  RoleSteps(std::shared_ptr<DeviceScaling> state, size_t role, bool delayed)
+      : state_(std::move(state)), role_(role), delayed_(delayed) {}
+  void Next(QuantizerConfig& one) override {
+    one.scale = 0.0f;
+    one.scale_device = delayed_ ? state_->Scale(role_) : at::Tensor();
+  }
   void Stepped(float amax) override {
     amaxes.push_back(amax);
-    state_.Record(amax);
-    state_.Roll();
+    state_->Step({{role_, amax}});
   }
   std::vector<float> amaxes;
 
  private:
-  ScalingState state_;
+  std::shared_ptr<DeviceScaling> state_;
+  size_t role_;
+  bool delayed_;
 };
 
 }  // namespace
@@ -408,11 +427,13 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     args.quantizers = m->Quantizers();
     const std::vector<RoleDef>& roles = m->kind->Roles();
     std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
+    const bool delayed = m->spec.recipe.mode == ScalingMode::kDelayed;
+    const auto copy = training ? std::make_shared<DeviceScaling>(m->scaling->Copy()) : nullptr;
     for (size_t role = 0; role < roles.size(); ++role) {
       if (roles[role].weight) continue;
       args.quantizers[role].row_groups = groups;
       if (training) {
-        steps[role] = std::make_shared<RoleSteps>(m->scaling[role]);
+        steps[role] = std::make_shared<RoleSteps>(copy, role, delayed);
         args.quantizers[role].steps = steps[role];
       }
     }
@@ -894,9 +915,11 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             args.quantizers = m->Quantizers();
             args.compute_grad_input = !skip;
             args.row_groups = groups;
+            const bool delayed = m->spec.recipe.mode == ScalingMode::kDelayed;
+            const auto copy = std::make_shared<DeviceScaling>(m->scaling->Copy());
             for (size_t role = 0; role < roles.size(); ++role) {
               if (roles[role].weight) continue;
-              steps[role] = std::make_shared<RoleSteps>(m->scaling[role]);
+              steps[role] = std::make_shared<RoleSteps>(copy, role, delayed);
               args.quantizers[role].row_groups = groups;
               args.quantizers[role].steps = steps[role];
             }
@@ -1122,11 +1145,7 @@ absl::StatusOr<uint64_t> ModuleHost::SetWeights(const std::string& module_id,
 absl::StatusOr<std::vector<RoleScaling>> ModuleHost::Scaling(const std::string& module_id) const {
   GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
   std::lock_guard<std::mutex> lock(m->mu);
-  std::vector<RoleScaling> out;
-  for (size_t i = 0; i < m->scaling.size(); ++i) {
-    out.push_back({m->kind->Roles()[i].name, m->scaling[i].scale(), m->scaling[i].history()});
-  }
-  return out;
+  return m->ReadScaling();
 }
 
 absl::StatusOr<ModuleState> ModuleHost::ExportState(const std::string& module_id) const {
@@ -1147,10 +1166,7 @@ absl::StatusOr<ModuleState> ModuleHost::ExportState(const std::string& module_id
       state.optimizer_slots.emplace_back(std::string(p.name) + ".second", p.slots.second.clone());
     }
   }
-  for (size_t i = 0; i < m->scaling.size(); ++i) {
-    state.scaling.push_back(
-        {m->kind->Roles()[i].name, m->scaling[i].scale(), m->scaling[i].history()});
-  }
+  state.scaling = m->ReadScaling();
   return state;
 }
 
@@ -1181,8 +1197,8 @@ absl::Status ModuleHost::ImportState(const ModuleState& state) {
     }
   }
   for (const RoleScaling& r : state.scaling) {
-    for (size_t i = 0; i < m->scaling.size(); ++i) {
-      if (m->kind->Roles()[i].name == r.role) m->scaling[i].Set(r.history, r.scale);
+    for (size_t i = 0; i < m->scaling->roles(); ++i) {
+      if (m->kind->Roles()[i].name == r.role) m->scaling->Set(i, r.history, r.scale);
     }
   }
   m->version = state.weight_version;

@@ -5,11 +5,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "gradwire/kernels/cpu/loops.h"
 #include "gradwire/kernels/ref/cast.h"
 
 namespace gradwire::core {
+
+float HostScale(const QuantizerConfig& config) {
+  if (!config.scale_device.defined()) return config.scale;
+  const at::Tensor& s = config.scale_device;
+  if (!s.device().is_cpu() || s.scalar_type() != at::kFloat || s.numel() != 1) {
+    throw std::logic_error("a host cast was given a scale that is not one fp32 value on the host");
+  }
+  return *s.data_ptr<float>();
+}
 
 absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
                                    CastUsage usage) {
@@ -29,11 +39,12 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
   const float* data = x.data_ptr<float>();
   uint8_t* rowwise = usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr;
   uint8_t* columnwise = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
-  if (config.scale > 0.0f) {  // delayed: the scale is given; amax comes out of the same pass
-    kernels::QuantizeFp8(data, out.rows, out.cols, config.scale, config.format, rowwise, columnwise,
+  if (GivenScale(config)) {  // delayed: the scale is given; amax comes out of the same pass
+    const float given = HostScale(config);
+    kernels::QuantizeFp8(data, out.rows, out.cols, given, config.format, rowwise, columnwise,
                          &out.amax);
-    out.scale = config.scale;
-    out.scale_inv = 1.0f / config.scale;
+    out.scale = given;
+    out.scale_inv = 1.0f / given;
     return out;
   }
   out.amax = kernels::Amax(data, x.numel());

@@ -16,11 +16,13 @@ namespace gradwire::core {
 // Delayed scaling across a batch of training forwards (CastRows): each request is a step of its
 // role's amax history, so request g casts with the scale the steps of requests 0 .. g-1 left.
 // CastRows asks for each group's scale, in order, and reports each group's amax as one step.
+struct QuantizerConfig;
 class ScaleSteps {
  public:
   virtual ~ScaleSteps() = default;
-  // The next group's quantizer scale (0: current scaling, from its own amax).
-  virtual float NextScale() = 0;
+  // Sets the next group's scale in `one` (scale_device under delayed scaling; nothing under
+  // current scaling, whose cast takes its scale from its own amax).
+  virtual void Next(QuantizerConfig& one) = 0;
   // That group's cast measured `amax`: one step.
   virtual void Stepped(float amax) = 0;
 };
@@ -38,7 +40,19 @@ struct QuantizerConfig {
   std::shared_ptr<const std::vector<int64_t>> row_groups;
   // With row_groups, a training batch: each group's scale comes from here (ScaleSteps above).
   std::shared_ptr<ScaleSteps> steps;
+  // Delayed scaling from the module's scaling state on the backend's device (DeviceScaling):
+  // fp32 [1] on the cast's device holding the scale, read there when the cast runs (no host
+  // copy on a GPU). When defined it is the scale and `scale` is not read.
+  at::Tensor scale_device;
 };
+
+// True when `config` casts with a given scale (delayed scaling), not one from the input's amax.
+inline bool GivenScale(const QuantizerConfig& config) {
+  return config.scale_device.defined() || config.scale > 0.0f;
+}
+// The given scale of a cast on a host backend (scale_device, when defined, is a CPU tensor
+// there); 0 under current scaling.
+float HostScale(const QuantizerConfig& config);
 
 // Which copies of the FP8 data a cast writes.
 struct CastUsage {
@@ -64,6 +78,7 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {
   QuantizerConfig replay = config;
   replay.scale = cast.scale;
+  replay.scale_device = at::Tensor();
   replay.row_groups = nullptr;
   replay.steps = nullptr;
   return replay;

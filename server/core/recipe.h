@@ -27,6 +27,8 @@ struct RecipeConfig {
 // history's max (kMax) or this step's amax (kMostRecent) and sets the scale for the next step to
 // fp8_max / amax / 2^margin. An amax of 0, inf or NaN leaves the scale as it was.
 // Current scaling: casts scale from their own amax; the history is still kept (for metrics).
+// This is the recipe's definition, on the host. A module keeps its roles' state on its backend's
+// device (DeviceScaling, device_scaling.h), whose steps are held to this class bit for bit.
 class ScalingState {
  public:
   ScalingState(kernels::Fp8Format format, const RecipeConfig& config);

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -29,6 +31,7 @@
 
 #include "server/core/backend.h"
 #include "server/core/cpu_gemm.h"
+#include "server/core/device_scaling.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
@@ -520,6 +523,111 @@ TEST_P(FusedParity, FusedFormsAreTheComposedOpsBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, FusedParity, ::testing::ValuesIn(kBackends),
+                         [](const auto& info) { return std::string(info.param); });
+
+// The scaling state on the device (DeviceScaling over Backend::RollScaling) against ScalingState,
+// the recipe's definition on the host, bit for bit: every role's scale, scale_inv and history after
+// every step, and the scale a delayed cast reads. Steps take random subsets of three roles of both
+// formats, with amaxes of 0, NaN, inf, subnormal and ordinary sizes; histories of 1 to 9000 (past
+// the CUDA kernel's 8192, where the CUDA backend rolls on the host); both algorithms, two margins.
+// A copy steps on its own, and a saved state set back continues as the original does.
+class ScalingParity : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ScalingParity, DeviceStateRollsAsScalingStateBitForBit) {
+  GW_REQUIRE_BACKEND(GetParam());
+  const Backend& b = *Get(GetParam()).backend;
+  const std::vector<Fp8Format> formats = {Fp8Format::kE4M3, Fp8Format::kE5M2, Fp8Format::kE4M3};
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(7);
+  auto amax = [&]() -> float {
+    switch (rng() % 8) {
+      case 0:
+        return 0.0f;
+      case 1:
+        return nan;
+      case 2:
+        return inf;
+      case 3:
+        return 1e-42f;  // subnormal: the scale saturates
+      default:
+        return std::ldexp(float(rng() % 1000 + 1) / 1000.0f, int(rng() % 40) - 20);
+    }
+  };
+  auto same = [&](DeviceScaling& got, std::vector<ScalingState>& want, const std::string& where) {
+    const std::vector<DeviceScaling::HostView> views = got.Read();
+    ASSERT_EQ(views.size(), want.size());
+    for (size_t r = 0; r < want.size(); ++r) {
+      SCOPED_TRACE(where + ", role " + std::to_string(r));
+      EXPECT_EQ(Bits(views[r].scale), Bits(want[r].scale()));
+      EXPECT_EQ(Bits(views[r].scale_inv), Bits(1.0f / want[r].scale()));
+      ASSERT_EQ(views[r].history.size(), want[r].history().size());
+      for (size_t j = 0; j < views[r].history.size(); ++j) {
+        EXPECT_EQ(Bits(views[r].history[j]), Bits(want[r].history()[j])) << "entry " << j;
+      }
+      EXPECT_EQ(Bits(b.ToHost(got.Scale(r)).item<float>()), Bits(want[r].scale()));
+    }
+  };
+  for (AmaxAlgo algo : {AmaxAlgo::kMax, AmaxAlgo::kMostRecent}) {
+    for (int margin : {0, 2}) {
+      for (int64_t len : {1, 3, 64, 9000}) {
+        const std::string where = "algo " + std::to_string(int(algo)) + ", margin " +
+                                  std::to_string(margin) + ", history " + std::to_string(len);
+        RecipeConfig config;
+        config.mode = ScalingMode::kDelayed;
+        config.margin = margin;
+        config.history_len = len;
+        config.algo = algo;
+        DeviceScaling got(b, formats, config);
+        std::vector<ScalingState> want;
+        for (Fp8Format f : formats) want.emplace_back(f, config);
+        const int steps = len == 9000 ? 12 : 3 * int(len) + 8;
+        std::unique_ptr<DeviceScaling> copy;
+        std::vector<ScalingState> copy_want;
+        for (int step = 0; step < steps; ++step) {
+          std::vector<std::pair<size_t, float>> amaxes;
+          for (size_t r = 0; r < formats.size(); ++r) {
+            if (rng() % 3 == 0) continue;
+            amaxes.emplace_back(r, amax());
+            want[r].Record(amaxes.back().second);
+            want[r].Roll();
+          }
+          got.Step(amaxes);
+          same(got, want, where + ", step " + std::to_string(step));
+          if (step == steps / 2) {  // a copy, stepped on its own from here
+            copy = std::make_unique<DeviceScaling>(got.Copy());
+            copy_want = want;
+          }
+        }
+        ASSERT_TRUE(copy);
+        copy->Step({{1, 3.0f}});
+        copy_want[1].Record(3.0f);
+        copy_want[1].Roll();
+        same(*copy, copy_want, where + ", the copy");
+        same(got, want, where + ", the original after the copy stepped");
+        // Saved and set back into a fresh state: the same state, and the same next step.
+        DeviceScaling restored(b, formats, config);
+        const std::vector<DeviceScaling::HostView> saved = got.Read();
+        for (size_t r = 0; r < saved.size(); ++r) {
+          restored.Set(r, saved[r].history, saved[r].scale);
+        }
+        same(restored, want, where + ", restored");
+        restored.Step({{0, 2.5f}, {2, 0.75f}});
+        for (auto [r, a] : {std::pair<size_t, float>{0, 2.5f}, {2, 0.75f}}) {
+          want[r].Record(a);
+          want[r].Roll();
+        }
+        same(restored, want, where + ", restored and stepped");
+      }
+    }
+  }
+  RecipeConfig config;
+  DeviceScaling state(b, formats, config);
+  EXPECT_THROW(state.Step({{0, 1.0f}, {0, 2.0f}}), std::logic_error);
+  EXPECT_THROW(state.Scale(3), std::logic_error);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ScalingParity, ::testing::ValuesIn(kBackends),
                          [](const auto& info) { return std::string(info.param); });
 
 // One module case: kind, recipe, activation, shape, training, bias.

@@ -400,6 +400,48 @@ TEST(ModuleHostScalingTest, DelayedScalingCastsTheWeightFromItsOwnAmax) {
   EXPECT_LT(rel_rms, 0.08);
 }
 
+// Under delayed scaling a training forward casts its input with the scale the module's scaling
+// state (on the backend's device, DeviceScaling) holds after the steps before it, and its step
+// rolls that state as ScalingState does. On the reference backend the output is then bit for bit
+// the reference GEMM of the input cast at ScalingState's scale and the weight cast from its own
+// amax; amaxes that grow and shrink move the scale both ways.
+TEST(ModuleHostScalingTest, DelayedCastsReadTheScaleTheStateHolds) {
+  const BackendPtr ref = MakeReferenceBackend();
+  ModuleHost host(ContextLimits{}, nullptr, ref);
+  ModuleSpec spec = MakeLinearSpec(48, 24, 5);
+  spec.recipe = DelayedRecipe(AmaxAlgo::kMax, 3);
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::string id = info->module_id;
+  auto weights = TensorWeights(host, id);
+  ASSERT_TRUE(weights.ok());
+  at::Tensor w, bias;
+  for (const auto& [name, t] : weights->tensors) (name == "weight" ? w : bias) = t;
+  QuantizerConfig weight_config;  // current scaling, from the weight's own amax
+  auto wq = Quantize(w, weight_config, {true, false});
+  ASSERT_TRUE(wq.ok());
+  ScalingState want(kernels::Fp8Format::kE4M3, spec.recipe);
+  int step = 0;
+  for (double size : {1.0, 16.0, 0.25, 3.0, 0.5, 0.5, 0.01}) {
+    SCOPED_TRACE("step " + std::to_string(step++));
+    const at::Tensor x = RandN({5, 48}, size);
+    QuantizerConfig input_config;
+    input_config.scale = want.scale();
+    auto xq = Quantize(x, input_config, {true, false});
+    ASSERT_TRUE(xq.ok());
+    const at::Tensor y = ref->Fprop(*xq, *wq, bias);
+    auto out = TensorForward(host, id, x, /*training=*/true);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE(out->output.equal(y));
+    ASSERT_TRUE(host.ReleaseContext(out->context_id).ok());
+    want.Record(xq->amax);
+    want.Roll();
+    const RoleScaling input = (*host.Scaling(id))[kInputRole];
+    EXPECT_EQ(input.scale, want.scale());
+    EXPECT_EQ(input.history, want.history());
+  }
+}
+
 TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing) {
   ModuleHost host;
   ModuleSpec spec = MakeLinearSpec(12, 6);
