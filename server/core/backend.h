@@ -10,7 +10,8 @@
 // Tensors a backend takes and returns live on its device (device()), fp32 unless named
 // otherwise, contiguous and 2-D ([rows, cols]). Host tensors cross with ToDevice/ToHost. Every
 // call is ordered after the previous one on the backend's stream; results are ready for the next
-// call of the same backend, and host values (the amax of a cast) are ready when the call returns.
+// call of the same backend. Host values come back when the host asks for them: a cast's scale,
+// scale_inv and amax (Fp8Tensor::scalars) when first read, waiting then for the cast if need be.
 // docs/backends.md describes the seam, what each backend does, and what is not in it yet.
 #pragma once
 
@@ -201,6 +202,10 @@ class Backend {
 
   // Waits until everything queued on the backend's stream has run.
   virtual void Synchronize() const = 0;
+  // How many times so far the host has waited for this backend's device (stream
+  // synchronisations it made: a cast's scalars read, a finite check, Synchronize); 0 on the host
+  // backends, whose calls return finished.
+  virtual int64_t HostWaits() const { return 0; }
 };
 
 using BackendPtr = std::shared_ptr<const Backend>;

@@ -176,18 +176,18 @@ class CpuBackend final : public ReferenceBackend {
     const float* data = bf16 ? widened.floats() : x.data_ptr<float>();
     const bool delayed = GivenScale(config);
     float scale = HostScale(config);
+    float amax = 0.0f;
     if (!delayed) {
-      out.amax = kernels::cpu::AbsMax(data, x.numel());
-      scale = kernels::ComputeScale(out.amax, config.format, config.margin);
+      amax = kernels::cpu::AbsMax(data, x.numel());
+      scale = kernels::ComputeScale(amax, config.format, config.margin);
     }
     if (usage.rowwise) out.rowwise = at::empty({out.rows, out.cols}, Bytes());
     if (usage.columnwise) out.columnwise = at::empty({out.cols, out.rows}, Bytes());
     kernels::cpu::QuantizeFp8(data, out.rows, out.cols, scale, config.format,
                               usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr,
                               usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr,
-                              delayed ? &out.amax : nullptr);
-    out.scale = scale;
-    out.scale_inv = 1.0f / scale;
+                              delayed ? &amax : nullptr);
+    out.scalars = CastScalars(scale, 1.0f / scale, amax);
     return out;
   }
 
@@ -197,12 +197,11 @@ class CpuBackend final : public ReferenceBackend {
     out.format = format;
     out.rows = rows;
     out.cols = cols;
-    out.scale_inv = scale_inv;
-    out.scale = 1.0f / scale_inv;
     {
       kernels::cpu::Scratch values = kernels::cpu::TakeScratch(size_t(rows * cols) * 4);
       kernels::cpu::DecodeCodes(host_codes, rows * cols, format, values.floats());
-      out.amax = kernels::cpu::AbsMax(values.floats(), rows * cols) * scale_inv;
+      out.scalars = CastScalars(1.0f / scale_inv, scale_inv,
+                                kernels::cpu::AbsMax(values.floats(), rows * cols) * scale_inv);
     }
     if (usage.rowwise) {
       out.rowwise = at::empty({rows, cols}, Bytes());
@@ -325,14 +324,14 @@ class CpuBackend final : public ReferenceBackend {
     const Decoded a = DecodeRowwise(x), b = DecodeRowwise(w);
     at::Tensor y = Empty({x.rows, w.rows});
     if (GetCpuGemm() == CpuGemm::kOrdered) {  // the reference's arithmetic: bias added last
-      Ordered(x.rows, w.rows, x.cols, x.scale_inv * w.scale_inv, a.data, b.data,
+      Ordered(x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.data, b.data,
               bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
       return y;
     }
     if (bias.defined()) {
       kernels::cpu::FillRows(bias.data_ptr<float>(), x.rows, w.rows, y.data_ptr<float>());
     }
-    Gemm(false, true, x.rows, w.rows, x.cols, x.scale_inv * w.scale_inv, a.data, b.data,
+    Gemm(false, true, x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.data, b.data,
          bias.defined() ? 1.0f : 0.0f, y.data_ptr<float>());
     return y;
   }
@@ -345,7 +344,7 @@ class CpuBackend final : public ReferenceBackend {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::FpropGroups(x, w, bias);
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Decoded b = DecodeRowwise(w);
-    const GroupedRows a = DecodeGroups(x, w.scale_inv);
+    const GroupedRows a = DecodeGroups(x, w.scale_inv());
     at::Tensor y = Empty({x.rows, w.rows});
     Ordered(x.rows, w.rows, x.cols, 1.0f, a.codes.floats(), b.data,
             bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(),
@@ -367,7 +366,7 @@ class CpuBackend final : public ReferenceBackend {
     for (const Fp8Tensor& g : x.groups) {
       kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
                                 out.codes.floats() + row * x.cols);
-      out.row_scale.insert(out.row_scale.end(), size_t(g.rows), g.scale_inv * other_scale_inv);
+      out.row_scale.insert(out.row_scale.end(), size_t(g.rows), g.scale_inv() * other_scale_inv);
       row += g.rows;
     }
     return out;
@@ -395,7 +394,7 @@ class CpuBackend final : public ReferenceBackend {
     at::Tensor dx = Empty({dy.rows, w.cols});
     if (GetCpuGemm() == CpuGemm::kOrdered) {
       const Decoded bt = OrderedDgradOperand(w);
-      Ordered(dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, bt.data, nullptr,
+      Ordered(dy.rows, w.cols, dy.cols, dy.scale_inv() * w.scale_inv(), a.data, bt.data, nullptr,
               dx.data_ptr<float>());
       return dx;
     }
@@ -412,7 +411,7 @@ class CpuBackend final : public ReferenceBackend {
       b = DecodeColumnwise(w);
       rowwise = false;
     }
-    Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv * w.scale_inv, a.data, b.data,
+    Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv() * w.scale_inv(), a.data, b.data,
          0.0f, dx.data_ptr<float>());
     return dx;
   }
@@ -421,7 +420,7 @@ class CpuBackend final : public ReferenceBackend {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::DgradGroups(dy, w);
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Decoded bt = OrderedDgradOperand(w);
-    const GroupedRows a = DecodeGroups(dy, w.scale_inv);
+    const GroupedRows a = DecodeGroups(dy, w.scale_inv());
     at::Tensor dx = Empty({dy.rows, w.cols});
     Ordered(dy.rows, w.cols, dy.cols, 1.0f, a.codes.floats(), bt.data, nullptr,
             dx.data_ptr<float>(), a.row_scale.data());
@@ -431,7 +430,7 @@ class CpuBackend final : public ReferenceBackend {
              bool accumulate) const override {
     GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
     const Decoded a = DecodeColumnwise(dy), b = DecodeColumnwise(x);  // dY^T [N, M], X^T [K, M]
-    Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv * x.scale_inv, a.data, b.data,
+    Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv() * x.scale_inv(), a.data, b.data,
          accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
   }
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {

@@ -7,16 +7,19 @@
 // order with the kernels that read them, without c10::cuda stream guards (which a CPU libtorch
 // build does not have: this file must compile on a machine without CUDA libtorch).
 //
-// Host values: a cast reads its amax, scale and scale_inv back to the host when it returns (one
-// small device-to-host copy per cast), because the modules still take them as floats (a step's
-// amaxes, the finite checks, the error bounds). The scaling state is on the device: a delayed
-// cast copies its scale from there and the roll runs there (RollScaling). docs/backends.md lists
-// what the seam does not do yet.
+// Host values: a cast leaves its scale, scale_inv and amax on the device and queues their copy
+// back behind its kernel; the host reads them when a module first asks (CastScalars), and one
+// stream wait then serves every cast queued before it (StreamWaits). The modules ask at the end
+// of a kind's forward or backward (the step's amaxes, the finite checks, the error bounds), after
+// its GEMMs are queued. The scaling state is on the device: a delayed cast copies its scale from
+// there and the roll runs there (RollScaling). docs/backends.md lists what the seam does not do
+// yet.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -100,6 +103,34 @@ class PinnedStaging {
   std::array<void*, 2> slots_{};
   std::array<cudaEvent_t, 2> events_{};
   std::unique_ptr<StagedCopier> copier_;
+};
+
+// The host's reads of values queued to cross back behind the kernels (the casts' scalars): how
+// many copies have been queued, and up to which one they are known to have run. A read waits for
+// the stream only when its copy is not known done, and that one wait then covers every copy
+// queued before it: the first read after a forward's kernels waits once, the others not at all.
+class StreamWaits {
+ public:
+  // Call after queuing a copy: its mark.
+  uint64_t Queued() { return queued_.fetch_add(1) + 1; }
+  void WaitFor(uint64_t mark, int device) {
+    if (done_.load() >= mark) return;
+    const uint64_t covered = queued_.load();  // every copy up to here is already queued
+    GRADWIRE_CUDA_CHECK(cudaSetDevice(device));
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
+    Count();
+    uint64_t done = done_.load();
+    while (done < covered && !done_.compare_exchange_weak(done, covered)) {
+    }
+  }
+  // Counts a wait the backend made some other way (a synchronous copy or read).
+  void Count() { waits_.fetch_add(1); }
+  // Waits so far (each a stream synchronisation).
+  int64_t waits() const { return waits_.load(); }
+
+ private:
+  std::atomic<uint64_t> queued_{0}, done_{0};
+  std::atomic<int64_t> waits_{0};
 };
 
 class CudaBackend final : public Backend {
@@ -201,9 +232,10 @@ class CudaBackend final : public Backend {
     if (out.has_rowwise()) out.rowwise = out.rowwise.to(device());
     if (out.has_columnwise()) out.columnwise = out.columnwise.to(device());
     at::Tensor scalars = at::empty({4}, Floats());
-    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(scalars.data_ptr<float>(), &out.scale_inv, sizeof(float),
+    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(scalars.data_ptr<float>(), &scale_inv, sizeof(float),
                                         cudaMemcpyHostToDevice, kStream));
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));  // the source is on this stack
+    waits_->Count();
     out.scale_inv_device = scalars.narrow(0, 0, 1);
     return out;
   }
@@ -251,7 +283,7 @@ class CudaBackend final : public Backend {
       absl::StatusOr<Fp8Tensor> cast = Cast(x2, q, {true, false});
       if (!cast.ok()) throw std::runtime_error(std::string(cast.status().message()));
       host = cast->rowwise.to(at::kCPU);
-      out.scale_inv = cast->scale_inv;
+      out.scale_inv = cast->scale_inv();
     } else {
       const at::ScalarType type = dtype == wire::DType::kF32    ? at::kFloat
                                   : dtype == wire::DType::kBF16 ? at::kBFloat16
@@ -355,6 +387,7 @@ class CudaBackend final : public Backend {
   float AbsMax(const at::Tensor& x) const override {
     Use();
     if (x.numel() == 0) return 0.0f;
+    waits_->Count();  // item() waits for the reduction
     return x.abs().max().item<float>();
   }
   float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
@@ -405,7 +438,9 @@ class CudaBackend final : public Backend {
   void Synchronize() const override {
     Use();
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
+    waits_->Count();
   }
+  int64_t HostWaits() const override { return waits_->waits(); }
 
  private:
   void Use() const { GRADWIRE_CUDA_CHECK(cudaSetDevice(device_)); }
@@ -500,16 +535,20 @@ class CudaBackend final : public Backend {
     }
     return c;
   }
-  // After the kernel: scale, scale_inv and amax back on the host (a synchronisation, see the top
-  // of this file), scale_inv kept on the device for the GEMMs.
+  // After the kernel: scale_inv stays on the device for the GEMMs, and scale, scale_inv and amax
+  // cross to pinned host memory behind the kernel, in stream order, without a wait (libtorch's
+  // non-blocking copy, which keeps the pinned block from reuse until it has run). The host
+  // reads them when first asked for (CastScalars), waiting then only if the copy is not known
+  // to have run (StreamWaits).
   Fp8Tensor EndCast(PendingCast c) const {
-    float host[12];
-    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(host, c.scalars.data_ptr<float>(), sizeof host,
-                                        cudaMemcpyDeviceToHost, kStream));
-    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
-    c.out.scale = host[0];
-    c.out.scale_inv = host[4];
-    c.out.amax = host[8];
+    at::Tensor host = at::empty({12}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    host.copy_(c.scalars, /*non_blocking=*/true);
+    const uint64_t mark = waits_->Queued();
+    c.out.scalars = CastScalars([host, mark, waits = waits_, device = device_] {
+      waits->WaitFor(mark, device);
+      const float* v = host.data_ptr<float>();
+      return std::array<float, 3>{v[0], v[4], v[8]};
+    });
     c.out.scale_inv_device = c.scalars.narrow(0, 4, 1);
     return std::move(c.out);
   }
@@ -612,6 +651,8 @@ class CudaBackend final : public Backend {
   int device_;
   std::string description_;
   std::unique_ptr<PinnedStaging> staging_;  // null: plain copies (CudaStaging() 0)
+  // Shared with the readers of the casts' scalars, which may outlive the backend.
+  std::shared_ptr<StreamWaits> waits_ = std::make_shared<StreamWaits>();
 };
 
 }  // namespace

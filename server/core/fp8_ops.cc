@@ -58,7 +58,7 @@ absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
     if (rows <= 0 || row + rows > x.size(0)) break;
     if (config.steps) config.steps->Next(one);
     GW_ASSIGN_OR_RETURN(Fp8Tensor part, backend.Cast(x.narrow(0, row, rows), one, usage));
-    if (config.steps) config.steps->Stepped(part.amax);
+    if (config.steps) config.steps->Stepped(part.amax());
     parts.push_back(std::move(part));
     row += rows;
   }
@@ -108,14 +108,20 @@ Fp8Tensor StackRows(std::vector<Fp8Tensor> parts) {
   if (parts.empty()) return out;
   out.format = parts[0].format;
   out.cols = parts[0].cols;
-  out.amax = 0.0f;
-  for (const Fp8Tensor& p : parts) {
-    out.rows += p.rows;
-    if (std::isnan(p.amax) || std::isnan(out.amax) || p.amax > out.amax) {
-      out.amax = std::isnan(out.amax) ? out.amax : p.amax;
-    }
-  }
+  for (const Fp8Tensor& p : parts) out.rows += p.rows;
   out.groups = std::move(parts);
+  // The parts' largest amax (NaN when one is NaN), read when asked: the parts' own reads stay
+  // where they are until then.
+  std::vector<CastScalars> each;
+  for (const Fp8Tensor& p : out.groups) each.push_back(p.scalars);
+  out.scalars = CastScalars([each = std::move(each)] {
+    float amax = 0.0f;
+    for (const CastScalars& p : each) {
+      const float a = p.amax();
+      if (std::isnan(a) || std::isnan(amax) || a > amax) amax = std::isnan(amax) ? amax : a;
+    }
+    return std::array<float, 3>{1.0f, 1.0f, amax};
+  });
   return out;
 }
 

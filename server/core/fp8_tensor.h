@@ -5,7 +5,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -13,13 +15,41 @@
 
 namespace gradwire::core {
 
+// One cast's scale, scale_inv and amax as the host sees them. The host backends set them as they
+// cast. A GPU cast leaves them in device memory and hands over a reader that brings them back the
+// first time one of them is asked for (waiting for the cast to run): the host reads them when it
+// needs them, not at every cast, and every copy of the tensor shares that one read.
+class CastScalars {
+ public:
+  // Returns {scale, scale_inv, amax}; may throw (a device failure), and is then asked again.
+  using Reader = std::function<std::array<float, 3>()>;
+  CastScalars() = default;
+  CastScalars(float scale, float scale_inv, float amax) : v_{scale, scale_inv, amax} {}
+  explicit CastScalars(Reader reader);
+
+  float scale() const { return Values()[0]; }
+  float scale_inv() const { return Values()[1]; }
+  float amax() const { return Values()[2]; }
+  // True while the values are still where the cast left them (nothing has asked for them yet).
+  bool pending() const;
+
+ private:
+  struct Pending;
+  const std::array<float, 3>& Values() const;
+  std::array<float, 3> v_{1.0f, 1.0f, 0.0f};
+  std::shared_ptr<Pending> pending_;
+};
+
 struct Fp8Tensor {
   at::Tensor rowwise;     // uint8 [rows, cols], or undefined
   at::Tensor columnwise;  // uint8 [cols, rows], or undefined
   kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
-  float scale = 1.0f;      // the scale the cast multiplied by
-  float scale_inv = 1.0f;  // 1 / scale: real value = decode(code) * scale_inv
-  float amax = 0.0f;       // amax of the tensor that was cast
+  // scale: what the cast multiplied by; scale_inv = 1 / scale (real value = decode(code) *
+  // scale_inv); amax: of the tensor that was cast. Read through the accessors below.
+  CastScalars scalars;
+  float scale() const { return scalars.scale(); }
+  float scale_inv() const { return scalars.scale_inv(); }
+  float amax() const { return scalars.amax(); }
   int64_t rows = 0;
   int64_t cols = 0;
   // Optional decoded copies (codes as floats, without the scale, in storage order) that the

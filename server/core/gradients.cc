@@ -11,7 +11,7 @@ namespace {
 
 // Largest |decoded value| of a cast: codes saturate at the format's largest finite value.
 double MaxDecoded(const Fp8Tensor& t) {
-  return double(kernels::Fp8Max(t.format)) * double(t.scale_inv);
+  return double(kernels::Fp8Max(t.format)) * double(t.scale_inv());
 }
 
 // (1 + gamma_n) for an fp32 sum of n terms, plus one rounding for the scale: |fl(sum)| is at most
@@ -49,11 +49,11 @@ void GradientSink::Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x) {
 }
 
 void GradientSink::BiasGrad(Param p, const at::Tensor& g, const Fp8Tensor& cast) {
-  if (!cast.grouped()) return CollectBias(p, g, cast.amax, 0);
+  if (!cast.grouped()) return CollectBias(p, g, cast.scalars, 0);
   int64_t row = 0;
   for (size_t j = 0; j < cast.groups.size(); ++j) {
     const Fp8Tensor& part = cast.groups[j];
-    CollectBias(p, g.narrow(0, row, part.rows), part.amax, j);
+    CollectBias(p, g.narrow(0, row, part.rows), part.scalars, j);
     row += part.rows;
   }
 }
@@ -62,7 +62,7 @@ void DirectGradients::CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor
   backend_.Wgrad(dy, x, targets_[p], /*accumulate=*/true);
 }
 
-void DirectGradients::CollectBias(Param p, const at::Tensor& g, float, size_t) {
+void DirectGradients::CollectBias(Param p, const at::Tensor& g, const CastScalars&, size_t) {
   backend_.AccumulateBiasGrad(g, targets_[p]);
 }
 
@@ -83,20 +83,33 @@ void DeferredGradients::Collect(Pending p) {
 
 void DeferredGradients::CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x,
                                      size_t group) {
-  Collect({Kind::kWgrad, p, dy, x, at::Tensor(), WgradBound(dy, x), group});
+  Collect({Kind::kWgrad, p, dy, x, at::Tensor(), {}, 0, group});
 }
 
-void DeferredGradients::CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) {
-  const int64_t rows = g.size(0);
-  double bound = double(rows) * double(g_amax) * SumSlack(rows);
-  if (std::isnan(bound)) bound = INFINITY;
-  Collect({Kind::kBias, p, {}, {}, g, bound, group});
+void DeferredGradients::CollectBias(Param p, const at::Tensor& g, const CastScalars& g_amax,
+                                    size_t group) {
+  Collect({Kind::kBias, p, {}, {}, g, g_amax, 0, group});
 }
 
 void DeferredGradients::CollectAdd(Param p, const at::Tensor& v, size_t group) {
   // A small vector: its bound is its own max, measured.
   const float amax = backend_.AbsMax(v);
-  Collect({Kind::kAdd, p, {}, {}, v, std::isnan(amax) ? INFINITY : double(amax), group});
+  Collect({Kind::kAdd, p, {}, {}, v, {}, std::isnan(amax) ? INFINITY : double(amax), group});
+}
+
+double DeferredGradients::Bound(const Pending& p) {
+  switch (p.kind) {
+    case Kind::kWgrad:
+      return WgradBound(p.dy, p.x);
+    case Kind::kBias: {
+      const int64_t rows = p.g.size(0);
+      const double bound = double(rows) * double(p.g_amax.amax()) * SumSlack(rows);
+      return std::isnan(bound) ? INFINITY : bound;
+    }
+    case Kind::kAdd:
+      break;
+  }
+  return p.bound;
 }
 
 std::optional<Param> DeferredGradients::Commit(
@@ -107,7 +120,7 @@ std::optional<Param> DeferredGradients::Commit(
   for (const Pending& p : pending_) {
     if (p.group != group) continue;
     GradAccumulator& acc = *accumulator(p.param);
-    if (ProvablyFinite(acc.bound + p.bound)) continue;
+    if (ProvablyFinite(acc.bound + Bound(p))) continue;
     if (!acc.spare.defined()) acc.spare = backend_.Empty(acc.grad.sizes());
     float amax = NAN;
     switch (p.kind) {
@@ -150,7 +163,7 @@ std::optional<Param> DeferredGradients::Commit(
         backend_.AddAbsMax(acc.grad, p.g, acc.grad);
         break;
     }
-    acc.bound += p.bound;
+    acc.bound += Bound(p);
   }
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                 [group](const Pending& p) { return p.group == group; }),

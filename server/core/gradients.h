@@ -31,7 +31,9 @@ class GradientSink {
   // (a batch of backwards): one contribution per group, each that group's request's.
   void Wgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x);
   // acc(p)[N] += column sums of g [M, N], every |g| being at most g_amax.
-  void BiasGrad(Param p, const at::Tensor& g, float g_amax) { CollectBias(p, g, g_amax, 0); }
+  void BiasGrad(Param p, const at::Tensor& g, float g_amax) {
+    CollectBias(p, g, CastScalars(1.0f, 1.0f, g_amax), 0);
+  }
   // The same for g the unquantized input of `cast` (its amax bounds g): row-grouped with it, one
   // contribution per group.
   void BiasGrad(Param p, const at::Tensor& g, const Fp8Tensor& cast);
@@ -41,7 +43,10 @@ class GradientSink {
 
  protected:
   virtual void CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t group) = 0;
-  virtual void CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) = 0;
+  // g_amax.amax() bounds |g|; it is read only when the bound is needed (on a GPU, a cast's amax
+  // is read back when first asked for).
+  virtual void CollectBias(Param p, const at::Tensor& g, const CastScalars& g_amax,
+                           size_t group) = 0;
   virtual void CollectAdd(Param p, const at::Tensor& v, size_t group) = 0;
 };
 
@@ -54,7 +59,7 @@ class DirectGradients final : public GradientSink {
 
  protected:
   void CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t group) override;
-  void CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) override;
+  void CollectBias(Param p, const at::Tensor& g, const CastScalars& g_amax, size_t group) override;
   void CollectAdd(Param p, const at::Tensor& v, size_t group) override;
 
  private:
@@ -92,7 +97,7 @@ class DeferredGradients final : public GradientSink {
 
  protected:
   void CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t group) override;
-  void CollectBias(Param p, const at::Tensor& g, float g_amax, size_t group) override;
+  void CollectBias(Param p, const at::Tensor& g, const CastScalars& g_amax, size_t group) override;
   void CollectAdd(Param p, const at::Tensor& v, size_t group) override;
 
  private:
@@ -100,12 +105,16 @@ class DeferredGradients final : public GradientSink {
   struct Pending {
     Kind kind;
     Param param;
-    Fp8Tensor dy, x;  // kWgrad
-    at::Tensor g;     // kBias: the gradient summed; kAdd: the vector added
+    Fp8Tensor dy, x;     // kWgrad
+    at::Tensor g;        // kBias: the gradient summed; kAdd: the vector added
+    CastScalars g_amax;  // kBias: its amax() bounds |g|
+    // kAdd: measured when collected. The others are worked out at Commit (Bound), after every
+    // GEMM of the backward is queued, so a GPU's casts are read back then, not between them.
     double bound = 0;
     size_t group = 0;
   };
   void Collect(Pending p);
+  static double Bound(const Pending& p);
 
   const Backend& backend_;
   std::vector<Pending> pending_;

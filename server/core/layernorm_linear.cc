@@ -111,7 +111,7 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
                                                  grouped ? nullptr : saved.get(), &ln));
   const Fp8Tensor& w = result.workspace->weights[0];
   result.output = FpropRows(b, x, w, p[Param::kBias], args.bf16_output);
-  result.amaxes = {{kInputRole, x.amax}, {kWeightRole, w.amax}};
+  result.amaxes = {{kInputRole, x.amax()}, {kWeightRole, w.amax()}};
   if (saved && grouped) {  // a batch: each request keeps its own rows
     int64_t row = 0;
     for (Fp8Tensor& g : x.groups) {
@@ -158,10 +158,11 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
   GW_ASSIGN_OR_RETURN(
       Fp8Tensor dy, CastRows(b, args.grad_output, args.quantizers[kGradOutputRole], {true, true}));
   KindBackwardResult result;
-  result.amaxes = {{kGradOutputRole, dy.amax}};
   at::Tensor d_ln = DgradRows(b, dy, w);  // LayerNorm's parameters need it without grad_input too
   args.grads->Wgrad(Param::kWeight, dy, *ln_out);
   if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
+  // Host values after the dgrad GEMM is queued (a GPU's cast is read back here).
+  result.amaxes = {{kGradOutputRole, dy.amax()}};
   LayerNormTail(b, args, *saved, ln, std::move(d_ln), &result);
   return result;
 }

@@ -41,16 +41,15 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
   uint8_t* columnwise = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
   if (GivenScale(config)) {  // delayed: the scale is given; amax comes out of the same pass
     const float given = HostScale(config);
+    float amax = 0.0f;
     kernels::QuantizeFp8(data, out.rows, out.cols, given, config.format, rowwise, columnwise,
-                         &out.amax);
-    out.scale = given;
-    out.scale_inv = 1.0f / given;
+                         &amax);
+    out.scalars = CastScalars(given, 1.0f / given, amax);
     return out;
   }
-  out.amax = kernels::Amax(data, x.numel());
-  const float scale = kernels::ComputeScale(out.amax, config.format, config.margin);
-  out.scale = scale;
-  out.scale_inv = 1.0f / scale;
+  const float amax = kernels::Amax(data, x.numel());
+  const float scale = kernels::ComputeScale(amax, config.format, config.margin);
+  out.scalars = CastScalars(scale, 1.0f / scale, amax);
   kernels::QuantizeFp8(data, out.rows, out.cols, scale, config.format, rowwise, columnwise,
                        nullptr);
   return out;
@@ -62,8 +61,6 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
   out.format = format;
   out.rows = rows;
   out.cols = cols;
-  out.scale_inv = scale_inv;
-  out.scale = 1.0f / scale_inv;
   const auto options = at::TensorOptions().dtype(at::kByte);
   const float* table = kernels::DecodeTable(format);
   // max |value| with NaN and inf kept (E5M2 has both, E4M3 a NaN): what a cast's amax would be,
@@ -74,7 +71,8 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
     std::memcpy(&bits, &table[codes[i]], sizeof bits);
     max_bits = std::max(max_bits, bits & 0x7FFFFFFFu);
   }
-  out.amax = kernels::cpu::AbsMaxFromBits(max_bits) * scale_inv;
+  out.scalars =
+      CastScalars(1.0f / scale_inv, scale_inv, kernels::cpu::AbsMaxFromBits(max_bits) * scale_inv);
   if (usage.rowwise) {
     out.rowwise = at::empty({rows, cols}, options);
     std::memcpy(out.rowwise.data_ptr<uint8_t>(), codes, size_t(rows * cols));
@@ -92,7 +90,7 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) {
   const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
   at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));
-  kernels::DequantizeFp8(codes.data_ptr<uint8_t>(), codes.numel(), t.scale_inv, t.format,
+  kernels::DequantizeFp8(codes.data_ptr<uint8_t>(), codes.numel(), t.scale_inv(), t.format,
                          out.data_ptr<float>());
   return out;
 }

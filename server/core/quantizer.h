@@ -77,7 +77,7 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 // A replay is of one cast (one group of a batch): it carries no row groups or steps.
 inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {
   QuantizerConfig replay = config;
-  replay.scale = cast.scale;
+  replay.scale = cast.scale();
   replay.scale_device = at::Tensor();
   replay.row_groups = nullptr;
   replay.steps = nullptr;

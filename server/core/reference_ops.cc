@@ -18,7 +18,7 @@ namespace {
 at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
 
 kernels::Fp8Operand Operand(const at::Tensor& codes, const Fp8Tensor& t, bool transposed) {
-  kernels::Fp8Operand op{codes.data_ptr<uint8_t>(), t.format, t.scale_inv, transposed, nullptr};
+  kernels::Fp8Operand op{codes.data_ptr<uint8_t>(), t.format, t.scale_inv(), transposed, nullptr};
   const auto& decoded = codes.is_same(t.rowwise) ? t.rowwise_decoded : t.columnwise_decoded;
   if (decoded) op.decoded = decoded->data();
   return op;

@@ -105,6 +105,7 @@ int main(int argc, char** argv) {
   struct Row {
     int64_t rows;
     double fwd, bwd, fprop, dgrad, wgrad, x_in, y_out, dy_in, dx_out;
+    int64_t fwd_waits = 0, bwd_waits = 0;  // Backend::HostWaits in one forward, one backward
   };
   std::vector<Row> results;
   for (int64_t rows : rows_list) {
@@ -145,14 +146,19 @@ int main(int argc, char** argv) {
     forward();
     backward();  // warm: workspace, scratch buffers
     std::vector<double> fwd_t, bwd_t;
+    int64_t fwd_waits = 0, bwd_waits = 0;
     const auto start = Clock::now();
     while (fwd_t.size() < 5 || Seconds(start) < 2 * budget) {
       auto t0 = Clock::now();
+      const int64_t w0 = b.HostWaits();
       forward();
       fwd_t.push_back(Seconds(t0));
+      const int64_t w1 = b.HostWaits();
       t0 = Clock::now();
       backward();
       bwd_t.push_back(Seconds(t0));
+      fwd_waits = w1 - w0;
+      bwd_waits = b.HostWaits() - w1;
     }
     std::sort(fwd_t.begin(), fwd_t.end());
     std::sort(bwd_t.begin(), bwd_t.end());
@@ -170,7 +176,9 @@ int main(int argc, char** argv) {
     at::Tensor acc = b.ToDevice(at::zeros({out, in}, at::kFloat));
     const at::Tensor y_dev = b.ToDevice(RandN(rows, out)), dx_dev = b.ToDevice(RandN(rows, in));
     const gradwire::core::CastUsage rowwise{true, false};
-    Row row{rows, fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0, 0, 0, 0, 0};
+    Row row{
+        rows,     fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0, 0, 0, 0, 0, fwd_waits,
+        bwd_waits};
     row.fprop = Median(budget, [&] {
       (void)b.Fprop(xq, wq, bias);
       b.Synchronize();
@@ -205,6 +213,8 @@ int main(int argc, char** argv) {
         (long long)rows, row.fwd * 1e3, row.bwd * 1e3, (row.fwd + row.bwd) * 1e3, row.fprop * 1e3,
         row.dgrad * 1e3, row.wgrad * 1e3, row.fwd / row.fprop, row.bwd / (row.dgrad + row.wgrad),
         row.x_in * 1e3, row.y_out * 1e3, row.dy_in * 1e3, row.dx_out * 1e3);
+    std::printf("%8s   host waits (Backend::HostWaits): forward %lld, backward %lld\n", "",
+                (long long)row.fwd_waits, (long long)row.bwd_waits);
   }
   if (!json_path.empty()) {
     std::ofstream f(json_path);
@@ -221,7 +231,9 @@ int main(int argc, char** argv) {
         << ", \"output_to_wire_ms\": " << r.y_out * 1e3
         << ", \"grad_output_from_wire_ms\": " << r.dy_in * 1e3
         << ", \"grad_input_to_wire_ms\": " << r.dx_out * 1e3
-        << ", \"backward_over_gemms\": " << r.bwd / (r.dgrad + r.wgrad) << "}"
+        << ", \"backward_over_gemms\": " << r.bwd / (r.dgrad + r.wgrad)
+        << ", \"host_waits_forward\": " << r.fwd_waits
+        << ", \"host_waits_backward\": " << r.bwd_waits << "}"
         << (i + 1 < results.size() ? "," : "") << "\n";
     }
     f << "  ]\n}\n";

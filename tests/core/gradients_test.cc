@@ -5,10 +5,15 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <vector>
 
+#include "server/core/fp8_ops.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -130,6 +135,82 @@ TEST(DeferredGradientsTest, AnOverflowChangesNoAccumulator) {
     EXPECT_TRUE(SameBits(bias.grad, near_max)) << b->name();
     EXPECT_EQ(bias.bound, 3.3e38);
   }
+}
+
+// A cast's scalars as a GPU leaves them: pending until first asked for, then read once for every
+// copy of the tensor; a reader that fails is asked again.
+Fp8Tensor WithPendingScalars(Fp8Tensor t, int* reads) {
+  const std::array<float, 3> v{t.scale(), t.scale_inv(), t.amax()};
+  t.scalars = CastScalars([v, reads] {
+    ++*reads;
+    return v;
+  });
+  return t;
+}
+
+TEST(CastScalarsTest, APendingReadRunsOnceForEveryCopyAndAgainAfterAFailure) {
+  int reads = 0;
+  const Fp8Tensor t =
+      WithPendingScalars(CastBoth(*MakeReferenceBackend(), RandN({3, 5}), kE4M3), &reads);
+  const Fp8Tensor copy = t;
+  EXPECT_TRUE(t.scalars.pending());
+  EXPECT_EQ(reads, 0);
+  const float amax = copy.amax();
+  EXPECT_EQ(reads, 1);
+  EXPECT_FALSE(t.scalars.pending());
+  EXPECT_EQ(t.amax(), amax);
+  EXPECT_EQ(t.scale() * t.scale_inv(), copy.scale() * copy.scale_inv());
+  EXPECT_EQ(reads, 1);
+
+  int tries = 0;
+  const CastScalars flaky([&tries]() -> std::array<float, 3> {
+    if (++tries == 1) throw std::runtime_error("the device failed");
+    return {2.0f, 0.5f, 7.0f};
+  });
+  EXPECT_THROW((void)flaky.amax(), std::runtime_error);
+  EXPECT_TRUE(flaky.pending());
+  EXPECT_EQ(flaky.amax(), 7.0f);
+  EXPECT_EQ(tries, 2);
+}
+
+// A row-grouped tensor's amax is its parts' largest (NaN when one is NaN), read only when asked:
+// stacking reads no part.
+TEST(CastScalarsTest, AGroupedAmaxReadsItsPartsOnlyWhenAskedFor) {
+  const Backend& b = *MakeReferenceBackend();
+  int reads = 0;
+  std::vector<Fp8Tensor> parts;
+  for (double size : {1.0, 40.0, 0.5}) {
+    parts.push_back(WithPendingScalars(CastBoth(b, RandN({2, 4}, size), kE4M3), &reads));
+  }
+  const float largest = std::max({parts[0].amax(), parts[1].amax(), parts[2].amax()});
+  reads = 0;
+  for (Fp8Tensor& p : parts) p = WithPendingScalars(p, &reads);
+  const Fp8Tensor stacked = StackRows(parts);
+  EXPECT_EQ(reads, 0);
+  EXPECT_EQ(stacked.amax(), largest);
+  EXPECT_EQ(reads, 3);
+
+  parts[1].scalars = CastScalars(1.0f, 1.0f, NAN);
+  EXPECT_TRUE(std::isnan(StackRows(parts).amax()));
+}
+
+// The deferred gradients read the casts' scalars for their bounds at Commit, not when a
+// contribution is collected: on a GPU the backward's later GEMMs are queued before any wait.
+TEST(DeferredGradientsTest, BoundsReadTheCastsOnlyAtCommit) {
+  const Backend& b = *MakeReferenceBackend();
+  const int64_t m = 6, k = 5, n = 4;
+  int reads = 0;
+  const Fp8Tensor x = WithPendingScalars(CastBoth(b, RandN({m, k}), kE4M3), &reads);
+  const Fp8Tensor dy = WithPendingScalars(CastBoth(b, RandN({m, n}), kE5M2), &reads);
+  GradAccumulator w{b.Zeros({n, k}), {}, 0.0}, bias{b.Zeros({n}), {}, 0.0};
+  DeferredGradients grads(b);
+  grads.Wgrad(Param::kWeight, dy, x);
+  grads.BiasGrad(Param::kBias, RandN({m, n}), dy);
+  EXPECT_EQ(reads, 0);
+  EXPECT_FALSE(grads.Commit([&](Param p) { return p == Param::kWeight ? &w : &bias; }));
+  EXPECT_EQ(reads, 2);  // x and dy, each once
+  EXPECT_GT(w.bound, 0.0);
+  EXPECT_GT(bias.bound, 0.0);
 }
 
 TEST(DeferredGradientsTest, TwoContributionsToOneParameterAreAProgrammingError) {

@@ -140,9 +140,9 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   // Casts: the module's workspace and saved input, bit for bit.
   EXPECT_EQ(cw.data.Download(), Bytes(wq.rowwise));
   EXPECT_EQ(cw.data_t.Download(), Bytes(wq.columnwise));
-  EXPECT_EQ(Bits(cw.scale_inv.Scalar()), Bits(wq.scale_inv));
+  EXPECT_EQ(Bits(cw.scale_inv.Scalar()), Bits(wq.scale_inv()));
   EXPECT_EQ(cx.data_t.Download(), Bytes(xq.columnwise));
-  EXPECT_EQ(Bits(cx.scale_inv.Scalar()), Bits(xq.scale_inv));
+  EXPECT_EQ(Bits(cx.scale_inv.Scalar()), Bits(xq.scale_inv()));
   EXPECT_EQ(Bits(cx.amax.Scalar()), Bits(AmaxOf(fwd->amaxes, core::kInputRole)));
   EXPECT_EQ(Bits(cg.amax.Scalar()), Bits(AmaxOf(bwd->amaxes, core::kGradOutputRole)));
 

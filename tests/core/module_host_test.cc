@@ -434,7 +434,7 @@ TEST(ModuleHostScalingTest, DelayedCastsReadTheScaleTheStateHolds) {
     ASSERT_TRUE(out.ok()) << out.status();
     EXPECT_TRUE(out->output.equal(y));
     ASSERT_TRUE(host.ReleaseContext(out->context_id).ok());
-    want.Record(xq->amax);
+    want.Record(xq->amax());
     want.Roll();
     const RoleScaling input = (*host.Scaling(id))[kInputRole];
     EXPECT_EQ(input.scale, want.scale());

@@ -99,7 +99,7 @@ TEST(DelayedScalingHostTest, EachContextKeepsTheScaleItWasCastWith) {
   // ...yet the first context still holds the FP8 input cast with scale 1 (the first step's).
   auto saved = host.contexts().Peek(a->context_id).lock();
   ASSERT_TRUE(saved);
-  EXPECT_EQ(dynamic_cast<const LinearSaved&>(*saved).input.scale_inv, 1.0f);
+  EXPECT_EQ(dynamic_cast<const LinearSaved&>(*saved).input.scale_inv(), 1.0f);
   ASSERT_TRUE(TensorBackward(host, a->context_id, dy, false, false).ok());
   EXPECT_EQ(host.Scaling(id)->at(2).role, "grad_output");
   EXPECT_EQ(host.Scaling(id)->at(2).history.size(), 1u);
