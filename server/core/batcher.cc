@@ -29,6 +29,13 @@ int64_t BatchFormer::open() const {
   return int64_t(state_->open.size());
 }
 
+int64_t BatchFormer::waiting() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  int64_t n = 0;
+  for (const auto& [key, batch] : state_->open) n += int64_t(batch->members.size());
+  return n;
+}
+
 bool BatchFormer::Run::OthersWaiting() const {
   return yield_ && executor_.queued_besides(clients_) > 0;
 }

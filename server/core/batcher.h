@@ -79,6 +79,8 @@ class BatchFormer {
   void Add(const std::string& key, Member member, Runner run);
   // Batches open now (queued, not started); tests.
   int64_t open() const;
+  // Requests waiting in those batches; tests.
+  int64_t waiting() const;
 
  private:
   struct Open {

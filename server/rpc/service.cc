@@ -109,6 +109,8 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
 
 GradwireService::~GradwireService() = default;
 
+int64_t GradwireService::batched_waiting() const { return batcher_ ? batcher_->waiting() : 0; }
+
 void GradwireService::Persist(const std::string& module_id) const {
   if (!options_.checkpointer) return;
   if (auto s = options_.checkpointer->Save(host_, module_id); !s.ok()) {

@@ -101,6 +101,8 @@ class GradwireService final : public ServiceBase {
   // Train-stream requests read so far, streams open now (tests, metrics).
   int64_t stream_requests_read() const { return env_.stream_requests_read.load(); }
   int64_t streams_open() const { return env_.streams_open.load(); }
+  // Requests waiting in open batches (0 without batching); tests.
+  int64_t batched_waiting() const;
   // Calls counted against --max-queued-per-module for `module_id` that have not started yet.
   int64_t queued_calls(const std::string& module_id) const {
     return quotas_.queued_calls(module_id);

@@ -224,10 +224,12 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
 }
 
 TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
-  // A forward holds the executor until every backward is live at the server, so they all wait
-  // in one open batch. Current scaling: each grad_input is a plain server's bits in any order.
+  // A forward holds the executor until every backward waits in the one open batch of their
+  // module (the former counts them), so the batch runs them all. Current scaling: each
+  // grad_input is a plain server's bits in any order.
   constexpr int kClients = 8;
   std::atomic<bool> hold{false}, held{false};
+  std::atomic<rpc::GradwireService*> service{nullptr};
   std::mutex mu;
   std::vector<std::pair<std::string, int64_t>> observed;  // on_batch: method, requests
   TestServer batched([&](rpc::ServiceOptions& o) {
@@ -236,14 +238,13 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
       observed.emplace_back(method, requests);
     };
     o.batching.max_rows = 4096;
-    // Long enough for a straggler that was live but not yet in the batch when the hold let go.
-    o.batching.delay = std::chrono::microseconds(200000);
     o.before_forward_compute = [&] {
       if (!hold.exchange(false)) return;
       held = true;
-      WaitFor([] { return rpc::GradwireService::live_calls() >= kClients + 1; }, 20000);
+      WaitFor([&] { return service.load()->batched_waiting() >= kClients; }, 20000);
     };
   });
+  service = &batched.service();
   TestServer plain;
   ASSERT_TRUE(batched.ok() && plain.ok());
   auto b = batched.Connect();
