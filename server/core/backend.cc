@@ -49,6 +49,9 @@ void Backend::RollScaling(ScalingTensors& s, const std::vector<int64_t>& roles,
            : ScalingTensors{s.history.to(at::kCPU).contiguous(), s.scale.to(at::kCPU).contiguous(),
                             s.scale_inv.to(at::kCPU).contiguous()};
   const int64_t n = h.history.size(0), len = h.history.size(1);
+  if (len != std::max<int64_t>(1, config.history_len)) {
+    throw std::logic_error("RollScaling: the history is not the recipe's length");
+  }
   float* history = h.history.data_ptr<float>();
   float* scale = h.scale.data_ptr<float>();
   float* scale_inv = h.scale_inv.data_ptr<float>();

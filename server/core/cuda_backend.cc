@@ -18,6 +18,7 @@
 #include <ATen/Context.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -115,16 +116,21 @@ class StreamWaits {
   uint64_t Queued() { return queued_.fetch_add(1) + 1; }
   void WaitFor(uint64_t mark, int device) {
     if (done_.load() >= mark) return;
-    const uint64_t covered = queued_.load();  // every copy up to here is already queued
+    const uint64_t covered = Before();
     GRADWIRE_CUDA_CHECK(cudaSetDevice(device));
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
-    Count();
+    Waited(covered);
+  }
+  // For a wait the backend makes some other way (a synchronous copy, a read of a reduction):
+  // Before() ahead of it, Waited(that) after it, which counts it and marks every copy queued
+  // before it done.
+  uint64_t Before() const { return queued_.load(); }
+  void Waited(uint64_t covered) {
+    waits_.fetch_add(1);
     uint64_t done = done_.load();
     while (done < covered && !done_.compare_exchange_weak(done, covered)) {
     }
   }
-  // Counts a wait the backend made some other way (a synchronous copy or read).
-  void Count() { waits_.fetch_add(1); }
   // Waits so far (each a stream synchronisation).
   int64_t waits() const { return waits_.load(); }
 
@@ -234,8 +240,9 @@ class CudaBackend final : public Backend {
     at::Tensor scalars = at::empty({4}, Floats());
     GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(scalars.data_ptr<float>(), &scale_inv, sizeof(float),
                                         cudaMemcpyHostToDevice, kStream));
+    const uint64_t covered = waits_->Before();
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));  // the source is on this stack
-    waits_->Count();
+    waits_->Waited(covered);
     out.scale_inv_device = scalars.narrow(0, 0, 1);
     return out;
   }
@@ -387,8 +394,10 @@ class CudaBackend final : public Backend {
   float AbsMax(const at::Tensor& x) const override {
     Use();
     if (x.numel() == 0) return 0.0f;
-    waits_->Count();  // item() waits for the reduction
-    return x.abs().max().item<float>();
+    const uint64_t covered = waits_->Before();
+    const float amax = x.abs().max().item<float>();  // waits for the reduction
+    waits_->Waited(covered);
+    return amax;
   }
   float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
     Use();
@@ -397,13 +406,16 @@ class CudaBackend final : public Backend {
   }
 
   // The roll on the device (cuda::DelayedScalingRoll, one launch): this step's amaxes and which
-  // roles step cross as one small pageable copy, which the runtime stages at once (no
-  // synchronisation). Histories longer than the kernel's limit roll through the host default.
+  // roles step cross as one small copy from pinned memory, queued without a wait. Histories
+  // longer than the kernel's limit roll through the host default (a copy out and back).
   void RollScaling(ScalingTensors& s, const std::vector<int64_t>& roles,
                    const std::vector<float>& amaxes, kernels::Fp8Format format,
                    const RecipeConfig& config) const override {
     Use();
     const int64_t n = s.history.size(0), len = s.history.size(1);
+    if (len != std::max<int64_t>(1, config.history_len)) {
+      throw std::logic_error("CudaBackend::RollScaling: the history is not the recipe's length");
+    }
     if (len > kMaxDeviceHistory || roles.size() != amaxes.size()) {
       Backend::RollScaling(s, roles, amaxes, format, config);
       return;
@@ -413,20 +425,20 @@ class CudaBackend final : public Backend {
       throw std::logic_error("CudaBackend::RollScaling: the state is not [n] tensors on " +
                              device().str());
     }
-    // [pending amax: n floats | recorded: n bytes]
-    std::vector<uint8_t> host(size_t(n) * 5, 0);
-    float* pending = reinterpret_cast<float*>(host.data());
-    uint8_t* recorded = host.data() + size_t(n) * 4;
+    // [pending amax: n floats | recorded: n bytes], in pinned memory crossing with libtorch's
+    // non-blocking copy (queued, no wait; the pinned block is not reused before it has run).
+    const int64_t words = Up16(n * 5) / 4;
+    at::Tensor host = at::zeros({words}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    auto* bytes = static_cast<uint8_t*>(host.data_ptr());
     for (size_t i = 0; i < roles.size(); ++i) {
       if (roles[i] < 0 || roles[i] >= n) {
         throw std::logic_error("CudaBackend::RollScaling: role out of range");
       }
-      pending[roles[i]] = amaxes[i];
-      recorded[roles[i]] = 1;
+      std::memcpy(bytes + size_t(roles[i]) * 4, &amaxes[i], 4);
+      bytes[size_t(n * 4 + roles[i])] = 1;
     }
-    at::Tensor step = at::empty({Up16(n * 5) / 4}, Floats());
-    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(step.data_ptr(), host.data(), host.size(),
-                                        cudaMemcpyHostToDevice, kStream));
+    at::Tensor step = at::empty({words}, Floats());
+    step.copy_(host, /*non_blocking=*/true);
     const uint8_t* step_bytes = static_cast<const uint8_t*>(step.data_ptr());
     gwc::DelayedScalingRoll(
         s.history.data_ptr<float>(), step.data_ptr<float>(), step_bytes + n * 4, n, len, format,
@@ -437,8 +449,9 @@ class CudaBackend final : public Backend {
 
   void Synchronize() const override {
     Use();
+    const uint64_t covered = waits_->Before();
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
-    waits_->Count();
+    waits_->Waited(covered);
   }
   int64_t HostWaits() const override { return waits_->waits(); }
 

@@ -34,6 +34,12 @@ at::Tensor DeviceScaling::Scale(size_t role) const {
 }
 
 void DeviceScaling::Step(const std::vector<std::pair<size_t, float>>& amaxes) {
+  std::vector<bool> seen(formats_.size(), false);
+  for (const auto& [role, amax] : amaxes) {
+    if (role >= formats_.size()) throw std::logic_error("DeviceScaling: role out of range");
+    if (seen[role]) throw std::logic_error("DeviceScaling::Step: a role stepped twice in one step");
+    seen[role] = true;
+  }
   std::vector<bool> done(amaxes.size(), false);
   for (size_t i = 0; i < amaxes.size(); ++i) {
     if (done[i]) continue;
@@ -43,9 +49,6 @@ void DeviceScaling::Step(const std::vector<std::pair<size_t, float>>& amaxes) {
     std::vector<float> values;
     for (size_t j = i; j < amaxes.size(); ++j) {
       if (done[j] || formats_.at(amaxes[j].first) != format) continue;
-      if (std::find(roles.begin(), roles.end(), int64_t(amaxes[j].first)) != roles.end()) {
-        throw std::logic_error("DeviceScaling::Step: a role stepped twice in one step");
-      }
       roles.push_back(int64_t(amaxes[j].first));
       values.push_back(amaxes[j].second);
       done[j] = true;

@@ -58,7 +58,7 @@ absl::StatusOr<Fp8Tensor> CastRows(const Backend& backend, const at::Tensor& x,
     if (rows <= 0 || row + rows > x.size(0)) break;
     if (config.steps) config.steps->Next(one);
     GW_ASSIGN_OR_RETURN(Fp8Tensor part, backend.Cast(x.narrow(0, row, rows), one, usage));
-    if (config.steps) config.steps->Stepped(part.amax());
+    if (config.steps) config.steps->Stepped(part.scalars);
     parts.push_back(std::move(part));
     row += rows;
   }

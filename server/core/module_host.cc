@@ -321,24 +321,27 @@ namespace {
 // request's rows, and the amaxes it saw. Under delayed scaling each request's cast reads the scale
 // the copy holds after the steps before it (on a GPU in stream order: the cast is queued before
 // the roll that follows it).
+// Under current scaling no cast depends on an earlier one's amax: nothing is stepped during the
+// batch (state null), and the amaxes are read after it, when its GEMMs are queued.
 class RoleSteps final : public ScaleSteps {
  public:
-  RoleSteps(std::shared_ptr<DeviceScaling> state, size_t role, bool delayed)
-      : state_(std::move(state)), role_(role), delayed_(delayed) {}
+  RoleSteps(std::shared_ptr<DeviceScaling> state, size_t role)
+      : state_(std::move(state)), role_(role) {}
   void Next(QuantizerConfig& one) override {
     one.scale = 0.0f;
-    one.scale_device = delayed_ ? state_->Scale(role_) : at::Tensor();
+    one.scale_device = state_ ? state_->Scale(role_) : at::Tensor();
   }
-  void Stepped(float amax) override {
-    amaxes.push_back(amax);
-    state_->Step({{role_, amax}});
+  void Stepped(const CastScalars& cast) override {
+    casts_.push_back(cast);
+    if (state_) state_->Step({{role_, cast.amax()}});
   }
-  std::vector<float> amaxes;
+  size_t steps() const { return casts_.size(); }
+  float amax(size_t j) const { return casts_.at(j).amax(); }
 
  private:
   std::shared_ptr<DeviceScaling> state_;
   size_t role_;
-  bool delayed_;
+  std::vector<CastScalars> casts_;
 };
 
 }  // namespace
@@ -428,12 +431,13 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     const std::vector<RoleDef>& roles = m->kind->Roles();
     std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
     const bool delayed = m->spec.recipe.mode == ScalingMode::kDelayed;
-    const auto copy = training ? std::make_shared<DeviceScaling>(m->scaling->Copy()) : nullptr;
+    const auto copy =
+        training && delayed ? std::make_shared<DeviceScaling>(m->scaling->Copy()) : nullptr;
     for (size_t role = 0; role < roles.size(); ++role) {
       if (roles[role].weight) continue;
       args.quantizers[role].row_groups = groups;
       if (training) {
-        steps[role] = std::make_shared<RoleSteps>(copy, role, delayed);
+        steps[role] = std::make_shared<RoleSteps>(copy, role);
         args.quantizers[role].steps = steps[role];
       }
     }
@@ -451,9 +455,9 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
       if (!roles.at(role).weight && !std::isfinite(amax)) batched = false;
       const RoleSteps* st = steps.at(role).get();
       // Not one cast per request: the steps would not be the sequence's.
-      if (st && st->amaxes.size() != n) batched = false;
+      if (st && st->steps() != n) batched = false;
       if (!batched || !training) continue;
-      for (size_t j = 0; j < n; ++j) step_amaxes[j].emplace_back(role, st ? st->amaxes[j] : amax);
+      for (size_t j = 0; j < n; ++j) step_amaxes[j].emplace_back(role, st ? st->amax(j) : amax);
     }
     if (batched && training) {
       batched = r.saved_groups.size() == n;
@@ -719,6 +723,8 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
           throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
                                               ", which this module does not have"));
         });
+        // The step's roll runs on the device and can fail as the sums can: with them.
+        if (!overflowed.has_value()) m->EndStep(r->amaxes);
       } catch (const std::exception& e) {
         // Only a device or library failure gets here (a refused sum returns, changing nothing);
         // the accumulators may then hold part of this backward, so they are zeroed.
@@ -730,7 +736,6 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
       if (overflowed.has_value()) {
         return refuse(absl::StrCat("accumulated ", ParamName(*overflowed), " gradient"));
       }
-      m->EndStep(r->amaxes);
       ++m->accumulated_backwards;
     }
     // Free the saved tensors now, before the caller encodes and sends the reply.
@@ -915,11 +920,12 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             args.quantizers = m->Quantizers();
             args.compute_grad_input = !skip;
             args.row_groups = groups;
-            const bool delayed = m->spec.recipe.mode == ScalingMode::kDelayed;
-            const auto copy = std::make_shared<DeviceScaling>(m->scaling->Copy());
+            const auto copy = m->spec.recipe.mode == ScalingMode::kDelayed
+                                  ? std::make_shared<DeviceScaling>(m->scaling->Copy())
+                                  : nullptr;
             for (size_t role = 0; role < roles.size(); ++role) {
               if (roles[role].weight) continue;
-              steps[role] = std::make_shared<RoleSteps>(copy, role, delayed);
+              steps[role] = std::make_shared<RoleSteps>(copy, role);
               args.quantizers[role].row_groups = groups;
               args.quantizers[role].steps = steps[role];
             }
@@ -931,7 +937,7 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
           // Each request's step: the amax of each gradient cast of its rows, in the kind's order.
           for (const auto& [role, amax] : r->amaxes) {
             const RoleSteps* st = steps.at(role).get();
-            if (st == nullptr || st->amaxes.size() != n) return 0;
+            if (st == nullptr || st->steps() != n) return 0;
           }
           int64_t row = 0;
           for (size_t j = 0; j < n; ++j) {
@@ -939,7 +945,7 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             std::vector<RoleAmax> step;
             bool finite = true;
             for (const auto& [role, amax] : r->amaxes) {
-              const float a = steps[role]->amaxes[j];
+              const float a = steps[role]->amax(j);
               finite = finite && std::isfinite(a);
               step.emplace_back(role, a);
             }
@@ -967,6 +973,7 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
                                                         ", which this module does not have"));
                   },
                   j);
+              if (!overflowed.has_value()) m->EndStep(step);  // on the device: as the sums
             } catch (const std::exception& e) {
               // As Backward: the accumulators may hold part of this request's sums, so they are
               // zeroed; it fails with its context kept, and the rest run alone.
@@ -978,7 +985,6 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
               return j;
             }
             if (overflowed.has_value()) return j;
-            m->EndStep(step);
             ++m->accumulated_backwards;
             members[j].consumed = true;
             members[j].grad_input = mine;
@@ -1197,6 +1203,11 @@ absl::Status ModuleHost::ImportState(const ModuleState& state) {
     }
   }
   for (const RoleScaling& r : state.scaling) {
+    if (!std::isfinite(r.scale) || !(r.scale > 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("the scaling state of role ", r.role,
+                                                     " has scale ", r.scale,
+                                                     ": it must be finite and > 0"));
+    }
     for (size_t i = 0; i < m->scaling->roles(); ++i) {
       if (m->kind->Roles()[i].name == r.role) m->scaling->Set(i, r.history, r.scale);
     }

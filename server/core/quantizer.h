@@ -23,8 +23,9 @@ class ScaleSteps {
   // Sets the next group's scale in `one` (scale_device under delayed scaling; nothing under
   // current scaling, whose cast takes its scale from its own amax).
   virtual void Next(QuantizerConfig& one) = 0;
-  // That group's cast measured `amax`: one step.
-  virtual void Stepped(float amax) = 0;
+  // That group's cast, with these scalars (its amax is read only where a later group's scale
+  // depends on it): one step.
+  virtual void Stepped(const CastScalars& cast) = 0;
 };
 
 // How one cast chooses its scale.

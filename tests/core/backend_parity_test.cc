@@ -527,10 +527,13 @@ INSTANTIATE_TEST_SUITE_P(All, FusedParity, ::testing::ValuesIn(kBackends),
 
 // The scaling state on the device (DeviceScaling over Backend::RollScaling) against ScalingState,
 // the recipe's definition on the host, bit for bit: every role's scale, scale_inv and history after
-// every step, and the scale a delayed cast reads. Steps take random subsets of three roles of both
-// formats, with amaxes of 0, NaN, inf, subnormal and ordinary sizes; histories of 1 to 9000 (past
-// the CUDA kernel's 8192, where the CUDA backend rolls on the host); both algorithms, two margins.
-// A copy steps on its own, and a saved state set back continues as the original does.
+// every step, and the scale view a delayed cast is given (Scale). On the host backends the roll is
+// ScalingState itself, so their rows check DeviceScaling's bookkeeping (the zero-padded rows, the
+// filled counts, Copy, Set); the cuda row checks the kernel's roll. Steps take random subsets of
+// three roles of both formats, with amaxes of 0, NaN, inf, subnormal and ordinary sizes; histories
+// of 1 to 9000 (past the CUDA kernel's 8192, where the CUDA backend rolls on the host); both
+// algorithms, two margins. A copy steps on its own, and a saved state set back continues as the
+// original does.
 class ScalingParity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ScalingParity, DeviceStateRollsAsScalingStateBitForBit) {

@@ -442,14 +442,23 @@ TEST(ModuleHostScalingTest, DelayedCastsReadTheScaleTheStateHolds) {
   }
 }
 
+// A Linear in -> out under delayed scaling (max of `history_len`) that has run one forward of
+// 4 rows; its id.
+std::string DelayedLinearAfterAForward(ModuleHost& host, int64_t in, int64_t out,
+                                       int64_t history_len) {
+  ModuleSpec spec = MakeLinearSpec(in, out);
+  spec.recipe = DelayedRecipe(AmaxAlgo::kMax, history_len);
+  auto info = host.Create(spec);
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return "";
+  EXPECT_TRUE(TensorForward(host, info->module_id, RandN({4, in}), false).ok());
+  return info->module_id;
+}
+
 TEST(ModuleHostNonFiniteTest, ForwardAndBackwardRefuseNaNAndInfAndChangeNothing) {
   ModuleHost host;
-  ModuleSpec spec = MakeLinearSpec(12, 6);
-  spec.recipe = DelayedRecipe(AmaxAlgo::kMax, 3);
-  auto info = host.Create(spec);
-  ASSERT_TRUE(info.ok()) << info.status();
-  const std::string id = info->module_id;
-  ASSERT_TRUE(TensorForward(host, id, RandN({4, 12}), false).ok());  // some history to keep
+  const std::string id = DelayedLinearAfterAForward(host, 12, 6, 3);  // some history to keep
+  ASSERT_FALSE(id.empty());
   for (float bad : {NAN, INFINITY, -INFINITY}) {
     const auto scaling = *host.Scaling(id);
     at::Tensor x = RandN({4, 12});
@@ -512,6 +521,31 @@ TEST(ModuleHostImportTest, RefusesOutOfRangeEnumsInAState) {
     EXPECT_NE(s.message().find(c.field), std::string::npos) << s;
     EXPECT_FALSE(host.Info("restored").ok());
   }
+}
+
+// A saved scale the casts could not use (0, negative, inf, NaN) is refused: under delayed
+// scaling the casts read it as it is. A good one, restored, is what the module reports.
+TEST(ModuleHostImportTest, RefusesAScalingStateWhoseScaleIsNotFiniteAndPositive) {
+  ModuleHost host;
+  const std::string id = DelayedLinearAfterAForward(host, 8, 4, 4);
+  ASSERT_FALSE(id.empty());
+  ModuleState good = *host.ExportState(id);
+  ASSERT_FALSE(good.scaling.empty());
+  good.module_id = "restored";
+  good.scaling[0].scale = 2.5f;
+  good.scaling[0].history = {3.0f, 1.0f};
+  for (float bad : {0.0f, -1.0f, INFINITY, NAN}) {
+    ModuleState state = good;
+    state.scaling[0].scale = bad;
+    const absl::Status s = host.ImportState(state);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("scaling state of role input"), std::string::npos) << s;
+    EXPECT_FALSE(host.Info("restored").ok());
+  }
+  ASSERT_TRUE(host.ImportState(good).ok());
+  const RoleScaling input = (*host.Scaling("restored"))[0];
+  EXPECT_EQ(input.scale, 2.5f);
+  EXPECT_EQ(input.history, (std::deque<float>{3.0f, 1.0f}));
 }
 
 TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
