@@ -40,19 +40,16 @@ void DeviceScaling::Step(const std::vector<std::pair<size_t, float>>& amaxes) {
     if (seen[role]) throw std::logic_error("DeviceScaling::Step: a role stepped twice in one step");
     seen[role] = true;
   }
-  std::vector<bool> done(amaxes.size(), false);
-  for (size_t i = 0; i < amaxes.size(); ++i) {
-    if (done[i]) continue;
-    // All the roles of this one's format, in one call.
-    const kernels::Fp8Format format = formats_.at(amaxes[i].first);
+  // The roles of each format in one call.
+  for (kernels::Fp8Format format : {kernels::Fp8Format::kE4M3, kernels::Fp8Format::kE5M2}) {
     std::vector<int64_t> roles;
     std::vector<float> values;
-    for (size_t j = i; j < amaxes.size(); ++j) {
-      if (done[j] || formats_.at(amaxes[j].first) != format) continue;
-      roles.push_back(int64_t(amaxes[j].first));
-      values.push_back(amaxes[j].second);
-      done[j] = true;
+    for (const auto& [role, amax] : amaxes) {
+      if (formats_[role] != format) continue;
+      roles.push_back(int64_t(role));
+      values.push_back(amax);
     }
+    if (roles.empty()) continue;
     backend_->RollScaling(tensors_, roles, values, format, config_);
     for (int64_t role : roles) {
       filled_[size_t(role)] = std::min(filled_[size_t(role)] + 1, tensors_.history.size(1));

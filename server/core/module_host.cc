@@ -344,6 +344,25 @@ class RoleSteps final : public ScaleSteps {
   std::vector<CastScalars> casts_;
 };
 
+// Gives the non-weight roles' quantizers a batch's row groups and, for training, their steps
+// (on one copy of `state` under delayed scaling); returns the steps by role (null for weights,
+// and for every role without training).
+std::vector<std::shared_ptr<RoleSteps>> BatchQuantizers(
+    const std::vector<RoleDef>& roles, const DeviceScaling& state, bool delayed, bool training,
+    const std::shared_ptr<const std::vector<int64_t>>& groups,
+    std::vector<QuantizerConfig>& quantizers) {
+  const auto copy = training && delayed ? std::make_shared<DeviceScaling>(state.Copy()) : nullptr;
+  std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
+  for (size_t role = 0; role < roles.size(); ++role) {
+    if (roles[role].weight) continue;
+    quantizers[role].row_groups = groups;
+    if (!training) continue;
+    steps[role] = std::make_shared<RoleSteps>(copy, role);
+    quantizers[role].steps = steps[role];
+  }
+  return steps;
+}
+
 }  // namespace
 
 std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
@@ -429,18 +448,9 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     args.params = m->DeviceTable();
     args.quantizers = m->Quantizers();
     const std::vector<RoleDef>& roles = m->kind->Roles();
-    std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
-    const bool delayed = m->spec.recipe.mode == ScalingMode::kDelayed;
-    const auto copy =
-        training && delayed ? std::make_shared<DeviceScaling>(m->scaling->Copy()) : nullptr;
-    for (size_t role = 0; role < roles.size(); ++role) {
-      if (roles[role].weight) continue;
-      args.quantizers[role].row_groups = groups;
-      if (training) {
-        steps[role] = std::make_shared<RoleSteps>(copy, role);
-        args.quantizers[role].steps = steps[role];
-      }
-    }
+    const std::vector<std::shared_ptr<RoleSteps>> steps =
+        BatchQuantizers(roles, *m->scaling, m->spec.recipe.mode == ScalingMode::kDelayed, training,
+                        groups, args.quantizers);
     args.weight_version = m->version;
     args.workspace = m->workspace;
     args.training = training;
@@ -920,15 +930,9 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             args.quantizers = m->Quantizers();
             args.compute_grad_input = !skip;
             args.row_groups = groups;
-            const auto copy = m->spec.recipe.mode == ScalingMode::kDelayed
-                                  ? std::make_shared<DeviceScaling>(m->scaling->Copy())
-                                  : nullptr;
-            for (size_t role = 0; role < roles.size(); ++role) {
-              if (roles[role].weight) continue;
-              steps[role] = std::make_shared<RoleSteps>(copy, role);
-              args.quantizers[role].row_groups = groups;
-              args.quantizers[role].steps = steps[role];
-            }
+            steps =
+                BatchQuantizers(roles, *m->scaling, m->spec.recipe.mode == ScalingMode::kDelayed,
+                                /*training=*/true, groups, args.quantizers);
             r = m->kind->Backward(args);
           } catch (const std::exception&) {
             return 0;  // each request meets the failure alone
