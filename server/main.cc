@@ -1,6 +1,7 @@
 // gradwire-server: hosts FP8 modules and serves them over gRPC. This file reads the configuration
 // (server/config.h), checks what only makes sense together, starts the server (server/server.h)
 // and stops it on SIGINT/SIGTERM.
+#include <pthread.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -129,6 +130,12 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
 
 }  // namespace
 
+static pthread_t g_main_thread;
+
+// Runs only on a thread that does not block the stop signals (main blocks them): hands the
+// signal to main's sigwait. pthread_kill is async-signal-safe.
+static void ForwardToMain(int sig) { pthread_kill(g_main_thread, sig); }
+
 int main(int argc, char** argv) {
   ServerConfig config;
   if (std::optional<int> exit_code = gradwire::server::ParseServerConfig(argc, argv, config)) {
@@ -136,12 +143,22 @@ int main(int argc, char** argv) {
   }
   gradwire::server::SetUpLogging(config.log_level, config.log_format);
 
-  // Signals are taken by sigwait below; block them before any thread starts so none gets them.
+  // Signals are taken by sigwait below; block them here so the threads started from now on
+  // inherit the block. Threads that libraries start before main (OpenBLAS's workers) do not
+  // block them: a signal the kernel hands to one of those runs ForwardToMain, which passes it to
+  // this thread, where it waits for sigwait (without the handler it would kill the process with
+  // the default action whenever this thread is not in sigwait yet).
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  g_main_thread = pthread_self();
+  struct sigaction forward = {};
+  forward.sa_handler = ForwardToMain;
+  sigemptyset(&forward.sa_mask);
+  sigaction(SIGINT, &forward, nullptr);
+  sigaction(SIGTERM, &forward, nullptr);
 
   Authenticator::TenantWeights weights;
   auto authenticator = LoadTokens(config, &weights);

@@ -72,6 +72,7 @@ class ServerProcess {
     return ss.str();
   }
   const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
 
  private:
   static inline int starts_ = 0;
