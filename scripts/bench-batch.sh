@@ -12,7 +12,11 @@
 #    tenant (1 request in flight) alone, then next to the heavy one (32 in flight): its p99 both
 #    times; with batching on, on with --batch-yield true (batches yield to other clients' work),
 #    and off; then on and off again with the heavy tenant's load tool at nice 19 (its client
-#    threads then leave the two cores to the server and the light client).
+#    threads then leave the two cores to the server and the light client). Last, the floor: the
+#    heavy tenant sends empty RPCs (GetServerInfo, which never reaches the executor) at the rate its
+#    forwards reached with batching on (open loop, up to 32 in flight), at nice 0 and 19: what
+#    gRPC's threads and the operating system alone do to the light tenant's p99 at that call rate,
+#    whatever the executor's scheduling.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/perf/batching.json}
@@ -69,10 +73,13 @@ for c in "step-off-ordered|--cpu-gemm ordered" \
 done
 
 echo "== fairness: light tenant (1 in flight) alone, then beside a heavy one (32 in flight)"
+rate_of() {  # a load tool JSON: its run's requests/s, rounded
+  python3 -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["runs"][0]["requests_per_s"]))' "$1"
+}
 printf 'heavy heavy-token-0123456789abcdef\nlight light-token-0123456789abcdef\n' > "$tmp/tokens"
 printf 'heavy-token-0123456789abcdef\n' > "$tmp/heavy.token"
 printf 'light-token-0123456789abcdef\n' > "$tmp/light.token"
-for mode in on on-yield off on-nice off-nice; do
+for mode in on on-yield off on-nice off-nice floor floor-nice; do
   flags="--cpu-gemm ordered --tokens-file $tmp/tokens"
   case "$mode" in
     on | on-nice) flags="$flags --max-batch-rows 256" ;;
@@ -83,11 +90,16 @@ for mode in on on-yield off on-nice off-nice; do
   # tenant's tail is the server's doing.
   heavy_nice=0
   case "$mode" in *-nice) heavy_nice=19 ;; esac
+  heavy_flow=(--flow forward)
+  case "$mode" in
+    floor) heavy_flow=(--flow empty --rate "$(rate_of "$tmp/heavy-on.json")") ;;
+    floor-nice) heavy_flow=(--flow empty --rate "$(rate_of "$tmp/heavy-on-nice.json")") ;;
+  esac
   # shellcheck disable=SC2086
   start_server $flags
   load "light-alone-$mode" --token-file "$tmp/light.token" --flow forward --rows 1 -c 1
   nice -n "$heavy_nice" "$load_bin" --server "$addr" --token-file "$tmp/heavy.token" \
-    --flow forward --rows 1 -c 32 --duration "$((secs + 3))" --warmup 0 \
+    "${heavy_flow[@]}" --rows 1 -c 32 --duration "$((secs + 3))" --warmup 0 \
     --json "$tmp/heavy-$mode.json" > "$tmp/heavy-$mode.txt" 2>&1 &
   heavy=$!
   sleep 1.5
@@ -114,7 +126,8 @@ def ratio(a, b, key="requests_per_s"):
     return tp[a][key] / tp[b][key] if tp[b][key] else None
 steps = {n: run(n) for n in ["step-off-ordered", "step-on-ordered"]}
 fair = {m: {"light_alone": run(f"light-alone-{m}"), "light_beside_heavy": run(f"light-beside-heavy-{m}"),
-            "heavy": run(f"heavy-{m}")} for m in ("on", "on-yield", "off", "on-nice", "off-nice")}
+            "heavy": run(f"heavy-{m}")}
+        for m in ("on", "on-yield", "off", "on-nice", "off-nice", "floor", "floor-nice")}
 for m, f in fair.items():
     f["light_p99_ratio"] = f["light_beside_heavy"]["p99_ms"] / f["light_alone"]["p99_ms"]
 result = {
@@ -136,6 +149,10 @@ result = {
         "p99": steps["step-on-ordered"]["p99_ms"] / steps["step-off-ordered"]["p99_ms"],
     },
     "fairness_equal_weights": fair,
+    # floor*: the heavy tenant's calls are empty RPCs that never reach the executor, so these
+    # ratios are what no scheduling of the device can go below on this machine.
+    "fairness_floor_note": ("floor and floor-nice: the heavy tenant sends empty RPCs (GetServerInfo) "
+                            "at the rate of its forwards in 'on' and 'on-nice', open loop"),
 }
 os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 json.dump(result, open(out, "w"), indent=2)
@@ -145,5 +162,10 @@ print("training steps, batching on vs off (ordered):",
 for m, f in fair.items():
     print(f"fairness, batching {m}: light p99 alone {f['light_alone']['p99_ms']:.3f} ms, "
           f"beside heavy {f['light_beside_heavy']['p99_ms']:.3f} ms: x{f['light_p99_ratio']:.2f}")
+for m in ("on", "off"):
+    for suffix in ("", "-nice"):
+        f, floor = fair[m + suffix], fair["floor" + suffix]
+        print(f"batching {m}{suffix}: light p99 ratio x{f['light_p99_ratio']:.2f} against the "
+              f"floor's x{floor['light_p99_ratio']:.2f} (heavy sending empty RPCs)")
 print(f"wrote {out}")
 PY
