@@ -226,6 +226,18 @@ def bench(work):
     return [], [], False
 
 
+def cuda_graphs(work):
+    ours = load_json(os.path.join(work, "ours.json"))
+    rows = ours.get("graphs") if isinstance(ours, dict) else None
+    if not rows:
+        return None
+    for r in rows:
+        for kind in ("", "_host"):
+            eager, graph = r.get(f"eager{kind}_ms"), r.get(f"graph{kind}_ms")
+            r[f"graph_saves{kind}"] = 1 - graph / eager if eager and graph is not None else None
+    return rows
+
+
 def target(met, detail):
     return {"met": met, "detail": detail}
 
@@ -366,6 +378,8 @@ def main():
         "staging": staging(work),
         "gemm": gemm,
         "modules": modules,
+        # A fixed-shape Linear step as one CUDA graph against its kernels launched one by one.
+        "cuda_graphs": cuda_graphs(work),
         "targets": targets(parity, service, demo_rows, step, gemm, modules, with_torch),
         "steps": steps(work),
     }

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -187,61 +188,154 @@ struct StepRow {
   double fwd_ms, bwd_ms, step_ms;
 };
 
+// A Linear's forward and backward as the backend composes them, on buffers of its own.
 // bf16_io: the activations and gradients in and out as bfloat16, as the GPU fast path moves them
 // (the input and grad_output cast straight from bf16, the GEMMs write bf16 y and dx), next to the
 // fp32 path the server's CUDA backend runs today. The weight gradient stays fp32 either way.
-StepRow BenchLinear(int64_t tokens, int64_t h, bool bf16_io, int iters, cudaStream_t stream) {
-  const int64_t M = tokens, K = h, N = h;
-  const size_t act = bf16_io ? 2 : 4;  // bytes per activation or gradient element
-  Buf x(static_cast<size_t>(M * K) * act), w(static_cast<size_t>(N * K) * 4),
-      y(static_cast<size_t>(M * N) * act), dy(static_cast<size_t>(M * N) * act),
-      dx(static_cast<size_t>(M * K) * act), dw(static_cast<size_t>(N * K) * 4),
-      dbias(static_cast<size_t>(N) * 4);
-  if (bf16_io) {
-    FillRandomBf16(x.as<uint16_t>(), size_t(M * K), 3, 2.0f);
-    FillRandomBf16(dy.as<uint16_t>(), size_t(M * N), 5, 0.01f);
-  } else {
-    FillRandom(x.as<float>(), size_t(M * K), 3, 2.0f);
-    FillRandom(dy.as<float>(), size_t(M * N), 5, 0.01f);
-  }
-  FillRandom(w.as<float>(), size_t(N * K), 4, 0.05f);
-  Fp8Dev xq(M, K, Fp8Format::kE4M3), wq(N, K, Fp8Format::kE4M3), gq(M, N, Fp8Format::kE5M2);
-  gwc::CastTranspose(w.as<float>(), N, K, wq.Out(true), stream);  // the workspace, once
-  const gwc::GemmOut out_type = bf16_io ? gwc::GemmOut::kBFloat16 : gwc::GemmOut::kFloat32;
-  auto fwd = [&] {
-    if (bf16_io) {
-      gwc::CastTransposeBf16(x.as<uint16_t>(), M, K, xq.Out(true), stream);
+class LinearStep {
+ public:
+  LinearStep(int64_t tokens, int64_t h, bool bf16_io, cudaStream_t stream)
+      : M(tokens),
+        K(h),
+        N(h),
+        bf16_io_(bf16_io),
+        stream_(stream),
+        x(static_cast<size_t>(M * K) * Act()),
+        w(static_cast<size_t>(N * K) * 4),
+        y(static_cast<size_t>(M * N) * Act()),
+        dy(static_cast<size_t>(M * N) * Act()),
+        dx(static_cast<size_t>(M * K) * Act()),
+        dw(static_cast<size_t>(N * K) * 4),
+        dbias(static_cast<size_t>(N) * 4),
+        xq(M, K, Fp8Format::kE4M3),
+        wq(N, K, Fp8Format::kE4M3),
+        gq(M, N, Fp8Format::kE5M2) {
+    if (bf16_io_) {
+      FillRandomBf16(x.as<uint16_t>(), size_t(M * K), 3, 2.0f);
+      FillRandomBf16(dy.as<uint16_t>(), size_t(M * N), 5, 0.01f);
     } else {
-      gwc::CastTranspose(x.as<float>(), M, K, xq.Out(true), stream);
+      FillRandom(x.as<float>(), size_t(M * K), 3, 2.0f);
+      FillRandom(dy.as<float>(), size_t(M * N), 5, 0.01f);
+    }
+    FillRandom(w.as<float>(), size_t(N * K), 4, 0.05f);
+    gwc::CastTranspose(w.as<float>(), N, K, wq.Out(true), stream_);  // the workspace, once
+    GRADWIRE_CUDA_CHECK(cudaMemsetAsync(dw.p, 0, static_cast<size_t>(N * K) * 4, stream_));
+  }
+
+  void Fwd() const {
+    if (bf16_io_) {
+      gwc::CastTransposeBf16(x.as<uint16_t>(), M, K, xq.Out(true), stream_);
+    } else {
+      gwc::CastTranspose(x.as<float>(), M, K, xq.Out(true), stream_);
     }
     gwc::LtGemmArgs g = Gemm(xq.data.as<uint8_t>(), xq, wq.data.as<uint8_t>(), wq, M, N, K, nullptr,
-                             false, gwc::GemmAccumulation::kFast, stream);
+                             false, gwc::GemmAccumulation::kFast, stream_);
     g.d = y.p;
-    g.d_type = out_type;
+    g.d_type = OutType();
     gwc::Fp8GemmLt(g);
-  };
-  auto bwd = [&] {
-    if (bf16_io) {
-      gwc::CastTransposeDbiasBf16(dy.as<uint16_t>(), M, N, gq.Out(true), dbias.as<float>(), stream);
+  }
+  void Bwd() const {
+    if (bf16_io_) {
+      gwc::CastTransposeDbiasBf16(dy.as<uint16_t>(), M, N, gq.Out(true), dbias.as<float>(),
+                                  stream_);
     } else {
-      gwc::CastTransposeDbias(dy.as<float>(), M, N, gq.Out(true), dbias.as<float>(), stream);
+      gwc::CastTransposeDbias(dy.as<float>(), M, N, gq.Out(true), dbias.as<float>(), stream_);
     }
     gwc::LtGemmArgs dgrad = Gemm(gq.data.as<uint8_t>(), gq, wq.data_t.as<uint8_t>(), wq, M, K, N,
-                                 nullptr, false, gwc::GemmAccumulation::kSplit, stream);
+                                 nullptr, false, gwc::GemmAccumulation::kSplit, stream_);
     dgrad.d = dx.p;
-    dgrad.d_type = out_type;
+    dgrad.d_type = OutType();
     gwc::Fp8GemmLt(dgrad);
     gwc::Fp8GemmLt(Gemm(gq.data_t.as<uint8_t>(), gq, xq.data_t.as<uint8_t>(), xq, N, K, M,
-                        dw.as<float>(), true, gwc::GemmAccumulation::kSplit, stream));
-  };
+                        dw.as<float>(), true, gwc::GemmAccumulation::kSplit, stream_));
+  }
+
+  const int64_t M, K, N;
+
+ private:
+  size_t Act() const { return bf16_io_ ? 2 : 4; }  // bytes per activation or gradient element
+  gwc::GemmOut OutType() const {
+    return bf16_io_ ? gwc::GemmOut::kBFloat16 : gwc::GemmOut::kFloat32;
+  }
+
+  const bool bf16_io_;
+  const cudaStream_t stream_;
+  Buf x, w, y, dy, dx, dw, dbias;
+  Fp8Dev xq, wq, gq;
+};
+
+StepRow BenchLinear(int64_t tokens, int64_t h, bool bf16_io, int iters, cudaStream_t stream) {
+  const LinearStep step(tokens, h, bf16_io, stream);
   StepRow row{bf16_io ? "linear_bf16" : "linear", tokens, h, 0, 0, 0, 0};
-  row.fwd_ms = TimeMs(stream, 3, iters, fwd);
-  fwd();
-  row.bwd_ms = TimeMs(stream, 3, iters, bwd);
+  row.fwd_ms = TimeMs(stream, 3, iters, [&] { step.Fwd(); });
+  step.Fwd();
+  row.bwd_ms = TimeMs(stream, 3, iters, [&] { step.Bwd(); });
   row.step_ms = TimeMs(stream, 3, iters, [&] {
-    fwd();
-    bwd();
+    step.Fwd();
+    step.Bwd();
   });
+  return row;
+}
+
+// What a CUDA graph of a fixed-shape Linear step (forward + backward, fp32 in and out) saves
+// against launching its kernels one by one: at small M the kernels are short and the step is
+// mostly launch cost. Both ways are timed by CUDA events on the stream (device time, gaps between
+// kernels included) and by the host's clock around the same iterations (what a caller waits,
+// launches included), each after warm-up; the graph is captured once, after the eager warm-up
+// made cuBLASLt's plans and workspace, and replayed.
+struct GraphRow {
+  int64_t tokens, hidden;
+  int kernels;  // nodes in the captured graph
+  double eager_ms, graph_ms, eager_host_ms, graph_host_ms;
+};
+
+double HostMs(cudaStream_t stream, int warmup, int iters, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) fn();
+  GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+             .count() /
+         iters;
+}
+
+GraphRow BenchLinearGraph(int64_t tokens, int64_t h, int iters, cudaStream_t stream) {
+  const LinearStep step(tokens, h, /*bf16_io=*/false, stream);
+  auto eager = [&] {
+    step.Fwd();
+    step.Bwd();
+  };
+  GraphRow row{tokens, h, 0, 0, 0, 0, 0};
+  row.eager_ms = TimeMs(stream, 3, iters, eager);
+  row.eager_host_ms = HostMs(stream, 3, iters, eager);
+  GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  GRADWIRE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    eager();
+  } catch (...) {
+    (void)cudaStreamEndCapture(stream, &graph);  // leave the stream usable for the next case
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    throw;
+  }
+  GRADWIRE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  try {
+    size_t nodes = 0;
+    GRADWIRE_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    row.kernels = int(nodes);
+    GRADWIRE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    auto replay = [&] { GRADWIRE_CUDA_CHECK(cudaGraphLaunch(exec, stream)); };
+    row.graph_ms = TimeMs(stream, 3, iters, replay);
+    row.graph_host_ms = HostMs(stream, 3, iters, replay);
+  } catch (...) {
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+    (void)cudaGraphDestroy(graph);
+    throw;
+  }
+  GRADWIRE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  GRADWIRE_CUDA_CHECK(cudaGraphDestroy(graph));
   return row;
 }
 
@@ -386,6 +480,12 @@ int main(int argc, char** argv) {
     attempt("layernorm_mlp", [&] {
       steps.push_back(BenchLayerNormMlp(16384 / s, 4096 / s, 16384 / s, iters, stream));
     });
+    // The small M that remote clients send (--quick: hidden 512, so the graph's saving shows too).
+    std::vector<GraphRow> graphs;
+    for (int64_t m : {16, 256, 2048}) {
+      attempt("linear_graph",
+              [&] { graphs.push_back(BenchLinearGraph(m, 4096 / s, iters, stream)); });
+    }
 
     std::printf("device: %s\n\n", device.c_str());
     std::printf("%-8s %-8s %-8s %10s %10s\n", "M", "N", "K", "ms", "TFLOP/s");
@@ -399,6 +499,15 @@ int main(int argc, char** argv) {
       std::printf("%-14s %-8lld %-8lld %-8lld %10.3f %10.3f %10.3f\n", r.name.c_str(),
                   (long long)r.tokens, (long long)r.hidden, (long long)r.ffn, r.fwd_ms, r.bwd_ms,
                   r.step_ms);
+    }
+    std::printf(
+        "\nLinear step (fwd + bwd, fp32 in/out): kernels launched one by one vs one CUDA "
+        "graph\n%-8s %-8s %-7s %12s %12s %14s %14s\n",
+        "tokens", "hidden", "nodes", "eager ms", "graph ms", "eager host ms", "graph host ms");
+    for (const GraphRow& g : graphs) {
+      std::printf("%-8lld %-8lld %-7d %12.4f %12.4f %14.4f %14.4f\n", (long long)g.tokens,
+                  (long long)g.hidden, g.kernels, g.eager_ms, g.graph_ms, g.eager_host_ms,
+                  g.graph_host_ms);
     }
     if (!json_path.empty()) {
       FILE* f = std::fopen(json_path.c_str(), "w");
@@ -423,6 +532,16 @@ int main(int argc, char** argv) {
                      "\"fwd_ms\": %.6f, \"bwd_ms\": %.6f, \"step_ms\": %.6f}%s\n",
                      r.name.c_str(), (long long)r.tokens, (long long)r.hidden, (long long)r.ffn,
                      r.fwd_ms, r.bwd_ms, r.step_ms, i + 1 < steps.size() ? "," : "");
+      }
+      std::fprintf(f, "  ],\n  \"graphs\": [\n");
+      for (size_t i = 0; i < graphs.size(); ++i) {
+        const GraphRow& g = graphs[i];
+        std::fprintf(f,
+                     "    {\"name\": \"linear_step\", \"tokens\": %lld, \"hidden\": %lld, "
+                     "\"nodes\": %d, \"eager_ms\": %.6f, \"graph_ms\": %.6f, "
+                     "\"eager_host_ms\": %.6f, \"graph_host_ms\": %.6f}%s\n",
+                     (long long)g.tokens, (long long)g.hidden, g.kernels, g.eager_ms, g.graph_ms,
+                     g.eager_host_ms, g.graph_host_ms, i + 1 < graphs.size() ? "," : "");
       }
       std::fprintf(f, "  ]\n}\n");
       std::fclose(f);
