@@ -37,6 +37,10 @@ at::Tensor Backend::DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const {
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
+CastScalars Backend::AbsMaxLater(const at::Tensor& x) const {
+  return CastScalars(1.0f, 1.0f, AbsMax(x));
+}
+
 void Backend::RollScaling(ScalingTensors& s, const std::vector<int64_t>& roles,
                           const std::vector<float>& amaxes, kernels::Fp8Format format,
                           const RecipeConfig& config) const {

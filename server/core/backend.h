@@ -199,12 +199,17 @@ class Backend {
   virtual float AbsMax(const at::Tensor& x) const = 0;
   // out = a + b (same shape; out may be a or b); returns max |out|.
   virtual float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const = 0;
+  // AbsMax(x), as the amax() of the CastScalars returned, read when first asked for. The default
+  // computes it now (the host backends); a GPU queues the reduction and its copy back, so that a
+  // read after the call's result has crossed to the host costs no wait of its own.
+  virtual CastScalars AbsMaxLater(const at::Tensor& x) const;
 
   // Waits until everything queued on the backend's stream has run.
   virtual void Synchronize() const = 0;
-  // How many times so far the host has waited for this backend's device (stream
-  // synchronisations it made: a cast's scalars read, a finite check, Synchronize); 0 on the host
-  // backends, whose calls return finished.
+  // How many times so far the host has waited for this backend's device to compute something:
+  // stream synchronisations it made to read back a result (a cast's scalars, a finite check, an
+  // output's bytes in ToWire) or in Synchronize. Copies of inputs to the device are not counted.
+  // 0 on the host backends, whose calls return finished.
   virtual int64_t HostWaits() const { return 0; }
 };
 

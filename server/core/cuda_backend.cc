@@ -289,7 +289,10 @@ class CudaBackend final : public Backend {
       const at::Tensor x2 = x.reshape({1, x.numel()}).contiguous();
       absl::StatusOr<Fp8Tensor> cast = Cast(x2, q, {true, false});
       if (!cast.ok()) throw std::runtime_error(std::string(cast.status().message()));
+      // The codes' copy waits for the stream, which brings the cast's scalars back with it.
+      const uint64_t covered = waits_->Before();
       host = cast->rowwise.to(at::kCPU);
+      waits_->Waited(covered);
       out.scale_inv = cast->scale_inv();
     } else {
       const at::ScalarType type = dtype == wire::DType::kF32    ? at::kFloat
@@ -299,12 +302,16 @@ class CudaBackend final : public Backend {
       // source may be device or host memory).
       const at::Tensor src = x.to(type).contiguous();
       out.bytes.resize(size_t(src.numel() * wire::ElementSize(dtype)));
+      // A wait for the stream (every read back queued before it is then done too): the call's
+      // one wait when its verdicts are read after it (ModuleHost's Forward and Backward).
+      const uint64_t covered = waits_->Before();
       if (staging_ && src.is_cuda() && out.bytes.size() >= kStagedMinBytes) {
         staging_->copier().ToHost(out.bytes.data(), src.data_ptr(), out.bytes.size());
       } else if (!out.bytes.empty()) {
         GRADWIRE_CUDA_CHECK(
             cudaMemcpy(out.bytes.data(), src.data_ptr(), out.bytes.size(), cudaMemcpyDefault));
       }
+      if (src.is_cuda() && !out.bytes.empty()) waits_->Waited(covered);
       return out;
     }
     out.bytes.resize(size_t(host.numel() * wire::ElementSize(dtype)));
@@ -403,6 +410,18 @@ class CudaBackend final : public Backend {
     Use();
     at::add_out(out, a, b);
     return AbsMax(out);
+  }
+  // The reduction, then its copy into pinned memory, queued behind it as a cast's scalars are.
+  CastScalars AbsMaxLater(const at::Tensor& x) const override {
+    Use();
+    if (x.numel() == 0) return CastScalars(1.0f, 1.0f, 0.0f);
+    at::Tensor host = at::empty({1}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    host.copy_(x.abs().max().reshape({1}), /*non_blocking=*/true);
+    const uint64_t mark = waits_->Queued();
+    return CastScalars([host, mark, waits = waits_, device = device_] {
+      waits->WaitFor(mark, device);
+      return std::array<float, 3>{1.0f, 1.0f, host.data_ptr<float>()[0]};
+    });
   }
 
   // The roll on the device (cuda::DelayedScalingRoll, one launch): this step's amaxes and which
@@ -563,6 +582,7 @@ class CudaBackend final : public Backend {
       return std::array<float, 3>{v[0], v[4], v[8]};
     });
     c.out.scale_inv_device = c.scalars.narrow(0, 4, 1);
+    c.out.scale_device = c.scalars.narrow(0, 0, 1);
     return std::move(c.out);
   }
 

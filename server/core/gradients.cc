@@ -83,18 +83,17 @@ void DeferredGradients::Collect(Pending p) {
 
 void DeferredGradients::CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x,
                                      size_t group) {
-  Collect({Kind::kWgrad, p, dy, x, at::Tensor(), {}, 0, group});
+  Collect({Kind::kWgrad, p, dy, x, at::Tensor(), {}, group});
 }
 
 void DeferredGradients::CollectBias(Param p, const at::Tensor& g, const CastScalars& g_amax,
                                     size_t group) {
-  Collect({Kind::kBias, p, {}, {}, g, g_amax, 0, group});
+  Collect({Kind::kBias, p, {}, {}, g, g_amax, group});
 }
 
 void DeferredGradients::CollectAdd(Param p, const at::Tensor& v, size_t group) {
-  // A small vector: its bound is its own max, measured.
-  const float amax = backend_.AbsMax(v);
-  Collect({Kind::kAdd, p, {}, {}, v, {}, std::isnan(amax) ? INFINITY : double(amax), group});
+  // A small vector: its bound is its own max, measured (read at Commit).
+  Collect({Kind::kAdd, p, {}, {}, v, backend_.AbsMaxLater(v), group});
 }
 
 double DeferredGradients::Bound(const Pending& p) {
@@ -106,10 +105,12 @@ double DeferredGradients::Bound(const Pending& p) {
       const double bound = double(rows) * double(p.g_amax.amax()) * SumSlack(rows);
       return std::isnan(bound) ? INFINITY : bound;
     }
-    case Kind::kAdd:
-      break;
+    case Kind::kAdd: {
+      const float amax = p.g_amax.amax();
+      return std::isnan(amax) ? INFINITY : double(amax);
+    }
   }
-  return p.bound;
+  return INFINITY;
 }
 
 std::optional<Param> DeferredGradients::Commit(
@@ -160,7 +161,8 @@ std::optional<Param> DeferredGradients::Commit(
         backend_.AccumulateBiasGrad(p.g, acc.grad);
         break;
       case Kind::kAdd:
-        backend_.AddAbsMax(acc.grad, p.g, acc.grad);
+        // A plain add (AddAbsMax would also read its max back: on a GPU, a wait for nothing).
+        acc.grad.add_(p.g);
         break;
     }
     acc.bound += Bound(p);

@@ -105,12 +105,12 @@ class DeferredGradients final : public GradientSink {
   struct Pending {
     Kind kind;
     Param param;
-    Fp8Tensor dy, x;     // kWgrad
-    at::Tensor g;        // kBias: the gradient summed; kAdd: the vector added
-    CastScalars g_amax;  // kBias: its amax() bounds |g|
-    // kAdd: measured when collected. The others are worked out at Commit (Bound), after every
-    // GEMM of the backward is queued, so a GPU's casts are read back then, not between them.
-    double bound = 0;
+    Fp8Tensor dy, x;  // kWgrad
+    at::Tensor g;     // kBias: the gradient summed; kAdd: the vector added
+    // kBias: its amax() bounds |g|; kAdd: its amax() is max |g| (Backend::AbsMaxLater). Bounds
+    // are worked out at Commit (Bound), after every kernel of the backward is queued, so a GPU's
+    // values are read back then, not between them.
+    CastScalars g_amax;
     size_t group = 0;
   };
   void Collect(Pending p);

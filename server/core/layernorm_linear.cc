@@ -111,7 +111,7 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
                                                  grouped ? nullptr : saved.get(), &ln));
   const Fp8Tensor& w = result.workspace->weights[0];
   result.output = FpropRows(b, x, w, p[Param::kBias], args.bf16_output);
-  result.amaxes = {{kInputRole, x.amax()}, {kWeightRole, w.amax()}};
+  result.amaxes = {{kInputRole, x.scalars}, {kWeightRole, w.scalars}};
   if (saved && grouped) {  // a batch: each request keeps its own rows
     int64_t row = 0;
     for (Fp8Tensor& g : x.groups) {
@@ -162,7 +162,7 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
   args.grads->Wgrad(Param::kWeight, dy, *ln_out);
   if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
   // Host values after the dgrad GEMM is queued (a GPU's cast is read back here).
-  result.amaxes = {{kGradOutputRole, dy.amax()}};
+  result.amaxes = {{kGradOutputRole, dy.scalars}};
   LayerNormTail(b, args, *saved, ln, std::move(d_ln), &result);
   return result;
 }

@@ -58,10 +58,10 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
   GW_RETURN_IF_ERROR(Hidden(b, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
                             q[kFc2InputRole], {true, keep}, &h));
   result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias], args.bf16_output);
-  result.amaxes = {{kFc1InputRole, h.ln_q.amax()},
-                   {kFc1WeightRole, w1.amax()},
-                   {kFc2InputRole, h.act_q.amax()},
-                   {kFc2WeightRole, w2.amax()}};
+  result.amaxes = {{kFc1InputRole, h.ln_q.scalars},
+                   {kFc1WeightRole, w1.scalars},
+                   {kFc2InputRole, h.act_q.scalars},
+                   {kFc2WeightRole, w2.scalars}};
   if (saved && grouped) {  // a batch: each request keeps its own rows
     const WorkspacePtr pinned = PinForBackward(result.workspace, /*needs_rowwise=*/!keep);
     int64_t row = 0;
@@ -147,7 +147,7 @@ absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& 
   at::Tensor d_ln = DgradRows(b, dh, w1);
   args.grads->Wgrad(Param::kFc1Weight, dh, *ln_q);
   if (args.spec->bias) args.grads->BiasGrad(Param::kFc1Bias, d_fc1, dh);
-  result.amaxes = {{kFc1GradRole, dh.amax()}, {kFc2GradRole, dy.amax()}};
+  result.amaxes = {{kFc1GradRole, dh.scalars}, {kFc2GradRole, dy.scalars}};
   // LayerNorm
   LayerNormTail(b, args, *saved, ln, std::move(d_ln), &result);
   return result;

@@ -40,7 +40,7 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
   }
   const Fp8Tensor& w = result.workspace->weights[0];
   result.output = FpropRows(b, x, w, args.params[Param::kBias], args.bf16_output);
-  result.amaxes = {{kInputRole, x.amax()}, {kWeightRole, w.amax()}};
+  result.amaxes = {{kInputRole, x.scalars}, {kWeightRole, w.scalars}};
   if (args.training) {
     const WorkspacePtr pinned = PinForBackward(result.workspace);
     auto keep = [&](Fp8Tensor input) {
@@ -78,8 +78,8 @@ absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args) 
   // dbias from the unquantized gradient, as the fused cast does; |grad_output| <= its amax.
   if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
   // Host values last: a GPU's cast is read back here, after the dgrad GEMM is queued.
-  result.amaxes = {{kGradOutputRole, dy.amax()}};
-  if (args.compute_grad_input) result.grad_input_bound = DgradBound(dy, w);
+  result.amaxes = {{kGradOutputRole, dy.scalars}};
+  if (args.compute_grad_input) result.grad_input_bound = [dy, w] { return DgradBound(dy, w); };
   return result;
 }
 

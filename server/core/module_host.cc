@@ -289,29 +289,27 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
   const at::Tensor x = use_bf16 ? b.FromWireBf16(v, v.numel() / k, k)
                                 : b.FromWire(v, v.numel() / k, k, use_codes ? &codes : nullptr,
                                              {true, req.training});
-  // A bf16 response: the module's output comes back in bf16 (FpropBf16: the bits ToWire would
-  // round the fp32 output to).
-  GW_ASSIGN_OR_RETURN(DeviceForward d,
-                      ForwardOnDevice(module_id, m, x, v.shape, req.training,
-                                      use_codes ? &codes : nullptr, req.client,
-                                      /*bf16_output=*/req.output_dtype == wire::DType::kBF16));
-  // From here the context must not outlive a failure: nobody would ever consume it.
-  try {
-    WireForwardOutput out;
+  // The outputs are encoded as soon as they are queued, before the forward's checks read back
+  // what they need (ForwardOnDevice).
+  WireForwardOutput out;
+  auto deliver = [&](const at::Tensor& output, const at::Tensor& layernorm_output) {
     std::vector<int64_t> out_shape = v.shape;
     out_shape.back() = m->spec.out_features;
-    out.output = b.ToWire(d.output, req.output_dtype, std::move(out_shape));
-    if (d.layernorm_output.defined()) {
-      out.layernorm_output = b.ToWire(d.layernorm_output, req.output_dtype, v.shape);
+    out.output = b.ToWire(output, req.output_dtype, std::move(out_shape));
+    if (layernorm_output.defined()) {
+      out.layernorm_output = b.ToWire(layernorm_output, req.output_dtype, v.shape);
       out.has_layernorm_output = true;
     }
-    out.context_id = std::move(d.context_id);
-    out.weight_version = d.weight_version;
-    return out;
-  } catch (...) {
-    if (!d.context_id.empty()) (void)contexts_.Release(d.context_id);
-    throw;
-  }
+  };
+  // A bf16 response: the module's output comes back in bf16 (FpropBf16: the bits ToWire would
+  // round the fp32 output to).
+  GW_ASSIGN_OR_RETURN(
+      DeviceForward d,
+      ForwardOnDevice(module_id, m, x, v.shape, req.training, use_codes ? &codes : nullptr,
+                      req.client, /*bf16_output=*/req.output_dtype == wire::DType::kBF16, deliver));
+  out.context_id = std::move(d.context_id);
+  out.weight_version = d.weight_version;
+  return out;
 }
 
 namespace {
@@ -461,7 +459,8 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     if (batched) r = *std::move(done);
     // Per request and role, the amax its step records: a cast's own, a weight's for every one.
     std::vector<std::vector<RoleAmax>> step_amaxes(n);
-    for (const auto& [role, amax] : r.amaxes) {
+    for (const auto& [role, cast] : r.amaxes) {
+      const float amax = cast.amax();
       if (!roles.at(role).weight && !std::isfinite(amax)) batched = false;
       const RoleSteps* st = steps.at(role).get();
       // Not one cast per request: the steps would not be the sequence's.
@@ -548,7 +547,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
 absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
     const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& input,
     const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* fp8,
-    const std::string& client, bool bf16_output) {
+    const std::string& client, bool bf16_output, const DeliverForward& deliver) {
   const Backend& b = *backend_;
   compute_calls_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor x = b.ToDevice(input);
@@ -567,13 +566,16 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   args.training = training;
   args.bf16_output = bf16_output;
   GW_ASSIGN_OR_RETURN(KindForwardResult r, m->kind->Forward(args));
+  // The outputs first: their copy back brings the amaxes read below with it (no state has
+  // changed yet, so an exception here leaves everything as it was).
+  deliver(r.output, r.layernorm_output);
   // A NaN or inf would stick in the amax history and, through the backward, in the shared
   // gradient buffers: it is refused before it touches any state. The casts measured every
   // activation's amax on the way (a cast's amax is NaN or inf exactly when its input holds one),
   // so the input is only scanned, for the message, when one of them is not finite.
   const std::vector<RoleDef>& roles = m->kind->Roles();
-  for (const auto& [role, amax] : r.amaxes) {
-    if (roles.at(role).weight || std::isfinite(amax)) continue;
+  for (const auto& [role, cast] : r.amaxes) {
+    if (roles.at(role).weight || std::isfinite(cast.amax())) continue;
     GW_RETURN_IF_ERROR(CheckFinite("input", x));
     return absl::OutOfRangeError(
         absl::StrCat("the ", roles[role].name,
@@ -583,13 +585,11 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   // Inference leaves the scaling state alone: evaluation traffic must not move training scales.
   if (training) {
     GW_RETURN_IF_ERROR(contexts_.CheckFits(r.saved->bytes()));
-    m->EndStep(r.amaxes);
+    m->EndStep(ReadAmaxes(r.amaxes));
   }
   (r.workspace_built ? workspace_builds_ : workspace_hits_).fetch_add(1);
   m->workspace = std::move(r.workspace);
   DeviceForward out;
-  out.output = std::move(r.output);
-  out.layernorm_output = std::move(r.layernorm_output);
   out.weight_version = m->version;
   if (training) {
     r.saved->input_shape = input_shape;
@@ -622,15 +622,21 @@ absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
   if (req.grad_layernorm_output.data != nullptr) {
     grad_layernorm_output = decode(req.grad_layernorm_output);
   }
-  GW_ASSIGN_OR_RETURN(auto r, BackwardOnDevice(context_id, grad_output, grad_layernorm_output,
-                                               req.retain, req.skip_grad_input));
-  if (!r.first.defined()) return std::nullopt;
-  return b.ToWire(r.first, req.grad_input_dtype, std::move(r.second));
+  // grad_input is encoded as soon as it is queued, before the backward's checks read back what
+  // they need (BackwardOnDevice).
+  std::optional<wire::EncodedTensor> out;
+  GW_RETURN_IF_ERROR(BackwardOnDevice(
+      context_id, grad_output, grad_layernorm_output, req.retain, req.skip_grad_input,
+      [&](const at::Tensor& grad_input, const std::vector<int64_t>& input_shape) {
+        if (grad_input.defined()) out = b.ToWire(grad_input, req.grad_input_dtype, input_shape);
+      }));
+  return out;
 }
 
-absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::BackwardOnDevice(
-    const std::string& context_id, const at::Tensor& grad_output,
-    const at::Tensor& grad_layernorm_output, bool retain, bool skip_grad_input) {
+absl::Status ModuleHost::BackwardOnDevice(const std::string& context_id,
+                                          const at::Tensor& grad_output,
+                                          const at::Tensor& grad_layernorm_output, bool retain,
+                                          bool skip_grad_input, const DeliverBackward& deliver) {
   compute_calls_.fetch_add(1, std::memory_order_relaxed);
   GW_ASSIGN_OR_RETURN(ContextStore::Lease lease, contexts_.Acquire(context_id));
   // Until Finish(consumed=true), every exit leaves the context as it was, an exception's too
@@ -701,6 +707,17 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
       }
       if (!r.ok()) return fail(r.status());
       grad_input = std::move(r->grad_input);
+      // grad_input's own check, queued before it leaves when the kind has no bound for it; then
+      // it leaves, and its copy back brings every value read below with it.
+      const bool bounded = static_cast<bool>(r->grad_input_bound);
+      const CastScalars grad_input_amax = grad_input.defined() && !bounded
+                                              ? b.AbsMaxLater(grad_input)
+                                              : CastScalars(1.0f, 1.0f, 0.0f);
+      try {
+        deliver(grad_input, input_shape);
+      } catch (const std::exception& e) {
+        return fail(absl::InternalError(absl::StrCat("backward failed: ", e.what())));
+      }
       // A non-finite value anywhere comes from the request (a NaN or inf in a gradient sent) or
       // from fp32 overflow of finite values; the scan that tells which runs only then.
       auto refuse = [&](const std::string& what) {
@@ -717,10 +734,12 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
                          context_id, " is kept: scale grad_output down and retry, or release it")));
       };
       // The casts' amaxes: the gradients as they were cast (grad_output first).
-      for (const auto& [role, amax] : r->amaxes) {
-        if (!std::isfinite(amax)) return refuse(m->kind->Roles().at(role).name);
+      for (const auto& [role, cast] : r->amaxes) {
+        if (!std::isfinite(cast.amax())) return refuse(m->kind->Roles().at(role).name);
       }
-      if (grad_input.defined() && !ProvablyFinite(r->grad_input_bound) &&
+      if (!std::isfinite(grad_input_amax.amax())) return refuse("grad_input");
+      // A bound that does not prove it finite (rare: values near fp32's range) is measured.
+      if (grad_input.defined() && bounded && !ProvablyFinite(r->grad_input_bound()) &&
           !std::isfinite(b.AbsMax(grad_input))) {
         return refuse("grad_input");
       }
@@ -734,7 +753,7 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
                                               ", which this module does not have"));
         });
         // The step's roll runs on the device and can fail as the sums can: with them.
-        if (!overflowed.has_value()) m->EndStep(r->amaxes);
+        if (!overflowed.has_value()) m->EndStep(ReadAmaxes(r->amaxes));
       } catch (const std::exception& e) {
         // Only a device or library failure gets here (a refused sum returns, changing nothing);
         // the accumulators may then hold part of this backward, so they are zeroed.
@@ -748,11 +767,11 @@ absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> ModuleHost::Backward
       }
       ++m->accumulated_backwards;
     }
-    // Free the saved tensors now, before the caller encodes and sends the reply.
+    // Free the saved tensors now, before the caller sends the reply.
     lease.saved.reset();
     finished = true;
     contexts_.Finish(context_id, /*consumed=*/true, retain);
-    return std::make_pair(std::move(grad_input), input_shape);
+    return absl::OkStatus();
   } catch (const std::exception& e) {
     if (finished) throw;
     return fail(absl::InternalError(absl::StrCat("backward failed: ", e.what())));
@@ -957,7 +976,8 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             try {
               if (finite && r->grad_input.defined()) {
                 mine = r->grad_input.narrow(0, row, rows);
-                finite = ProvablyFinite(r->grad_input_bound) || std::isfinite(b.AbsMax(mine));
+                finite = (r->grad_input_bound && ProvablyFinite(r->grad_input_bound())) ||
+                         std::isfinite(b.AbsMax(mine));
               }
             } catch (const std::exception&) {
               finite = false;

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -229,23 +230,31 @@ class ModuleHost {
   // What Forward and Backward compute, on the backend's device: `x` is [rows, in_features] there,
   // `input_fp8` the input's codes on the device when it arrived in FP8. Outputs stay 2-D on the
   // device; with bf16_output the output is bfloat16 (for a bf16 response).
+  //
+  // The results reach `deliver` (which encodes them for the caller) as soon as they are queued,
+  // before the checks that decide whether the call succeeds: on a GPU their copy back is the
+  // call's one wait, and the values the checks read (the casts' amaxes, finite checks) crossed
+  // behind the kernels before it. A refused call then drops what was delivered. An exception from
+  // `deliver` fails the call with nothing changed.
   struct DeviceForward {
-    at::Tensor output, layernorm_output;
     std::string context_id;
     uint64_t weight_version = 0;
   };
-  absl::StatusOr<DeviceForward> ForwardOnDevice(const std::string& module_id,
-                                                const std::shared_ptr<Module>& m,
-                                                const at::Tensor& x,
-                                                const std::vector<int64_t>& input_shape,
-                                                bool training, const Fp8Tensor* input_fp8,
-                                                const std::string& client, bool bf16_output);
-  // grad_input on the device as [rows, in_features] (undefined with skip_grad_input), and the
-  // forward input's shape; the gradients are on the device, shaped as sent (grad_layernorm_output
-  // may be undefined). The context is finished (consumed or kept) when this returns.
-  absl::StatusOr<std::pair<at::Tensor, std::vector<int64_t>>> BackwardOnDevice(
-      const std::string& context_id, const at::Tensor& grad_output,
-      const at::Tensor& grad_layernorm_output, bool retain, bool skip_grad_input);
+  // deliver(output, layernorm_output): both 2-D on the device; layernorm_output undefined unless
+  // the module returns it.
+  using DeliverForward = std::function<void(const at::Tensor&, const at::Tensor&)>;
+  absl::StatusOr<DeviceForward> ForwardOnDevice(
+      const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& x,
+      const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* input_fp8,
+      const std::string& client, bool bf16_output, const DeliverForward& deliver);
+  // deliver(grad_input, input_shape): grad_input on the device as [rows, in_features] (undefined
+  // with skip_grad_input), and the forward input's shape. The gradients are on the device, shaped
+  // as sent (grad_layernorm_output may be undefined). The context is finished (consumed or kept)
+  // when this returns.
+  using DeliverBackward = std::function<void(const at::Tensor&, const std::vector<int64_t>&)>;
+  absl::Status BackwardOnDevice(const std::string& context_id, const at::Tensor& grad_output,
+                                const at::Tensor& grad_layernorm_output, bool retain,
+                                bool skip_grad_input, const DeliverBackward& deliver);
 
   BackendPtr backend_;
   mutable std::mutex mu_;  // guards modules_ (each Module has its own lock)

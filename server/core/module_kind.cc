@@ -93,6 +93,13 @@ const char* ParamName(Param p) {
   return kNames[size_t(p)];
 }
 
+std::vector<RoleAmax> ReadAmaxes(const std::vector<RoleCast>& casts) {
+  std::vector<RoleAmax> out;
+  out.reserve(casts.size());
+  for (const auto& [role, cast] : casts) out.emplace_back(role, cast.amax());
+  return out;
+}
+
 const std::vector<const ModuleKindOps*>& Kinds() {
   // In enum order: FindKind indexes it.
   static const std::vector<const ModuleKindOps*> kinds = {&LinearKind(), &LayerNormLinearKind(),

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,11 @@ struct RoleDef {
 
 // The role of one amax a forward or backward measured: an index into ModuleKindOps::Roles().
 using RoleAmax = std::pair<size_t, float>;
+// The same, as the kinds hand it over: the cast whose amax() it is, read when first asked for (on
+// a GPU, after the call's result has crossed back: no wait of its own).
+using RoleCast = std::pair<size_t, CastScalars>;
+// The amaxes of `casts`, read.
+std::vector<RoleAmax> ReadAmaxes(const std::vector<RoleCast>& casts);
 
 // Everything a kind's forward reads; tensors live on `backend`'s device. The compute functions
 // (LinearForward, LayerNormLinearForward, LayerNormMlpForward) take it as it is.
@@ -85,7 +91,7 @@ struct KindForwardResult {
   // Training over a batch (the input quantizer has row_groups): one saved state per request, in
   // order, each holding only that request's rows; `saved` is then null.
   std::vector<std::shared_ptr<SavedTensors>> saved_groups;
-  std::vector<RoleAmax> amaxes;  // what this forward measured, per role
+  std::vector<RoleCast> amaxes;  // what this forward measured, per role
 };
 
 // Everything a kind's backward reads and writes; tensors live on `backend`'s device. The
@@ -106,9 +112,11 @@ struct KindBackwardArgs {
 
 struct KindBackwardResult {
   at::Tensor grad_input;  // float32 [M, in_features], undefined unless compute_grad_input
-  // >= max |grad_input| when the kind can bound it (DgradBound); +inf: the caller must measure.
-  double grad_input_bound = INFINITY;
-  std::vector<RoleAmax> amaxes;
+  // >= max |grad_input| when the kind can bound it (DgradBound), worked out when called: it reads
+  // the casts' scales, so the caller asks only after grad_input has been handed on (on a GPU the
+  // scales have crossed back by then). Null: no bound, the caller must measure.
+  std::function<double()> grad_input_bound;
+  std::vector<RoleCast> amaxes;
 };
 
 // The optional fields of a ModuleSpec a kind reads. ValidateModuleSpec refuses the others set

@@ -76,10 +76,17 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 // The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
 // backward must use so its FP8 data is bit-identical to the forward's.
 // A replay is of one cast (one group of a batch): it carries no row groups or steps.
+// The scale comes from where the cast left it: on a GPU its device copy (read in stream order
+// when the replay runs, no host wait), on the host its value.
 inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {
   QuantizerConfig replay = config;
-  replay.scale = cast.scale();
-  replay.scale_device = at::Tensor();
+  if (cast.scale_device.defined()) {
+    replay.scale = 0.0f;
+    replay.scale_device = cast.scale_device;
+  } else {
+    replay.scale = cast.scale();
+    replay.scale_device = at::Tensor();
+  }
   replay.row_groups = nullptr;
   replay.steps = nullptr;
   return replay;

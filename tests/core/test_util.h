@@ -186,9 +186,9 @@ inline core::ModuleSpec GemmSpec(core::ModuleKind kind, const at::Tensor& weight
 }
 
 // One role's amax among those a forward or backward measured (NaN when it measured none).
-inline float AmaxOf(const std::vector<core::RoleAmax>& amaxes, size_t role) {
-  for (const auto& [r, amax] : amaxes) {
-    if (r == role) return amax;
+inline float AmaxOf(const std::vector<core::RoleCast>& amaxes, size_t role) {
+  for (const auto& [r, cast] : amaxes) {
+    if (r == role) return cast.amax();
   }
   return NAN;
 }
