@@ -237,12 +237,12 @@ class CudaBackend final : public Backend {
     Fp8Tensor out = core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
     if (out.has_rowwise()) out.rowwise = out.rowwise.to(device());
     if (out.has_columnwise()) out.columnwise = out.columnwise.to(device());
+    // scale_inv crosses from pinned memory without a wait (the pinned block is kept until the
+    // copy has run).
     at::Tensor scalars = at::empty({4}, Floats());
-    GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(scalars.data_ptr<float>(), &scale_inv, sizeof(float),
-                                        cudaMemcpyHostToDevice, kStream));
-    const uint64_t covered = waits_->Before();
-    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));  // the source is on this stack
-    waits_->Waited(covered);
+    const at::Tensor host =
+        at::full({1}, scale_inv, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    scalars.narrow(0, 0, 1).copy_(host, /*non_blocking=*/true);
     out.scale_inv_device = scalars.narrow(0, 0, 1);
     return out;
   }
@@ -550,7 +550,7 @@ class CudaBackend final : public Backend {
     c.o.margin = config.margin;
     c.o.data = usage.rowwise ? c.out.rowwise.data_ptr<uint8_t>() : nullptr;
     c.o.data_t = usage.columnwise ? c.out.columnwise.data_ptr<uint8_t>() : nullptr;
-    if (config.scale_device.defined()) {
+    if (config.scale_device.defined() && !config.scale_of.has_value()) {
       // The module's scaling state on this device: copied in stream order, never via the host.
       const at::Tensor& given = config.scale_device;
       if (given.device() != device() || given.scalar_type() != at::kFloat || given.numel() != 1) {
@@ -561,9 +561,11 @@ class CudaBackend final : public Backend {
       GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(s, given.data_ptr<float>(), sizeof(float),
                                           cudaMemcpyDeviceToDevice, kStream));
     } else if (!c.o.current) {
-      // Pageable host to device: staged at once, so config may go away (no synchronisation).
+      // A host value (a replay's, or a given one): pageable host to device, copied to staging
+      // before the call returns, so `given` may go away (no synchronisation).
+      const float given = config.scale_of.has_value() ? config.scale_of->scale() : config.scale;
       GRADWIRE_CUDA_CHECK(
-          cudaMemcpyAsync(s, &config.scale, sizeof(float), cudaMemcpyHostToDevice, kStream));
+          cudaMemcpyAsync(s, &given, sizeof(float), cudaMemcpyHostToDevice, kStream));
     }
     return c;
   }
@@ -582,7 +584,6 @@ class CudaBackend final : public Backend {
       return std::array<float, 3>{v[0], v[4], v[8]};
     });
     c.out.scale_inv_device = c.scalars.narrow(0, 4, 1);
-    c.out.scale_device = c.scalars.narrow(0, 0, 1);
     return std::move(c.out);
   }
 

@@ -60,9 +60,6 @@ struct Fp8Tensor {
   // scale_inv in device memory (fp32 [1], 16-byte aligned) for backends whose GEMM reads it from
   // there (CUDA); undefined on the CPU backend. Always equal to `scale_inv`.
   at::Tensor scale_inv_device;
-  // The scale the cast multiplied by, fp32 [1] in device memory next to scale_inv (CUDA), for a
-  // replay of the cast that must not wait to read it (ReplayOf); undefined on the host backends.
-  at::Tensor scale_device;
   // A row-grouped tensor (the rows of a batch of requests, each cast on its own as if alone):
   // these parts, stacked by rows, each with its own scale, scale_inv and amax and its own copies.
   // Then rowwise and columnwise stay undefined here, rows is the parts' total, amax their largest

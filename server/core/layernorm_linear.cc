@@ -45,7 +45,8 @@ LayerNormParams SavedLayerNorm(const ModuleSpec& spec, const LayerNormSaved& sav
 
 void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNormSaved& saved,
                    const LayerNormParams& ln, at::Tensor d_ln, KindBackwardResult* result) {
-  if (args.grad_layernorm_output.defined()) b.AddAbsMax(d_ln, args.grad_layernorm_output, d_ln);
+  // A plain add: AddAbsMax would read its max back (on a GPU, a wait for nothing).
+  if (args.grad_layernorm_output.defined()) d_ln.add_(args.grad_layernorm_output);
   const int64_t k = saved.input.size(1);
   // A batch: gamma's and beta's gradients are each request's own sums, so each request's rows go
   // through the LayerNorm backward on their own.

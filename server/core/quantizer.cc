@@ -13,6 +13,7 @@
 namespace gradwire::core {
 
 float HostScale(const QuantizerConfig& config) {
+  if (config.scale_of.has_value()) return config.scale_of->scale();
   if (!config.scale_device.defined()) return config.scale;
   const at::Tensor& s = config.scale_device;
   if (!s.device().is_cpu() || s.scalar_type() != at::kFloat || s.numel() != 1) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -45,14 +46,17 @@ struct QuantizerConfig {
   // fp32 [1] on the cast's device holding the scale, read there when the cast runs (no host
   // copy on a GPU). When defined it is the scale and `scale` is not read.
   at::Tensor scale_device;
+  // A replay (ReplayOf): the scale is that of this earlier cast, read on the host when the
+  // replay's cast is made. When set it is the scale, and `scale` and `scale_device` are not read.
+  std::optional<CastScalars> scale_of;
 };
 
 // True when `config` casts with a given scale (delayed scaling), not one from the input's amax.
 inline bool GivenScale(const QuantizerConfig& config) {
-  return config.scale_device.defined() || config.scale > 0.0f;
+  return config.scale_of.has_value() || config.scale_device.defined() || config.scale > 0.0f;
 }
 // The given scale of a cast on a host backend (scale_device, when defined, is a CPU tensor
-// there); 0 under current scaling.
+// there), or a replay's (scale_of, on any backend); 0 under current scaling.
 float HostScale(const QuantizerConfig& config);
 
 // Which copies of the FP8 data a cast writes.
@@ -76,17 +80,13 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 // The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
 // backward must use so its FP8 data is bit-identical to the forward's.
 // A replay is of one cast (one group of a batch): it carries no row groups or steps.
-// The scale comes from where the cast left it: on a GPU its device copy (read in stream order
-// when the replay runs, no host wait), on the host its value.
+// The scale is the cast's scalars, read when the replay runs (in the backward: on a GPU they
+// crossed back with the forward's result, so the read does not wait).
 inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& cast) {
   QuantizerConfig replay = config;
-  if (cast.scale_device.defined()) {
-    replay.scale = 0.0f;
-    replay.scale_device = cast.scale_device;
-  } else {
-    replay.scale = cast.scale();
-    replay.scale_device = at::Tensor();
-  }
+  replay.scale = 0.0f;
+  replay.scale_device = at::Tensor();
+  replay.scale_of = cast.scalars;
   replay.row_groups = nullptr;
   replay.steps = nullptr;
   return replay;

@@ -56,6 +56,8 @@ void FillRandom(float* dev, size_t n, uint64_t seed, float spread) {
     host[i] = acc * spread;
   }
   GRADWIRE_CUDA_CHECK(cudaMemcpy(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  // A pageable copy may return before its DMA lands, and the benchmarks read on another stream.
+  GRADWIRE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // FillRandom's values rounded to bfloat16 (round to nearest even), as raw 16-bit patterns.
@@ -71,6 +73,7 @@ void FillRandomBf16(uint16_t* dev, size_t n, uint64_t seed, float spread) {
     host[i] = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);  // finite inputs only
   }
   GRADWIRE_CUDA_CHECK(cudaMemcpy(dev, host.data(), n * 2, cudaMemcpyHostToDevice));
+  GRADWIRE_CUDA_CHECK(cudaDeviceSynchronize());  // as FillRandom
 }
 
 // Average milliseconds of fn over iters runs after warmup runs, on stream.

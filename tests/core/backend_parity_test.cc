@@ -701,7 +701,6 @@ class QueuedReadsBackend final : public ReferenceBackend {
       if (codes->defined()) values_[codes->data_ptr()] = v;
     }
     t->scalars = Later(v);
-    t->scale_device = at::full({1}, v[0], at::kFloat);  // where a GPU's cast leaves its scale
     return t;
   }
   at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override {
@@ -776,35 +775,52 @@ class QueuedReadsBackend final : public ReferenceBackend {
 TEST(HostWaitsModel, AForwardAndABackwardEachWaitOnlyForTheirResultsCopy) {
   const auto b = std::make_shared<QueuedReadsBackend>();
   ModuleHost host(ContextLimits{}, nullptr, b);
+  // Each LayerNorm kind also with selective recompute (its backward replays the forward's casts)
+  // and with the LayerNorm output returned (two results: a copy each) and its gradient sent.
+  enum class Variant { kPlain, kCheckpoint, kLayerNormOutput };
   for (ModuleKind kind :
        {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
-    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed}) {
-      SCOPED_TRACE(std::string(ModuleKindName(kind)) +
-                   (mode == ScalingMode::kDelayed ? ", delayed" : ", current"));
-      ModuleSpec spec = MakeModuleSpec(kind, 48, 32, 64, 3);
-      spec.recipe.mode = mode;
-      auto info = host.Create(spec);
-      ASSERT_TRUE(info.ok()) << info.status();
-      for (int step = 0; step < 3; ++step) {
-        const int64_t before = b->HostWaits();
+    for (Variant variant : {Variant::kPlain, Variant::kCheckpoint, Variant::kLayerNormOutput}) {
+      if (kind == ModuleKind::kLinear && variant != Variant::kPlain) continue;
+      for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed}) {
+        SCOPED_TRACE(std::string(ModuleKindName(kind)) +
+                     (mode == ScalingMode::kDelayed ? ", delayed" : ", current") +
+                     (variant == Variant::kCheckpoint        ? ", checkpoint"
+                      : variant == Variant::kLayerNormOutput ? ", layernorm output"
+                                                             : ""));
+        ModuleSpec spec = MakeModuleSpec(kind, 48, 32, 64, 3);
+        spec.recipe.mode = mode;
+        spec.checkpoint = variant == Variant::kCheckpoint;
+        spec.return_layernorm_output = variant == Variant::kLayerNormOutput;
+        const int64_t results = spec.return_layernorm_output ? 2 : 1;
+        auto info = host.Create(spec);
+        ASSERT_TRUE(info.ok()) << info.status();
+        for (int step = 0; step < 3; ++step) {
+          const int64_t before = b->HostWaits();
+          auto fwd = TensorForward(host, info->module_id, RandN({16, 48}), true);
+          ASSERT_TRUE(fwd.ok()) << fwd.status();
+          const int64_t forward = b->HostWaits() - before;
+          BackwardInput in;
+          in.grad_output = RandN({16, 32});
+          if (spec.return_layernorm_output) in.grad_layernorm_output = RandN({16, 48});
+          auto dx = TensorBackward(host, fwd->context_id, in);
+          ASSERT_TRUE(dx.ok()) << dx.status();
+          EXPECT_EQ(forward, results) << "step " << step;
+          EXPECT_EQ(b->HostWaits() - before - forward, 1) << "step " << step;
+        }
+        // A refused backward reads what it needs after its result's copy too.
         auto fwd = TensorForward(host, info->module_id, RandN({16, 48}), true);
         ASSERT_TRUE(fwd.ok()) << fwd.status();
-        const int64_t forward = b->HostWaits() - before;
-        auto dx = TensorBackward(host, fwd->context_id, RandN({16, 32}), false, false);
-        ASSERT_TRUE(dx.ok()) << dx.status();
-        EXPECT_EQ(forward, 1) << "step " << step;
-        EXPECT_EQ(b->HostWaits() - before - forward, 1) << "step " << step;
+        BackwardInput bad;
+        bad.grad_output = RandN({16, 32});
+        bad.grad_output[3][5] = NAN;
+        if (spec.return_layernorm_output) bad.grad_layernorm_output = RandN({16, 48});
+        const int64_t before = b->HostWaits();
+        auto refused = TensorBackward(host, fwd->context_id, bad);
+        EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+        EXPECT_EQ(b->HostWaits() - before, 1);
+        ASSERT_TRUE(host.ReleaseContext(fwd->context_id).ok());
       }
-      // A refused backward reads what it needs after its result's copy too, and changes nothing.
-      auto fwd = TensorForward(host, info->module_id, RandN({16, 48}), true);
-      ASSERT_TRUE(fwd.ok()) << fwd.status();
-      at::Tensor bad = RandN({16, 32});
-      bad[3][5] = NAN;
-      const int64_t before = b->HostWaits();
-      auto refused = TensorBackward(host, fwd->context_id, bad, false, false);
-      EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
-      EXPECT_EQ(b->HostWaits() - before, 1);
-      ASSERT_TRUE(host.ReleaseContext(fwd->context_id).ok());
     }
   }
 }
