@@ -962,6 +962,20 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             const RoleSteps* st = steps.at(role).get();
             if (st == nullptr || st->steps() != n) return 0;
           }
+          // Each request's grad_input check where no bound covers it, queued now for them all:
+          // the first read below waits once for every one of them.
+          std::vector<CastScalars> grad_input_amax(n);
+          if (r->grad_input.defined() && !r->grad_input_bound) {
+            try {
+              int64_t at = 0;
+              for (size_t j = 0; j < n; ++j) {
+                grad_input_amax[j] = b.AbsMaxLater(r->grad_input.narrow(0, at, (*groups)[j]));
+                at += (*groups)[j];
+              }
+            } catch (const std::exception&) {
+              return 0;  // each request meets the failure alone
+            }
+          }
           int64_t row = 0;
           for (size_t j = 0; j < n; ++j) {
             const int64_t rows = (*groups)[j];
@@ -976,8 +990,9 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             try {
               if (finite && r->grad_input.defined()) {
                 mine = r->grad_input.narrow(0, row, rows);
-                finite = (r->grad_input_bound && ProvablyFinite(r->grad_input_bound())) ||
-                         std::isfinite(b.AbsMax(mine));
+                finite = r->grad_input_bound ? ProvablyFinite(r->grad_input_bound()) ||
+                                                   std::isfinite(b.AbsMax(mine))
+                                             : std::isfinite(grad_input_amax[j].amax());
               }
             } catch (const std::exception&) {
               finite = false;

@@ -31,11 +31,11 @@
 #include <tuple>
 #include <vector>
 
+#include "queued_reads_backend.h"
 #include "server/core/backend.h"
 #include "server/core/cpu_gemm.h"
 #include "server/core/device_scaling.h"
 #include "server/core/module_host.h"
-#include "server/core/reference_backend.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 
@@ -678,99 +678,10 @@ const char* const kDeviceBackends[] = {"cuda"};
 INSTANTIATE_TEST_SUITE_P(All, HostWaits, ::testing::ValuesIn(kDeviceBackends),
                          [](const auto& info) { return std::string(info.param); });
 
-// The same count on the host, against a model of a GPU's reads: the reference backend, with every
-// cast's scalars and every AbsMaxLater handed back lazily, as values queued behind the kernels. A
-// ToWire or a synchronous AbsMax waits for everything queued so far; a read by the host of a
-// value not yet covered by a wait is a wait of its own. The backend's own kernels (a GPU's read
-// the scalars on the device) get the values directly, by the codes they belong to; a kernel that
-// reached for a lazy value would throw, so no read is hidden from the count. This checks
-// ModuleHost's order of work (result first, then the reads) wherever the suite runs; the cuda row
-// above checks the GPU itself.
-class QueuedReadsBackend final : public ReferenceBackend {
- public:
-  absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
-                                 CastUsage usage) const override {
-    absl::StatusOr<Fp8Tensor> t;
-    {
-      const Kernel k(this);
-      t = ReferenceBackend::Cast(x, config, usage);
-    }
-    if (!t.ok()) return t;
-    const std::array<float, 3> v = {t->scale(), t->scale_inv(), t->amax()};
-    for (const at::Tensor* codes : {&t->rowwise, &t->columnwise}) {
-      if (codes->defined()) values_[codes->data_ptr()] = v;
-    }
-    t->scalars = Later(v);
-    return t;
-  }
-  at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override {
-    const Kernel k(this);
-    return ReferenceBackend::Dequantize(Resolved(t), rowwise);
-  }
-  at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
-    const Kernel k(this);
-    return ReferenceBackend::Fprop(Resolved(x), Resolved(w), bias);
-  }
-  at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
-    const Kernel k(this);
-    return ReferenceBackend::Dgrad(Resolved(dy), Resolved(w));
-  }
-  void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
-             bool accumulate) const override {
-    const Kernel k(this);
-    ReferenceBackend::Wgrad(Resolved(dy), Resolved(x), acc, accumulate);
-  }
-  CastScalars AbsMaxLater(const at::Tensor& x) const override {
-    return Later({1.0f, 1.0f, ReferenceBackend::AbsMax(x)});
-  }
-  float AbsMax(const at::Tensor& x) const override {
-    Wait();
-    return ReferenceBackend::AbsMax(x);
-  }
-  float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
-    Wait();
-    return ReferenceBackend::AddAbsMax(a, b, out);
-  }
-  wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
-                             std::vector<int64_t> shape) const override {
-    Wait();
-    return ReferenceBackend::ToWire(x, dtype, std::move(shape));
-  }
-  int64_t HostWaits() const override { return waits_; }
-
- private:
-  struct Kernel {
-    explicit Kernel(const QueuedReadsBackend* b) : b(b) { ++b->inside_; }
-    ~Kernel() { --b->inside_; }
-    const QueuedReadsBackend* b;
-  };
-  // t with its scalars as host values, found by its codes (as a GPU kernel finds them by pointer).
-  Fp8Tensor Resolved(const Fp8Tensor& t) const {
-    Fp8Tensor c = t;
-    for (const at::Tensor* codes : {&t.rowwise, &t.columnwise}) {
-      if (!codes->defined()) continue;
-      auto it = values_.find(codes->data_ptr());
-      if (it == values_.end()) continue;
-      c.scalars = CastScalars(it->second[0], it->second[1], it->second[2]);
-      break;
-    }
-    return c;
-  }
-  CastScalars Later(std::array<float, 3> v) const {
-    const int64_t mark = ++queued_;
-    return CastScalars([this, v, mark] {
-      if (inside_ > 0) throw std::logic_error("a kernel read a cast's scalars from the host");
-      if (done_ < mark) Wait();
-      return v;
-    });
-  }
-  void Wait() const {
-    ++waits_;
-    done_ = queued_;
-  }
-  mutable std::map<const void*, std::array<float, 3>> values_;
-  mutable int64_t queued_ = 0, done_ = 0, waits_ = 0, inside_ = 0;
-};
+// The same count on the host, against a model of a GPU's reads (QueuedReadsBackend): this checks
+// ModuleHost's order of work (results first, then the reads) wherever the suite runs; the cuda
+// row above checks the GPU itself.
+using gradwire::testing::QueuedReadsBackend;
 
 TEST(HostWaitsModel, AForwardAndABackwardEachWaitOnlyForTheirResultsCopy) {
   const auto b = std::make_shared<QueuedReadsBackend>();

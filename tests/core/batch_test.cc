@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "queued_reads_backend.h"
 #include "server/core/cpu_gemm.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
@@ -414,6 +415,38 @@ class BackwardBatchTest : public ForwardBatchTest {
     EXPECT_EQ(p.batched.Stats().live_contexts, p.sequential.Stats().live_contexts);
   }
 };
+
+// How often a batch of backwards waits for the device, on the host model of a GPU's reads
+// (queued_reads_backend.h): once for its verdicts (the first amax read, which covers every
+// request's grad_input check, queued before it), then once per request for its grad_input's copy
+// back; never once per request for a check.
+TEST_F(BackwardBatchTest, ABatchWaitsOnceForItsChecksAndOncePerResult) {
+  const auto b = std::make_shared<QueuedReadsBackend>();
+  core::ModuleHost host(core::ContextLimits{}, nullptr, b);
+  for (ModuleKind kind :
+       {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    SCOPED_TRACE(core::ModuleKindName(kind));
+    auto info = host.Create(MakeModuleSpec(kind, 40, 24, 56, 7));
+    ASSERT_TRUE(info.ok()) << info.status();
+    const int n = 3;
+    std::vector<std::string> ids;
+    std::vector<Grad> grads;
+    for (int i = 0; i < n; ++i) {
+      auto fwd = core::TensorForward(host, info->module_id, RandN({5 + i, 40}), true);
+      ASSERT_TRUE(fwd.ok()) << fwd.status();
+      ids.push_back(fwd->context_id);
+      grads.push_back(MakeGrad(RandN({5 + i, 24}), at::Tensor(), DType::kF32, DType::kF32, false));
+    }
+    std::vector<const core::WireBackwardRequest*> reqs;
+    for (const Grad& g : grads) reqs.push_back(&g.req);
+    const int64_t before = b->HostWaits();
+    core::ModuleHost::BatchRan ran;
+    const auto together = host.BackwardBatch(ids, reqs, &ran);
+    ASSERT_EQ(ran.requests, n);
+    for (const auto& r : together) ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(b->HostWaits() - before, 1 + n);
+  }
+}
 
 TEST_F(BackwardBatchTest, BackwardBatchesAreTheSequenceOfTheirRequests) {
   const auto dtypes = {DType::kF32, DType::kBF16};

@@ -1,0 +1,112 @@
+// QueuedReadsBackend: Backend::HostWaits modelled on the host (tests).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "server/core/reference_backend.h"
+
+namespace gradwire::testing {
+
+// A model of a GPU's host waits, for Backend::HostWaits counts on the host: the reference backend,
+// with every cast's scalars and every AbsMaxLater handed back lazily, as values queued behind the
+// kernels. A ToWire or a synchronous AbsMax waits for everything queued so far; a read by the
+// host of a value not yet covered by a wait is a wait of its own. The backend's own kernels (a
+// GPU's read the scalars on the device) get the values directly, by the codes they belong to
+// (right for codes made by Cast, which is where a module's GEMM operands come from); a kernel
+// that reached for a lazy value would throw, so no read is hidden from the count. libtorch's own
+// reads (a refused call's scan) are not counted, as on the GPU.
+class QueuedReadsBackend final : public core::ReferenceBackend {
+ public:
+  absl::StatusOr<core::Fp8Tensor> Cast(const at::Tensor& x, const core::QuantizerConfig& config,
+                                       core::CastUsage usage) const override {
+    absl::StatusOr<core::Fp8Tensor> t;
+    {
+      const Kernel k(this);
+      t = core::ReferenceBackend::Cast(x, config, usage);
+    }
+    if (!t.ok()) return t;
+    const std::array<float, 3> v = {t->scale(), t->scale_inv(), t->amax()};
+    for (const at::Tensor* codes : {&t->rowwise, &t->columnwise}) {
+      if (codes->defined()) values_[codes->data_ptr()] = v;
+    }
+    t->scalars = Later(v);
+    return t;
+  }
+  at::Tensor Dequantize(const core::Fp8Tensor& t, bool rowwise) const override {
+    const Kernel k(this);
+    return core::ReferenceBackend::Dequantize(Resolved(t), rowwise);
+  }
+  at::Tensor Fprop(const core::Fp8Tensor& x, const core::Fp8Tensor& w,
+                   const at::Tensor& bias) const override {
+    const Kernel k(this);
+    return core::ReferenceBackend::Fprop(Resolved(x), Resolved(w), bias);
+  }
+  at::Tensor Dgrad(const core::Fp8Tensor& dy, const core::Fp8Tensor& w) const override {
+    const Kernel k(this);
+    return core::ReferenceBackend::Dgrad(Resolved(dy), Resolved(w));
+  }
+  void Wgrad(const core::Fp8Tensor& dy, const core::Fp8Tensor& x, at::Tensor& acc,
+             bool accumulate) const override {
+    const Kernel k(this);
+    core::ReferenceBackend::Wgrad(Resolved(dy), Resolved(x), acc, accumulate);
+  }
+  core::CastScalars AbsMaxLater(const at::Tensor& x) const override {
+    return Later({1.0f, 1.0f, core::ReferenceBackend::AbsMax(x)});
+  }
+  float AbsMax(const at::Tensor& x) const override {
+    Wait();
+    return core::ReferenceBackend::AbsMax(x);
+  }
+  float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
+    Wait();
+    return core::ReferenceBackend::AddAbsMax(a, b, out);
+  }
+  wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
+                             std::vector<int64_t> shape) const override {
+    Wait();
+    return core::ReferenceBackend::ToWire(x, dtype, std::move(shape));
+  }
+  int64_t HostWaits() const override { return waits_; }
+
+ private:
+  struct Kernel {
+    explicit Kernel(const QueuedReadsBackend* b) : b(b) { ++b->inside_; }
+    ~Kernel() { --b->inside_; }
+    const QueuedReadsBackend* b;
+  };
+  // t with its scalars as host values, found by its codes (as a GPU kernel finds them by pointer).
+  core::Fp8Tensor Resolved(const core::Fp8Tensor& t) const {
+    core::Fp8Tensor c = t;
+    for (const at::Tensor* codes : {&t.rowwise, &t.columnwise}) {
+      if (!codes->defined()) continue;
+      auto it = values_.find(codes->data_ptr());
+      if (it == values_.end()) continue;
+      c.scalars = core::CastScalars(it->second[0], it->second[1], it->second[2]);
+      break;
+    }
+    return c;
+  }
+  core::CastScalars Later(std::array<float, 3> v) const {
+    const int64_t mark = ++queued_;
+    return core::CastScalars([this, v, mark] {
+      if (inside_ > 0) throw std::logic_error("a kernel read a cast's scalars from the host");
+      if (done_ < mark) Wait();
+      return v;
+    });
+  }
+  void Wait() const {
+    ++waits_;
+    done_ = queued_;
+  }
+  mutable std::map<const void*, std::array<float, 3>> values_;
+  mutable int64_t queued_ = 0, done_ = 0, waits_ = 0, inside_ = 0;
+};
+
+}  // namespace gradwire::testing
