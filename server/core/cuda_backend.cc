@@ -415,12 +415,8 @@ class CudaBackend final : public Backend {
   CastScalars AbsMaxLater(const at::Tensor& x) const override {
     Use();
     if (x.numel() == 0) return CastScalars(1.0f, 1.0f, 0.0f);
-    at::Tensor host = at::empty({1}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
-    host.copy_(x.abs().max().reshape({1}), /*non_blocking=*/true);
-    const uint64_t mark = waits_->Queued();
-    return CastScalars([host, mark, waits = waits_, device = device_] {
-      waits->WaitFor(mark, device);
-      return std::array<float, 3>{1.0f, 1.0f, host.data_ptr<float>()[0]};
+    return ReadBackLater(x.abs().max().reshape({1}), [](const float* v) {
+      return std::array<float, 3>{1.0f, 1.0f, v[0]};
     });
   }
 
@@ -575,16 +571,26 @@ class CudaBackend final : public Backend {
   // reads them when first asked for (CastScalars), waiting then only if the copy is not known
   // to have run (StreamWaits).
   Fp8Tensor EndCast(PendingCast c) const {
-    at::Tensor host = at::empty({12}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
-    host.copy_(c.scalars, /*non_blocking=*/true);
-    const uint64_t mark = waits_->Queued();
-    c.out.scalars = CastScalars([host, mark, waits = waits_, device = device_] {
-      waits->WaitFor(mark, device);
-      const float* v = host.data_ptr<float>();
+    c.out.scalars = ReadBackLater(c.scalars, [](const float* v) {
       return std::array<float, 3>{v[0], v[4], v[8]};
     });
     c.out.scale_inv_device = c.scalars.narrow(0, 4, 1);
     return std::move(c.out);
+  }
+
+  // fp32 values on this device copied into pinned memory behind everything queued so far, and a
+  // reader that waits for that copy (unless a wait since has covered it) and picks scale,
+  // scale_inv and amax from them.
+  CastScalars ReadBackLater(const at::Tensor& device_values,
+                            std::array<float, 3> (*pick)(const float*)) const {
+    at::Tensor host =
+        at::empty(device_values.sizes(), at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    host.copy_(device_values, /*non_blocking=*/true);
+    const uint64_t mark = waits_->Queued();
+    return CastScalars([host, mark, pick, waits = waits_, device = device_] {
+      waits->WaitFor(mark, device);
+      return pick(host.data_ptr<float>());
+    });
   }
 
   static const float* ScaleInv(const Fp8Tensor& t) {
