@@ -1,11 +1,16 @@
 // The CUDA backend: the modules' computations on one GPU through kernels/cuda (fused casts,
 // LayerNorm, activations) and cuBLASLt FP8 GEMMs, on tensors from libtorch's caching allocator.
 //
-// Stream: every launch and copy goes to the device's legacy default stream, the stream libtorch's
-// own ops (allocation bookkeeping, add_, zero_, copies to the host) use when nothing else is made
-// current. One stream for everything keeps the caching allocator's reuse of freed blocks in
-// order with the kernels that read them, without c10::cuda stream guards (which a CPU libtorch
-// build does not have: this file must compile on a machine without CUDA libtorch).
+// Streams: every launch goes to the device's legacy default stream (the compute stream), the
+// stream libtorch's own ops (allocation bookkeeping, add_, zero_) use when nothing else is made
+// current, which keeps the caching allocator's reuse of freed blocks in order with the kernels
+// that read them without c10::cuda stream guards (which a CPU libtorch build does not have: this
+// file must compile on a machine without CUDA libtorch). Wire tensors cross on a copy stream of
+// their own (non-blocking, ordered by events: CopyLane, copy_lane.h), so that a request's input
+// crosses while the compute stream still runs the previous call's work, and a result's copy back
+// waits only for the compute that wrote it. Uploads land in blocks the lane holds and the compute
+// stream copies them into the caller's tensor, so the copy stream never writes a block the
+// allocator could still have compute work pending on.
 //
 // Host values: a cast leaves its scale, scale_inv and amax on the device and queues their copy
 // back behind its kernel; the host reads them when a module first asks (CastScalars), and one
@@ -22,6 +27,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -35,6 +41,7 @@
 #include "gradwire/kernels/cuda/layernorm.h"
 #include "gradwire/kernels/cuda/recipe.h"
 #include "server/core/backend.h"
+#include "server/core/copy_lane.h"
 #include "server/core/staged_copy.h"
 #include "server/core/status_macros.h"
 
@@ -49,14 +56,57 @@ constexpr int64_t kMaxDeviceHistory = 8192;
 
 int64_t Up16(int64_t v) { return (v + 15) / 16 * 16; }
 
-// Two pinned slots and their events for StagedCopier, the copies on the backend's stream. Wire
+// Two pinned slots and their events for StagedCopier, the copies on the copy stream. Wire
 // tensors of at least kStagedMinBytes cross through it when --cuda-staging-mib is set; smaller
 // ones cost less as one plain copy.
 constexpr size_t kStagedMinBytes = size_t(1) << 20;
+// Uploads up to this size land in one of the lane's two landing blocks (grown to the largest
+// upload so far); a larger one crosses straight into its tensor after the compute stream's work.
+constexpr size_t kLandingMaxBytes = size_t(512) << 20;
+
+// The copy stream and the lane's events. Made first and gone last: the staging and the lane
+// queue work on them.
+class CopyStream {
+ public:
+  CopyStream() {
+    try {
+      GRADWIRE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      for (cudaEvent_t& e : events_) {
+        GRADWIRE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      }
+    } catch (...) {
+      Free();
+      throw;
+    }
+  }
+  ~CopyStream() { Free(); }
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+  cudaEvent_t event(int e) const {
+    if (e < 0 || e >= CopyLane::kEvents) throw std::logic_error("CopyStream: no such event");
+    return events_[size_t(e)];
+  }
+
+ private:
+  void Free() {
+    if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+    (void)cudaStreamSynchronize(kStream);
+    for (cudaEvent_t& e : events_) {
+      if (e != nullptr) (void)cudaEventDestroy(e);
+      e = nullptr;
+    }
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+  cudaStream_t stream_ = nullptr;
+  std::array<cudaEvent_t, CopyLane::kEvents> events_{};
+};
 
 class PinnedStaging {
  public:
-  explicit PinnedStaging(size_t chunk) {
+  PinnedStaging(size_t chunk, cudaStream_t stream) : stream_(stream) {
     try {
       for (size_t i = 0; i < slots_.size(); ++i) {
         GRADWIRE_CUDA_CHECK(cudaHostAlloc(&slots_[i], chunk, cudaHostAllocDefault));
@@ -67,14 +117,14 @@ class PinnedStaging {
       throw;
     }
     StagingOps ops;
-    ops.to_device = [](void* device, const void* pinned, size_t n) {
-      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(device, pinned, n, cudaMemcpyHostToDevice, kStream));
+    ops.to_device = [this](void* device, const void* pinned, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(device, pinned, n, cudaMemcpyHostToDevice, stream_));
     };
-    ops.to_host = [](void* pinned, const void* device, size_t n) {
-      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(pinned, device, n, cudaMemcpyDeviceToHost, kStream));
+    ops.to_host = [this](void* pinned, const void* device, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(pinned, device, n, cudaMemcpyDeviceToHost, stream_));
     };
     ops.record = [this](int slot) {
-      GRADWIRE_CUDA_CHECK(cudaEventRecord(events_[size_t(slot)], kStream));
+      GRADWIRE_CUDA_CHECK(cudaEventRecord(events_[size_t(slot)], stream_));
     };
     ops.wait = [this](int slot) {
       GRADWIRE_CUDA_CHECK(cudaEventSynchronize(events_[size_t(slot)]));
@@ -92,7 +142,7 @@ class PinnedStaging {
   // Nothing may still read or write the slots: wait for the stream, then free (errors ignored:
   // this runs in a destructor).
   void Free() {
-    (void)cudaStreamSynchronize(kStream);
+    (void)cudaStreamSynchronize(stream_);
     for (size_t i = 0; i < slots_.size(); ++i) {
       if (events_[i] != nullptr) (void)cudaEventDestroy(events_[i]);
       if (slots_[i] != nullptr) (void)cudaFreeHost(slots_[i]);
@@ -101,6 +151,7 @@ class PinnedStaging {
     }
   }
 
+  cudaStream_t stream_;
   std::array<void*, 2> slots_{};
   std::array<cudaEvent_t, 2> events_{};
   std::unique_ptr<StagedCopier> copier_;
@@ -144,9 +195,20 @@ class CudaBackend final : public Backend {
   CudaBackend(int device, std::string description, int64_t staging_chunk)
       : device_(device), description_(std::move(description)) {
     if (staging_chunk > 0) {
-      staging_ = std::make_unique<PinnedStaging>(size_t(staging_chunk));
+      staging_ = std::make_unique<PinnedStaging>(size_t(staging_chunk), copy_->stream());
       description_ += absl::StrCat(", pinned staging ", staging_chunk >> 20, " MiB x 2");
     }
+    description_ += ", wire copies on their own stream";
+    lane_ = std::make_unique<CopyLane>(LaneOpsOn(), staging_ ? &staging_->copier() : nullptr,
+                                       kStagedMinBytes, kLandingMaxBytes);
+  }
+  ~CudaBackend() override {
+    // Both streams finish before the lane gives its landings back and the staging frees its slots.
+    (void)cudaSetDevice(device_);
+    (void)cudaStreamSynchronize(copy_->stream());
+    (void)cudaStreamSynchronize(kStream);
+    lane_.reset();
+    staging_.reset();
   }
 
   const char* name() const override { return "cuda"; }
@@ -235,8 +297,8 @@ class CudaBackend final : public Backend {
     Use();
     // The host reference makes the transpose and the amax; the codes then move as they are.
     Fp8Tensor out = core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
-    if (out.has_rowwise()) out.rowwise = out.rowwise.to(device());
-    if (out.has_columnwise()) out.columnwise = out.columnwise.to(device());
+    if (out.has_rowwise()) out.rowwise = Upload(out.rowwise);
+    if (out.has_columnwise()) out.columnwise = Upload(out.columnwise);
     // scale_inv crosses from pinned memory without a wait (the pinned block is kept until the
     // copy has run).
     at::Tensor scalars = at::empty({4}, Floats());
@@ -279,7 +341,6 @@ class CudaBackend final : public Backend {
     wire::EncodedTensor out;
     out.dtype = dtype;
     out.shape = std::move(shape);
-    at::Tensor host;
     if (wire::IsFp8(dtype)) {
       QuantizerConfig q;
       q.format =
@@ -289,34 +350,34 @@ class CudaBackend final : public Backend {
       const at::Tensor x2 = x.reshape({1, x.numel()}).contiguous();
       absl::StatusOr<Fp8Tensor> cast = Cast(x2, q, {true, false});
       if (!cast.ok()) throw std::runtime_error(std::string(cast.status().message()));
-      // The codes' copy waits for the stream, which brings the cast's scalars back with it.
+      // The codes' copy waits for the compute stream up to the cast, which brings the cast's
+      // scalars (and every read back queued before them) with it.
+      out.bytes.resize(size_t(cast->rowwise.numel()));
       const uint64_t covered = waits_->Before();
-      host = cast->rowwise.to(at::kCPU);
-      waits_->Waited(covered);
+      lane_->Download(out.bytes.data(), cast->rowwise.data_ptr(), out.bytes.size());
+      if (!out.bytes.empty()) waits_->Waited(covered);
       out.scale_inv = cast->scale_inv();
+      return out;
     } else {
       const at::ScalarType type = dtype == wire::DType::kF32    ? at::kFloat
                                   : dtype == wire::DType::kBF16 ? at::kBFloat16
                                                                 : at::kHalf;
-      // Straight into the response's bytes: no host tensor in between (cudaMemcpyDefault: the
-      // source may be device or host memory).
+      // Straight into the response's bytes: no host tensor in between (a host x is copied on the
+      // host).
       const at::Tensor src = x.to(type).contiguous();
       out.bytes.resize(size_t(src.numel() * wire::ElementSize(dtype)));
-      // A wait for the stream (every read back queued before it is then done too): the call's
-      // one wait when its verdicts are read after it (ModuleHost's Forward and Backward).
-      const uint64_t covered = waits_->Before();
-      if (staging_ && src.is_cuda() && out.bytes.size() >= kStagedMinBytes) {
-        staging_->copier().ToHost(out.bytes.data(), src.data_ptr(), out.bytes.size());
-      } else if (!out.bytes.empty()) {
-        GRADWIRE_CUDA_CHECK(
-            cudaMemcpy(out.bytes.data(), src.data_ptr(), out.bytes.size(), cudaMemcpyDefault));
+      // A wait for the copy back, which waits for the compute stream up to here (every read back
+      // queued before it is then done too): the call's one wait when its verdicts are read after
+      // it (ModuleHost's Forward and Backward). Compute queued later is not waited for.
+      if (!src.is_cuda()) {
+        if (!out.bytes.empty()) std::memcpy(out.bytes.data(), src.data_ptr(), out.bytes.size());
+        return out;
       }
-      if (src.is_cuda() && !out.bytes.empty()) waits_->Waited(covered);
+      const uint64_t covered = waits_->Before();
+      lane_->Download(out.bytes.data(), src.data_ptr(), out.bytes.size());
+      if (!out.bytes.empty()) waits_->Waited(covered);
       return out;
     }
-    out.bytes.resize(size_t(host.numel() * wire::ElementSize(dtype)));
-    std::memcpy(out.bytes.data(), host.data_ptr(), out.bytes.size());
-    return out;
   }
 
   at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override {
@@ -465,6 +526,7 @@ class CudaBackend final : public Backend {
   void Synchronize() const override {
     Use();
     const uint64_t covered = waits_->Before();
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(copy_->stream()));
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
     waits_->Waited(covered);
   }
@@ -477,30 +539,63 @@ class CudaBackend final : public Backend {
   }
   at::TensorOptions Bytes() const { return at::TensorOptions().dtype(at::kByte).device(device()); }
 
-  // An F32, BF16 or F16 view on the device in its own dtype, [rows, cols]: through the pinned
-  // slots when staging is on and the tensor is large enough, else one pageable copy. Either way
-  // v's bytes are free when this returns, and the copy is ordered before later work on the
-  // stream.
+  // An F32, BF16 or F16 view on the device in its own dtype, [rows, cols], through the lane
+  // (pinned slots when staging is on and the tensor is large enough, else one pageable copy, on
+  // the copy stream). v's bytes are free when this returns, and every later launch on the compute
+  // stream sees the tensor's bytes.
   at::Tensor Narrow(const wire::TensorView& v, int64_t rows, int64_t cols) const {
     const at::ScalarType type = v.dtype == wire::DType::kF32    ? at::kFloat
                                 : v.dtype == wire::DType::kBF16 ? at::kBFloat16
                                                                 : at::kHalf;
-    const int64_t size = wire::ElementSize(v.dtype);
-    const size_t bytes = size_t(rows * cols * size);
-    if (staging_ && bytes >= kStagedMinBytes) {
-      at::Tensor dev = at::empty({rows, cols}, at::TensorOptions(type).device(device()));
-      staging_->copier().ToDevice(dev.data_ptr(), v.data, bytes);
-      return dev;
-    }
-    at::Tensor host;
-    if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(size) == 0) {
-      host = at::from_blob(const_cast<void*>(v.data), {rows, cols}, at::TensorOptions(type));
-    } else {  // protobuf keeps no alignment promise: one aligned host copy first
-      host = at::empty({rows, cols}, at::TensorOptions(type));
-      std::memcpy(host.data_ptr(), v.data, bytes);
-    }
-    // The copy is synchronous for pageable host memory, so v's bytes are free after it.
-    return host.to(device());
+    at::Tensor dev = at::empty({rows, cols}, at::TensorOptions(type).device(device()));
+    lane_->Upload(dev.data_ptr(), v.data, size_t(rows * cols * wire::ElementSize(v.dtype)));
+    return dev;
+  }
+  // A contiguous host tensor's copy on this device, through the lane.
+  at::Tensor Upload(const at::Tensor& host) const {
+    const at::Tensor src = host.contiguous();
+    at::Tensor dev = at::empty(src.sizes(), src.options().device(device()));
+    lane_->Upload(dev.data_ptr(), src.data_ptr(), size_t(src.numel()) * src.element_size());
+    return dev;
+  }
+
+  // The lane's operations: copies and events on the copy stream and the compute stream, and
+  // landing blocks from libtorch's allocator (its reuse of them ordered on the compute stream),
+  // held here until the lane gives them back.
+  LaneOps LaneOpsOn() {
+    LaneOps ops;
+    const cudaStream_t copy = copy_->stream();
+    CopyStream* events = copy_.get();
+    ops.to_device = [copy](void* d, const void* h, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, copy));
+    };
+    ops.to_host = [copy](void* h, const void* d, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(h, d, n, cudaMemcpyDeviceToHost, copy));
+      GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(copy));  // the copy stream only
+    };
+    ops.device_copy = [](void* dst, const void* src, size_t n) {
+      GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, kStream));
+    };
+    ops.record_compute = [events](int e) {
+      GRADWIRE_CUDA_CHECK(cudaEventRecord(events->event(e), kStream));
+    };
+    ops.record_copy = [events, copy](int e) {
+      GRADWIRE_CUDA_CHECK(cudaEventRecord(events->event(e), copy));
+    };
+    ops.compute_waits = [events](int e) {
+      GRADWIRE_CUDA_CHECK(cudaStreamWaitEvent(kStream, events->event(e), 0));
+    };
+    ops.copy_waits = [events, copy](int e) {
+      GRADWIRE_CUDA_CHECK(cudaStreamWaitEvent(copy, events->event(e), 0));
+    };
+    ops.alloc = [this](size_t n) {
+      at::Tensor block = at::empty({int64_t(n)}, Bytes());
+      void* p = block.data_ptr();
+      landings_[p] = std::move(block);
+      return p;
+    };
+    ops.release = [this](void* p) { landings_.erase(p); };
+    return ops;
   }
 
   // A contiguous 2-D float32 (or, with bf16_ok, bfloat16) tensor on this device, or why not.
@@ -690,7 +785,11 @@ class CudaBackend final : public Backend {
 
   int device_;
   std::string description_;
+  std::unique_ptr<CopyStream> copy_ = std::make_unique<CopyStream>();
   std::unique_ptr<PinnedStaging> staging_;  // null: plain copies (CudaStaging() 0)
+  // Landing blocks the lane holds (touched only under the lane's lock).
+  mutable std::map<void*, at::Tensor> landings_;
+  std::unique_ptr<CopyLane> lane_;
   // Shared with the readers of the casts' scalars, which may outlive the backend.
   std::shared_ptr<StreamWaits> waits_ = std::make_shared<StreamWaits>();
 };
