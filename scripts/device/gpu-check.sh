@@ -499,6 +499,25 @@ if want step-breakdown; then
     step_done step-breakdown "not built" "$started"
   fi
 fi
+# The same with the wire copies on the compute stream (GRADWIRE_CUDA_COPY_STREAM=0, no copy lane):
+# steps run back to back without a sync between them, so with the copy stream the next forward's
+# input crosses while the last backward's weight-gradient GEMM still runs; this row is the
+# comparison.
+if want step-breakdown-one-stream; then
+  started=$(date +%s)
+  if [ -x "$build/tests/step_breakdown" ]; then
+    GRADWIRE_CUDA_COPY_STREAM=0 run "$(cap 60 0)" "$work/step-breakdown-one-stream.log" \
+      "$build/tests/step_breakdown" --device cuda --rows 16,256,8192 --in 4096 --out 4096 \
+      --seconds 2 --json "$work/step-breakdown-one-stream.json"
+    rc=$?
+    { echo "=== GRADWIRE_CUDA_COPY_STREAM=0 step_breakdown --device cuda (rc $rc)"
+      cat "$work/step-breakdown-one-stream.log"; } >> "$out/bench.txt"
+    step_done step-breakdown-one-stream "$([ "$rc" = 0 ] && echo ok || echo "FAILED rc $rc")" \
+      "$started"
+  else
+    step_done step-breakdown-one-stream "not built" "$started"
+  fi
+fi
 
 # Batched inference forwards on the CUDA backend: each request's bytes as it gets them alone
 # (core_test's ForwardBatchTest, with its cuda rows), then 1-row forwards from 32 clients to a

@@ -373,6 +373,8 @@ def main():
         "host_copies": load_json(os.path.join(work, "host-copies.json")),
         # ModuleHost's step on the GPU next to its GEMMs and wire crossings (step_breakdown).
         "step_breakdown": load_json(os.path.join(work, "step-breakdown.json")),
+        # The same with the wire copies on the compute stream (GRADWIRE_CUDA_COPY_STREAM=0).
+        "step_breakdown_one_stream": load_json(os.path.join(work, "step-breakdown-one-stream.json")),
         "batching": batching(work),
         # Pinned staging (--cuda-staging-mib): parity through 1 MiB slots, then 8 MiB slots.
         "staging": staging(work),

@@ -114,6 +114,9 @@ class Backend {
   // what its GEMMs read per call (the CPU backend's decoded copies).
   virtual void PrepareWeight(Fp8Tensor& w) const { (void)w; }
 
+  // x may be bfloat16 in these and in LayerNormCast (a LayerNorm kind's bf16 input, kept as it
+  // came): the results are then those of its exact fp32 widening, bit for bit; a GPU reads the
+  // bf16 values in its kernels, with no widened copy.
   virtual LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const = 0;
   // Returns dx and accumulates into gamma_grad / beta_grad.
   virtual at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x,

@@ -283,7 +283,9 @@ class CpuBackend final : public ReferenceBackend {
     w.columnwise_decoded = decode(w.columnwise);
   }
 
-  LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
+  // A bf16 x is widened first (threaded, exact).
+  LayerNormOut LayerNormForward(const at::Tensor& x_in, const LayerNormParams& ln) const override {
+    const at::Tensor x = Widen(x_in);
     const int64_t m = x.size(0), k = x.size(1);
     LayerNormOut out{Empty({m, k}), Empty({m}), Empty({m})};
     kernels::cpu::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
@@ -292,9 +294,10 @@ class CpuBackend final : public ReferenceBackend {
                                    out.rstd.data_ptr<float>());
     return out;
   }
-  at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
+  at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x_in, const at::Tensor& mu,
                                const at::Tensor& rstd, const LayerNormParams& ln,
                                at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
+    const at::Tensor x = Widen(x_in);
     at::Tensor dx = Empty(x.sizes());
     kernels::cpu::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
                                     rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0),

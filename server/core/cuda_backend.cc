@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -192,20 +193,27 @@ class StreamWaits {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, std::string description, int64_t staging_chunk)
-      : device_(device), description_(std::move(description)) {
+  // own_copy_stream false: the wire copies go on the compute stream, straight into their tensors
+  // (no landing): GRADWIRE_CUDA_COPY_STREAM=0, a one-stream baseline for measuring what the copy
+  // stream changes. (Not quite the code before the lane: an upload there ended with a wait for
+  // the stream; here it is queued, ordered by the stream alone.)
+  CudaBackend(int device, std::string description, int64_t staging_chunk, bool own_copy_stream)
+      : device_(device),
+        description_(std::move(description)),
+        copy_stream_(own_copy_stream ? copy_->stream() : kStream) {
     if (staging_chunk > 0) {
-      staging_ = std::make_unique<PinnedStaging>(size_t(staging_chunk), copy_->stream());
+      staging_ = std::make_unique<PinnedStaging>(size_t(staging_chunk), copy_stream_);
       description_ += absl::StrCat(", pinned staging ", staging_chunk >> 20, " MiB x 2");
     }
-    description_ += ", wire copies on their own stream";
+    description_ += own_copy_stream ? ", wire copies on their own stream"
+                                    : ", wire copies on the compute stream";
     lane_ = std::make_unique<CopyLane>(LaneOpsOn(), staging_ ? &staging_->copier() : nullptr,
-                                       kStagedMinBytes, kLandingMaxBytes);
+                                       kStagedMinBytes, own_copy_stream ? kLandingMaxBytes : 0);
   }
   ~CudaBackend() override {
     // Both streams finish before the lane gives its landings back and the staging frees its slots.
     (void)cudaSetDevice(device_);
-    (void)cudaStreamSynchronize(copy_->stream());
+    (void)cudaStreamSynchronize(copy_stream_);
     (void)cudaStreamSynchronize(kStream);
     lane_.reset();
     staging_.reset();
@@ -250,17 +258,29 @@ class CudaBackend final : public Backend {
                                           const QuantizerConfig& config, CastUsage usage,
                                           bool keep_y, LayerNormOut* ln_out) const override {
     Use();
-    GW_RETURN_IF_ERROR(CheckInput("LayerNormCast", x));
+    GW_RETURN_IF_ERROR(CheckInput("LayerNormCast", x, /*bf16_ok=*/true));
     const int64_t m = x.size(0), k = x.size(1);
     GW_ASSIGN_OR_RETURN(PendingCast c, BeginCast("LayerNormCast", m, k, config, usage));
     LayerNormOut out{keep_y ? at::empty({m, k}, Floats()) : at::Tensor(), at::empty({m}, Floats()),
                      at::empty({m}, Floats())};
-    gwc::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
-                          ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma,
-                          keep_y ? out.y.data_ptr<float>() : nullptr, &c.o,
-                          out.mu.data_ptr<float>(), out.rstd.data_ptr<float>(), kStream);
+    RunLayerNorm(x, ln, keep_y ? out.y.data_ptr<float>() : nullptr, &c.o, out);
     if (ln_out != nullptr) *ln_out = std::move(out);
     return EndCast(std::move(c));
+  }
+  // LayerNorm's kernels on a float32 or (read as it is, widened in the kernel) bfloat16 x.
+  void RunLayerNorm(const at::Tensor& x, const LayerNormParams& ln, float* y,
+                    const gwc::Fp8Output* o, LayerNormOut& out) const {
+    const int64_t m = x.size(0), k = x.size(1);
+    if (x.scalar_type() == at::kBFloat16) {
+      gwc::LayerNormForwardBf16(static_cast<const uint16_t*>(x.data_ptr()), m, k,
+                                ln.gamma.data_ptr<float>(), ln.beta.data_ptr<float>(), ln.eps,
+                                ln.zero_centered_gamma, y, o, out.mu.data_ptr<float>(),
+                                out.rstd.data_ptr<float>(), kStream);
+    } else {
+      gwc::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
+                            ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma, y, o,
+                            out.mu.data_ptr<float>(), out.rstd.data_ptr<float>(), kStream);
+    }
   }
   absl::StatusOr<Fp8Tensor> ActivationCast(kernels::Activation act, const at::Tensor& in,
                                            int64_t width, const QuantizerConfig& config,
@@ -391,24 +411,47 @@ class CudaBackend final : public Backend {
 
   LayerNormOut LayerNormForward(const at::Tensor& x, const LayerNormParams& ln) const override {
     Use();
+    if (auto s = CheckInput("LayerNormForward", x, /*bf16_ok=*/true); !s.ok()) {
+      throw std::logic_error(std::string(s.message()));
+    }
     const int64_t m = x.size(0), k = x.size(1);
     LayerNormOut out{at::empty({m, k}, Floats()), at::empty({m}, Floats()),
                      at::empty({m}, Floats())};
-    gwc::LayerNormForward(x.data_ptr<float>(), m, k, ln.gamma.data_ptr<float>(),
-                          ln.beta.data_ptr<float>(), ln.eps, ln.zero_centered_gamma,
-                          out.y.data_ptr<float>(), nullptr, out.mu.data_ptr<float>(),
-                          out.rstd.data_ptr<float>(), kStream);
+    RunLayerNorm(x, ln, out.y.data_ptr<float>(), nullptr, out);
     return out;
   }
   at::Tensor LayerNormBackward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mu,
                                const at::Tensor& rstd, const LayerNormParams& ln,
                                at::Tensor& gamma_grad, at::Tensor& beta_grad) const override {
     Use();
-    at::Tensor dx = at::empty_like(x);
-    gwc::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
-                           rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0), x.size(1),
-                           ln.zero_centered_gamma, dx.data_ptr<float>(),
-                           gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>(), kStream);
+    if (auto s = CheckInput("LayerNormBackward", x, /*bf16_ok=*/true); !s.ok()) {
+      throw std::logic_error(std::string(s.message()));
+    }
+    if (auto s = CheckInput("LayerNormBackward", dy); !s.ok()) {
+      throw std::logic_error(std::string(s.message()));
+    }
+    auto row_values = [&](const at::Tensor& t) {
+      return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == device() &&
+             t.numel() == x.size(0);
+    };
+    if (dy.sizes() != x.sizes() || !row_values(mu) || !row_values(rstd)) {
+      throw std::logic_error(
+          "CudaBackend::LayerNormBackward expects dy shaped as x and mu, rstd as one contiguous "
+          "float32 per row on the device");
+    }
+    at::Tensor dx = at::empty({x.size(0), x.size(1)}, Floats());
+    if (x.scalar_type() == at::kBFloat16) {
+      gwc::LayerNormBackwardBf16(
+          dy.data_ptr<float>(), static_cast<const uint16_t*>(x.data_ptr()), mu.data_ptr<float>(),
+          rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0), x.size(1),
+          ln.zero_centered_gamma, dx.data_ptr<float>(), gamma_grad.data_ptr<float>(),
+          beta_grad.data_ptr<float>(), kStream);
+    } else {
+      gwc::LayerNormBackward(dy.data_ptr<float>(), x.data_ptr<float>(), mu.data_ptr<float>(),
+                             rstd.data_ptr<float>(), ln.gamma.data_ptr<float>(), x.size(0),
+                             x.size(1), ln.zero_centered_gamma, dx.data_ptr<float>(),
+                             gamma_grad.data_ptr<float>(), beta_grad.data_ptr<float>(), kStream);
+    }
     return dx;
   }
 
@@ -526,7 +569,7 @@ class CudaBackend final : public Backend {
   void Synchronize() const override {
     Use();
     const uint64_t covered = waits_->Before();
-    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(copy_->stream()));
+    GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
     GRADWIRE_CUDA_CHECK(cudaStreamSynchronize(kStream));
     waits_->Waited(covered);
   }
@@ -564,7 +607,7 @@ class CudaBackend final : public Backend {
   // held here until the lane gives them back.
   LaneOps LaneOpsOn() {
     LaneOps ops;
-    const cudaStream_t copy = copy_->stream();
+    const cudaStream_t copy = copy_stream_;
     CopyStream* events = copy_.get();
     ops.to_device = [copy](void* d, const void* h, size_t n) {
       GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, copy));
@@ -786,6 +829,7 @@ class CudaBackend final : public Backend {
   int device_;
   std::string description_;
   std::unique_ptr<CopyStream> copy_ = std::make_unique<CopyStream>();
+  const cudaStream_t copy_stream_;  // copy_'s stream, or the compute stream (see the constructor)
   std::unique_ptr<PinnedStaging> staging_;  // null: plain copies (CudaStaging() 0)
   // Landing blocks the lane holds (touched only under the lane's lock).
   mutable std::map<void*, at::Tensor> landings_;
@@ -813,9 +857,12 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
   }
   GRADWIRE_CUDA_CHECK(cudaSetDevice(device));
   const int64_t staging = CudaStaging();
+  const char* copy_stream = std::getenv("GRADWIRE_CUDA_COPY_STREAM");
+  const bool own_copy_stream = copy_stream == nullptr || (std::string(copy_stream) != "0" &&
+                                                          std::string(copy_stream) != "off");
   try {
-    return BackendPtr(
-        std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device), staging));
+    return BackendPtr(std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device), staging,
+                                                    own_copy_stream));
   } catch (const std::exception& e) {  // the pinned staging slots could not be had
     return absl::ResourceExhaustedError(absl::StrCat("pinned staging of 2 x ", staging >> 20,
                                                      " MiB (--cuda-staging-mib): ", e.what()));

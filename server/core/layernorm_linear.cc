@@ -25,10 +25,11 @@ absl::StatusOr<Fp8Tensor> LayerNormHead(const Backend& b, const KindForwardArgs&
                                         KindForwardResult* result, LayerNormSaved* saved,
                                         LayerNormOut* ln) {
   const bool keep_y = args.spec->return_layernorm_output;
-  // LayerNorm reads fp32; a bf16 input is kept as it came for the backward (half the bytes).
-  GW_ASSIGN_OR_RETURN(
-      Fp8Tensor x, LayerNormCastRows(b, b.Widen(args.input), LayerNormOf(args.params, *args.spec),
-                                     config, usage, keep_y, ln));
+  // A bf16 input is read as it came (LayerNorm takes its exact widening) and kept so for the
+  // backward (half the bytes).
+  GW_ASSIGN_OR_RETURN(Fp8Tensor x,
+                      LayerNormCastRows(b, args.input, LayerNormOf(args.params, *args.spec), config,
+                                        usage, keep_y, ln));
   if (keep_y) result->layernorm_output = ln->y;
   if (saved != nullptr) {
     saved->input = args.input.clone();  // own it: the request's bytes do not outlive the call
@@ -60,7 +61,7 @@ void LayerNormTail(const Backend& b, const KindBackwardArgs& args, const LayerNo
       return groups.size() == 1 ? t : t.narrow(0, row, rows);
     };
     at::Tensor gamma_grad = b.Zeros({k}), beta_grad = b.Zeros({k});
-    dx.push_back(b.LayerNormBackward(part(d_ln), b.Widen(part(saved.input)), part(saved.mu),
+    dx.push_back(b.LayerNormBackward(part(d_ln), part(saved.input), part(saved.mu),
                                      part(saved.rstd), ln, gamma_grad, beta_grad));
     args.grads->Add(Param::kLayerNormWeight, gamma_grad, j);
     args.grads->Add(Param::kLayerNormBias, beta_grad, j);
@@ -78,7 +79,8 @@ bool StackLayerNorm(const std::vector<const LayerNormSaved*>& parts, LayerNormSa
     mu.push_back(p->mu);
     rstd.push_back(p->rstd);
   }
-  // Inputs kept as bf16 and as fp32 stack widened (exact; LayerNormTail reads them widened).
+  // Inputs kept as bf16 and as fp32 stack widened (exact: LayerNorm reads a bf16 input as its
+  // widening, so a mixed batch's widened stack gives the same bits).
   bool mixed = false;
   for (const at::Tensor& t : input) mixed = mixed || t.scalar_type() != input[0].scalar_type();
   if (mixed) {
@@ -151,9 +153,8 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
   const Fp8Tensor* ln_out = &saved->ln_out;
   // Checkpointed: redo LayerNorm and its cast (a batch's stacked state is never checkpointed).
   if (!saved->ln_out.has_columnwise() && !saved->ln_out.grouped()) {
-    GW_ASSIGN_OR_RETURN(recomputed,
-                        b.LayerNormCast(b.Widen(saved->input), ln, saved->input_quantizer,
-                                        {false, true}, /*keep_y=*/false, nullptr));
+    GW_ASSIGN_OR_RETURN(recomputed, b.LayerNormCast(saved->input, ln, saved->input_quantizer,
+                                                    {false, true}, /*keep_y=*/false, nullptr));
     ln_out = &recomputed;
   }
   GW_ASSIGN_OR_RETURN(

@@ -120,7 +120,7 @@ absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& 
   const Fp8Tensor* act_q = &saved->act_out;
   if (!saved->fc1_out.defined()) {  // checkpointed: replay the forward's exact casts
     GW_ASSIGN_OR_RETURN(recomputed.ln_q,
-                        LayerNormCastRows(b, b.Widen(saved->input), ln, saved->fc1_input_quantizer,
+                        LayerNormCastRows(b, saved->input, ln, saved->fc1_input_quantizer,
                                           {true, true}, /*keep_y=*/false, nullptr));
     GW_RETURN_IF_ERROR(
         Hidden(b, w1, fc1_bias, act, ffn, saved->fc2_input_quantizer, {true, true}, &recomputed));

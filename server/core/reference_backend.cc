@@ -70,14 +70,14 @@ wire::EncodedTensor ReferenceBackend::ToWire(const at::Tensor& x, wire::DType dt
 
 LayerNormOut ReferenceBackend::LayerNormForward(const at::Tensor& x,
                                                 const LayerNormParams& ln) const {
-  return RunLayerNorm(x, ln);
+  return RunLayerNorm(Widen(x), ln);  // a bf16 x as its exact widening
 }
 
 at::Tensor ReferenceBackend::LayerNormBackward(const at::Tensor& dy, const at::Tensor& x,
                                                const at::Tensor& mu, const at::Tensor& rstd,
                                                const LayerNormParams& ln, at::Tensor& gamma_grad,
                                                at::Tensor& beta_grad) const {
-  return RunLayerNormBackward(dy, x, mu, rstd, ln, gamma_grad, beta_grad);
+  return RunLayerNormBackward(dy, Widen(x), mu, rstd, ln, gamma_grad, beta_grad);
 }
 
 at::Tensor ReferenceBackend::ActivationForward(kernels::Activation act, const at::Tensor& in,

@@ -420,6 +420,63 @@ TEST_P(NormParity, LayerNormAndActivationsWithinFp32Rounding) {
   }
 }
 
+// A bfloat16 x (a LayerNorm kind's bf16 input, kept as it came) gives what its exact widening
+// gives on the same backend, bit for bit: LayerNorm's forward, its fused cast and dx (the GPU reads
+// the bf16 values in its kernels). The parameter gradients add with atomics on a GPU, in an order
+// that varies, so there they are held to fp32 rounding; elsewhere bit for bit.
+TEST_P(NormParity, ABf16InputIsItsWideningBitForBit) {
+  GW_REQUIRE_BACKEND(GetParam());
+  const Backend& b = *Get(GetParam()).backend;
+  const bool gpu = std::string(b.name()) == "cuda";
+  auto same = [&](const at::Tensor& got, const at::Tensor& want) {
+    return b.ToHost(got).equal(b.ToHost(want));
+  };
+  for (Shape s : {Shape{1, 16}, Shape{7, 61}, Shape{130, 1031}}) {
+    SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols));
+    const at::Tensor narrow = RandN({s.rows, s.cols}, 2.0).to(at::kBFloat16);
+    const at::Tensor bn = b.ToDevice(narrow), bw = b.ToDevice(narrow.to(at::kFloat));
+    ASSERT_EQ(bn.scalar_type(), at::kBFloat16);
+    for (bool zc : {false, true}) {
+      const LayerNormParams ln{b.ToDevice(RandN({s.cols}, 0.5) + 1.0),
+                               b.ToDevice(RandN({s.cols}, 0.5)), 1e-5f, zc};
+      const LayerNormOut from_narrow = b.LayerNormForward(bn, ln);
+      const LayerNormOut from_wide = b.LayerNormForward(bw, ln);
+      EXPECT_TRUE(same(from_narrow.y, from_wide.y)) << "y";
+      EXPECT_TRUE(same(from_narrow.mu, from_wide.mu)) << "mu";
+      EXPECT_TRUE(same(from_narrow.rstd, from_wide.rstd)) << "rstd";
+      for (bool delayed : {false, true}) {
+        const QuantizerConfig q{Fp8Format::kE4M3, 0, delayed ? 0.37f : 0.0f, nullptr, nullptr};
+        LayerNormOut ln_n, ln_w;
+        auto cn = b.LayerNormCast(bn, ln, q, {true, true}, /*keep_y=*/true, &ln_n);
+        auto cw = b.LayerNormCast(bw, ln, q, {true, true}, /*keep_y=*/true, &ln_w);
+        ASSERT_TRUE(cn.ok()) << cn.status();
+        ASSERT_TRUE(cw.ok()) << cw.status();
+        EXPECT_TRUE(same(cn->rowwise, cw->rowwise)) << "codes";
+        EXPECT_TRUE(same(cn->columnwise, cw->columnwise)) << "transposed codes";
+        EXPECT_EQ(cn->scale_inv(), cw->scale_inv());
+        EXPECT_EQ(cn->amax(), cw->amax());
+        EXPECT_TRUE(same(ln_n.y, ln_w.y)) << "fused y";
+      }
+      const at::Tensor dy = b.ToDevice(RandN({s.rows, s.cols}));
+      at::Tensor gn = b.Zeros({s.cols}), bn_grad = b.Zeros({s.cols});
+      at::Tensor gw = b.Zeros({s.cols}), bw_grad = b.Zeros({s.cols});
+      const at::Tensor dxn =
+          b.LayerNormBackward(dy, bn, from_wide.mu, from_wide.rstd, ln, gn, bn_grad);
+      const at::Tensor dxw =
+          b.LayerNormBackward(dy, bw, from_wide.mu, from_wide.rstd, ln, gw, bw_grad);
+      EXPECT_EQ(dxn.scalar_type(), at::kFloat);
+      EXPECT_TRUE(same(dxn, dxw)) << "dx";
+      if (gpu) {
+        EXPECT_LT(Nmse(b.ToHost(gn), b.ToHost(gw)), 1e-12) << "dgamma";
+        EXPECT_LT(Nmse(b.ToHost(bn_grad), b.ToHost(bw_grad)), 1e-12) << "dbeta";
+      } else {
+        EXPECT_TRUE(same(gn, gw)) << "dgamma";
+        EXPECT_TRUE(same(bn_grad, bw_grad)) << "dbeta";
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, NormParity, ::testing::ValuesIn(kBackends),
                          [](const auto& info) { return std::string(info.param); });
 

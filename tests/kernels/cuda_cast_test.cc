@@ -318,6 +318,63 @@ TEST_P(CudaLayerNormTest, ForwardCastAndBackward) {
   }
 }
 
+// A bfloat16 x: the float32 kernels' results on its exact widening, bit for bit (the same code
+// reads both); the parameter gradients' atomics add in an order that varies, so they are within
+// fp32 rounding of each other.
+TEST_P(CudaLayerNormTest, Bf16IsTheFloat32FormOnTheWidenedValues) {
+  GW_REQUIRE_CUDA_DEVICE();
+  const auto [shape, current] = GetParam();
+  const int64_t rows = shape.rows, cols = shape.cols, n = rows * cols;
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<float> x = RandomNormal(n, seed, 2.0f, 0);
+  std::vector<uint16_t> bf16(x.size());
+  std::vector<float> widened(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    bf16[i] = uint16_t(Bits(x[i]) >> 16);
+    const uint32_t w = uint32_t(bf16[i]) << 16;
+    std::memcpy(&widened[i], &w, 4);
+  }
+  std::vector<float> gamma = RandomNormal(cols, seed, 0.5f, 1),
+                     beta = RandomNormal(cols, seed, 0.5f, 2);
+  for (float& g : gamma) g += 1.0f;
+  const float eps = 1e-5f;
+  for (bool zero_centered : {false, true}) {
+    DeviceBuffer<float> dwide(widened), dgamma_in(gamma), dbeta_in(beta);
+    DeviceBuffer<uint16_t> dbf16(bf16);
+    const float scale = ComputeScale(8.0f, Fp8Format::kE4M3, 0);
+    DeviceBuffer<float> y32(static_cast<size_t>(n)), mu32(static_cast<size_t>(rows)),
+        rstd32(static_cast<size_t>(rows)), y16(static_cast<size_t>(n)),
+        mu16(static_cast<size_t>(rows)), rstd16(static_cast<size_t>(rows));
+    DeviceCast cast32(static_cast<size_t>(n), Fp8Format::kE4M3, current, 0, scale),
+        cast16(static_cast<size_t>(n), Fp8Format::kE4M3, current, 0, scale);
+    cuda::LayerNormForward(dwide.get(), rows, cols, dgamma_in.get(), dbeta_in.get(), eps,
+                           zero_centered, y32.get(), &cast32.out, mu32.get(), rstd32.get(),
+                           nullptr);
+    cuda::LayerNormForwardBf16(dbf16.get(), rows, cols, dgamma_in.get(), dbeta_in.get(), eps,
+                               zero_centered, y16.get(), &cast16.out, mu16.get(), rstd16.get(),
+                               nullptr);
+    EXPECT_EQ(y16.Download(), y32.Download());
+    EXPECT_EQ(mu16.Download(), mu32.Download());
+    EXPECT_EQ(rstd16.Download(), rstd32.Download());
+    ExpectSameCast(cast16.Result(), cast32.Result());
+
+    const std::vector<float> grad = RandomNormal(n, seed, 1.0f, 3);
+    const std::vector<float> start_g = RandomNormal(cols, seed, 1.0f, 4),
+                             start_b = RandomNormal(cols, seed, 1.0f, 5);
+    DeviceBuffer<float> dgrad(grad), dx32(static_cast<size_t>(n)), dx16(static_cast<size_t>(n)),
+        g32(start_g), b32(start_b), g16(start_g), b16(start_b);
+    cuda::LayerNormBackward(dgrad.get(), dwide.get(), mu32.get(), rstd32.get(), dgamma_in.get(),
+                            rows, cols, zero_centered, dx32.get(), g32.get(), b32.get(), nullptr);
+    cuda::LayerNormBackwardBf16(dgrad.get(), dbf16.get(), mu32.get(), rstd32.get(), dgamma_in.get(),
+                                rows, cols, zero_centered, dx16.get(), g16.get(), b16.get(),
+                                nullptr);
+    EXPECT_EQ(dx16.Download(), dx32.Download());
+    ExpectClose(g16.Download(), g32.Download(), 1e-5, 1e-5, "dgamma");
+    ExpectClose(b16.Download(), b32.Download(), 1e-5, 1e-5, "dbeta");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLayerNormTest,
                          ::testing::Combine(::testing::Values(Shape{1, 16}, Shape{7, 61},
                                                               Shape{130, 1031}, Shape{512, 4096}),

@@ -22,4 +22,13 @@ void LayerNormBackward(const float* dy, const float* x, const float* mu, const f
                        const float* gamma, int64_t rows, int64_t cols, bool zero_centered_gamma,
                        float* dx, float* dgamma, float* dbeta, cudaStream_t stream);
 
+// The same with x in bfloat16 (raw bits), read as its exact float32 widening: every output bit
+// for bit what the float32 forms give on the widened x, without a widened copy of x in memory.
+void LayerNormForwardBf16(const uint16_t* x, int64_t rows, int64_t cols, const float* gamma,
+                          const float* beta, float eps, bool zero_centered_gamma, float* y,
+                          const Fp8Output* out, float* mu, float* rstd, cudaStream_t stream);
+void LayerNormBackwardBf16(const float* dy, const uint16_t* x, const float* mu, const float* rstd,
+                           const float* gamma, int64_t rows, int64_t cols, bool zero_centered_gamma,
+                           float* dx, float* dgamma, float* dbeta, cudaStream_t stream);
+
 }  // namespace gradwire::kernels::cuda
