@@ -426,6 +426,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
   const Fp8Tensor input_codes = StackRows(std::move(parts));
   compute_calls_.fetch_add(int64_t(n), std::memory_order_relaxed);
   KindForwardResult r;
+  std::vector<WireForwardOutput> encoded(n);
   std::vector<std::string> context_ids(n);
   std::vector<absl::Status> put(n);
   uint64_t version = 0;
@@ -457,6 +458,29 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     absl::StatusOr<KindForwardResult> done = m->kind->Forward(args);
     batched = done.ok();
     if (batched) r = *std::move(done);
+    // Each request's outputs are encoded as soon as they are queued, before anything below reads
+    // a value back: on a GPU the first copy back is then the batch's only wait besides the other
+    // results' copies, and brings every amax read below with it. Nothing has changed yet, so a
+    // failure here fails the batch with everything as it was; a batch that falls back to its
+    // requests one by one drops these bytes.
+    if (batched) {
+      int64_t row = 0;
+      for (size_t j = 0; j < n; ++j) {
+        const WireForwardRequest& req = *reqs[members[j]];
+        const int64_t rows = (*groups)[j];
+        WireForwardOutput& out = encoded[j];
+        std::vector<int64_t> out_shape = req.input.shape;
+        out_shape.back() = m->spec.out_features;
+        out.output =
+            b.ToWire(r.output.narrow(0, row, rows), req.output_dtype, std::move(out_shape));
+        if (r.layernorm_output.defined()) {
+          out.layernorm_output =
+              b.ToWire(r.layernorm_output.narrow(0, row, rows), req.output_dtype, req.input.shape);
+          out.has_layernorm_output = true;
+        }
+        row += rows;
+      }
+    }
     // Per request and role, the amax its step records: a cast's own, a weight's for every one.
     std::vector<std::vector<RoleAmax>> step_amaxes(n);
     for (const auto& [role, cast] : r.amaxes) {
@@ -508,38 +532,16 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     return results;
   }
   batched_forwards_.fetch_add(int64_t(n), std::memory_order_relaxed);
-  int64_t row = 0;
   for (size_t j = 0; j < n; ++j) {
-    const WireForwardRequest& req = *reqs[members[j]];
-    const int64_t rows = (*groups)[j];
-    const int64_t at_row = row;
-    row += rows;
     if (!put[j].ok()) {
       results[members[j]] = put[j];
       continue;
     }
-    // From here a context must not outlive a failure: nobody would ever consume it.
-    try {
-      WireForwardOutput out;
-      std::vector<int64_t> out_shape = req.input.shape;
-      out_shape.back() = m->spec.out_features;
-      out.output =
-          b.ToWire(r.output.narrow(0, at_row, rows), req.output_dtype, std::move(out_shape));
-      if (r.layernorm_output.defined()) {
-        out.layernorm_output =
-            b.ToWire(r.layernorm_output.narrow(0, at_row, rows), req.output_dtype, req.input.shape);
-        out.has_layernorm_output = true;
-      }
-      out.context_id = context_ids[j];
-      out.weight_version = version;
-      out.batch_requests = int32_t(n);
-      results[members[j]] = std::move(out);
-    } catch (...) {
-      for (size_t rest = 0; rest < n; ++rest) {
-        if (!context_ids[rest].empty()) (void)contexts_.Release(context_ids[rest]);
-      }
-      throw;
-    }
+    WireForwardOutput& out = encoded[j];
+    out.context_id = context_ids[j];
+    out.weight_version = version;
+    out.batch_requests = int32_t(n);
+    results[members[j]] = std::move(out);
   }
   return results;
 }
@@ -811,7 +813,7 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
     at::Tensor grad_output, grad_layernorm_output;  // on the device, 2-D
     bool done = false;      // its context was finished (consumed, or given back and answered)
     bool consumed = false;  // ran in the batch
-    at::Tensor grad_input;  // its rows of the batch's
+    std::optional<wire::EncodedTensor> grad_input;  // its rows of the batch's, encoded
   };
   std::vector<Member> members;
   std::shared_ptr<Module> m;
@@ -976,6 +978,25 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
               return 0;  // each request meets the failure alone
             }
           }
+          // Each request's grad_input is encoded now, before anything below reads a value back:
+          // on a GPU the first copy back is then the batch's only wait besides the other
+          // results' copies, and brings every check and amax read below with it. Nothing has
+          // changed yet: a failure here sends every request alone; the members that do not
+          // commit below drop their bytes.
+          std::vector<std::optional<wire::EncodedTensor>> encoded(n);
+          if (r->grad_input.defined()) {
+            try {
+              int64_t at = 0;
+              for (size_t j = 0; j < n; ++j) {
+                encoded[j] = b.ToWire(r->grad_input.narrow(0, at, (*groups)[j]),
+                                      reqs[members[j].index]->grad_input_dtype,
+                                      members[j].lease.saved->input_shape);
+                at += (*groups)[j];
+              }
+            } catch (const std::exception&) {
+              return 0;  // each request meets the failure alone
+            }
+          }
           int64_t row = 0;
           for (size_t j = 0; j < n; ++j) {
             const int64_t rows = (*groups)[j];
@@ -1026,7 +1047,7 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
             if (overflowed.has_value()) return j;
             ++m->accumulated_backwards;
             members[j].consumed = true;
-            members[j].grad_input = mine;
+            members[j].grad_input = std::move(encoded[j]);
             row += rows;
           }
           return n;
@@ -1052,29 +1073,14 @@ std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::Back
   }
   // Those that run alone count themselves there.
   compute_calls_.fetch_sub(counted - int64_t(committed), std::memory_order_relaxed);
-  // First every consumed context is finished (its saved tensors freed), then each grad_input is
-  // encoded on its own: a failure there is that request's.
-  std::vector<std::vector<int64_t>> shapes(members.size());
+  // Every consumed context is finished (its saved tensors freed); its grad_input was encoded
+  // before the batch's checks.
   for (size_t j = 0; j < committed; ++j) {
     Member& one = members[j];
-    shapes[j] = one.lease.saved->input_shape;
     one.lease.saved.reset();
     one.done = true;
     contexts_.Finish(context_ids[one.index], /*consumed=*/true, reqs[one.index]->retain);
-  }
-  for (size_t j = 0; j < committed; ++j) {
-    Member& one = members[j];
-    const WireBackwardRequest& req = *reqs[one.index];
-    try {
-      results[one.index] = one.grad_input.defined()
-                               ? Result(b.ToWire(one.grad_input, req.grad_input_dtype, shapes[j]))
-                               : Result(std::optional<wire::EncodedTensor>());
-    } catch (const std::exception& e) {
-      results[one.index] = absl::InternalError(
-          absl::StrCat("Backward failed while encoding grad_input (its gradients were "
-                       "accumulated): ",
-                       e.what()));
-    }
+    results[one.index] = Result(std::move(one.grad_input));
   }
   run_alone();
   return results;

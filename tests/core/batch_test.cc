@@ -417,10 +417,10 @@ class BackwardBatchTest : public ForwardBatchTest {
 };
 
 // How often a batch of backwards waits for the device, on the host model of a GPU's reads
-// (queued_reads_backend.h): once for its verdicts (the first amax read, which covers every
-// request's grad_input check, queued before it), then once per request for its grad_input's copy
-// back; never once per request for a check.
-TEST_F(BackwardBatchTest, ABatchWaitsOnceForItsChecksAndOncePerResult) {
+// (queued_reads_backend.h): once per request, for its grad_input's copy back (the first of them
+// brings every request's check and every cast's amax, queued before it), never for a check; a
+// batch that returns no grad_input (skip_grad_input) waits once, for its verdicts.
+TEST_F(BackwardBatchTest, ABatchWaitsOnlyForItsResultsCopies) {
   const auto b = std::make_shared<QueuedReadsBackend>();
   core::ModuleHost host(core::ContextLimits{}, nullptr, b);
   for (ModuleKind kind :
@@ -429,22 +429,55 @@ TEST_F(BackwardBatchTest, ABatchWaitsOnceForItsChecksAndOncePerResult) {
     auto info = host.Create(MakeModuleSpec(kind, 40, 24, 56, 7));
     ASSERT_TRUE(info.ok()) << info.status();
     const int n = 3;
-    std::vector<std::string> ids;
-    std::vector<Grad> grads;
-    for (int i = 0; i < n; ++i) {
-      auto fwd = core::TensorForward(host, info->module_id, RandN({5 + i, 40}), true);
-      ASSERT_TRUE(fwd.ok()) << fwd.status();
-      ids.push_back(fwd->context_id);
-      grads.push_back(MakeGrad(RandN({5 + i, 24}), at::Tensor(), DType::kF32, DType::kF32, false));
+    for (bool skip : {false, true}) {
+      SCOPED_TRACE(skip ? "skip_grad_input" : "with grad_input");
+      std::vector<std::string> ids;
+      std::vector<Grad> grads;
+      for (int i = 0; i < n; ++i) {
+        auto fwd = core::TensorForward(host, info->module_id, RandN({5 + i, 40}), true);
+        ASSERT_TRUE(fwd.ok()) << fwd.status();
+        ids.push_back(fwd->context_id);
+        grads.push_back(MakeGrad(RandN({5 + i, 24}), at::Tensor(), DType::kF32, DType::kF32, skip));
+      }
+      std::vector<const core::WireBackwardRequest*> reqs;
+      for (const Grad& g : grads) reqs.push_back(&g.req);
+      const int64_t before = b->HostWaits();
+      core::ModuleHost::BatchRan ran;
+      const auto together = host.BackwardBatch(ids, reqs, &ran);
+      ASSERT_EQ(ran.requests, n);
+      for (const auto& r : together) ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(b->HostWaits() - before, skip ? 1 : n);
     }
-    std::vector<const core::WireBackwardRequest*> reqs;
-    for (const Grad& g : grads) reqs.push_back(&g.req);
-    const int64_t before = b->HostWaits();
-    core::ModuleHost::BatchRan ran;
-    const auto together = host.BackwardBatch(ids, reqs, &ran);
-    ASSERT_EQ(ran.requests, n);
-    for (const auto& r : together) ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(b->HostWaits() - before, 1 + n);
+  }
+}
+
+// The same for a batch of forwards, training and inference: one wait per request, for its
+// output's copy back (the first brings every amax read after it).
+TEST(ForwardBatchWaits, ABatchWaitsOnlyForItsResultsCopies) {
+  const auto b = std::make_shared<QueuedReadsBackend>();
+  core::ModuleHost host(core::ContextLimits{}, nullptr, b);
+  for (ModuleKind kind :
+       {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    for (bool training : {false, true}) {
+      SCOPED_TRACE(std::string(core::ModuleKindName(kind)) + (training ? " training" : ""));
+      auto info = host.Create(MakeModuleSpec(kind, 40, 24, 56, 7));
+      ASSERT_TRUE(info.ok()) << info.status();
+      const int n = 3;
+      std::vector<WireInput> inputs;
+      for (int i = 0; i < n; ++i) {
+        inputs.push_back(Encode(RandN({5 + i, 40}), DType::kF32, DType::kF32));
+        inputs.back().req.training = training;
+      }
+      std::vector<const core::WireForwardRequest*> reqs;
+      for (const WireInput& w : inputs) reqs.push_back(&w.req);
+      const int64_t before = b->HostWaits();
+      const auto together = host.ForwardBatch(info->module_id, reqs);
+      for (const auto& r : together) {
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_EQ(r->batch_requests, n);
+      }
+      EXPECT_EQ(b->HostWaits() - before, n);
+    }
   }
 }
 
