@@ -63,8 +63,11 @@ class CopyLane {
 
   // `staged` (may be null): the pinned pipeline for crossings of at least `staged_min_bytes`, its
   // ops on the copy queue. An upload larger than `landing_max_bytes` crosses straight into the
-  // caller's tensor, after the compute queue's work so far (no overlap, and no landing that big).
-  CopyLane(LaneOps ops, StagedCopier* staged, size_t staged_min_bytes, size_t landing_max_bytes);
+  // caller's tensor, after the compute queue's work so far (no overlap, and no landing that big),
+  // and so does one whose landing cannot be allocated (`alloc` throws). A landing grows to the
+  // upload it must hold, rounded up to `landing_grain` bytes (at most landing_max_bytes).
+  CopyLane(LaneOps ops, StagedCopier* staged, size_t staged_min_bytes, size_t landing_max_bytes,
+           size_t landing_grain = size_t(1) << 20);
   // Gives the landings back (the caller has waited for both queues first).
   ~CopyLane();
   CopyLane(const CopyLane&) = delete;
@@ -74,7 +77,8 @@ class CopyLane {
   // compute work queued after this returns; the host's bytes may be reused then.
   void Upload(void* dst, const void* host, size_t n);
   // device -> host: `src` as the compute queue's work queued so far leaves it. Returns when `host`
-  // holds the bytes.
+  // holds the bytes. The lane's lock is held only while the ordering is queued, not while the
+  // host waits.
   void Download(void* host, const void* src, size_t n);
 
   // The largest landing so far (bytes), for the backend's description and tests.
@@ -83,10 +87,12 @@ class CopyLane {
  private:
   // Host to device on the copy queue (pinned pipeline or plain copy).
   void Cross(void* device, const void* host, size_t n);
+  // An upload without a landing: after the compute queue's work so far, into dst.
+  void Straight(void* dst, const void* host, size_t n);
 
   LaneOps ops_;
   StagedCopier* staged_;
-  const size_t staged_min_, landing_max_;
+  const size_t staged_min_, landing_max_, landing_grain_;
   mutable std::mutex mu_;
   struct Landing {
     void* p = nullptr;

@@ -62,8 +62,10 @@ int64_t Up16(int64_t v) { return (v + 15) / 16 * 16; }
 // ones cost less as one plain copy.
 constexpr size_t kStagedMinBytes = size_t(1) << 20;
 // Uploads up to this size land in one of the lane's two landing blocks (grown to the largest
-// upload so far); a larger one crosses straight into its tensor after the compute stream's work.
-constexpr size_t kLandingMaxBytes = size_t(512) << 20;
+// upload so far, in MiB; held for the backend's life, so at most twice this much device memory);
+// a larger one crosses straight into its tensor after the compute stream's work. 128 MiB holds
+// a step tensor of 8192 x 4096 float32.
+constexpr size_t kLandingMaxBytes = size_t(128) << 20;
 
 // The copy stream and the lane's events. Made first and gone last: the staging and the lane
 // queue work on them.
@@ -863,9 +865,13 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
   try {
     return BackendPtr(std::make_shared<CudaBackend>(device, gwc::DeviceDescription(device), staging,
                                                     own_copy_stream));
-  } catch (const std::exception& e) {  // the pinned staging slots could not be had
-    return absl::ResourceExhaustedError(absl::StrCat("pinned staging of 2 x ", staging >> 20,
-                                                     " MiB (--cuda-staging-mib): ", e.what()));
+  } catch (const std::exception& e) {  // the copy stream, its events or the pinned slots
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the CUDA backend could not set up its copy stream and events",
+        staging > 0
+            ? absl::StrCat(" or pinned staging of 2 x ", staging >> 20, " MiB (--cuda-staging-mib)")
+            : std::string(),
+        ": ", e.what()));
   }
 }
 

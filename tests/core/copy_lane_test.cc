@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 namespace gradwire::core {
@@ -33,6 +34,7 @@ Bytes Random(size_t n, uint32_t seed) {
 struct QueueBreaks {
   bool compute_waits = false;  // the compute queue does not wait for crossings
   bool copy_waits = false;     // the copy queue does not wait for compute
+  bool no_memory = false;      // a landing cannot be allocated
 };
 
 class TwoQueues {
@@ -63,7 +65,10 @@ class TwoQueues {
     ops.copy_waits = [this, breaks](int e) {
       if (!breaks.copy_waits) Wait(kCopy, e);
     };
-    ops.alloc = [this](size_t n) { return Alloc(n); };
+    ops.alloc = [this, breaks](size_t n) {
+      if (breaks.no_memory) throw std::runtime_error("simulated out of device memory");
+      return Alloc(n);
+    };
     ops.release = [this](void* p) { Release(p); };
     return ops;
   }
@@ -173,7 +178,8 @@ struct Rig {
           std::vector<void*>{slots[0].data(), slots[1].data()}, staged_chunk, q.Staging(),
           [](void* d, const void* s, size_t n) { std::memcpy(d, s, n); });
     }
-    lane = std::make_unique<CopyLane>(q.Ops(breaks), copier.get(), 2 * staged_chunk, landing_max);
+    lane = std::make_unique<CopyLane>(q.Ops(breaks), copier.get(), 2 * staged_chunk, landing_max,
+                                      /*landing_grain=*/1);
   }
   TwoQueues q;
   std::vector<Bytes> slots;
@@ -331,6 +337,33 @@ TEST(CopyLane, TheModelCatchesEachMissingWait) {
     Bytes back(a.size(), 0);
     rig.lane->Download(back.data(), src, a.size());
     EXPECT_NE(back, a) << "the download read its source before compute wrote it";
+  }
+}
+
+// Without the memory for a landing, an upload crosses straight into its tensor after the compute
+// work queued before it (which may still read that block), and is right.
+TEST(CopyLane, AnUploadWithoutALandingCrossesStraight) {
+  for (size_t chunk : {size_t(0), size_t(64)}) {
+    SCOPED_TRACE(testing::Message() << "chunk " << chunk);
+    QueueBreaks breaks;
+    breaks.no_memory = true;
+    Rig rig(chunk, 1 << 20, breaks);
+    constexpr size_t kN = 700;
+    void* block = rig.q.Alloc(kN);
+    const Bytes before = Random(kN, 5);
+    rig.q.ComputeWrite(block, before);
+    Bytes read;
+    rig.q.ComputeRead(block, kN, &read);
+    rig.q.Release(block);
+    void* dst = rig.q.Alloc(kN);  // the block compute still reads
+    const Bytes sent = Random(kN, 6);
+    rig.lane->Upload(dst, sent.data(), kN);
+    EXPECT_EQ(rig.lane->landing_bytes(), 0u);
+    Bytes got;
+    rig.q.ComputeRead(dst, kN, &got);
+    rig.q.Drain(true);
+    EXPECT_EQ(read, before);
+    EXPECT_EQ(got, sent);
   }
 }
 
