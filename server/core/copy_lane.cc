@@ -88,9 +88,17 @@ void CopyLane::Upload(void* dst, const void* host, size_t n) {
     ops_.record_compute(kComputed);
     ops_.copy_waits(kComputed);
   }
-  // A failed crossing leaves dst untouched (compute copies the landing out only after it), and
-  // the landing's next crossing is queued behind this one on the copy queue.
-  Cross(l.p, host, n);
+  try {
+    Cross(l.p, host, n);
+  } catch (...) {
+    // dst is untouched (compute copies the landing out only after a crossing). Part of this one
+    // may be queued: the compute queue, where the landing's block is reused once it is released,
+    // comes after it.
+    ops_.record_copy(kLanded + i);
+    ops_.compute_waits(kLanded + i);
+    ops_.record_compute(kFreed + i);
+    throw;
+  }
   ops_.record_copy(kLanded + i);
   ops_.compute_waits(kLanded + i);
   ops_.device_copy(dst, l.p, n);

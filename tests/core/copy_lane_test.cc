@@ -35,6 +35,7 @@ struct QueueBreaks {
   bool compute_waits = false;  // the compute queue does not wait for crossings
   bool copy_waits = false;     // the copy queue does not wait for compute
   bool no_memory = false;      // a landing cannot be allocated
+  int fail_crossing = 0;       // this pageable crossing (1-based) throws, as a CUDA error would
 };
 
 class TwoQueues {
@@ -45,7 +46,9 @@ class TwoQueues {
   // What the lane is given.
   LaneOps Ops(Breaks breaks = Breaks()) {
     LaneOps ops;
-    ops.to_device = [this](void* d, const void* h, size_t n) {
+    ops.to_device = [this, breaks, calls = std::make_shared<int>(0)](void* d, const void* h,
+                                                                     size_t n) {
+      if (++*calls == breaks.fail_crossing) throw std::runtime_error("simulated CUDA error");
       auto taken = std::make_shared<Bytes>(static_cast<const unsigned char*>(h),
                                            static_cast<const unsigned char*>(h) + n);
       Enqueue(kCopy, [d, taken] { std::memcpy(d, taken->data(), taken->size()); });
@@ -364,6 +367,31 @@ TEST(CopyLane, AnUploadWithoutALandingCrossesStraight) {
     rig.q.Drain(true);
     EXPECT_EQ(read, before);
     EXPECT_EQ(got, sent);
+  }
+}
+
+// A crossing that fails (a CUDA error) fails its upload and leaves the lane usable: the next
+// uploads into the same landing and straight arrive.
+TEST(CopyLane, AFailedCrossingLeavesTheLaneUsable) {
+  for (size_t landing_max : {size_t(1) << 20, size_t(100)}) {
+    SCOPED_TRACE(testing::Message() << "landing max " << landing_max);
+    QueueBreaks breaks;
+    breaks.fail_crossing = 2;
+    Rig rig(0, landing_max, breaks);
+    const std::vector<Bytes> sent = {Random(300, 1), Random(300, 2), Random(300, 3),
+                                     Random(300, 4)};
+    std::vector<Bytes> read(sent.size());
+    for (size_t i = 0; i < sent.size(); ++i) {
+      void* dst = rig.q.Alloc(300);
+      if (i == 1) {
+        EXPECT_THROW(rig.lane->Upload(dst, sent[i].data(), 300), std::runtime_error);
+        continue;
+      }
+      rig.lane->Upload(dst, sent[i].data(), 300);
+      rig.q.ComputeRead(dst, 300, &read[i]);
+    }
+    rig.q.Drain(true);
+    for (size_t i : {size_t(0), size_t(2), size_t(3)}) EXPECT_EQ(read[i], sent[i]) << i;
   }
 }
 
