@@ -460,25 +460,29 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
     if (batched) r = *std::move(done);
     // Each request's outputs are encoded as soon as they are queued, before anything below reads
     // a value back: on a GPU the first copy back is then the batch's only wait besides the other
-    // results' copies, and brings every amax read below with it. Nothing has changed yet, so a
-    // failure here fails the batch with everything as it was; a batch that falls back to its
-    // requests one by one drops these bytes.
+    // results' copies, and brings every amax read below with it. Nothing has changed yet: after
+    // a failure here each request runs alone and meets it (or not) there; a batch that falls
+    // back to its requests one by one drops these bytes.
     if (batched) {
-      int64_t row = 0;
-      for (size_t j = 0; j < n; ++j) {
-        const WireForwardRequest& req = *reqs[members[j]];
-        const int64_t rows = (*groups)[j];
-        WireForwardOutput& out = encoded[j];
-        std::vector<int64_t> out_shape = req.input.shape;
-        out_shape.back() = m->spec.out_features;
-        out.output =
-            b.ToWire(r.output.narrow(0, row, rows), req.output_dtype, std::move(out_shape));
-        if (r.layernorm_output.defined()) {
-          out.layernorm_output =
-              b.ToWire(r.layernorm_output.narrow(0, row, rows), req.output_dtype, req.input.shape);
-          out.has_layernorm_output = true;
+      try {
+        int64_t row = 0;
+        for (size_t j = 0; j < n; ++j) {
+          const WireForwardRequest& req = *reqs[members[j]];
+          const int64_t rows = (*groups)[j];
+          WireForwardOutput& out = encoded[j];
+          std::vector<int64_t> out_shape = req.input.shape;
+          out_shape.back() = m->spec.out_features;
+          out.output =
+              b.ToWire(r.output.narrow(0, row, rows), req.output_dtype, std::move(out_shape));
+          if (r.layernorm_output.defined()) {
+            out.layernorm_output = b.ToWire(r.layernorm_output.narrow(0, row, rows),
+                                            req.output_dtype, req.input.shape);
+            out.has_layernorm_output = true;
+          }
+          row += rows;
         }
-        row += rows;
+      } catch (const std::exception&) {
+        batched = false;
       }
     }
     // Per request and role, the amax its step records: a cast's own, a weight's for every one.
@@ -538,7 +542,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
       continue;
     }
     WireForwardOutput& out = encoded[j];
-    out.context_id = context_ids[j];
+    out.context_id = std::move(context_ids[j]);
     out.weight_version = version;
     out.batch_requests = int32_t(n);
     results[members[j]] = std::move(out);

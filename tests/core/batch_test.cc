@@ -11,12 +11,14 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "queued_reads_backend.h"
 #include "server/core/cpu_gemm.h"
 #include "server/core/module_host.h"
+#include "server/core/reference_backend.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 
@@ -479,6 +481,67 @@ TEST(ForwardBatchWaits, ABatchWaitsOnlyForItsResultsCopies) {
       EXPECT_EQ(b->HostWaits() - before, n);
     }
   }
+}
+
+// The reference backend whose ToWire throws once, on demand, as a device error would.
+class ToWireFailsOnce final : public core::ReferenceBackend {
+ public:
+  wire::EncodedTensor ToWire(const at::Tensor& x, DType dtype,
+                             std::vector<int64_t> shape) const override {
+    if (armed) {
+      armed = false;
+      throw std::runtime_error("the device went away");
+    }
+    return core::ReferenceBackend::ToWire(x, dtype, std::move(shape));
+  }
+  mutable bool armed = false;
+};
+
+// A batch encodes its results before anything changes: when that fails, each request runs alone
+// (and here succeeds, the failure having passed), with the state a sequence of them leaves: a
+// context per training forward, every backward's gradients once.
+TEST_F(BackwardBatchTest, ABatchWhoseEncodingFailsRunsItsRequestsAlone) {
+  const auto b = std::make_shared<ToWireFailsOnce>();
+  core::ModuleHost host(core::ContextLimits{}, nullptr, b);
+  auto info = host.Create(MakeModuleSpec(ModuleKind::kLinear, 40, 24, 0, 7));
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int n = 3;
+  std::vector<WireInput> inputs;
+  for (int i = 0; i < n; ++i) {
+    inputs.push_back(Encode(RandN({2 + i, 40}), DType::kF32, DType::kF32));
+    inputs.back().req.training = true;
+  }
+  std::vector<const core::WireForwardRequest*> freqs;
+  for (const WireInput& w : inputs) freqs.push_back(&w.req);
+  b->armed = true;
+  const auto forwards = host.ForwardBatch(info->module_id, freqs);
+  EXPECT_FALSE(b->armed);
+  std::vector<std::string> ids;
+  for (const auto& r : forwards) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->batch_requests, 0) << "ran alone";
+    ids.push_back(r->context_id);
+  }
+  EXPECT_EQ(host.Stats().live_contexts, n);
+  std::vector<Grad> grads;
+  for (int i = 0; i < n; ++i) {
+    grads.push_back(MakeGrad(RandN({2 + i, 24}), at::Tensor(), DType::kF32, DType::kF32, false));
+  }
+  std::vector<const core::WireBackwardRequest*> breqs;
+  for (const Grad& g : grads) breqs.push_back(&g.req);
+  b->armed = true;
+  core::ModuleHost::BatchRan ran;
+  const auto backwards = host.BackwardBatch(ids, breqs, &ran);
+  EXPECT_FALSE(b->armed);
+  EXPECT_EQ(ran.requests, 0) << "ran alone";
+  for (const auto& r : backwards) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->has_value());
+  }
+  EXPECT_EQ(host.Stats().live_contexts, 0);
+  const auto g = core::TensorGradients(host, info->module_id, false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->accumulated_backwards, n);
 }
 
 TEST_F(BackwardBatchTest, BackwardBatchesAreTheSequenceOfTheirRequests) {
