@@ -291,6 +291,19 @@ elif [ -x "$build/tests/core/backend_parity_test" ]; then
   [ "$(cat "$work/parity.rc")" = 0 ] && [ "$f" = 0 ] && [ "$s" = 0 ] || status=FAILED
   step_done parity "$status" "$started" \
     "$c passed, $f failed, $s skipped, $r module draws repeated, rc $(cat "$work/parity.rc")"
+  # A failure: the same rows once more with the wire copies on the compute stream
+  # (GRADWIRE_CUDA_COPY_STREAM=0), which tells a copy-stream ordering fault from the rest.
+  if [ "$status" = FAILED ]; then
+    started=$(date +%s)
+    GRADWIRE_CUDA_COPY_STREAM=0 run "$(cap 60 110)" "$work/parity-one-stream.log" \
+      "$build/tests/core/backend_parity_test" \
+      --gtest_filter='*/cuda*:CudaBackendAvailability.*' --gtest_color=no
+    echo $? > "$work/parity-one-stream.rc"
+    tests_excerpt "parity, copies on the compute stream" "$work/parity-one-stream.log"
+    step_done parity-one-stream "rc $(cat "$work/parity-one-stream.rc")" "$started" \
+      "$(grep -c -E '^\[       OK \]' "$work/parity-one-stream.log") passed, $(grep -c -E \
+        '^\[  FAILED  \].*\([0-9]+ ms\)$' "$work/parity-one-stream.log") failed"
+  fi
 else
   step_done parity "not built" "$started"
 fi

@@ -359,6 +359,9 @@ def main():
         "parity": parity and {k: parity[k] for k in ("passed", "failed", "skipped", "redrawn",
                                                       "rc", "failed_tests", "skip_reason",
                                                       "unfinished")},
+        # Only after a parity failure: the same rows with GRADWIRE_CUDA_COPY_STREAM=0.
+        "parity_one_stream": gtest_counts(os.path.join(work, "parity-one-stream.log"),
+                                          rc_of(work, "parity-one-stream")),
         "service": service,
         "kernel_tests": kernels or None,
         "demo": demo_rows,

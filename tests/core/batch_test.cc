@@ -481,6 +481,25 @@ TEST(ForwardBatchWaits, ABatchWaitsOnlyForItsResultsCopies) {
       EXPECT_EQ(b->HostWaits() - before, n);
     }
   }
+  // A module that returns its LayerNorm output: two result tensors per request, two waits.
+  core::ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormLinear, 40, 24, 0, 8);
+  spec.return_layernorm_output = true;
+  auto info = host.Create(spec);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int n = 3;
+  std::vector<WireInput> inputs;
+  for (int i = 0; i < n; ++i)
+    inputs.push_back(Encode(RandN({2 + i, 40}), DType::kF32, DType::kF32));
+  std::vector<const core::WireForwardRequest*> reqs;
+  for (const WireInput& w : inputs) reqs.push_back(&w.req);
+  const int64_t before = b->HostWaits();
+  const auto together = host.ForwardBatch(info->module_id, reqs);
+  for (const auto& r : together) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->batch_requests, n);
+    EXPECT_TRUE(r->has_layernorm_output);
+  }
+  EXPECT_EQ(b->HostWaits() - before, 2 * n);
 }
 
 // The reference backend whose ToWire throws once, on demand, as a device error would.
