@@ -81,7 +81,7 @@ class CopyLane {
   // host waits.
   void Download(void* host, const void* src, size_t n);
 
-  // The largest landing so far (bytes), for the backend's description and tests.
+  // The largest landing so far (bytes; tests).
   size_t landing_bytes() const;
 
  private:

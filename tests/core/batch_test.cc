@@ -453,53 +453,53 @@ TEST_F(BackwardBatchTest, ABatchWaitsOnlyForItsResultsCopies) {
   }
 }
 
-// The same for a batch of forwards, training and inference: one wait per request, for its
-// output's copy back (the first brings every amax read after it).
+// n F32 forwards of (rows + i) x in values, and the requests ForwardBatch takes (pointing into
+// `inputs`: not copied).
+struct ForwardRequests {
+  ForwardRequests(int n, int64_t rows, int64_t in, bool training) {
+    for (int i = 0; i < n; ++i) {
+      inputs.push_back(Encode(RandN({rows + i, in}), DType::kF32, DType::kF32));
+      inputs.back().req.training = training;
+    }
+    for (const WireInput& w : inputs) reqs.push_back(&w.req);
+  }
+  ForwardRequests(const ForwardRequests&) = delete;
+  ForwardRequests& operator=(const ForwardRequests&) = delete;
+  std::vector<WireInput> inputs;
+  std::vector<const core::WireForwardRequest*> reqs;
+};
+
+// The same for a batch of forwards, training and inference: one wait per result tensor, for its
+// copy back (the first brings every amax read after it): one per request, two when the module
+// returns its LayerNorm output.
 TEST(ForwardBatchWaits, ABatchWaitsOnlyForItsResultsCopies) {
   const auto b = std::make_shared<QueuedReadsBackend>();
   core::ModuleHost host(core::ContextLimits{}, nullptr, b);
+  const int n = 3;
+  auto expect_waits = [&](const core::ModuleSpec& spec, bool training, int per_request) {
+    auto info = host.Create(spec);
+    ASSERT_TRUE(info.ok()) << info.status();
+    const ForwardRequests f(n, 5, spec.in_features, training);
+    const int64_t before = b->HostWaits();
+    const auto together = host.ForwardBatch(info->module_id, f.reqs);
+    for (const auto& r : together) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->batch_requests, n);
+      EXPECT_EQ(r->has_layernorm_output, spec.return_layernorm_output);
+    }
+    EXPECT_EQ(b->HostWaits() - before, per_request * n);
+  };
   for (ModuleKind kind :
        {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
     for (bool training : {false, true}) {
       SCOPED_TRACE(std::string(core::ModuleKindName(kind)) + (training ? " training" : ""));
-      auto info = host.Create(MakeModuleSpec(kind, 40, 24, 56, 7));
-      ASSERT_TRUE(info.ok()) << info.status();
-      const int n = 3;
-      std::vector<WireInput> inputs;
-      for (int i = 0; i < n; ++i) {
-        inputs.push_back(Encode(RandN({5 + i, 40}), DType::kF32, DType::kF32));
-        inputs.back().req.training = training;
-      }
-      std::vector<const core::WireForwardRequest*> reqs;
-      for (const WireInput& w : inputs) reqs.push_back(&w.req);
-      const int64_t before = b->HostWaits();
-      const auto together = host.ForwardBatch(info->module_id, reqs);
-      for (const auto& r : together) {
-        ASSERT_TRUE(r.ok()) << r.status();
-        EXPECT_EQ(r->batch_requests, n);
-      }
-      EXPECT_EQ(b->HostWaits() - before, n);
+      expect_waits(MakeModuleSpec(kind, 40, 24, 56, 7), training, 1);
     }
   }
-  // A module that returns its LayerNorm output: two result tensors per request, two waits.
+  SCOPED_TRACE("LayerNormLinear returning its LayerNorm output");
   core::ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormLinear, 40, 24, 0, 8);
   spec.return_layernorm_output = true;
-  auto info = host.Create(spec);
-  ASSERT_TRUE(info.ok()) << info.status();
-  const int n = 3;
-  std::vector<WireInput> inputs;
-  for (int i = 0; i < n; ++i)
-    inputs.push_back(Encode(RandN({2 + i, 40}), DType::kF32, DType::kF32));
-  std::vector<const core::WireForwardRequest*> reqs;
-  for (const WireInput& w : inputs) reqs.push_back(&w.req);
-  const int64_t before = b->HostWaits();
-  const auto together = host.ForwardBatch(info->module_id, reqs);
-  for (const auto& r : together) {
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->batch_requests, n);
-    EXPECT_TRUE(r->has_layernorm_output);
-  }
-  EXPECT_EQ(b->HostWaits() - before, 2 * n);
+  expect_waits(spec, false, 2);
 }
 
 // The reference backend whose ToWire throws once, on demand, as a device error would.
@@ -525,15 +525,9 @@ TEST_F(BackwardBatchTest, ABatchWhoseEncodingFailsRunsItsRequestsAlone) {
   auto info = host.Create(MakeModuleSpec(ModuleKind::kLinear, 40, 24, 0, 7));
   ASSERT_TRUE(info.ok()) << info.status();
   const int n = 3;
-  std::vector<WireInput> inputs;
-  for (int i = 0; i < n; ++i) {
-    inputs.push_back(Encode(RandN({2 + i, 40}), DType::kF32, DType::kF32));
-    inputs.back().req.training = true;
-  }
-  std::vector<const core::WireForwardRequest*> freqs;
-  for (const WireInput& w : inputs) freqs.push_back(&w.req);
+  const ForwardRequests f(n, 2, 40, /*training=*/true);
   b->armed = true;
-  const auto forwards = host.ForwardBatch(info->module_id, freqs);
+  const auto forwards = host.ForwardBatch(info->module_id, f.reqs);
   EXPECT_FALSE(b->armed);
   std::vector<std::string> ids;
   for (const auto& r : forwards) {

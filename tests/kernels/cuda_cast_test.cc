@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -128,6 +129,22 @@ TEST_P(CudaCastTest, CastTransposeAmaxBitExact) {
   ExpectSameCast(cast.Result(), want);
 }
 
+// x truncated to bfloat16 (any bf16 pattern will do), as raw bits and as their exact fp32
+// widening.
+struct Bf16Values {
+  std::vector<uint16_t> bits;
+  std::vector<float> widened;
+};
+Bf16Values Bf16Of(const std::vector<float>& x) {
+  Bf16Values v{std::vector<uint16_t>(x.size()), std::vector<float>(x.size())};
+  for (size_t i = 0; i < x.size(); ++i) {
+    v.bits[i] = uint16_t(Bits(x[i]) >> 16);
+    const uint32_t w = uint32_t(v.bits[i]) << 16;
+    std::memcpy(&v.widened[i], &w, 4);
+  }
+  return v;
+}
+
 // A bfloat16 input: the reference cast of its exact fp32 widening, bit for bit, and (with dbias)
 // the widened values' column sums within fp32 rounding.
 TEST_P(CudaCastTest, CastTransposeBf16IsTheCastOfTheWidenedValues) {
@@ -136,13 +153,7 @@ TEST_P(CudaCastTest, CastTransposeBf16IsTheCastOfTheWidenedValues) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::vector<float> x = RandomNormal(shape.rows * shape.cols, seed, 3.0f);
-  std::vector<uint16_t> bf16(x.size());
-  std::vector<float> widened(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    bf16[i] = uint16_t(Bits(x[i]) >> 16);  // truncation: any bf16 pattern will do
-    const uint32_t w = uint32_t(bf16[i]) << 16;
-    std::memcpy(&widened[i], &w, 4);
-  }
+  const auto [bf16, widened] = Bf16Of(x);
   const float amax = kernels::Amax(widened.data(), int64_t(widened.size()));
   const float delayed_scale = ComputeScale(amax * 0.6f, format, 0);
   const int margin = current ? 1 : 0;
@@ -257,6 +268,13 @@ void ExpectCastOf(const std::vector<float>& y, int64_t rows, int64_t cols, const
 
 class CudaLayerNormTest : public ::testing::TestWithParam<std::tuple<Shape, bool>> {};
 
+// LayerNorm's gamma (around 1) and beta (around 0) for `cols` columns.
+std::pair<std::vector<float>, std::vector<float>> LayerNormParamsFor(int64_t cols, uint64_t seed) {
+  std::vector<float> gamma = RandomNormal(cols, seed, 0.5f, 1);
+  for (float& g : gamma) g += 1.0f;
+  return {gamma, RandomNormal(cols, seed, 0.5f, 2)};
+}
+
 TEST_P(CudaLayerNormTest, ForwardCastAndBackward) {
   GW_REQUIRE_CUDA_DEVICE();
   const auto [shape, current] = GetParam();
@@ -264,9 +282,7 @@ TEST_P(CudaLayerNormTest, ForwardCastAndBackward) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::vector<float> x = RandomNormal(n, seed, 2.0f, 0);
-  std::vector<float> gamma = RandomNormal(cols, seed, 0.5f, 1),
-                     beta = RandomNormal(cols, seed, 0.5f, 2);
-  for (float& g : gamma) g += 1.0f;
+  const auto [gamma, beta] = LayerNormParamsFor(cols, seed);
   const float eps = 1e-5f;
   for (bool zero_centered : {false, true}) {
     std::vector<float> y(static_cast<size_t>(n)), mu(static_cast<size_t>(rows)),
@@ -327,17 +343,8 @@ TEST_P(CudaLayerNormTest, Bf16IsTheFloat32FormOnTheWidenedValues) {
   const int64_t rows = shape.rows, cols = shape.cols, n = rows * cols;
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const std::vector<float> x = RandomNormal(n, seed, 2.0f, 0);
-  std::vector<uint16_t> bf16(x.size());
-  std::vector<float> widened(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    bf16[i] = uint16_t(Bits(x[i]) >> 16);
-    const uint32_t w = uint32_t(bf16[i]) << 16;
-    std::memcpy(&widened[i], &w, 4);
-  }
-  std::vector<float> gamma = RandomNormal(cols, seed, 0.5f, 1),
-                     beta = RandomNormal(cols, seed, 0.5f, 2);
-  for (float& g : gamma) g += 1.0f;
+  const auto [bf16, widened] = Bf16Of(RandomNormal(n, seed, 2.0f, 0));
+  const auto [gamma, beta] = LayerNormParamsFor(cols, seed);
   const float eps = 1e-5f;
   for (bool zero_centered : {false, true}) {
     DeviceBuffer<float> dwide(widened), dgamma_in(gamma), dbeta_in(beta);
