@@ -3,11 +3,14 @@
 # (scripts/lib/machine.py).
 #   scripts/bench-batch.sh [OUT_JSON, default docs/perf/batching.json] [seconds per run, default 5]
 # 1. Throughput: Linear 1024->1024 inference forwards of 1 row from 32 concurrent clients
-#    (gradwire-load -c 32), against servers with batching off (--cpu-gemm blas, the default, and
-#    ordered) and on (--max-batch-rows 256, --cpu-gemm ordered and blas, with and without a
-#    delay), and the empty-RPC rate of the same server (the ceiling of any forward rate).
+#    (gradwire-load -c 32), against the default server (the FP8 GEMM, batching on, no delay), the
+#    same with batching off (--max-batch-rows 0), with a 500 us batch delay, and on BLAS
+#    (--cpu-gemm blas, with and without batching: the earlier default was BLAS without), and the
+#    empty-RPC rate of the same server (the ceiling of any forward rate). Then a single client
+#    (-c 1) on the default server and with batching off: what batching costs a client alone.
 # 2. Training steps: the same Linear, 1-row training forwards each followed by its backward, from
-#    32 clients (gradwire-load --flow step), batching off and on (forwards and backwards batch).
+#    32 clients (gradwire-load --flow step), default and batching off (forwards and backwards
+#    batch).
 # 3. Fairness: two tenants of equal weight on one server, each with its own module; the light
 #    tenant (1 request in flight) alone, then next to the heavy one (32 in flight): its p99 both
 #    times; with batching on, on with --batch-yield true (batches yield to other clients' work),
@@ -47,24 +50,26 @@ load() {  # name, flags...
 
 echo "== throughput: Linear 1024->1024, 1 row, 32 clients, ${secs} s each"
 configs=(
-  "off-blas|"
-  "off-ordered|--cpu-gemm ordered"
-  "on-ordered|--cpu-gemm ordered --max-batch-rows 256"
-  "on-ordered-delay500|--cpu-gemm ordered --max-batch-rows 256 --batch-delay-us 500"
-  "on-blas|--max-batch-rows 256"
+  "default|"
+  "off|--max-batch-rows 0"
+  "default-delay500|--batch-delay-us 500"
+  "blas-off|--cpu-gemm blas --max-batch-rows 0"
+  "blas-on|--cpu-gemm blas"
 )
 for c in "${configs[@]}"; do
   name=${c%%|*}; flags=${c#*|}
   # shellcheck disable=SC2086
   start_server $flags
   load "$name" --flow forward --rows 1 -c 32
-  [ "$name" = off-ordered ] && load "empty-rpc" --flow empty -c 32
+  case "$name" in
+    default) load "empty-rpc" --flow empty -c 32; load "single-default" --flow forward --rows 1 -c 1 ;;
+    off) load "single-off" --flow forward --rows 1 -c 1 ;;
+  esac
   stop_server
 done
 
 echo "== training steps: Linear 1024->1024, 1 row, 32 clients (a forward and its backward each)"
-for c in "step-off-ordered|--cpu-gemm ordered" \
-         "step-on-ordered|--cpu-gemm ordered --max-batch-rows 256"; do
+for c in "step-off|--max-batch-rows 0" "step-default|"; do
   name=${c%%|*}; flags=${c#*|}
   # shellcheck disable=SC2086
   start_server $flags
@@ -80,10 +85,10 @@ printf 'heavy heavy-token-0123456789abcdef\nlight light-token-0123456789abcdef\n
 printf 'heavy-token-0123456789abcdef\n' > "$tmp/heavy.token"
 printf 'light-token-0123456789abcdef\n' > "$tmp/light.token"
 for mode in on on-yield off on-nice off-nice floor floor-nice; do
-  flags="--cpu-gemm ordered --tokens-file $tmp/tokens"
+  flags="--tokens-file $tmp/tokens"
   case "$mode" in
-    on | on-nice) flags="$flags --max-batch-rows 256" ;;
-    on-yield) flags="$flags --max-batch-rows 256 --batch-yield true" ;;
+    on-yield) flags="$flags --batch-yield true" ;;
+    off | off-nice) flags="$flags --max-batch-rows 0" ;;
   esac
   # *-nice: the heavy tenant's load tool at the lowest CPU priority, so that its own 32 client
   # threads take (almost) no CPU from the server and the light client: what is left of the light
@@ -120,33 +125,36 @@ def run(name):
     return {"requests_per_s": r["requests_per_s"], "p50_ms": r["latency"]["p50_ms"],
             "p99_ms": r["latency"]["p99_ms"], "codes": r["codes"],
             "batch_requests": r.get("batch_requests")}
-names = ["off-blas", "off-ordered", "on-ordered", "on-ordered-delay500", "on-blas", "empty-rpc"]
+names = ["default", "off", "default-delay500", "blas-off", "blas-on", "empty-rpc",
+         "single-default", "single-off"]
 tp = {n: run(n) for n in names}
 def ratio(a, b, key="requests_per_s"):
     return tp[a][key] / tp[b][key] if tp[b][key] else None
-steps = {n: run(n) for n in ["step-off-ordered", "step-on-ordered"]}
+steps = {n: run(n) for n in ["step-off", "step-default"]}
 fair = {m: {"light_alone": run(f"light-alone-{m}"), "light_beside_heavy": run(f"light-beside-heavy-{m}"),
             "heavy": run(f"heavy-{m}")}
         for m in ("on", "on-yield", "off", "on-nice", "off-nice", "floor", "floor-nice")}
 for m, f in fair.items():
     f["light_p99_ratio"] = f["light_beside_heavy"]["p99_ms"] / f["light_alone"]["p99_ms"]
 result = {
-    "benchmark": "dynamic batching: Linear 1024->1024, 1-row inference forwards",
+    "benchmark": "dynamic batching: Linear 1024->1024, 1-row inference forwards; 'default' is "
+                 "the server with no flags (FP8 GEMM, --max-batch-rows 256, no delay)",
     "command": f"scripts/bench-batch.sh {out} {secs}",
     "machine": machine.describe(),
     "throughput_32_clients": tp,
     "ratios": {
-        "rate_on_ordered_vs_off_blas": ratio("on-ordered", "off-blas"),
-        "rate_on_ordered_vs_off_ordered": ratio("on-ordered", "off-ordered"),
-        "rate_on_blas_vs_off_blas": ratio("on-blas", "off-blas"),
-        "p99_on_ordered_vs_off_blas": ratio("on-ordered", "off-blas", "p99_ms"),
-        "p99_on_ordered_vs_off_ordered": ratio("on-ordered", "off-ordered", "p99_ms"),
-        "rate_on_ordered_vs_empty_rpc": ratio("on-ordered", "empty-rpc"),
+        "rate_default_vs_blas_off (the earlier default)": ratio("default", "blas-off"),
+        "rate_default_vs_batching_off": ratio("default", "off"),
+        "rate_blas_on_vs_blas_off": ratio("blas-on", "blas-off"),
+        "p99_default_vs_blas_off": ratio("default", "blas-off", "p99_ms"),
+        "p99_default_vs_batching_off": ratio("default", "off", "p99_ms"),
+        "rate_default_vs_empty_rpc": ratio("default", "empty-rpc"),
+        "single_client_p50_default_vs_batching_off": ratio("single-default", "single-off", "p50_ms"),
     },
     "training_steps_32_clients": steps,
-    "steps_on_ordered_vs_off_ordered": {
-        "rate": steps["step-on-ordered"]["requests_per_s"] / steps["step-off-ordered"]["requests_per_s"],
-        "p99": steps["step-on-ordered"]["p99_ms"] / steps["step-off-ordered"]["p99_ms"],
+    "steps_default_vs_batching_off": {
+        "rate": steps["step-default"]["requests_per_s"] / steps["step-off"]["requests_per_s"],
+        "p99": steps["step-default"]["p99_ms"] / steps["step-off"]["p99_ms"],
     },
     "fairness_equal_weights": fair,
     # floor*: the heavy tenant's calls are empty RPCs that never reach the executor, so these
@@ -157,8 +165,8 @@ result = {
 os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 json.dump(result, open(out, "w"), indent=2)
 print("\nratios:", json.dumps(result["ratios"], indent=1))
-print("training steps, batching on vs off (ordered):",
-      json.dumps(result["steps_on_ordered_vs_off_ordered"]))
+print("training steps, default (batching on) vs batching off:",
+      json.dumps(result["steps_default_vs_batching_off"]))
 for m, f in fair.items():
     print(f"fairness, batching {m}: light p99 alone {f['light_alone']['p99_ms']:.3f} ms, "
           f"beside heavy {f['light_beside_heavy']['p99_ms']:.3f} ms: x{f['light_p99_ratio']:.2f}")

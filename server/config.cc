@@ -237,15 +237,17 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
   app.add_option("--cpu-gemm", config.cpu_gemm,
-                 "the CPU backend's forward and input-gradient GEMMs: blas (the fastest on large "
-                 "products) or ordered (the reference backend's arithmetic, bit for bit: a row's "
-                 "result never depends on the other rows in the call)")
+                 "the CPU backend's three GEMMs (forward, input and weight gradients): ordered "
+                 "(the FP8 GEMM: register-tiled, the reference backend's arithmetic bit for bit, "
+                 "a row's result never depends on the other rows in the call, so a batch is one "
+                 "GEMM) or blas (the process's BLAS on the decoded operands, for comparison)")
       ->check(CLI::IsMember({"blas", "ordered"}))
       ->capture_default_str();
   app.add_option("--max-batch-rows", config.max_batch_rows,
                  "dynamic batching: forwards of one module, and backwards of one module's "
                  "contexts, waiting for the device run as one backend call over up to this many "
-                 "rows in all (0 or 1: off). Every request still gets exactly the bits it gets "
+                 "rows in all (0 or 1: off). A batch takes whoever is already waiting (no delay "
+                 "unless --batch-delay-us). Every request still gets exactly the bits it gets "
                  "alone or in sequence (docs/batching.md); with --cpu-gemm ordered a batch is one "
                  "GEMM, with blas one GEMM per request")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20))

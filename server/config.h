@@ -53,8 +53,8 @@ struct ServerConfig {
   // copies); core/staged_copy.h.
   int cuda_staging_mib = 0;
   std::string cpu_gemm_threads = "pool";  // who splits the CPU GEMMs: "pool" or "blas"
-  std::string cpu_gemm = "blas";          // the CPU GEMMs: "blas" or "ordered" (core/cpu_gemm.h)
-  int64_t max_batch_rows = 0;             // dynamic batching of inference forwards; <= 1: off
+  std::string cpu_gemm = "ordered";       // the CPU GEMMs: "ordered" or "blas" (core/cpu_gemm.h)
+  int64_t max_batch_rows = 256;           // dynamic batching (forwards, backwards); <= 1: off
   int64_t batch_delay_us = 0;             // the longest a batch waits for company
   bool batch_yield = false;               // a running batch yields to other clients' work
   int chunk_kib = 4096;                   // chunks of the chunked calls, sent and accepted

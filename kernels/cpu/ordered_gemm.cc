@@ -1,9 +1,12 @@
-// The row-invariant GEMM's entry point and its baseline copy (the build's default instruction
+// The FP8 GEMM's entry point, its packing and its baseline copy (the build's default instruction
 // set), dispatching to the widest copy the running CPU supports.
 #include "gradwire/kernels/cpu/ordered_gemm.h"
 
+#include <new>
 #include <stdexcept>
+#include <string>
 
+#include "gradwire/kernels/cpu/scratch.h"
 #include "ordered_gemm_impl.h"
 
 namespace gradwire::kernels::cpu {
@@ -13,15 +16,84 @@ void OrderedGemmAvx512(const OrderedGemmArgs& g);
 void OrderedGemmAvx2(const OrderedGemmArgs& g);
 #endif
 
+namespace {
+
+int64_t Panels(int64_t n) { return (n + kPanelWidth - 1) / kPanelWidth; }
+
+// Packs B through `value(j, k)` (B's element at column j of C, depth k), a panel per range of
+// the pool; the columns past n are zero.
+template <typename Value>
+void Pack(int64_t n, int64_t k, float* out, const Value& value) {
+  const int64_t panels = Panels(n);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k * 16));
+  ParallelFor(panels, grain, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      float* panel = out + q * k * kPanelWidth;
+      const int64_t j0 = q * kPanelWidth;
+      const int64_t width = std::min<int64_t>(kPanelWidth, n - j0);
+      for (int64_t d = 0; d < k; ++d) {
+        float* row = panel + d * kPanelWidth;
+        for (int64_t jj = 0; jj < width; ++jj) row[jj] = value(j0 + jj, d);
+        for (int64_t jj = width; jj < kPanelWidth; ++jj) row[jj] = 0.0f;
+      }
+    }
+  });
+}
+
+// k == 0: every sum is +0, and C gets the epilogue alone.
+void EmptySums(const OrderedGemmArgs& g) {
+  for (int64_t i = 0; i < g.m; ++i) {
+    float* crow = g.c + i * g.ldc;
+    const float scale = g.row_scale != nullptr ? g.row_scale[i] : g.scale;
+    for (int64_t j = 0; j < g.b.n; ++j) {
+      float value = 0.0f * scale;
+      if (g.bias != nullptr) value += g.bias[j];
+      crow[j] = g.accumulate ? crow[j] + value : value;
+    }
+  }
+}
+
+}  // namespace
+
+int64_t PanelFloats(int64_t n, int64_t k) { return Panels(n) * kPanelWidth * k; }
+
+void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, float* out) {
+  if (n_major) {
+    Pack(n, k, out, [&](int64_t j, int64_t d) { return b[j * ld + d]; });
+  } else {
+    Pack(n, k, out, [&](int64_t j, int64_t d) { return b[d * ld + j]; });
+  }
+}
+
+void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k,
+                         bool n_major, float* out) {
+  const float* table = DecodeTable(format);
+  if (n_major) {
+    Pack(n, k, out, [&](int64_t j, int64_t d) { return table[codes[j * k + d]]; });
+  } else {
+    Pack(n, k, out, [&](int64_t j, int64_t d) { return table[codes[d * n + j]]; });
+  }
+}
+
+GemmPanels::GemmPanels(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major)
+    : n_(n), k_(k), data_(nullptr) {
+  data_ = static_cast<float*>(AllocateHostBuffer(size_t(PanelFloats(n, k)) * sizeof(float)));
+  if (data_ == nullptr) throw std::bad_alloc();
+  PackPanelsFromCodes(codes, format, n, k, n_major, data_);
+}
+
+GemmPanels::~GemmPanels() { FreeHostBuffer(data_); }
+
 bool OrderedGemmCopySupported(OrderedGemmCopy copy) {
   switch (copy) {
     case OrderedGemmCopy::kBaseline:
       return true;
 #if defined(GRADWIRE_ORDERED_GEMM_X86)
     case OrderedGemmCopy::kAvx2:
-      return __builtin_cpu_supports("avx2");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case OrderedGemmCopy::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("fma");
 #endif
     default:
       return false;
@@ -52,7 +124,8 @@ void OrderedGemmUsing(OrderedGemmCopy copy, const OrderedGemmArgs& g) {
     throw std::invalid_argument(std::string("OrderedGemm: the ") + OrderedGemmCopyName(copy) +
                                 " copy is not available on this build or CPU");
   }
-  if (g.m <= 0 || g.n <= 0) return;
+  if (g.m <= 0 || g.b.n <= 0) return;
+  if (g.b.k <= 0) return EmptySums(g);
   switch (copy) {
 #if defined(GRADWIRE_ORDERED_GEMM_X86)
     case OrderedGemmCopy::kAvx512:
@@ -63,7 +136,8 @@ void OrderedGemmUsing(OrderedGemmCopy copy, const OrderedGemmArgs& g) {
       return;
 #endif
     default:
-      Split<2, 2>(g);
+      // SSE2: 16 xmm registers, two per V8: 4 V8 of sums, a panel row of B and a broadcast.
+      Kernel<4, 2>::Run(g);
   }
 }
 

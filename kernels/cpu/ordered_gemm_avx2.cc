@@ -1,6 +1,7 @@
-// The AVX2 copy of the row-invariant GEMM (compiled with -mavx2; called only on CPUs that have it).
+// The AVX2 copy of the FP8 GEMM (compiled with -mavx2 -mfma; called only on CPUs that have both):
+// 12 ymm registers of sums, a main tile of 6 rows x 16 columns.
 #include "ordered_gemm_impl.h"
 
 namespace gradwire::kernels::cpu {
-void OrderedGemmAvx2(const OrderedGemmArgs& g) { Split<2, 4>(g); }
+void OrderedGemmAvx2(const OrderedGemmArgs& g) { Kernel<12, 6>::Run(g); }
 }  // namespace gradwire::kernels::cpu

@@ -111,7 +111,7 @@ class Backend {
   // Decodes one stored copy back to fp32 (rowwise: [rows, cols]; else [cols, rows]).
   virtual at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const = 0;
   // Called once on each weight of a new workspace (per weight version): a backend may attach
-  // what its GEMMs read per call (the CPU backend's decoded copies).
+  // what its GEMMs read per call (the CPU backend's packed panels).
   virtual void PrepareWeight(Fp8Tensor& w) const { (void)w; }
 
   // x may be bfloat16 in these and in LayerNormCast (a LayerNorm kind's bf16 input, kept as it

@@ -1,9 +1,8 @@
 // The CPU backend, what --device cpu runs: kernels/cpu's threaded, vectorised casts, LayerNorm,
-// activations, accumulations and wire conversions (the reference's bits), and the GEMMs on the
-// process's BLAS (OpenBLAS on Debian) over the decoded FP8 operands, split over the same pool.
-// FP8 x FP8 products are exact in fp32, so only the accumulation order differs from the
-// reference (reference_backend.cc), within the fp32 accumulation bound. It derives from the
-// reference backend for what it does not replace (host tensors in and out, the dequantize).
+// activations, accumulations and wire conversions (the reference's bits), and the three GEMMs on
+// the FP8 GEMM of kernels/cpu/ordered_gemm.h, which also gives the reference's bits (or on the
+// process's BLAS with --cpu-gemm blas: cpu_gemm.h). It derives from the reference backend for
+// what it does not replace (host tensors in and out, the dequantize).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -29,29 +28,43 @@
 namespace gradwire::core {
 namespace {
 
-// The decoded floats (codes without the scale, in storage order) of one stored copy: the copy a
-// workspace weight carries, else a scratch lease decoded now.
-struct Decoded {
-  const float* data = nullptr;
+// The decoded floats (codes without the scale, in storage order) of one stored copy, in scratch.
+kernels::cpu::Scratch Decode(const at::Tensor& codes, kernels::Fp8Format format) {
+  kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(codes.numel()) * sizeof(float));
+  kernels::cpu::DecodeCodes(codes.data_ptr<uint8_t>(), codes.numel(), format, out.floats());
+  return out;
+}
+
+// The B operand of an FP8 GEMM, packed (kernels/cpu/ordered_gemm.h): a weight's panels from its
+// workspace, else packed now into scratch.
+struct Panels {
+  kernels::cpu::PanelsView view;
   kernels::cpu::Scratch lease;
 };
 
-Decoded Decode(const at::Tensor& codes, const std::shared_ptr<const std::vector<float>>& cached,
-               kernels::Fp8Format format) {
-  Decoded d;
-  if (cached && int64_t(cached->size()) == codes.numel()) {
-    d.data = cached->data();  // the caller's Fp8Tensor keeps it alive for the call
-    return d;
-  }
-  d.lease = kernels::cpu::TakeScratch(size_t(codes.numel()) * sizeof(float));
-  kernels::cpu::DecodeCodes(codes.data_ptr<uint8_t>(), codes.numel(), format, d.lease.floats());
-  d.data = d.lease.floats();
-  return d;
+// Packs B [n, k] from stored codes: `n_major` when the codes are stored [n, k], else [k, n].
+Panels PackNow(const at::Tensor& codes, kernels::Fp8Format format, int64_t n, int64_t k,
+               bool n_major) {
+  Panels p;
+  p.lease = kernels::cpu::TakeScratch(size_t(kernels::cpu::PanelFloats(n, k)) * sizeof(float));
+  kernels::cpu::PackPanelsFromCodes(codes.data_ptr<uint8_t>(), format, n, k, n_major,
+                                    p.lease.floats());
+  p.view = {n, k, p.lease.floats()};
+  return p;
 }
 
-Decoded DecodeRowwise(const Fp8Tensor& t) { return Decode(t.rowwise, t.rowwise_decoded, t.format); }
-Decoded DecodeColumnwise(const Fp8Tensor& t) {
-  return Decode(t.columnwise, t.columnwise_decoded, t.format);
+// W [N, K] as the forward's B (n = N, k = K): its rows are B's.
+Panels FpropPanels(const Fp8Tensor& w) {
+  if (w.fprop_panels) return {w.fprop_panels->view(), {}};
+  if (w.has_rowwise()) return PackNow(w.rowwise, w.format, w.rows, w.cols, true);
+  return PackNow(w.columnwise, w.format, w.rows, w.cols, false);
+}
+
+// W^T [K, N] as the input gradient's B (n = K, k = N): the columnwise copy's rows are B's.
+Panels DgradPanels(const Fp8Tensor& w) {
+  if (w.dgrad_panels) return {w.dgrad_panels->view(), {}};
+  if (w.has_columnwise()) return PackNow(w.columnwise, w.format, w.cols, w.rows, true);
+  return PackNow(w.rowwise, w.format, w.cols, w.rows, false);
 }
 
 // C[m, n] = alpha * op(A) . op(B) + beta * C, row-major (see kernels/cpu/blas.h), on the BLAS the
@@ -67,41 +80,30 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
   tc.addmm_(trans_a ? ta.t() : ta, trans_b ? tb.t() : tb, beta, alpha);
 }
 
-std::atomic<CpuGemm> g_cpu_gemm{CpuGemm::kBlas};
+std::atomic<CpuGemm> g_cpu_gemm{CpuGemm::kOrdered};
 
-// C[m, n] = (A[m, k] . B[n, k]^T) * scale (+ bias) on the row-invariant GEMM (cpu_gemm.h); with
-// row_scale, row i takes row_scale[i] instead of scale.
-void Ordered(int64_t m, int64_t n, int64_t k, float scale, const float* a, const float* b,
-             const float* bias, float* c, const float* row_scale = nullptr) {
+// C[m, n] (+)= (A[m, k] . B^T) * scale (+ bias) on the FP8 GEMM (cpu_gemm.h), A from its FP8
+// codes (decoded as the GEMM packs them); with row_scale, row i takes row_scale[i] instead of
+// scale.
+// A_decoded, when set, is A already decoded to floats (a_codes is then ignored).
+void Ordered(int64_t m, float scale, const uint8_t* a_codes, kernels::Fp8Format a_format,
+             const kernels::cpu::PanelsView& b, const float* bias, float* c,
+             const float* row_scale = nullptr, bool accumulate = false,
+             const float* a_decoded = nullptr) {
   kernels::cpu::OrderedGemmArgs g;
-  g.row_scale = row_scale;
   g.m = m;
-  g.n = n;
-  g.k = k;
-  g.a = a;
-  g.lda = k;
+  g.a = a_decoded;
+  g.a_codes = a_decoded != nullptr ? nullptr : a_codes;
+  g.a_format = a_format;
+  g.lda = b.k;
   g.b = b;
-  g.ldb = k;
   g.scale = scale;
+  g.row_scale = row_scale;
   g.bias = bias;
+  g.accumulate = accumulate;
   g.c = c;
-  g.ldc = n;
+  g.ldc = b.n;
   kernels::cpu::OrderedGemm(g);
-}
-
-// out[cols, rows] = in[rows, cols]^T, in tiles that stay in cache.
-void Transpose(const float* in, int64_t rows, int64_t cols, float* out) {
-  constexpr int64_t kTile = 32;
-  kernels::cpu::ParallelFor((rows + kTile - 1) / kTile, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t r0 = t0 * kTile; r0 < std::min(rows, t1 * kTile); r0 += kTile) {
-      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-        for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r) {
-          for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c)
-            out[c * rows + r] = in[r * cols + c];
-        }
-      }
-    }
-  });
 }
 
 // Times one GEMM into the FP8 GEMM counters (metrics).
@@ -146,15 +148,16 @@ class CpuBackend final : public ReferenceBackend {
 
   std::string Describe() const override {
     const bool pool = kernels::cpu::GetGemmThreads() == kernels::cpu::GemmThreads::kPool;
-    return "host CPU, FP8 casts and loops on " + std::to_string(kernels::cpu::Threads()) +
-           " threads, GEMMs on " + kernels::cpu::BlasDescription() +
-           (pool ? " (split over the same threads)" : " (its own threads)") +
-           (GetCpuGemm() == CpuGemm::kOrdered
-                ? "; forward and input-gradient GEMMs row-invariant (" +
-                      std::string(
-                          kernels::cpu::OrderedGemmCopyName(kernels::cpu::OrderedGemmBestCopy())) +
-                      ")"
-                : "");
+    const std::string threads = std::to_string(kernels::cpu::Threads()) + " threads";
+    if (GetCpuGemm() == CpuGemm::kOrdered) {
+      return "host CPU, FP8 casts and loops on " + threads +
+             ", GEMMs on the row-invariant FP8 GEMM (" +
+             kernels::cpu::OrderedGemmCopyName(kernels::cpu::OrderedGemmBestCopy()) +
+             " micro-kernel, bit for bit the reference GEMM) on the same threads";
+    }
+    return "host CPU, FP8 casts and loops on " + threads + ", GEMMs on " +
+           kernels::cpu::BlasDescription() +
+           (pool ? " (split over the same threads)" : " (its own threads)");
   }
 
   // The reference cast's codes, scale, scale_inv and amax bit for bit (kernels/cpu/cast.h; the
@@ -272,15 +275,19 @@ class CpuBackend final : public ReferenceBackend {
     return encoded;
   }
 
+  // A weight's GEMM panels, once per weight version: W for the forward, and W^T for the input
+  // gradient when the workspace is built for training. Under --cpu-gemm blas nothing is kept
+  // (each GEMM decodes what it reads).
   void PrepareWeight(Fp8Tensor& w) const override {
-    auto decode = [&](const at::Tensor& codes) -> std::shared_ptr<const std::vector<float>> {
-      if (!codes.defined()) return nullptr;
-      auto out = std::make_shared<std::vector<float>>(size_t(codes.numel()));
-      kernels::cpu::DecodeCodes(codes.data_ptr<uint8_t>(), codes.numel(), w.format, out->data());
-      return out;
-    };
-    w.rowwise_decoded = decode(w.rowwise);
-    w.columnwise_decoded = decode(w.columnwise);
+    if (GetCpuGemm() != CpuGemm::kOrdered) return;
+    if (w.has_rowwise()) {
+      w.fprop_panels = std::make_shared<const kernels::cpu::GemmPanels>(
+          w.rowwise.data_ptr<uint8_t>(), w.format, w.rows, w.cols, true);
+    }
+    if (w.has_columnwise()) {
+      w.dgrad_panels = std::make_shared<const kernels::cpu::GemmPanels>(
+          w.columnwise.data_ptr<uint8_t>(), w.format, w.cols, w.rows, true);
+    }
   }
 
   // A bf16 x is widened first (threaded, exact).
@@ -321,120 +328,113 @@ class CpuBackend final : public ReferenceBackend {
     return din;
   }
 
-  // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias): the bias is the sum's first term.
+  // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias).
   at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
-    const Decoded a = DecodeRowwise(x), b = DecodeRowwise(w);
     at::Tensor y = Empty({x.rows, w.rows});
-    if (GetCpuGemm() == CpuGemm::kOrdered) {  // the reference's arithmetic: bias added last
-      Ordered(x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.data, b.data,
-              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+    const float* bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (GetCpuGemm() == CpuGemm::kOrdered) {  // the reference's arithmetic
+      const Panels b = FpropPanels(w);
+      Ordered(x.rows, x.scale_inv() * w.scale_inv(), x.rowwise.data_ptr<uint8_t>(), x.format,
+              b.view, bias_data, y.data_ptr<float>());
       return y;
     }
-    if (bias.defined()) {
-      kernels::cpu::FillRows(bias.data_ptr<float>(), x.rows, w.rows, y.data_ptr<float>());
-    }
-    Gemm(false, true, x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.data, b.data,
-         bias.defined() ? 1.0f : 0.0f, y.data_ptr<float>());
+    const kernels::cpu::Scratch a = Decode(x.rowwise, x.format);
+    if (bias_data != nullptr) kernels::cpu::FillRows(bias_data, x.rows, w.rows, y.data_ptr<float>());
+    const bool rowwise = w.has_rowwise();
+    const kernels::cpu::Scratch b = Decode(rowwise ? w.rowwise : w.columnwise, w.format);
+    Gemm(false, rowwise, x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.floats(),
+         b.floats(), bias_data != nullptr ? 1.0f : 0.0f, y.data_ptr<float>());
     return y;
   }
-  // A batch's rows in one GEMM when the GEMM is the row-invariant one: each group's codes decoded
-  // into its rows of one operand, each row scaled by its group's scale_inv. Row-invariance makes
-  // every row the bits of its group's Fprop alone; BLAS is not row-invariant, so under it each
-  // group runs its own Fprop (the default).
+  // A batch's rows in one GEMM: each group's codes decoded into its rows of one operand, each
+  // row scaled by its group's scale_inv. Row-invariance makes every row the bits of its group's
+  // Fprop alone; BLAS is not row-invariant, so under it each group runs its own Fprop.
   at::Tensor FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
                          const at::Tensor& bias) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::FpropGroups(x, w, bias);
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
-    const Decoded b = DecodeRowwise(w);
-    const GroupedRows a = DecodeGroups(x, w.scale_inv());
+    const Panels b = FpropPanels(w);
+    const GroupedRows a = StackGroups(x, w.scale_inv());
     at::Tensor y = Empty({x.rows, w.rows});
-    Ordered(x.rows, w.rows, x.cols, 1.0f, a.codes.floats(), b.data,
+    Ordered(x.rows, 1.0f, a.codes(), x.format, b.view,
             bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-            a.row_scale.data());
+            a.row_scale.data(), false, a.decoded());
     return y;
   }
-  // The A operand of a batch's ordered GEMM: each group's codes decoded into its rows of one
-  // scratch operand, and each row's scale (its group's scale_inv x the other operand's), which
+  // The A operand of a batch's GEMM: each group's codes copied into its rows of one scratch
+  // operand (decoded to floats instead when the groups' formats differ: FP8 inputs that came in
+  // both wire formats), and each row's scale (its group's scale_inv x the other operand's), which
   // is the scalar the group's own GEMM would use.
   struct GroupedRows {
-    kernels::cpu::Scratch codes;
+    kernels::cpu::Scratch rows;
+    bool is_decoded = false;
     std::vector<float> row_scale;
+    const uint8_t* codes() const { return static_cast<const uint8_t*>(rows.data()); }
+    const float* decoded() const { return is_decoded ? rows.floats() : nullptr; }
   };
-  static GroupedRows DecodeGroups(const Fp8Tensor& x, float other_scale_inv) {
+  static GroupedRows StackGroups(const Fp8Tensor& x, float other_scale_inv) {
     GroupedRows out;
-    out.codes = kernels::cpu::TakeScratch(size_t(x.rows * x.cols) * sizeof(float));
+    for (const Fp8Tensor& g : x.groups) out.is_decoded |= g.format != x.format;
+    out.rows = kernels::cpu::TakeScratch(size_t(x.rows * x.cols) * (out.is_decoded ? 4 : 1));
     out.row_scale.reserve(size_t(x.rows));
     int64_t row = 0;
     for (const Fp8Tensor& g : x.groups) {
-      kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
-                                out.codes.floats() + row * x.cols);
+      if (out.is_decoded) {
+        kernels::cpu::DecodeCodes(g.rowwise.data_ptr<uint8_t>(), g.rows * g.cols, g.format,
+                                  out.rows.floats() + row * x.cols);
+      } else {
+        std::memcpy(static_cast<uint8_t*>(out.rows.data()) + row * x.cols,
+                    g.rowwise.data_ptr<uint8_t>(), size_t(g.rows * g.cols));
+      }
       out.row_scale.insert(out.row_scale.end(), size_t(g.rows), g.scale_inv() * other_scale_inv);
       row += g.rows;
     }
     return out;
   }
-  // What the ordered GEMM reads as B for a dgrad: W^T [K, N], the columnwise copy, else W's rows
-  // transposed into scratch.
-  static Decoded OrderedDgradOperand(const Fp8Tensor& w) {
-    Decoded bt;
-    if (w.has_columnwise()) return DecodeColumnwise(w);
-    Decoded rows;
-    if (!w.has_rowwise() && w.rowwise_decoded &&
-        int64_t(w.rowwise_decoded->size()) == w.rows * w.cols) {
-      rows.data = w.rowwise_decoded->data();
-    } else {
-      rows = DecodeRowwise(w);
-    }
-    bt.lease = kernels::cpu::TakeScratch(size_t(w.rows * w.cols) * sizeof(float));
-    Transpose(rows.data, w.rows, w.cols, bt.lease.floats());
-    bt.data = bt.lease.floats();
-    return bt;
-  }
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
-    const Decoded a = DecodeRowwise(dy);
     at::Tensor dx = Empty({dy.rows, w.cols});
     if (GetCpuGemm() == CpuGemm::kOrdered) {
-      const Decoded bt = OrderedDgradOperand(w);
-      Ordered(dy.rows, w.cols, dy.cols, dy.scale_inv() * w.scale_inv(), a.data, bt.data, nullptr,
-              dx.data_ptr<float>());
+      const Panels b = DgradPanels(w);
+      Ordered(dy.rows, dy.scale_inv() * w.scale_inv(), dy.rowwise.data_ptr<uint8_t>(), dy.format,
+              b.view, nullptr, dx.data_ptr<float>());
       return dx;
     }
-    // W [N, K] rowwise: from its codes, or from the decoded copy a pinned backward weight still
-    // reaches while its version is cached; else W^T [K, N], a transposed operand (slower to
-    // pack for BLAS).
-    Decoded b;
-    bool rowwise = true;
-    if (w.has_rowwise()) {
-      b = DecodeRowwise(w);
-    } else if (w.rowwise_decoded && int64_t(w.rowwise_decoded->size()) == w.rows * w.cols) {
-      b.data = w.rowwise_decoded->data();
-    } else {
-      b = DecodeColumnwise(w);
-      rowwise = false;
-    }
-    Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv() * w.scale_inv(), a.data, b.data,
-         0.0f, dx.data_ptr<float>());
+    const kernels::cpu::Scratch a = Decode(dy.rowwise, dy.format);
+    // W [N, K] rowwise when it has it, else W^T [K, N] as a transposed operand.
+    const bool rowwise = w.has_rowwise();
+    const kernels::cpu::Scratch b = Decode(rowwise ? w.rowwise : w.columnwise, w.format);
+    Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv() * w.scale_inv(), a.floats(),
+         b.floats(), 0.0f, dx.data_ptr<float>());
     return dx;
   }
-  // A batch of backwards in one dgrad GEMM under the row-invariant GEMM, as FpropGroups does.
+  // A batch of backwards in one input-gradient GEMM, as FpropGroups does.
   at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::DgradGroups(dy, w);
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
-    const Decoded bt = OrderedDgradOperand(w);
-    const GroupedRows a = DecodeGroups(dy, w.scale_inv());
+    const Panels b = DgradPanels(w);
+    const GroupedRows a = StackGroups(dy, w.scale_inv());
     at::Tensor dx = Empty({dy.rows, w.cols});
-    Ordered(dy.rows, w.cols, dy.cols, 1.0f, a.codes.floats(), bt.data, nullptr,
-            dx.data_ptr<float>(), a.row_scale.data());
+    Ordered(dy.rows, 1.0f, a.codes(), dy.format, b.view, nullptr, dx.data_ptr<float>(),
+            a.row_scale.data(), false, a.decoded());
     return dx;
   }
+  // acc[N, K] (+)= dY^T [N, M] . X [M, K]: A is dY's columnwise copy, B is X^T (n = K, k = M),
+  // packed from X's columnwise copy.
   void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
              bool accumulate) const override {
     GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
-    const Decoded a = DecodeColumnwise(dy), b = DecodeColumnwise(x);  // dY^T [N, M], X^T [K, M]
-    Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv() * x.scale_inv(), a.data, b.data,
-         accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
+    if (GetCpuGemm() == CpuGemm::kOrdered) {  // A: dY^T [N, M], dy's columnwise codes
+      const Panels b = PackNow(x.columnwise, x.format, x.cols, x.rows, true);
+      Ordered(dy.cols, dy.scale_inv() * x.scale_inv(), dy.columnwise.data_ptr<uint8_t>(),
+              dy.format, b.view, nullptr, acc.data_ptr<float>(), nullptr, accumulate);
+      return;
+    }
+    const kernels::cpu::Scratch a = Decode(dy.columnwise, dy.format);  // dY^T [N, M]
+    const kernels::cpu::Scratch b = Decode(x.columnwise, x.format);  // X^T [K, M]
+    Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv() * x.scale_inv(), a.floats(),
+         b.floats(), accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
   }
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
     if (g.scalar_type() == at::kBFloat16) {

@@ -1,14 +1,14 @@
-// Which GEMM the CPU backend's forward and input-gradient products run on.
+// Which GEMM the CPU backend's three products (forward, input gradient, weight gradient) run on.
 //
-//   kBlas     the process's BLAS (kernels/cpu/blas.h): the fastest on large products; a row's
-//             result may depend on the other rows in the call (BLAS picks its kernels and
-//             blocking by shape).
-//   kOrdered  the row-invariant GEMM (kernels/cpu/ordered_gemm.h): every element computed with
-//             the reference backend's arithmetic, so Fprop and Dgrad give the reference backend's
-//             bits, and a row's result never depends on which rows share the call. What dynamic
-//             batching needs to be exact; slower than BLAS on large products.
+//   kOrdered  the default: the FP8 GEMM (kernels/cpu/ordered_gemm.h), register-tiled, each
+//             element computed with the reference backend's arithmetic. The CPU backend then
+//             gives the reference backend's bits for every product, and a row's result never
+//             depends on which rows share the call, which is what makes dynamic batching exact.
+//             A weight's packed panels are built once per weight version (PrepareWeight).
+//   kBlas     the process's BLAS (kernels/cpu/blas.h) on the decoded operands, for comparison
+//             (--cpu-gemm blas): a row's result may depend on the other rows in the call (BLAS
+//             picks its kernels and blocking by shape), so batches run one GEMM per request.
 //
-// Weight gradients stay on BLAS either way (a weight gradient sums over all rows).
 // gradwire-server sets this from --cpu-gemm at start.
 #pragma once
 

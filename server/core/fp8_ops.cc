@@ -31,12 +31,7 @@ WorkspacePtr PinForBackward(const WorkspacePtr& ws, bool needs_rowwise) {
 
 Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i) {
   Fp8Tensor w = ws.weights.at(i);
-  if (!w.columnwise_decoded && i < ws.columnwise_decoded.size()) {
-    w.columnwise_decoded = ws.columnwise_decoded[i].lock();
-  }
-  if (!w.rowwise_decoded && i < ws.rowwise_decoded.size()) {
-    w.rowwise_decoded = ws.rowwise_decoded[i].lock();
-  }
+  if (!w.dgrad_panels && i < ws.dgrad_panels.size()) w.dgrad_panels = ws.dgrad_panels[i].lock();
   return w;
 }
 
@@ -174,10 +169,9 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
     for (const Fp8Tensor& w : ws->weights) {
       Fp8Tensor c = w;
       c.rowwise = at::Tensor();
-      c.rowwise_decoded = nullptr;
-      c.columnwise_decoded = nullptr;
-      slim->columnwise_decoded.push_back(w.columnwise_decoded);
-      slim->rowwise_decoded.push_back(w.rowwise_decoded);
+      c.fprop_panels = nullptr;
+      c.dgrad_panels = nullptr;
+      slim->dgrad_panels.push_back(w.dgrad_panels);
       slim->weights.push_back(std::move(c));
     }
     ws->for_backward = std::move(slim);

@@ -27,13 +27,11 @@ struct WeightWorkspace {
   // On a workspace built for training: the part of it a saved context keeps (see
   // PinForBackward). It shares the columnwise codes and aux and holds nothing else, so a weight
   // version that only contexts still use costs one byte per weight instead of the whole
-  // workspace (rowwise codes and, on the reference backend, two decoded float copies).
+  // workspace (rowwise codes and, on the CPU backend, two packed float copies).
   std::shared_ptr<const WeightWorkspace> for_backward;
-  // On that slim part: the full workspace's decoded copies, held weakly. A backward reads them
-  // while the version is still cached (the rowwise one lets the CPU backend's dgrad run without a
-  // transposed operand); after that the GEMM decodes the codes itself.
-  std::vector<std::weak_ptr<const std::vector<float>>> columnwise_decoded;
-  std::vector<std::weak_ptr<const std::vector<float>>> rowwise_decoded;
+  // On that slim part: the full workspace's input-gradient panels (CPU backend), held weakly. A
+  // backward reads them while the version is still cached; after that it packs W^T itself.
+  std::vector<std::weak_ptr<const kernels::cpu::GemmPanels>> dgrad_panels;
   bool has_columnwise() const;
   // FP8 codes and aux bytes: what the workspace holds on the device.
   int64_t bytes() const;
@@ -45,7 +43,7 @@ using WorkspacePtr = std::shared_ptr<const WeightWorkspace>;
 // has no slim part.
 WorkspacePtr PinForBackward(const WorkspacePtr& ws, bool needs_rowwise = false);
 
-// Weight `i` of a pinned workspace as a backward reads it: the codes, with the decoded copies
+// Weight `i` of a pinned workspace as a backward reads it: the codes, with the packed panels
 // that are still alive.
 Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i);
 

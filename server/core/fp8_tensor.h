@@ -13,6 +13,10 @@
 
 #include "gradwire/kernels/fp8.h"
 
+namespace gradwire::kernels::cpu {
+class GemmPanels;
+}
+
 namespace gradwire::core {
 
 // One cast's scale, scale_inv and amax as the host sees them. The host backends set them as they
@@ -52,11 +56,11 @@ struct Fp8Tensor {
   float amax() const { return scalars.amax(); }
   int64_t rows = 0;
   int64_t cols = 0;
-  // Optional decoded copies (codes as floats, without the scale, in storage order) that the
-  // reference GEMM reads instead of decoding per call: the weight workspace fills them once per
-  // weight version. Empty for activations.
-  std::shared_ptr<const std::vector<float>> rowwise_decoded;
-  std::shared_ptr<const std::vector<float>> columnwise_decoded;
+  // The CPU backend's packed GEMM operands of a weight (kernels/cpu/ordered_gemm.h), built once
+  // per weight version by Backend::PrepareWeight: W's rows for the forward, W^T's for the input
+  // gradient. Empty for activations and on the other backends.
+  std::shared_ptr<const kernels::cpu::GemmPanels> fprop_panels;
+  std::shared_ptr<const kernels::cpu::GemmPanels> dgrad_panels;
   // scale_inv in device memory (fp32 [1], 16-byte aligned) for backends whose GEMM reads it from
   // there (CUDA); undefined on the CPU backend. Always equal to `scale_inv`.
   at::Tensor scale_inv_device;

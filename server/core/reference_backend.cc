@@ -33,8 +33,6 @@ at::Tensor ReferenceBackend::Dequantize(const Fp8Tensor& t, bool rowwise) const 
   return core::Dequantize(t, rowwise);
 }
 
-void ReferenceBackend::PrepareWeight(Fp8Tensor& w) const { AttachDecodedCopies(w); }
-
 at::Tensor ReferenceBackend::FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                                       Fp8Tensor* codes, CastUsage usage) const {
   if (wire::IsFp8(v.dtype) && codes != nullptr) {

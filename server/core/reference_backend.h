@@ -31,7 +31,6 @@ class ReferenceBackend : public Backend {
   Fp8Tensor FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
                       kernels::Fp8Format format, float scale_inv, CastUsage usage) const override;
   at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const override;
-  void PrepareWeight(Fp8Tensor& w) const override;
 
   at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
                       CastUsage usage) const override;

@@ -18,21 +18,7 @@ namespace {
 at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
 
 kernels::Fp8Operand Operand(const at::Tensor& codes, const Fp8Tensor& t, bool transposed) {
-  kernels::Fp8Operand op{codes.data_ptr<uint8_t>(), t.format, t.scale_inv(), transposed, nullptr};
-  const auto& decoded = codes.is_same(t.rowwise) ? t.rowwise_decoded : t.columnwise_decoded;
-  if (decoded) op.decoded = decoded->data();
-  return op;
-}
-
-// The codes of `codes` decoded to floats in storage order (no scale).
-std::shared_ptr<const std::vector<float>> Decoded(const at::Tensor& codes,
-                                                  kernels::Fp8Format format) {
-  if (!codes.defined()) return nullptr;
-  const float* table = kernels::DecodeTable(format);
-  const uint8_t* data = codes.data_ptr<uint8_t>();
-  auto out = std::make_shared<std::vector<float>>(static_cast<size_t>(codes.numel()));
-  for (int64_t i = 0; i < codes.numel(); ++i) (*out)[size_t(i)] = table[data[i]];
-  return out;
+  return kernels::Fp8Operand{codes.data_ptr<uint8_t>(), t.format, t.scale_inv(), transposed};
 }
 
 at::Tensor EmptyFloat(int64_t rows, int64_t cols) { return at::empty({rows, cols}, Float32()); }
@@ -61,11 +47,6 @@ GemmCounters GemmTotals() { return {g_gemm_flops.load(), g_gemm_seconds.load()};
 void CountGemm(double flops, double seconds) {
   Add(g_gemm_flops, flops);
   Add(g_gemm_seconds, seconds);
-}
-
-void AttachDecodedCopies(Fp8Tensor& w) {
-  w.rowwise_decoded = Decoded(w.rowwise, w.format);
-  w.columnwise_decoded = Decoded(w.columnwise, w.format);
 }
 
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) {

@@ -1,5 +1,5 @@
 // The reference numerics on host tensors, below every backend: the FP8 GEMMs of kernels/ref, the
-// decoded weight copies they read, the LayerNorm, the wire conversions, and the GEMM counters
+// LayerNorm, the wire conversions, and the GEMM counters
 // that metrics report. The reference backend (reference_backend.cc) is made of these; the CPU
 // backend shares the counters and the wire helpers. Nothing here calls back into a backend or a
 // module.
@@ -16,10 +16,6 @@
 #include "server/core/fp8_tensor.h"
 
 namespace gradwire::core {
-
-// Attaches the decoded copies (codes as floats) the reference GEMM reads instead of decoding per
-// call: once per weight version.
-void AttachDecodedCopies(Fp8Tensor& w);
 
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]); x and w rowwise. fp32 out.
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias);

@@ -162,8 +162,8 @@ int main(int argc, char** argv) {
     }
     std::sort(fwd_t.begin(), fwd_t.end());
     std::sort(bwd_t.begin(), bwd_t.end());
-    // The GEMMs alone, on operands cast as the module casts them (the weight with its decoded
-    // copies, as the workspace holds it).
+    // The GEMMs alone, on operands cast as the module casts them (the weight with what
+    // PrepareWeight attaches, as the workspace holds it).
     const gradwire::core::QuantizerConfig e4m3{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f,
                                                nullptr, nullptr};
     const gradwire::core::QuantizerConfig e5m2{gradwire::kernels::Fp8Format::kE5M2, 0, 0.0f,

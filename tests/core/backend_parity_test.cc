@@ -337,12 +337,14 @@ INSTANTIATE_TEST_SUITE_P(All, GemmParity,
                                   std::to_string(std::get<2>(d));
                          });
 
-// The CPU backend on its row-invariant GEMMs (--cpu-gemm ordered, core/cpu_gemm.h): Fprop and
-// Dgrad give the reference backend's bits, with W's columnwise copy or only its rowwise one.
-TEST(CpuOrderedGemm, FpropAndDgradAreTheReferenceBits) {
+// The CPU backend on its FP8 GEMM (--cpu-gemm ordered, the default: core/cpu_gemm.h): the three
+// products give the reference backend's bits, with W's columnwise copy or only its rowwise one,
+// packed per call or from the panels PrepareWeight attaches.
+TEST(CpuOrderedGemm, FpropDgradAndWgradAreTheReferenceBits) {
   struct Ordered {
-    Ordered() { SetCpuGemm(CpuGemm::kOrdered); }
-    ~Ordered() { SetCpuGemm(CpuGemm::kBlas); }
+    Ordered() : before(GetCpuGemm()) { SetCpuGemm(CpuGemm::kOrdered); }
+    ~Ordered() { SetCpuGemm(before); }
+    CpuGemm before;
   } ordered;
   const Backend& ref = *MakeReferenceBackend();
   const Backend& cpu = *MakeCpuBackend();
@@ -376,6 +378,21 @@ TEST(CpuOrderedGemm, FpropAndDgradAreTheReferenceBits) {
       EXPECT_TRUE(bits(cpu.Fprop(cx, cw, at::Tensor()), ref.Fprop(rx, rw, at::Tensor())))
           << "fprop without bias " << where;
       EXPECT_TRUE(bits(cpu.Dgrad(cdy, cw), ref.Dgrad(rdy, rw))) << "dgrad " << where;
+      Fp8Tensor prepared = cw;
+      cpu.PrepareWeight(prepared);
+      EXPECT_TRUE(prepared.fprop_panels);
+      EXPECT_EQ(bool(prepared.dgrad_panels), w_columnwise);
+      EXPECT_TRUE(bits(cpu.Fprop(cx, prepared, bias), ref.Fprop(rx, rw, bias)))
+          << "fprop on the prepared panels " << where;
+      EXPECT_TRUE(bits(cpu.Dgrad(cdy, prepared), ref.Dgrad(rdy, rw)))
+          << "dgrad on the prepared panels " << where;
+      for (bool accumulate : {false, true}) {
+        const at::Tensor start = RandN({n, k});
+        at::Tensor got = start.clone(), want = start.clone();
+        cpu.Wgrad(cdy, cx, got, accumulate);
+        ref.Wgrad(rdy, rx, want, accumulate);
+        EXPECT_TRUE(bits(got, want)) << "wgrad " << where << (accumulate ? ", accumulating" : "");
+      }
     }
   }
 }

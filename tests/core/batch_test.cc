@@ -115,7 +115,7 @@ core::ModuleSpec SpecFor(const Case& c, uint64_t seed) {
 
 class ForwardBatchTest : public ::testing::Test {
  protected:
-  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kBlas); }
+  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kOrdered); }
 };
 
 TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {

@@ -145,8 +145,8 @@ TEST_P(LinearTest, TrainingSavesOnlyTheTransposedFp8Input) {
   EXPECT_EQ(saved.workspace, training.workspace->for_backward);
   const Fp8Tensor& kept = saved.workspace->weights[0];
   EXPECT_FALSE(kept.has_rowwise());
-  EXPECT_FALSE(kept.rowwise_decoded);
-  EXPECT_FALSE(kept.columnwise_decoded);
+  EXPECT_FALSE(kept.fprop_panels);
+  EXPECT_FALSE(kept.dgrad_panels);
   EXPECT_TRUE(kept.columnwise.is_same(training.workspace->weights[0].columnwise));
   EXPECT_EQ(saved.shared_bytes(), n_ * k_);
   EXPECT_EQ(saved.shared_key(), saved.workspace.get());

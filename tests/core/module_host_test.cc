@@ -131,9 +131,9 @@ TEST_F(ModuleHostTest, AnOldVersionKeepsOnlyWhatItsBackwardReads) {
   auto b = TensorForward(host_, id_, x, true);
   ASSERT_TRUE(a.ok() && b.ok());
   std::weak_ptr<const WeightWorkspace> v1 = SavedWorkspace(b->context_id);
-  ASSERT_EQ(v1.lock()->columnwise_decoded.size(), 1u);
-  std::weak_ptr<const std::vector<float>> decoded = v1.lock()->columnwise_decoded[0];
-  EXPECT_FALSE(decoded.expired());  // the cache still holds the full workspace
+  ASSERT_EQ(v1.lock()->dgrad_panels.size(), 1u);
+  std::weak_ptr<const kernels::cpu::GemmPanels> panels = v1.lock()->dgrad_panels[0];
+  EXPECT_FALSE(panels.expired());  // the cache still holds the full workspace
   EXPECT_EQ(host_.Stats().contexts.pinned_weights, 1);
   EXPECT_EQ(host_.Stats().contexts.weight_bytes, 10 * 24);  // one byte per weight
   const at::Tensor dy = RandN({5, 10});
@@ -141,13 +141,13 @@ TEST_F(ModuleHostTest, AnOldVersionKeepsOnlyWhatItsBackwardReads) {
   ASSERT_TRUE(ga.ok()) << ga.status();
   ASSERT_TRUE(host_.ApplyGradients(id_, 0.5f).ok());
   Fwd(false);  // version 2 replaces version 1 in the cache
-  // Version 1's rowwise codes and decoded copies are gone; the context keeps its columnwise codes.
-  EXPECT_TRUE(decoded.expired());
+  // Version 1's rowwise codes and packed panels are gone; the context keeps its columnwise codes.
+  EXPECT_TRUE(panels.expired());
   ASSERT_FALSE(v1.expired());
   EXPECT_FALSE(v1.lock()->weights[0].has_rowwise());
   auto gb = TensorBackward(host_, b->context_id, dy, false, false);
   ASSERT_TRUE(gb.ok()) << gb.status();
-  // Decoding per call gives the same bits as the cached decoded copy.
+  // Packing per call gives the same bits as the cached panels.
   EXPECT_TRUE(at::equal(*ga, *gb));
   EXPECT_TRUE(v1.expired());
   EXPECT_EQ(host_.Stats().contexts.pinned_weights, 0);

@@ -111,8 +111,8 @@ TEST_P(CudaGemmTest, MatchesFloat64AndReferenceBackend) {
   // The reference backend's fp32 GEMM of the same codes.
   std::vector<float> ref_backend = d0;
   Fp8GemmArgs ref;
-  ref.a = {a.codes.data(), a.format, a.scale_inv, false, nullptr};
-  ref.b = {b.codes.data(), b.format, b.scale_inv, true, nullptr};
+  ref.a = {a.codes.data(), a.format, a.scale_inv, false};
+  ref.b = {b.codes.data(), b.format, b.scale_inv, true};
   ref.m = c.m;
   ref.n = c.n;
   ref.k = c.k;

@@ -1,10 +1,13 @@
-// The row-invariant GEMM (kernels/cpu/ordered_gemm.h): the reference GEMM's bits on every shape,
-// every instruction-set copy and any thread count, and a row's result independent of the rows
-// stacked with it (what the dynamic batcher relies on).
+// The FP8 GEMM (kernels/cpu/ordered_gemm.h): the reference GEMM's bits on every shape, every
+// instruction-set copy and any thread count, a row's result independent of the rows stacked with
+// it (what the dynamic batcher relies on), and the reference itself held to the order it documents
+// (one rounded add per k, in increasing k) by a sum written out here.
 #include "gradwire/kernels/cpu/ordered_gemm.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -41,7 +44,7 @@ struct Problem {
   Fp8Format fa, fb;
   float sa = 1, sb = 1;
   std::vector<uint8_t> a_codes, b_codes;
-  std::vector<float> a, b, bias, c0;
+  std::vector<float> a, b, bias, c0, panels;
 
   Problem(int64_t m_, int64_t n_, int64_t k_, Fp8Format fa_, Fp8Format fb_)
       : m(m_), n(n_), k(k_), fa(fa_), fb(fb_) {
@@ -54,13 +57,40 @@ struct Problem {
     for (float& v : bias) v = dist(Rng());
     c0.resize(size_t(m * n));
     for (float& v : c0) v = dist(Rng());
+    panels.resize(size_t(cpu::PanelFloats(n, k)));
+    // Poisoned first: the packing must write every float, the zero padding included.
+    std::fill(panels.begin(), panels.end(), std::nanf(""));
+    cpu::PackPanels(b.data(), n, k, k, /*n_major=*/true, panels.data());
+  }
+
+  cpu::PanelsView B() const { return {n, k, panels.data()}; }
+
+  // The documented order written out: +0, then one rounded add per k in increasing k, then
+  // [c +] (sum * scale [+ bias]). Independent of kernels/ref and kernels/cpu.
+  std::vector<float> Sequential(bool with_bias, bool accumulate) const {
+    std::vector<float> c = c0;
+    const float scale = sa * sb;
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        volatile float sum = 0.0f;  // volatile: each add rounded to fp32, nothing reordered
+        for (int64_t d = 0; d < k; ++d) {
+          const float product = a[size_t(i * k + d)] * b[size_t(j * k + d)];  // exact
+          sum = sum + product;
+        }
+        float value = sum * scale;
+        if (with_bias) value += bias[size_t(j)];
+        float& out = c[size_t(i * n + j)];
+        out = accumulate ? out + value : value;
+      }
+    }
+    return c;
   }
 
   std::vector<float> Reference(bool with_bias, bool accumulate) const {
     std::vector<float> c = c0;
     Fp8GemmArgs r;
-    r.a = {a_codes.data(), fa, sa, false, nullptr};
-    r.b = {b_codes.data(), fb, sb, true, nullptr};
+    r.a = {a_codes.data(), fa, sa, false};
+    r.b = {b_codes.data(), fb, sb, true};
     r.m = m;
     r.n = n;
     r.k = k;
@@ -72,18 +102,21 @@ struct Problem {
   }
 
   // Rows [row0, row0 + rows) through the ordered kernel on `copy`.
+  // `from_codes`: A handed over as its FP8 codes (decoded as the GEMM packs them).
   std::vector<float> Ordered(OrderedGemmCopy copy, bool with_bias, bool accumulate,
-                             int64_t row0 = 0, int64_t rows = -1) const {
+                             int64_t row0 = 0, int64_t rows = -1, bool from_codes = false) const {
     if (rows < 0) rows = m;
     std::vector<float> c(c0.begin() + row0 * n, c0.begin() + (row0 + rows) * n);
     OrderedGemmArgs g;
     g.m = rows;
-    g.n = n;
-    g.k = k;
     g.a = a.data() + row0 * k;
+    if (from_codes) {
+      g.a = nullptr;
+      g.a_codes = a_codes.data() + row0 * k;
+      g.a_format = fa;
+    }
     g.lda = k;
-    g.b = b.data();
-    g.ldb = k;
+    g.b = B();
     g.scale = sa * sb;
     g.bias = with_bias ? bias.data() : nullptr;
     g.accumulate = accumulate;
@@ -109,7 +142,8 @@ TEST(OrderedGemmTest, EveryCopyComputesTheReferenceBitsOnEveryShape) {
     int64_t m, n, k;
   } shapes[] = {{1, 1, 1},       {1, 1, 7},      {1, 17, 8},     {2, 3, 9},     {5, 13, 0},
                 {7, 5, 31},      {4, 4, 16},     {9, 11, 63},    {13, 29, 130}, {64, 64, 64},
-                {1, 1024, 1024}, {37, 257, 515}, {129, 67, 1031}};
+                {1, 1024, 1024}, {37, 257, 515}, {129, 67, 1031}, {6, 16, 5},
+                {12, 32, 3},     {11, 97, 41},   {3, 200, 17},   {23, 16, 2}};
   for (const auto& s : shapes) {
     for (auto [fa, fb] : {std::pair{Fp8Format::kE4M3, Fp8Format::kE4M3},
                           std::pair{Fp8Format::kE5M2, Fp8Format::kE4M3}}) {
@@ -117,10 +151,15 @@ TEST(OrderedGemmTest, EveryCopyComputesTheReferenceBitsOnEveryShape) {
       for (int variant = 0; variant < 3; ++variant) {
         const bool with_bias = variant == 1, accumulate = variant == 2;
         const std::vector<float> want = p.Reference(with_bias, accumulate);
+        EXPECT_TRUE(SameBits(p.Sequential(with_bias, accumulate), want))
+            << "the reference, m=" << s.m << " n=" << s.n << " k=" << s.k;
         for (OrderedGemmCopy copy : Copies()) {
           EXPECT_TRUE(SameBits(p.Ordered(copy, with_bias, accumulate), want))
               << cpu::OrderedGemmCopyName(copy) << " m=" << s.m << " n=" << s.n << " k=" << s.k
               << " variant " << variant;
+          EXPECT_TRUE(SameBits(p.Ordered(copy, with_bias, accumulate, 0, -1, true), want))
+              << cpu::OrderedGemmCopyName(copy) << " from codes, m=" << s.m << " n=" << s.n
+              << " k=" << s.k << " variant " << variant;
         }
       }
     }
@@ -134,7 +173,7 @@ TEST(OrderedGemmTest, ARowsResultDoesNotDependOnTheRowsStackedWithIt) {
   std::vector<int64_t> groups;
   int64_t total = 0;
   for (int i = 0; i < 9; ++i) total += groups.emplace_back(i < 3 ? i + 1 : rows(Rng()));
-  const Problem p(total, 190, 333, Fp8Format::kE4M3, Fp8Format::kE4M3);
+  const Problem p(total, 190, 777, Fp8Format::kE4M3, Fp8Format::kE4M3);  // k in blocks
   const int threads_before = cpu::Threads();
   for (int threads : {1, 2, 3}) {
     cpu::SetThreads(threads);
@@ -169,12 +208,9 @@ TEST(OrderedGemmTest, RowScalesGiveEachRowGroupTheBitsOfItsOwnScale) {
     std::vector<float> stacked(size_t(total * p.n));
     OrderedGemmArgs g;
     g.m = total;
-    g.n = p.n;
-    g.k = p.k;
     g.a = p.a.data();
     g.lda = p.k;
-    g.b = p.b.data();
-    g.ldb = p.k;
+    g.b = p.B();
     g.scale = 12345.0f;  // ignored: row_scale wins
     g.row_scale = row_scale.data();
     g.bias = p.bias.data();
@@ -194,6 +230,77 @@ TEST(OrderedGemmTest, RowScalesGiveEachRowGroupTheBitsOfItsOwnScale) {
                                     stacked.begin() + (row0 + groups[i]) * p.n);
       EXPECT_TRUE(SameBits(alone, part)) << cpu::OrderedGemmCopyName(copy) << " group " << i;
       row0 += groups[i];
+    }
+  }
+}
+
+TEST(OrderedGemmTest, TheOrderIsOneRoundedAddPerKInIncreasingK) {
+  // 16 * 16 = 2^8, then two products of 2^-16: each is half an ulp of 256, so added one at a
+  // time each rounds away (to even), while any other grouping adds 2^-15 first and keeps it. A
+  // kernel that reorders, pairs or splits k fails here whatever the reference does.
+  const float e4m3_16 = 16.0f, e4m3_tiny = std::ldexp(1.0f, -8);  // both exact in E4M3
+  for (int64_t n : {int64_t(1), int64_t(17), int64_t(40)}) {
+    std::vector<float> a = {e4m3_16, e4m3_tiny, e4m3_tiny};
+    std::vector<float> b;
+    for (int64_t j = 0; j < n; ++j) b.insert(b.end(), {e4m3_16, e4m3_tiny, e4m3_tiny});
+    std::vector<float> panels(size_t(cpu::PanelFloats(n, 3)));
+    cpu::PackPanels(b.data(), n, 3, 3, true, panels.data());
+    for (OrderedGemmCopy copy : Copies()) {
+      std::vector<float> c(size_t(n), -1.0f);
+      OrderedGemmArgs g;
+      g.m = 1;
+      g.a = a.data();
+      g.lda = 3;
+      g.b = {n, 3, panels.data()};
+      g.c = c.data();
+      g.ldc = n;
+      cpu::OrderedGemmUsing(copy, g);
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_EQ(c[size_t(j)], 256.0f) << cpu::OrderedGemmCopyName(copy) << " column " << j;
+      }
+    }
+  }
+  // The reference, on the same values as codes.
+  std::vector<uint8_t> codes(3);
+  const float values[3] = {e4m3_16, e4m3_tiny, e4m3_tiny};
+  QuantizeFp8(values, 1, 3, 1.0f, Fp8Format::kE4M3, codes.data(), nullptr, nullptr);
+  float c = -1.0f;
+  Fp8GemmArgs r;
+  r.a = {codes.data(), Fp8Format::kE4M3, 1.0f, false};
+  r.b = {codes.data(), Fp8Format::kE4M3, 1.0f, true};
+  r.m = r.n = 1;
+  r.k = 3;
+  r.c = &c;
+  Fp8Gemm(r);
+  EXPECT_EQ(c, 256.0f);
+}
+
+TEST(OrderedGemmTest, PackingFromCodesInEitherLayoutGivesThePanelsOfTheDecodedValues) {
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 1}, {17, 5}, {16, 16}, {33, 7}, {5, 40}}) {
+    float scale_inv = 1;
+    const std::vector<uint8_t> codes = RandomCodes(n * k, Fp8Format::kE5M2, 1.0f, &scale_inv);
+    const std::vector<float> values = Decode(codes, Fp8Format::kE5M2);  // [n, k]
+    std::vector<uint8_t> transposed(codes.size());                       // [k, n]
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < k; ++d) transposed[size_t(d * n + j)] = codes[size_t(j * k + d)];
+    }
+    std::vector<float> want(size_t(cpu::PanelFloats(n, k)), std::nanf(""));
+    cpu::PackPanels(values.data(), n, k, k, true, want.data());
+    // Every panel float is B's value or, past n, zero.
+    for (int64_t j = 0; j < (n + 15) / 16 * 16; ++j) {
+      for (int64_t d = 0; d < k; ++d) {
+        const float got = want[size_t((j / 16) * k * 16 + d * 16 + j % 16)];
+        EXPECT_EQ(got, j < n ? values[size_t(j * k + d)] : 0.0f) << j << "," << d;
+      }
+    }
+    for (bool n_major : {true, false}) {
+      std::vector<float> got(want.size(), std::nanf(""));
+      cpu::PackPanelsFromCodes(n_major ? codes.data() : transposed.data(), Fp8Format::kE5M2, n, k,
+                               n_major, got.data());
+      EXPECT_TRUE(SameBits(got, want)) << n << "x" << k << (n_major ? " n-major" : " k-major");
+      const cpu::GemmPanels owned(n_major ? codes.data() : transposed.data(), Fp8Format::kE5M2, n,
+                                  k, n_major);
+      EXPECT_EQ(std::memcmp(owned.view().data, want.data(), want.size() * sizeof(float)), 0);
     }
   }
 }

@@ -61,7 +61,7 @@ std::string CreateModule(client::Client& c, v1::ModuleKind kind, uint64_t seed) 
 class BatchServiceTest : public ::testing::TestWithParam<core::CpuGemm> {
  protected:
   void SetUp() override { core::SetCpuGemm(GetParam()); }
-  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kBlas); }
+  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kOrdered); }
 };
 
 TEST_P(BatchServiceTest, ConcurrentForwardsGetTheBitsOfAServerWithoutBatching) {

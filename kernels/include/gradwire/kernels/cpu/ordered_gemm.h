@@ -1,38 +1,82 @@
-// A row-invariant fp32 GEMM for the CPU backend: every element of C is computed with the reference
-// GEMM's arithmetic (kernels/ref/gemm.cc), whatever the shape of the call, the tiling or the split
-// over threads:
+// The CPU backend's GEMM over FP8 operands: every element of C is computed with the reference
+// GEMM's arithmetic (kernels/ref/gemm.h), whatever the shape of the call, the tiling, the split
+// over threads or the instruction set:
 //
-//   lanes[l] = sum over k = l, l + 8, l + 16, ... of a[i, k] * b[k, j]   (each product rounded,
-//              then added in increasing k: no fused multiply-add)
-//   dot      = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-//              ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-//   c[i, j]  = [c[i, j] +] (dot * scale [+ bias[j]])
+//   acc     = +0, then acc = acc + a[i, k] * b[j, k] for k = 0, 1, ..., K - 1, in fp32
+//   c[i, j] = [c[i, j] +] (acc * scale [+ bias[j]])
 //
-// A row of C therefore depends only on its own row of A, never on which other rows share the
-// call: the result of one request's rows is the same bits alone or stacked with other requests'
-// rows (the dynamic batcher relies on this), and the same bits as kernels::Fp8Gemm on the same
-// operands (the parity harness checks it).
+// The operands are decoded FP8 codes (without their scales). The product of two such values is
+// exact in fp32, so a fused multiply-add and a multiply followed by an add give the same bits:
+// the only rounding is the sum's, once per k, in increasing k. A row of C therefore depends only
+// on its own row of A: one request's rows give the same bits alone or stacked with other
+// requests' rows (what the dynamic batcher relies on), and the same bits as kernels::Fp8Gemm on
+// the same operands (the parity harness checks it).
 //
-// The kernel keeps the eight lane sums of an element in one vector (k runs along it, as the lanes
-// do), computes a tile of a few rows of A by a few rows of B at a time, and splits columns or row
-// chunks over the pool (parallel.h). The per-element order is the same in every instruction-set
-// copy (AVX-512, AVX2, baseline SSE): the bits do not depend on the CPU either.
+// How it runs (BLIS's split of a GEMM into packing and one register-tile micro-kernel): B is
+// packed into panels of kPanelWidth columns, each [K][kPanelWidth] contiguous, so a micro-kernel
+// step reads one cache line of B and one value of each of its rows of A, and adds their products
+// into a tile of C held in registers. Each element's sum runs along k in one register lane from
+// k = 0 to K - 1 and is never split (no split-K), so the tile shape, the edge tiles and the split
+// over threads change nothing in it. The panels of a weight are built once per weight version
+// (the CPU backend's weight workspace); other operands are packed per call.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+
+#include "gradwire/kernels/fp8.h"
 
 namespace gradwire::kernels::cpu {
 
+// Columns of C per panel of B.
+inline constexpr int64_t kPanelWidth = 16;
+
+// B packed for the GEMM: ceil(n / kPanelWidth) panels, each [k][kPanelWidth] floats; the columns
+// past n in the last panel are zero. Not owning.
+struct PanelsView {
+  int64_t n = 0, k = 0;
+  const float* data = nullptr;
+};
+
+// Floats a packing of B [n, k] takes.
+int64_t PanelFloats(int64_t n, int64_t k);
+
+// Packs B into `out` (PanelFloats(n, k) floats), split over the pool. `n_major`: B is stored
+// [n, k] (row j contiguous along k); else [k, n]. ld is the stride of the stored rows.
+void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, float* out);
+// The same from FP8 codes, decoded (no scale) as they are packed.
+void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k,
+                         bool n_major, float* out);
+
+// Owning panels, for a weight workspace: built once per weight version, read by every GEMM of
+// that version.
+class GemmPanels {
+ public:
+  GemmPanels(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major);
+  ~GemmPanels();
+  GemmPanels(const GemmPanels&) = delete;
+  GemmPanels& operator=(const GemmPanels&) = delete;
+  PanelsView view() const { return {n_, k_, data_}; }
+  int64_t bytes() const { return PanelFloats(n_, k_) * int64_t(sizeof(float)); }
+
+ private:
+  int64_t n_, k_;
+  float* data_;
+};
+
 struct OrderedGemmArgs {
-  int64_t m = 0, n = 0, k = 0;
-  const float* a = nullptr;  // [m, k], row stride lda
+  int64_t m = 0;             // rows of A and C; n and k are b's
+  const float* a = nullptr;  // [m, k], row stride lda (contiguous along k)
   int64_t lda = 0;
-  const float* b = nullptr;  // [n, k], row stride ldb (contiguous along k, as the reference reads)
-  int64_t ldb = 0;
-  float scale = 1.0f;  // applied once to each dot product
-  // When set: row i's dot products take row_scale[i] instead of `scale` ([m]; rows of A that
-  // came from different casts, each with its own scale_inv). Row i's result is then exactly what
-  // a GEMM of that row alone with scale = row_scale[i] computes.
+  // When set, A is these FP8 codes instead ([m, k], row stride lda), decoded (no scale) as the
+  // GEMM packs them, so the decoded operand is never written out whole; `a` is then ignored.
+  const uint8_t* a_codes = nullptr;
+  Fp8Format a_format = Fp8Format::kE4M3;
+  PanelsView b;        // B [n, k], packed
+  float scale = 1.0f;  // applied once to each sum
+  // When set: row i's sums take row_scale[i] instead of `scale` ([m]; rows of A that came from
+  // different casts, each with its own scale_inv). Row i's result is then exactly what a GEMM of
+  // that row alone with scale = row_scale[i] computes.
   const float* row_scale = nullptr;
   const float* bias = nullptr;  // [n] or nullptr
   bool accumulate = false;      // C += result instead of C = result
@@ -42,7 +86,10 @@ struct OrderedGemmArgs {
 
 void OrderedGemm(const OrderedGemmArgs& args);
 
-// The copies of the kernel, one per instruction set.
+// The copies of the micro-kernel, one per instruction set: the same arithmetic, other tiles.
+//   kBaseline  the build's default (SSE2 on x86-64): multiply, then add
+//   kAvx2      AVX2 + FMA: 6 rows x 16 columns in 12 registers
+//   kAvx512    AVX-512F/VL + FMA: 32 registers, 6 rows x 32 columns
 enum class OrderedGemmCopy { kBaseline, kAvx2, kAvx512 };
 
 // The copy OrderedGemm runs on this CPU (the widest it supports), and its name ("avx512", "avx2",

@@ -2,8 +2,12 @@
 //
 //   C[m, n] (+)= scale_inv_a * scale_inv_b * sum_k op(A)[m, k] * op(B)[k, n]  (+ bias[n])
 //
-// Products of FP8 values are exact in fp32; they are accumulated in fp32 in increasing k, and the
-// scale is applied once per output, as the tensor-core GEMM does. op(X) is X or X^T:
+// Products of FP8 values are exact in fp32. Each element's sum starts at +0 and adds them one at a
+// time in increasing k, rounding to fp32 after each add (one rounding per k, the order a
+// register-tile micro-kernel keeps: kernels/cpu/ordered_gemm.h). The scale is applied once per
+// output, then the bias is added, as the tensor-core GEMM does:
+//   c[i, j] = [c[i, j] +] (sum * scale_inv_a * scale_inv_b [+ bias[j]])
+// op(X) is X or X^T:
 //   A is stored [m, k] (transposed = false) or [k, m] (transposed = true);
 //   B is stored [k, n] (transposed = false) or [n, k] (transposed = true).
 // The three products of a Linear layer in the layout FP8 tensor cores require (both operands
@@ -24,10 +28,6 @@ struct Fp8Operand {
   Fp8Format format = Fp8Format::kE4M3;
   float scale_inv = 1.0f;  // real value = decode(code) * scale_inv
   bool transposed = false;
-  // Optional: the codes already decoded (without the scale), element for element in storage
-  // order, e.g. a cached weight's. Used when the operand is contiguous along k as stored (A not
-  // transposed, B transposed); the result is the same, only the per-call decode is saved.
-  const float* decoded = nullptr;
 };
 
 struct Fp8GemmArgs {
