@@ -187,13 +187,24 @@ struct Kernel {
   // Rows [c0, c1) against panels [p0, p1) over one block of k: main tiles, then the edge rows.
   // `blk.partial` is row c0's sums at panel p0.
   // `packed` has room for (c1 - c0) x (k1 - k0) floats. Panels outer, tiles inner: a panel's
-  // slice of B stays in L1 while every main tile of the chunk passes over it.
+  // slice of B stays in L1 while every main tile of the chunk passes over it. A shallow block
+  // (a weight gradient over a few rows) is mostly the epilogue's traffic to C instead: tiles
+  // outer then, so C is walked row by row.
   static void Chunk(const OrderedGemmArgs& g, int64_t c0, int64_t c1, int64_t p0, int64_t p1,
                     Block blk, float* packed) {
     PackA(g, c0, c1, blk.k0, blk.k1, packed);
     const int64_t kb = blk.k1 - blk.k0;
     const int64_t full = c0 + (c1 - c0) / kRows * kRows;
     float* const partial = blk.partial;
+    if (kb < kShallow) {
+      for (int64_t i = c0; i < full; i += kRows) {
+        blk.partial = At(partial, (i - c0) * blk.ldp);
+        Rows<kRows>(g, i, p0, p1, blk, packed + (i - c0) * kb);
+      }
+      blk.partial = At(partial, (full - c0) * blk.ldp);
+      if (full < c1) EdgeRows(g, int(c1 - full), full, p0, p1, blk, packed + (full - c0) * kb);
+      return;
+    }
     constexpr int kNp = Panels<kRows>();
     auto tiles = [&](int64_t p, auto np) {
       for (int64_t i = c0; i < full; i += kRows) {
@@ -211,6 +222,12 @@ struct Kernel {
   // The depth of a block of k when k is walked in blocks: a panel's slice of it (kKc x 16
   // floats, 16 KiB) stays in L1 while every tile of a chunk of rows passes over it.
   static constexpr int64_t kKc = 256;
+  // Blocks shallower than this walk C row by row (Chunk).
+  static constexpr int64_t kShallow = 64;
+  // Panels of B per column block when k is walked in blocks: 256 columns, so that a block of B
+  // (256 x all of k, 4 MiB at k = 4096) stays in L3 while every chunk of rows passes over it,
+  // and a chunk's sums (kBlockedRows x 256 floats) stay in L2.
+  static constexpr int64_t kNcPanels = 16;
   // Rows of A per chunk: all of k for a chunk of at most kChunkFloats floats when k is walked at
   // once; kKc of k for kBlockedRows rows (96 KiB, in L2) when it is walked in blocks.
   static constexpr int64_t kChunkFloats = 48 * 1024;
@@ -231,16 +248,19 @@ struct Kernel {
       }
       return;
     }
-    const int64_t width = (p1 - p0) * kPanelWidth;
+    const int64_t width = std::min(p1 - p0, kNcPanels) * kPanelWidth;
     const int64_t chunk = std::min(kBlockedRows, i1 - i0);
     Scratch sums = TakeScratch(size_t(chunk * width) * sizeof(float));
     Scratch packed = TakeScratch(size_t(chunk * kKc) * sizeof(float));
-    for (int64_t c0 = i0; c0 < i1; c0 += chunk) {
-      const int64_t c1 = std::min(i1, c0 + chunk);
-      for (int64_t k0 = 0; k0 < depth; k0 += kKc) {
-        const int64_t k1 = std::min(depth, k0 + kKc);
-        Chunk(g, c0, c1, p0, p1, Block{k0, k1, sums.floats(), width, k0 == 0, k1 == depth},
-              packed.floats());
+    for (int64_t q0 = p0; q0 < p1; q0 += kNcPanels) {
+      const int64_t q1 = std::min(p1, q0 + kNcPanels);
+      for (int64_t c0 = i0; c0 < i1; c0 += chunk) {
+        const int64_t c1 = std::min(i1, c0 + chunk);
+        for (int64_t k0 = 0; k0 < depth; k0 += kKc) {
+          const int64_t k1 = std::min(depth, k0 + kKc);
+          Chunk(g, c0, c1, q0, q1, Block{k0, k1, sums.floats(), width, k0 == 0, k1 == depth},
+                packed.floats());
+        }
       }
     }
   }
