@@ -393,9 +393,10 @@ class RemoteModule(torch.nn.Module):
         self._deleted = False
         self._backwards_since_step = 0
         # Mirror state: the weight version the parameters hold (None: never pulled), each
-        # parameter's version counter as of then, and local changes that survived a .to().
+        # parameter as of then (the tensor object, its storage and its version counter), and
+        # local changes that survived a .to().
         self._synced: Optional[int] = None
-        self._versions: Dict[str, int] = {}
+        self._versions: Dict[str, Tuple[torch.Tensor, int, int]] = {}
         self._local_edits = False
         shapes = _parameter_shapes(self.spec)
         unknown = [n for n in info.parameter_names if n not in shapes]
@@ -417,6 +418,9 @@ class RemoteModule(torch.nn.Module):
             client._own(self.module_id, self)
             self._finalizer = weakref.finalize(self, RemoteModule._delete_quietly, client,
                                                self.module_id)
+        # The parameters hold the server's values from the start (not uninitialised memory): a
+        # copy taken before the first forward (an EMA, a teacher) is the real model.
+        self.pull()
         log.debug("%s: %s", "created" if created else "attached", self._label())
 
     @classmethod
@@ -511,12 +515,17 @@ class RemoteModule(torch.nn.Module):
         return y
 
     def _trains(self, x: torch.Tensor) -> bool:
-        """Whether a forward on ``x`` needs a context on the server: training mode, grad on,
-        and something to backpropagate to (with a server optimizer, always its weights)."""
-        if not (self.training and torch.is_grad_enabled()):
+        """Whether a forward on ``x`` needs a context on the server: grad on, and something to
+        backpropagate to. In training mode that is always the weights with a server optimizer;
+        in eval mode, as for a local layer, the graph still reaches an input or local
+        parameters that need grad (only ``no_grad()`` and ``inference_mode()`` cut it)."""
+        if not torch.is_grad_enabled():
             return False
-        return not self.local_optimizer or x.requires_grad or \
+        local_grads = self.local_optimizer and \
             any(p.requires_grad for p in self._parameters.values())
+        if not self.training:
+            return x.requires_grad or local_grads
+        return not self.local_optimizer or x.requires_grad or local_grads
 
     def _anchors(self) -> Tuple[torch.Tensor, ...]:
         return tuple(self._parameters.values()) if self.local_optimizer else (self._anchor,)
@@ -540,13 +549,22 @@ class RemoteModule(torch.nn.Module):
     def _record(self, version: Optional[int]) -> None:
         """The parameters now hold weight ``version`` (None: unknown) and no local change."""
         self._synced = version
-        self._versions = {n: p._version for n, p in self._parameters.items()}
+        self._versions = {n: (p, p.data_ptr(), p._version) for n, p in self._parameters.items()}
         self._local_edits = False
 
     def _dirty(self) -> bool:
-        """Whether the parameters were changed in place since the last pull or push."""
-        return self._local_edits or any(p._version != self._versions.get(n)
-                                        for n, p in self._parameters.items())
+        """Whether the parameters changed since the last pull or push: written in place (the
+        version counter), given new storage (``p.data = ...``, as
+        ``vector_to_parameters`` does), or replaced by another tensor (``m.weight =
+        nn.Parameter(...)``, or a weight tied to another module's)."""
+        if self._local_edits:
+            return True
+        for n, p in self._parameters.items():
+            seen = self._versions.get(n)
+            if seen is None or seen[0] is not p or seen[1] != p.data_ptr() or \
+                    seen[2] != p._version:
+                return True
+        return False
 
     def _stale(self) -> bool:
         """Whether the server's weights may differ from the parameters' values."""

@@ -41,13 +41,13 @@ def test_mirrored_lazily(client, caplog):
     local = gradwire.RemoteLinear(client, 6, 3)
     with torch.no_grad():
         local(torch.randn(2, 6))
-    assert calls(caplog, "GetWeights") == 0  # inference needs no values
+    assert calls(caplog, "GetWeights") == 1  # creating pulls once; inference needs no more
     local(torch.randn(2, 6)).sum().backward()
-    assert calls(caplog, "GetWeights") == 1  # training: a local step will need them
+    assert calls(caplog, "GetWeights") == 1  # training: the values are current already
     caplog.clear()
     m = gradwire.RemoteLinear(client, 6, 3, optimizer="sgd", lr=0.5)
-    assert calls(caplog, "GetWeights") == 0  # creating fetches nothing
-    w = m.weight.detach().clone()  # the first read pulls
+    assert calls(caplog, "GetWeights") == 1  # creating pulls the values once
+    w = m.weight.detach().clone()  # current: no second pull
     assert calls(caplog, "GetWeights") == 1
     assert torch.equal(w, client.get_weights(m.module_id)["weight"])
     m.weight, m.bias, m.state_dict()  # noqa: B018 - current: no second pull
@@ -58,6 +58,48 @@ def test_mirrored_lazily(client, caplog):
     assert not torch.equal(m.weight, w)  # the step moved the version: the read pulls again
     assert calls(caplog, "GetWeights") == 3
     assert torch.equal(m.weight.detach(), client.get_weights(m.module_id)["weight"])
+
+
+def test_parameters_hold_the_server_values_before_any_forward(client):
+    # An EMA or teacher copy taken at once is the real model, not uninitialised memory.
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 8), gradwire.RemoteLinear(client, 8, 4, seed=5))
+    flat = torch.nn.utils.parameters_to_vector(seq.parameters())
+    assert torch.isfinite(flat).all()
+    server = client.get_weights(seq[1].module_id)
+    assert torch.equal(flat[-(4 * 8 + 4):], torch.cat([server["weight"].flatten(), server["bias"]]))
+
+
+def test_a_new_parameter_a_tied_weight_or_new_storage_is_pushed(client):
+    m = gradwire.RemoteLinear(client, 8, 4, seed=2)
+    x = torch.randn(5, 8)
+
+    def server_weight():
+        return client.get_weights(m.module_id)["weight"]
+
+    # m.weight = nn.Parameter(...): a new tensor, its version counter maybe the old one's.
+    new = torch.randn(4, 8)
+    m.weight = torch.nn.Parameter(new.clone())
+    with torch.no_grad():
+        y = m(x)
+    assert torch.equal(server_weight(), new)
+    want = x @ new.t() + m.bias.detach()
+    assert ((y - want).norm() / want.norm()).item() < 0.1  # FP8 of the new weights
+    # A weight tied to another module's, then changed there in place.
+    head = torch.nn.Linear(8, 4)
+    m.weight = head.weight
+    with torch.no_grad():
+        m(x)
+    assert torch.equal(server_weight(), head.weight.detach())
+    with torch.no_grad():
+        head.weight.mul_(2)
+        m(x)
+    assert torch.equal(server_weight(), head.weight.detach())
+    # vector_to_parameters writes through .data: new storage, the same version counter.
+    vec = torch.randn(sum(p.numel() for p in m.parameters()))
+    torch.nn.utils.vector_to_parameters(vec, m.parameters())
+    with torch.no_grad():
+        m(x)
+    assert torch.equal(server_weight(), vec[:32].view(4, 8))
 
 
 def test_state_dict_moves_the_real_weights(client, tmp_path):

@@ -87,15 +87,41 @@ def test_layernorm_mlp_gradients_match_float64_autograd(client):
         assert rel < 0.25, f"{name} relative error {rel:.3f}"
 
 
-def test_no_grad_and_eval_forwards_leave_nothing_on_the_server(client):
+def test_no_grad_and_inference_mode_leave_nothing_on_the_server(client):
     m = gradwire.RemoteLinear(client, 8, 4)
     x = torch.randn(3, 8, requires_grad=True)
     with torch.no_grad():
         y = m(x)
     assert not y.requires_grad
-    m.eval()
-    y = m(x)
+    with torch.inference_mode():
+        y = m(x)
+    assert not y.requires_grad
+    # eval, and nothing needs a gradient: a server optimizer's parameters are frozen here (a
+    # local layer's would need one, and then keep the graph as nn.Linear's do).
+    frozen = gradwire.RemoteLinear(client, 8, 4, optimizer="sgd", lr=0.1).eval()
+    y = frozen(torch.randn(3, 8))
     assert y.grad_fn is None
+    assert live_contexts(client) == 0
+    assert m.eval()(torch.randn(3, 8)).grad_fn is not None  # as nn.Linear(8, 4).eval() gives
+
+
+def test_eval_keeps_the_graph_as_a_local_layer_does(client):
+    # eval() changes a layer's behaviour, not autograd: a gradient still flows through the
+    # remote layer to the layers before it.
+    torch.manual_seed(0)
+    first = torch.nn.Linear(8, 8)
+    m = torch.nn.Sequential(first, gradwire.RemoteLinear(client, 8, 4, seed=3)).eval()
+    x = torch.randn(3, 8, requires_grad=True)
+    y = m(x)
+    assert y.requires_grad
+    y.sum().backward()
+    assert first.weight.grad is not None and first.weight.grad.abs().sum() > 0
+    # The gradient is the one a local fp32 twin gives, within FP8's tolerance.
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval()
+    twin.load_state_dict(m.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    twin(x2).sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=0.25, atol=0.125)
     assert live_contexts(client) == 0
 
 
