@@ -4,8 +4,9 @@
 #   gradwire remote (C++ load tool), gradwire in-process (the same ModuleHost, no gRPC),
 #   gradwire remote from the Python client, local fp32 PyTorch, torch.distributed.rpc +
 #   dist_autograd (tests/bench/torch_peer.py),
-# then a table and docs/perf/cpu-step.json (or $1). Both PyTorch sides and gradwire's CPU backend
-# use OpenBLAS (libopenblas0-pthread, installed by scripts/install-deps.sh).
+# then a table and docs/perf/cpu-step.json (or $1). Both PyTorch sides use OpenBLAS
+# (libopenblas0-pthread, installed by scripts/install-deps.sh); gradwire's CPU backend its FP8 GEMM
+# (the default; BENCH_SERVER_FLAGS="--cpu-gemm blas" puts the server on the same OpenBLAS).
 #   scripts/bench-cpu.sh [OUT.json] [SECONDS per case and mode, default 5]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +77,8 @@ json.dump({"machine": describe(allocator="glibc; gradwire-server and gradwire-lo
                                          "blocks (--heap-retain), PyTorch runs with the defaults",
                                server=backend),
            "command": "scripts/bench-cpu.sh", "unit": "training steps per second (forward + backward)",
-           "torch": th["torch"], "blas": "OpenBLAS (libopenblas0-pthread) for PyTorch and gradwire",
+           "torch": th["torch"], "blas": "OpenBLAS (libopenblas0-pthread) for PyTorch; gradwire: the server's --cpu-gemm "
+                   "(the FP8 GEMM unless BENCH_SERVER_FLAGS says blas)",
            "cases": rows}, open(out, "w"), indent=2)
 print(f"bench-cpu: wrote {out}")
 PY
