@@ -499,6 +499,8 @@ class RemoteModule(torch.nn.Module):
             raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
         check_input(self._label(), x)
         x = _autocast(x)
+        if x.numel() == 0 and x.dim() >= 1 and x.shape[-1] == self.spec.in_features:
+            return self._empty_forward(x)
         activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
         training = self._trains(x)
         self._before_forward(training)
@@ -512,6 +514,19 @@ class RemoteModule(torch.nn.Module):
             out, _, _ = self.client.forward(self.module_id, x, training=False,
                                             dtype=activation_dtype)
             y = out.to(device=x.device, dtype=x.dtype)
+        return y
+
+    def _empty_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """An input with no rows, as ``nn.Linear`` takes it: an output with no rows, and no call
+        to the server. The output stays in the graph of whatever needs a gradient (the input,
+        local parameters), so a backward gives them zeros, as for a local layer."""
+        y = x.new_zeros(tuple(x.shape[:-1]) + (self.spec.out_features,))
+        if torch.is_grad_enabled():
+            needs = [x] if x.requires_grad else []
+            if self.local_optimizer:
+                needs += [p for p in self._parameters.values() if p.requires_grad]
+            for t in needs:
+                y = y + (t.sum() * 0).to(y.dtype)
         return y
 
     def _trains(self, x: torch.Tensor) -> bool:
@@ -827,6 +842,21 @@ def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: st
           optimizer: Optional[module_pb2.OptimizerConfig], **extra) -> module_pb2.ModuleSpec:
     if recipe not in ("current", "delayed"):
         raise ValueError(f"recipe must be 'current' or 'delayed', got {recipe!r}")
+    sizes = {"in_features": in_features, "out_features": out_features}
+    sizes.update({k: v for k, v in extra.items() if k.endswith("_features")})
+    labels = {"ffn_features": "ffn_hidden_size"}
+    if kind == module_pb2.LAYERNORM_MLP:
+        labels["in_features"] = "hidden_size"
+    for key, value in sizes.items():
+        arg = labels.get(key, key)
+        # As nn.Linear's sizes: a whole number (8, not 8.0; not True), at least 1.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{arg} must be at least 1, got {value}")
+    for arg, value in (("bias", bias),):
+        if not isinstance(value, bool):
+            raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
     spec = module_pb2.ModuleSpec(kind=kind, in_features=in_features, out_features=out_features,
                                  bias=bias, seed=seed, name=name, max_staleness=max_staleness,
                                  **extra)

@@ -209,3 +209,33 @@ def test_output_and_grad_follow_the_input_dtype(client):
     assert y.dtype == torch.float64
     y.sum().backward()
     assert x.grad.dtype == torch.float64 and x.grad.abs().sum() > 0
+
+
+def test_an_empty_batch_gives_an_empty_output_as_nn_linear_does(client):
+    m = gradwire.RemoteLinear(client, 8, 4)
+    local = torch.nn.Linear(8, 4)
+    for shape in ((0, 8), (2, 0, 8)):
+        x = torch.randn(*shape, requires_grad=True)
+        y = m(x)
+        assert y.shape == local(x).shape == shape[:-1] + (4,)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+    assert m.weight.grad is not None and torch.equal(m.weight.grad, torch.zeros(4, 8))
+    with torch.no_grad():
+        assert m(torch.randn(0, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert live_contexts(client) == 0
+
+
+def test_a_size_that_is_not_a_whole_number_is_named(client):
+    before = len(client.list_modules())
+    with pytest.raises(TypeError, match="in_features must be an int, got float 8.0"):
+        gradwire.RemoteLinear(client, 8.0, 4)
+    with pytest.raises(TypeError, match="out_features must be an int, got bool"):
+        gradwire.RemoteLinear(client, 8, True)
+    with pytest.raises(ValueError, match="in_features must be at least 1, got 0"):
+        gradwire.RemoteLayerNormLinear(client, 0, 4)
+    with pytest.raises(TypeError, match="ffn_hidden_size must be an int"):
+        gradwire.RemoteLayerNormMLP(client, 8, "16")
+    with pytest.raises(TypeError, match="hidden_size must be an int"):
+        gradwire.RemoteLayerNormMLP(client, 8.5, 16)
+    assert len(client.list_modules()) == before  # refused before anything was sent
