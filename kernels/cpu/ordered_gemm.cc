@@ -65,8 +65,8 @@ void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, 
   }
 }
 
-void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k,
-                         bool n_major, float* out) {
+void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major,
+                         float* out) {
   const float* table = DecodeTable(format);
   if (n_major) {
     Pack(n, k, out, [&](int64_t j, int64_t d) { return table[codes[j * k + d]]; });

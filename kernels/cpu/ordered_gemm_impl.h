@@ -201,20 +201,18 @@ struct Kernel {
         blk.partial = At(partial, (i - c0) * blk.ldp);
         Rows<kRows>(g, i, p0, p1, blk, packed + (i - c0) * kb);
       }
-      blk.partial = At(partial, (full - c0) * blk.ldp);
-      if (full < c1) EdgeRows(g, int(c1 - full), full, p0, p1, blk, packed + (full - c0) * kb);
-      return;
+    } else {
+      constexpr int kNp = Panels<kRows>();
+      auto tiles = [&](int64_t p, auto np) {
+        for (int64_t i = c0; i < full; i += kRows) {
+          blk.partial = At(partial, (i - c0) * blk.ldp + (p - p0) * kPanelWidth);
+          Tile<kRows, decltype(np)::value>(g, i, p, blk, packed + (i - c0) * kb);
+        }
+      };
+      int64_t p = p0;
+      for (; p + kNp <= p1; p += kNp) tiles(p, std::integral_constant<int, kNp>());
+      for (; p < p1; ++p) tiles(p, std::integral_constant<int, 1>());
     }
-    constexpr int kNp = Panels<kRows>();
-    auto tiles = [&](int64_t p, auto np) {
-      for (int64_t i = c0; i < full; i += kRows) {
-        blk.partial = At(partial, (i - c0) * blk.ldp + (p - p0) * kPanelWidth);
-        Tile<kRows, decltype(np)::value>(g, i, p, blk, packed + (i - c0) * kb);
-      }
-    };
-    int64_t p = p0;
-    for (; p + kNp <= p1; p += kNp) tiles(p, std::integral_constant<int, kNp>());
-    for (; p < p1; ++p) tiles(p, std::integral_constant<int, 1>());
     blk.partial = At(partial, (full - c0) * blk.ldp);
     if (full < c1) EdgeRows(g, int(c1 - full), full, p0, p1, blk, packed + (full - c0) * kb);
   }

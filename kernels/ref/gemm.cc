@@ -48,8 +48,8 @@ void Fp8Gemm(const Fp8GemmArgs& args) {
     for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
       const int64_t width = std::min(kBlock, n - j0);
       std::fill(sums.begin(), sums.begin() + width, 0.0f);
-      for (int64_t d = 0; d < k; ++d) AddScaledRow(a[i * k + d], b.data() + d * n + j0, width,
-                                                   sums.data());
+      for (int64_t d = 0; d < k; ++d)
+        AddScaledRow(a[i * k + d], b.data() + d * n + j0, width, sums.data());
       for (int64_t j = 0; j < width; ++j) {
         float value = sums[j] * scale;
         if (args.bias) value += args.bias[j0 + j];

@@ -340,7 +340,8 @@ class CpuBackend final : public ReferenceBackend {
       return y;
     }
     const kernels::cpu::Scratch a = Decode(x.rowwise, x.format);
-    if (bias_data != nullptr) kernels::cpu::FillRows(bias_data, x.rows, w.rows, y.data_ptr<float>());
+    if (bias_data != nullptr)
+      kernels::cpu::FillRows(bias_data, x.rows, w.rows, y.data_ptr<float>());
     const bool rowwise = w.has_rowwise();
     const kernels::cpu::Scratch b = Decode(rowwise ? w.rowwise : w.columnwise, w.format);
     Gemm(false, rowwise, x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.floats(),
@@ -427,12 +428,12 @@ class CpuBackend final : public ReferenceBackend {
     GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
     if (GetCpuGemm() == CpuGemm::kOrdered) {  // A: dY^T [N, M], dy's columnwise codes
       const Panels b = PackNow(x.columnwise, x.format, x.cols, x.rows, true);
-      Ordered(dy.cols, dy.scale_inv() * x.scale_inv(), dy.columnwise.data_ptr<uint8_t>(),
-              dy.format, b.view, nullptr, acc.data_ptr<float>(), nullptr, accumulate);
+      Ordered(dy.cols, dy.scale_inv() * x.scale_inv(), dy.columnwise.data_ptr<uint8_t>(), dy.format,
+              b.view, nullptr, acc.data_ptr<float>(), nullptr, accumulate);
       return;
     }
     const kernels::cpu::Scratch a = Decode(dy.columnwise, dy.format);  // dY^T [N, M]
-    const kernels::cpu::Scratch b = Decode(x.columnwise, x.format);  // X^T [K, M]
+    const kernels::cpu::Scratch b = Decode(x.columnwise, x.format);    // X^T [K, M]
     Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv() * x.scale_inv(), a.floats(),
          b.floats(), accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
   }

@@ -4,10 +4,10 @@
 //   dgrad  dX[M, D] = dY[M, D] . W       GEMM m = M, n = D, k = D  (W^T's panels prepacked)
 //   wgrad  dW[D, D] += dY^T . X          GEMM m = D, n = D, k = M  (X^T packed per call)
 // The FP8 side is timed as the CPU backend runs it: from FP8 codes, with the decode of A (as it is
-// packed) and, for wgrad, the packing of B inside the time; a weight's panels are built once per weight
-// version, outside it. sgemm gets ready fp32 operands (what an fp32 layer hands it), on the same
-// threads: split by the pool over blocks of C (BLAS single-threaded, the backend's default) and
-// by BLAS's own threads, and the faster of the two counts.
+// packed) and, for wgrad, the packing of B inside the time; a weight's panels are built once per
+// weight version, outside it. sgemm gets ready fp32 operands (what an fp32 layer hands it), on the
+// same threads: split by the pool over blocks of C (BLAS single-threaded, the backend's default)
+// and by BLAS's own threads, and the faster of the two counts.
 //
 //   gemm_bench [--m 1,16,256,4096] [--d 1024,4096] [--seconds 0.3] [--json PATH]
 #include <dlfcn.h>
@@ -49,8 +49,8 @@ std::vector<uint8_t> Codes(int64_t n, Fp8Format format, float* scale_inv) {
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> x(static_cast<size_t>(n));
   for (float& v : x) v = dist(rng);
-  const float scale = gradwire::kernels::ComputeScale(gradwire::kernels::Amax(x.data(), n),
-                                                      format, 0);
+  const float scale =
+      gradwire::kernels::ComputeScale(gradwire::kernels::Amax(x.data(), n), format, 0);
   std::vector<uint8_t> codes(static_cast<size_t>(n));
   gradwire::kernels::QuantizeFp8(x.data(), 1, n, scale, format, codes.data(), nullptr, nullptr);
   *scale_inv = 1.0f / scale;
@@ -203,9 +203,9 @@ int main(int argc, char** argv) {
         const double flops = 2.0 * double(r.gemm_m) * double(r.gemm_n) * double(r.gemm_k);
         const double blas_s = std::min(r.blas_pool_s, r.blas_own_s);
         std::printf("%-6s %5lld %5lld | %10.4f %10.4f %10.4f | %9.1f %9.1f | %6.2fx\n",
-                    product.c_str(), (long long)m, (long long)d, r.fp8_s * 1e3,
-                    r.blas_pool_s * 1e3, r.blas_own_s * 1e3, flops / r.fp8_s * 1e-9,
-                    flops / blas_s * 1e-9, blas_s / r.fp8_s);
+                    product.c_str(), (long long)m, (long long)d, r.fp8_s * 1e3, r.blas_pool_s * 1e3,
+                    r.blas_own_s * 1e3, flops / r.fp8_s * 1e-9, flops / blas_s * 1e-9,
+                    blas_s / r.fp8_s);
         std::fflush(stdout);
         rows.push_back(r);
       }

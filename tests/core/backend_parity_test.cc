@@ -35,6 +35,7 @@
 #include "server/core/backend.h"
 #include "server/core/cpu_gemm.h"
 #include "server/core/device_scaling.h"
+#include "server/core/fp8_ops.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
@@ -393,6 +394,44 @@ TEST(CpuOrderedGemm, FpropDgradAndWgradAreTheReferenceBits) {
         ref.Wgrad(rdy, rx, want, accumulate);
         EXPECT_TRUE(bits(got, want)) << "wgrad " << where << (accumulate ? ", accumulating" : "");
       }
+    }
+  }
+}
+
+// A batch whose FP8 inputs came in both wire formats (E4M3 and E5M2 codes, each with its own
+// scale): the grouped forward decodes each group in its own format, and every group gets the
+// bits of its Fprop alone.
+TEST(CpuOrderedGemm, AGroupedForwardOfMixedFormatsIsEachGroupAlone) {
+  struct Ordered {
+    Ordered() : before(GetCpuGemm()) { SetCpuGemm(CpuGemm::kOrdered); }
+    ~Ordered() { SetCpuGemm(before); }
+    CpuGemm before;
+  } ordered;
+  const Backend& cpu = *MakeCpuBackend();
+  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr},
+      e5m2{Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
+  const at::Tensor w = RandN({13, 37}, 0.1), bias = RandN({13});
+  auto cast = [&](const at::Tensor& t, const QuantizerConfig& q) {
+    auto r = cpu.Cast(t, q, CastUsage{true, false});
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  };
+  Fp8Tensor wq = cast(w, e4m3);
+  cpu.PrepareWeight(wq);
+  const std::vector<Fp8Tensor> parts = {cast(RandN({3, 37}), e4m3), cast(RandN({1, 37}, 4.0), e5m2),
+                                        cast(RandN({7, 37}, 0.5), e4m3)};
+  for (bool mixed : {true, false}) {
+    std::vector<Fp8Tensor> use = parts;
+    if (!mixed) use[1] = cast(RandN({1, 37}, 4.0), e4m3);
+    const at::Tensor y = cpu.FpropGroups(StackRows(use), wq, bias);
+    int64_t row = 0;
+    for (const Fp8Tensor& part : use) {
+      const at::Tensor alone = cpu.Fprop(part, wq, bias);
+      EXPECT_EQ(std::memcmp(alone.data_ptr<float>(), y.narrow(0, row, part.rows).data_ptr<float>(),
+                            size_t(alone.numel()) * 4),
+                0)
+          << (mixed ? "mixed formats" : "one format") << ", group at row " << row;
+      row += part.rows;
     }
   }
 }

@@ -140,10 +140,10 @@ TEST(OrderedGemmTest, EveryCopyComputesTheReferenceBitsOnEveryShape) {
   EXPECT_TRUE(cpu::OrderedGemmCopySupported(cpu::OrderedGemmBestCopy()));
   const struct {
     int64_t m, n, k;
-  } shapes[] = {{1, 1, 1},       {1, 1, 7},      {1, 17, 8},     {2, 3, 9},     {5, 13, 0},
-                {7, 5, 31},      {4, 4, 16},     {9, 11, 63},    {13, 29, 130}, {64, 64, 64},
-                {1, 1024, 1024}, {37, 257, 515}, {129, 67, 1031}, {6, 16, 5},
-                {12, 32, 3},     {11, 97, 41},   {3, 200, 17},   {23, 16, 2}};
+  } shapes[] = {{1, 1, 1},       {1, 1, 7},      {1, 17, 8},      {2, 3, 9},     {5, 13, 0},
+                {7, 5, 31},      {4, 4, 16},     {9, 11, 63},     {13, 29, 130}, {64, 64, 64},
+                {1, 1024, 1024}, {37, 257, 515}, {129, 67, 1031}, {6, 16, 5},    {12, 32, 3},
+                {11, 97, 41},    {3, 200, 17},   {23, 16, 2}};
   for (const auto& s : shapes) {
     for (auto [fa, fb] : {std::pair{Fp8Format::kE4M3, Fp8Format::kE4M3},
                           std::pair{Fp8Format::kE5M2, Fp8Format::kE4M3}}) {
@@ -280,7 +280,7 @@ TEST(OrderedGemmTest, PackingFromCodesInEitherLayoutGivesThePanelsOfTheDecodedVa
     float scale_inv = 1;
     const std::vector<uint8_t> codes = RandomCodes(n * k, Fp8Format::kE5M2, 1.0f, &scale_inv);
     const std::vector<float> values = Decode(codes, Fp8Format::kE5M2);  // [n, k]
-    std::vector<uint8_t> transposed(codes.size());                       // [k, n]
+    std::vector<uint8_t> transposed(codes.size());                      // [k, n]
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t d = 0; d < k; ++d) transposed[size_t(d * n + j)] = codes[size_t(j * k + d)];
     }

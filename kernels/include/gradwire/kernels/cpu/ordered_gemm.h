@@ -45,8 +45,8 @@ int64_t PanelFloats(int64_t n, int64_t k);
 // [n, k] (row j contiguous along k); else [k, n]. ld is the stride of the stored rows.
 void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, float* out);
 // The same from FP8 codes, decoded (no scale) as they are packed.
-void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k,
-                         bool n_major, float* out);
+void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major,
+                         float* out);
 
 // Owning panels, for a weight workspace: built once per weight version, read by every GEMM of
 // that version.
@@ -57,7 +57,6 @@ class GemmPanels {
   GemmPanels(const GemmPanels&) = delete;
   GemmPanels& operator=(const GemmPanels&) = delete;
   PanelsView view() const { return {n_, k_, data_}; }
-  int64_t bytes() const { return PanelFloats(n_, k_) * int64_t(sizeof(float)); }
 
  private:
   int64_t n_, k_;
