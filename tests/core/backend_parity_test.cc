@@ -338,15 +338,18 @@ INSTANTIATE_TEST_SUITE_P(All, GemmParity,
                                   std::to_string(std::get<2>(d));
                          });
 
+// Puts the CPU backend on its FP8 GEMM for a test, and back to what it was after.
+struct OrderedGemmScope {
+  OrderedGemmScope() : before(GetCpuGemm()) { SetCpuGemm(CpuGemm::kOrdered); }
+  ~OrderedGemmScope() { SetCpuGemm(before); }
+  CpuGemm before;
+};
+
 // The CPU backend on its FP8 GEMM (--cpu-gemm ordered, the default: core/cpu_gemm.h): the three
 // products give the reference backend's bits, with W's columnwise copy or only its rowwise one,
 // packed per call or from the panels PrepareWeight attaches.
 TEST(CpuOrderedGemm, FpropDgradAndWgradAreTheReferenceBits) {
-  struct Ordered {
-    Ordered() : before(GetCpuGemm()) { SetCpuGemm(CpuGemm::kOrdered); }
-    ~Ordered() { SetCpuGemm(before); }
-    CpuGemm before;
-  } ordered;
+  const OrderedGemmScope ordered;
   const Backend& ref = *MakeReferenceBackend();
   const Backend& cpu = *MakeCpuBackend();
   EXPECT_NE(cpu.Describe().find("row-invariant"), std::string::npos) << cpu.Describe();
@@ -402,11 +405,7 @@ TEST(CpuOrderedGemm, FpropDgradAndWgradAreTheReferenceBits) {
 // scale): the grouped forward decodes each group in its own format, and every group gets the
 // bits of its Fprop alone.
 TEST(CpuOrderedGemm, AGroupedForwardOfMixedFormatsIsEachGroupAlone) {
-  struct Ordered {
-    Ordered() : before(GetCpuGemm()) { SetCpuGemm(CpuGemm::kOrdered); }
-    ~Ordered() { SetCpuGemm(before); }
-    CpuGemm before;
-  } ordered;
+  const OrderedGemmScope ordered;
   const Backend& cpu = *MakeCpuBackend();
   const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr},
       e5m2{Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
