@@ -64,6 +64,7 @@ module's weights as they are now; if they changed in between, the gradient belon
 weights, not to the ones that made the output the loss saw.
 """
 
+import contextlib
 import copy
 import logging
 import weakref
@@ -216,46 +217,63 @@ class Context:
     def backward_async(self, grad_output: torch.Tensor, skip_grad_input: bool,
                        retain: bool) -> Future:
         """Future of grad_input. ``retain`` keeps the context for another backward."""
-        done: Future = Future()
+        return _Backward(self, grad_output, skip_grad_input, retain).done
 
-        def attempt(recomputed: bool) -> None:
-            f = submit_backward(self.client, self.context_id, grad_output, skip_grad_input,
-                                retain, self.gradient_dtype)
-            then(f, done, lambda f: finished(f, recomputed))
 
-        def finished(f: Future, recomputed: bool) -> None:
-            error = f.exception()
-            if error is None:
-                if not retain:
-                    self._finalizer.detach()
-                    self.saved_input = None
-                done.set_result(f.result())
-                return
-            if isinstance(error, GradwireError):
-                error = self.client.lost_context(error)
-            if recomputed or self.saved_input is None or not isinstance(error, ContextLostError):
-                done.set_exception(error)
-                return
-            # The server lost the saved tensors: run the forward again on the kept input (at
-            # the module's current weights, which may be newer than the first forward's).
-            log.debug("context %s lost (%s): recomputing the forward of module %s",
-                      self.context_id, error.reason, self.module_id)
-            self._finalizer.detach()
-            g = submit_forward(self.client, self.module_id, self.saved_input,
-                               self.activation_dtype)
-            then(g, done, forwarded)
+class _Backward:
+    """One backward of a Context, with at most one recompute of its forward. Its steps are
+    methods, not closures of one another: closures that call each other form a reference cycle
+    that holds the Context, and a retained graph dropped afterwards would keep the server's
+    context until Python's cyclic garbage collector ran."""
 
-        def forwarded(g: Future) -> None:
-            _, self.context_id, _ = g.result()
-            self._finalizer = weakref.finalize(self, Context._release, self.client,
-                                               self.context_id)
-            module = self._module()
-            if module is not None:
-                module.recomputed_backwards += 1
-            attempt(True)
+    def __init__(self, context: Context, grad_output: torch.Tensor, skip_grad_input: bool,
+                 retain: bool):
+        self.context = context
+        self.grad_output = grad_output
+        self.skip_grad_input = skip_grad_input
+        self.retain = retain
+        self.recomputed = False
+        self.done: Future = Future()
+        self._attempt()
 
-        attempt(False)
-        return done
+    def _attempt(self) -> None:
+        c = self.context
+        f = submit_backward(c.client, c.context_id, self.grad_output, self.skip_grad_input,
+                            self.retain, c.gradient_dtype)
+        then(f, self.done, self._finished)
+
+    def _finished(self, f: Future) -> None:
+        c = self.context
+        error = f.exception()
+        if error is None:
+            if not self.retain:
+                c._finalizer.detach()
+                c.saved_input = None
+            self.done.set_result(f.result())
+            return
+        if isinstance(error, GradwireError):
+            error = c.client.lost_context(error)
+        if self.recomputed or c.saved_input is None or \
+                not isinstance(error, ContextLostError):
+            self.done.set_exception(error)
+            return
+        # The server lost the saved tensors: run the forward again on the kept input (at the
+        # module's current weights, which may be newer than the first forward's).
+        log.debug("context %s lost (%s): recomputing the forward of module %s", c.context_id,
+                  error.reason, c.module_id)
+        c._finalizer.detach()
+        g = submit_forward(c.client, c.module_id, c.saved_input, c.activation_dtype)
+        then(g, self.done, self._forwarded)
+
+    def _forwarded(self, g: Future) -> None:
+        c = self.context
+        _, c.context_id, _ = g.result()
+        c._finalizer = weakref.finalize(c, Context._release, c.client, c.context_id)
+        module = c._module()
+        if module is not None:
+            module.recomputed_backwards += 1
+        self.recomputed = True
+        self._attempt()
 
 
 class GraphProbe:
@@ -385,6 +403,9 @@ class RemoteModule(torch.nn.Module):
             info = client.module_info(module_id)
         self.client: Client = client
         self.module_id: str = info.module_id
+        # The server process the module lives in: a module the server no longer knows is then
+        # told apart from one deleted on a running server (see _explained).
+        self._instance_id = _instance_of(client)
         self.spec: module_pb2.ModuleSpec = info.spec
         self.local_optimizer: bool = optimizer == "local"
         self.recompute_on_lost_context = recompute_on_lost_context
@@ -488,6 +509,35 @@ class RemoteModule(torch.nn.Module):
         if self._deleted:
             raise RuntimeError(f"{self._label()} was deleted")
 
+    def _explained(self, error: GradwireError) -> GradwireError:
+        """``error``, or, when the server does not know this module because it restarted
+        since the module was created, an error (same method and code) that says so: the
+        server's own answer only says the id is not a module."""
+        if error.code != "NOT_FOUND" or self.module_id not in error.message or \
+                self._instance_id is None:
+            return error
+        now = _instance_of(self.client)
+        if now is None or now == self._instance_id:
+            return error
+        return GradwireError(
+            error.method, error.code,
+            f"{self._label()} is gone: the server restarted since the module was created "
+            f"(instance {self._instance_id}, now {now}), and a module lives only as long as "
+            "the server process that holds it. Create it again (its weights come back from a "
+            f"checkpoint: load_state_dict or import_safetensors). The server said: "
+            f"{error.message}", error.request_id)
+
+    @contextlib.contextmanager
+    def _calls(self):
+        """Raises a failed call's error through ``_explained``."""
+        try:
+            yield
+        except GradwireError as e:
+            explained = self._explained(e)
+            if explained is e:
+                raise
+            raise explained from None
+
     # --- the forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -503,17 +553,18 @@ class RemoteModule(torch.nn.Module):
             return self._empty_forward(x)
         activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
         training = self._trains(x)
-        self._before_forward(training)
-        if training:
-            probe = GraphProbe()
-            y = _RemoteFunction.apply(x, probe, self, activation_dtype, gradient_dtype,
-                                      *self._anchors())
-            y = probed(y, probe)
-            self._after_forward()
-        else:
-            out, _, _ = self.client.forward(self.module_id, x, training=False,
-                                            dtype=activation_dtype)
-            y = out.to(device=x.device, dtype=x.dtype)
+        with self._calls():
+            self._before_forward(training)
+            if training:
+                probe = GraphProbe()
+                y = _RemoteFunction.apply(x, probe, self, activation_dtype, gradient_dtype,
+                                          *self._anchors())
+                y = probed(y, probe)
+                self._after_forward()
+            else:
+                out, _, _ = self.client.forward(self.module_id, x, training=False,
+                                                dtype=activation_dtype)
+                y = out.to(device=x.device, dtype=x.dtype)
         return y
 
     def _empty_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -615,8 +666,9 @@ class RemoteModule(torch.nn.Module):
         """Copies the server's weights into the parameters now, discarding local changes not
         pushed yet; returns the weight version."""
         self._check_alive()
-        weights, version = self.client.get_weights_versioned(self.module_id,
-                                                             self._parameter_wire_dtype())
+        with self._calls():
+            weights, version = self.client.get_weights_versioned(self.module_id,
+                                                                 self._parameter_wire_dtype())
         self._copy_in(weights)
         self._record(version)
         log.debug("pulled the weights of %s (version %d)", self._label(), version)
@@ -638,7 +690,9 @@ class RemoteModule(torch.nn.Module):
         version. A forward does this by itself after an in-place change."""
         self._check_alive()
         params = {n: p.detach() for n, p in self._parameters.items()}
-        version = self.client.set_weights(self.module_id, params, self._parameter_wire_dtype())
+        with self._calls():
+            version = self.client.set_weights(self.module_id, params,
+                                              self._parameter_wire_dtype())
         self._record(version)
         log.debug("pushed the weights of %s (version %d)", self._label(), version)
         return version
@@ -698,7 +752,8 @@ class RemoteModule(torch.nn.Module):
                 "Create it with optimizer='sgd' or 'adamw' to step it on the server.")
         if self._dirty():
             self.push()
-        version = self.client.apply_gradients(self.module_id, optim.wire_rate(lr))
+        with self._calls():
+            version = self.client.apply_gradients(self.module_id, optim.wire_rate(lr))
         self._backwards_since_step = 0
         return version
 
@@ -717,7 +772,8 @@ class RemoteModule(torch.nn.Module):
         self._check_alive()
         if self._dirty():
             self.push()
-        weights, version = self.client.get_weights_versioned(self.module_id)
+        with self._calls():
+            weights, version = self.client.get_weights_versioned(self.module_id)
         self._copy_in(weights)
         self._record(version)
         return weights
@@ -729,7 +785,8 @@ class RemoteModule(torch.nn.Module):
         self._check_alive()
         if self._dirty():
             self.push()
-        version = self.client.set_weights(self.module_id, params)
+        with self._calls():
+            version = self.client.set_weights(self.module_id, params)
         self._copy_in(params)
         self._record(version if set(params) >= set(self._parameters) else None)
         return version
@@ -739,7 +796,8 @@ class RemoteModule(torch.nn.Module):
         name (float32 CPU tensors); ``zero`` zeroes them after reading. With
         ``optimizer="local"`` each backward moves them into ``.grad``, so this reads zeros."""
         self._check_alive()
-        grads = self.client.get_gradients(self.module_id, zero)
+        with self._calls():
+            grads = self.client.get_gradients(self.module_id, zero)
         if zero:
             self._backwards_since_step = 0
         return grads
@@ -823,6 +881,14 @@ class RemoteModule(torch.nn.Module):
 
     def __prepare_scriptable__(self):
         raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
+
+
+def _instance_of(client: Client) -> Optional[str]:
+    """The instance id of ``client``'s server process, or None when it cannot be asked."""
+    try:
+        return client.instance_id()
+    except GradwireError:
+        return None
 
 
 def _restore(cls: type, server: str, state: Dict[str, Any]) -> RemoteModule:

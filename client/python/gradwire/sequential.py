@@ -11,41 +11,73 @@ one server overlap the wire with the compute.
 Local modules (``nn.ReLU``, ``nn.Linear``, ``nn.Dropout``, a ``BatchNorm``...) may sit between
 remote blocks: each sees the whole batch at once, as in ``nn.Sequential`` (so its statistics are
 those of the batch, not of a micro-batch), and ends the run before it. Children are named "0",
-"1", ... as in ``nn.Sequential``, so ``state_dict()`` keys match a local model of the same
-layout (a ``RemoteLinear``'s keys are ``nn.Linear``'s); ``load_state_dict()`` pushes the
+"1", ... (or by an ``OrderedDict``'s keys) as in ``nn.Sequential``, so ``state_dict()`` keys
+match a local model of the same layout (a ``RemoteLinear``'s keys are ``nn.Linear``'s); ``load_state_dict()`` pushes the
 remote blocks' weights to their servers.
 
 ``recompute_on_lost_context`` is honoured per block and micro-batch: such a block keeps the
 input of each micro-batch, and a backward whose context the server lost runs that forward again.
 """
 
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from gradwire.client import GradwireError
 from gradwire.modules import (Context, GraphProbe, RemoteModule, _autocast, check_input, probed,
                               second_backward_error, submit_forward, then)
 
 
-def _chain(steps, first_input) -> Future:
+class _Chain:
     """Runs ``steps`` (each: input -> Future of output) one after another on one micro-batch,
-    without blocking; the returned future has the last output (or the first error)."""
-    done: Future = Future()
+    without blocking; ``done`` has the last output (or the first error). A class, not a
+    closure that calls itself: such a closure is a reference cycle, and through the steps it
+    would hold the micro-batch's contexts until Python's cyclic garbage collector ran."""
 
-    def run(i: int, value) -> None:
-        if i == len(steps):
-            done.set_result(value)
+    def __init__(self, steps, first_input):
+        self.steps = steps
+        self.done: Future = Future()
+        try:
+            self._run(0, first_input)
+        except Exception as e:  # noqa: BLE001 - a step that fails to start ends this micro-batch
+            if not self.done.done():
+                self.done.set_exception(e)
+
+    def _run(self, i: int, value) -> None:
+        if i == len(self.steps):
+            self.done.set_result(value)
             return
-        then(steps[i](value), done, lambda f: run(i + 1, f.result()))
+        then(self.steps[i](value), self.done, lambda f: self._run(i + 1, f.result()))
 
-    try:
-        run(0, first_input)
-    except Exception as e:  # noqa: BLE001 - a step that fails to start ends this micro-batch
-        if not done.done():
-            done.set_exception(e)
-    return done
+
+def _chain(steps, first_input) -> Future:
+    """The future of ``steps`` run one after another on ``first_input`` (see _Chain)."""
+    return _Chain(steps, first_input).done
+
+
+def _check_block(name: str, block) -> None:
+    if not isinstance(block, torch.nn.Module):
+        raise TypeError(f"block {name} is a {type(block).__name__}, not a torch.nn.Module")
+
+
+def _check_widths(named: List[Tuple[str, RemoteModule]], x: torch.Tensor) -> None:
+    """Refuses, before anything is sent, an input whose last dimension is not what a block of
+    the run takes: the server would see a micro-batch, and name its shape, not the one the
+    caller passed. The error is the one the server gives a single module's forward."""
+    width = x.shape[-1] if x.dim() else None
+    for name, block in named:
+        want = block.spec.in_features
+        if width != want:
+            shape = list(x.shape[:-1]) + [width] if width is not None else []
+            raise GradwireError(
+                "Forward", "INVALID_ARGUMENT",
+                f"{block._label()} (RemoteSequential block {name}): input.shape must be "
+                f"[..., {want}] (the module's in_features), got {shape}")
+        width = block.spec.out_features
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -123,26 +155,40 @@ class RemoteSequential(torch.nn.Module):
     train with ``micro_batches`` micro-batches in flight (GPipe: forward all, then backward all
     in reverse). In eval mode, or without grad, every module runs one after another.
 
+    Built as ``nn.Sequential`` is -- ``RemoteSequential(a, b, c)``, or from an ``OrderedDict``
+    of name -> module (the names are the children's) -- or from one list of modules. It is
+    edited as ``nn.Sequential`` is too: ``seq[i]`` (negative too), ``seq[1:]`` (a
+    RemoteSequential of the same modules and ``micro_batches``), ``seq[i] = module``, ``del
+    seq[i]`` / ``del seq[a:b]``, ``append``, ``extend``, ``insert``, ``pop``, ``len``,
+    iteration. As in ``nn.Sequential``, deleting, inserting or popping renames the children
+    "0", "1", ... in their new order. Editing changes the structure only: nothing is created or
+    deleted on a server.
+
     Args:
-        blocks: the modules: remote blocks (``RemoteLinear``, ``RemoteLayerNormLinear``,
-            ``RemoteLayerNormMLP``, on one server or several) and local ``nn.Module``s, in
-            order.
+        *blocks: the modules -- remote blocks (``RemoteLinear``, ``RemoteLayerNormLinear``,
+            ``RemoteLayerNormMLP``, on one server or several) and local ``nn.Module``s -- in
+            order; or one ``OrderedDict`` of them by name; or one list of them.
         micro_batches: how many pieces a batch is split into along its first dimension for
-            the remote runs.
+            the remote runs (keyword only).
     """
 
-    def __init__(self, blocks: Sequence[torch.nn.Module], micro_batches: int = 4):
+    def __init__(self, *blocks, micro_batches: int = 4):
         super().__init__()
-        blocks = list(blocks)
-        if not blocks:
-            raise ValueError("RemoteSequential needs at least one block")
-        for i, block in enumerate(blocks):
-            if not isinstance(block, torch.nn.Module):
-                raise TypeError(f"block {i} is a {type(block).__name__}, not a torch.nn.Module")
+        if len(blocks) == 1 and isinstance(blocks[0], Mapping):
+            named = list(blocks[0].items())
+        else:
+            if len(blocks) == 1 and not isinstance(blocks[0], torch.nn.Module) and \
+                    isinstance(blocks[0], Iterable):
+                blocks = tuple(blocks[0])  # the list form
+            named = [(str(i), block) for i, block in enumerate(blocks)]
+        for name, block in named:
+            _check_block(name, block)
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
+            raise TypeError(f"micro_batches must be an int, got {type(micro_batches).__name__}")
         if micro_batches < 1:
             raise ValueError("micro_batches must be >= 1")
-        for i, block in enumerate(blocks):
-            self.add_module(str(i), block)
+        for name, block in named:
+            self.add_module(name, block)
         self.micro_batches = micro_batches
 
     @property
@@ -155,27 +201,93 @@ class RemoteSequential(torch.nn.Module):
         """The remote modules among the blocks, in order."""
         return [b for b in self._modules.values() if isinstance(b, RemoteModule)]
 
+    # --- nn.Sequential's container methods
+
     def __len__(self) -> int:
         return len(self._modules)
 
     def __iter__(self) -> Iterator[torch.nn.Module]:
         return iter(self._modules.values())
 
-    def __getitem__(self, index: int) -> torch.nn.Module:
-        return self.blocks[index]
+    def _key(self, index: int) -> str:
+        """The child name at ``index`` (negative counts from the end), or IndexError."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"RemoteSequential indices must be integers or slices, not "
+                            f"{type(index).__name__}")
+        n = len(self._modules)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for a RemoteSequential of {n} "
+                             "modules")
+        return list(self._modules)[index % n]
+
+    def __getitem__(self, index: Union[int, slice]):
+        if isinstance(index, slice):
+            return type(self)(OrderedDict(list(self._modules.items())[index]),
+                              micro_batches=self.micro_batches)
+        return self._modules[self._key(index)]
+
+    def __setitem__(self, index: int, module: torch.nn.Module) -> None:
+        key = self._key(index)
+        _check_block(key, module)
+        self._modules[key] = module
+
+    def __delitem__(self, index: Union[int, slice]) -> None:
+        keys = list(self._modules)[index] if isinstance(index, slice) else [self._key(index)]
+        for key in keys:
+            del self._modules[key]
+        self._renumber()
+
+    def _renumber(self) -> None:
+        self._modules = OrderedDict((str(i), m) for i, m in enumerate(self._modules.values()))
+
+    def append(self, module: torch.nn.Module) -> "RemoteSequential":
+        """Adds ``module`` at the end; returns self."""
+        _check_block(str(len(self._modules)), module)
+        self.add_module(str(len(self._modules)), module)
+        return self
+
+    def extend(self, modules: Iterable[torch.nn.Module]) -> "RemoteSequential":
+        """Adds ``modules`` at the end, in order; returns self."""
+        for module in modules:
+            self.append(module)
+        return self
+
+    def insert(self, index: int, module: torch.nn.Module) -> "RemoteSequential":
+        """Puts ``module`` before position ``index`` (``len(self)``: at the end; negative
+        counts from the end); returns self."""
+        n = len(self._modules)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int, got {type(index).__name__}")
+        if not -n <= index <= n:
+            raise IndexError(f"index {index} is out of range for inserting into a "
+                             f"RemoteSequential of {n} modules")
+        _check_block(str(index), module)
+        modules = list(self._modules.values())
+        modules.insert(index, module)
+        self._modules = OrderedDict((str(i), m) for i, m in enumerate(modules))
+        return self
+
+    def pop(self, index: int = -1) -> torch.nn.Module:
+        """Removes the module at ``index`` (default: the last) and returns it."""
+        module = self[index]
+        del self[index]
+        return module
 
     def extra_repr(self) -> str:
         return f"micro_batches={self.micro_batches}"
 
-    def _runs(self) -> List[Tuple[bool, List[torch.nn.Module]]]:
-        """(remote?, modules) for each maximal run of remote or of local modules."""
-        runs: List[Tuple[bool, List[torch.nn.Module]]] = []
-        for block in self._modules.values():
+    # --- the forward
+
+    def _runs(self) -> List[Tuple[bool, List[Tuple[str, torch.nn.Module]]]]:
+        """(remote?, [(name, module)...]) for each maximal run of remote or of local
+        modules."""
+        runs: List[Tuple[bool, List[Tuple[str, torch.nn.Module]]]] = []
+        for name, block in self._modules.items():
             remote = isinstance(block, RemoteModule)
             if runs and runs[-1][0] == remote:
-                runs[-1][1].append(block)
+                runs[-1][1].append((name, block))
             else:
-                runs.append((remote, [block]))
+                runs.append((remote, [(name, block)]))
         return runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,15 +297,16 @@ class RemoteSequential(torch.nn.Module):
             for block in self._modules.values():
                 x = block(x)
             return x
-        for remote, modules in self._runs():
+        for remote, named in self._runs():
             if not remote:
-                for block in modules:
+                for _, block in named:
                     x = block(x)
             else:
-                x = self._pipeline(modules, x)
+                x = self._pipeline(named, x)
         return x
 
-    def _pipeline(self, blocks: List[RemoteModule], x: torch.Tensor) -> torch.Tensor:
+    def _pipeline(self, named: List[Tuple[str, RemoteModule]], x: torch.Tensor) -> torch.Tensor:
+        blocks = [block for _, block in named]
         label = f"RemoteSequential run of {len(blocks)} remote blocks"
         for block in blocks:
             block._check_alive()
@@ -206,14 +319,25 @@ class RemoteSequential(torch.nn.Module):
             for block in blocks:
                 x = block(x)
             return x
+        _check_widths(named, x)
         for block in blocks:
-            block._before_forward(training=True)
+            with block._calls():
+                block._before_forward(training=True)
         probe = GraphProbe()
         anchors = [a for b in blocks for a in b._anchors()]
-        y = _PipelineFunction.apply(x, probe, tuple(blocks), self.micro_batches, *anchors)
+        try:
+            y = _PipelineFunction.apply(x, probe, tuple(blocks), self.micro_batches, *anchors)
+        except GradwireError as e:
+            # The server names the module it does not know: say why, if it restarted.
+            block = next((b for b in blocks if b.module_id in e.message), None)
+            explained = e if block is None else block._explained(e)
+            if explained is e:
+                raise
+            raise explained from None
         y = probed(y, probe)
         for block in blocks:
-            block._after_forward()
+            with block._calls():
+                block._after_forward()
         return y
 
     def apply_gradients(self, lr: Optional[float] = None) -> List[int]:

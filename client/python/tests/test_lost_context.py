@@ -83,3 +83,52 @@ def test_restarted_server_is_named():
     finally:
         c.close()
         first.stop()
+
+
+def wait_reachable(client):
+    deadline = time.time() + 20  # the channel reconnects after its backoff
+    while True:
+        try:
+            return client.server_info()
+        except gradwire.GradwireError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_module_lost_to_a_restart_is_named():
+    # After a restart the server only knows that the id is not a module; the client knows the
+    # process changed, and says that the module went with the old one.
+    first = ServerProcess()
+    address = first.address
+    c = gradwire.Client(address, timeout=5)
+    try:
+        layer = gradwire.RemoteLinear(c, 8, 4, keep=True)
+        stack = gradwire.RemoteSequential(
+            [gradwire.RemoteLinear(c, 8, 8, keep=True), torch.nn.ReLU(),
+             gradwire.RemoteLinear(c, 8, 4, keep=True)], micro_batches=2)
+        first.stop(kill=True)
+        second = ServerProcess(listen=address)  # a new process on the same address
+        try:
+            wait_reachable(c)
+            other = gradwire.RemoteLinear(c, 8, 4)  # made on the new process: still there
+            calls = [lambda: layer(torch.randn(2, 8, requires_grad=True)),  # training
+                     lambda: layer.eval()(torch.randn(2, 8)),  # inference
+                     lambda: stack(torch.randn(4, 8, requires_grad=True)),  # pipelined
+                     layer.get_weights]
+            for call, module in zip(calls, [layer, layer, stack[0], layer]):
+                with pytest.raises(gradwire.GradwireError) as e:
+                    call()
+                assert e.value.code == "NOT_FOUND"
+                assert "server restarted" in e.value.message, e.value.message
+                assert module.module_id in e.value.message
+            # A module deleted on a running server is not said to be lost to a restart.
+            c.delete_module(other.module_id)
+            with pytest.raises(gradwire.GradwireError) as e:
+                other(torch.randn(2, 8, requires_grad=True))
+            assert e.value.code == "NOT_FOUND" and "restarted" not in e.value.message
+        finally:
+            second.stop()
+    finally:
+        c.close(keep=True)
+        first.stop()

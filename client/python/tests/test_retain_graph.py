@@ -64,6 +64,35 @@ def test_retained_graph_dropped_releases_the_context(client):
     assert live(client) == 0
 
 
+def test_retained_graphs_dropped_in_a_loop_release_without_the_cyclic_gc(client):
+    # Reference counting alone must free each graph's server context when the graph goes:
+    # with the cyclic collector off, nothing may pile up on the server.
+    m = gradwire.RemoteLinear(client, 6, 3)
+    seq = gradwire.RemoteSequential([gradwire.RemoteLinear(client, 6, 6, seed=i)
+                                     for i in range(2)], micro_batches=2)
+    x = torch.randn(4, 6, requires_grad=True)
+    gc.collect()
+    before = live(client)
+    gc.disable()
+    try:
+        for _ in range(50):
+            y = m(x)
+            y.sum().backward(retain_graph=True)
+            del y
+        assert live(client) == before
+        for _ in range(20):
+            y = seq(x)
+            y.sum().backward(retain_graph=True)
+            del y
+        assert live(client) == before
+        for _ in range(20):  # forwards whose graph is dropped without any backward
+            y = seq(x)
+            del y
+        assert live(client) == before
+    finally:
+        gc.enable()
+
+
 def test_pipeline_with_retain_graph(client):
     blocks = [gradwire.RemoteLinear(client, 6, 6, seed=i) for i in range(2)]
     model = gradwire.RemoteSequential(blocks, micro_batches=2)

@@ -2,6 +2,7 @@
 block and micro-batch, and exports and loads a state_dict."""
 
 import time
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -137,3 +138,23 @@ def test_recompute_on_lost_context_per_block(short_ttl_server):
 def test_refuses_what_is_not_a_module():
     with pytest.raises(TypeError, match="not a torch.nn.Module"):
         gradwire.RemoteSequential([torch.nn.ReLU(), lambda x: x])
+
+
+def test_shape_error_names_the_shape_passed(client):
+    # The batch is split into micro-batches, but the error is about what the caller passed.
+    model = gradwire.RemoteSequential([gradwire.RemoteLinear(client, 6, 6)], micro_batches=4)
+    before = client.server_info().live_contexts
+    with pytest.raises(gradwire.GradwireError) as e:
+        model(torch.randn(4, 7, requires_grad=True))
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert "got [4, 7]" in e.value.message and "[1, 7]" not in e.value.message
+    assert "must be [..., 6]" in e.value.message and "block 0" in e.value.message
+    # A block of the run that does not take the previous block's output: the whole batch's
+    # shape at that block, and the block's name.
+    model = gradwire.RemoteSequential(OrderedDict(
+        a=gradwire.RemoteLinear(client, 6, 6), b=gradwire.RemoteLinear(client, 5, 6)))
+    with pytest.raises(gradwire.GradwireError) as e:
+        model(torch.randn(8, 3, 6, requires_grad=True))
+    assert "got [8, 3, 6]" in e.value.message and "must be [..., 5]" in e.value.message
+    assert "block b" in e.value.message and model.b.module_id in e.value.message
+    assert client.server_info().live_contexts == before
