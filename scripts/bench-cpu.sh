@@ -53,12 +53,18 @@ print(f"{'case':<28} {'remote':>8} {'in-proc':>8} {'python':>8} {'torch':>8} {'t
 for c in cases:
     kind, d_in, d_out, ffn, r = c.split(":")
     load = json.load(open(f"{tmp}/load-{kind}-{r}.json"))
-    rate = {m: sum(x["requests"] for x in load["runs"] if x["mode"] == m) /
-               sum(x["seconds"] for x in load["runs"] if x["mode"] == m)
-            for m in ("remote", "in-process")}
+    # "remote-shm": the load tool passed the tensors through shared memory by itself (its
+    # default on this host once a worker's tensors reach 64 KiB).
+    modes = {x["mode"] for x in load["runs"]}
+    remote = "remote-shm" if "remote-shm" in modes else "remote"
+    rate = {m: sum(x["requests"] for x in load["runs"] if x["mode"] == src) /
+               sum(x["seconds"] for x in load["runs"] if x["mode"] == src)
+            for m, src in (("remote", remote), ("in-process", "in-process"))}
     p, t = py[(kind, int(r))], tt[(kind, int(r))]
     row = {"kind": kind, "in": int(d_in), "out": int(d_out), "ffn": int(ffn), "rows": int(r),
            "gradwire_remote_steps_per_s": rate["remote"],
+           "gradwire_remote_path": "shared memory" if remote == "remote-shm" else "gRPC",
+           "gradwire_python_path": p.get("path", "gRPC"),
            "gradwire_inprocess_steps_per_s": rate["in-process"],
            "gradwire_python_steps_per_s": p["python_steps_per_s"],
            "torch_local_steps_per_s": t["local_steps_per_s"],

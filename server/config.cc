@@ -176,6 +176,24 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "it gave up (raise it on slow links; docs/security.md)")
       ->check(CLI::Range(0.0, 60000.0))
       ->capture_default_str();
+  app.add_option("--shared-memory", config.shared_memory,
+                 "auto: a client on this host (a loopback or Unix-socket peer) may ask the server "
+                 "for a shared-memory region that only it can reach (CreateSharedMemory: the "
+                 "server makes a 0600 object under a random name, and the client removes the "
+                 "name once it has it open), and the project's clients then pass large tensors "
+                 "through it by themselves; off: never (docs/shared-memory.md)")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str();
+  app.add_option("--max-shared-memory-mib", config.max_shared_memory_mib,
+                 "MiB of shared memory the server may make for clients, all regions together "
+                 "(their pages are reserved in /dev/shm when made)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 30))
+      ->capture_default_str();
+  app.add_option("--shared-memory-idle", config.shared_memory_idle_s,
+                 "seconds after which a region the server made and no call used is closed (0: "
+                 "never); the project's clients then make a new one")
+      ->check(CLI::Range(0.0, 1e9))
+      ->capture_default_str();
   app.add_flag("--allow-shared-memory", config.allow_shared_memory,
                "let clients on this host register POSIX shared-memory objects and pass tensors "
                "through them instead of the wire (RegisterSharedMemory; docs/shared-memory.md). A "
@@ -372,6 +390,9 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "batch-yield = " << (f.batch_yield ? "true" : "false") << "\n";
   out << "chunk-kib = " << f.chunk_kib << "\n";
   out << "max-stream-mib = " << f.max_stream_mib << "\n";
+  out << "shared-memory = " << quote(f.shared_memory) << "\n";
+  out << "max-shared-memory-mib = " << f.max_shared_memory_mib << "\n";
+  out << "shared-memory-idle = " << f.shared_memory_idle_s << "\n";
   out << "allow-shared-memory = " << (f.allow_shared_memory ? "true" : "false") << "\n";
   out << "shared-memory-prefix = " << quote(f.shared_memory_prefix) << "\n";
   out << "max-shared-memory-regions = " << f.max_shared_memory_regions << "\n";

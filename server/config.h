@@ -62,9 +62,12 @@ struct ServerConfig {
   std::string tokens_file;                // "TENANT TOKEN" lines: bearer tokens required
   std::string port_file;                  // written with the bound host:port once serving
   // Shared-memory tensors for clients on this host: off by default.
+  std::string shared_memory = "auto";  // auto | off: CreateSharedMemory for same-host clients
   bool allow_shared_memory = false;
   std::string shared_memory_prefix = "gradwire";
-  int max_shared_memory_regions = 16;
+  int max_shared_memory_regions = 64;
+  int64_t max_shared_memory_mib = 2048;
+  double shared_memory_idle_s = 300;
   std::vector<std::string> tokens;  // TENANT:TOKEN entries (environment or config file)
 };
 

@@ -118,6 +118,9 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
   s.limits.max_queued_per_client = c.max_queued_per_client;
   s.quotas.parameter_bytes = c.max_parameter_bytes_per_client;
   s.quotas.stream_bytes = c.max_stream_bytes_per_client;
+  s.shared_memory.create = c.shared_memory == "auto";
+  s.shared_memory.max_bytes = uint64_t(c.max_shared_memory_mib) << 20;
+  s.shared_memory.idle_timeout_s = c.shared_memory_idle_s;
   s.shared_memory.enabled = c.allow_shared_memory;
   s.shared_memory.key_prefix = c.shared_memory_prefix;
   s.shared_memory.max_regions = c.max_shared_memory_regions;

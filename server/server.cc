@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -166,9 +167,10 @@ class Server::MetricsEndpoint {
 // the next call reuses, and a trim does not touch them).
 class Server::Janitor {
  public:
-  Janitor(core::ModuleHost& host, double ttl_s, double trim_every_s) {
+  // `sweep` runs about once a second besides (shared-memory regions gone idle).
+  Janitor(core::ModuleHost& host, double ttl_s, double trim_every_s, std::function<void()> sweep) {
     const bool evict = ttl_s > 0, trim = trim_every_s > 0;
-    if (!evict && !trim) return;
+    if (!evict && !trim && !sweep) return;
     auto period = std::chrono::milliseconds(1000);
     if (evict) {
       period = std::min(
@@ -180,37 +182,43 @@ class Server::Janitor {
     }
     const auto trim_every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
         std::chrono::duration<double>(trim_every_s));
-    thread_ = std::thread([this, &host, period, evict, trim, trim_every, ttl_s] {
-      using Clock = std::chrono::steady_clock;
-      auto last_trim = Clock::now(), last_activity = Clock::now();
-      int64_t calls_seen = host.Stats().compute_calls;
-      bool trimmed_since_activity = false;
-      std::unique_lock<std::mutex> lock(mu_);
-      while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
-        if (evict) {
-          if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
-            spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n, ttl_s);
+    thread_ = std::thread(
+        [this, &host, period, evict, trim, trim_every, ttl_s, sweep = std::move(sweep)] {
+          using Clock = std::chrono::steady_clock;
+          auto last_trim = Clock::now(), last_activity = Clock::now();
+          int64_t calls_seen = host.Stats().compute_calls;
+          bool trimmed_since_activity = false;
+          std::unique_lock<std::mutex> lock(mu_);
+          auto last_sweep = Clock::now();
+          while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
+            if (sweep && Clock::now() - last_sweep >= std::chrono::seconds(1)) {
+              sweep();
+              last_sweep = Clock::now();
+            }
+            if (evict) {
+              if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
+                spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n, ttl_s);
+              }
+            }
+            if (!trim) continue;
+            const auto now = Clock::now();
+            if (const int64_t calls = host.Stats().compute_calls; calls != calls_seen) {
+              calls_seen = calls;
+              last_activity = now;
+              trimmed_since_activity = false;
+            }
+            const bool idle = !trimmed_since_activity && now - last_activity >= trim_every;
+            if (idle || now - last_trim >= trim_every) {
+              const core::HeapTrimResult r = core::TrimHeap(/*release_scratch=*/idle);
+              last_trim = Clock::now();
+              trimmed_since_activity = trimmed_since_activity || idle;
+              if (r.supported) {
+                spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
+                              r.rss_after_bytes >> 10, r.seconds * 1e3);
+              }
+            }
           }
-        }
-        if (!trim) continue;
-        const auto now = Clock::now();
-        if (const int64_t calls = host.Stats().compute_calls; calls != calls_seen) {
-          calls_seen = calls;
-          last_activity = now;
-          trimmed_since_activity = false;
-        }
-        const bool idle = !trimmed_since_activity && now - last_activity >= trim_every;
-        if (idle || now - last_trim >= trim_every) {
-          const core::HeapTrimResult r = core::TrimHeap(/*release_scratch=*/idle);
-          last_trim = Clock::now();
-          trimmed_since_activity = trimmed_since_activity || idle;
-          if (r.supported) {
-            spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
-                          r.rss_after_bytes >> 10, r.seconds * 1e3);
-          }
-        }
-      }
-    });
+        });
   }
   ~Janitor() { Stop(); }
   void Stop() {
@@ -261,8 +269,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   service.device_name = description;
   service.checkpointer = s->checkpointer_.get();
   service.authenticator = o.authenticator.get();
+  if (service.shared_memory.create) {
+    spdlog::info(
+        "shared memory for clients on this host: regions the server makes, up to {} "
+        "bytes in all, closed after {} s unused (--shared-memory off turns it off)",
+        service.shared_memory.max_bytes, service.shared_memory.idle_timeout_s);
+  }
   if (service.shared_memory.enabled) {
-    spdlog::info("shared-memory tensors on: keys starting with \"{}\", up to {} regions a client",
+    spdlog::info("RegisterSharedMemory on: keys starting with \"{}\", up to {} regions a client",
                  service.shared_memory.key_prefix, service.shared_memory.max_regions);
   }
   service.on_rpc_done = [metrics = &s->metrics_,
@@ -347,8 +361,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   spdlog::info("context memory {} bytes on the device, {} bytes host offload, TTL {} s",
                o.context_limits.device_bytes, o.context_limits.host_bytes,
                o.context_limits.ttl_seconds);
-  s->janitor_ =
-      std::make_unique<Janitor>(*s->host_, o.context_limits.ttl_seconds, o.heap_trim_every_s);
+  s->janitor_ = std::make_unique<Janitor>(
+      *s->host_, o.context_limits.ttl_seconds, o.heap_trim_every_s,
+      [service = s->service_.get()] { service->CloseIdleSharedMemory(); });
   return s;
 }
 

@@ -53,7 +53,9 @@ struct Options {
   std::string json_path, csv_path, plot_path;
   bool keep_module = false;
   int rounds = 1;  // repeat remote / in-process / empty interleaved, merging each mode's samples
-  bool shared_memory = false;  // tensors through shared memory (a server on this host)
+  // auto: tensors through shared memory when the server on this host gives this process regions
+  // and a worker's tensors reach 64 KiB; on: always (an error when it cannot); off: the wire.
+  std::string shared_memory = "auto";
 };
 
 // A tensor's bytes, whether it carries them or references shared memory.
@@ -120,10 +122,18 @@ class RemoteOps {
     for (auto& s : streams_) {
       if (s) (void)s->Finish();
     }
-    if (!buffers_.empty()) (void)client_.UnregisterSharedMemory();
   }
 
-  // --shared-memory: each worker's tensors move to a region of its own (input, output, LayerNorm
+  size_t shared_workers() const { return regions_.size(); }
+
+  // Whether a worker's tensors are large enough for shared memory to pay under "auto".
+  bool SharedMemoryPays() const {
+    if (fwd_.empty()) return false;
+    const uint64_t bytes = fwd_[0].input().data().size() + bwd_[0].grad_output().data().size();
+    return bytes >= (uint64_t(64) << 10);
+  }
+
+  // Each worker's tensors move to a region the server makes for it (input, output, LayerNorm
   // output, grad_output, grad_input, in that order), written once here like the wire bytes.
   absl::Status UseSharedMemory(int64_t in, int64_t out) {
     for (size_t w = 0; w < fwd_.size(); ++w) {
@@ -134,29 +144,25 @@ class RemoteOps {
       const uint64_t output = input / uint64_t(in) * uint64_t(out), ln = input;
       const uint64_t grad_in = grad_out / uint64_t(out) * uint64_t(in);
       const uint64_t total = input + output + ln + grad_out + grad_in;
-      auto buffer = gradwire::client::SharedMemoryBuffer::Create(
-          gradwire::client::SharedMemoryBuffer::UniqueKey(), size_t(total));
-      if (!buffer.ok()) return buffer.status();
-      const std::string region = "gradwire-load-" + std::to_string(w);
-      if (auto s = client_.RegisterSharedMemory(region, (*buffer)->key(), 0, total); !s.ok()) {
-        return s;
-      }
-      char* base = (*buffer)->data();
+      auto region = gradwire::client::SharedRegion::Create(client_, total);
+      if (!region.ok()) return region.status();
+      const std::string name = (*region)->name();
+      char* base = (*region)->data();
       uint64_t at = 0;
       auto move = [&](v1::Tensor* t) {
         std::memcpy(base + at, t->data().data(), t->data().size());
-        *t->mutable_shared_memory() = gradwire::client::SharedRef(region, at, t->data().size());
+        *t->mutable_shared_memory() = gradwire::client::SharedRef(name, at, t->data().size());
         at += t->data().size();
         t->clear_data();
       };
       move(f.mutable_input());
-      *f.mutable_output_shared_memory() = gradwire::client::SharedRef(region, at, output);
+      *f.mutable_output_shared_memory() = gradwire::client::SharedRef(name, at, output);
       at += output;
-      *f.mutable_layernorm_output_shared_memory() = gradwire::client::SharedRef(region, at, ln);
+      *f.mutable_layernorm_output_shared_memory() = gradwire::client::SharedRef(name, at, ln);
       at += ln;
       move(b.mutable_grad_output());
-      *b.mutable_grad_input_shared_memory() = gradwire::client::SharedRef(region, at, grad_in);
-      buffers_.push_back(std::move(*buffer));
+      *b.mutable_grad_input_shared_memory() = gradwire::client::SharedRef(name, at, grad_in);
+      regions_.push_back(std::move(*region));
     }
     return absl::OkStatus();
   }
@@ -252,8 +258,8 @@ class RemoteOps {
   std::string flow_;
   std::vector<v1::ForwardRequest> fwd_;
   std::vector<v1::BackwardRequest> bwd_;
-  std::vector<std::unique_ptr<gradwire::client::TrainStream>> streams_;  // stream flow, per worker
-  std::vector<std::unique_ptr<gradwire::client::SharedMemoryBuffer>> buffers_;  // per worker
+  std::vector<std::unique_ptr<gradwire::client::TrainStream>> streams_;   // stream flow, per worker
+  std::vector<std::unique_ptr<gradwire::client::SharedRegion>> regions_;  // per worker
   std::atomic<uint64_t> next_id_{1};
 };
 
@@ -480,9 +486,13 @@ int main(int argc, char** argv) {
   app.add_option("--plot", o.plot_path,
                  "draw latency percentiles against throughput (PNG, gnuplot)");
   app.add_flag("--keep-module", o.keep_module, "leave the created module on the server");
-  app.add_flag("--shared-memory", o.shared_memory,
-               "tensors through POSIX shared memory instead of the wire: each worker registers a "
-               "region of its own (the server must be on this host, with --allow-shared-memory)");
+  app.add_option("--shared-memory", o.shared_memory,
+                 "auto: when a worker's tensors reach 64 KiB, each worker passes them through a "
+                 "shared-memory region the server makes for it (a server on this host, not "
+                 "started with --shared-memory off), else the wire; on: always, an error when "
+                 "the server cannot; off: the wire")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   app.add_option("--rounds", o.rounds,
                  "repeat each concurrency's runs (remote, then the baselines) this many times, "
                  "interleaved, and merge them: on a noisy machine the modes then see the same "
@@ -607,16 +617,31 @@ int main(int argc, char** argv) {
     for (int round = 0; round < o.rounds && rc == 0; ++round) {
       const int workers = concurrency;
       RemoteOps remote(client, o, module_id, spec.in_features(), spec.out_features(), workers);
-      if (o.shared_memory && o.flow != "empty") {
-        if (auto s = remote.UseSharedMemory(spec.in_features(), spec.out_features()); !s.ok()) {
-          std::fprintf(stderr, "gradwire-load: --shared-memory: %s\n",
+      bool shared = false;
+      if (o.flow != "empty" &&
+          (o.shared_memory == "on" || (o.shared_memory == "auto" && remote.SharedMemoryPays()))) {
+        const absl::Status s = remote.UseSharedMemory(spec.in_features(), spec.out_features());
+        shared = remote.shared_workers() > 0;
+        if (s.ok()) {
+        } else if (o.shared_memory == "on") {
+          std::fprintf(stderr, "gradwire-load: --shared-memory on: %s\n",
                        std::string(s.message()).c_str());
           rc = 1;
           break;
+        } else {
+          // Workers that got a region keep it; the others use the wire. Said once.
+          static bool said = false;
+          if (!said) {
+            std::fprintf(stderr,
+                         "gradwire-load: %zu of %d workers pass tensors through shared memory, "
+                         "the others the wire (%s)\n",
+                         remote.shared_workers(), workers, std::string(s.message()).c_str());
+            said = true;
+          }
         }
       }
       run_one(o.flow == "empty" ? "empty-rpc"
-              : o.shared_memory ? "remote-shm"
+              : shared          ? "remote-shm"
                                 : "remote",
               concurrency, [&](int w) { return remote.Run(w); });
       if (o.baselines && o.flow != "empty") {

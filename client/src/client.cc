@@ -9,8 +9,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "call_util.h"
+#include "gradwire/client/shared_memory.h"
 #include "gradwire/wire/tensor.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "shared_memory_pool.h"
 
 namespace gradwire::client {
 namespace {
@@ -20,6 +22,15 @@ using internal::ReadToEnd;
 using internal::WriteChunked;
 using internal::ZeroCopyChunked;
 using internal::ZeroCopyUnary;
+
+uint64_t Aligned(uint64_t n) { return (n + 63) & ~uint64_t(63); }
+
+// The server answers a request naming a region it no longer has with NOT_FOUND naming the region
+// (a random 32-hex-digit name), before anything is read or run: the call can go again.
+bool RegionGone(const grpc::Status& s, const std::string& region) {
+  return s.error_code() == grpc::StatusCode::NOT_FOUND &&
+         s.error_message().find(region) != std::string::npos;
+}
 
 absl::StatusOr<NamedTensors> FromWireNamed(
     const google::protobuf::RepeatedPtrField<v1::NamedTensor>& named) {
@@ -61,11 +72,15 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
   }
   channel_ = grpc::CreateCustomChannel(options_.server, ChannelCredentials(options_), args);
   stub_ = v1::Gradwire::NewStub(channel_);
+  shm_ = std::make_unique<internal::SharedMemoryPool>(
+      *this, options_.shared_memory == ClientOptions::SharedMemory::kAuto);
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)), channel_(std::move(channel)) {
   stub_ = v1::Gradwire::NewStub(channel_);
+  shm_ = std::make_unique<internal::SharedMemoryPool>(
+      *this, options_.shared_memory == ClientOptions::SharedMemory::kAuto);
 }
 
 Client::~Client() = default;
@@ -141,6 +156,27 @@ absl::Status Client::DeleteModule(const std::string& module_id) {
 
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, const HostTensor& input,
                                               bool training) {
+  if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
+      !input.shape.empty() && input.shape.back() > 0) {
+    // The module's shape from the cache; asked of the server (ListModules) only when the input
+    // alone is large enough, so that small calls never wait on a lookup.
+    const int64_t min_bytes = int64_t(options_.shared_memory_min_kib) << 10;
+    std::optional<ModuleShape> shape = shapes_.Find(module_id);
+    if (!shape && input.numel() * wire::ElementSize(ToProto(options_.wire_dtype)) >= min_bytes) {
+      shape = Shape(module_id);
+    }
+    if (shape) {
+      const int64_t rows = input.numel() / input.shape.back();
+      const int64_t output = rows * shape->out, ln = shape->layernorm_output ? rows * shape->in : 0;
+      const int64_t bytes =
+          (input.numel() + output + ln) * wire::ElementSize(ToProto(options_.wire_dtype));
+      if (bytes >= min_bytes) {
+        if (auto shared = ForwardShared(module_id, input, training, output, ln)) {
+          return *std::move(shared);
+        }
+      }
+    }
+  }
   v1::ForwardRequest req;
   req.set_module_id(module_id);
   *req.mutable_input() = ToWire(input, options_.wire_dtype);
@@ -194,17 +230,32 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
                                             BackwardOptions options) {
   v1::BackwardRequest req;
   req.set_context_id(context_id);
-  *req.mutable_grad_output() = ToWire(grad_output, options_.wire_dtype);
   req.set_retain(options.retain);
   req.set_skip_grad_input(options.skip_grad_input);
   req.set_grad_input_dtype(ToProto(options_.wire_dtype));
+  const int64_t grad_input_elements = shapes_.TakeContext(context_id, options.retain);
+  if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
+      (grad_input_elements >= 0 || options.skip_grad_input)) {
+    const int64_t grad_input = options.skip_grad_input ? 0 : grad_input_elements;
+    const int64_t elements =
+        grad_output.numel() + grad_input +
+        (options.grad_layernorm_output ? options.grad_layernorm_output->numel() : 0);
+    if (elements * wire::ElementSize(ToProto(options_.wire_dtype)) >=
+        int64_t(options_.shared_memory_min_kib) << 10) {
+      const HostTensor* gln =
+          options.grad_layernorm_output ? &*options.grad_layernorm_output : nullptr;
+      if (auto shared = BackwardShared(req, grad_output, gln, grad_input)) {
+        return *std::move(shared);
+      }
+    }
+  }
+  *req.mutable_grad_output() = ToWire(grad_output, options_.wire_dtype);
   if (options.grad_layernorm_output) {
     *req.mutable_grad_layernorm_output() =
         ToWire(*options.grad_layernorm_output, options_.wire_dtype);
   }
   const int64_t request_bytes =
       int64_t(req.grad_output().data().size() + req.grad_layernorm_output().data().size());
-  const int64_t grad_input_elements = shapes_.TakeContext(context_id, options.retain);
   const int64_t response_bytes =
       options.skip_grad_input ? 0
       : grad_input_elements < 0
@@ -401,6 +452,99 @@ absl::StatusOr<uint64_t> Client::SetWeights(
 }
 
 int64_t Client::chunked_calls() const { return chunked_calls_.load(); }
+
+int64_t Client::shared_memory_calls() const { return shared_memory_calls_.load(); }
+
+bool Client::shared_memory_off() const { return shm_->off(); }
+
+std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(const std::string& module_id,
+                                                                   const HostTensor& input,
+                                                                   bool training,
+                                                                   int64_t output_elements,
+                                                                   int64_t layernorm_elements) {
+  const uint64_t element = uint64_t(wire::ElementSize(ToProto(options_.wire_dtype)));
+  const uint64_t in = uint64_t(input.numel()) * element, out = uint64_t(output_elements) * element,
+                 ln = uint64_t(layernorm_elements) * element;
+  internal::SharedMemoryPool::Lease lease = shm_->Acquire(Aligned(in) + Aligned(out) + ln);
+  if (!lease) return std::nullopt;
+  SharedRegion& region = lease.region();
+  v1::ForwardRequest req;
+  req.set_module_id(module_id);
+  req.set_training(training);
+  req.set_output_dtype(ToProto(options_.wire_dtype));
+  auto written = WriteShared(region, 0, input, options_.wire_dtype);
+  if (!written.ok()) return absl::StatusOr<ForwardResult>(written.status());
+  *req.mutable_input() = *std::move(written);
+  *req.mutable_output_shared_memory() = SharedRef(region.name(), Aligned(in), out);
+  if (layernorm_elements > 0) {
+    *req.mutable_layernorm_output_shared_memory() =
+        SharedRef(region.name(), Aligned(in) + Aligned(out), ln);
+  }
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, "Forward");
+  v1::ForwardResponse resp;
+  const grpc::Status s = stub_->Forward(&ctx, req, &resp);
+  if (RegionGone(s, region.name())) {
+    lease.Drop();
+    return std::nullopt;
+  }
+  if (!s.ok()) return absl::StatusOr<ForwardResult>(FromGrpc("Forward", s));
+  ++shared_memory_calls_;
+  if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
+  auto output = resp.output().has_shared_memory() ? ReadShared(region, resp.output())
+                                                  : FromWire(resp.output());
+  if (!output.ok()) return absl::StatusOr<ForwardResult>(output.status());
+  ForwardResult result{
+      *std::move(output), resp.context_id(), resp.weight_version(), {}, resp.batch_requests()};
+  if (resp.has_layernorm_output()) {
+    auto ln_out = resp.layernorm_output().has_shared_memory()
+                      ? ReadShared(region, resp.layernorm_output())
+                      : FromWire(resp.layernorm_output());
+    if (!ln_out.ok()) return absl::StatusOr<ForwardResult>(ln_out.status());
+    result.layernorm_output = *std::move(ln_out);
+  }
+  return absl::StatusOr<ForwardResult>(std::move(result));
+}
+
+std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
+    const v1::BackwardRequest& header, const HostTensor& grad_output,
+    const HostTensor* grad_layernorm_output, int64_t grad_input_elements) {
+  const uint64_t element = uint64_t(wire::ElementSize(ToProto(options_.wire_dtype)));
+  const uint64_t go = uint64_t(grad_output.numel()) * element,
+                 gln =
+                     grad_layernorm_output ? uint64_t(grad_layernorm_output->numel()) * element : 0,
+                 gi = uint64_t(grad_input_elements) * element;
+  internal::SharedMemoryPool::Lease lease =
+      shm_->Acquire(Aligned(go) + Aligned(gln) + std::max<uint64_t>(gi, 1));
+  if (!lease) return std::nullopt;
+  SharedRegion& region = lease.region();
+  v1::BackwardRequest req = header;
+  auto written = WriteShared(region, 0, grad_output, options_.wire_dtype);
+  if (!written.ok()) return absl::StatusOr<HostTensor>(written.status());
+  *req.mutable_grad_output() = *std::move(written);
+  if (grad_layernorm_output != nullptr) {
+    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, options_.wire_dtype);
+    if (!ln.ok()) return absl::StatusOr<HostTensor>(ln.status());
+    *req.mutable_grad_layernorm_output() = *std::move(ln);
+  }
+  if (gi > 0) {
+    *req.mutable_grad_input_shared_memory() =
+        SharedRef(region.name(), Aligned(go) + Aligned(gln), gi);
+  }
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, "Backward");
+  v1::BackwardResponse resp;
+  const grpc::Status s = stub_->Backward(&ctx, req, &resp);
+  if (RegionGone(s, region.name())) {
+    lease.Drop();
+    return std::nullopt;
+  }
+  if (!s.ok()) return absl::StatusOr<HostTensor>(FromGrpc("Backward", s));
+  ++shared_memory_calls_;
+  if (!resp.has_grad_input()) return absl::StatusOr<HostTensor>(HostTensor{});
+  return resp.grad_input().has_shared_memory() ? ReadShared(region, resp.grad_input())
+                                               : FromWire(resp.grad_input());
+}
 
 bool Client::UseChunked(int64_t request_bytes, int64_t response_bytes) const {
   switch (options_.chunking) {

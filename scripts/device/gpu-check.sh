@@ -422,15 +422,15 @@ fi
 # server and the in-process baseline move them through pinned staging (--cuda-staging-mib 8).
 server_step() {
   local name=$1 wire=$2 secs=$3 rc started
-  local server_flags=() load_flags=()
+  # Over gRPC unless asked: the load tool would pick shared memory by itself on this host.
+  local server_flags=() load_flags=(--shared-memory off)
   case "${4:-}" in
-    shm)
-      server_flags=(--allow-shared-memory)
-      load_flags=(--shared-memory)
+    shm)  # regions the server makes for the load tool's workers (on by default for loopback)
+      load_flags=(--shared-memory on)
       ;;
     staged)  # the server and the in-process baseline with 8 MiB pinned staging
       server_flags=(--cuda-staging-mib 8)
-      load_flags=(--cuda-staging-mib 8)
+      load_flags=(--shared-memory off --cuda-staging-mib 8)
       ;;
   esac
   started=$(date +%s)

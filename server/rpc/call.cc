@@ -40,6 +40,7 @@ CallEnv::~CallEnv() { control_.reset(); }
 
 absl::StatusOr<Caller> CallEnv::Authenticate(const grpc::CallbackServerContext* ctx) const {
   Caller caller;
+  caller.peer = ctx->peer();
   if (options_.authenticator == nullptr) {
     caller.client = "peer " + PeerHost(ctx->peer());
     return caller;

@@ -61,6 +61,7 @@ struct Caller {
   // Whom per-client limits count against: the tenant with tokens, else the peer's address
   // (without its port, so reconnecting does not make a new client).
   std::string client;
+  std::string peer;  // gRPC's peer string: "ipv4:127.0.0.1:51234", "unix:..."
 };
 
 // What a call needs of the service, and all it sees of it. The service owns one and hands it to

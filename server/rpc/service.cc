@@ -773,6 +773,24 @@ grpc::ServerReadReactor<v1::SetWeightsRequestPart>* GradwireService::SetWeightsC
              v1::SetWeightsResponse* out) { return DoSetWeights(caller, req, out); });
 }
 
+GradwireService::Unary* GradwireService::CreateSharedMemory(
+    Ctx* ctx, const v1::CreateSharedMemoryRequest* req, v1::CreateSharedMemoryResponse* resp) {
+  // On the control thread: making an object and reserving its pages is host work, never compute.
+  return StartUnary(
+      env_, ctx, "CreateSharedMemory",
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
+        GW_ASSIGN_OR_RETURN(
+            CreatedRegion made,
+            shared_memory_.Create(RegionOwner(caller), caller.peer, req->byte_size()));
+        resp->set_region(made.name);
+        resp->set_key(made.key);
+        resp->set_byte_size(made.byte_size);
+        resp->set_idle_timeout_s(shared_memory_.options().idle_timeout_s);
+        return absl::OkStatus();
+      },
+      {}, {}, req, nullptr, CallBase::RunOn::kControl);
+}
+
 GradwireService::Unary* GradwireService::RegisterSharedMemory(
     Ctx* ctx, const v1::RegisterSharedMemoryRequest* req, v1::RegisterSharedMemoryResponse*) {
   // On the control thread: opening an object is a system call, never compute.

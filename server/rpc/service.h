@@ -41,8 +41,9 @@ namespace gradwire::rpc {
 // are the standard encoding, so any protobuf client works.
 namespace service_base {
 using G = v1::Gradwire;
-using Shm = G::WithCallbackMethod_RegisterSharedMemory<G::WithCallbackMethod_UnregisterSharedMemory<
-    G::WithCallbackMethod_ListSharedMemory<G::Service>>>;
+using Shm = G::WithCallbackMethod_CreateSharedMemory<
+    G::WithCallbackMethod_RegisterSharedMemory<G::WithCallbackMethod_UnregisterSharedMemory<
+        G::WithCallbackMethod_ListSharedMemory<G::Service>>>>;
 using Chunked = G::WithRawCallbackMethod_ForwardChunked<G::WithRawCallbackMethod_BackwardChunked<
     G::WithCallbackMethod_GetWeightsChunked<G::WithCallbackMethod_SetWeightsChunked<Shm>>>>;
 using Weights = G::WithCallbackMethod_ApplyGradients<G::WithCallbackMethod_GetGradients<
@@ -91,6 +92,8 @@ class GradwireService final : public ServiceBase {
       Ctx* ctx, const v1::GetWeightsRequest* req) override;
   grpc::ServerReadReactor<v1::SetWeightsRequestPart>* SetWeightsChunked(
       Ctx* ctx, v1::SetWeightsResponse* resp) override;
+  Unary* CreateSharedMemory(Ctx* ctx, const v1::CreateSharedMemoryRequest* req,
+                            v1::CreateSharedMemoryResponse* resp) override;
   Unary* RegisterSharedMemory(Ctx* ctx, const v1::RegisterSharedMemoryRequest* req,
                               v1::RegisterSharedMemoryResponse* resp) override;
   Unary* UnregisterSharedMemory(Ctx* ctx, const v1::UnregisterSharedMemoryRequest* req,
@@ -113,6 +116,10 @@ class GradwireService final : public ServiceBase {
   static int64_t live_calls() { return CallBase::live_calls(); }
   // Shared-memory regions registered now, all clients (tests, metrics).
   int64_t shared_memory_regions() const { return shared_memory_.regions(); }
+  uint64_t shared_memory_bytes() const { return shared_memory_.created_bytes(); }
+  // Closes the regions CreateSharedMemory made that went unused for --shared-memory-idle (the
+  // server's janitor calls it).
+  int CloseIdleSharedMemory() { return shared_memory_.CloseIdle(); }
 
  private:
   // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls, the chunked

@@ -2,15 +2,19 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <new>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/wire/chunking.h"
@@ -50,10 +54,53 @@ std::string Errno(int err) { return std::strerror(err); }
 
 absl::Status Off() {
   return absl::FailedPreconditionError(
-      "shared-memory tensors are off on this server (start it with --allow-shared-memory)");
+      "shared-memory tensors are off on this server (--shared-memory off, and no "
+      "--allow-shared-memory)");
+}
+
+absl::Status RegisterOff() {
+  return absl::FailedPreconditionError(
+      "RegisterSharedMemory is off on this server (start it with --allow-shared-memory); "
+      "CreateSharedMemory makes a region for a client on this host");
+}
+
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// 128 random bits as 32 lowercase hex digits, from the kernel's generator.
+absl::StatusOr<std::string> RandomHex() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof bytes) {
+    const ssize_t n = getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(absl::StrCat("getrandom failed: ", Errno(errno)));
+    got += size_t(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
 }
 
 }  // namespace
+
+bool SameHostPeer(absl::string_view peer) {
+  if (absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:")) return true;
+  if (absl::StartsWith(peer, "ipv4:")) return absl::StartsWith(peer, "ipv4:127.");
+  if (absl::StartsWith(peer, "ipv6:")) {
+    return absl::StartsWith(peer, "ipv6:[::1]") || absl::StartsWith(peer, "ipv6:%5B::1%5D") ||
+           absl::StartsWith(peer, "ipv6:[::ffff:127.") ||
+           absl::StartsWith(peer, "ipv6:%5B::ffff:127.");
+  }
+  return false;
+}
 
 struct SharedMemoryRegistry::Region {
   std::string name;
@@ -61,10 +108,128 @@ struct SharedMemoryRegistry::Region {
   int fd = -1;
   uint64_t offset = 0;
   uint64_t byte_size = 0;
+  bool created = false;  // made by Create: its name is removed when it closes
+  mutable std::atomic<int64_t> last_used_ns{SteadyNanos()};
   ~Region() {
     if (fd >= 0) close(fd);
+    // The client removes the name once it has opened the object; one that never did (another
+    // host behind a proxy, a client gone) leaves it to here. ENOENT is the usual answer.
+    if (created) (void)shm_unlink(key.c_str());
   }
 };
+
+absl::StatusOr<CreatedRegion> SharedMemoryRegistry::Create(const std::string& owner,
+                                                           absl::string_view peer,
+                                                           uint64_t byte_size) {
+  if (!options_.create) {
+    return absl::FailedPreconditionError(
+        "CreateSharedMemory is off on this server (--shared-memory off)");
+  }
+  if (!SameHostPeer(peer)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CreateSharedMemory is for clients on this host (loopback or a Unix socket); "
+                     "this call came from ",
+                     Escaped(peer)));
+  }
+  if (byte_size == 0 || byte_size > options_.max_bytes ||
+      byte_size > uint64_t(std::numeric_limits<off_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat("byte_size must be 1 to ", options_.max_bytes,
+                                                   " (--max-shared-memory-bytes); got ",
+                                                   byte_size));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t mine = 0;
+    for (const auto& [id, region] : regions_) mine += id.first == owner;
+    if (options_.max_regions > 0 && mine >= options_.max_regions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this client has ", mine, " shared-memory regions, the limit (",
+          "--max-shared-memory-regions ", options_.max_regions, "); unregister one first"));
+    }
+    if (created_bytes_ + byte_size > options_.max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the server's shared-memory regions hold ", created_bytes_, " bytes; ", byte_size,
+          " more would pass --max-shared-memory-bytes ", options_.max_bytes));
+    }
+    created_bytes_ += byte_size;  // reserved now, given back below if the object cannot be made
+  }
+  auto region = std::make_shared<Region>();
+  auto release = [&](absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    created_bytes_ -= byte_size;
+    return s;
+  };
+  auto name = RandomHex();
+  auto key = RandomHex();
+  if (!name.ok()) return release(name.status());
+  if (!key.ok()) return release(key.status());
+  region->name = *name;
+  region->key = absl::StrCat("/", options_.key_prefix, "-", *key);
+  region->byte_size = byte_size;
+  region->fd = shm_open(region->key.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                        S_IRUSR | S_IWUSR);
+  if (region->fd < 0) {
+    return release(
+        absl::InternalError(absl::StrCat("cannot create a shared-memory object: ", Errno(errno))));
+  }
+  region->created = true;  // from here on, closing the region removes the name
+  // The mode is the server's user only whatever the umask; the caller opens it as that user.
+  if (fchmod(region->fd, S_IRUSR | S_IWUSR) != 0 || ftruncate(region->fd, off_t(byte_size)) != 0) {
+    return release(
+        absl::InternalError(absl::StrCat("cannot size a shared-memory object: ", Errno(errno))));
+  }
+  // Pages reserved now: a /dev/shm without room is an error here, not a SIGBUS in the client
+  // when it first writes a page.
+  if (const int err = posix_fallocate(region->fd, 0, off_t(byte_size)); err != 0) {
+    return release(absl::ResourceExhaustedError(absl::StrCat(
+        "cannot reserve ", byte_size, " bytes of shared memory (/dev/shm): ", Errno(err))));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Checked again: other calls may have made regions meanwhile (the object was made unlocked).
+  int64_t mine = 0;
+  for (const auto& [id, other] : regions_) mine += id.first == owner;
+  if (options_.max_regions > 0 && mine >= options_.max_regions) {
+    created_bytes_ -= byte_size;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this client has ", mine, " shared-memory regions, the limit (",
+        "--max-shared-memory-regions ", options_.max_regions, "); unregister one first"));
+  }
+  regions_.emplace(std::make_pair(owner, region->name), region);
+  spdlog::info("shared memory: made region {} ({} bytes) for {}{}", region->name, byte_size,
+               Escaped(peer), owner.empty() ? "" : " of tenant " + owner);
+  return CreatedRegion{region->name, region->key, byte_size};
+}
+
+int SharedMemoryRegistry::CloseIdle() {
+  if (options_.idle_timeout_s <= 0) return 0;
+  const int64_t cutoff = SteadyNanos() - int64_t(options_.idle_timeout_s * 1e9);
+  std::vector<std::shared_ptr<const Region>> closing;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      const Region& r = *it->second;
+      if (r.created && r.last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+        created_bytes_ -= r.byte_size;
+        closing.push_back(std::move(it->second));
+        it = regions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& r : closing) {
+    spdlog::info(
+        "shared memory: closed region {} ({} bytes), unused for {} s "
+        "(--shared-memory-idle)",
+        r->name, r->byte_size, options_.idle_timeout_s);
+  }
+  return int(closing.size());
+}
+
+uint64_t SharedMemoryRegistry::created_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return created_bytes_;
+}
 
 SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryOptions options)
     : options_(std::move(options)) {}
@@ -81,7 +246,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& owner, const std:
                                             const std::string& key, uint64_t offset,
                                             uint64_t byte_size) {
   if (!options_.enabled) {
-    return Off();
+    return RegisterOff();
   }
   if (auto s = CheckRegionName("name", name); !s.ok()) return s;
   absl::string_view bare = key;
@@ -168,7 +333,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& owner, const std:
 
 absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& owner,
                                                      const std::string& name) {
-  if (!options_.enabled) {
+  if (!options_.enabled && !options_.create) {
     return Off();
   }
   std::vector<std::shared_ptr<const Region>> closing;  // closed after the lock is released
@@ -181,11 +346,13 @@ absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& owner,
         return absl::NotFoundError(
             absl::StrCat("shared-memory region \"", name, "\" is not registered"));
       }
+      if (it->second->created) created_bytes_ -= it->second->byte_size;
       closing.push_back(std::move(it->second));
       regions_.erase(it);
     } else {
       for (auto it = regions_.begin(); it != regions_.end();) {
         if (it->first.first == owner) {
+          if (it->second->created) created_bytes_ -= it->second->byte_size;
           closing.push_back(std::move(it->second));
           it = regions_.erase(it);
         } else {
@@ -200,7 +367,7 @@ absl::StatusOr<int> SharedMemoryRegistry::Unregister(const std::string& owner,
 
 absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
     const std::string& owner, const std::string& name) const {
-  if (!options_.enabled) {
+  if (!options_.enabled && !options_.create) {
     return Off();
   }
   if (!name.empty()) {
@@ -226,9 +393,11 @@ int64_t SharedMemoryRegistry::regions() const {
 
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegistry::Region>> SharedMemoryRegistry::Find(
     const std::string& owner, const v1::SharedMemoryRef& ref, absl::string_view field) const {
-  if (!options_.enabled) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, " references shared memory, which is off on this server (--allow-shared-memory)"));
+  if (!options_.enabled && !options_.create) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field,
+                     " references shared memory, which is off on this server (--shared-memory "
+                     "off, and no --allow-shared-memory)"));
   }
   if (auto s = CheckRegionName(absl::StrCat(field, ".region"), ref.region()); !s.ok()) return s;
   std::shared_ptr<const Region> region;
@@ -241,6 +410,7 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryRegistry::Region>> SharedMemory
     }
     region = it->second;
   }
+  region->last_used_ns.store(SteadyNanos(), std::memory_order_relaxed);
   uint64_t end = 0;
   if (!Add(ref.offset(), ref.byte_size(), &end) || end > region->byte_size) {
     return absl::InvalidArgumentError(

@@ -1,7 +1,8 @@
-// Shared-memory tensors (--allow-shared-memory). A client on the same host registers a POSIX
-// shared-memory object (shm_open key) under a region name; a request's tensor may then reference
-// (region, offset, byte_size) instead of carrying its bytes, and a response may be written into a
-// region the client names.
+// Shared-memory tensors. A client on the same host gets a region: one the server makes for it
+// (CreateSharedMemory: a 0600 object under a random key, handed only to that caller, which opens
+// it and removes its name), or one it made itself and registers (RegisterSharedMemory,
+// --allow-shared-memory). A request's tensor may then reference (region, offset, byte_size)
+// instead of carrying its bytes, and a response may be written into a region the client names.
 //
 // The server never maps a client's object. It keeps the descriptor it opened at registration and
 // moves bytes with pread/pwrite, which answer a short count on an object its owner truncated, where
@@ -37,11 +38,33 @@
 namespace gradwire::rpc {
 
 struct SharedMemoryOptions {
-  bool enabled = false;  // --allow-shared-memory
+  // --shared-memory auto: CreateSharedMemory for callers on this host (loopback peers, Unix
+  // sockets); off: never.
+  bool create = true;
+  // --allow-shared-memory: RegisterSharedMemory, objects a client makes and names.
+  bool enabled = false;
   // Keys must start with this (after an optional '/'), so that a client can reach only the
-  // objects meant for the server, not every object the server's user can open.
+  // objects meant for the server, not every object the server's user can open. The objects the
+  // server makes carry it too.
   std::string key_prefix = "gradwire";
-  int max_regions = 16;  // per owner; 0: unlimited
+  int max_regions = 64;  // per owner; 0: unlimited
+  // --max-shared-memory-bytes: all regions CreateSharedMemory made, together (their pages are
+  // reserved when made, so a full /dev/shm is an error then and never a fault in a client).
+  uint64_t max_bytes = uint64_t(2) << 30;
+  // --shared-memory-idle: a region CreateSharedMemory made that no call has used for this long
+  // is closed (0: never), so that a client that went away does not hold its memory.
+  double idle_timeout_s = 300;
+};
+
+// Whether a gRPC peer string ("ipv4:127.0.0.1:5123", "ipv6:[::1]:5123", "unix:...") is on this
+// host as far as the address says: loopback or a Unix socket.
+bool SameHostPeer(absl::string_view peer);
+
+// What CreateSharedMemory hands to the caller.
+struct CreatedRegion {
+  std::string name;
+  std::string key;
+  uint64_t byte_size = 0;
 };
 
 // A registered region, as ListSharedMemory reports it.
@@ -61,6 +84,17 @@ class SharedMemoryRegistry {
 
   const SharedMemoryOptions& options() const { return options_; }
 
+  // Makes an object of `byte_size` bytes, mode 0600, under a random key, reserves its pages, and
+  // registers it for `owner` under a random name. FAILED_PRECONDITION when creation is off or
+  // `peer` is not on this host; INVALID_ARGUMENT for a size of 0 or over --max-shared-memory-bytes;
+  // RESOURCE_EXHAUSTED over the per-owner region limit, the bytes budget, or when /dev/shm has no
+  // room.
+  absl::StatusOr<CreatedRegion> Create(const std::string& owner, absl::string_view peer,
+                                       uint64_t byte_size);
+  // Closes the regions CreateSharedMemory made that no call has used for --shared-memory-idle
+  // seconds; returns how many.
+  int CloseIdle();
+
   // Opens `key` and registers bytes [offset, offset + byte_size) of it as `name`.
   // FAILED_PRECONDITION when shared memory is off; INVALID_ARGUMENT for a bad name, key or range
   // (or an object smaller than the range); ALREADY_EXISTS for a name the owner registered;
@@ -75,6 +109,8 @@ class SharedMemoryRegistry {
   absl::StatusOr<std::vector<SharedMemoryRegionInfo>> List(const std::string& owner,
                                                            const std::string& name) const;
   int64_t regions() const;
+  // Bytes of the regions CreateSharedMemory made that are still registered.
+  uint64_t created_bytes() const;
 
   // The bytes `ref` names, read into `out` (which has room for ref.byte_size bytes). `field`
   // names the tensor in errors. Bounds are checked before anything is read: INVALID_ARGUMENT for a
@@ -99,6 +135,7 @@ class SharedMemoryRegistry {
   mutable std::mutex mu_;
   // (owner, name) -> region
   std::map<std::pair<std::string, std::string>, std::shared_ptr<const Region>> regions_;
+  uint64_t created_bytes_ = 0;  // of the regions in regions_ that Create made
 };
 
 // Where shared-memory reads land, and a tensor's bytes when they arrived over several received

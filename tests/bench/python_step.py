@@ -41,6 +41,7 @@ def main():
 
         for _ in range(2):
             step()
+        shm_before = client.shared_memory_calls
         n, start = 0, time.perf_counter()
         while time.perf_counter() - start < args.duration:
             step()
@@ -48,7 +49,10 @@ def main():
         sps = n / (time.perf_counter() - start)
         client.delete_module(module_id)
         results.append({"kind": kind, "in": int(d_in), "out": int(d_out), "ffn": int(ffn),
-                        "rows": int(rows), "python_steps_per_s": sps, "python_step_ms": 1e3 / sps})
+                        "rows": int(rows), "python_steps_per_s": sps, "python_step_ms": 1e3 / sps,
+                        # the client's default: shared memory by itself on the server's host
+                        "path": ("shared memory" if client.shared_memory_calls > shm_before
+                                 else "gRPC")})
         print(f"{kind:<7} {d_in}->{d_out} ffn {ffn:<5} rows {rows:<5} | python client "
               f"{sps:8.2f} steps/s ({1e3 / sps:8.2f} ms)", flush=True)
     if args.json:

@@ -131,6 +131,29 @@ TEST_F(RemoteModuleTest, LayerNormMlpMatchesFloat64ReferenceOnUnquantizedWeights
   EXPECT_EQ(LiveContexts(), 0);
 }
 
+// On the server's host the module's large tensors go through shared memory by themselves (the
+// client's default), with the bits the wire gives.
+TEST_F(RemoteModuleTest, LargeTensorsUseSharedMemoryWithTheWiresBits) {
+  client::ClientOptions off;
+  off.server = server_.address();
+  off.shared_memory = client::ClientOptions::SharedMemory::kOff;
+  auto wire_client = std::make_shared<client::Client>(off);
+  RemoteModule shm(client_, LinearSpec(256, 128, 31));
+  RemoteModule wire(wire_client, LinearSpec(256, 128, 31));
+  const torch::Tensor x = torch::randn({200, 256});
+  const torch::Tensor xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
+  const torch::Tensor ya = shm(xa), yb = wire(xb);
+  EXPECT_TRUE(torch::equal(ya, yb));
+  const torch::Tensor dy = torch::randn_like(ya);
+  (ya * dy).sum().backward();
+  (yb * dy).sum().backward();
+  EXPECT_TRUE(torch::equal(xa.grad(), xb.grad()));
+  EXPECT_TRUE(torch::equal(shm->get_gradients()["weight"], wire->get_gradients()["weight"]));
+  EXPECT_EQ(client_->shared_memory_calls(), 2);
+  EXPECT_EQ(wire_client->shared_memory_calls(), 0);
+  EXPECT_EQ(LiveContexts(), 0);
+}
+
 TEST_F(RemoteModuleTest, TwoLayerModelTrainsWithApplyGradients) {
   RemoteModule first(client_, LinearSpec(8, 32, 21));
   RemoteModule second(client_, LinearSpec(32, 1, 22));

@@ -169,6 +169,9 @@ class ChunkedServiceTest : public ::testing::TestWithParam<testing::Transport> {
     client::ClientOptions o;
     o.chunk_kib = int(kChunk >> 10);
     o.chunking = chunking;
+    // The wire's paths under test: over TCP on this host the client would otherwise pass these
+    // tensors through shared memory (shared_memory_test covers that).
+    o.shared_memory = client::ClientOptions::SharedMemory::kOff;
     return server_.Connect(std::move(o));
   }
 

@@ -1,5 +1,8 @@
-// Shared-memory tensors (--allow-shared-memory) through the real service: bytes round-trip bit for
-// bit against the same call with inline bytes, bounds and sizes are checked before anything is
+// Shared-memory tensors through the real service. Regions the server makes (CreateSharedMemory,
+// on by default for clients on this host): random, private, nameless once open, refused to peers
+// elsewhere, bounded, closed when idle; the client library uses them by itself with the wire's
+// bits. Regions clients make (--allow-shared-memory): bytes round-trip bit for bit against the
+// same call with inline bytes, bounds and sizes are checked before anything is
 // read or run, regions belong to their tenant and are bounded per tenant, an object its owner
 // truncates mid-call costs the call and nothing else, and regions close on unregister and at
 // shutdown.
@@ -9,15 +12,18 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstring>
 #include <limits>
 #include <thread>
+#include <vector>
 
 #include "gradwire/client/client.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/shared_memory.h"
 #include "test_server.h"
 
 namespace gradwire {
@@ -83,7 +89,7 @@ std::string Bytes(const SharedMemoryBuffer& b, const v1::Tensor& header) {
                      header.shared_memory().byte_size());
 }
 
-TEST(SharedMemoryTest, OffByDefault) {
+TEST(SharedMemoryTest, RegisterIsOffByDefault) {
   TestServer server;
   ASSERT_TRUE(server.ok());
   auto c = server.Connect();
@@ -97,8 +103,271 @@ TEST(SharedMemoryTest, OffByDefault) {
   auto input = client::WriteShared(*buffer, "r", 0, Random({2, kIn}), WireDType::kF32);
   ASSERT_TRUE(input.ok());
   *req.mutable_input() = *input;
-  EXPECT_EQ(c->ForwardRaw(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->ForwardRaw(req).status().code(), absl::StatusCode::kNotFound);
+  auto listed = c->ListSharedMemory();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
+}
+
+TEST(SharedMemoryTest, OffWithTheFlag) {
+  TestServer server([](rpc::ServiceOptions& o) { o.shared_memory.create = false; });
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  auto made = client::SharedRegion::Create(*c, 4096);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kFailedPrecondition) << made.status();
+  EXPECT_NE(std::string(made.status().message()).find("--shared-memory off"), std::string::npos);
   EXPECT_EQ(c->ListSharedMemory().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SharedMemoryTest, SameHostPeers) {
+  for (const char* peer :
+       {"ipv4:127.0.0.1:5000", "ipv4:127.1.2.3:1", "ipv6:[::1]:5000", "ipv6:%5B::1%5D:5000",
+        "ipv6:[::ffff:127.0.0.1]:9", "unix:/tmp/s", "unix-abstract:x"}) {
+    EXPECT_TRUE(rpc::SameHostPeer(peer)) << peer;
+  }
+  for (const char* peer :
+       {"ipv4:10.0.0.7:5000", "ipv4:128.0.0.1:1", "ipv6:[::2]:5000", "ipv6:[fe80::1]:1",
+        "ipv6:[::ffff:10.0.0.1]:9", "inproc", "", "ipv4:", "ipv4:1127.0.0.1:5"}) {
+    EXPECT_FALSE(rpc::SameHostPeer(peer)) << peer;
+  }
+}
+
+// Descriptors of this process open on a removed shared-memory object whose key starts with
+// `prefix`: "/dev/shm/KEY (deleted)".
+std::vector<std::string> DeletedObjects(const std::string& prefix) {
+  std::vector<std::string> out;
+  DIR* d = opendir("/proc/self/fd");
+  while (dirent* e = d != nullptr ? readdir(d) : nullptr) {
+    char target[512];
+    const std::string link = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t len = readlink(link.c_str(), target, sizeof target - 1);
+    const std::string t = len > 0 ? std::string(target, size_t(len)) : "";
+    if (t.rfind("/dev/shm/" + prefix, 0) == 0 && t.find(" (deleted)") != std::string::npos) {
+      out.push_back(link);
+    }
+  }
+  if (d != nullptr) closedir(d);
+  return out;
+}
+
+bool Hex32(const std::string& s) {
+  if (s.size() != 32) return false;
+  for (char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+// CreateSharedMemory: a region under a random name and key, of the server's user only, whose name
+// is gone from /dev/shm as soon as the client has it open; other clients' requests cannot name it
+// unless they know its random name; unregistering closes the server's descriptor.
+TEST(SharedMemoryTest, CreatedRegionsAreRandomPrivateAndNameless) {
+  TestServer server;  // the defaults: on for loopback callers
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  auto a = client::SharedRegion::Create(*c, 8192);
+  auto b = client::SharedRegion::Create(*c, 4096);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(Hex32((*a)->name())) << (*a)->name();
+  EXPECT_NE((*a)->name(), (*b)->name());
+  EXPECT_EQ((*a)->size(), 8192u);
+  EXPECT_EQ((*a)->idle_timeout_s(), rpc::SharedMemoryOptions().idle_timeout_s);
+  auto listed = c->ListSharedMemory((*a)->name());
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  const std::string key = (*listed)[0].key();
+  EXPECT_EQ(key.rfind("/gradwire-", 0), 0u) << key;
+  EXPECT_TRUE(Hex32(key.substr(10))) << key;
+  // The name is gone: nobody can open the object any more; the server still holds it.
+  EXPECT_NE(access(("/dev/shm" + key).c_str(), F_OK), 0);
+  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  EXPECT_LT(fd, 0);
+  if (fd >= 0) close(fd);
+  std::vector<std::string> held = DeletedObjects(key.substr(1));
+  ASSERT_EQ(held.size(), 1u);
+  struct stat st {};
+  ASSERT_EQ(stat(held[0].c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(st.st_uid, geteuid());
+  EXPECT_EQ(server.service().shared_memory_bytes(), 8192u + 4096u);
+  // Both ends see the same bytes: the server reads what the client wrote.
+  const std::string id = Module(*c);
+  const HostTensor x = Random({kRows, kIn});
+  v1::ForwardRequest req;
+  req.set_module_id(id);
+  auto input = client::WriteShared(**a, 0, x, WireDType::kF32);
+  ASSERT_TRUE(input.ok()) << input.status();
+  *req.mutable_input() = *input;
+  *req.mutable_output_shared_memory() = client::SharedRef((*a)->name(), 4096, 4096);
+  auto got = c->ForwardRaw(req);
+  ASSERT_TRUE(got.ok()) << got.status();
+  auto y = client::ReadShared(**a, got->output());
+  ASSERT_TRUE(y.ok()) << y.status();
+  auto expected = c->Forward(id, x, false);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(y->data, expected->output.data);
+  // Going away unregisters it: the server's descriptor closes and its bytes are given back.
+  a->reset();
+  EXPECT_TRUE(DeletedObjects(key.substr(1)).empty());
+  EXPECT_EQ(server.service().shared_memory_bytes(), 4096u);
+  EXPECT_EQ(server.service().shared_memory_regions(), 1);
+}
+
+TEST(SharedMemoryTest, CreateChecksSizesAndLimits) {
+  TestServer server([](rpc::ServiceOptions& o) {
+    o.shared_memory.max_bytes = 1 << 20;
+    o.shared_memory.max_regions = 3;
+  });
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  EXPECT_EQ(client::SharedRegion::Create(*c, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto big = client::SharedRegion::Create(*c, (1 << 20) + 1);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(big.status().message()).find("--max-shared-memory-bytes"),
+            std::string::npos);
+  auto a = client::SharedRegion::Create(*c, 600 << 10);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto over = client::SharedRegion::Create(*c, 600 << 10);  // the budget is for all regions
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  auto b = client::SharedRegion::Create(*c, 4096);
+  auto d = client::SharedRegion::Create(*c, 4096);
+  ASSERT_TRUE(b.ok() && d.ok());
+  auto fourth = client::SharedRegion::Create(*c, 4096);
+  EXPECT_EQ(fourth.status().code(), absl::StatusCode::kResourceExhausted) << fourth.status();
+  EXPECT_NE(std::string(fourth.status().message()).find("--max-shared-memory-regions"),
+            std::string::npos);
+  EXPECT_EQ(server.service().shared_memory_regions(), 3);  // refusals changed nothing
+}
+
+// An in-process channel is not a loopback peer: the server refuses, and the client's Forward
+// goes over the wire without an error, and stops asking.
+TEST(SharedMemoryTest, NotOnThisHostIsRefusedAndTheClientUsesTheWire) {
+  TestServer server(testing::Transport::kInProcess);
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  auto made = client::SharedRegion::Create(*c, 4096);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(made.status().message()).find("on this host"), std::string::npos);
+  const std::string id = Module(*c);
+  auto y = c->Forward(id, Random({1024, kIn}), false);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_TRUE(c->shared_memory_off());
+  EXPECT_EQ(c->shared_memory_calls(), 0);
+  EXPECT_EQ(server.service().shared_memory_regions(), 0);
+}
+
+// Client::Forward and Backward pass large tensors through a region of their own by themselves,
+// with the bits the wire gives, and keep small ones on the wire.
+TEST(SharedMemoryTest, ClientUsesSharedMemoryByItselfBitForBit) {
+  TestServer server;
+  ASSERT_TRUE(server.ok());
+  auto shm = server.Connect();
+  client::ClientOptions off_options;
+  off_options.shared_memory = client::ClientOptions::SharedMemory::kOff;
+  auto wire = server.Connect(off_options);
+  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
+    SCOPED_TRACE(v1::ModuleKind_Name(kind));
+    v1::ModuleSpec spec = Spec(kind);
+    spec.set_return_layernorm_output(kind == v1::LAYERNORM_LINEAR);
+    auto info = shm->CreateModule(spec);
+    ASSERT_TRUE(info.ok()) << info.status();
+    const HostTensor x = Random({512, kIn}), dy = Random({512, kOut});
+    const int64_t calls = shm->shared_memory_calls();
+    auto y1 = wire->Forward(info->module_id(), x, true);
+    auto y2 = shm->Forward(info->module_id(), x, true);
+    ASSERT_TRUE(y1.ok() && y2.ok()) << y1.status() << y2.status();
+    EXPECT_EQ(y1->output.data, y2->output.data);
+    EXPECT_EQ(y1->output.shape, y2->output.shape);
+    EXPECT_EQ(y1->layernorm_output.has_value(), y2->layernorm_output.has_value());
+    if (y1->layernorm_output) EXPECT_EQ(y1->layernorm_output->data, y2->layernorm_output->data);
+    client::BackwardOptions bo;
+    if (y1->layernorm_output) bo.grad_layernorm_output = Random({512, kIn});
+    auto g1 = wire->Backward(y1->context_id, dy, bo);
+    ASSERT_TRUE(g1.ok()) << g1.status();
+    auto w1 = shm->GetGradients(info->module_id(), /*zero=*/true);
+    auto g2 = shm->Backward(y2->context_id, dy, bo);
+    ASSERT_TRUE(g2.ok()) << g2.status();
+    auto w2 = shm->GetGradients(info->module_id(), /*zero=*/true);
+    ASSERT_TRUE(w1.ok() && w2.ok());
+    EXPECT_EQ(g1->data, g2->data);
+    EXPECT_EQ(g1->shape, g2->shape);
+    ASSERT_EQ(w1->tensors.size(), w2->tensors.size());
+    for (size_t i = 0; i < w1->tensors.size(); ++i) {
+      EXPECT_EQ(w1->tensors[i].second.data, w2->tensors[i].second.data) << w1->tensors[i].first;
+    }
+    EXPECT_EQ(shm->shared_memory_calls(), calls + 2);
+    // One row is a few hundred bytes: the wire.
+    auto small = shm->Forward(info->module_id(), Random({1, kIn}), false);
+    ASSERT_TRUE(small.ok());
+    EXPECT_EQ(shm->shared_memory_calls(), calls + 2);
+  }
+  EXPECT_EQ(wire->shared_memory_calls(), 0);
+  EXPECT_FALSE(shm->shared_memory_off());
+  EXPECT_EQ(server.service().shared_memory_regions(), 1);  // one region, reused by every call
+  shm.reset();
+  EXPECT_EQ(server.service().shared_memory_regions(), 0);  // and unregistered with the client
+}
+
+// Regions unused for --shared-memory-idle close, and a client that holds one makes a new one.
+TEST(SharedMemoryTest, IdleRegionsClose) {
+  TestServer server([](rpc::ServiceOptions& o) { o.shared_memory.idle_timeout_s = 0.05; });
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string id = Module(*c);
+  const HostTensor x = Random({512, kIn});
+  auto first = c->Forward(id, x, false);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(c->shared_memory_calls(), 1);
+  auto listed = c->ListSharedMemory();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  const std::string key = (*listed)[0].key();
+  EXPECT_EQ(server.service().CloseIdleSharedMemory(), 0);  // just used
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(server.service().CloseIdleSharedMemory(), 1);
+  EXPECT_EQ(server.service().shared_memory_regions(), 0);
+  EXPECT_EQ(server.service().shared_memory_bytes(), 0u);
+  EXPECT_TRUE(DeletedObjects(key.substr(1)).empty());  // the server's descriptor is closed
+  auto again = c->Forward(id, x, false);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->output.data, first->output.data);
+  EXPECT_EQ(c->shared_memory_calls(), 2);
+  EXPECT_EQ(server.service().shared_memory_regions(), 1);
+}
+
+// A region the server no longer has while the client still holds it costs nothing: that call
+// goes over the wire (the server refused it before anything ran), the next makes a new region.
+TEST(SharedMemoryTest, ARegionGoneUnderTheClientCostsNothing) {
+  TestServer server;
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string id = Module(*c);
+  const HostTensor x = Random({512, kIn}), dy = Random({512, kOut});
+  auto first = c->Forward(id, x, true);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(c->shared_memory_calls(), 1);
+  auto listed = c->ListSharedMemory();
+  ASSERT_TRUE(listed.ok() && listed->size() == 1u);
+  ASSERT_EQ(*c->UnregisterSharedMemory((*listed)[0].name()), 1);  // behind the pool's back
+  auto g = c->Backward(first->context_id, dy);                    // over the wire, accumulated once
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(c->shared_memory_calls(), 1);
+  auto once = c->GetGradients(id, /*zero=*/true);
+  auto second = c->Forward(id, x, true);  // a new region
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->output.data, first->output.data);
+  EXPECT_EQ(c->shared_memory_calls(), 2);
+  auto g2 = c->Backward(second->context_id, dy);
+  ASSERT_TRUE(g2.ok()) << g2.status();
+  EXPECT_EQ(g2->data, g->data);
+  auto twice = c->GetGradients(id, /*zero=*/true);
+  ASSERT_TRUE(once.ok() && twice.ok());
+  for (size_t i = 0; i < once->tensors.size(); ++i) {
+    EXPECT_EQ(once->tensors[i].second.data, twice->tensors[i].second.data);
+  }
+  EXPECT_EQ(server.host().Stats().live_contexts, 0);
 }
 
 // Inference forwards of every kind and wire dtype: input and outputs through shared memory give

@@ -16,6 +16,7 @@ the call's request id, in its log lines about the call and at the end of an erro
 (``[request ID]``). ``GradwireError.request_id`` holds it on this side.
 """
 
+import collections
 import ipaddress
 import logging
 import os
@@ -198,6 +199,12 @@ class Client:
         trace_id: 32 lowercase hex digits: the trace-id of the ``traceparent`` every call sends
             (one trace over many calls). None: a fresh trace-id per call, so each call has a
             request id of its own in the server's logs.
+        shared_memory: "auto": a forward or backward whose tensors reach
+            ``shared_memory_min_kib`` passes them through a shared-memory region the server
+            makes for this client alone, when the server is on this host and this process can
+            open it (``gradwire.shared_memory``); otherwise, and with "off", the wire.
+        shared_memory_min_kib: the smallest call (its tensors in and out together) that goes
+            through shared memory.
     """
 
     def __init__(self, server: str = "127.0.0.1:50051", timeout: float = 30.0,
@@ -205,9 +212,14 @@ class Client:
                  token: Optional[str] = None, chunk_kib: int = 4096, chunking: str = "auto",
                  tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 insecure: bool = False, trace_id: Optional[str] = None):
+                 insecure: bool = False, trace_id: Optional[str] = None,
+                 shared_memory: str = "auto", shared_memory_min_kib: int = 64):
         if chunking not in ("auto", "always", "never"):
             raise ValueError("chunking must be 'auto', 'always' or 'never'")
+        if shared_memory not in ("auto", "off"):
+            raise ValueError("shared_memory must be 'auto' or 'off'")
+        if not isinstance(shared_memory_min_kib, int) or shared_memory_min_kib < 0:
+            raise ValueError("shared_memory_min_kib must be a whole number >= 0")
         if wire_dtype not in wire.WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {sorted(wire.WIRE_DTYPES)}")
         if bool(tls_cert) != bool(tls_key):
@@ -264,6 +276,14 @@ class Client:
         self._owned: Dict[str, Optional[weakref.ref]] = {}
         self._owned_lock = threading.RLock()
         self._closed = False
+        from gradwire.shared_memory import _SharedPool
+        self._shm = _SharedPool(self)
+        self._shm.off = shared_memory == "off"
+        self._shm_min = shared_memory_min_kib << 10
+        self.shared_memory_calls = 0  # forwards and backwards whose tensors went through it
+        # Which module made each training context of this client's forwards (newest last,
+        # bounded): a backward's grad_input size, for a shared-memory backward.
+        self._context_modules: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         with _OPEN_LOCK:
             _OPEN_CLIENTS[:] = [r for r in _OPEN_CLIENTS if r() is not None and not r().closed]
             _OPEN_CLIENTS.append(weakref.ref(self))
@@ -327,6 +347,7 @@ class Client:
             if self._train is not None:
                 self._train.close()
                 self._train = None
+        self._shm.close()
         self._closed = True
         self._channel.close()
         log.debug("client for %s closed", self.server)
@@ -572,6 +593,10 @@ class Client:
                 dtype: Optional[int] = None) -> ForwardResult:
         """Returns (output, context_id or "", layernorm_output or None); float32 CPU tensors.
         ``dtype``: the wire dtype of input and output (default: the client's)."""
+        if not self._shm.off and x.dim() > 0 and x.shape[-1] > 0:
+            result = self._forward_shared_auto(module_id, x, training, dtype)
+            if result is not None:
+                return result
         req = self.forward_request(module_id, x, training, dtype)
         size = wire.element_size(req.output_dtype)
         sent = req.nbytes
@@ -591,7 +616,15 @@ class Client:
         self._seen(module_id, resp.message.weight_version)
         result = self.forward_result(resp)
         self._note_instance(result[1])
+        self._note_context(result[1], module_id)
         return result
+
+    def _note_context(self, context_id: str, module_id: str) -> None:
+        if not context_id:
+            return
+        self._context_modules[context_id] = module_id
+        while len(self._context_modules) > 65536:
+            self._context_modules.popitem(last=False)
 
     def lost_context(self, error: GradwireError) -> GradwireError:
         """The error a failed backward should raise: a ContextLostError with its reason when the
@@ -618,6 +651,14 @@ class Client:
         """Returns grad_input (None with skip_grad_input), a float32 CPU tensor. ``retain``
         keeps the context for another backward. Raises ContextLostError when the server no
         longer holds the context."""
+        module_id = (self._context_modules.pop(context_id, None) if not retain
+                     else self._context_modules.get(context_id))
+        if not self._shm.off and module_id is not None:
+            done, grad_input = self._backward_shared_auto(
+                context_id, module_id, grad_output, skip_grad_input, retain,
+                grad_layernorm_output, dtype)
+            if done:
+                return grad_input
         req = self.backward_request(context_id, grad_output, skip_grad_input, retain,
                                     grad_layernorm_output, dtype)
         sent = req.nbytes
@@ -631,7 +672,121 @@ class Client:
             raise self.lost_context(e) from None
         return _decode(resp, "grad_input") if resp.message.HasField("grad_input") else None
 
-    # --- shared-memory tensors (a server on this host with --allow-shared-memory)
+    # --- shared-memory tensors
+
+    @staticmethod
+    def _aligned(n: int) -> int:
+        return (n + 63) & ~63
+
+    def _region_gone(self, e: "GradwireError", region) -> bool:
+        """The server refused a call naming ``region`` because it no longer has it (closed
+        after --shared-memory-idle): answered before anything was read or run."""
+        return e.code == "NOT_FOUND" and region.name in e.message
+
+    def _forward_shared_auto(self, module_id: str, x: torch.Tensor, training: bool,
+                             dtype: Optional[int]) -> Optional[ForwardResult]:
+        """``forward`` through the client's shared-memory pool, or None for the wire (too
+        small, no region, or the server had closed the one lent)."""
+        spec = self._spec(module_id)
+        if spec is None:
+            return None
+        dtype = self.activation_dtype if dtype is None else dtype
+        size = wire.element_size(dtype)
+        rows = x.numel() // x.shape[-1]
+        in_bytes = x.numel() * size
+        out_bytes = rows * spec.out_features * size
+        ln = spec.return_layernorm_output and spec.kind != module_pb2.LINEAR
+        ln_bytes = rows * spec.in_features * size if ln else 0
+        if in_bytes + out_bytes + ln_bytes < self._shm_min:
+            return None
+        at_out = self._aligned(in_bytes)
+        at_ln = at_out + self._aligned(out_bytes)
+        region = self._shm.acquire(at_ln + ln_bytes)
+        if region is None:
+            return None
+        try:
+            req = service_pb2.ForwardRequest(module_id=module_id, training=training,
+                                             output_dtype=dtype)
+            req.input.CopyFrom(region.write(0, x, dtype))
+            req.output_shared_memory.CopyFrom(region.ref(at_out, out_bytes))
+            if ln:
+                req.layernorm_output_shared_memory.CopyFrom(region.ref(at_ln, ln_bytes))
+            try:
+                resp = self._call("Forward", req, module_id)
+            except GradwireError as e:
+                if self._region_gone(e, region):
+                    self._shm.drop(region)
+                    region = None
+                    return None
+                raise
+            self.shared_memory_calls += 1
+            self._seen(module_id, resp.weight_version)
+            out = region.read(resp.output)
+            ln_out = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") \
+                else None
+        finally:
+            if region is not None:
+                self._shm.release(region)
+        self._note_instance(resp.context_id)
+        self._note_context(resp.context_id, module_id)
+        return out, resp.context_id, ln_out
+
+    def _backward_shared_auto(self, context_id: str, module_id: str, grad_output: torch.Tensor,
+                              skip_grad_input: bool, retain: bool,
+                              grad_layernorm_output: Optional[torch.Tensor],
+                              dtype: Optional[int]) -> Tuple[bool, Optional[torch.Tensor]]:
+        """``backward`` through the pool: (True, grad_input), or (False, None) for the wire.
+        grad_input has grad_output's rows and the module's in_features: its size is known for a
+        context one of this client's forwards made."""
+        dtype = self.gradient_dtype if dtype is None else dtype
+        size = wire.element_size(dtype)
+        go_bytes = grad_output.numel() * size
+        gln_bytes = grad_layernorm_output.numel() * size \
+            if grad_layernorm_output is not None else 0
+        gi_bytes = 0 if skip_grad_input else self._grad_input_bytes(module_id, grad_output, size)
+        if gi_bytes is None or go_bytes + gln_bytes + gi_bytes < self._shm_min:
+            return False, None
+        at_gln = self._aligned(go_bytes)
+        at_gi = at_gln + self._aligned(gln_bytes)
+        region = self._shm.acquire(at_gi + max(gi_bytes, 1))
+        if region is None:
+            return False, None
+        try:
+            req = service_pb2.BackwardRequest(context_id=context_id, retain=retain,
+                                              skip_grad_input=skip_grad_input,
+                                              grad_input_dtype=dtype)
+            req.grad_output.CopyFrom(region.write(0, grad_output, dtype))
+            if grad_layernorm_output is not None:
+                req.grad_layernorm_output.CopyFrom(
+                    region.write(at_gln, grad_layernorm_output, dtype))
+            if gi_bytes:
+                req.grad_input_shared_memory.CopyFrom(region.ref(at_gi, gi_bytes))
+            try:
+                resp = self._call("Backward", req, context_id)
+            except GradwireError as e:
+                if self._region_gone(e, region):
+                    self._shm.drop(region)
+                    region = None
+                    return False, None
+                raise self.lost_context(e) from None
+            self.shared_memory_calls += 1
+            return True, region.read(resp.grad_input) if resp.HasField("grad_input") else None
+        finally:
+            if region is not None:
+                self._shm.release(region)
+
+    def _grad_input_bytes(self, module_id: str, grad_output: torch.Tensor,
+                          size: int) -> Optional[int]:
+        """grad_input's bytes for a backward through ``module_id``: grad_output's rows times its
+        in_features."""
+        spec = self._modules.get(module_id)
+        if spec is None or grad_output.dim() == 0 or grad_output.shape[-1] == 0:
+            return None
+        rows = grad_output.numel() // grad_output.shape[-1]
+        return rows * spec.in_features * size
+
+    # --- shared-memory regions a client makes (a server on this host with
+    # --allow-shared-memory)
 
     def register_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Registers bytes [offset, offset + byte_size) of the POSIX shared-memory object ``key``

@@ -1,9 +1,17 @@
 """Shared-memory tensors for a client on the server's host.
 
-A server started with ``--allow-shared-memory`` reads request tensors from, and writes results
-into, POSIX shared-memory objects that its clients register, instead of moving their bytes
-through gRPC. ``SharedMemoryRegion`` creates such an object, registers it with the server and
-lays tensors out in it; ``Client.forward_shared`` / ``Client.backward_shared`` run calls through
+``Client.forward`` and ``Client.backward`` use them by themselves (``Client(shared_memory=
+"auto")``, the default): a call whose tensors reach ``shared_memory_min_kib`` asks the server for
+a region (``CreateSharedMemory``: the server makes a POSIX shared-memory object readable by its
+own user only, under a random name, and hands it to this client alone), opens and maps it, removes
+its name so that no other process can open it, and from then on writes requests into it and reads
+results out of it. A server on another host, in another container or under another user, or one
+started with ``--shared-memory off``, cannot give this process a region it can open: the client
+then uses the wire, without an error. ``SameHostRegion`` is that region.
+
+A server started with ``--allow-shared-memory`` also takes objects a client makes and names
+itself. ``SharedMemoryRegion`` creates such an object, registers it with the server and lays
+tensors out in it; ``Client.forward_shared`` / ``Client.backward_shared`` run calls through
 one::
 
     with SharedMemoryRegion(client, 64 << 20) as region:
@@ -14,18 +22,230 @@ Keys start with the server's ``--shared-memory-prefix`` ("gradwire" by default).
 readable and writable by this user only; it is unregistered and removed on ``close()``.
 """
 
+import logging
+import mmap
 import os
 import secrets
+import stat
+import threading
+import time
 from multiprocessing import shared_memory
-from typing import Optional
+from typing import List, Optional, Tuple
 
+import grpc
 import torch
 
 from gradwire import wire
 from gradwire.v1 import tensor_pb2
 
 
-class SharedMemoryRegion:
+log = logging.getLogger("gradwire")
+
+
+class _RegionIO:
+    """Tensors in and out of a mapped region: ``buffer``, ``name`` and ``size`` come from the
+    subclass."""
+
+    name: str
+    size: int
+
+    @property
+    def buffer(self) -> memoryview:
+        raise NotImplementedError
+
+    def write(self, offset: int, t: torch.Tensor, dtype: int) -> tensor_pb2.Tensor:
+        """Encodes ``t`` as proto dtype ``dtype`` at ``offset``; returns the request tensor that
+        references it."""
+        msg, data = wire.encode(t, dtype)
+        n = data.nbytes
+        if offset < 0 or offset + n > self.size:
+            raise ValueError(f"{n} bytes at offset {offset} do not fit the {self.size}-byte "
+                             f"region {self.name}")
+        self.buffer[offset:offset + n] = data  # the one copy: from the tensor's memory
+        msg.shared_memory.CopyFrom(self.ref(offset, n))
+        return msg
+
+    def ref(self, offset: int, byte_size: int) -> tensor_pb2.SharedMemoryRef:
+        """Bytes [offset, offset + byte_size) of this region: where a result should go."""
+        return tensor_pb2.SharedMemoryRef(region=self.name, offset=offset, byte_size=byte_size)
+
+    def read(self, header: tensor_pb2.Tensor) -> torch.Tensor:
+        """The float32 tensor a response's ``header`` says the server wrote here (or carries
+        inline)."""
+        if not header.HasField("shared_memory"):
+            return wire.decode(header, header.data)
+        ref = header.shared_memory
+        if ref.region != self.name:
+            raise ValueError(f"the tensor does not lie in region {self.name}")
+        if ref.offset + ref.byte_size > self.size:
+            raise ValueError(f"the tensor's bytes lie outside the {self.size}-byte region")
+        # Decoded from the region in place (an F32 tensor is one copy of it: the region is
+        # written again by later calls).
+        return wire.decode(header, self.buffer[ref.offset:ref.offset + ref.byte_size])
+
+
+class SameHostRegion(_RegionIO):
+    """A region the server made for this client (``CreateSharedMemory``), mapped here; its
+    object's name is removed as soon as it is open. Raises ``OSError`` when this process cannot
+    open it (another host, container or user than the server's): the region is unregistered
+    again. ``close()`` unmaps it and unregisters it."""
+
+    def __init__(self, client, size: int):
+        from gradwire.v1 import service_pb2
+        made = client._call("CreateSharedMemory",
+                            service_pb2.CreateSharedMemoryRequest(byte_size=size))
+        self.name = made.region
+        self.size = made.byte_size
+        self.idle_timeout_s = made.idle_timeout_s
+        self._client = client
+        self._map: Optional[mmap.mmap] = None
+        try:
+            if (self.size < size or not made.key.startswith("/") or "/" in made.key[1:]
+                    or made.key in ("/", "/.", "/..")):
+                raise OSError(f"the server's answer does not describe a {size}-byte region")
+            path = "/dev/shm" + made.key
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                # Whatever happens next, the name goes: nobody else may open it after us.
+                os.unlink(path)
+                st = os.fstat(fd)
+                if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                        or st.st_mode & 0o077 or st.st_size < self.size):
+                    raise OSError(f"{made.key} is not a {self.size}-byte object of this user "
+                                  "only")
+                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self._unregister()
+            raise
+        self._view = memoryview(self._map)
+
+    @property
+    def buffer(self) -> memoryview:
+        return self._view
+
+    def _unregister(self) -> bool:
+        """Best effort within a second (a server that cannot answer closes the region itself
+        once it has gone unused for --shared-memory-idle); False when the server did not
+        answer."""
+        from gradwire.v1 import service_pb2
+        try:
+            self._client._stub.UnregisterSharedMemory(
+                service_pb2.UnregisterSharedMemoryRequest(name=self.name),
+                timeout=min(1.0, self._client.timeout), metadata=self._client._metadata()[0])
+        except grpc.RpcError as e:
+            log.debug("unregistering shared-memory region %s: %s", self.name, e.code())
+            return e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+        return True
+
+    def close(self, unregister: bool = True) -> bool:
+        """Unmaps the region and, with ``unregister``, unregisters it; False when the server did
+        not answer."""
+        if self._map is None:
+            return True
+        self._view.release()
+        self._map.close()
+        self._map = None
+        return self._unregister() if unregister else True
+
+
+class _SharedPool:
+    """The regions one ``Client`` passes its large tensors through: made on first need, each
+    lent to one call at a time, grown when a call needs more, dropped when the server closed
+    them. A server that cannot give this client a region it can open turns the pool off for the
+    client's life; a refusal that may pass (the server's limits) sends calls over the wire for a
+    few seconds before the next try."""
+
+    MAX_REGIONS = 8
+    MIN_BYTES = 1 << 20
+    LASTING = ("FAILED_PRECONDITION", "UNIMPLEMENTED", "PERMISSION_DENIED")
+
+    def __init__(self, client):
+        self._client = client
+        self._lock = threading.Lock()
+        self._idle: List[Tuple[SameHostRegion, float]] = []
+        self._lent = 0
+        self._retry_after = 0.0
+        self.off = False
+        self.made = 0
+
+    def acquire(self, nbytes: int) -> Optional[SameHostRegion]:
+        """A region of at least ``nbytes`` for one call (give it back with ``release`` or
+        ``drop``), or None: the wire."""
+        discard = []
+        with self._lock:
+            now = time.monotonic()
+            if self.off or now < self._retry_after:
+                return None
+            keep = []
+            for region, since in self._idle:
+                t = region.idle_timeout_s
+                # Unused for most of the server's idle timeout: it may be closed there already.
+                (discard if t > 0 and now - since > 0.8 * t else keep).append((region, since))
+            self._idle = keep
+            fits = [i for i, (r, _) in enumerate(self._idle) if r.size >= nbytes]
+            if fits:
+                i = min(fits, key=lambda i: self._idle[i][0].size)
+                region = self._idle.pop(i)[0]
+                self._lent += 1
+                chosen = region
+            else:
+                chosen = None
+                if self._lent + len(self._idle) >= self.MAX_REGIONS:
+                    if not self._idle:
+                        return None
+                    i = min(range(len(self._idle)), key=lambda i: self._idle[i][0].size)
+                    discard.append(self._idle.pop(i))
+                self._lent += 1
+        for region, _ in discard:
+            region.close()
+        if chosen is not None:
+            return chosen
+        size = self.MIN_BYTES
+        while size < nbytes:
+            size <<= 1
+        try:
+            region = SameHostRegion(self._client, size)
+        except Exception as e:
+            from gradwire.client import GradwireError
+            with self._lock:
+                self._lent -= 1
+                if not isinstance(e, GradwireError) or e.code in self.LASTING:
+                    if not self.off:
+                        log.debug("tensors to %s go over the wire: %s", self._client.server, e)
+                    self.off = True
+                else:
+                    self._retry_after = time.monotonic() + 5.0
+            return None
+        with self._lock:
+            self.made += 1
+        return region
+
+    def release(self, region: SameHostRegion) -> None:
+        with self._lock:
+            self._lent -= 1
+            self._idle.append((region, time.monotonic()))
+
+    def drop(self, region: SameHostRegion) -> None:
+        """The server no longer has ``region``: discard it."""
+        with self._lock:
+            self._lent -= 1
+        region.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self.off = True
+        answered = True
+        for region, _ in idle:
+            # A server that did not answer once is not asked again: close() stays short.
+            answered = region.close(unregister=answered) and answered
+
+
+class SharedMemoryRegion(_RegionIO):
     """A shared-memory object of ``size`` bytes, created here and registered with ``client``'s
     server under ``name`` (default: its key). Use as a context manager, or call ``close()``."""
 
@@ -49,33 +269,6 @@ class SharedMemoryRegion:
     @property
     def buffer(self) -> memoryview:
         return self._shm.buf
-
-    def write(self, offset: int, t: torch.Tensor, dtype: int) -> tensor_pb2.Tensor:
-        """Encodes ``t`` as proto dtype ``dtype`` at ``offset``; returns the request tensor that
-        references it."""
-        msg, data = wire.encode(t, dtype)
-        n = data.nbytes
-        if offset < 0 or offset + n > self.size:
-            raise ValueError(f"{n} bytes at offset {offset} do not fit the {self.size}-byte "
-                             f"region {self.name}")
-        self._shm.buf[offset:offset + n] = data  # the one copy: from the tensor's memory
-        msg.shared_memory.CopyFrom(self.ref(offset, n))
-        return msg
-
-    def ref(self, offset: int, byte_size: int) -> tensor_pb2.SharedMemoryRef:
-        """Bytes [offset, offset + byte_size) of this region: where a result should go."""
-        return tensor_pb2.SharedMemoryRef(region=self.name, offset=offset, byte_size=byte_size)
-
-    def read(self, header: tensor_pb2.Tensor) -> torch.Tensor:
-        """The float32 tensor a response's ``header`` says the server wrote here."""
-        ref = header.shared_memory
-        if not header.HasField("shared_memory") or ref.region != self.name:
-            raise ValueError(f"the tensor does not lie in region {self.name}")
-        if ref.offset + ref.byte_size > self.size:
-            raise ValueError(f"the tensor's bytes lie outside the {self.size}-byte region")
-        # Decoded from the region in place (an F32 tensor is one copy of it: the region is
-        # written again by later calls).
-        return wire.decode(header, self._shm.buf[ref.offset:ref.offset + ref.byte_size])
 
     def close(self) -> None:
         """Unregisters the region (if the server still holds it) and removes the object."""

@@ -1,4 +1,6 @@
-"""Chunked calls from the Python client: same results as the unary calls, chosen by size."""
+"""Chunked calls from the Python client: same results as the unary calls, chosen by size. The
+clients here keep to the wire (shared_memory="off"): on the server's host they would otherwise pass
+these tensors through shared memory, which takes neither path."""
 import pytest
 import torch
 
@@ -21,9 +23,10 @@ def _linear(client, n_in, n_out):
 
 @pytest.mark.parametrize("wire_dtype", ["f32", "bf16"])
 def test_chunked_forward_backward_match_unary(small_chunk_server, wire_dtype):
-    unary = gradwire.Client(small_chunk_server, wire_dtype=wire_dtype, chunking="never")
+    unary = gradwire.Client(small_chunk_server, wire_dtype=wire_dtype, chunking="never",
+                            shared_memory="off")
     chunked = gradwire.Client(small_chunk_server, wire_dtype=wire_dtype, chunk_kib=64,
-                              chunking="always")
+                              chunking="always", shared_memory="off")
     try:
         mid = _linear(unary, 256, 384)
         x, dy = torch.randn(300, 256), torch.randn(300, 384)
@@ -40,7 +43,7 @@ def test_chunked_forward_backward_match_unary(small_chunk_server, wire_dtype):
 
 
 def test_auto_picks_chunks_for_large_tensors(small_chunk_server):
-    c = gradwire.Client(small_chunk_server, chunk_kib=64)
+    c = gradwire.Client(small_chunk_server, chunk_kib=64, shared_memory="off")
     try:
         narrow, wide = _linear(c, 64, 32), _linear(c, 16, 4096)
         c.forward(narrow, torch.randn(4, 64), False)
@@ -62,7 +65,8 @@ def test_auto_picks_chunks_for_large_tensors(small_chunk_server):
 
 
 def test_chunk_larger_than_the_server_allows_is_refused(small_chunk_server):
-    c = gradwire.Client(small_chunk_server, chunk_kib=128, chunking="always")
+    c = gradwire.Client(small_chunk_server, chunk_kib=128, chunking="always",
+                        shared_memory="off")
     try:
         mid = _linear(c, 256, 8)
         with pytest.raises(gradwire.GradwireError) as e:

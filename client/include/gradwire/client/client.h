@@ -19,6 +19,9 @@
 #include "gradwire/v1/service.grpc.pb.h"
 
 namespace gradwire::client {
+namespace internal {
+class SharedMemoryPool;
+}
 
 struct ForwardResult {
   HostTensor output;
@@ -101,6 +104,10 @@ class Client {
 
   // Calls made on the chunked variants so far (tests, benchmarks).
   int64_t chunked_calls() const;
+  // Forward and Backward calls whose tensors went through shared memory so far, and whether this
+  // client has stopped asking for it (the server cannot give it a region it can open).
+  int64_t shared_memory_calls() const;
+  bool shared_memory_off() const;
 
  private:
   // Whether a call whose request carries `request_bytes` of tensors and whose response is
@@ -115,12 +122,25 @@ class Client {
   absl::StatusOr<v1::BackwardResponse> BackwardChunked(v1::BackwardRequest& req);
   absl::StatusOr<v1::GetWeightsResponse> GetWeightsChunked(const v1::GetWeightsRequest& req);
   absl::StatusOr<v1::SetWeightsResponse> SetWeightsChunked(v1::SetWeightsRequest& req);
+  // Through a shared-memory region when the tensors are large enough and the pool lends one:
+  // the result, or nullopt for the wire (no region, or the server had closed the one lent).
+  std::optional<absl::StatusOr<ForwardResult>> ForwardShared(const std::string& module_id,
+                                                             const HostTensor& input, bool training,
+                                                             int64_t output_elements,
+                                                             int64_t layernorm_elements);
+  std::optional<absl::StatusOr<HostTensor>> BackwardShared(const v1::BackwardRequest& header,
+                                                           const HostTensor& grad_output,
+                                                           const HostTensor* grad_layernorm_output,
+                                                           int64_t grad_input_elements);
 
   ClientOptions options_;
   ShapeCache shapes_;
   std::atomic<int64_t> chunked_calls_{0};
+  std::atomic<int64_t> shared_memory_calls_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
+  // Last: its regions unregister through the stub when it goes.
+  std::unique_ptr<internal::SharedMemoryPool> shm_;
 };
 
 }  // namespace gradwire::client

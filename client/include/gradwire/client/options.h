@@ -35,6 +35,15 @@ struct ClientOptions {
   int chunk_kib = 4096;
   enum class Chunking { kAuto, kAlways, kNever };
   Chunking chunking = Chunking::kAuto;
+  // Same-host shared memory (docs/shared-memory.md). kAuto: a Forward or Backward whose tensors
+  // reach shared_memory_min_kib asks the server for a region only this client can reach
+  // (CreateSharedMemory), passes the tensors through it and reuses it. A server on another host,
+  // in another container or under another user, or one with --shared-memory off, answers so or
+  // gives an object this process cannot open: the client then uses the wire from there on,
+  // without an error. kOff: always the wire.
+  enum class SharedMemory { kAuto, kOff };
+  SharedMemory shared_memory = SharedMemory::kAuto;
+  int shared_memory_min_kib = 64;
 };
 
 }  // namespace gradwire::client

@@ -95,6 +95,11 @@ class GradwireStub(object):
                 request_serializer=gradwire_dot_v1_dot_service__pb2.SetWeightsRequestPart.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_service__pb2.SetWeightsResponse.FromString,
                 )
+        self.CreateSharedMemory = channel.unary_unary(
+                '/gradwire.v1.Gradwire/CreateSharedMemory',
+                request_serializer=gradwire_dot_v1_dot_service__pb2.CreateSharedMemoryRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_service__pb2.CreateSharedMemoryResponse.FromString,
+                )
         self.RegisterSharedMemory = channel.unary_unary(
                 '/gradwire.v1.Gradwire/RegisterSharedMemory',
                 request_serializer=gradwire_dot_v1_dot_service__pb2.RegisterSharedMemoryRequest.SerializeToString,
@@ -235,12 +240,25 @@ class GradwireServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSharedMemory(self, request, context):
+        """Shared-memory tensors for clients on the server's host: Forward and Backward (unary or on
+        Train) read tensors from a region and write results into it instead of carrying bytes
+        (Tensor.shared_memory, ForwardRequest.output_shared_memory, ...). A region belongs to the
+        caller's tenant. The chunked calls do not take shared-memory tensors.
+
+        CreateSharedMemory (on by default for loopback callers; off with --shared-memory off): the
+        server makes a POSIX shared-memory object readable by its own user only, under a random name,
+        and hands its key and a random region name to this caller alone. The client opens and maps
+        the key, then removes the name (shm_unlink); a client that cannot open it (another host,
+        container or user) unregisters the region and uses the wire. docs/shared-memory.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterSharedMemory(self, request, context):
-        """Shared-memory tensors for clients on the server's host (servers started with
-        --allow-shared-memory): a client registers a POSIX shared-memory object under a region name,
-        then Forward and Backward (unary or on Train) read tensors from it and write results into it
-        instead of carrying bytes (Tensor.shared_memory, ForwardRequest.output_shared_memory, ...).
-        A region belongs to the caller's tenant. The chunked calls do not take shared-memory tensors.
+        """RegisterSharedMemory (servers started with --allow-shared-memory): the server opens an object
+        the client made and names.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,6 +358,11 @@ def add_GradwireServicer_to_server(servicer, server):
                     servicer.SetWeightsChunked,
                     request_deserializer=gradwire_dot_v1_dot_service__pb2.SetWeightsRequestPart.FromString,
                     response_serializer=gradwire_dot_v1_dot_service__pb2.SetWeightsResponse.SerializeToString,
+            ),
+            'CreateSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSharedMemory,
+                    request_deserializer=gradwire_dot_v1_dot_service__pb2.CreateSharedMemoryRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_service__pb2.CreateSharedMemoryResponse.SerializeToString,
             ),
             'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterSharedMemory,
@@ -636,6 +659,23 @@ class Gradwire(object):
         return grpc.experimental.stream_unary(request_iterator, target, '/gradwire.v1.Gradwire/SetWeightsChunked',
             gradwire_dot_v1_dot_service__pb2.SetWeightsRequestPart.SerializeToString,
             gradwire_dot_v1_dot_service__pb2.SetWeightsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CreateSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gradwire.v1.Gradwire/CreateSharedMemory',
+            gradwire_dot_v1_dot_service__pb2.CreateSharedMemoryRequest.SerializeToString,
+            gradwire_dot_v1_dot_service__pb2.CreateSharedMemoryResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
