@@ -154,6 +154,13 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->transform(CLI::AsSizeValue(true))
       ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
+  app.add_option("--module-ttl", config.module_ttl_s,
+                 "seconds after which a module that no call and no client keep-alive touched is "
+                 "released with its contexts and gradients (0: never). The project's clients "
+                 "keep the modules they created or attached alive while they are open; durable "
+                 "modules (--checkpoint-dir) are never released")
+      ->check(CLI::Range(0.0, 1e9))
+      ->capture_default_str();
   app.add_option("--context-ttl", config.context_ttl_s,
                  "seconds a training context may wait unused for its backward before it is "
                  "evicted (0: never)")
@@ -366,6 +373,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "max-stream-bytes-per-client = " << f.max_stream_bytes_per_client << "\n";
   out << "context-memory = " << f.context_memory << "\n";
   out << "host-offload-memory = " << f.host_offload_memory << "\n";
+  out << "module-ttl = " << f.module_ttl_s << "\n";
   out << "context-ttl = " << f.context_ttl_s << "\n";
   out << "heap-trim-every = " << f.heap_trim_every_s << "\n";
   out << "heap-retain = " << (f.heap_retain ? "true" : "false") << "\n";

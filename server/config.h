@@ -23,6 +23,7 @@ struct ServerConfig {
   int64_t context_memory = int64_t(4) << 30;
   int64_t host_offload_memory = int64_t(8) << 30;
   double context_ttl_s = 600;
+  double module_ttl_s = 3600;
   // Seconds between returns of freed heap memory to the OS (core/heap_trim.h); 0: never.
   double heap_trim_every_s = 1;
   // Freed large blocks stay in the heap for reuse instead of being unmapped (core/heap_trim.h).

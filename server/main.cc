@@ -91,6 +91,7 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
   o.context_limits.device_bytes = c.context_memory;
   o.context_limits.host_bytes = c.host_offload_memory;
   o.context_limits.ttl_seconds = c.context_ttl_s;
+  o.service.module_ttl_s = c.module_ttl_s;
   o.context_limits.client_bytes = c.max_context_bytes_per_client;
   o.tls_cert_file = c.tls_cert;
   o.tls_key_file = c.tls_key;

@@ -211,6 +211,10 @@ std::vector<MetricFamily> Metrics::State(const core::ModuleHost& host, int64_t e
       Single("gradwire_context_rejections_total", kCounter,
              "Training forwards refused because their context alone exceeded the device budget.",
              double(c.rejected_too_large)));
+  out.push_back(Single("gradwire_modules_expired_total", kCounter,
+                       "Modules released because no call or keep-alive touched them for "
+                       "--module-ttl seconds.",
+                       double(stats.modules_expired)));
   out.push_back(Single("gradwire_workspace_builds_total", kCounter,
                        "FP8 weight casts: weight-workspace cache misses.",
                        double(stats.workspace_builds)));

@@ -361,9 +361,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   spdlog::info("context memory {} bytes on the device, {} bytes host offload, TTL {} s",
                o.context_limits.device_bytes, o.context_limits.host_bytes,
                o.context_limits.ttl_seconds);
-  s->janitor_ = std::make_unique<Janitor>(
-      *s->host_, o.context_limits.ttl_seconds, o.heap_trim_every_s,
-      [service = s->service_.get()] { service->CloseIdleSharedMemory(); });
+  s->janitor_ = std::make_unique<Janitor>(*s->host_, o.context_limits.ttl_seconds,
+                                          o.heap_trim_every_s, [service = s->service_.get()] {
+                                            service->CloseIdleSharedMemory();
+                                            service->ExpireIdleModules();
+                                          });
   return s;
 }
 

@@ -43,6 +43,14 @@ int RunHealth(Client& client, const std::string& service, bool json) {
   return *status == "SERVING" ? 0 : 1;
 }
 
+// The server's description of the module (ModuleInfo.description); from the spec's kind and
+// widths for a server that sends none.
+std::string Describe(const gradwire::v1::ModuleInfo& m) {
+  if (!m.description().empty()) return m.description();
+  return gradwire::v1::ModuleKind_Name(m.spec().kind()) + " " +
+         std::to_string(m.spec().in_features()) + " -> " + std::to_string(m.spec().out_features());
+}
+
 int RunInfo(Client& client, bool json) {
   auto info = client.GetServerInfo();
   if (!info.ok()) return Fail(info.status());
@@ -60,6 +68,8 @@ int RunInfo(Client& client, bool json) {
     for (const auto& m : *modules) {
       out["module_list"].push_back({{"module_id", m.module_id()},
                                     {"name", m.spec().name()},
+                                    {"kind", gradwire::v1::ModuleKind_Name(m.spec().kind())},
+                                    {"description", Describe(m)},
                                     {"in_features", m.spec().in_features()},
                                     {"out_features", m.spec().out_features()},
                                     {"bias", m.spec().bias()},
@@ -77,9 +87,7 @@ int RunInfo(Client& client, bool json) {
               static_cast<long long>(info->live_contexts()),
               static_cast<long long>(info->context_bytes()));
   for (const auto& m : *modules) {
-    std::printf("  %s  Linear %lld -> %lld%s  v%llu  %lld contexts  %s\n", m.module_id().c_str(),
-                static_cast<long long>(m.spec().in_features()),
-                static_cast<long long>(m.spec().out_features()), m.spec().bias() ? " +bias" : "",
+    std::printf("  %s  %s  v%llu  %lld contexts  %s\n", m.module_id().c_str(), Describe(m).c_str(),
                 static_cast<unsigned long long>(m.weight_version()),
                 static_cast<long long>(m.live_contexts()), m.spec().name().c_str());
   }

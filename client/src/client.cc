@@ -3,8 +3,13 @@
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <random>
+#include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +68,111 @@ std::string NewTraceparent(const std::string& trace_id) {
   return buf;
 }
 
+// The modules a Client keeps alive (--module-ttl): a thread that learns the server's TTL, then
+// sends KeepAlive for them every third of it. Stopping cancels a call in flight, so a Client goes
+// at once even when its server stalls.
+class Client::Keeper {
+ public:
+  explicit Keeper(Client& client) : client_(client) {}
+  ~Keeper() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      if (inflight_ != nullptr) inflight_->TryCancel();
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Add(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids_.insert(id);
+    if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+  }
+  void Remove(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids_.erase(id);
+  }
+  std::vector<std::string> ids() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {ids_.begin(), ids_.end()};
+  }
+  int64_t calls() const { return calls_.load(); }
+
+ private:
+  // One call on `ctx`, cancellable by the destructor; false once stopping.
+  template <typename Call>
+  bool Send(grpc::ClientContext* ctx, std::chrono::duration<double> deadline, Call call,
+            std::unique_lock<std::mutex>& lock) {
+    client_.PrepareContext(ctx, "KeepAlive");
+    ctx->set_deadline(
+        std::min(ctx->deadline(),
+                 std::chrono::system_clock::now() +
+                     std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline)));
+    inflight_ = ctx;
+    lock.unlock();
+    call();
+    lock.lock();
+    inflight_ = nullptr;
+    return !stop_;
+  }
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    double ttl = -1;  // unknown yet
+    while (!stop_) {
+      if (ttl < 0) {
+        grpc::ClientContext ctx;
+        v1::GetServerInfoResponse info;
+        grpc::Status s;
+        if (!Send(
+                &ctx, std::chrono::seconds(10),
+                [&] { s = client_.stub().GetServerInfo(&ctx, {}, &info); }, lock)) {
+          return;
+        }
+        if (!s.ok()) {  // asked again later
+          cv_.wait_for(lock, std::chrono::seconds(10), [this] { return stop_; });
+          continue;
+        }
+        ttl = info.module_ttl_s();
+        if (!(ttl > 0)) return;  // no TTL on this server: nothing to renew
+      }
+      const auto period = std::chrono::duration<double>(std::max(ttl / 3, 0.05));
+      if (cv_.wait_for(lock, period, [this] { return stop_; })) return;
+      if (ids_.empty()) continue;
+      v1::KeepAliveRequest req;
+      for (const std::string& id : ids_) req.add_module_ids(id);
+      v1::KeepAliveResponse resp;
+      grpc::ClientContext ctx;
+      grpc::Status s;
+      if (!Send(
+              &ctx, period, [&] { s = client_.stub().KeepAlive(&ctx, req, &resp); }, lock)) {
+        return;
+      }
+      ++calls_;
+      if (!s.ok()) {
+        spdlog::debug("gradwire client: KeepAlive to {}: {}", client_.options().server,
+                      s.error_message());
+        continue;
+      }
+      for (const std::string& gone : resp.unknown()) {
+        spdlog::warn("gradwire client: module {} is no longer on {}", gone,
+                     client_.options().server);
+        ids_.erase(gone);
+      }
+    }
+  }
+
+  Client& client_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  grpc::ClientContext* inflight_ = nullptr;
+  std::set<std::string> ids_;
+  std::atomic<int64_t> calls_{0};
+  std::thread thread_;
+};
+
 Client::Client(ClientOptions options) : options_(std::move(options)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options_.max_message_mib << 20);
@@ -72,6 +182,7 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
   }
   channel_ = grpc::CreateCustomChannel(options_.server, ChannelCredentials(options_), args);
   stub_ = v1::Gradwire::NewStub(channel_);
+  keeper_ = std::make_unique<Keeper>(*this);
   shm_ = std::make_unique<internal::SharedMemoryPool>(
       *this, options_.shared_memory == ClientOptions::SharedMemory::kAuto);
 }
@@ -79,6 +190,7 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)), channel_(std::move(channel)) {
   stub_ = v1::Gradwire::NewStub(channel_);
+  keeper_ = std::make_unique<Keeper>(*this);
   shm_ = std::make_unique<internal::SharedMemoryPool>(
       *this, options_.shared_memory == ClientOptions::SharedMemory::kAuto);
 }
@@ -133,8 +245,17 @@ absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) 
     return s;
   }
   shapes_.Remember(resp.module());
+  keeper_->Add(resp.module().module_id());
   return resp.module();
 }
+
+void Client::Hold(const std::string& module_id) { keeper_->Add(module_id); }
+
+void Client::Release(const std::string& module_id) { keeper_->Remove(module_id); }
+
+std::vector<std::string> Client::held() const { return keeper_->ids(); }
+
+int64_t Client::keep_alive_calls() const { return keeper_->calls(); }
 
 absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
   grpc::ClientContext ctx;
@@ -151,7 +272,9 @@ absl::Status Client::DeleteModule(const std::string& module_id) {
   v1::DeleteModuleRequest req;
   req.set_module_id(module_id);
   v1::DeleteModuleResponse resp;
-  return FromGrpc("DeleteModule", stub_->DeleteModule(&ctx, req, &resp));
+  absl::Status s = FromGrpc("DeleteModule", stub_->DeleteModule(&ctx, req, &resp));
+  if (s.ok() || s.code() == absl::StatusCode::kNotFound) keeper_->Remove(module_id);
+  return s;
 }
 
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, const HostTensor& input,

@@ -164,11 +164,15 @@ RemoteModuleImpl::RemoteModuleImpl(std::shared_ptr<client::Client> client, std::
         "attach", absl::NotFoundError(absl::StrCat("module_id ", module_id_, " is not a module on ",
                                                    client_->options().server)));
   }
+  client_->Hold(module_id_);  // kept alive on a server with --module-ttl while attached here
   weight_anchor_ = torch::empty({0}, torch::kFloat).requires_grad_(true);
 }
 
 RemoteModuleImpl::~RemoteModuleImpl() {
-  if (!owns_module_ || keep_on_server_) return;
+  if (!owns_module_ || keep_on_server_) {
+    client_->Release(module_id_);  // the server's --module-ttl decides from here on
+    return;
+  }
   const absl::Status status = client_->DeleteModule(module_id_);
   if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
     try {

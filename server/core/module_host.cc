@@ -93,6 +93,8 @@ struct ModuleHost::Module {
   int64_t optimizer_steps = 0;
   int64_t accumulated_backwards = 0;
   WorkspacePtr workspace;  // the cached FP8 weights (latest version built)
+  // When a call last named it (ModuleHost::Find), on ModuleHost::NowNs's clock.
+  mutable std::atomic<int64_t> last_used_ns{0};
   const Backend* backend = nullptr;
   uint64_t device_version = ~uint64_t(0);  // the version the device copies hold
 
@@ -159,6 +161,7 @@ struct ModuleHost::Module {
 ModuleHost::ModuleHost() : backend_(MakeCpuBackend()) {}
 ModuleHost::ModuleHost(ContextLimits limits, ContextStore::Clock clock, BackendPtr backend)
     : backend_(backend ? std::move(backend) : MakeCpuBackend()),
+      clock_(clock),
       contexts_(limits, std::move(clock)) {}
 ModuleHost::~ModuleHost() = default;
 
@@ -170,6 +173,7 @@ absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std:
   do {
     id = RandomId128();
   } while (modules_.count(id));
+  m->last_used_ns.store(NowNs(), std::memory_order_relaxed);
   modules_.emplace(id, m);
   std::lock_guard<std::mutex> module_lock(m->mu);
   return InfoLocked(id, *m);
@@ -219,7 +223,34 @@ absl::StatusOr<std::shared_ptr<ModuleHost::Module>> ModuleHost::Find(
   if (it == modules_.end()) {
     return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
   }
+  it->second->last_used_ns.store(NowNs(), std::memory_order_relaxed);
   return it->second;
+}
+
+int64_t ModuleHost::NowNs() const {
+  const auto now = clock_ ? clock_() : std::chrono::steady_clock::now();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+}
+
+std::vector<std::string> ModuleHost::ExpireIdleModules(double ttl_s) {
+  std::vector<std::string> expired;
+  if (!(ttl_s > 0)) return expired;
+  const int64_t cutoff = NowNs() - int64_t(ttl_s * 1e9);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = modules_.begin(); it != modules_.end();) {
+      // Under mu_: a call that finds the module from here on renews it first, or finds it gone.
+      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+        expired.push_back(it->first);
+        it = modules_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const std::string& id : expired) contexts_.ReleaseModule(id);
+  modules_expired_ += int64_t(expired.size());
+  return expired;
 }
 
 ModuleInfo ModuleHost::InfoLocked(const std::string& id, const Module& m) const {
@@ -1263,6 +1294,7 @@ absl::Status ModuleHost::ImportState(const ModuleState& state) {
   }
   m->version = state.weight_version;
   m->optimizer_steps = state.optimizer_steps;
+  m->last_used_ns.store(NowNs(), std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu_);
   if (!modules_.emplace(state.module_id, m).second) {
     return absl::AlreadyExistsError(absl::StrCat("module_id ", state.module_id, " exists"));
@@ -1282,6 +1314,7 @@ HostStats ModuleHost::Stats() const {
   s.workspace_builds = workspace_builds_.load();
   s.workspace_hits = workspace_hits_.load();
   s.compute_calls = compute_calls_.load();
+  s.modules_expired = modules_expired_.load();
   s.batched_forwards = batched_forwards_.load();
   s.batched_backwards = batched_backwards_.load();
   return s;

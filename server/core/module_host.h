@@ -110,6 +110,7 @@ struct HostStats {
   int64_t compute_calls = 0;      // forwards and backwards started (housekeeping's idle test)
   int64_t batched_forwards = 0;   // forwards computed in a batch with others (ForwardBatch)
   int64_t batched_backwards = 0;  // backwards computed in a batch with others (BackwardBatch)
+  int64_t modules_expired = 0;    // modules released unused for --module-ttl (ExpireIdleModules)
 };
 
 class ModuleHost {
@@ -221,6 +222,12 @@ class ModuleHost {
   // Evicts contexts past their TTL now; returns how many (a janitor calls this periodically).
   int64_t EvictExpiredContexts() { return contexts_.EvictExpired(); }
 
+  // Module lifetimes (--module-ttl). Every call that names a module, its backwards and a
+  // client's keep-alive (Touch) renew it; ExpireIdleModules deletes, with their contexts, the
+  // modules none of these touched for `ttl_s` seconds, and returns their ids.
+  absl::Status Touch(const std::string& module_id) const { return Find(module_id).status(); }
+  std::vector<std::string> ExpireIdleModules(double ttl_s);
+
  private:
   struct Module;
   // A validated, initialised module not yet in the map.
@@ -256,7 +263,11 @@ class ModuleHost {
                                 const at::Tensor& grad_layernorm_output, bool retain,
                                 bool skip_grad_input, const DeliverBackward& deliver);
 
+  int64_t NowNs() const;
+
   BackendPtr backend_;
+  ContextStore::Clock clock_;  // null: the steady clock
+  std::atomic<int64_t> modules_expired_{0};
   mutable std::mutex mu_;  // guards modules_ (each Module has its own lock)
   std::map<std::string, std::shared_ptr<Module>> modules_;
   ContextStore contexts_;

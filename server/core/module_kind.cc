@@ -125,6 +125,20 @@ const char* ModuleKindName(ModuleKind kind) {
   return k ? k->name() : "unknown";
 }
 
+std::string DescribeModule(const ModuleSpec& spec) {
+  const ModuleKindOps* k = FindKind(spec.kind);
+  if (k == nullptr) return "unknown";
+  std::string out = absl::StrCat(k->name(), " ", spec.in_features, " -> ");
+  if (k->spec_fields().ffn) {
+    absl::StrAppend(&out, spec.ffn_features, " -> ", spec.out_features, ", ",
+                    kernels::ActivationName(spec.activation));
+  } else {
+    absl::StrAppend(&out, spec.out_features);
+  }
+  if (spec.bias) absl::StrAppend(&out, ", bias");
+  return out;
+}
+
 absl::Status CheckSpecRange(const char* field, int64_t value, int64_t lo, int64_t hi) {
   if (value < lo || value > hi) {
     return absl::InvalidArgumentError(

@@ -177,6 +177,9 @@ const std::vector<const ModuleKindOps*>& Kinds();
 // The kind whose spec_name() is `name`, or null.
 const ModuleKindOps* FindKindBySpecName(absl::string_view name);
 const char* ModuleKindName(ModuleKind kind);
+// The module in a few words, from its kind (ModuleInfo.description, the creation log line):
+// "Linear 1024 -> 1024, bias", "LayerNormMLP 1024 -> 4096 -> 1024, gelu".
+std::string DescribeModule(const ModuleSpec& spec);
 
 // The kind objects, defined next to their compute functions.
 const ModuleKindOps& LinearKind();

@@ -134,6 +134,7 @@ GradwireService::Unary* GradwireService::GetServerInfo(Ctx* ctx, const v1::GetSe
         resp->set_device(options_.device);
         resp->set_device_name(options_.device_name);
         resp->set_instance_id(instance_id_);
+        resp->set_module_ttl_s(module_ttl_s());
         for (const core::ModuleKindOps* kind : core::Kinds()) {
           resp->add_module_kinds(KindToProto(*kind));
         }
@@ -167,9 +168,8 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
         quotas_.KeepParameters(info->module_id, caller.client, bytes);
         InfoToProto(*info, resp->mutable_module());
         Persist(info->module_id);
-        spdlog::info("created {} \"{}\" ({} -> {}, bias {}, {} scaling) as module {}{}{}",
-                     core::ModuleKindName(spec.kind), Escaped(spec.name, kMaxNameLength),
-                     spec.in_features, spec.out_features, spec.bias,
+        spdlog::info("created {} \"{}\" ({} scaling) as module {}{}{}", core::DescribeModule(spec),
+                     Escaped(spec.name, kMaxNameLength),
                      spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
                      info->module_id, caller.isolated ? " of tenant " : "",
                      Escaped(caller.tenant, kMaxNameLength));
@@ -206,6 +206,45 @@ GradwireService::Unary* GradwireService::DeleteModule(Ctx* ctx, const v1::Delete
         return absl::OkStatus();
       },
       req->module_id());
+}
+
+GradwireService::Unary* GradwireService::KeepAlive(Ctx* ctx, const v1::KeepAliveRequest* req,
+                                                   v1::KeepAliveResponse* resp) {
+  // On the control thread: a lookup per module, never compute.
+  return StartUnary(
+      env_, ctx, "KeepAlive",
+      [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
+        constexpr int kMaxIds = 4096;
+        if (req->module_ids_size() > kMaxIds) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "module_ids holds ", req->module_ids_size(), " ids; at most ", kMaxIds, " a call"));
+        }
+        for (const std::string& id : req->module_ids()) {
+          GW_RETURN_IF_ERROR(CheckId("module_ids", id));
+        }
+        for (const std::string& id : req->module_ids()) {
+          if (!env_.CheckModule(caller, id).ok() || !host_.Touch(id).ok()) {
+            resp->add_unknown(id);
+          }
+        }
+        return absl::OkStatus();
+      },
+      {}, {}, req, nullptr, CallBase::RunOn::kControl);
+}
+
+double GradwireService::module_ttl_s() const {
+  return options_.checkpointer != nullptr ? 0.0 : options_.module_ttl_s;
+}
+
+int GradwireService::ExpireIdleModules() {
+  const double ttl = module_ttl_s();
+  if (!(ttl > 0)) return 0;
+  const std::vector<std::string> expired = host_.ExpireIdleModules(ttl);
+  for (const std::string& id : expired) {
+    quotas_.ModuleDeleted(id);
+    spdlog::info("released module {}: no call or keep-alive for {} s (--module-ttl)", id, ttl);
+  }
+  return int(expired.size());
 }
 
 absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,

@@ -50,8 +50,9 @@ using Weights = G::WithCallbackMethod_ApplyGradients<G::WithCallbackMethod_GetGr
     G::WithCallbackMethod_GetWeights<G::WithCallbackMethod_SetWeights<Chunked>>>>;
 using Compute = G::WithRawCallbackMethod_Forward<G::WithRawCallbackMethod_Backward<
     G::WithCallbackMethod_ReleaseContext<G::WithCallbackMethod_Train<Weights>>>>;
-using All = G::WithCallbackMethod_GetServerInfo<G::WithCallbackMethod_CreateModule<
-    G::WithCallbackMethod_ListModules<G::WithCallbackMethod_DeleteModule<Compute>>>>;
+using All = G::WithCallbackMethod_GetServerInfo<
+    G::WithCallbackMethod_CreateModule<G::WithCallbackMethod_ListModules<
+        G::WithCallbackMethod_DeleteModule<G::WithCallbackMethod_KeepAlive<Compute>>>>>;
 }  // namespace service_base
 using ServiceBase = service_base::All;
 
@@ -73,6 +74,7 @@ class GradwireService final : public ServiceBase {
                      v1::ListModulesResponse* resp) override;
   Unary* DeleteModule(Ctx* ctx, const v1::DeleteModuleRequest* req,
                       v1::DeleteModuleResponse* resp) override;
+  Unary* KeepAlive(Ctx* ctx, const v1::KeepAliveRequest* req, v1::KeepAliveResponse* resp) override;
   Unary* Forward(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) override;
   Unary* Backward(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) override;
   Unary* ReleaseContext(Ctx* ctx, const v1::ReleaseContextRequest* req,
@@ -120,6 +122,12 @@ class GradwireService final : public ServiceBase {
   // Closes the regions CreateSharedMemory made that went unused for --shared-memory-idle (the
   // server's janitor calls it).
   int CloseIdleSharedMemory() { return shared_memory_.CloseIdle(); }
+  // Releases the modules no call or keep-alive touched for --module-ttl, with their contexts and
+  // quota (none when every module is durable: --checkpoint-dir); the janitor calls it. Returns
+  // how many.
+  int ExpireIdleModules();
+  // The module TTL in force (GetServerInfo.module_ttl_s): 0 when off or every module is durable.
+  double module_ttl_s() const;
 
  private:
   // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls, the chunked

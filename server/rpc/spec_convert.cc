@@ -170,6 +170,7 @@ void InfoToProto(const core::ModuleInfo& info, v1::ModuleInfo* out) {
   out->set_live_contexts(info.live_contexts);
   out->set_optimizer_steps(info.optimizer_steps);
   for (const std::string& name : info.parameter_names) out->add_parameter_names(name);
+  out->set_description(core::DescribeModule(info.spec));
 }
 
 }  // namespace gradwire::rpc

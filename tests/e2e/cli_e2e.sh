@@ -2,10 +2,11 @@
 # End to end with the real binaries: start gradwire-server on a free loopback port, run the CLI
 # against it (info, demo), check the demo's loss falls, stop the server with SIGTERM and check it
 # exits cleanly. Also checks the server's and CLI's answers to bad flags and unreachable servers.
-#   usage: cli_e2e.sh PATH/gradwire-server PATH/gradwire
+#   usage: cli_e2e.sh PATH/gradwire-server PATH/gradwire PATH/gradwire-load
 set -euo pipefail
 server_bin=$1
 cli_bin=$2
+load_bin=$3
 # shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
 source "$(dirname "$0")/../../scripts/lib/check.sh"
 
@@ -29,6 +30,21 @@ check "demo showed progress" grep -q 'training' "$tmp/demo.err"
 "$cli_bin" info --server "$addr" --json >"$tmp/info.json"
 check "demo cleaned up its modules and contexts" \
   grep -q '"live_contexts":0,"module_list":\[\],"modules":0' "$tmp/info.json"
+
+# info says what each module is, in the server's words (not "Linear" for every kind).
+for kind in layernorm-mlp layernorm-linear linear; do
+  "$load_bin" --server "$addr" --kind "$kind" --in 64 --out 32 --ffn 128 --rows 2 --count 1 \
+    --warmup 0 --keep-module >/dev/null 2>&1
+done
+"$cli_bin" info --server "$addr" >"$tmp/kinds.txt"
+cat "$tmp/kinds.txt"
+check "info: a LayerNormMLP" grep -q " LayerNormMLP 64 -> 128 -> 32, gelu, bias  v" "$tmp/kinds.txt"
+check "info: a LayerNormLinear" grep -q " LayerNormLinear 64 -> 32, bias  v" "$tmp/kinds.txt"
+check "info: a Linear" grep -q " Linear 64 -> 32, bias  v" "$tmp/kinds.txt"
+"$cli_bin" info --server "$addr" --json >"$tmp/kinds.json"
+check "info --json: kind and description" \
+  grep -q '"description":"LayerNormMLP 64 -> 128 -> 32, gelu, bias","in_features":64,"kind":"LAYERNORM_MLP"' \
+  "$tmp/kinds.json"
 
 # Health, as a container probe sees it: exit 0 only when SERVING.
 check "health: SERVING, exit 0" bash -c "'$cli_bin' health --server '$addr' | grep -qx SERVING"

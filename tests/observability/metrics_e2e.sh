@@ -87,7 +87,7 @@ for m in \
   'gradwire_context_evictions_total\{reason="ttl"\} 0$' \
   'gradwire_context_evictions_total\{reason="memory"\} 0$' \
   'gradwire_context_rejections_total 0$' 'gradwire_context_quota_rejections_total 0$' \
-  'gradwire_context_share_rejections_total 0$' \
+  'gradwire_context_share_rejections_total 0$' 'gradwire_modules_expired_total 0$' \
   'gradwire_workspace_builds_total 1$' 'gradwire_workspace_hits_total 19$' \
   'gradwire_gemm_flops_total [1-9]' 'gradwire_gemm_seconds_total [0-9]' \
   'gradwire_client_parameter_bytes\{client="tenant alice"\} [1-9]' \

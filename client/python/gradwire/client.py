@@ -164,6 +164,49 @@ def _read(path: Optional[str], what: str) -> Optional[bytes]:
         raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
 
 
+def _keep_alive(ref: "weakref.ref", stop: threading.Event) -> None:
+    """A client's keep-alive thread: learns the server's module TTL, then renews the client's
+    held modules every third of it. Holds the client only weakly, and ends with it."""
+    ttl = None
+    while not stop.is_set():
+        c = ref()
+        if c is None or c.closed:
+            return
+        if ttl is None:
+            try:
+                ttl = c._stub.GetServerInfo(service_pb2.GetServerInfoRequest(),
+                                            timeout=min(10.0, c.timeout),
+                                            metadata=c._metadata()[0]).module_ttl_s
+            except grpc.RpcError:
+                del c
+                stop.wait(10.0)  # asked again later
+                continue
+            if ttl <= 0:
+                return  # no TTL on this server: nothing to renew
+        period = max(ttl / 3.0, 0.05)
+        del c
+        if stop.wait(period):
+            return
+        c = ref()
+        if c is None or c.closed:
+            return
+        with c._keeper_lock:
+            ids = sorted(c._held)
+        if not ids:
+            continue
+        try:
+            resp = c._stub.KeepAlive(service_pb2.KeepAliveRequest(module_ids=ids),
+                                     timeout=min(period, c.timeout), metadata=c._metadata()[0])
+        except grpc.RpcError as e:
+            log.debug("KeepAlive to %s: %s", c.server, e.code())
+            continue
+        finally:
+            c.keep_alive_calls += 1
+        for gone in resp.unknown:
+            log.warning("module %s is no longer on %s", gone, c.server)
+            c.release(gone)
+
+
 class Client:
     """Connection to one gradwire-server. Every call has a deadline of ``timeout`` seconds,
     requests on the Train stream included.
@@ -276,6 +319,12 @@ class Client:
         self._owned: Dict[str, Optional[weakref.ref]] = {}
         self._owned_lock = threading.RLock()
         self._closed = False
+        # Modules kept alive on a server with --module-ttl (hold), and the thread that does it.
+        self._held: set = set()
+        self._keeper: Optional[threading.Thread] = None
+        self._keeper_stop = threading.Event()
+        self._keeper_lock = threading.Lock()
+        self.keep_alive_calls = 0
         from gradwire.shared_memory import _SharedPool
         self._shm = _SharedPool(self)
         self._shm.off = shared_memory == "off"
@@ -323,6 +372,10 @@ class Client:
         twice does nothing."""
         if self._closed:
             return
+        # One timeout in all: a server that stalls costs the first call that waits on it, and
+        # what follows only gets the time that is left.
+        deadline = time.monotonic() + self.timeout
+        self._keeper_stop.set()
         with self._owned_lock:
             owned, self._owned = self._owned, {}
         for i, (module_id, ref) in enumerate(owned.items()):
@@ -345,9 +398,9 @@ class Client:
                 module._deleted = True
         with self._train_lock:
             if self._train is not None:
-                self._train.close()
+                self._train.close(wait=max(0.0, deadline - time.monotonic()))
                 self._train = None
-        self._shm.close()
+        self._shm.close(unregister=time.monotonic() < deadline)
         self._closed = True
         self._channel.close()
         log.debug("client for %s closed", self.server)
@@ -501,8 +554,32 @@ class Client:
                           module_pb2.ModuleKind.Name(spec.kind)).module
         self._modules[info.module_id] = info.spec
         self._seen(info.module_id, info.weight_version)
+        self.hold(info.module_id)
         log.debug("created module %s on %s", info.module_id, self.server)
         return info
+
+    def hold(self, module_id: str) -> None:
+        """Keeps ``module_id`` alive on a server with ``--module-ttl`` while this client is open
+        (a ``KeepAlive`` every third of the TTL, from a thread of its own), until
+        ``delete_module`` or ``release``. Modules this client creates are held from the start;
+        a ``RemoteModule`` holds the module it attaches to."""
+        with self._keeper_lock:
+            self._held.add(module_id)
+            if self._keeper is None and not self._closed:
+                self._keeper = threading.Thread(
+                    target=_keep_alive, args=(weakref.ref(self), self._keeper_stop),
+                    name="gradwire-keepalive", daemon=True)
+                self._keeper.start()
+
+    def release(self, module_id: str) -> None:
+        """Stops keeping ``module_id`` alive: the server's ``--module-ttl`` decides from here."""
+        with self._keeper_lock:
+            self._held.discard(module_id)
+
+    def held(self) -> List[str]:
+        """The modules this client keeps alive."""
+        with self._keeper_lock:
+            return sorted(self._held)
 
     def list_modules(self) -> List[module_pb2.ModuleInfo]:
         """The modules on the server this client may see (its tenant's, with tokens)."""
@@ -527,6 +604,7 @@ class Client:
         self._modules.pop(module_id, None)
         self.weight_versions.pop(module_id, None)
         self._disown(module_id)
+        self.release(module_id)
         log.debug("deleted module %s on %s", module_id, self.server)
 
     # --- forward and backward

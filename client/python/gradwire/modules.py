@@ -403,6 +403,7 @@ class RemoteModule(torch.nn.Module):
             info = client.module_info(module_id)
         self.client: Client = client
         self.module_id: str = info.module_id
+        client.hold(info.module_id)  # kept alive on a server with --module-ttl while open
         # The server process the module lives in: a module the server no longer knows is then
         # told apart from one deleted on a running server (see _explained).
         self._instance_id = _instance_of(client)

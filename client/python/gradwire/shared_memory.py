@@ -235,11 +235,11 @@ class _SharedPool:
             self._lent -= 1
         region.close()
 
-    def close(self) -> None:
+    def close(self, unregister: bool = True) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
             self.off = True
-        answered = True
+        answered = unregister
         for region, _ in idle:
             # A server that did not answer once is not asked again: close() stays short.
             answered = region.close(unregister=answered) and answered

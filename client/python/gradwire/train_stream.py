@@ -236,16 +236,18 @@ class TrainStream:
                           Outgoing(service_pb2.ReleaseContextRequest(context_id=context_id)),
                           lambda resp: None)
 
-    def close(self) -> None:
-        """Ends the stream: the server releases the contexts its forwards left."""
+    def close(self, wait: Optional[float] = None) -> None:
+        """Ends the stream: the server releases the contexts its forwards left. Waits for the
+        server's end of it at most ``wait`` seconds (default: the client's timeout), then cancels
+        the call."""
         with self._wake:
             if self.closed:
                 return
             self.closed = True
             self._wake.notify_all()
         self._requests.put(_END)
-        self._reader.join(timeout=self.timeout)
+        self._reader.join(timeout=self.timeout if wait is None else wait)
         if self._reader.is_alive():
             self._call.cancel()
-            self._reader.join(timeout=5)
+            self._reader.join(timeout=1)
         log.debug("Train stream to %s closed", self.client.server)

@@ -132,3 +132,18 @@ def test_close_with_a_stalled_server_waits_one_deadline(fresh_server, caplog):
         assert all(m.module_id in caplog.text for m in modules)
     finally:
         fresh_server.resume()
+
+
+def test_close_with_a_stalled_server_and_a_train_stream_waits_one_deadline(fresh_server):
+    """Deleting the modules and ending the Train stream share one deadline: a stalled server
+    costs close() one timeout, not one for the deletes and another for the stream."""
+    c = gradwire.Client(fresh_server.address, timeout=TIMEOUT)
+    m = gradwire.RemoteLinear(c, 4, 2)
+    m(torch.randn(3, 4, requires_grad=True)).sum().backward()  # on the Train stream
+    assert c._train is not None
+    fresh_server.pause()
+    try:
+        error, elapsed = within(20, c.close)
+        assert error is None and elapsed < TIMEOUT + 0.8, (error, elapsed)
+    finally:
+        fresh_server.resume()

@@ -57,9 +57,17 @@ class Client {
   // grpc.health.v1 Check of `service` ("" is the server as a whole): "SERVING", "NOT_SERVING" or
   // "UNKNOWN"; NOT_FOUND when the server does not know the service.
   absl::StatusOr<std::string> CheckHealth(const std::string& service = "");
+  // A module this client creates is kept alive on a server with --module-ttl while the client
+  // lives (KeepAlive every third of the TTL, from a thread of its own) until DeleteModule.
   absl::StatusOr<v1::ModuleInfo> CreateModule(const v1::ModuleSpec& spec);
   absl::StatusOr<std::vector<v1::ModuleInfo>> ListModules();
   absl::Status DeleteModule(const std::string& module_id);
+  // Keeps an existing module alive as a created one is (a module attached by id); Release stops.
+  void Hold(const std::string& module_id);
+  void Release(const std::string& module_id);
+  // The modules kept alive, and the KeepAlive calls sent so far (tests).
+  std::vector<std::string> held() const;
+  int64_t keep_alive_calls() const;
 
   absl::StatusOr<ForwardResult> Forward(const std::string& module_id, const HostTensor& input,
                                         bool training);
@@ -139,7 +147,9 @@ class Client {
   std::atomic<int64_t> shared_memory_calls_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
-  // Last: its regions unregister through the stub when it goes.
+  // After the stub: the keep-alive thread and the shared-memory regions use it until they go.
+  class Keeper;
+  std::unique_ptr<Keeper> keeper_;
   std::unique_ptr<internal::SharedMemoryPool> shm_;
 };
 

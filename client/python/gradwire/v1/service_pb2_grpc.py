@@ -35,6 +35,11 @@ class GradwireStub(object):
                 request_serializer=gradwire_dot_v1_dot_service__pb2.DeleteModuleRequest.SerializeToString,
                 response_deserializer=gradwire_dot_v1_dot_service__pb2.DeleteModuleResponse.FromString,
                 )
+        self.KeepAlive = channel.unary_unary(
+                '/gradwire.v1.Gradwire/KeepAlive',
+                request_serializer=gradwire_dot_v1_dot_service__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=gradwire_dot_v1_dot_service__pb2.KeepAliveResponse.FromString,
+                )
         self.Forward = channel.unary_unary(
                 '/gradwire.v1.Gradwire/Forward',
                 request_serializer=gradwire_dot_v1_dot_service__pb2.ForwardRequest.SerializeToString,
@@ -141,6 +146,14 @@ class GradwireServicer(object):
 
     def DeleteModule(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renews the named modules' leases (--module-ttl) as a call on each would. The project's
+        clients send it for the modules they created or attached while they are open.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -299,6 +312,11 @@ def add_GradwireServicer_to_server(servicer, server):
                     request_deserializer=gradwire_dot_v1_dot_service__pb2.DeleteModuleRequest.FromString,
                     response_serializer=gradwire_dot_v1_dot_service__pb2.DeleteModuleResponse.SerializeToString,
             ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=gradwire_dot_v1_dot_service__pb2.KeepAliveRequest.FromString,
+                    response_serializer=gradwire_dot_v1_dot_service__pb2.KeepAliveResponse.SerializeToString,
+            ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
                     request_deserializer=gradwire_dot_v1_dot_service__pb2.ForwardRequest.FromString,
@@ -455,6 +473,23 @@ class Gradwire(object):
         return grpc.experimental.unary_unary(request, target, '/gradwire.v1.Gradwire/DeleteModule',
             gradwire_dot_v1_dot_service__pb2.DeleteModuleRequest.SerializeToString,
             gradwire_dot_v1_dot_service__pb2.DeleteModuleResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/gradwire.v1.Gradwire/KeepAlive',
+            gradwire_dot_v1_dot_service__pb2.KeepAliveRequest.SerializeToString,
+            gradwire_dot_v1_dot_service__pb2.KeepAliveResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

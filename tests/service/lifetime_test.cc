@@ -1,0 +1,177 @@
+// Module lifetimes (--module-ttl) through the real service: a module no call and no keep-alive
+// touched for the TTL is released with its contexts and counted; every call on it and a client's
+// keep-alive renew it; the C++ client keeps the modules it created or holds alive by itself and
+// stops when told or when it goes; KeepAlive checks what it is given; GetServerInfo and each
+// module's description say what the server does.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gradwire/client/client.h"
+#include "server/rpc/auth.h"
+#include "specs.h"
+#include "test_server.h"
+
+namespace gradwire {
+namespace {
+
+using testing::LinearSpec;
+using testing::Random;
+using testing::TestServer;
+
+void Sleep(double seconds) { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); }
+
+// Expires what is due now and returns how many modules went so far: the server's janitor expires
+// them too, about once a second, so the count is what the tests read, not who did it.
+int64_t ExpiredSoFar(TestServer& server) {
+  server.service().ExpireIdleModules();
+  return server.host().Stats().modules_expired;
+}
+
+TestServer WithTtl(double ttl_s) {
+  return TestServer([ttl_s](rpc::ServiceOptions& o) { o.module_ttl_s = ttl_s; });
+}
+
+TEST(ModuleLifetimeTest, IdleModulesAreReleasedWithTheirContexts) {
+  TestServer server = WithTtl(0.3);
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  auto info = c->GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_DOUBLE_EQ(info->module_ttl_s(), 0.3);
+  const std::string idle = c->CreateModule(LinearSpec(16, 8))->module_id();
+  const std::string used = c->CreateModule(LinearSpec(16, 8))->module_id();
+  // Neither is kept alive by the client: only calls renew them here.
+  c->Release(idle);
+  c->Release(used);
+  EXPECT_TRUE(c->held().empty());
+  auto y = c->Forward(idle, Random({2, 16}), /*training=*/true);  // a context it holds
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(server.service().ExpireIdleModules(), 0);  // both just touched
+  for (int i = 0; i < 4; ++i) {
+    Sleep(0.1);
+    ASSERT_TRUE(c->Forward(used, Random({1, 16}), false).ok());
+  }
+  Sleep(0.05);
+  EXPECT_EQ(ExpiredSoFar(server), 1);  // idle, not used
+  EXPECT_EQ(server.host().Stats().modules, 1);
+  EXPECT_EQ(server.host().Stats().live_contexts, 0);  // its context went with it
+  auto gone = c->Forward(idle, Random({1, 16}), false);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(c->Forward(used, Random({1, 16}), false).ok());
+}
+
+TEST(ModuleLifetimeTest, TheClientKeepsItsModulesAlive) {
+  TestServer server = WithTtl(0.3);
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string kept = c->CreateModule(LinearSpec(16, 8))->module_id();
+  const std::string dropped = c->CreateModule(LinearSpec(16, 8))->module_id();
+  c->Release(dropped);
+  EXPECT_EQ(c->held(), std::vector<std::string>{kept});
+  Sleep(1.0);  // over three TTLs without a call; the keep-alive runs every 0.1 s
+  EXPECT_GE(c->keep_alive_calls(), 3);
+  EXPECT_EQ(ExpiredSoFar(server), 1);  // the one released
+  auto listed = c->ListModules();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].module_id(), kept);
+  // Deleting stops it; a client that goes stops it.
+  ASSERT_TRUE(c->DeleteModule(kept).ok());
+  EXPECT_TRUE(c->held().empty());
+  auto d = server.Connect();
+  const std::string orphan = d->CreateModule(LinearSpec(16, 8))->module_id();
+  const auto t0 = std::chrono::steady_clock::now();
+  d.reset();  // at once: the keep-alive thread stops without waiting for its period
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  Sleep(0.5);
+  EXPECT_EQ(ExpiredSoFar(server), 2);
+  EXPECT_EQ(server.host().Stats().modules, 0);
+  (void)orphan;
+}
+
+TEST(ModuleLifetimeTest, KeepAliveChecksItsInputAndNamesUnknownModules) {
+  TestServer server = WithTtl(0.3);
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string id = c->CreateModule(LinearSpec(16, 8))->module_id();
+  c->Release(id);
+  auto call = [&](const std::vector<std::string>& ids, v1::KeepAliveResponse* resp) {
+    grpc::ClientContext ctx;
+    c->PrepareContext(&ctx);
+    v1::KeepAliveRequest req;
+    for (const auto& m : ids) req.add_module_ids(m);
+    return c->stub().KeepAlive(&ctx, req, resp);
+  };
+  for (int i = 0; i < 5; ++i) {
+    Sleep(0.1);
+    v1::KeepAliveResponse resp;
+    ASSERT_TRUE(call({id, std::string(32, 'a')}, &resp).ok());
+    ASSERT_EQ(resp.unknown_size(), 1);
+    EXPECT_EQ(resp.unknown(0), std::string(32, 'a'));
+  }
+  EXPECT_EQ(server.service().ExpireIdleModules(), 0);  // renewed by hand, over the TTL
+  v1::KeepAliveResponse resp;
+  EXPECT_EQ(call({"not an id"}, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(call(std::vector<std::string>(4097, id), &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
+  auto auth = rpc::Authenticator::FromEntries(
+      {{"alice", "token-alice-0123456789"}, {"bob", "token-bob-0123456789ab"}});
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  TestServer server([&] {
+    testing::TestServerOptions o;
+    o.authenticator = &*auth;
+    o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 0.3; };
+    return o;
+  }());
+  ASSERT_TRUE(server.ok());
+  auto alice = server.Connect("token-alice-0123456789");
+  auto bob = server.Connect("token-bob-0123456789ab");
+  const std::string id = alice->CreateModule(LinearSpec(16, 8))->module_id();
+  alice->Release(id);
+  bob->Hold(id);  // bob cannot see it: his keep-alives name it unknown and stop
+  Sleep(0.6);
+  EXPECT_TRUE(bob->held().empty());
+  EXPECT_EQ(ExpiredSoFar(server), 1);
+}
+
+TEST(ModuleLifetimeTest, OffWithZero) {
+  TestServer server = WithTtl(0);
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  EXPECT_EQ(c->GetServerInfo()->module_ttl_s(), 0.0);
+  const std::string id = c->CreateModule(LinearSpec(16, 8))->module_id();
+  c->Release(id);
+  Sleep(0.1);
+  EXPECT_EQ(ExpiredSoFar(server), 0);
+  EXPECT_EQ(server.host().Stats().modules, 1);
+}
+
+TEST(ModuleLifetimeTest, DescriptionsNameTheKind) {
+  TestServer server;
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  v1::ModuleSpec mlp;
+  mlp.set_kind(v1::LAYERNORM_MLP);
+  mlp.set_in_features(64);
+  mlp.set_ffn_features(256);
+  mlp.set_out_features(32);
+  mlp.set_activation(v1::SWIGLU);
+  mlp.set_bias(true);
+  auto a = c->CreateModule(mlp);
+  auto b = c->CreateModule(testing::LayerNormLinearSpec(64, 32, true));
+  auto d = c->CreateModule(LinearSpec(64, 32));
+  ASSERT_TRUE(a.ok() && b.ok() && d.ok());
+  EXPECT_EQ(a->description(), "LayerNormMLP 64 -> 256 -> 32, swiglu, bias");
+  EXPECT_EQ(b->description(), "LayerNormLinear 64 -> 32, bias");
+  EXPECT_EQ(d->description(), "Linear 64 -> 32");
+}
+
+}  // namespace
+}  // namespace gradwire
