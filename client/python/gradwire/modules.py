@@ -67,6 +67,7 @@ weights, not to the ones that made the output the loss saw.
 import contextlib
 import copy
 import logging
+import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -344,13 +345,19 @@ class _RemoteFunction(torch.autograd.Function):
         if remote is None:
             raise second_backward_error(ctx.module._label())
         retain = ctx.probe.keep_graph()
-        grad_input = remote.backward_async(grad_output, not ctx.needs_input_grad[0],
-                                           retain).result()
+        module = ctx.module
+        # With a local optimizer the backward accumulates into the module's one gradient buffer
+        # on the server, which the client then reads and zeroes: this thread's backward and
+        # its read go together, so that another thread's backward through the module cannot
+        # land in between and each call gets its own weight gradients.
+        with module._backward_lock if module.local_optimizer else contextlib.nullcontext():
+            grad_input = remote.backward_async(grad_output, not ctx.needs_input_grad[0],
+                                               retain).result()
+            grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
         if not retain:
             ctx.remote = None
         if grad_input is not None:
             grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
-        grads = ctx.module._gradients_for_autograd(ctx.needs_input_grad[5:])
         return (grad_input, None, None, None, None, *grads)
 
 
@@ -403,6 +410,7 @@ class RemoteModule(torch.nn.Module):
             info = client.module_info(module_id)
         self.client: Client = client
         self.module_id: str = info.module_id
+        self._backward_lock = threading.Lock()  # a backward and its gradients' read, together
         client.hold(info.module_id)  # kept alive on a server with --module-ttl while open
         # The server process the module lives in: a module the server no longer knows is then
         # told apart from one deleted on a running server (see _explained).
