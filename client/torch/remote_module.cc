@@ -189,8 +189,11 @@ torch::Tensor RemoteModuleImpl::forward(torch::Tensor x) {
               ": input must be floating point, got ", x.scalar_type());
   // A differentiable conversion: autograd maps grad_input back to x's dtype and device.
   const torch::Tensor input = x.to(torch::kCPU, torch::kFloat).contiguous();
-  const bool track = is_training() && c10::GradMode::is_enabled() &&
-                     (x.requires_grad() || weight_anchor_.requires_grad());
+  // As a local module: only no-grad mode skips the graph. eval() changes nothing about
+  // gradients; it only means that, with an input that needs none, there is nothing to train and
+  // the forward keeps nothing on the server.
+  const bool track = c10::GradMode::is_enabled() &&
+                     (x.requires_grad() || (is_training() && weight_anchor_.requires_grad()));
   torch::Tensor output;
   if (track) {
     output = RemoteFunction::apply(input, weight_anchor_, client_, module_id_);

@@ -186,7 +186,7 @@ TEST_F(RemoteModuleTest, TwoLayerModelTrainsWithApplyGradients) {
   EXPECT_EQ(server_.host().Info(second->module_id())->optimizer_steps, 50);
 }
 
-TEST_F(RemoteModuleTest, NoGradAndEvalForwardKeepNothingOnServerAndBuildNoGraph) {
+TEST_F(RemoteModuleTest, NoGradForwardAndEvalWithoutInputGradKeepNothingOnServer) {
   RemoteModule linear(client_, LinearSpec(16, 8, 3));
   const torch::Tensor x = torch::randn({4, 16}).requires_grad_(true);
   torch::Tensor reference;
@@ -198,11 +198,21 @@ TEST_F(RemoteModuleTest, NoGradAndEvalForwardKeepNothingOnServerAndBuildNoGraph)
     EXPECT_EQ(LiveContexts(), 0);
   }
   linear->eval();
-  const torch::Tensor y = linear(x);
+  const torch::Tensor y = linear(x.detach());  // nothing needs a gradient: inference
   EXPECT_FALSE(y.requires_grad());
   EXPECT_EQ(y.grad_fn(), nullptr);
   EXPECT_EQ(LiveContexts(), 0);
   EXPECT_TRUE(torch::allclose(y, reference));
+  // eval() does not cut the graph: an input that needs a gradient gets one, as from a local
+  // module in eval mode (a layer before it still learns).
+  const torch::Tensor through = linear(x);
+  EXPECT_TRUE(through.requires_grad());
+  EXPECT_EQ(LiveContexts(), 1);
+  through.sum().backward();
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_GT(x.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(LiveContexts(), 0);
+  x.mutable_grad() = torch::Tensor();
 
   // The same input in training mode does keep a context, and gives the same values.
   linear->train();

@@ -66,14 +66,16 @@ class RemoteModuleImpl : public torch::nn::Module {
   // x: floating point [..., in_features] on any device; it travels as float32 and the result,
   // [..., out_features], comes back in x's dtype on x's device.
   //
-  // In training mode with grad enabled, when x or the module requires grad, the server keeps the
-  // forward's saved tensors under a context that the returned tensor's graph owns: backward
-  // through it runs the server's Backward (accumulating the weight gradients there) and frees the
-  // context; dropping the graph without backward releases it. Backward through the same output
-  // twice (retain_graph) is not supported, because the first backward frees the context.
+  // With grad enabled, when x requires grad (in any mode, as for a local module: eval() does not
+  // cut the graph) or, in training mode, the module requires grad, the server keeps the forward's
+  // saved tensors under a context that the returned tensor's graph owns: backward through it runs
+  // the server's Backward (accumulating the weight gradients there) and frees the context;
+  // dropping the graph without backward releases it. Backward through the same output twice
+  // (retain_graph) is not supported, because the first backward frees the context.
   //
-  // Otherwise (eval(), torch::NoGradGuard, torch::InferenceMode) the server runs inference,
-  // keeps nothing, and the result is not part of any autograd graph.
+  // Otherwise (torch::NoGradGuard, torch::InferenceMode, or eval() with an input that needs no
+  // gradient) the server runs inference, keeps nothing, and the result is not part of any
+  // autograd graph.
   //
   // Throws RemoteError when the server rejects the call, e.g. a wrong input shape.
   torch::Tensor forward(torch::Tensor x);
