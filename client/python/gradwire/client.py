@@ -756,10 +756,19 @@ class Client:
     def _aligned(n: int) -> int:
         return (n + 63) & ~63
 
-    def _region_gone(self, e: "GradwireError", region) -> bool:
-        """The server refused a call naming ``region`` because it no longer has it (closed
-        after --shared-memory-idle): answered before anything was read or run."""
-        return e.code == "NOT_FOUND" and region.name in e.message
+    def _shared_call(self, method: str, req, about: str, region):
+        """A unary call whose tensors lie in ``region``: its response, or None when the server
+        no longer has the region (closed after --shared-memory-idle; refused before anything
+        was read or run, so the call can go over the wire), which is then dropped."""
+        try:
+            resp = self._call(method, req, about)
+        except GradwireError as e:
+            if e.code == "NOT_FOUND" and region.name in e.message:
+                self._shm.drop(region)
+                return None
+            raise
+        self.shared_memory_calls += 1
+        return resp
 
     def _forward_shared_auto(self, module_id: str, x: torch.Tensor, training: bool,
                              dtype: Optional[int]) -> Optional[ForwardResult]:
@@ -789,15 +798,10 @@ class Client:
             req.output_shared_memory.CopyFrom(region.ref(at_out, out_bytes))
             if ln:
                 req.layernorm_output_shared_memory.CopyFrom(region.ref(at_ln, ln_bytes))
-            try:
-                resp = self._call("Forward", req, module_id)
-            except GradwireError as e:
-                if self._region_gone(e, region):
-                    self._shm.drop(region)
-                    region = None
-                    return None
-                raise
-            self.shared_memory_calls += 1
+            resp = self._shared_call("Forward", req, module_id, region)
+            if resp is None:
+                region = None  # dropped: the wire
+                return None
             self._seen(module_id, resp.weight_version)
             out = region.read(resp.output)
             ln_out = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") \
@@ -840,14 +844,12 @@ class Client:
             if gi_bytes:
                 req.grad_input_shared_memory.CopyFrom(region.ref(at_gi, gi_bytes))
             try:
-                resp = self._call("Backward", req, context_id)
+                resp = self._shared_call("Backward", req, context_id, region)
             except GradwireError as e:
-                if self._region_gone(e, region):
-                    self._shm.drop(region)
-                    region = None
-                    return False, None
                 raise self.lost_context(e) from None
-            self.shared_memory_calls += 1
+            if resp is None:
+                region = None  # dropped: the wire
+                return False, None
             return True, region.read(resp.grad_input) if resp.HasField("grad_input") else None
         finally:
             if region is not None:
