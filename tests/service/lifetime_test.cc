@@ -35,13 +35,15 @@ TestServer WithTtl(double ttl_s) {
   return TestServer([ttl_s](rpc::ServiceOptions& o) { o.module_ttl_s = ttl_s; });
 }
 
+// TTLs of a second and renewals every 0.2-0.33 s: a loaded machine may stall a thread for a good
+// part of a second without a module going idle by accident.
 TEST(ModuleLifetimeTest, IdleModulesAreReleasedWithTheirContexts) {
-  TestServer server = WithTtl(0.3);
+  TestServer server = WithTtl(1.0);
   ASSERT_TRUE(server.ok());
   auto c = server.Connect();
   auto info = c->GetServerInfo();
   ASSERT_TRUE(info.ok());
-  EXPECT_DOUBLE_EQ(info->module_ttl_s(), 0.3);
+  EXPECT_DOUBLE_EQ(info->module_ttl_s(), 1.0);
   const std::string idle = c->CreateModule(LinearSpec(16, 8))->module_id();
   const std::string used = c->CreateModule(LinearSpec(16, 8))->module_id();
   // Neither is kept alive by the client: only calls renew them here.
@@ -51,11 +53,11 @@ TEST(ModuleLifetimeTest, IdleModulesAreReleasedWithTheirContexts) {
   auto y = c->Forward(idle, Random({2, 16}), /*training=*/true);  // a context it holds
   ASSERT_TRUE(y.ok()) << y.status();
   EXPECT_EQ(server.service().ExpireIdleModules(), 0);  // both just touched
-  for (int i = 0; i < 4; ++i) {
-    Sleep(0.1);
+  for (int i = 0; i < 6; ++i) {
+    Sleep(0.2);
     ASSERT_TRUE(c->Forward(used, Random({1, 16}), false).ok());
   }
-  Sleep(0.05);
+  Sleep(0.1);
   EXPECT_EQ(ExpiredSoFar(server), 1);  // idle, not used
   EXPECT_EQ(server.host().Stats().modules, 1);
   EXPECT_EQ(server.host().Stats().live_contexts, 0);  // its context went with it
@@ -65,14 +67,14 @@ TEST(ModuleLifetimeTest, IdleModulesAreReleasedWithTheirContexts) {
 }
 
 TEST(ModuleLifetimeTest, TheClientKeepsItsModulesAlive) {
-  TestServer server = WithTtl(0.3);
+  TestServer server = WithTtl(1.0);
   ASSERT_TRUE(server.ok());
   auto c = server.Connect();
   const std::string kept = c->CreateModule(LinearSpec(16, 8))->module_id();
   const std::string dropped = c->CreateModule(LinearSpec(16, 8))->module_id();
   c->Release(dropped);
   EXPECT_EQ(c->held(), std::vector<std::string>{kept});
-  Sleep(1.0);  // over three TTLs without a call; the keep-alive runs every 0.1 s
+  Sleep(2.5);  // over two TTLs without a call; the keep-alive runs every 0.33 s
   EXPECT_GE(c->keep_alive_calls(), 3);
   EXPECT_EQ(ExpiredSoFar(server), 1);  // the one released
   auto listed = c->ListModules();
@@ -86,15 +88,15 @@ TEST(ModuleLifetimeTest, TheClientKeepsItsModulesAlive) {
   const std::string orphan = d->CreateModule(LinearSpec(16, 8))->module_id();
   const auto t0 = std::chrono::steady_clock::now();
   d.reset();  // at once: the keep-alive thread stops without waiting for its period
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
-  Sleep(0.5);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(300));
+  Sleep(1.5);
   EXPECT_EQ(ExpiredSoFar(server), 2);
   EXPECT_EQ(server.host().Stats().modules, 0);
   (void)orphan;
 }
 
 TEST(ModuleLifetimeTest, KeepAliveChecksItsInputAndNamesUnknownModules) {
-  TestServer server = WithTtl(0.3);
+  TestServer server = WithTtl(1.0);
   ASSERT_TRUE(server.ok());
   auto c = server.Connect();
   const std::string id = c->CreateModule(LinearSpec(16, 8))->module_id();
@@ -106,8 +108,8 @@ TEST(ModuleLifetimeTest, KeepAliveChecksItsInputAndNamesUnknownModules) {
     for (const auto& m : ids) req.add_module_ids(m);
     return c->stub().KeepAlive(&ctx, req, resp);
   };
-  for (int i = 0; i < 5; ++i) {
-    Sleep(0.1);
+  for (int i = 0; i < 7; ++i) {
+    Sleep(0.2);
     v1::KeepAliveResponse resp;
     ASSERT_TRUE(call({id, std::string(32, 'a')}, &resp).ok());
     ASSERT_EQ(resp.unknown_size(), 1);
@@ -127,7 +129,7 @@ TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
   TestServer server([&] {
     testing::TestServerOptions o;
     o.authenticator = &*auth;
-    o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 0.3; };
+    o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 1.0; };
     return o;
   }());
   ASSERT_TRUE(server.ok());
@@ -136,7 +138,7 @@ TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
   const std::string id = alice->CreateModule(LinearSpec(16, 8))->module_id();
   alice->Release(id);
   bob->Hold(id);  // bob cannot see it: his keep-alives name it unknown and stop
-  Sleep(0.6);
+  Sleep(1.6);
   EXPECT_TRUE(bob->held().empty());
   EXPECT_EQ(ExpiredSoFar(server), 1);
 }
