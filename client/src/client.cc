@@ -37,6 +37,23 @@ bool RegionGone(const grpc::Status& s, const std::string& region) {
          s.error_message().find(region) != std::string::npos;
 }
 
+// `call(ctx)`, a unary call whose tensors lie in `lease`'s region, on a context `client`
+// prepared: its status, or nullopt when the server no longer has the region (then dropped: the
+// call may go over the wire).
+template <typename Call>
+std::optional<absl::Status> CallInRegion(const Client& client,
+                                         internal::SharedMemoryPool::Lease& lease,
+                                         const char* method, Call call) {
+  grpc::ClientContext ctx;
+  client.PrepareContext(&ctx, method);
+  const grpc::Status s = call(&ctx);
+  if (RegionGone(s, lease.region().name())) {
+    lease.Drop();
+    return std::nullopt;
+  }
+  return FromGrpc(method, s);
+}
+
 absl::StatusOr<NamedTensors> FromWireNamed(
     const google::protobuf::RepeatedPtrField<v1::NamedTensor>& named) {
   NamedTensors out;
@@ -603,26 +620,20 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(const std::st
     *req.mutable_layernorm_output_shared_memory() =
         SharedRef(region.name(), Aligned(in) + Aligned(out), ln);
   }
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, "Forward");
   v1::ForwardResponse resp;
-  const grpc::Status s = stub_->Forward(&ctx, req, &resp);
-  if (RegionGone(s, region.name())) {
-    lease.Drop();
-    return std::nullopt;
-  }
-  if (!s.ok()) return absl::StatusOr<ForwardResult>(FromGrpc("Forward", s));
+  const std::optional<absl::Status> s =
+      CallInRegion(*this, lease, "Forward",
+                   [&](grpc::ClientContext* ctx) { return stub_->Forward(ctx, req, &resp); });
+  if (!s) return std::nullopt;
+  if (!s->ok()) return absl::StatusOr<ForwardResult>(*s);
   ++shared_memory_calls_;
   if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
-  auto output = resp.output().has_shared_memory() ? ReadShared(region, resp.output())
-                                                  : FromWire(resp.output());
+  auto output = ReadShared(region, resp.output());
   if (!output.ok()) return absl::StatusOr<ForwardResult>(output.status());
   ForwardResult result{
       *std::move(output), resp.context_id(), resp.weight_version(), {}, resp.batch_requests()};
   if (resp.has_layernorm_output()) {
-    auto ln_out = resp.layernorm_output().has_shared_memory()
-                      ? ReadShared(region, resp.layernorm_output())
-                      : FromWire(resp.layernorm_output());
+    auto ln_out = ReadShared(region, resp.layernorm_output());
     if (!ln_out.ok()) return absl::StatusOr<ForwardResult>(ln_out.status());
     result.layernorm_output = *std::move(ln_out);
   }
@@ -654,19 +665,15 @@ std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
     *req.mutable_grad_input_shared_memory() =
         SharedRef(region.name(), Aligned(go) + Aligned(gln), gi);
   }
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, "Backward");
   v1::BackwardResponse resp;
-  const grpc::Status s = stub_->Backward(&ctx, req, &resp);
-  if (RegionGone(s, region.name())) {
-    lease.Drop();
-    return std::nullopt;
-  }
-  if (!s.ok()) return absl::StatusOr<HostTensor>(FromGrpc("Backward", s));
+  const std::optional<absl::Status> s =
+      CallInRegion(*this, lease, "Backward",
+                   [&](grpc::ClientContext* ctx) { return stub_->Backward(ctx, req, &resp); });
+  if (!s) return std::nullopt;
+  if (!s->ok()) return absl::StatusOr<HostTensor>(*s);
   ++shared_memory_calls_;
   if (!resp.has_grad_input()) return absl::StatusOr<HostTensor>(HostTensor{});
-  return resp.grad_input().has_shared_memory() ? ReadShared(region, resp.grad_input())
-                                               : FromWire(resp.grad_input());
+  return ReadShared(region, resp.grad_input());
 }
 
 bool Client::UseChunked(int64_t request_bytes, int64_t response_bytes) const {

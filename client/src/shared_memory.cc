@@ -131,7 +131,8 @@ absl::StatusOr<v1::Tensor> WriteShared(SharedRegion& region, uint64_t offset, co
 }
 
 absl::StatusOr<HostTensor> ReadShared(const SharedRegion& region, const v1::Tensor& header) {
-  if (header.has_shared_memory() && header.shared_memory().region() != region.name()) {
+  if (!header.has_shared_memory()) return FromWire(header);  // the server sent it inline
+  if (header.shared_memory().region() != region.name()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the tensor lies in region ", header.shared_memory().region(), ", not ", region.name()));
   }

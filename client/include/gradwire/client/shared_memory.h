@@ -87,7 +87,8 @@ absl::StatusOr<v1::Tensor> WriteShared(SharedMemoryBuffer& buffer, const std::st
 // the header does not describe bytes inside the buffer.
 absl::StatusOr<HostTensor> ReadShared(const SharedMemoryBuffer& buffer, const v1::Tensor& header);
 
-// The same for a SharedRegion (its name is the region).
+// The same for a SharedRegion (its name is the region); ReadShared also decodes a result the
+// server sent inline.
 absl::StatusOr<v1::Tensor> WriteShared(SharedRegion& region, uint64_t offset, const HostTensor& t,
                                        WireDType dtype);
 absl::StatusOr<HostTensor> ReadShared(const SharedRegion& region, const v1::Tensor& header);
