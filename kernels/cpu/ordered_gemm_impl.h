@@ -27,6 +27,20 @@ typedef float U8 __attribute__((vector_size(32), aligned(4), may_alias));
 inline V8 Load8(const float* p) { return *reinterpret_cast<const U8*>(p); }
 inline void Store8(float* p, V8 v) { *reinterpret_cast<U8*>(p) = v; }
 
+// Eight 32-bit words, and the same at bf16 alignment for loads from a panel.
+typedef uint32_t W8 __attribute__((vector_size(32)));
+typedef uint32_t UW8 __attribute__((vector_size(32), aligned(2), may_alias));
+
+// One row of a panel (16 bf16 values, interleaved as ordered_gemm.h says) widened to its two
+// halves of fp32 values: the even words shifted up are columns 0-7, the odd words with the low
+// half cleared are columns 8-15. A bf16 value's bits are the upper half of its fp32 value's, so
+// the widening is exact.
+inline void LoadPanelRow(const uint16_t* p, V8& lo, V8& hi) {
+  const W8 w = *reinterpret_cast<const UW8*>(p);
+  lo = V8(w << 16);
+  hi = V8(w & 0xFFFF0000u);
+}
+
 // acc + a * b, lane by lane. The product of two decoded FP8 values is exact in fp32, so the fused
 // form and the separate multiply and add round the same: one rounding, the sum's.
 inline V8 MulAdd(V8 acc, float a, V8 b) {
@@ -38,6 +52,7 @@ inline V8 MulAdd(V8 acc, float a, V8 b) {
 }
 
 constexpr int kVecs = int(kPanelWidth / 8);  // V8 registers per panel row
+static_assert(kVecs == 2, "a panel row widens to two V8 halves (LoadPanelRow)");
 
 // Where a tile's sums start and end when k is walked in blocks: the first block starts them at
 // +0, a later one reloads them from `partial` (stored there exactly, as fp32), and every block but
@@ -70,17 +85,14 @@ inline void Tile(const OrderedGemmArgs& g, int64_t i0, int64_t p0, const Block& 
     }
   }
   const int64_t depth = g.b.k;
-  const float* b[NP];
+  const uint16_t* b[NP];
 #pragma GCC unroll 16
   for (int p = 0; p < NP; ++p) b[p] = g.b.data + (p0 + p) * depth * kPanelWidth;
   const float* a = ap - blk.k0 * MR;
   for (int64_t k = blk.k0; k < blk.k1; ++k) {
     V8 bv[NP * kVecs];
 #pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {
-#pragma GCC unroll 16
-      for (int v = 0; v < kVecs; ++v) bv[p * kVecs + v] = Load8(b[p] + k * kPanelWidth + v * 8);
-    }
+    for (int p = 0; p < NP; ++p) LoadPanelRow(b[p] + k * kPanelWidth, bv[2 * p], bv[2 * p + 1]);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const float av = a[k * MR + r];
@@ -218,12 +230,12 @@ struct Kernel {
   }
 
   // The depth of a block of k when k is walked in blocks: a panel's slice of it (kKc x 16
-  // floats, 16 KiB) stays in L1 while every tile of a chunk of rows passes over it.
+  // bf16 values, 8 KiB) stays in L1 while every tile of a chunk of rows passes over it.
   static constexpr int64_t kKc = 256;
   // Blocks shallower than this walk C row by row (Chunk).
   static constexpr int64_t kShallow = 64;
   // Panels of B per column block when k is walked in blocks: 256 columns, so that a block of B
-  // (256 x all of k, 4 MiB at k = 4096) stays in L3 while every chunk of rows passes over it,
+  // (256 x all of k, 2 MiB at k = 4096) stays in L3 while every chunk of rows passes over it,
   // and a chunk's sums (kBlockedRows x 256 floats) stay in L2.
   static constexpr int64_t kNcPanels = 16;
   // Rows of A per chunk: all of k for a chunk of at most kChunkFloats floats when k is walked at
@@ -270,7 +282,7 @@ struct Kernel {
     // Work per element: its k products and the epilogue's loads and stores (what a shallow
     // product, a weight gradient over a few rows, mostly costs).
     const double depth = double(std::max<int64_t>(1, g.b.k)) + 16.0;
-    constexpr double kGrainFlops = double(1 << 21);  // about a millisecond's work, at least
+    constexpr double kGrainFlops = double(1 << 19);
     if (g.m < 4 * kRows * Threads()) {
       const double per_panel = 2.0 * double(g.m) * depth * double(kPanelWidth);
       const int64_t grain = std::max<int64_t>(1, int64_t(kGrainFlops / per_panel));

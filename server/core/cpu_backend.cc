@@ -46,10 +46,10 @@ struct Panels {
 Panels PackNow(const at::Tensor& codes, kernels::Fp8Format format, int64_t n, int64_t k,
                bool n_major) {
   Panels p;
-  p.lease = kernels::cpu::TakeScratch(size_t(kernels::cpu::PanelFloats(n, k)) * sizeof(float));
-  kernels::cpu::PackPanelsFromCodes(codes.data_ptr<uint8_t>(), format, n, k, n_major,
-                                    p.lease.floats());
-  p.view = {n, k, p.lease.floats()};
+  p.lease = kernels::cpu::TakeScratch(kernels::cpu::PanelBytes(n, k));
+  auto* out = static_cast<uint16_t*>(p.lease.data());
+  kernels::cpu::PackPanelsFromCodes(codes.data_ptr<uint8_t>(), format, n, k, n_major, out);
+  p.view = {n, k, out};
   return p;
 }
 

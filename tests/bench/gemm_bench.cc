@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
       gradwire::kernels::TransposeCodes(x_codes.data(), m, d, xt_codes.data());
       gradwire::kernels::TransposeCodes(dy_codes.data(), m, d, dyt_codes.data());
       std::vector<float> out(size_t(std::max(m * d, d * d)));
-      std::vector<float> b_scratch(size_t(cpu::PanelFloats(d, m)));
+      std::vector<uint16_t> b_scratch(cpu::PanelBytes(d, m) / sizeof(uint16_t));
 
       auto fp8 = [&](const std::string& product) {
         return [&, product]() {

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "gradwire/kernels/cpu/parallel.h"
@@ -44,7 +46,8 @@ struct Problem {
   Fp8Format fa, fb;
   float sa = 1, sb = 1;
   std::vector<uint8_t> a_codes, b_codes;
-  std::vector<float> a, b, bias, c0, panels;
+  std::vector<float> a, b, bias, c0;
+  std::vector<uint16_t> panels;
 
   Problem(int64_t m_, int64_t n_, int64_t k_, Fp8Format fa_, Fp8Format fb_)
       : m(m_), n(n_), k(k_), fa(fa_), fb(fb_) {
@@ -57,9 +60,10 @@ struct Problem {
     for (float& v : bias) v = dist(Rng());
     c0.resize(size_t(m * n));
     for (float& v : c0) v = dist(Rng());
-    panels.resize(size_t(cpu::PanelFloats(n, k)));
-    // Poisoned first: the packing must write every float, the zero padding included.
-    std::fill(panels.begin(), panels.end(), std::nanf(""));
+    panels.resize(cpu::PanelBytes(n, k) / sizeof(uint16_t));
+    // Poisoned first (0xFFFF is a bf16 NaN): the packing must write every value, the zero
+    // padding included.
+    std::fill(panels.begin(), panels.end(), uint16_t(0xFFFF));
     cpu::PackPanels(b.data(), n, k, k, /*n_major=*/true, panels.data());
   }
 
@@ -243,7 +247,7 @@ TEST(OrderedGemmTest, TheOrderIsOneRoundedAddPerKInIncreasingK) {
     std::vector<float> a = {e4m3_16, e4m3_tiny, e4m3_tiny};
     std::vector<float> b;
     for (int64_t j = 0; j < n; ++j) b.insert(b.end(), {e4m3_16, e4m3_tiny, e4m3_tiny});
-    std::vector<float> panels(size_t(cpu::PanelFloats(n, 3)));
+    std::vector<uint16_t> panels(cpu::PanelBytes(n, 3) / sizeof(uint16_t));
     cpu::PackPanels(b.data(), n, 3, 3, true, panels.data());
     for (OrderedGemmCopy copy : Copies()) {
       std::vector<float> c(size_t(n), -1.0f);
@@ -284,24 +288,59 @@ TEST(OrderedGemmTest, PackingFromCodesInEitherLayoutGivesThePanelsOfTheDecodedVa
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t d = 0; d < k; ++d) transposed[size_t(d * n + j)] = codes[size_t(j * k + d)];
     }
-    std::vector<float> want(size_t(cpu::PanelFloats(n, k)), std::nanf(""));
+    std::vector<uint16_t> want(cpu::PanelBytes(n, k) / sizeof(uint16_t), uint16_t(0xFFFF));
     cpu::PackPanels(values.data(), n, k, k, true, want.data());
-    // Every panel float is B's value or, past n, zero.
+    // Every panel value is B's value or, past n, zero; and each sits where the kernel's widening
+    // reads it: column c < 8 of a panel row in word 2c, column 8 + c in word 2c + 1.
+    const cpu::PanelsView view{n, k, want.data()};
     for (int64_t j = 0; j < (n + 15) / 16 * 16; ++j) {
       for (int64_t d = 0; d < k; ++d) {
-        const float got = want[size_t((j / 16) * k * 16 + d * 16 + j % 16)];
-        EXPECT_EQ(got, j < n ? values[size_t(j * k + d)] : 0.0f) << j << "," << d;
+        const float expect = j < n ? values[size_t(j * k + d)] : 0.0f;
+        EXPECT_EQ(cpu::PanelValue(view, j, d), expect) << j << "," << d;
+        const int64_t c = j % 16, slot = c < 8 ? 2 * c : 2 * (c - 8) + 1;
+        const uint16_t word = want[size_t((j / 16) * k * 16 + d * 16 + slot)];
+        uint32_t bits;
+        std::memcpy(&bits, &expect, sizeof bits);
+        EXPECT_EQ(word, uint16_t(bits >> 16)) << j << "," << d;
+        EXPECT_EQ(bits & 0xFFFFu, 0u) << "not exact in bf16: " << expect;
       }
     }
     for (bool n_major : {true, false}) {
-      std::vector<float> got(want.size(), std::nanf(""));
+      std::vector<uint16_t> got(want.size(), uint16_t(0xFFFF));
       cpu::PackPanelsFromCodes(n_major ? codes.data() : transposed.data(), Fp8Format::kE5M2, n, k,
                                n_major, got.data());
-      EXPECT_TRUE(SameBits(got, want)) << n << "x" << k << (n_major ? " n-major" : " k-major");
+      EXPECT_EQ(got, want) << n << "x" << k << (n_major ? " n-major" : " k-major");
       const cpu::GemmPanels owned(n_major ? codes.data() : transposed.data(), Fp8Format::kE5M2, n,
                                   k, n_major);
-      EXPECT_EQ(std::memcmp(owned.view().data, want.data(), want.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(owned.view().data, want.data(), want.size() * sizeof(uint16_t)), 0);
     }
+  }
+}
+
+TEST(OrderedGemmTest, EveryFp8ValueIsExactInBf16AndPackingRefusesOneThatIsNot) {
+  // The panels keep bf16: exact for all 2 x 256 codes (subnormals and the largest values too).
+  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    std::vector<float> all(256);
+    for (int c = 0; c < 256; ++c) all[size_t(c)] = DecodeTable(format)[c];
+    std::vector<float> finite;
+    for (float v : all) {
+      if (std::isfinite(v)) finite.push_back(v);
+    }
+    const int64_t n = int64_t(finite.size());
+    std::vector<uint16_t> panels(cpu::PanelBytes(n, 1) / sizeof(uint16_t));
+    cpu::PackPanels(finite.data(), n, 1, 1, true, panels.data());
+    for (int64_t j = 0; j < n; ++j) {
+      const float got = cpu::PanelValue({n, 1, panels.data()}, j, 0);
+      EXPECT_EQ(std::memcmp(&got, &finite[size_t(j)], sizeof got), 0) << finite[size_t(j)];
+    }
+  }
+  const float inexact[2] = {1.0f, 1.0f + std::ldexp(1.0f, -10)};  // 11 significant bits
+  std::vector<uint16_t> panels(cpu::PanelBytes(2, 1) / sizeof(uint16_t));
+  try {
+    cpu::PackPanels(inexact, 2, 1, 1, true, panels.data());
+    ADD_FAILURE() << "an inexact value was packed";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("B[1, 0]"), std::string::npos) << e.what();
   }
 }
 

@@ -14,8 +14,11 @@
 //
 // How it runs (BLIS's split of a GEMM into packing and one register-tile micro-kernel): B is
 // packed into panels of kPanelWidth columns, each [K][kPanelWidth] contiguous, so a micro-kernel
-// step reads one cache line of B and one value of each of its rows of A, and adds their products
-// into a tile of C held in registers. Each element's sum runs along k in one register lane from
+// step reads half a cache line of B and one value of each of its rows of A, and adds their
+// products into a tile of C held in registers. The panels hold bf16: every FP8 value (E4M3 and
+// E5M2, subnormals included) is exact in bf16, so the kernel widens them back to the same fp32
+// values with a shift or a mask, and a product that streams the weight once (a few rows) reads
+// half the bytes fp32 panels would take. Each element's sum runs along k in one register lane from
 // k = 0 to K - 1 and is never split (no split-K), so the tile shape, the edge tiles and the split
 // over threads change nothing in it. The panels of a weight are built once per weight version
 // (the CPU backend's weight workspace); other operands are packed per call.
@@ -31,22 +34,30 @@ namespace gradwire::kernels::cpu {
 // Columns of C per panel of B.
 inline constexpr int64_t kPanelWidth = 16;
 
-// B packed for the GEMM: ceil(n / kPanelWidth) panels, each [k][kPanelWidth] floats; the columns
-// past n in the last panel are zero. Not owning.
+// B packed for the GEMM: ceil(n / kPanelWidth) panels, each [k][kPanelWidth] bf16 values (the
+// upper halves of the fp32 values); the columns past n in the last panel are zero. Within a row
+// of a panel the columns are interleaved, so that one 32-byte load widens to both halves with one
+// shift and one mask: word 2c holds column c and word 2c + 1 column 8 + c (c < 8). Not owning.
 struct PanelsView {
   int64_t n = 0, k = 0;
-  const float* data = nullptr;
+  const uint16_t* data = nullptr;
 };
 
-// Floats a packing of B [n, k] takes.
-int64_t PanelFloats(int64_t n, int64_t k);
+// Bytes a packing of B [n, k] takes.
+size_t PanelBytes(int64_t n, int64_t k);
 
-// Packs B into `out` (PanelFloats(n, k) floats), split over the pool. `n_major`: B is stored
-// [n, k] (row j contiguous along k); else [k, n]. ld is the stride of the stored rows.
-void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, float* out);
+// B's value at column j, depth k of packed panels (for tests and checks; the kernel reads them
+// in its own order).
+float PanelValue(const PanelsView& panels, int64_t j, int64_t k);
+
+// Packs B into `out` (PanelBytes(n, k) bytes), split over the pool. `n_major`: B is stored [n, k]
+// (row j contiguous along k); else [k, n]. ld is the stride of the stored rows. Every value must
+// be exact in bf16 (decoded FP8 values are); std::invalid_argument names the first one that is
+// not, and `out` is then unspecified.
+void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, uint16_t* out);
 // The same from FP8 codes, decoded (no scale) as they are packed.
 void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major,
-                         float* out);
+                         uint16_t* out);
 
 // Owning panels, for a weight workspace: built once per weight version, read by every GEMM of
 // that version.
@@ -60,7 +71,7 @@ class GemmPanels {
 
  private:
   int64_t n_, k_;
-  float* data_;
+  uint16_t* data_;
 };
 
 struct OrderedGemmArgs {
