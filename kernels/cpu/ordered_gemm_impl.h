@@ -89,6 +89,8 @@ inline void Tile(const OrderedGemmArgs& g, int64_t i0, int64_t p0, const Block& 
 #pragma GCC unroll 16
   for (int p = 0; p < NP; ++p) b[p] = g.b.data + (p0 + p) * depth * kPanelWidth;
   const float* a = ap - blk.k0 * MR;
+  // Four steps of k per trip: fewer loop instructions between the FMAs.
+#pragma GCC unroll 4
   for (int64_t k = blk.k0; k < blk.k1; ++k) {
     V8 bv[NP * kVecs];
 #pragma GCC unroll 16
@@ -197,14 +199,12 @@ struct Kernel {
   }
 
   // Rows [c0, c1) against panels [p0, p1) over one block of k: main tiles, then the edge rows.
-  // `blk.partial` is row c0's sums at panel p0.
-  // `packed` has room for (c1 - c0) x (k1 - k0) floats. Panels outer, tiles inner: a panel's
-  // slice of B stays in L1 while every main tile of the chunk passes over it. A shallow block
-  // (a weight gradient over a few rows) is mostly the epilogue's traffic to C instead: tiles
-  // outer then, so C is walked row by row.
+  // `blk.partial` is row c0's sums at panel p0. `packed` is these rows of A over the block, as
+  // PackA leaves them. Panels outer, tiles inner: a panel's slice of B stays in L1 while every
+  // main tile of the chunk passes over it. A shallow block (a weight gradient over a few rows) is
+  // mostly the epilogue's traffic to C instead: tiles outer then, so C is walked row by row.
   static void Chunk(const OrderedGemmArgs& g, int64_t c0, int64_t c1, int64_t p0, int64_t p1,
-                    Block blk, float* packed) {
-    PackA(g, c0, c1, blk.k0, blk.k1, packed);
+                    Block blk, const float* packed) {
     const int64_t kb = blk.k1 - blk.k0;
     const int64_t full = c0 + (c1 - c0) / kRows * kRows;
     float* const partial = blk.partial;
@@ -239,7 +239,8 @@ struct Kernel {
   // and a chunk's sums (kBlockedRows x 256 floats) stay in L2.
   static constexpr int64_t kNcPanels = 16;
   // Rows of A per chunk: all of k for a chunk of at most kChunkFloats floats when k is walked at
-  // once; kKc of k for kBlockedRows rows (96 KiB, in L2) when it is walked in blocks.
+  // once; kBlockedRows rows when it is walked in blocks (a block's slice, kKc of k: 96 KiB, in
+  // L2).
   static constexpr int64_t kChunkFloats = 48 * 1024;
   static constexpr int64_t kBlockedRows = 16 * kRows;
 
@@ -253,23 +254,31 @@ struct Kernel {
       const int64_t chunk = std::min(i1 - i0, std::max<int64_t>(kRows, per_chunk / kRows * kRows));
       Scratch packed = TakeScratch(size_t(chunk * depth) * sizeof(float));
       for (int64_t c0 = i0; c0 < i1; c0 += chunk) {
-        Chunk(g, c0, std::min(i1, c0 + chunk), p0, p1, Block{0, depth, nullptr, 0, true, true},
-              packed.floats());
+        const int64_t c1 = std::min(i1, c0 + chunk);
+        PackA(g, c0, c1, 0, depth, packed.floats());
+        Chunk(g, c0, c1, p0, p1, Block{0, depth, nullptr, 0, true, true}, packed.floats());
       }
       return;
     }
+    // A chunk of rows is packed once, block of k after block of k (block k0 at (c1 - c0) * k0),
+    // and then runs against every column block of B, so A is decoded once whatever n is. B
+    // streams once per chunk of rows: sequential panels, read at a small fraction of the time
+    // the chunk's products take.
     const int64_t width = std::min(p1 - p0, kNcPanels) * kPanelWidth;
     const int64_t chunk = std::min(kBlockedRows, i1 - i0);
     Scratch sums = TakeScratch(size_t(chunk * width) * sizeof(float));
-    Scratch packed = TakeScratch(size_t(chunk * kKc) * sizeof(float));
-    for (int64_t q0 = p0; q0 < p1; q0 += kNcPanels) {
-      const int64_t q1 = std::min(p1, q0 + kNcPanels);
-      for (int64_t c0 = i0; c0 < i1; c0 += chunk) {
-        const int64_t c1 = std::min(i1, c0 + chunk);
+    Scratch packed = TakeScratch(size_t(chunk * depth) * sizeof(float));
+    for (int64_t c0 = i0; c0 < i1; c0 += chunk) {
+      const int64_t c1 = std::min(i1, c0 + chunk);
+      for (int64_t k0 = 0; k0 < depth; k0 += kKc) {
+        PackA(g, c0, c1, k0, std::min(depth, k0 + kKc), packed.floats() + (c1 - c0) * k0);
+      }
+      for (int64_t q0 = p0; q0 < p1; q0 += kNcPanels) {
+        const int64_t q1 = std::min(p1, q0 + kNcPanels);
         for (int64_t k0 = 0; k0 < depth; k0 += kKc) {
           const int64_t k1 = std::min(depth, k0 + kKc);
           Chunk(g, c0, c1, q0, q1, Block{k0, k1, sums.floats(), width, k0 == 0, k1 == depth},
-                packed.floats());
+                packed.floats() + (c1 - c0) * k0);
         }
       }
     }
