@@ -202,6 +202,7 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
   keeper_ = std::make_unique<Keeper>(*this);
   shm_ = std::make_unique<internal::SharedMemoryPool>(
       *this, options_.shared_memory == ClientOptions::SharedMemory::kAuto);
+  background_ = std::make_shared<Background>();
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -210,9 +211,90 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
   keeper_ = std::make_unique<Keeper>(*this);
   shm_ = std::make_unique<internal::SharedMemoryPool>(
       *this, options_.shared_memory == ClientOptions::SharedMemory::kAuto);
+  background_ = std::make_shared<Background>();
 }
 
-Client::~Client() = default;
+// Background ReleaseContext calls in flight: counted so that the client's destructor can wait
+// for them (bounded by their deadline); their callbacks hold this, never the client.
+struct Client::Background {
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t pending = 0;
+  std::atomic<int64_t> sent{0};
+};
+
+Client::~Client() {
+  std::unique_lock<std::mutex> lock(background_->mu);
+  background_->cv.wait_for(lock, std::chrono::seconds(3),
+                           [this] { return background_->pending == 0; });
+}
+
+std::string NewContextId() {
+  thread_local std::mt19937_64 engine{std::random_device{}()};
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(engine()),
+                static_cast<unsigned long long>(engine()));
+  return buf;
+}
+
+namespace {
+
+// Whether a forward that failed with `code` may still have run on the server: the call ended
+// without its answer (cancelled, deadline, transport), or with one the server gives after its
+// compute. A refusal of the request itself (invalid, unknown, refused by policy or for lack of
+// room: RESOURCE_EXHAUSTED comes before the compute, or from a store that kept nothing) ran
+// nothing, or made no context.
+bool MayHaveRun(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kUnimplemented:
+      return false;
+    default:
+      return true;
+  }
+}
+
+}  // namespace
+
+void Client::ReleaseInBackground(const std::string& context_id) {
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::ReleaseContextRequest req;
+    v1::ReleaseContextResponse resp;
+  };
+  auto call = std::make_shared<Call>();
+  PrepareContext(&call->ctx, "ReleaseContext");
+  call->ctx.set_deadline(
+      std::min(call->ctx.deadline(), std::chrono::system_clock::now() + std::chrono::seconds(2)));
+  call->req.set_context_id(context_id);
+  {
+    std::lock_guard<std::mutex> lock(background_->mu);
+    ++background_->pending;
+  }
+  ++background_->sent;
+  stub_->async()->ReleaseContext(
+      &call->ctx, &call->req, &call->resp,
+      [call, background = background_, server = options_.server](grpc::Status s) {
+        // NOT_FOUND: the server saw the cancellation and released the context itself, or never
+        // made it.
+        if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
+          spdlog::debug("gradwire client: releasing context {} on {} after its forward failed: {}",
+                        call->req.context_id(), server, s.error_message());
+        }
+        std::lock_guard<std::mutex> lock(background->mu);
+        --background->pending;
+        background->cv.notify_all();
+      });
+}
+
+int64_t Client::unanswered_releases() const { return background_->sent.load(); }
 
 std::string Client::PrepareContext(grpc::ClientContext* ctx, const char* method) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
@@ -296,6 +378,20 @@ absl::Status Client::DeleteModule(const std::string& module_id) {
 
 absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, const HostTensor& input,
                                               bool training) {
+  bool answered = false;
+  if (!training) return ForwardNamed(module_id, input, false, {}, &answered);
+  const std::string context_id = NewContextId();
+  absl::StatusOr<ForwardResult> result =
+      ForwardNamed(module_id, input, true, context_id, &answered);
+  if (!result.ok() && (answered || MayHaveRun(result.status().code()))) {
+    ReleaseInBackground(context_id);
+  }
+  return result;
+}
+
+absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
+                                                   const HostTensor& input, bool training,
+                                                   const std::string& context_id, bool* answered) {
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       !input.shape.empty() && input.shape.back() > 0) {
     // The module's shape from the cache; asked of the server (ListModules) only when the input
@@ -311,7 +407,8 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
       const int64_t bytes =
           (input.numel() + output + ln) * wire::ElementSize(ToProto(options_.wire_dtype));
       if (bytes >= min_bytes) {
-        if (auto shared = ForwardShared(module_id, input, training, output, ln)) {
+        if (auto shared =
+                ForwardShared(module_id, input, training, context_id, output, ln, answered)) {
           return *std::move(shared);
         }
       }
@@ -321,6 +418,7 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
   req.set_module_id(module_id);
   *req.mutable_input() = ToWire(input, options_.wire_dtype);
   req.set_training(training);
+  req.set_context_id(context_id);
   req.set_output_dtype(ToProto(options_.wire_dtype));
   const int64_t request_bytes = int64_t(req.input().data().size());
   int64_t response_bytes = -1;
@@ -352,6 +450,7 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
     output_bytes = received.data(1);
     ln_bytes = received.data(4);
   }
+  *answered = true;
   if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
   auto output = FromWire(resp.output(), output_bytes);
   if (!output.ok()) return output.status();
@@ -597,11 +696,10 @@ int64_t Client::shared_memory_calls() const { return shared_memory_calls_.load()
 
 bool Client::shared_memory_off() const { return shm_->off(); }
 
-std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(const std::string& module_id,
-                                                                   const HostTensor& input,
-                                                                   bool training,
-                                                                   int64_t output_elements,
-                                                                   int64_t layernorm_elements) {
+std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
+    const std::string& module_id, const HostTensor& input, bool training,
+    const std::string& context_id, int64_t output_elements, int64_t layernorm_elements,
+    bool* answered) {
   const uint64_t element = uint64_t(wire::ElementSize(ToProto(options_.wire_dtype)));
   const uint64_t in = uint64_t(input.numel()) * element, out = uint64_t(output_elements) * element,
                  ln = uint64_t(layernorm_elements) * element;
@@ -611,6 +709,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(const std::st
   v1::ForwardRequest req;
   req.set_module_id(module_id);
   req.set_training(training);
+  req.set_context_id(context_id);
   req.set_output_dtype(ToProto(options_.wire_dtype));
   auto written = WriteShared(region, 0, input, options_.wire_dtype);
   if (!written.ok()) return absl::StatusOr<ForwardResult>(written.status());
@@ -626,6 +725,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(const std::st
                    [&](grpc::ClientContext* ctx) { return stub_->Forward(ctx, req, &resp); });
   if (!s) return std::nullopt;
   if (!s->ok()) return absl::StatusOr<ForwardResult>(*s);
+  *answered = true;
   ++shared_memory_calls_;
   if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
   auto output = ReadShared(region, resp.output());

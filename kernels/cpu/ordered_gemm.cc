@@ -87,10 +87,9 @@ size_t PanelBytes(int64_t n, int64_t k) {
 }
 
 float PanelValue(const PanelsView& panels, int64_t j, int64_t k) {
-  const uint32_t bits =
-      uint32_t(panels.data[(j / kPanelWidth) * panels.k * kPanelWidth + k * kPanelWidth +
-                           Slot(j % kPanelWidth)])
-      << 16;
+  const uint32_t bits = uint32_t(panels.data[(j / kPanelWidth) * panels.k * kPanelWidth +
+                                             k * kPanelWidth + Slot(j % kPanelWidth)])
+                        << 16;
   float v;
   std::memcpy(&v, &bits, sizeof v);
   return v;

@@ -104,9 +104,14 @@ absl::Status ContextStore::FitsStatus(int64_t bytes) const {
 
 absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t weight_version,
                                               std::shared_ptr<SavedTensors> saved,
-                                              std::string tenant, std::string client) {
+                                              std::string tenant, std::string client,
+                                              std::string id) {
   const int64_t bytes = saved->bytes();
   std::lock_guard<std::mutex> lock(mu_);
+  if (!id.empty() && (entries_.count(id) || FindGoneLocked(id) != nullptr)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("context_id ", id, " is or was a context already: draw another"));
+  }
   if (auto s = FitsStatus(bytes); !s.ok()) {
     ++stats_.rejected_too_large;
     return s;
@@ -127,10 +132,7 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
     ++stats_.rejected_share;
     return s;
   }
-  std::string id;
-  do {
-    id = RandomId128();
-  } while (entries_.count(id) || FindGoneLocked(id) != nullptr);
+  while (id.empty() || entries_.count(id) || FindGoneLocked(id) != nullptr) id = RandomId128();
   Entry entry;
   entry.module_id = std::move(module_id);
   entry.tenant = std::move(tenant);
@@ -521,6 +523,11 @@ std::unordered_map<std::string, int64_t> ContextStore::live_bytes_by_tenant() co
 int64_t ContextStore::fair_share_of(const std::string& tenant) const {
   std::lock_guard<std::mutex> lock(mu_);
   return int64_t(ShareLocked(tenant, &tenant));
+}
+
+bool ContextStore::Known(const std::string& context_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.count(context_id) != 0 || FindGoneLocked(context_id) != nullptr;
 }
 
 std::string ContextStore::ModuleOf(const std::string& context_id, const std::string* tenant) const {

@@ -104,13 +104,17 @@ class ContextStore {
   // Whether a context of `bytes` could fit the device budget, counting nothing.
   bool Fits(int64_t bytes) const { return FitsStatus(bytes).ok(); }
 
-  // Stores `saved` under a fresh random 128-bit id (32 hex digits) and returns the id, moving
-  // older contexts to host memory (and evicting) as the budgets require. `tenant` owns the
-  // context (the module's tenant; see CheckTenant); `client` is who made it, for
-  // live_contexts_of_client. RESOURCE_EXHAUSTED (nothing stored) when CheckFits fails.
+  // Stores `saved` under `id`, or a fresh random 128-bit id (32 hex digits) when `id` is empty,
+  // and returns the id, moving older contexts to host memory (and evicting) as the budgets
+  // require. `tenant` owns the context (the module's tenant; see CheckTenant); `client` is who
+  // made it, for live_contexts_of_client. RESOURCE_EXHAUSTED (nothing stored) when CheckFits
+  // fails; ALREADY_EXISTS (nothing stored) when `id` is Known.
   absl::StatusOr<std::string> Put(std::string module_id, uint64_t weight_version,
                                   std::shared_ptr<SavedTensors> saved, std::string tenant = {},
-                                  std::string client = {});
+                                  std::string client = {}, std::string id = {});
+  // Whether `context_id` is live, or was and has been consumed, released or evicted (remembered
+  // for the report of a later call on it): an id Put refuses.
+  bool Known(const std::string& context_id) const;
 
   // NOT_FOUND, worded exactly as for an unknown id, unless `context_id` is a live, consumed or
   // evicted context of `tenant`: another tenant learns nothing about the id.

@@ -337,7 +337,8 @@ absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_
   GW_ASSIGN_OR_RETURN(
       DeviceForward d,
       ForwardOnDevice(module_id, m, x, v.shape, req.training, use_codes ? &codes : nullptr,
-                      req.client, /*bf16_output=*/req.output_dtype == wire::DType::kBF16, deliver));
+                      req.client, req.context_id,
+                      /*bf16_output=*/req.output_dtype == wire::DType::kBF16, deliver));
   out.context_id = std::move(d.context_id);
   out.weight_version = d.weight_version;
   return out;
@@ -546,7 +547,7 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
           r.saved_groups[j]->input_shape = reqs[members[j]]->input.shape;
           absl::StatusOr<std::string> id =
               contexts_.Put(module_id, m->version, std::move(r.saved_groups[j]), m->tenant,
-                            reqs[members[j]]->client);
+                            reqs[members[j]]->client, reqs[members[j]]->context_id);
           if (id.ok()) {
             context_ids[j] = *std::move(id);
           } else {
@@ -584,7 +585,8 @@ std::vector<absl::StatusOr<WireForwardOutput>> ModuleHost::ForwardBatch(
 absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
     const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& input,
     const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* fp8,
-    const std::string& client, bool bf16_output, const DeliverForward& deliver) {
+    const std::string& client, const std::string& context_id, bool bf16_output,
+    const DeliverForward& deliver) {
   const Backend& b = *backend_;
   compute_calls_.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor x = b.ToDevice(input);
@@ -631,7 +633,7 @@ absl::StatusOr<ModuleHost::DeviceForward> ModuleHost::ForwardOnDevice(
   if (training) {
     r.saved->input_shape = input_shape;
     GW_ASSIGN_OR_RETURN(out.context_id, contexts_.Put(module_id, m->version, std::move(r.saved),
-                                                      m->tenant, client));
+                                                      m->tenant, client, context_id));
   }
   return out;
 }

@@ -52,6 +52,8 @@ struct WireForwardRequest {
   bool training = false;
   wire::DType output_dtype = wire::DType::kF32;  // of output and layernorm_output
   std::string client;                            // who asked (per-client context counts)
+  // Training: the id the context takes (ContextStore::Put); empty: a fresh random one.
+  std::string context_id;
 };
 
 struct WireForwardOutput {
@@ -253,7 +255,8 @@ class ModuleHost {
   absl::StatusOr<DeviceForward> ForwardOnDevice(
       const std::string& module_id, const std::shared_ptr<Module>& m, const at::Tensor& x,
       const std::vector<int64_t>& input_shape, bool training, const Fp8Tensor* input_fp8,
-      const std::string& client, bool bf16_output, const DeliverForward& deliver);
+      const std::string& client, const std::string& context_id, bool bf16_output,
+      const DeliverForward& deliver);
   // deliver(grad_input, input_shape): grad_input on the device as [rows, in_features] (undefined
   // with skip_grad_input), and the forward input's shape. The gradients are on the device, shaped
   // as sent (grad_layernorm_output may be undefined). The context is finished (consumed or kept)

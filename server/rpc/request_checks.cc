@@ -52,6 +52,17 @@ absl::Status RequestChecks::CheckForward(const Caller& caller,
       GW_RETURN_IF_ERROR(CheckElements(what, Saturating(rows, width), limit));
     }
   }
+  if (!req.context_id().empty()) {
+    if (!req.training()) {
+      return absl::InvalidArgumentError(
+          "context_id names the context of a training forward; an inference forward makes none");
+    }
+    GW_RETURN_IF_ERROR(CheckId("context_id", req.context_id()));
+    if (host_.contexts().Known(req.context_id())) {
+      return absl::AlreadyExistsError(absl::StrCat("context_id ", req.context_id(),
+                                                   " is or was a context already: draw another"));
+    }
+  }
   const int64_t max_contexts = limits_.max_contexts_per_client;
   if (req.training() && max_contexts > 0) {
     const int64_t live = host_.contexts().live_contexts_of_client(caller.client);

@@ -155,9 +155,6 @@ class GradwireService final : public ServiceBase {
   absl::Status FinishForward(const Caller& caller, const v1::ForwardRequest& req,
                              v1::ForwardResponse* resp, const CallBase& call, PreparedForward& p,
                              absl::StatusOr<core::WireForwardOutput> computed);
-  // The unary Forward with dynamic batching on: a well-formed forward goes to the batch former
-  // (docs/batching.md), anything else runs as without batching.
-  Unary* BatchedForward(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
   absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
                           v1::BackwardResponse* resp, const CallBase& call,
                           const wire::ReceivedMessage* raw = nullptr);
@@ -176,9 +173,17 @@ class GradwireService final : public ServiceBase {
   absl::Status FinishBackward(const Caller& caller, const v1::BackwardRequest& req,
                               v1::BackwardResponse* resp, PreparedBackward& p,
                               absl::StatusOr<std::optional<wire::EncodedTensor>> computed);
-  // The unary Backward with dynamic batching on: backwards of one module's contexts go to the
-  // batch former together (docs/batching.md); anything else runs as without batching.
-  Unary* BatchedBackward(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
+  // The unary Forward and Backward with dynamic batching on, one body for both (steps.cc): a
+  // request that can share a batch (forwards of one module and input dtype; backwards of one
+  // module's contexts) goes to the batch former (docs/batching.md), anything else runs as
+  // without batching. `Step` (ForwardStep, BackwardStep) says what the two differ in.
+  template <typename Step>
+  Unary* Batched(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
+  // The unary call of a step: Batched with batching on, else RawUnary on its whole body.
+  template <typename Step>
+  Unary* StepCall(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
+  struct ForwardStep;
+  struct BackwardStep;
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
   // The bodies of GetWeights and SetWeights, shared with their chunked variants.
   absl::Status DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,

@@ -222,5 +222,105 @@ TEST(UndeliveredForwardTest, AResponseThatNeverArrivesReleasesItsContext) {
   EXPECT_TRUE(c->ReleaseContext(kept->context_id).ok());
 }
 
+// The window no server can see: the server finished the forward and sent its answer, and the
+// client gave up before it arrived (here: its deadline passes while the answer is held between
+// the work and its Finish). The client named the context (ForwardRequest.context_id), so it
+// releases it itself; the test holds the forward until that release has arrived, so the server's
+// own release of an undelivered answer cannot be what removed it.
+TEST(UnansweredForwardTest, TheClientReleasesTheContextItsForwardNamed) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool held = false;
+  std::vector<std::pair<std::string, absl::StatusCode>> releases;
+  testing::TestServer server([&](rpc::ServiceOptions& o) {
+    // Batched (the default server's way): a forward's answer is finished on the control thread,
+    // so the device executor stays free for the client's ReleaseContext while it is held.
+    o.batching.max_rows = 256;
+    o.before_unary_finish = [&](const char* method, const absl::Status& status) {
+      if (std::string(method) != "Forward" || !status.ok()) return;
+      std::unique_lock<std::mutex> lock(mu);
+      if (held) return;  // only the first forward is held
+      held = true;
+      cv.notify_all();
+      cv.wait_for(lock, std::chrono::seconds(20), [&] { return !releases.empty(); });
+    };
+    o.on_rpc_done = [&](const rpc::RpcRecord& r) {
+      if (std::string(r.method) != "ReleaseContext") return;
+      std::lock_guard<std::mutex> lock(mu);
+      releases.emplace_back(r.context_id, r.code);
+      cv.notify_all();
+    };
+  });
+  ASSERT_TRUE(server.ok());
+  auto admin = server.Connect();
+  const std::string module = admin->CreateModule(testing::LinearSpec(32, 16))->module_id();
+  client::ClientOptions options;
+  options.server = server.address();
+  options.timeout = std::chrono::milliseconds(700);
+  client::Client c(options);
+  ASSERT_TRUE(c.WaitForReady(std::chrono::seconds(10)).ok());
+
+  auto lost = c.Forward(module, Random({4, 32}), /*training=*/true);
+  ASSERT_FALSE(lost.ok());
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDeadlineExceeded) << lost.status();
+  EXPECT_EQ(c.unanswered_releases(), 1);
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return !releases.empty(); }));
+  // The forward is still held before its Finish: only the client's call can have released it.
+  EXPECT_EQ(releases[0].second, absl::StatusCode::kOk);
+  EXPECT_EQ(releases[0].first.size(), 32u);
+  EXPECT_EQ(server.host().Stats().live_contexts, 0);
+  lock.unlock();
+  EXPECT_TRUE(WaitFor([&] { return server.host().Stats().live_contexts == 0; }));
+  // An answered forward releases nothing and keeps its context.
+  auto kept = c.Forward(module, Random({4, 32}), true);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(c.unanswered_releases(), 1);
+  EXPECT_EQ(server.host().Stats().live_contexts, 1);
+}
+
+// ForwardRequest.context_id: the context takes the id the client drew; one that is malformed,
+// asked of an inference forward, or names a context that is or was live is refused before
+// anything runs.
+TEST(ProposedContextIdTest, IsUsedOnceAndRefusedWhenMalformedOrTaken) {
+  testing::TestServer server;
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string module = c->CreateModule(testing::LinearSpec(32, 16))->module_id();
+  auto forward = [&](const std::string& id, bool training) {
+    v1::ForwardRequest req;
+    req.set_module_id(module);
+    req.set_training(training);
+    req.set_context_id(id);
+    *req.mutable_input() = client::ToWire(Random({2, 32}), client::WireDType::kF32);
+    return c->ForwardRaw(req);
+  };
+  const std::string id = "0123456789abcdef0123456789abcdef";
+  auto made = forward(id, true);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(made->context_id(), id);
+  const auto casts = [&] {
+    const auto s = server.host().Stats();
+    return s.workspace_builds + s.workspace_hits;
+  };
+  const int64_t before = casts();
+  // Live, then consumed: taken either way, and refused before the compute.
+  EXPECT_EQ(forward(id, true).status().code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(c->ReleaseContext(id).ok());
+  auto again = forward(id, true);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(again.status().message().find(id), std::string::npos) << again.status();
+  for (const std::string& bad : {std::string("0123456789ABCDEF0123456789ABCDEF"),
+                                 std::string("0123"), std::string(32, 'g')}) {
+    EXPECT_EQ(forward(bad, true).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto inference = forward("fedcba9876543210fedcba9876543210", false);
+  EXPECT_EQ(inference.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(inference.status().message().find("inference"), std::string::npos)
+      << inference.status();
+  EXPECT_EQ(casts(), before);
+  EXPECT_EQ(server.host().Stats().live_contexts, 0);
+}
+
 }  // namespace
 }  // namespace gradwire

@@ -78,6 +78,20 @@ def new_traceparent(trace_id: Optional[str] = None) -> str:
     return f"00-{trace_id}-{parent}-01"
 
 
+# Codes of a refusal of the request itself: a forward refused so ran nothing on the server, or
+# made no context (RESOURCE_EXHAUSTED comes before the compute, or from a store that kept nothing).
+_REFUSED = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION",
+                      "PERMISSION_DENIED", "UNAUTHENTICATED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+                      "RESOURCE_EXHAUSTED"})
+
+
+def _may_have_run(error: BaseException) -> bool:
+    """Whether a forward that raised ``error`` may have run on the server: it ended without
+    the server's answer (cancelled, a deadline, the transport, an interrupt), or with an answer
+    given after the compute."""
+    return not (isinstance(error, GradwireError) and error.code in _REFUSED)
+
+
 class GradwireError(RuntimeError):
     """A call the server refused or could not serve: ``code`` is the gRPC status code name
     ("NOT_FOUND", "INVALID_ARGUMENT", ...), ``message`` the server's explanation, and
@@ -329,6 +343,11 @@ class Client:
         self._shm = _SharedPool(self)
         self._shm.off = shared_memory == "off"
         self._shm_min = shared_memory_min_kib << 10
+        # ReleaseContext calls sent for training forwards that ended without their answer, and
+        # those still in flight.
+        self.unanswered_releases = 0
+        self._releases: set = set()
+        self._release_lock = threading.Lock()
         self.shared_memory_calls = 0  # forwards and backwards whose tensors went through it
         # Which module made each training context of this client's forwards (newest last,
         # bounded): a backward's grad_input size, for a shared-memory backward.
@@ -401,6 +420,13 @@ class Client:
                 self._train.close(wait=max(0.0, deadline - time.monotonic()))
                 self._train = None
         self._shm.close(unregister=time.monotonic() < deadline)
+        with self._release_lock:
+            releases = list(self._releases)
+        for future in releases:  # background releases of unanswered forwards, within the deadline
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001: best effort; the context TTL is the backstop
+                pass
         self._closed = True
         self._channel.close()
         log.debug("client for %s closed", self.server)
@@ -610,17 +636,19 @@ class Client:
     # --- forward and backward
 
     def forward_request(self, module_id: str, x: torch.Tensor, training: bool,
-                        dtype: Optional[int] = None) -> Outgoing:
+                        dtype: Optional[int] = None, context_id: str = "") -> Outgoing:
         """The ForwardRequest of ``x``: it travels, and the output comes back, as ``dtype``
         (a proto DType; default: this client's activation wire dtype). An ``Outgoing``: the
         message's fields read through it, the input's bytes stay in the encoded tensor's
         memory (``x``'s own when it is contiguous CPU float32, or in the wire's 16-bit dtype)
-        until the request is serialized, and ``to_message()`` gives the whole message."""
+        until the request is serialized, and ``to_message()`` gives the whole message.
+        ``context_id``: the id a training forward's context takes (32 random hex digits;
+        empty: the server draws one)."""
         dtype = self.activation_dtype if dtype is None else dtype
         header, data = wire.encode(x, dtype)
         return Outgoing(service_pb2.ForwardRequest(
-            module_id=module_id, input=header, training=training, output_dtype=dtype),
-            {_FORWARD_INPUT: data})
+            module_id=module_id, input=header, training=training, output_dtype=dtype,
+            context_id=context_id), {_FORWARD_INPUT: data})
 
     def backward_request(self, context_id: str, grad_output: torch.Tensor,
                          skip_grad_input: bool = False, retain: bool = False,
@@ -670,12 +698,55 @@ class Client:
     def forward(self, module_id: str, x: torch.Tensor, training: bool,
                 dtype: Optional[int] = None) -> ForwardResult:
         """Returns (output, context_id or "", layernorm_output or None); float32 CPU tensors.
-        ``dtype``: the wire dtype of input and output (default: the client's)."""
+        ``dtype``: the wire dtype of input and output (default: the client's).
+
+        A training forward names its context itself (128 random bits). When the call ends
+        without the server's answer (cancelled, past the timeout, the connection lost), or
+        with one that cannot be read, the server may hold a context whose id nobody learnt:
+        the client then releases it in the background."""
+        if not training:
+            return self._forward_named(module_id, x, False, dtype, "", [])
+        context_id = secrets.token_hex(16)
+        answered: List[bool] = []
+        try:
+            return self._forward_named(module_id, x, True, dtype, context_id, answered)
+        except BaseException as e:
+            if answered or _may_have_run(e):
+                self._release_in_background(context_id)
+            raise
+
+    def _release_in_background(self, context_id: str) -> None:
+        """One ReleaseContext of ``context_id`` with a short deadline, not waited for (close
+        waits for those still in flight, within its own deadline)."""
+        if self._closed:
+            return
+        metadata, _ = self._metadata()
+        try:
+            future = self._stub.ReleaseContext.future(
+                service_pb2.ReleaseContextRequest(context_id=context_id),
+                timeout=min(self.timeout, 2.0), metadata=metadata)
+        except ValueError:  # the channel closed meanwhile
+            return
+        self.unanswered_releases += 1
+        with self._release_lock:
+            self._releases.add(future)
+        future.add_done_callback(self._release_done)
+
+    def _release_done(self, future) -> None:
+        with self._release_lock:
+            self._releases.discard(future)
+
+    def _forward_named(self, module_id: str, x: torch.Tensor, training: bool,
+                       dtype: Optional[int], context_id: str,
+                       answered: List[bool]) -> ForwardResult:
+        """``forward`` with the context's id chosen; appends to ``answered`` once the server's
+        OK answer arrived."""
         if not self._shm.off and x.dim() > 0 and x.shape[-1] > 0:
-            result = self._forward_shared_auto(module_id, x, training, dtype)
+            result = self._forward_shared_auto(module_id, x, training, dtype, context_id,
+                                               answered)
             if result is not None:
                 return result
-        req = self.forward_request(module_id, x, training, dtype)
+        req = self.forward_request(module_id, x, training, dtype, context_id)
         size = wire.element_size(req.output_dtype)
         sent = req.nbytes
         out_bytes = 0
@@ -691,6 +762,7 @@ class Client:
                                  service_pb2.ForwardResponse)
         else:
             resp = self._call("Forward", req, module_id, raw=True)
+        answered.append(True)
         self._seen(module_id, resp.message.weight_version)
         result = self.forward_result(resp)
         self._note_instance(result[1])
@@ -771,7 +843,8 @@ class Client:
         return resp
 
     def _forward_shared_auto(self, module_id: str, x: torch.Tensor, training: bool,
-                             dtype: Optional[int]) -> Optional[ForwardResult]:
+                             dtype: Optional[int], context_id: str = "",
+                             answered: Optional[List[bool]] = None) -> Optional[ForwardResult]:
         """``forward`` through the client's shared-memory pool, or None for the wire (too
         small, no region, or the server had closed the one lent)."""
         spec = self._spec(module_id)
@@ -793,7 +866,7 @@ class Client:
             return None
         try:
             req = service_pb2.ForwardRequest(module_id=module_id, training=training,
-                                             output_dtype=dtype)
+                                             output_dtype=dtype, context_id=context_id)
             req.input.CopyFrom(region.write(0, x, dtype))
             req.output_shared_memory.CopyFrom(region.ref(at_out, out_bytes))
             if ln:
@@ -802,6 +875,8 @@ class Client:
             if resp is None:
                 region = None  # dropped: the wire
                 return None
+            if answered is not None:
+                answered.append(True)
             self._seen(module_id, resp.weight_version)
             out = region.read(resp.output)
             ln_out = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") \

@@ -147,3 +147,35 @@ def test_close_with_a_stalled_server_and_a_train_stream_waits_one_deadline(fresh
         assert error is None and elapsed < TIMEOUT + 0.8, (error, elapsed)
     finally:
         fresh_server.resume()
+
+
+def test_a_training_forward_without_its_answer_releases_the_context_it_named(fresh_server):
+    """The client draws a training forward's context id; when the answer never comes (here the
+    server is stopped past the deadline) it releases that id in the background, so a context the
+    server made and answered into the void does not stay behind. Refusals and inference forwards
+    release nothing."""
+    with gradwire.Client(fresh_server.address, timeout=TIMEOUT, chunking="never") as c:
+        layer = gradwire.RemoteLinear(c, 8, 4, keep=True)
+        out, context_id, _ = c.forward(layer.module_id, torch.randn(2, 8), training=True)
+        assert len(context_id) == 32 and int(context_id, 16) >= 0  # the client's own draw
+        c.release_context(context_id)
+        with pytest.raises(gradwire.GradwireError) as refused:
+            c.forward(layer.module_id, torch.randn(2, 7), training=True)  # wrong width
+        assert refused.value.code == "INVALID_ARGUMENT"
+        assert c.unanswered_releases == 0
+        fresh_server.pause()
+        try:
+            error, _ = within(20, lambda: c.forward(layer.module_id, torch.randn(2, 8),
+                                                    training=False))
+            assert error is not None and error.code == "DEADLINE_EXCEEDED", error
+            assert c.unanswered_releases == 0  # inference makes no context
+            error, _ = within(20, lambda: c.forward(layer.module_id, torch.randn(2, 8),
+                                                    training=True))
+            assert error is not None and error.code == "DEADLINE_EXCEEDED", error
+            assert c.unanswered_releases == 1
+        finally:
+            fresh_server.resume()
+        deadline = time.monotonic() + 10
+        while c.server_info().live_contexts != 0:
+            assert time.monotonic() < deadline, "a context stayed behind"
+            time.sleep(0.05)

@@ -36,6 +36,9 @@ struct ForwardResult {
 // A W3C `traceparent` (version 00, sampled): `trace_id` (32 lowercase hex digits) when given,
 // else a fresh random trace-id, and a fresh random parent id.
 std::string NewTraceparent(const std::string& trace_id = "");
+// A context id for a training forward (ForwardRequest.context_id): 128 random bits as 32
+// lowercase hex digits.
+std::string NewContextId();
 
 class Client {
  public:
@@ -69,6 +72,11 @@ class Client {
   std::vector<std::string> held() const;
   int64_t keep_alive_calls() const;
 
+  // A training forward names its context itself (ForwardRequest.context_id, 128 random bits).
+  // When the call ends without the server's answer reaching this client (cancelled, past its
+  // deadline, the connection lost) or its answer cannot be read, the context may exist on the
+  // server with nobody knowing its id: the client releases it then, in the background (one
+  // ReleaseContext with a short deadline; the destructor waits for those still in flight).
   absl::StatusOr<ForwardResult> Forward(const std::string& module_id, const HostTensor& input,
                                         bool training);
   // Returns grad_input (empty shape with skip_grad_input).
@@ -116,8 +124,17 @@ class Client {
   // client has stopped asking for it (the server cannot give it a region it can open).
   int64_t shared_memory_calls() const;
   bool shared_memory_off() const;
+  // ReleaseContext calls sent for training forwards that ended without their answer (tests).
+  int64_t unanswered_releases() const;
 
  private:
+  // Forward with the context id chosen (empty for inference); `answered` is set when the server's
+  // OK answer arrived, whatever happens to it here after.
+  absl::StatusOr<ForwardResult> ForwardNamed(const std::string& module_id, const HostTensor& input,
+                                             bool training, const std::string& context_id,
+                                             bool* answered);
+  // One ReleaseContext of `context_id`, sent without waiting for it.
+  void ReleaseInBackground(const std::string& context_id);
   // Whether a call whose request carries `request_bytes` of tensors and whose response is
   // expected to carry `response_bytes` (-1: unknown) goes chunked.
   bool UseChunked(int64_t request_bytes, int64_t response_bytes) const;
@@ -134,8 +151,10 @@ class Client {
   // the result, or nullopt for the wire (no region, or the server had closed the one lent).
   std::optional<absl::StatusOr<ForwardResult>> ForwardShared(const std::string& module_id,
                                                              const HostTensor& input, bool training,
+                                                             const std::string& context_id,
                                                              int64_t output_elements,
-                                                             int64_t layernorm_elements);
+                                                             int64_t layernorm_elements,
+                                                             bool* answered);
   std::optional<absl::StatusOr<HostTensor>> BackwardShared(const v1::BackwardRequest& header,
                                                            const HostTensor& grad_output,
                                                            const HostTensor* grad_layernorm_output,
@@ -151,6 +170,10 @@ class Client {
   class Keeper;
   std::unique_ptr<Keeper> keeper_;
   std::unique_ptr<internal::SharedMemoryPool> shm_;
+  // Background ReleaseContext calls in flight (shared with their callbacks), waited for when the
+  // client goes.
+  struct Background;
+  std::shared_ptr<Background> background_;
 };
 
 }  // namespace gradwire::client

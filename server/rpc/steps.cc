@@ -1,0 +1,491 @@
+// The compute calls of the service: Forward and Backward (unary, and the bodies the chunked calls
+// and Train share) and ReleaseContext. A call is prepared (checks, staging: everything up to the
+// compute), computed, and finished (delivery, the response); with batching on, the unary calls of
+// either kind go through one body, Batched<Step>, which computes the prepared requests of a batch
+// as one backend call.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "gradwire/wire/tensor.h"
+#include "server/core/status_macros.h"
+#include "server/rpc/boundary.h"
+#include "server/rpc/service.h"
+#include "server/rpc/service_util.h"
+
+namespace gradwire::rpc {
+namespace {
+
+// Adds the seconds of its scope to `total`: shared-memory copies are transport, like protobuf
+// parsing, and stay out of a call's server_seconds.
+class TransferTimer {
+ public:
+  explicit TransferTimer(double& total) : total_(total) {}
+  ~TransferTimer() {
+    total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  double& total_;
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// A batch's first half (docs/batching.md): runs each member's queued work up to its compute (its
+// checks and cancellation; a member answered there drops out) and returns the members still
+// waiting for the compute. With yielding on, it stops after the member it is on when another
+// client's work waits, and gives the members not started back to the batch former.
+template <typename Slot>
+std::vector<std::shared_ptr<Slot>> PrepareMembers(std::vector<core::BatchFormer::Member>& members,
+                                                  core::BatchFormer::Run& run) {
+  std::vector<std::shared_ptr<Slot>> ready;
+  ready.reserve(members.size());
+  for (size_t i = 0; i < members.size(); ++i) {
+    auto s = std::static_pointer_cast<Slot>(members[i].item);
+    std::function<void()> task = std::move(s->task);
+    s->task = nullptr;
+    task();
+    if (s->pending) ready.push_back(std::move(s));
+    if (i + 1 < members.size() && run.OthersWaiting()) {
+      run.GiveBack(members, i + 1);
+      break;
+    }
+  }
+  return ready;
+}
+
+}  // namespace
+
+absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
+                                        v1::ForwardResponse* resp, const CallBase& call,
+                                        const wire::ReceivedMessage* raw) {
+  PreparedForward p;
+  GW_RETURN_IF_ERROR(PrepareForward(caller, req, call, raw, &p));
+  // The request's bytes go to the backend as they are (FP8 as codes, bf16 as 2-byte values); the
+  // outputs come back encoded.
+  return FinishForward(caller, req, resp, call, p, host_.Forward(req.module_id(), p.f));
+}
+
+absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::ForwardRequest& req,
+                                             const CallBase& call, const wire::ReceivedMessage* raw,
+                                             PreparedForward* p) {
+  p->start = std::chrono::steady_clock::now();
+  GW_RETURN_IF_ERROR(env_.CheckModule(caller, req.module_id()));
+  if (!req.has_input()) return absl::InvalidArgumentError("input is required");
+  GW_ASSIGN_OR_RETURN(const wire::DType output_dtype,
+                      wire::OutputDType(req.output_dtype(), "output_dtype"));
+  const std::string owner = RegionOwner(caller);
+  // Malformed tensors are INVALID_ARGUMENT first; the limits apply to well-formed ones.
+  core::WireForwardRequest& f = p->f;
+  {
+    TransferTimer timer(p->transfer);
+    GW_ASSIGN_OR_RETURN(f.input,
+                        staging_.Stage(owner, req.input(), "input", p->staged.get(), raw, 2));
+  }
+  GW_RETURN_IF_ERROR(checks_.CheckForward(caller, req));
+  f.training = req.training();
+  f.context_id = req.context_id();  // checked above: training only, well-formed, not known
+  f.output_dtype = output_dtype;
+  if (req.has_output_shared_memory() || req.has_layernorm_output_shared_memory()) {
+    // Room for the results, checked before the compute: rows x out_features (and x in_features).
+    GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(req.module_id()));
+    const uint64_t rows = uint64_t(f.input.numel() / std::max<int64_t>(1, f.input.shape.back()));
+    const uint64_t element = uint64_t(wire::ElementSize(output_dtype));
+    if (req.has_output_shared_memory()) {
+      GW_RETURN_IF_ERROR(staging_.CheckRoom(owner, req.output_shared_memory(),
+                                            "output_shared_memory",
+                                            rows * uint64_t(spec.out_features) * element));
+    }
+    if (req.has_layernorm_output_shared_memory()) {
+      GW_RETURN_IF_ERROR(staging_.CheckRoom(owner, req.layernorm_output_shared_memory(),
+                                            "layernorm_output_shared_memory",
+                                            rows * uint64_t(spec.in_features) * element));
+    }
+  }
+  f.client = caller.client;
+  if (call.Abandoned()) {  // stop before the compute
+    return absl::CancelledError("Forward was cancelled or passed its deadline; nothing was run");
+  }
+  if (options_.before_forward_compute) options_.before_forward_compute();
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::FinishForward(const Caller& caller, const v1::ForwardRequest& req,
+                                            v1::ForwardResponse* resp, const CallBase& call,
+                                            PreparedForward& p,
+                                            absl::StatusOr<core::WireForwardOutput> computed) {
+  GW_RETURN_IF_ERROR(computed.status());
+  core::WireForwardOutput& out = *computed;
+  const std::string owner = RegionOwner(caller);
+  // A context is only worth returning when the response can still reach the client in time.
+  if (!out.context_id.empty() && call.Abandoned(options_.delivery_slack)) {
+    (void)host_.ReleaseContext(out.context_id, core::ContextStore::ReleaseReason::kUndelivered);
+    return absl::CancelledError(
+        "Forward was cancelled, passed its deadline or came too close to it during the compute; "
+        "its context was released");
+  }
+  absl::Status delivered;
+  {
+    TransferTimer timer(p.transfer);
+    delivered =
+        staging_.Deliver(owner, req.has_output_shared_memory(), req.output_shared_memory(),
+                         "output_shared_memory", std::move(out.output), resp->mutable_output());
+    if (delivered.ok() && out.has_layernorm_output) {
+      delivered =
+          staging_.Deliver(owner, req.has_layernorm_output_shared_memory(),
+                           req.layernorm_output_shared_memory(), "layernorm_output_shared_memory",
+                           std::move(out.layernorm_output), resp->mutable_layernorm_output());
+    }
+  }
+  if (!delivered.ok()) {  // a region its owner shrank meanwhile: nobody will get the context
+    if (!out.context_id.empty()) (void)host_.ReleaseContext(out.context_id);
+    return delivered;
+  }
+  resp->set_context_id(out.context_id);
+  resp->set_weight_version(out.weight_version);
+  resp->set_batch_requests(out.batch_requests);
+  resp->set_server_seconds(SecondsSince(p.start) - p.transfer);
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
+                                         v1::BackwardResponse* resp, const CallBase& call,
+                                         const wire::ReceivedMessage* raw) {
+  PreparedBackward p;
+  GW_RETURN_IF_ERROR(PrepareBackward(caller, req, call, raw, &p));
+  return FinishBackward(caller, req, resp, p, host_.Backward(req.context_id(), p.in));
+}
+
+absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::BackwardRequest& req,
+                                              const CallBase& call,
+                                              const wire::ReceivedMessage* raw,
+                                              PreparedBackward* p) {
+  p->start = std::chrono::steady_clock::now();
+  GW_RETURN_IF_ERROR(env_.CheckContext(caller, req.context_id()));
+  if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
+  core::WireBackwardRequest& in = p->in;
+  GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
+                      wire::OutputDType(req.grad_input_dtype(), "grad_input_dtype"));
+  const std::string owner = RegionOwner(caller);
+  const int64_t limit = options_.limits.max_tensor_elements;
+  {
+    TransferTimer timer(p->transfer);
+    GW_ASSIGN_OR_RETURN(in.grad_output, staging_.Stage(owner, req.grad_output(), "grad_output",
+                                                       p->staged.get(), raw, 2));
+  }
+  GW_RETURN_IF_ERROR(CheckElements("grad_output", in.grad_output.numel(), limit));
+  if (req.has_grad_layernorm_output()) {
+    TransferTimer timer(p->transfer);
+    GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
+                        staging_.Stage(owner, req.grad_layernorm_output(), "grad_layernorm_output",
+                                       p->staged_ln.get(), raw, 6));
+    GW_RETURN_IF_ERROR(
+        CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(), limit));
+  }
+  in.retain = req.retain();
+  in.skip_grad_input = req.skip_grad_input();
+  if (req.has_grad_input_shared_memory() && !in.skip_grad_input) {
+    // Room for grad_input, checked before the backward accumulates anything.
+    const std::string module_id = host_.contexts().ModuleOf(req.context_id(), TenantOf(caller));
+    GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(module_id));
+    const uint64_t rows =
+        uint64_t(in.grad_output.numel() / std::max<int64_t>(1, spec.out_features));
+    GW_RETURN_IF_ERROR(staging_.CheckRoom(
+        owner, req.grad_input_shared_memory(), "grad_input_shared_memory",
+        rows * uint64_t(spec.in_features) * uint64_t(wire::ElementSize(in.grad_input_dtype))));
+  }
+  if (call.Abandoned()) {  // the context stays for a retry
+    return absl::CancelledError("Backward was cancelled or passed its deadline; nothing was run");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::FinishBackward(
+    const Caller& caller, const v1::BackwardRequest& req, v1::BackwardResponse* resp,
+    PreparedBackward& p, absl::StatusOr<std::optional<wire::EncodedTensor>> computed) {
+  GW_RETURN_IF_ERROR(computed.status());
+  std::optional<wire::EncodedTensor>& grad_input = *computed;
+  if (grad_input) {
+    TransferTimer timer(p.transfer);
+    absl::Status delivered = staging_.Deliver(
+        RegionOwner(caller), req.has_grad_input_shared_memory(), req.grad_input_shared_memory(),
+        "grad_input_shared_memory", std::move(*grad_input), resp->mutable_grad_input());
+    if (!delivered.ok()) {
+      return absl::Status(delivered.code(),
+                          absl::StrCat(delivered.message(),
+                                       "; the backward ran (its gradients were accumulated) but "
+                                       "grad_input could not be delivered"));
+    }
+  }
+  resp->set_server_seconds(SecondsSince(p.start) - p.transfer);
+  return absl::OkStatus();
+}
+
+absl::Status GradwireService::DoRelease(const Caller& caller,
+                                        const v1::ReleaseContextRequest& req) {
+  GW_RETURN_IF_ERROR(env_.CheckContext(caller, req.context_id()));
+  return host_.ReleaseContext(req.context_id());
+}
+
+template <typename Req, typename Resp, typename Body>
+GradwireService::Unary* GradwireService::RawUnary(Ctx* ctx, const char* method,
+                                                  const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp,
+                                                  std::initializer_list<int> request_tensors,
+                                                  std::initializer_list<int> response_tensors,
+                                                  Body body) {
+  // The request and response live until the work is done.
+  struct Raw {
+    wire::ReceivedMessage received;
+    Req req;
+    Resp resp;
+    absl::Status parsed;
+  };
+  auto raw = std::make_shared<Raw>();
+  raw->parsed = raw->received.Parse(*req, &raw->req, request_tensors);
+  const RequestIds ids = raw->parsed.ok() ? IdsOf(raw->req) : RequestIds{};
+  return StartUnary(
+      env_, ctx, method,
+      [this, raw, resp, body, response_tensors](const Caller& caller,
+                                                const CallBase& call) -> absl::Status {
+        GW_RETURN_IF_ERROR(raw->parsed);
+        GW_RETURN_IF_ERROR((this->*body)(caller, raw->req, &raw->resp, call, &raw->received));
+        wire::SerializeMoving(&raw->resp, response_tensors, resp);
+        return absl::OkStatus();
+      },
+      ids.module_id, ids.context_id, RequestSize(int64_t(req->Length())),
+      [raw] { return CreatedBy(raw->resp); });
+}
+
+GradwireService::Unary* GradwireService::Forward(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                 grpc::ByteBuffer* resp) {
+  return StepCall<ForwardStep>(ctx, req, resp);
+}
+
+GradwireService::Unary* GradwireService::Backward(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  return StepCall<BackwardStep>(ctx, req, resp);
+}
+
+// What a forward and a backward differ in, for the one batched body (Batched): the messages,
+// how a request's rows and its batch are found, its halves around the compute, and the batch's
+// compute.
+struct GradwireService::ForwardStep {
+  using Request = v1::ForwardRequest;
+  using Response = v1::ForwardResponse;
+  using Prepared = PreparedForward;
+  using Output = absl::StatusOr<core::WireForwardOutput>;
+  static constexpr const char* kMethod = "Forward";
+  static std::initializer_list<int> RequestTensors() { return wire::kForwardRequestTensors; }
+  static std::initializer_list<int> ResponseTensors() { return wire::kForwardResponseTensors; }
+  static const v1::Tensor* Rows(const Request& r) { return r.has_input() ? &r.input() : nullptr; }
+  // Forwards of one module, training or not, with one input dtype (how the input reaches the
+  // kind) share a batch; empty: the request runs alone.
+  static std::string Key(const GradwireService&, const Request& r, const Caller&) {
+    if (!r.has_input() || r.input().shape().empty() ||
+        r.input().shape(r.input().shape_size() - 1) <= 0) {
+      return {};
+    }
+    return absl::StrCat(r.module_id(), r.training() ? "/train/" : "/", int(r.input().dtype()));
+  }
+  // The whole call, and its half before the compute.
+  static constexpr auto kDo = &GradwireService::DoForward;
+  static constexpr auto kPrepare = &GradwireService::PrepareForward;
+  template <typename Slot>
+  static std::vector<Output> Compute(GradwireService& s,
+                                     const std::vector<std::shared_ptr<Slot>>& ready,
+                                     core::ModuleHost::BatchRan* together) {
+    std::vector<const core::WireForwardRequest*> reqs;
+    for (const auto& r : ready) reqs.push_back(&r->prepared.f);
+    std::vector<Output> outs = s.host_.ForwardBatch(ready[0]->req.module_id(), reqs);
+    // What ran as one backend call (a batch that fell back to its requests one by one reports
+    // none).
+    for (size_t i = 0; i < ready.size(); ++i) {
+      if (!outs[i].ok() || outs[i]->batch_requests == 0) continue;
+      together->requests = outs[i]->batch_requests;
+      const wire::TensorView& in = ready[i]->prepared.f.input;
+      together->rows += in.numel() / std::max<int64_t>(1, in.shape.back());
+    }
+    return outs;
+  }
+  // The input was read: its staging goes now, on the executor.
+  static void DropStaging(Prepared& p) { p.staged.reset(); }
+  static absl::Status Finish(GradwireService& s, const Caller& caller, const Request& req,
+                             Response* resp, const CallBase& call, Prepared& p, Output out) {
+    return s.FinishForward(caller, req, resp, call, p, std::move(out));
+  }
+};
+
+struct GradwireService::BackwardStep {
+  using Request = v1::BackwardRequest;
+  using Response = v1::BackwardResponse;
+  using Prepared = PreparedBackward;
+  using Output = absl::StatusOr<std::optional<wire::EncodedTensor>>;
+  static constexpr const char* kMethod = "Backward";
+  static std::initializer_list<int> RequestTensors() { return wire::kBackwardRequestTensors; }
+  static std::initializer_list<int> ResponseTensors() { return wire::kBackwardResponseTensors; }
+  static const v1::Tensor* Rows(const Request& r) {
+    return r.has_grad_output() ? &r.grad_output() : nullptr;
+  }
+  // Backwards of one module's contexts share a batch, keyed also by what the kind computes
+  // (grad_input or not, a LayerNorm output's gradient or not): a batch is one kind call. The
+  // module is looked up as the call's admission does: a context of another tenant, or none,
+  // runs alone and fails.
+  static std::string Key(const GradwireService& s, const Request& r, const Caller& caller) {
+    if (!r.has_grad_output() || r.grad_output().shape().empty()) return {};
+    const std::string module = s.host_.contexts().ModuleOf(r.context_id(), TenantOf(caller));
+    if (module.empty()) return {};
+    return absl::StrCat(module, "/backward/", int(r.skip_grad_input()),
+                        int(r.has_grad_layernorm_output()));
+  }
+  // The whole call, and its half before the compute.
+  static constexpr auto kDo = &GradwireService::DoBackward;
+  static constexpr auto kPrepare = &GradwireService::PrepareBackward;
+  template <typename Slot>
+  static std::vector<Output> Compute(GradwireService& s,
+                                     const std::vector<std::shared_ptr<Slot>>& ready,
+                                     core::ModuleHost::BatchRan* together) {
+    std::vector<std::string> contexts;
+    std::vector<const core::WireBackwardRequest*> reqs;
+    for (const auto& r : ready) {
+      contexts.push_back(r->req.context_id());
+      reqs.push_back(&r->prepared.in);
+    }
+    return s.host_.BackwardBatch(contexts, reqs, together);
+  }
+  // The gradients were read: their staging goes now, on the executor.
+  static void DropStaging(Prepared& p) {
+    p.staged.reset();
+    p.staged_ln.reset();
+  }
+  static absl::Status Finish(GradwireService& s, const Caller& caller, const Request& req,
+                             Response* resp, const CallBase&, Prepared& p, Output out) {
+    return s.FinishBackward(caller, req, resp, p, std::move(out));
+  }
+};
+
+template <typename Step>
+GradwireService::Unary* GradwireService::StepCall(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  if (batcher_) return Batched<Step>(ctx, req, resp);
+  return RawUnary<typename Step::Request, typename Step::Response>(
+      ctx, Step::kMethod, req, resp, Step::RequestTensors(), Step::ResponseTensors(), Step::kDo);
+}
+
+template <typename Step>
+GradwireService::Unary* GradwireService::Batched(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                 grpc::ByteBuffer* resp) {
+  // One request: its message, and what passes between the halves of its work.
+  struct Slot {
+    wire::ReceivedMessage received;
+    typename Step::Request req;
+    typename Step::Response resp;
+    absl::Status parsed;
+    grpc::ByteBuffer* out = nullptr;
+    typename Step::Prepared prepared;
+    const Caller* caller = nullptr;         // the call's, alive while `pending` holds it
+    std::unique_ptr<PendingUnary> pending;  // set when prepared: the batch finishes the call
+    std::function<void()> task;             // the call's queued work, until the batch runs it
+    bool batched = false;                   // queued in a batch (set before the work runs)
+  };
+  auto slot = std::make_shared<Slot>();
+  slot->out = resp;
+  slot->parsed = slot->received.Parse(*req, &slot->req, Step::RequestTensors());
+  const RequestIds ids = slot->parsed.ok() ? IdsOf(slot->req) : RequestIds{};
+  // Rows bound the batch: the leading dimensions of the tensor the rows come in.
+  int64_t rows = 1;
+  if (const v1::Tensor* t = slot->parsed.ok() ? Step::Rows(slot->req) : nullptr) {
+    for (int i = 0; i + 1 < t->shape_size(); ++i) {
+      rows = std::min<int64_t>(int64_t(1) << 40, rows * std::max<int64_t>(0, t->shape(i)));
+    }
+  }
+  return StartDeferrableUnary(
+      env_, ctx, Step::kMethod,
+      [this, slot](const Caller& caller, const CallBase& call,
+                   std::unique_ptr<PendingUnary>* pending) -> absl::Status {
+        GW_RETURN_IF_ERROR(slot->parsed);
+        if (!slot->batched) {  // not in a batch: the whole call
+          GW_RETURN_IF_ERROR(
+              (this->*Step::kDo)(caller, slot->req, &slot->resp, call, &slot->received));
+          wire::SerializeMoving(&slot->resp, Step::ResponseTensors(), slot->out);
+          return absl::OkStatus();
+        }
+        GW_RETURN_IF_ERROR(
+            (this->*Step::kPrepare)(caller, slot->req, call, &slot->received, &slot->prepared));
+        slot->caller = &caller;
+        slot->pending = std::move(*pending);
+        return absl::OkStatus();
+      },
+      [this, slot, rows](const Caller& caller, std::function<void()> task) {
+        const std::string key =
+            slot->parsed.ok() ? Step::Key(*this, slot->req, caller) : std::string();
+        if (key.empty()) {
+          env_.executor().Submit(caller.client, std::move(task));
+          return;
+        }
+        slot->task = std::move(task);
+        slot->batched = true;
+        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members, auto& run) {
+          // Each request's work up to the compute (its own checks, its own cancellation), then
+          // one compute for those still there, then each one's delivery and end.
+          std::vector<std::shared_ptr<Slot>> ready = PrepareMembers<Slot>(members, run);
+          if (ready.empty()) return;
+          std::vector<typename Step::Output> outs;
+          core::ModuleHost::BatchRan together;
+          try {
+            outs = Step::Compute(*this, ready, &together);
+          } catch (const std::exception& e) {
+            const absl::Status failed =
+                absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
+            spdlog::error("a batch of {} {} calls failed: {}", ready.size(), Step::kMethod,
+                          e.what());
+            for (const auto& s : ready) s->pending->Finish(failed, {});
+            return;
+          }
+          for (const auto& s : ready) Step::DropStaging(s->prepared);
+          if (together.requests > 0 && options_.on_batch) {
+            options_.on_batch(Step::kMethod, together.requests, together.rows);
+          }
+          // Delivery and the end of each call are host work: on the control thread, so the
+          // device executor goes on to the next task (another tenant's) at once.
+          for (size_t i = 0; i < ready.size(); ++i) {
+            env_.control().Submit(ready[i]->caller->client, [this, s = ready[i],
+                                                             out = std::move(outs[i])]() mutable {
+              RequestScope scope(s->pending->call().request());
+              absl::Status status;
+              try {
+                status = Step::Finish(*this, *s->caller, s->req, &s->resp, s->pending->call(),
+                                      s->prepared, std::move(out));
+                if (status.ok()) wire::SerializeMoving(&s->resp, Step::ResponseTensors(), s->out);
+              } catch (const std::exception& e) {
+                status = absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
+                spdlog::error("{}", std::string(status.message()));
+              }
+              // A training forward's context goes when its answer does not reach the client.
+              std::string created = status.ok() ? CreatedBy(s->resp) : std::string();
+              s->pending->Finish(std::move(status), std::move(created));
+            });
+          }
+        });
+      },
+      ids.module_id, RequestSize(int64_t(req->Length())), [slot] { return CreatedBy(slot->resp); },
+      ids.context_id);
+}
+
+GradwireService::Unary* GradwireService::ReleaseContext(Ctx* ctx,
+                                                        const v1::ReleaseContextRequest* req,
+                                                        v1::ReleaseContextResponse*) {
+  return StartUnary(
+      env_, ctx, "ReleaseContext",
+      [this, req](const Caller& caller, const CallBase&) { return DoRelease(caller, *req); }, {},
+      req->context_id());
+}
+
+}  // namespace gradwire::rpc
