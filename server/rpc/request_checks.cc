@@ -58,10 +58,8 @@ absl::Status RequestChecks::CheckForward(const Caller& caller,
           "context_id names the context of a training forward; an inference forward makes none");
     }
     GW_RETURN_IF_ERROR(CheckId("context_id", req.context_id()));
-    if (host_.contexts().Known(req.context_id())) {
-      return absl::AlreadyExistsError(absl::StrCat("context_id ", req.context_id(),
-                                                   " is or was a context already: draw another"));
-    }
+    // Whether it is taken is PrepareForward's to ask, on the executor: the store's lock is not
+    // for a reactor thread (this also checks a chunked call's header).
   }
   const int64_t max_contexts = limits_.max_contexts_per_client;
   if (req.training() && max_contexts > 0) {

@@ -91,7 +91,11 @@ absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::For
   }
   GW_RETURN_IF_ERROR(checks_.CheckForward(caller, req));
   f.training = req.training();
-  f.context_id = req.context_id();  // checked above: training only, well-formed, not known
+  if (!req.context_id().empty() && host_.contexts().Known(req.context_id())) {
+    return absl::AlreadyExistsError(absl::StrCat("context_id ", req.context_id(),
+                                                 " is or was a context already: draw another"));
+  }
+  f.context_id = req.context_id();  // checked above: training only, well-formed, not taken
   f.output_dtype = output_dtype;
   if (req.has_output_shared_memory() || req.has_layernorm_output_shared_memory()) {
     // Room for the results, checked before the compute: rows x out_features (and x in_features).
