@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
-#include "server/core/reference_ops.h"
+#include "server/core/gemm_counters.h"
 
 namespace gradwire::server {
 namespace {

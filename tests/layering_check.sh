@@ -3,7 +3,10 @@
 # run:
 #   server/rpc          nothing from kernels/: tensors cross into the core as wire views and the
 #                       backend converts them on its device (gradwire/wire/codec.h); and no
-#                       libtorch: the core hands back encoded tensors (weights and gradients too)
+#                       libtorch, not even through the project's headers it includes (followed
+#                       transitively by tests/include_closure.py): the core hands back encoded
+#                       tensors (weights and gradients too), and what rpc includes of the core
+#                       (module_host.h, host_types.h, kind_description.h, ...) is torch-free
 #   server/ but core    no switch on the module kind: each kind declares its wire name and the
 #                       spec fields it reads (core::ModuleKindOps), so a new kind needs no case
 #                       outside server/core
@@ -41,6 +44,17 @@ check "server/rpc must not use kernels/ (convert through the backend and the wir
   '#include "gradwire/kernels/|kernels::' "${rpc[@]}"
 check "server/rpc must not use libtorch (the core hands back encoded tensors)" \
   '#include [<"](ATen|torch|c10)/|\bat::' "${rpc[@]}"
+closure() {  # closure DESCRIPTION REGEX FILE...: what FILE includes, followed through the tree
+  local what=$1 forbid=$2
+  shift 2
+  local hits
+  if ! hits=$(python3 tests/include_closure.py --forbid "$forbid" "$@"); then
+    mapfile -t lines <<<"$hits"
+    violation "$what" "${lines[@]}"
+  fi
+}
+closure "server/rpc must not reach libtorch through the headers it includes" \
+  '^(ATen|torch|c10)/' "${rpc[@]}"
 check "the wire codec must stay torch-, protobuf- and gRPC-free" \
   '#include [<"](ATen|torch|c10|google/protobuf|grpc|gradwire/v1)' \
   wire/include/gradwire/wire/codec.h wire/codec.cc
@@ -60,5 +74,5 @@ check "storage/ must stay torch-, protobuf- and gRPC-free" \
 mapfile -t client < <(find client -name '*.h' -o -name '*.cc' | grep -v '^client/load/inprocess\.cc$')
 check "client/ must not use server/ (only the load tester's in-process baseline may)" \
   '#include "server/' "${client[@]}"
-[ "$status" -eq 0 ] && echo "layering: server, server/rpc, server/core, client, storage and the wire codec keep their rules; no kind switch outside server/core"
+[ "$status" -eq 0 ] && echo "layering: server, server/rpc (libtorch-free through every header it includes), server/core, client, storage and the wire codec keep their rules; no kind switch outside server/core"
 exit "$status"

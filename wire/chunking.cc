@@ -9,13 +9,10 @@
 
 namespace gradwire::wire {
 
-int64_t ElementSize(v1::DType dtype) {
-  const absl::StatusOr<DType> d = FromProto(dtype, "");
-  return d.ok() ? ElementSize(*d) : 0;
-}
-
 absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field) {
-  const int64_t element_size = ElementSize(t.dtype());
+  // One size table: the codec's, for the dtypes the contract knows.
+  const absl::StatusOr<DType> dtype = FromProto(t.dtype(), field);
+  const int64_t element_size = dtype.ok() ? ElementSize(*dtype) : 0;
   if (element_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".dtype must be one of F32, BF16, F16, FP8_E4M3, FP8_E5M2, got ",

@@ -7,8 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/random.h"
+#include "server/core/backend.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
+#include "server/core/module_kind.h"
 
 namespace gradwire::load {
 namespace {

@@ -398,14 +398,14 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     // alone is large enough, so that small calls never wait on a lookup.
     const int64_t min_bytes = int64_t(options_.shared_memory_min_kib) << 10;
     std::optional<ModuleShape> shape = shapes_.Find(module_id);
-    if (!shape && input.numel() * wire::ElementSize(ToProto(options_.wire_dtype)) >= min_bytes) {
+    if (!shape && input.numel() * wire::ElementSize(options_.wire_dtype) >= min_bytes) {
       shape = Shape(module_id);
     }
     if (shape) {
       const int64_t rows = input.numel() / input.shape.back();
       const int64_t output = rows * shape->out, ln = shape->layernorm_output ? rows * shape->in : 0;
       const int64_t bytes =
-          (input.numel() + output + ln) * wire::ElementSize(ToProto(options_.wire_dtype));
+          (input.numel() + output + ln) * wire::ElementSize(options_.wire_dtype);
       if (bytes >= min_bytes) {
         if (auto shared =
                 ForwardShared(module_id, input, training, context_id, output, ln, answered)) {
@@ -427,7 +427,7 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     if (std::optional<ModuleShape> shape = Shape(module_id)) {
       const int64_t rows = input.numel() / input.shape.back();
       response_bytes = rows * (shape->out + (shape->layernorm_output ? shape->in : 0)) *
-                       wire::ElementSize(ToProto(options_.wire_dtype));
+                       wire::ElementSize(options_.wire_dtype);
     }
   }
   v1::ForwardResponse resp;
@@ -479,7 +479,7 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
     const int64_t elements =
         grad_output.numel() + grad_input +
         (options.grad_layernorm_output ? options.grad_layernorm_output->numel() : 0);
-    if (elements * wire::ElementSize(ToProto(options_.wire_dtype)) >=
+    if (elements * wire::ElementSize(options_.wire_dtype) >=
         int64_t(options_.shared_memory_min_kib) << 10) {
       const HostTensor* gln =
           options.grad_layernorm_output ? &*options.grad_layernorm_output : nullptr;
@@ -499,7 +499,7 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
       options.skip_grad_input ? 0
       : grad_input_elements < 0
           ? -1
-          : grad_input_elements * wire::ElementSize(ToProto(options_.wire_dtype));
+          : grad_input_elements * wire::ElementSize(options_.wire_dtype);
   v1::BackwardResponse resp;
   wire::ReceivedMessage received;
   if (UseChunked(request_bytes, response_bytes)) {
@@ -700,7 +700,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
     const std::string& module_id, const HostTensor& input, bool training,
     const std::string& context_id, int64_t output_elements, int64_t layernorm_elements,
     bool* answered) {
-  const uint64_t element = uint64_t(wire::ElementSize(ToProto(options_.wire_dtype)));
+  const uint64_t element = uint64_t(wire::ElementSize(options_.wire_dtype));
   const uint64_t in = uint64_t(input.numel()) * element, out = uint64_t(output_elements) * element,
                  ln = uint64_t(layernorm_elements) * element;
   internal::SharedMemoryPool::Lease lease = shm_->Acquire(Aligned(in) + Aligned(out) + ln);
@@ -743,7 +743,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
 std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
     const v1::BackwardRequest& header, const HostTensor& grad_output,
     const HostTensor* grad_layernorm_output, int64_t grad_input_elements) {
-  const uint64_t element = uint64_t(wire::ElementSize(ToProto(options_.wire_dtype)));
+  const uint64_t element = uint64_t(wire::ElementSize(options_.wire_dtype));
   const uint64_t go = uint64_t(grad_output.numel()) * element,
                  gln =
                      grad_layernorm_output ? uint64_t(grad_layernorm_output->numel()) * element : 0,

@@ -27,7 +27,7 @@
 #include "gradwire/wire/codec.h"
 #include "server/core/fp8_tensor.h"
 #include "server/core/quantizer.h"
-#include "server/core/recipe.h"
+#include "server/core/scaling_state.h"
 
 namespace gradwire::core {
 
@@ -188,7 +188,7 @@ class Backend {
 
   // Ends one step of the delayed-scaling recipe for `roles` (distinct indices into s, all of
   // `format`), role roles[i] having measured amaxes[i]: for each, bit for bit
-  // ScalingState::Record(amax) then Roll() (recipe.h), on the device; scale_inv = 1 / scale.
+  // ScalingState::Record(amax) then Roll() (scaling_state.h), on the device; scale_inv = 1 / scale.
   // Nothing comes back to the host. The default runs ScalingState on the host (the host
   // backends' tensors are host tensors; others' are copied out and back, synchronously); the
   // CUDA backend runs cuda::DelayedScalingRoll on its stream.

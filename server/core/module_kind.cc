@@ -120,6 +120,17 @@ const ModuleKindOps* FindKindBySpecName(absl::string_view name) {
   return nullptr;
 }
 
+const KindDescription* DescribeKind(ModuleKind kind) { return FindKind(kind); }
+
+const std::vector<const KindDescription*>& KindDescriptions() {
+  static const std::vector<const KindDescription*> kinds(Kinds().begin(), Kinds().end());
+  return kinds;
+}
+
+const KindDescription* DescribeKindBySpecName(absl::string_view name) {
+  return FindKindBySpecName(name);
+}
+
 const char* ModuleKindName(ModuleKind kind) {
   const ModuleKindOps* k = FindKind(kind);
   return k ? k->name() : "unknown";

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "gradwire/kernels/activation.h"
-#include "server/core/optimizer.h"
+#include "server/core/optimizer_config.h"
 #include "server/core/recipe.h"
 
 namespace gradwire::core {

@@ -23,15 +23,6 @@ kernels::Fp8Operand Operand(const at::Tensor& codes, const Fp8Tensor& t, bool tr
 
 at::Tensor EmptyFloat(int64_t rows, int64_t cols) { return at::empty({rows, cols}, Float32()); }
 
-std::atomic<double> g_gemm_flops{0};
-std::atomic<double> g_gemm_seconds{0};
-
-void Add(std::atomic<double>& counter, double value) {
-  double seen = counter.load(std::memory_order_relaxed);
-  while (!counter.compare_exchange_weak(seen, seen + value, std::memory_order_relaxed)) {
-  }
-}
-
 // Runs one GEMM and counts its work.
 void RunGemm(const kernels::Fp8GemmArgs& gemm) {
   const auto start = std::chrono::steady_clock::now();
@@ -41,13 +32,6 @@ void RunGemm(const kernels::Fp8GemmArgs& gemm) {
 }
 
 }  // namespace
-
-GemmCounters GemmTotals() { return {g_gemm_flops.load(), g_gemm_seconds.load()}; }
-
-void CountGemm(double flops, double seconds) {
-  Add(g_gemm_flops, flops);
-  Add(g_gemm_seconds, seconds);
-}
 
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) {
   at::Tensor y = EmptyFloat(x.rows, w.rows);

@@ -14,6 +14,7 @@
 #include "gradwire/wire/codec.h"
 #include "server/core/backend.h"
 #include "server/core/fp8_tensor.h"
+#include "server/core/gemm_counters.h"
 
 namespace gradwire::core {
 
@@ -46,14 +47,5 @@ at::Tensor BorrowF32(const wire::TensorView& v, int64_t rows, int64_t cols);
 wire::EncodedTensor EncodedFor(wire::DType dtype, std::vector<int64_t> shape, int64_t n);
 // A bfloat16 host tensor's bytes as a BF16 wire tensor, copied as they are.
 wire::EncodedTensor Bf16AsItIs(const at::Tensor& x, std::vector<int64_t> shape);
-
-// FP8 GEMM work since the process started (all threads): what metrics report as achieved FLOP/s.
-struct GemmCounters {
-  double flops = 0;    // 2 * m * n * k per GEMM
-  double seconds = 0;  // wall time inside the GEMMs
-};
-GemmCounters GemmTotals();
-// Adds one GEMM's work to the totals (backends whose GEMMs do not go through the reference's).
-void CountGemm(double flops, double seconds);
 
 }  // namespace gradwire::core

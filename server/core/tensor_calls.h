@@ -11,7 +11,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/core/backend.h"
 #include "server/core/module_host.h"
+#include "server/core/module_state.h"
 
 namespace gradwire::core {
 

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/wire/tensor.h"
-#include "server/core/module_kind.h"
+#include "server/core/kind_description.h"
 #include "server/core/status_macros.h"
 #include "server/rpc/boundary.h"
 
@@ -48,7 +48,7 @@ absl::Status RequestChecks::CheckForward(const Caller& caller,
     // What the forward would build, from the rows the input declares (a wrong last dimension is
     // the forward's INVALID_ARGUMENT).
     const int64_t rows = elements / std::max<int64_t>(1, req.input().shape(dims - 1));
-    for (const auto& [what, width] : core::FindKind(spec.kind)->BuiltWidths(spec)) {
+    for (const auto& [what, width] : core::DescribeKind(spec.kind)->BuiltWidths(spec)) {
       GW_RETURN_IF_ERROR(CheckElements(what, Saturating(rows, width), limit));
     }
   }

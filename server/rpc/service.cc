@@ -88,7 +88,7 @@ GradwireService::Unary* GradwireService::GetServerInfo(Ctx* ctx, const v1::GetSe
         resp->set_device_name(options_.device_name);
         resp->set_instance_id(instance_id_);
         resp->set_module_ttl_s(module_ttl_s());
-        for (const core::ModuleKindOps* kind : core::Kinds()) {
+        for (const core::KindDescription* kind : core::KindDescriptions()) {
           resp->add_module_kinds(KindToProto(*kind));
         }
         resp->set_modules(stats.modules);

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/core/module_kind.h"
+#include "server/core/kind_description.h"
 
 namespace gradwire::rpc {
 namespace {
@@ -17,7 +17,8 @@ std::string EnumName(const std::string& name, int value) {
 // "A, B or C": the contract's names of every kind.
 std::string KindNames() {
   std::vector<std::string> names;
-  for (const core::ModuleKindOps* kind : core::Kinds()) names.push_back(kind->spec_name());
+  for (const core::KindDescription* kind : core::KindDescriptions())
+    names.push_back(kind->spec_name());
   const std::string last = names.back();
   names.pop_back();
   return names.empty() ? last : absl::StrCat(absl::StrJoin(names, ", "), " or ", last);
@@ -100,7 +101,7 @@ void OptimizerToProto(const core::OptimizerConfig& o, v1::OptimizerConfig* out) 
 
 absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
   core::ModuleSpec spec;
-  const core::ModuleKindOps* kind = core::FindKindBySpecName(v1::ModuleKind_Name(p.kind()));
+  const core::KindDescription* kind = core::DescribeKindBySpecName(v1::ModuleKind_Name(p.kind()));
   if (kind == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.kind must be ", KindNames(), ", got ",
@@ -126,7 +127,7 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
   return spec;
 }
 
-v1::ModuleKind KindToProto(const core::ModuleKindOps& kind) {
+v1::ModuleKind KindToProto(const core::KindDescription& kind) {
   v1::ModuleKind out = v1::MODULE_KIND_UNSPECIFIED;
   v1::ModuleKind_Parse(kind.spec_name(), &out);
   return out;
@@ -135,7 +136,7 @@ v1::ModuleKind KindToProto(const core::ModuleKindOps& kind) {
 v1::ModuleSpec SpecToProto(const core::ModuleSpec& s) {
   static constexpr v1::Activation kActivations[] = {v1::GELU, v1::RELU, v1::SWIGLU, v1::GEGLU};
   v1::ModuleSpec p;
-  const core::ModuleKindOps* kind = core::FindKind(s.kind);
+  const core::KindDescription* kind = core::DescribeKind(s.kind);
   const core::SpecFields reads = kind != nullptr ? kind->spec_fields() : core::SpecFields{};
   if (kind != nullptr) p.set_kind(KindToProto(*kind));
   p.set_in_features(s.in_features);

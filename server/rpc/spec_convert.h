@@ -1,6 +1,6 @@
 // The module spec between the wire and the core: gradwire.v1.ModuleSpec <-> core::ModuleSpec, and
 // a module's description out. A pure mapping: no state, no I/O. Kinds are mapped by their
-// contract names (core::ModuleKindOps::spec_name) and a spec reports the fields its kind reads
+// contract names (core::KindDescription::spec_name) and a spec reports the fields its kind reads
 // (spec_fields), so a new kind needs nothing here.
 #pragma once
 
@@ -20,7 +20,7 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p);
 // The wire spec of a module: the fields its kind reads, the recipe and the optimizer.
 v1::ModuleSpec SpecToProto(const core::ModuleSpec& s);
 // The contract's name of a kind (MODULE_KIND_UNSPECIFIED for none).
-v1::ModuleKind KindToProto(const core::ModuleKindOps& kind);
+v1::ModuleKind KindToProto(const core::KindDescription& kind);
 void InfoToProto(const core::ModuleInfo& info, v1::ModuleInfo* out);
 
 }  // namespace gradwire::rpc

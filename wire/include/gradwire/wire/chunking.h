@@ -19,9 +19,6 @@ namespace gradwire::wire {
 // Most elements one tensor may have (also bounds the byte arithmetic).
 inline constexpr int64_t kMaxTensorElements = int64_t(1) << 31;
 
-// Bytes of one element of `dtype`; 0 for an unknown dtype.
-int64_t ElementSize(v1::DType dtype);
-
 // The data bytes `t`'s dtype and shape call for; INVALID_ARGUMENT naming `field` when the dtype
 // is unknown or the shape is empty, has a dimension < 1 or more than kMaxTensorElements elements.
 absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field);

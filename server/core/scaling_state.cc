@@ -1,4 +1,4 @@
-#include "server/core/recipe.h"
+#include "server/core/scaling_state.h"
 
 #include <algorithm>
 #include <cmath>

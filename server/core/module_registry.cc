@@ -1,0 +1,130 @@
+#include "server/core/module_registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "server/core/module.h"
+#include "server/core/status_macros.h"
+
+namespace gradwire::core {
+
+ModuleRegistry::ModuleRegistry(const Backend& backend, ContextStore& contexts,
+                               ContextStore::Clock clock)
+    : backend_(backend), contexts_(contexts), clock_(std::move(clock)) {}
+
+int64_t ModuleRegistry::NowNs() const {
+  const auto now = clock_ ? clock_() : std::chrono::steady_clock::now();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+}
+
+absl::StatusOr<ModuleInfo> ModuleRegistry::Create(const ModuleSpec& spec,
+                                                  const std::string& tenant) {
+  GW_ASSIGN_OR_RETURN(ModulePtr m, NewModule(spec, backend_));
+  m->tenant = tenant;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string id;
+  do {
+    id = RandomId128();
+  } while (modules_.count(id));
+  m->last_used_ns.store(NowNs(), std::memory_order_relaxed);
+  modules_.emplace(id, m);
+  std::lock_guard<std::mutex> module_lock(m->mu);
+  return InfoLocked(id, *m);
+}
+
+absl::Status ModuleRegistry::Insert(const std::string& id, std::shared_ptr<Module> module) {
+  module->last_used_ns.store(NowNs(), std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!modules_.emplace(id, std::move(module)).second) {
+    return absl::AlreadyExistsError(absl::StrCat("module_id ", id, " exists"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Module>> ModuleRegistry::Find(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = modules_.find(module_id);
+  if (it == modules_.end()) {
+    return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
+  }
+  it->second->last_used_ns.store(NowNs(), std::memory_order_relaxed);
+  return it->second;
+}
+
+std::vector<std::string> ModuleRegistry::ExpireIdle(double ttl_s) {
+  std::vector<std::string> expired;
+  if (!(ttl_s > 0)) return expired;
+  const int64_t cutoff = NowNs() - int64_t(ttl_s * 1e9);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = modules_.begin(); it != modules_.end();) {
+      // Under mu_: a call that finds the module from here on renews it first, or finds it gone.
+      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+        expired.push_back(it->first);
+        it = modules_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const std::string& id : expired) contexts_.ReleaseModule(id);
+  expired_ += int64_t(expired.size());
+  return expired;
+}
+
+ModuleInfo ModuleRegistry::InfoLocked(const std::string& id, const Module& m) const {
+  return ModuleInfo{
+      id, m.tenant, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps, m.Names()};
+}
+
+absl::StatusOr<ModuleInfo> ModuleRegistry::Info(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  std::lock_guard<std::mutex> lock(m->mu);
+  return InfoLocked(module_id, *m);
+}
+
+absl::Status ModuleRegistry::CheckTenant(const std::string& module_id,
+                                         const std::string& tenant) const {
+  auto m = Find(module_id);
+  if (!m.ok()) return m.status();
+  if ((*m)->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<ModuleInfo> ModuleRegistry::List(const std::string* tenant) const {
+  std::map<std::string, std::shared_ptr<Module>> snapshot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    snapshot = modules_;
+  }
+  std::vector<ModuleInfo> out;
+  for (const auto& [id, m] : snapshot) {
+    if (tenant != nullptr && m->tenant != *tenant) continue;
+    std::lock_guard<std::mutex> lock(m->mu);
+    out.push_back(InfoLocked(id, *m));
+  }
+  return out;
+}
+
+absl::StatusOr<ModuleSpec> ModuleRegistry::Spec(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  return m->spec;
+}
+
+absl::Status ModuleRegistry::Delete(const std::string& module_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!modules_.erase(module_id)) {
+      return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
+    }
+  }
+  contexts_.ReleaseModule(module_id);
+  return absl::OkStatus();
+}
+
+int64_t ModuleRegistry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return int64_t(modules_.size());
+}
+
+}  // namespace gradwire::core

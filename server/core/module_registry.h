@@ -1,0 +1,64 @@
+// The module registry: which modules exist, under which ids, owned by which tenant, and when a
+// call last named each (--module-ttl). Transport-free and thread-safe; the modules themselves
+// (module.h) have their own locks.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/core/context_store.h"
+#include "server/core/host_types.h"
+#include "server/core/module_spec.h"
+
+namespace gradwire::core {
+
+class Backend;
+struct Module;
+
+class ModuleRegistry {
+ public:
+  // Modules compute on `backend`; a module's contexts live in `contexts` (released with it);
+  // `clock` (tests) replaces the steady clock for lifetimes.
+  ModuleRegistry(const Backend& backend, ContextStore& contexts, ContextStore::Clock clock);
+
+  // A new module of `spec` (validated, parameters initialised from its seed) owned by `tenant`,
+  // under a fresh random id.
+  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant);
+  // Registers a module built elsewhere (a checkpoint's) under `id`; ALREADY_EXISTS when taken.
+  absl::Status Insert(const std::string& id, std::shared_ptr<Module> module);
+  // The module, renewed (its lifetime starts again); NOT_FOUND naming the id.
+  absl::StatusOr<std::shared_ptr<Module>> Find(const std::string& module_id) const;
+
+  absl::StatusOr<ModuleInfo> Info(const std::string& module_id) const;
+  absl::StatusOr<ModuleSpec> Spec(const std::string& module_id) const;
+  std::vector<ModuleInfo> List(const std::string* tenant) const;
+  // NOT_FOUND, worded exactly as for an unknown id, unless the module belongs to `tenant`.
+  absl::Status CheckTenant(const std::string& module_id, const std::string& tenant) const;
+  // Removes the module and releases its contexts.
+  absl::Status Delete(const std::string& module_id);
+  // Removes, with their contexts, the modules no call named for `ttl_s` seconds; their ids.
+  std::vector<std::string> ExpireIdle(double ttl_s);
+
+  int64_t size() const;
+  int64_t expired() const { return expired_.load(); }
+
+ private:
+  ModuleInfo InfoLocked(const std::string& id, const Module& m) const;
+  int64_t NowNs() const;
+
+  const Backend& backend_;
+  ContextStore& contexts_;
+  ContextStore::Clock clock_;  // null: the steady clock
+  std::atomic<int64_t> expired_{0};
+  mutable std::mutex mu_;  // guards modules_
+  std::map<std::string, std::shared_ptr<Module>> modules_;
+};
+
+}  // namespace gradwire::core
