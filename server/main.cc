@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "server/config.h"
-#include "server/core/cpu_gemm.h"
+#include "server/device/cpu_gemm.h"
 #include "server/core/heap_trim.h"
 #include "server/logging.h"
 #include "server/rpc/auth.h"

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
-#include "server/core/gemm_counters.h"
+#include "server/device/gemm_counters.h"
 
 namespace gradwire::server {
 namespace {

@@ -21,7 +21,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/cpu_gemm.h"
+#include "server/device/cpu_gemm.h"
 #include "server/core/heap_trim.h"
 #include "server/rpc/boundary.h"
 

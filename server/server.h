@@ -15,7 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 #include "server/core/checkpoint.h"
 #include "server/core/context_store.h"
 #include "server/core/executor.h"

@@ -12,6 +12,8 @@
 #                       outside server/core
 #   wire codec          gradwire/wire/codec.h and its .cc: no libtorch, no protobuf, no gRPC
 #   server/core         no gRPC and no generated protocol code: the core is transport-free
+#   server/device       the device layer below the modules: nothing of server/core, server/rpc,
+#                       gRPC or the generated messages
 #   server/             nothing from client/: the server and the clients share only proto/,
 #                       wire/ and storage/
 #   storage/            no libtorch, no protobuf, no gRPC
@@ -62,6 +64,11 @@ mapfile -t core < <(find server/core -name '*.h' -o -name '*.cc')
 check "server/core must be transport-free (no gRPC, no generated messages)" \
   '#include [<"](grpc|grpcpp|gradwire/v1/|gradwire/wire/tensor.h|gradwire/wire/chunking.h)' \
   "${core[@]}"
+mapfile -t device < <(find server/device -name '*.h' -o -name '*.cc')
+check "server/device is below the modules: nothing of server/core, server/rpc, gRPC or messages" \
+  '#include [<"](grpc|grpcpp|gradwire/v1/|server/core/|server/rpc/)' "${device[@]}"
+check "server/rpc must not use server/device (the core hands it encoded tensors)" \
+  '#include "server/device/' "${rpc[@]}"
 mapfile -t server < <(find server -name '*.h' -o -name '*.cc')
 check "server/ must not use client/ (shared code lives in wire/ and storage/)" \
   '#include "gradwire/client/|#include "client/' "${server[@]}"
@@ -74,5 +81,5 @@ check "storage/ must stay torch-, protobuf- and gRPC-free" \
 mapfile -t client < <(find client -name '*.h' -o -name '*.cc' | grep -v '^client/load/inprocess\.cc$')
 check "client/ must not use server/ (only the load tester's in-process baseline may)" \
   '#include "server/' "${client[@]}"
-[ "$status" -eq 0 ] && echo "layering: server, server/rpc (libtorch-free through every header it includes), server/core, client, storage and the wire codec keep their rules; no kind switch outside server/core"
+[ "$status" -eq 0 ] && echo "layering: server, server/rpc (libtorch-free through every header it includes), server/core, server/device, client, storage and the wire codec keep their rules; no kind switch outside server/core"
 exit "$status"

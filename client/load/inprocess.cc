@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/random.h"
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
 #include "server/core/module_kind.h"

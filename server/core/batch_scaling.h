@@ -6,9 +6,9 @@
 #include <memory>
 #include <vector>
 
-#include "server/core/device_scaling.h"
+#include "server/device/device_scaling.h"
 #include "server/core/module_kind.h"
-#include "server/core/quantizer.h"
+#include "server/device/quantizer.h"
 
 namespace gradwire::core {
 

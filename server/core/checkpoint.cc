@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gradwire/storage/safetensors_file.h"
 #include "server/core/module_state.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 namespace {

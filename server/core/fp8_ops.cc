@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

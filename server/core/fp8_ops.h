@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/core/backend.h"
-#include "server/core/fp8_tensor.h"
-#include "server/core/quantizer.h"
+#include "server/device/backend.h"
+#include "server/device/fp8_tensor.h"
+#include "server/device/quantizer.h"
 #include "server/core/saved_tensors.h"
 
 namespace gradwire::core {

@@ -17,8 +17,8 @@
 #include <optional>
 #include <vector>
 
-#include "server/core/backend.h"
-#include "server/core/fp8_tensor.h"
+#include "server/device/backend.h"
+#include "server/device/fp8_tensor.h"
 #include "server/core/params.h"
 
 namespace gradwire::core {

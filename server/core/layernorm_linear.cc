@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "server/core/linear.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

@@ -17,8 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/backend.h"
-#include "server/core/device_scaling.h"
+#include "server/device/backend.h"
+#include "server/device/device_scaling.h"
 #include "server/core/gradients.h"
 #include "server/core/host_types.h"
 #include "server/core/module_kind.h"

@@ -4,7 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

@@ -24,7 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 #include "server/core/fp8_ops.h"
 #include "server/core/gradients.h"
 #include "server/core/kind_description.h"

@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/core/module.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

@@ -8,7 +8,7 @@
 
 #include "gradwire/kernels/activation.h"
 #include "server/core/optimizer_config.h"
-#include "server/core/recipe.h"
+#include "server/device/recipe.h"
 
 namespace gradwire::core {
 

@@ -11,7 +11,7 @@
 #include "server/core/module.h"
 #include "server/core/module_registry.h"
 #include "server/core/module_state.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

@@ -10,7 +10,7 @@
 #include "server/core/batch_scaling.h"
 #include "server/core/module.h"
 #include "server/core/module_registry.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 #include "server/core/step_runner.h"
 
 namespace gradwire::core {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 #include "server/core/module_host.h"
 #include "server/core/module_state.h"
 

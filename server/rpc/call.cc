@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/boundary.h"
 

@@ -7,7 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "gradwire/wire/tensor.h"
 #include "server/core/kind_description.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 #include "server/rpc/boundary.h"
 
 namespace gradwire::rpc {

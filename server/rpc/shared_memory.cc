@@ -20,7 +20,7 @@
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
 #include "server/core/heap_trim.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 #include "server/rpc/boundary.h"
 #include "spdlog/spdlog.h"
 

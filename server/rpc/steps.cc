@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/tensor.h"
-#include "server/core/status_macros.h"
+#include "server/common/status_macros.h"
 #include "server/rpc/boundary.h"
 #include "server/rpc/service.h"
 #include "server/rpc/service_util.h"

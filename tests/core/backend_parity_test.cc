@@ -32,9 +32,9 @@
 #include <vector>
 
 #include "queued_reads_backend.h"
-#include "server/core/backend.h"
-#include "server/core/cpu_gemm.h"
-#include "server/core/device_scaling.h"
+#include "server/device/backend.h"
+#include "server/device/cpu_gemm.h"
+#include "server/device/device_scaling.h"
 #include "server/core/fp8_ops.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "queued_reads_backend.h"
-#include "server/core/cpu_gemm.h"
+#include "server/device/cpu_gemm.h"
 #include "server/core/module_host.h"
-#include "server/core/reference_backend.h"
+#include "server/device/reference_backend.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 

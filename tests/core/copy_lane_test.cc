@@ -3,7 +3,7 @@
 // the test drains the queues in both orders: work the lane left unordered then runs in the order
 // that breaks it, and shows as wrong bytes. A pageable copy to the device takes the host's bytes
 // when it is queued (as a driver's staging does) and crosses when its queue runs.
-#include "server/core/copy_lane.h"
+#include "server/device/copy_lane.h"
 
 #include <gtest/gtest.h>
 

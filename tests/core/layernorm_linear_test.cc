@@ -7,7 +7,7 @@
 #include <cmath>
 #include <tuple>
 
-#include "server/core/reference_ops.h"
+#include "server/device/reference_ops.h"
 #include "test_util.h"
 
 namespace gradwire::core {

@@ -14,7 +14,7 @@
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/dtype.h"
 #include "server/core/linear.h"
-#include "server/core/quantizer.h"
+#include "server/device/quantizer.h"
 #include "test_util.h"
 #include "tests/kernels/cuda_test_util.h"
 

@@ -9,7 +9,7 @@
 
 #include "server/core/checkpoint.h"
 #include "server/core/linear.h"
-#include "server/core/reference_backend.h"
+#include "server/device/reference_backend.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/core/reference_backend.h"
+#include "server/device/reference_backend.h"
 
 namespace gradwire::testing {
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "gradwire/kernels/cuda/recipe.h"
-#include "server/core/scaling_state.h"
+#include "server/device/scaling_state.h"
 #include "test_util.h"
 #include "tests/kernels/cuda_test_util.h"
 

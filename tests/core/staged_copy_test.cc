@@ -1,7 +1,7 @@
 // StagedCopier's pipeline on a simulated asynchronous stream: queued copies run only when a wait
 // (or the test's final sync) reaches them, as on a GPU stream, so a slot refilled before its
 // crossing ran, or read before its crossing arrived, shows as wrong bytes.
-#include "server/core/staged_copy.h"
+#include "server/device/staged_copy.h"
 
 #include <gtest/gtest.h>
 

@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "gradwire/kernels/activation.h"
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 #include "server/core/gradients.h"
 #include "server/core/module_kind.h"
 #include "server/core/module_spec.h"
-#include "server/core/quantizer.h"
-#include "server/core/recipe.h"
+#include "server/device/quantizer.h"
+#include "server/device/recipe.h"
 
 namespace gradwire::testing {
 

@@ -7,7 +7,7 @@
 #include "server/core/linear.h"
 #include "server/core/module_host.h"
 #include "server/core/optimizer.h"
-#include "server/core/recipe.h"
+#include "server/device/recipe.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/core/cpu_gemm.h"
+#include "server/device/cpu_gemm.h"
 #include "server/rpc/auth.h"
 #include "test_server.h"
 

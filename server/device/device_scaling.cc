@@ -1,4 +1,4 @@
-#include "server/core/device_scaling.h"
+#include "server/device/device_scaling.h"
 
 #include <ATen/ATen.h>
 

@@ -6,8 +6,8 @@
 #include <deque>
 
 #include "gradwire/kernels/fp8.h"
-#include "server/core/quantizer.h"
-#include "server/core/recipe.h"
+#include "server/device/quantizer.h"
+#include "server/device/recipe.h"
 
 namespace gradwire::core {
 

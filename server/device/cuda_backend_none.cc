@@ -1,5 +1,5 @@
 // Builds without the CUDA backend (GRADWIRE_CUDA off): MakeCudaBackend says why.
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 
 namespace gradwire::core {
 

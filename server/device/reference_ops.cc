@@ -1,4 +1,4 @@
-#include "server/core/reference_ops.h"
+#include "server/device/reference_ops.h"
 
 #include <ATen/ATen.h>
 

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/fp8.h"
-#include "server/core/fp8_tensor.h"
+#include "server/device/fp8_tensor.h"
 
 namespace gradwire::core {
 

@@ -1,4 +1,4 @@
-#include "server/core/copy_lane.h"
+#include "server/device/copy_lane.h"
 
 #include <algorithm>
 #include <stdexcept>

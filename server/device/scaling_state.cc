@@ -1,4 +1,4 @@
-#include "server/core/scaling_state.h"
+#include "server/device/scaling_state.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "server/core/gemm_counters.h"
+#include "server/device/gemm_counters.h"
 
 #include <atomic>
 

@@ -1,4 +1,4 @@
-#include "server/core/staged_copy.h"
+#include "server/device/staged_copy.h"
 
 #include <algorithm>
 #include <cstring>

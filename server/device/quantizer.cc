@@ -1,4 +1,4 @@
-#include "server/core/quantizer.h"
+#include "server/device/quantizer.h"
 
 #include <ATen/ATen.h>
 

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "gradwire/kernels/fp8.h"
-#include "server/core/backend.h"
-#include "server/core/recipe.h"
+#include "server/device/backend.h"
+#include "server/device/recipe.h"
 
 namespace gradwire::core {
 

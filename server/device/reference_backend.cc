@@ -1,4 +1,4 @@
-#include "server/core/reference_backend.h"
+#include "server/device/reference_backend.h"
 
 #include <ATen/ATen.h>
 
@@ -6,7 +6,7 @@
 
 #include "gradwire/kernels/ref/activation.h"
 #include "gradwire/kernels/ref/cast.h"
-#include "server/core/reference_ops.h"
+#include "server/device/reference_ops.h"
 
 namespace gradwire::core {
 

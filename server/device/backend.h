@@ -5,7 +5,7 @@
 //
 //   ReferenceBackend  kernels/ref, single-threaded: the definition of the numerics
 //   CpuBackend        kernels/ref casts, GEMMs on BLAS, multi-threaded (cpu_backend.cc)
-//   CudaBackend       kernels/cuda + cuBLASLt on one GPU (cuda_backend.cc, GRADWIRE_CUDA builds)
+//   CudaBackend       kernels/cuda + cuBLASLt on one GPU (cuda/, GRADWIRE_CUDA builds)
 //
 // Tensors a backend takes and returns live on its device (device()), fp32 unless named
 // otherwise, contiguous and 2-D ([rows, cols]). Host tensors cross with ToDevice/ToHost. Every
@@ -25,9 +25,9 @@
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/activation.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/fp8_tensor.h"
-#include "server/core/quantizer.h"
-#include "server/core/scaling_state.h"
+#include "server/device/fp8_tensor.h"
+#include "server/device/quantizer.h"
+#include "server/device/scaling_state.h"
 
 namespace gradwire::core {
 
@@ -236,7 +236,7 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device = 0);
 // True when this build compiled the CUDA backend in.
 bool CudaBackendBuilt();
 
-// Pinned staging for the CUDA backend's wire crossings (server/core/staged_copy.h): the chunk
+// Pinned staging for the CUDA backend's wire crossings (server/device/staged_copy.h): the chunk
 // size in bytes of its two pinned slots, 0 for plain pageable copies. A CUDA backend reads it when
 // it is made. gradwire-server, gradwire-load and step_breakdown always set it from their
 // --cuda-staging-mib; elsewhere (the test binaries) GRADWIRE_CUDA_STAGING_MIB (MiB, at most 1024)

@@ -29,7 +29,7 @@
 #include <mutex>
 #include <vector>
 
-#include "server/core/staged_copy.h"
+#include "server/device/staged_copy.h"
 
 namespace gradwire::core {
 

@@ -20,10 +20,10 @@
 #include "gradwire/kernels/cpu/parallel.h"
 #include "gradwire/kernels/cpu/scratch.h"
 #include "gradwire/kernels/ref/cast.h"
-#include "server/core/backend.h"
-#include "server/core/cpu_gemm.h"
-#include "server/core/reference_backend.h"
-#include "server/core/reference_ops.h"
+#include "server/device/backend.h"
+#include "server/device/cpu_gemm.h"
+#include "server/device/reference_backend.h"
+#include "server/device/reference_ops.h"
 
 namespace gradwire::core {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 
 namespace gradwire::core {
 

@@ -1,4 +1,4 @@
-#include "server/core/fp8_tensor.h"
+#include "server/device/fp8_tensor.h"
 
 #include <mutex>
 #include <stdexcept>

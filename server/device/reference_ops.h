@@ -12,9 +12,9 @@
 
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/backend.h"
-#include "server/core/fp8_tensor.h"
-#include "server/core/gemm_counters.h"
+#include "server/device/backend.h"
+#include "server/device/fp8_tensor.h"
+#include "server/device/gemm_counters.h"
 
 namespace gradwire::core {
 

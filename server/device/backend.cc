@@ -1,5 +1,5 @@
 // What every backend shares: fresh fp32 tensors on its device.
-#include "server/core/backend.h"
+#include "server/device/backend.h"
 
 #include <ATen/ATen.h>
 
