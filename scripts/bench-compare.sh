@@ -2,8 +2,9 @@
 # Two builds of gradwire side by side in one run on one machine: for the cases of
 # scripts/bench-cpu.sh (Linear 1024->1024 at 16, 256 and 4096 rows; LayerNormMLP 1024/4096 at 256
 # rows), each tree's gradwire-load runs training steps against that tree's gradwire-server
-# (remote) and in its own process (in-process), the two trees taking turns case by case, and the
-# table gives after / before for both. For a change that must not make the CPU paths slower.
+# (remote) and in its own process (in-process), the two trees taking turns case by case in the
+# order before, after, after, before (so neither always runs first), and the table gives
+# after / before for both. For a change that must not make the CPU paths slower.
 #   scripts/bench-compare.sh BEFORE_ROOT AFTER_ROOT [OUT.json] [SECONDS per case and mode, 5]
 # Each root is a source tree with build/server/gradwire-server and build/client/gradwire-load
 # built (scripts/build.sh gradwire-server gradwire-load there).
@@ -28,12 +29,14 @@ cases="linear:1024:1024:0:16 linear:1024:1024:0:256 linear:1024:1024:0:4096 mlp:
 for c in $cases; do
   IFS=: read -r kind in outf ffn rows <<< "$c"
   module=(--kind linear); [ "$kind" = mlp ] && module=(--kind layernorm-mlp --ffn "$ffn")
-  for tree in before after; do
+  pass=0
+  for tree in before after after before; do
+    pass=$((pass + 1))
     root=$before; [ "$tree" = after ] && root=$after
     "$root/build/client/gradwire-load" --server "$(cat "$tmp/$tree.addr")" "${module[@]}" \
       --in "$in" --out "$outf" --rows "$rows" --flow step --warmup 1 --duration "$secs" \
-      --baselines --rounds 2 --json "$tmp/$tree-$kind-$rows.json" > "$tmp/$tree-$kind-$rows.txt" 2>&1 ||
-      { cat "$tmp/$tree-$kind-$rows.txt"; exit 1; }
+      --baselines --json "$tmp/$tree-$kind-$rows-$pass.json" > "$tmp/$tree.txt" 2>&1 ||
+      { cat "$tmp/$tree.txt"; exit 1; }
   done
   echo "bench-compare: $kind rows $rows done"
 done
@@ -45,19 +48,20 @@ tmp, out, cases, before, after = sys.argv[1], sys.argv[2], sys.argv[3].split(), 
 def commit(root):
     return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
-def rates(path):
-    load = json.load(open(path))
-    modes = {x["mode"] for x in load["runs"]}
+def rates(pattern):
+    import glob
+    runs = [x for path in glob.glob(pattern) for x in json.load(open(path))["runs"]]
+    modes = {x["mode"] for x in runs}
     remote = "remote-shm" if "remote-shm" in modes else "remote"
-    return {m: sum(x["requests"] for x in load["runs"] if x["mode"] == src) /
-               sum(x["seconds"] for x in load["runs"] if x["mode"] == src)
+    return {m: sum(x["requests"] for x in runs if x["mode"] == src) /
+               sum(x["seconds"] for x in runs if x["mode"] == src)
             for m, src in (("remote", remote), ("in-process", "in-process"))}
 rows = []
 print(f"{'case':<26} {'remote before':>13} {'after':>8} {'ratio':>6} | "
       f"{'in-proc before':>14} {'after':>8} {'ratio':>6}")
 for c in cases:
     kind, d_in, d_out, ffn, r = c.split(":")
-    b, a = rates(f"{tmp}/before-{kind}-{r}.json"), rates(f"{tmp}/after-{kind}-{r}.json")
+    b, a = rates(f"{tmp}/before-{kind}-{r}-*.json"), rates(f"{tmp}/after-{kind}-{r}-*.json")
     row = {"kind": kind, "in": int(d_in), "out": int(d_out), "ffn": int(ffn), "rows": int(r),
            "before_remote_steps_per_s": b["remote"], "after_remote_steps_per_s": a["remote"],
            "before_inprocess_steps_per_s": b["in-process"],

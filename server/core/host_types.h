@@ -70,6 +70,12 @@ struct RoleScaling {
   std::deque<float> history;  // most recent first
 };
 
+// What ran as one call of several requests (0 when none did): the batch former's report.
+struct BatchRan {
+  int64_t requests = 0;
+  int64_t rows = 0;
+};
+
 struct HostStats {
   int64_t modules = 0;
   int64_t live_contexts = 0;

@@ -1,12 +1,12 @@
 #include "server/core/module_host.h"
 
-#include "server/device/backend.h"
+#include "server/common/status_macros.h"
 #include "server/core/module_registry.h"
 #include "server/core/module_state.h"
 #include "server/core/parameter_store.h"
 #include "server/core/state_io.h"
-#include "server/common/status_macros.h"
 #include "server/core/step_runner.h"
+#include "server/device/backend.h"
 
 namespace gradwire::core {
 
@@ -63,10 +63,7 @@ absl::StatusOr<std::optional<wire::EncodedTensor>> ModuleHost::Backward(
 std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> ModuleHost::BackwardBatch(
     const std::vector<std::string>& context_ids,
     const std::vector<const WireBackwardRequest*>& reqs, BatchRan* ran) {
-  StepRunner::BatchRan got;
-  auto results = steps_->Backward(context_ids, reqs, &got);
-  if (ran != nullptr) *ran = BatchRan{got.requests, got.rows};
-  return results;
+  return steps_->Backward(context_ids, reqs, ran);
 }
 absl::Status ModuleHost::ReleaseContext(const std::string& context_id,
                                         ContextStore::ReleaseReason reason) {

@@ -77,10 +77,7 @@ class ModuleHost {
       const std::string& module_id, const std::vector<const WireForwardRequest*>& reqs);
   absl::StatusOr<std::optional<wire::EncodedTensor>> Backward(const std::string& context_id,
                                                               const WireBackwardRequest& req);
-  struct BatchRan {
-    int64_t requests = 0;
-    int64_t rows = 0;
-  };
+  using BatchRan = core::BatchRan;
   std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> BackwardBatch(
       const std::vector<std::string>& context_ids,
       const std::vector<const WireBackwardRequest*>& reqs, BatchRan* ran = nullptr);

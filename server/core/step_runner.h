@@ -60,10 +60,6 @@ class StepRunner {
   // GEMMs, added to the accumulators request by request. When a value comes out non-finite at
   // request j, j and those after it run alone, in order, after the ones before it were committed.
   // `ran`, when given, gets the requests and rows that ran together (0 when none did).
-  struct BatchRan {
-    int64_t requests = 0;
-    int64_t rows = 0;
-  };
   std::vector<absl::StatusOr<std::optional<wire::EncodedTensor>>> Backward(
       const std::vector<std::string>& context_ids,
       const std::vector<const WireBackwardRequest*>& reqs, BatchRan* ran = nullptr);
