@@ -89,7 +89,7 @@ GW_HD uint32_t AmaxBitsHD(float x) {
   return m > 0x7F800000u ? 0x7FC00000u : m;
 }
 
-// The max of the delayed-scaling roll (server/core/recipe.cc): a NaN on either side wins.
+// The max of the delayed-scaling roll (server/device/scaling_state.cc): a NaN on either side wins.
 GW_HD float NanMaxHD(float acc, float a) { return IsNanHD(a) || a > acc ? a : acc; }
 
 }  // namespace gradwire::kernels::cuda

@@ -1,4 +1,4 @@
-// The device delayed-scaling roll against ScalingState (server/core/recipe.cc), step by step, bit
+// The device delayed-scaling roll against ScalingState (server/device/scaling_state.cc), step by step, bit
 // for bit: history, scale, scale_inv. Skipped, visibly, where there is no CUDA device.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Delayed scaling on the device: the end-of-step roll of ScalingState (server/core/recipe.cc) for
+// Delayed scaling on the device: the end-of-step roll of ScalingState (server/device/scaling_state.cc) for
 // many tensors in one kernel, bit-exact with it.
 #pragma once
 
