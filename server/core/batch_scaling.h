@@ -6,8 +6,8 @@
 #include <memory>
 #include <vector>
 
-#include "server/device/device_scaling.h"
 #include "server/core/module_kind.h"
+#include "server/device/device_scaling.h"
 #include "server/device/quantizer.h"
 
 namespace gradwire::core {

@@ -17,12 +17,12 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/wire/codec.h"
-#include "server/device/backend.h"
-#include "server/device/device_scaling.h"
 #include "server/core/gradients.h"
 #include "server/core/host_types.h"
 #include "server/core/module_kind.h"
 #include "server/core/optimizer.h"
+#include "server/device/backend.h"
+#include "server/device/device_scaling.h"
 
 namespace gradwire::core {
 

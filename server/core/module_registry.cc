@@ -1,8 +1,8 @@
 #include "server/core/module_registry.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/core/module.h"
 #include "server/common/status_macros.h"
+#include "server/core/module.h"
 
 namespace gradwire::core {
 

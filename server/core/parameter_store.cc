@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/status_macros.h"
 #include "server/core/module.h"
 #include "server/core/module_registry.h"
-#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

@@ -8,10 +8,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/common/status_macros.h"
 #include "server/core/module.h"
 #include "server/core/module_registry.h"
 #include "server/core/module_state.h"
-#include "server/common/status_macros.h"
 
 namespace gradwire::core {
 

@@ -7,10 +7,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/status_macros.h"
 #include "server/core/batch_scaling.h"
 #include "server/core/module.h"
 #include "server/core/module_registry.h"
-#include "server/common/status_macros.h"
 #include "server/core/step_runner.h"
 
 namespace gradwire::core {

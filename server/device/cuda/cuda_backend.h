@@ -241,7 +241,7 @@ class CudaBackend final : public Backend {
   int device_;
   std::string description_;
   std::unique_ptr<CopyStream> copy_;  // made first: the staging and the lane queue work on it
-  const cudaStream_t copy_stream_;  // copy_'s stream, or the compute stream (see the constructor)
+  const cudaStream_t copy_stream_;    // copy_'s stream, or the compute stream (see the constructor)
   std::unique_ptr<PinnedStaging> staging_;  // null: plain copies (CudaStaging() 0)
   // Landing blocks the lane holds (touched only under the lane's lock).
   mutable std::map<void*, at::Tensor> landings_;
