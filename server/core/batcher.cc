@@ -31,9 +31,7 @@ int64_t BatchFormer::open() const {
 
 int64_t BatchFormer::waiting() const {
   std::lock_guard<std::mutex> lock(state_->mu);
-  int64_t n = 0;
-  for (const auto& [key, batch] : state_->open) n += int64_t(batch->members.size());
-  return n;
+  return state_->waiting;
 }
 
 bool BatchFormer::Run::OthersWaiting() const {
@@ -45,24 +43,43 @@ void BatchFormer::Run::GiveBack(std::vector<Member>& members, size_t from) {
   members.resize(std::min(from, members.size()));
 }
 
-void BatchFormer::Add(const std::string& key, Member member, Runner run) {
+void BatchFormer::Add(const std::string& key, Member member, Runner run, Order* order) {
   std::shared_ptr<Open> batch;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->waiting;
     auto it = state_->open.find(key);
-    if (it != state_->open.end() && it->second->rows + member.rows <= options_.max_rows) {
-      it->second->rows += member.rows;
-      it->second->members.push_back(std::move(member));
+    bool join = it != state_->open.end() && it->second->rows + member.rows <= options_.max_rows;
+    if (join && order != nullptr) {
+      join = order->submitted_ ? order->last_.lock() == it->second
+                               : it->second->client == member.client;
+    }
+    if (join) {
+      Open& open = *it->second;
+      open.rows += member.rows;
+      open.members.push_back(std::move(member));
+      if (order != nullptr) {
+        open.ordered = true;
+        order->submitted_ = true;
+        order->last_ = it->second;
+      }
       state_->joined.notify_all();
       return;
     }
     batch = std::make_shared<Open>();
     batch->first = std::chrono::steady_clock::now();
     batch->rows = member.rows;
+    batch->client = member.client;
+    batch->ordered = order != nullptr;
     batch->members.push_back(member);
     // A full batch, or a request bigger than a batch, runs as it is; the next request of its key
-    // opens a new one.
+    // opens a new one. A batch a stream's request could not join stops taking requests: this one
+    // is the key's open batch now.
     if (batch->rows < options_.max_rows) state_->open[key] = batch;
+    if (order != nullptr) {
+      order->submitted_ = true;
+      order->last_ = batch;
+    }
   }
   // The client is this request's own copy: once the batch is open, others join it concurrently.
   Launch(executor_, state_, options_, observer_, key, member.client, std::move(batch),
@@ -77,6 +94,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
     std::vector<Member> members;
     double waited = 0;
     bool given_back_before = false;
+    bool ordered = false;
     {
       std::unique_lock<std::mutex> lock(state->mu);
       if (options.delay.count() > 0 && batch->rows < options.max_rows && executor.queued() == 0) {
@@ -89,7 +107,9 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
       auto it = state->open.find(key);
       if (it != state->open.end() && it->second == batch) state->open.erase(it);
       members = std::move(batch->members);
+      state->waiting -= int64_t(members.size());
       given_back_before = batch->given_back;
+      ordered = batch->ordered;
     }
     auto charge = [&] {
       std::vector<std::pair<std::string, double>> shares;
@@ -105,7 +125,8 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
     }
     // A batch holding requests given back once does not yield again: each request is cut at
     // most once, so two busy tenants cannot split each other's batches down to single requests.
-    Run control(executor, std::move(clients), options.yield && !given_back_before);
+    // Nor does one holding a stream's requests, which must run in their order.
+    Run control(executor, std::move(clients), options.yield && !given_back_before && !ordered);
     // The rest go to the front of their key's open batch (they came first), or form a new one
     // that keeps their original start (it waited for company already). The executor has one
     // worker: the open batch's task cannot be running now, so it has not taken its members.
@@ -118,6 +139,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
         std::lock_guard<std::mutex> lock(state->mu);
         int64_t rest_rows = 0;
         for (const Member& m : rest) rest_rows += m.rows;
+        state->waiting += int64_t(rest.size());
         auto it = state->open.find(key);
         if (it != state->open.end() && it->second->rows + rest_rows <= options.max_rows) {
           Open& open = *it->second;
@@ -136,6 +158,7 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
         again->given_back = true;
         rest.clear();
         first_client = again->members.front().client;
+        again->client = first_client;
         if (it == state->open.end() && again->rows < options.max_rows) state->open[key] = again;
       }
       Launch(executor, state, options, observer, key, first_client, std::move(again), run);

@@ -140,6 +140,18 @@ class CallBase {
   const char* method() const { return method_; }
   const RequestId& request() const { return request_; }
 
+  // A reference to the call, held until the pointer is dropped: work that finishes the call
+  // after its queued task returned (a job of a batch) holds one.
+  std::shared_ptr<const CallBase> Hold() const {
+    const_cast<CallBase*>(this)->Ref();
+    return std::shared_ptr<const CallBase>(
+        this, [](const CallBase* c) { const_cast<CallBase*>(c)->Unref(); });
+  }
+
+  // What queues a call's work instead of its executor (the batch former, which runs it on the
+  // device executor in a batch): see AdmitAndRun.
+  using Submitter = std::function<void(std::function<void()> task)>;
+
   // Where a call's work runs.
   enum class RunOn {
     kDevice,   // the device executor (compute)
@@ -157,7 +169,6 @@ class CallBase {
   // runs nothing, when the call is not admitted. Inline work is counted in no queue.
   // `submit`, when given, queues the work instead of `on`'s executor (a batch former that puts
   // it in a batch and runs it on the device executor).
-  using Submitter = std::function<void(std::function<void()> task)>;
   absl::Status AdmitAndRun(const std::string& module_id, const std::string& context_id, RunOn on,
                            std::function<void(absl::Status started)> run,
                            std::function<void(absl::Status)> on_error, Submitter submit = nullptr);

@@ -168,20 +168,15 @@ class ChunkedRequestCall : public Call<Reactor> {
     absl::Status s = reader_.Complete();
     const RequestIds ids = IdsOf(reader_.request());
     this->NoteIds(ids.module_id, ids.context_id);
-    if (s.ok()) {
-      s = this->AdmitAndRun(
-          ids.module_id, ids.context_id, CallBase::RunOn::kDevice,
-          [this](absl::Status started) { Run(std::move(started)); },
-          [this](absl::Status failed) { this->End(std::move(failed)); });
-    }
+    if (s.ok()) s = Admit(ids);
     if (!s.ok()) {
       reader_.Drop();
       this->End(s);
     }
   }
 
-  // On the executor, with the assembled request in reader_ (`started`: see AdmitAndRun).
-  virtual void Run(absl::Status started) = 0;
+  // Admits the assembled request (in reader_) and queues its work.
+  virtual absl::Status Admit(const RequestIds& ids) = 0;
 
   PartReader<Req, ReqPart> reader_;
   Incoming incoming_;
@@ -198,9 +193,12 @@ class ChunkedBidiCall final
                                   grpc::ByteBuffer, Req, ReqPart>;
 
  public:
+  // `enter` hands the request to the pipeline (StepPipeline::Forward or Backward).
+  using Enter = StepEntry (StepPipeline::*)(const CallBase&, StepJob<Req, Resp>,
+                                            StepPipeline::Order*);
   ChunkedBidiCall(CallEnv& env, grpc::CallbackServerContext* ctx, const char* method,
-                  const RequestChecks& checks, ChunkedWork<Req, Resp> work)
-      : Base(env, ctx, method, checks), work_(std::move(work)) {
+                  const RequestChecks& checks, StepPipeline& steps, Enter enter)
+      : Base(env, ctx, method, checks), steps_(steps), enter_(enter) {
     this->Begin(ctx);
   }
 
@@ -233,18 +231,28 @@ class ChunkedBidiCall final
   }
 
  private:
-  void Run(absl::Status started) override {
-    Resp response;
-    absl::Status s =
-        started.ok() ? work_(this->caller(), *this, this->reader_.request(), &response) : started;
+  // The request as a job of the pipeline, batched with other calls' (it lives in reader_ until
+  // the job's end).
+  absl::Status Admit(const RequestIds& ids) override {
+    StepEntry entry = (steps_.*enter_)(*this,
+                                       {&this->reader_.request(), &response_, nullptr,
+                                        [this](absl::Status s) { Answered(std::move(s)); }},
+                                       nullptr);
+    return this->AdmitAndRun(
+        ids.module_id, ids.context_id, CallBase::RunOn::kDevice, std::move(entry.run),
+        [this](absl::Status failed) { this->End(std::move(failed)); }, std::move(entry.submit));
+  }
+
+  // The job's end: the response starts on its way, or the call ends with why not.
+  void Answered(absl::Status s) {
     this->reader_.Drop();  // the request's tensors are no longer needed
     if (!s.ok()) {
       this->End(s);
       return;
     }
     std::lock_guard<std::mutex> lock(this->mu_);
-    created_context_ = CreatedBy(response);
-    writer_.emplace(std::move(response), this->env_.options().chunk_bytes);
+    created_context_ = CreatedBy(response_);
+    writer_.emplace(std::move(response_), this->env_.options().chunk_bytes);
     writer_->Next(&outgoing_);
     if (!this->finished_) this->StartWrite(&outgoing_);
   }
@@ -271,7 +279,9 @@ class ChunkedBidiCall final
                                  absl::StrCat(this->method_, ": response not delivered"));
   }
 
-  ChunkedWork<Req, Resp> work_;
+  StepPipeline& steps_;
+  const Enter enter_;
+  Resp response_;                                     // filled by the job
   std::optional<PartWriter<Resp, RespPart>> writer_;  // under mu_
   grpc::ByteBuffer outgoing_;
   std::string created_context_;  // under mu_
@@ -304,7 +314,15 @@ class SetWeightsChunkedCall final
   }
 
  private:
-  void Run(absl::Status started) override {
+  absl::Status Admit(const RequestIds& ids) override {
+    return AdmitAndRun(
+        ids.module_id, ids.context_id, RunOn::kDevice,
+        [this](absl::Status started) { Run(std::move(started)); },
+        [this](absl::Status failed) { End(std::move(failed)); });
+  }
+
+  // On the executor, with the assembled request in reader_ (`started`: see AdmitAndRun).
+  void Run(absl::Status started) {
     absl::Status s = started.ok() ? work_(caller(), *this, reader_.request(), response_) : started;
     reader_.Drop();
     End(s);
@@ -371,18 +389,18 @@ class GetWeightsChunkedCall final
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StartForwardChunked(
     CallEnv& env, grpc::CallbackServerContext* ctx, const RequestChecks& checks,
-    ChunkedWork<v1::ForwardRequest, v1::ForwardResponse> work) {
+    StepPipeline& steps) {
   return new ChunkedBidiCall<v1::ForwardRequest, v1::ForwardRequestPart, v1::ForwardResponse,
-                             v1::ForwardResponsePart>(env, ctx, "ForwardChunked", checks,
-                                                      std::move(work));
+                             v1::ForwardResponsePart>(env, ctx, "ForwardChunked", checks, steps,
+                                                      &StepPipeline::Forward);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StartBackwardChunked(
     CallEnv& env, grpc::CallbackServerContext* ctx, const RequestChecks& checks,
-    ChunkedWork<v1::BackwardRequest, v1::BackwardResponse> work) {
+    StepPipeline& steps) {
   return new ChunkedBidiCall<v1::BackwardRequest, v1::BackwardRequestPart, v1::BackwardResponse,
-                             v1::BackwardResponsePart>(env, ctx, "BackwardChunked", checks,
-                                                       std::move(work));
+                             v1::BackwardResponsePart>(env, ctx, "BackwardChunked", checks, steps,
+                                                       &StepPipeline::Backward);
 }
 
 grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* StartGetWeightsChunked(

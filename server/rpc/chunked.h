@@ -1,6 +1,7 @@
 // The chunked RPCs: ForwardChunked, BackwardChunked, GetWeightsChunked and SetWeightsChunked.
-// Each reads its request (header, then chunks placed straight into the tensors), runs the body it
-// is given (the same as the unary call's) on the device executor, and writes its response as
+// Each reads its request (header, then chunks placed straight into the tensors), runs it (Forward
+// and Backward through the pipeline every call shape shares, the weights calls through the unary
+// calls' bodies) on the device executor, and writes its response as
 // header + chunks. A bad sequence finishes the call with INVALID_ARGUMENT at once and frees what
 // was assembled; a forward whose response cannot be delivered releases its context. All four
 // follow the lifecycle of call.h.
@@ -14,6 +15,7 @@
 #include "gradwire/v1/service.grpc.pb.h"
 #include "server/rpc/call.h"
 #include "server/rpc/request_checks.h"
+#include "server/rpc/step_pipeline.h"
 
 namespace gradwire::rpc {
 
@@ -21,14 +23,15 @@ namespace gradwire::rpc {
 template <typename Req, typename Resp>
 using ChunkedWork = std::function<absl::Status(const Caller&, const CallBase&, Req&, Resp*)>;
 
-// Forward and Backward: chunked request in, chunked response out. `checks` judges the header
-// before anything is allocated for the tensors; `env` and `checks` must outlive the call.
+// Forward and Backward: chunked request in, chunked response out; the assembled request is a job
+// of the pipeline (step_pipeline.h), batched with other calls'. `checks` judges the header before
+// anything is allocated for the tensors; `env`, `checks` and `steps` must outlive the call.
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StartForwardChunked(
     CallEnv& env, grpc::CallbackServerContext* ctx, const RequestChecks& checks,
-    ChunkedWork<v1::ForwardRequest, v1::ForwardResponse> work);
+    StepPipeline& steps);
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StartBackwardChunked(
     CallEnv& env, grpc::CallbackServerContext* ctx, const RequestChecks& checks,
-    ChunkedWork<v1::BackwardRequest, v1::BackwardResponse> work);
+    StepPipeline& steps);
 // GetWeights: one request in, chunked response out.
 grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* StartGetWeightsChunked(
     CallEnv& env, grpc::CallbackServerContext* ctx, const v1::GetWeightsRequest& request,

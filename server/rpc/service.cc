@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/tensor.h"
-#include "server/core/checkpoint.h"
 #include "server/common/status_macros.h"
+#include "server/core/checkpoint.h"
 #include "server/rpc/boundary.h"
 #include "server/rpc/chunked.h"
 #include "server/rpc/service_util.h"
@@ -39,14 +39,8 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
       staging_(shared_memory_, options_.limits.max_tensor_elements),
       instance_id_(core::RandomId128()),
       quotas_(options_.limits, options_.quotas),
-      train_{
-          [this](const Caller& caller, const v1::ForwardRequest& req, v1::ForwardResponse* resp,
-                 const CallBase& call) { return DoForward(caller, req, resp, call); },
-          [this](const Caller& caller, const v1::BackwardRequest& req, v1::BackwardResponse* resp,
-                 const CallBase& call) { return DoBackward(caller, req, resp, call); },
-          [this](const Caller& caller, const v1::ReleaseContextRequest& req) {
-            return DoRelease(caller, req);
-          }},
+      train_{this, [this](const Caller& caller,
+                          const v1::ReleaseContextRequest& req) { return DoRelease(caller, req); }},
       checks_(host_, env_, options_.limits),
       env_(host, executor, options_, quotas_) {
   if (options_.batching.enabled()) {
@@ -290,17 +284,11 @@ GradwireService::Unary* GradwireService::SetWeights(Ctx* ctx, const v1::SetWeigh
 }
 
 GradwireService::RawBidi* GradwireService::ForwardChunked(Ctx* ctx) {
-  return StartForwardChunked(
-      env_, ctx, checks_,
-      [this](const Caller& caller, const CallBase& call, v1::ForwardRequest& req,
-             v1::ForwardResponse* resp) { return DoForward(caller, req, resp, call); });
+  return StartForwardChunked(env_, ctx, checks_, *this);
 }
 
 GradwireService::RawBidi* GradwireService::BackwardChunked(Ctx* ctx) {
-  return StartBackwardChunked(
-      env_, ctx, checks_,
-      [this](const Caller& caller, const CallBase& call, v1::BackwardRequest& req,
-             v1::BackwardResponse* resp) { return DoBackward(caller, req, resp, call); });
+  return StartBackwardChunked(env_, ctx, checks_, *this);
 }
 
 grpc::ServerWriteReactor<v1::GetWeightsResponsePart>* GradwireService::GetWeightsChunked(

@@ -30,6 +30,7 @@
 #include "server/rpc/request_checks.h"
 #include "server/rpc/request_id.h"
 #include "server/rpc/shared_memory.h"
+#include "server/rpc/step_pipeline.h"
 #include "server/rpc/train_stream.h"
 #include "server/rpc/usage.h"
 
@@ -56,7 +57,7 @@ using All = G::WithCallbackMethod_GetServerInfo<
 }  // namespace service_base
 using ServiceBase = service_base::All;
 
-class GradwireService final : public ServiceBase {
+class GradwireService final : public ServiceBase, private StepPipeline {
  public:
   // `host` and `executor` must outlive the service.
   GradwireService(core::ModuleHost& host, core::DeviceExecutor& executor, ServiceOptions options);
@@ -130,21 +131,44 @@ class GradwireService final : public ServiceBase {
   double module_ttl_s() const;
 
  private:
-  // The bodies of Forward, Backward and ReleaseContext, shared by the unary calls, the chunked
-  // calls and Train. `call` is checked before the compute, and for a training forward after it
-  // too: an abandoned forward leaves no context behind. `raw`, when given, holds the data of the
-  // request's tensors (received without protobuf's copy); the message's own data fields are then
-  // empty.
-  absl::Status DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                         v1::ForwardResponse* resp, const CallBase& call,
-                         const wire::ReceivedMessage* raw = nullptr);
-  // DoForward in its two halves around the compute, so a batch can compute many at once:
-  // everything up to the compute (checks, staging) into `p`, and everything after it (delivery,
-  // the response) from the compute's result.
+  // The one pipeline of forwards and backwards (step_pipeline.h, steps.cc): every call shape's
+  // job is prepared, computed with its batch (alone: a batch of one) and finished by these.
+  StepEntry Forward(const CallBase& call, ForwardJob job, Order* order) override;
+  StepEntry Backward(const CallBase& call, BackwardJob job, Order* order) override;
+  // A job on its way: what its call handed over, and what passes between its steps.
+  template <typename Step>
+  struct Job;
+  // What a forward and a backward differ in (steps.cc).
+  struct ForwardStep;
+  struct BackwardStep;
+  // The queue: the batch former for a job that can share a batch, else the device executor.
+  template <typename Step>
+  void Submit(const std::shared_ptr<Job<Step>>& job, std::function<void()> task, Order* order);
+  // On the device executor: prepares the job, then, when it is alone, computes and finishes it.
+  template <typename Step>
+  void RunJob(const std::shared_ptr<Job<Step>>& job, absl::Status started);
+  // A batch the batch former runs: each member prepared, one compute, each finished.
+  template <typename Step>
+  void RunBatch(std::vector<core::BatchFormer::Member>& members, core::BatchFormer::Run& run);
+  template <typename Step>
+  void Compute(const std::vector<std::shared_ptr<Job<Step>>>& ready, bool alone);
+  template <typename Step>
+  void FinishJob(const std::shared_ptr<Job<Step>>& job, typename Step::Output out);
+  // The job's end: its `done`, once, then the call is let go.
+  template <typename Step>
+  static void End(const std::shared_ptr<Job<Step>>& job, absl::Status status);
+  // The unary Forward and Backward: the request is parsed here, as gRPC parses a protobuf request
+  // before its handler, its tensors' bytes left in the received slices (copied once when they
+  // span several); the response leaves with its tensors' bytes moved, not copied.
+  template <typename Step>
+  Unary* StepCall(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
+
+  // A job's two halves around the compute: everything up to it (checks, staging) into `p`, and
+  // everything after it (delivery, the response) from the compute's result.
   struct PreparedForward {
     core::WireForwardRequest f;
     // The input's bytes, when they lie in shared memory (a staging buffer returns to the pool of
-    // the thread that frees it: a batch frees it on the executor, before handing off).
+    // the thread that frees it: the pipeline frees it on the executor, after the compute).
     std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();
     double transfer = 0;  // seconds spent moving tensors (not the server's compute)
     std::chrono::steady_clock::time_point start;
@@ -155,13 +179,9 @@ class GradwireService final : public ServiceBase {
   absl::Status FinishForward(const Caller& caller, const v1::ForwardRequest& req,
                              v1::ForwardResponse* resp, const CallBase& call, PreparedForward& p,
                              absl::StatusOr<core::WireForwardOutput> computed);
-  absl::Status DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                          v1::BackwardResponse* resp, const CallBase& call,
-                          const wire::ReceivedMessage* raw = nullptr);
-  // DoBackward in its two halves around the compute, as for forwards.
   struct PreparedBackward {
     core::WireBackwardRequest in;
-    // The gradients' bytes, when they lie in shared memory (freed on the executor by a batch).
+    // The gradients' bytes, when they lie in shared memory (freed on the executor).
     std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();
     std::unique_ptr<StagingBuffer> staged_ln = std::make_unique<StagingBuffer>();
     double transfer = 0;  // seconds spent moving tensors (not the server's compute)
@@ -173,31 +193,12 @@ class GradwireService final : public ServiceBase {
   absl::Status FinishBackward(const Caller& caller, const v1::BackwardRequest& req,
                               v1::BackwardResponse* resp, PreparedBackward& p,
                               absl::StatusOr<std::optional<wire::EncodedTensor>> computed);
-  // The unary Forward and Backward with dynamic batching on, one body for both (steps.cc): a
-  // request that can share a batch (forwards of one module and input dtype; backwards of one
-  // module's contexts) goes to the batch former (docs/batching.md), anything else runs as
-  // without batching. `Step` (ForwardStep, BackwardStep) says what the two differ in.
-  template <typename Step>
-  Unary* Batched(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
-  // The unary call of a step: Batched with batching on, else RawUnary on its whole body.
-  template <typename Step>
-  Unary* StepCall(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
-  struct ForwardStep;
-  struct BackwardStep;
   absl::Status DoRelease(const Caller& caller, const v1::ReleaseContextRequest& req);
   // The bodies of GetWeights and SetWeights, shared with their chunked variants.
   absl::Status DoGetWeights(const Caller& caller, const v1::GetWeightsRequest& req,
                             v1::GetWeightsResponse* resp);
   absl::Status DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
                             v1::SetWeightsResponse* resp);
-
-  // The raw unary Forward and Backward: one body. The request is parsed here, as gRPC parses a
-  // protobuf request before its handler, its tensors' bytes left in the received slices (copied
-  // once when they span several); the response leaves with its tensors' bytes moved, not copied.
-  template <typename Req, typename Resp, typename Body>
-  Unary* RawUnary(Ctx* ctx, const char* method, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp,
-                  std::initializer_list<int> request_tensors,
-                  std::initializer_list<int> response_tensors, Body body);
 
   // Saves a module's checkpoint when checkpoints are on; a failure is logged, not returned (the
   // call itself succeeded, and the next save retries).

@@ -1,8 +1,8 @@
-// The compute calls of the service: Forward and Backward (unary, and the bodies the chunked calls
-// and Train share) and ReleaseContext. A call is prepared (checks, staging: everything up to the
-// compute), computed, and finished (delivery, the response); with batching on, the unary calls of
-// either kind go through one body, Batched<Step>, which computes the prepared requests of a batch
-// as one backend call.
+// The one pipeline of forwards and backwards (step_pipeline.h): every call shape's job is queued
+// (the batch former or the device executor), prepared (checks, staging: everything up to the
+// compute), computed with its batch as one core call (a job alone is a batch of one) and finished
+// (delivery, the response). The unary calls, the chunked calls and the Train stream differ only in
+// how they hand a job over and what its end does. Also ReleaseContext.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -52,7 +52,7 @@ std::vector<std::shared_ptr<Slot>> PrepareMembers(std::vector<core::BatchFormer:
     std::function<void()> task = std::move(s->task);
     s->task = nullptr;
     task();
-    if (s->pending) ready.push_back(std::move(s));
+    if (s->ready) ready.push_back(std::move(s));
     if (i + 1 < members.size() && run.OthersWaiting()) {
       run.GiveBack(members, i + 1);
       break;
@@ -62,16 +62,6 @@ std::vector<std::shared_ptr<Slot>> PrepareMembers(std::vector<core::BatchFormer:
 }
 
 }  // namespace
-
-absl::Status GradwireService::DoForward(const Caller& caller, const v1::ForwardRequest& req,
-                                        v1::ForwardResponse* resp, const CallBase& call,
-                                        const wire::ReceivedMessage* raw) {
-  PreparedForward p;
-  GW_RETURN_IF_ERROR(PrepareForward(caller, req, call, raw, &p));
-  // The request's bytes go to the backend as they are (FP8 as codes, bf16 as 2-byte values); the
-  // outputs come back encoded.
-  return FinishForward(caller, req, resp, call, p, host_.Forward(req.module_id(), p.f));
-}
 
 absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::ForwardRequest& req,
                                              const CallBase& call, const wire::ReceivedMessage* raw,
@@ -159,14 +149,6 @@ absl::Status GradwireService::FinishForward(const Caller& caller, const v1::Forw
   return absl::OkStatus();
 }
 
-absl::Status GradwireService::DoBackward(const Caller& caller, const v1::BackwardRequest& req,
-                                         v1::BackwardResponse* resp, const CallBase& call,
-                                         const wire::ReceivedMessage* raw) {
-  PreparedBackward p;
-  GW_RETURN_IF_ERROR(PrepareBackward(caller, req, call, raw, &p));
-  return FinishBackward(caller, req, resp, p, host_.Backward(req.context_id(), p.in));
-}
-
 absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::BackwardRequest& req,
                                               const CallBase& call,
                                               const wire::ReceivedMessage* raw,
@@ -238,36 +220,6 @@ absl::Status GradwireService::DoRelease(const Caller& caller,
   return host_.ReleaseContext(req.context_id());
 }
 
-template <typename Req, typename Resp, typename Body>
-GradwireService::Unary* GradwireService::RawUnary(Ctx* ctx, const char* method,
-                                                  const grpc::ByteBuffer* req,
-                                                  grpc::ByteBuffer* resp,
-                                                  std::initializer_list<int> request_tensors,
-                                                  std::initializer_list<int> response_tensors,
-                                                  Body body) {
-  // The request and response live until the work is done.
-  struct Raw {
-    wire::ReceivedMessage received;
-    Req req;
-    Resp resp;
-    absl::Status parsed;
-  };
-  auto raw = std::make_shared<Raw>();
-  raw->parsed = raw->received.Parse(*req, &raw->req, request_tensors);
-  const RequestIds ids = raw->parsed.ok() ? IdsOf(raw->req) : RequestIds{};
-  return StartUnary(
-      env_, ctx, method,
-      [this, raw, resp, body, response_tensors](const Caller& caller,
-                                                const CallBase& call) -> absl::Status {
-        GW_RETURN_IF_ERROR(raw->parsed);
-        GW_RETURN_IF_ERROR((this->*body)(caller, raw->req, &raw->resp, call, &raw->received));
-        wire::SerializeMoving(&raw->resp, response_tensors, resp);
-        return absl::OkStatus();
-      },
-      ids.module_id, ids.context_id, RequestSize(int64_t(req->Length())),
-      [raw] { return CreatedBy(raw->resp); });
-}
-
 GradwireService::Unary* GradwireService::Forward(Ctx* ctx, const grpc::ByteBuffer* req,
                                                  grpc::ByteBuffer* resp) {
   return StepCall<ForwardStep>(ctx, req, resp);
@@ -278,9 +230,8 @@ GradwireService::Unary* GradwireService::Backward(Ctx* ctx, const grpc::ByteBuff
   return StepCall<BackwardStep>(ctx, req, resp);
 }
 
-// What a forward and a backward differ in, for the one batched body (Batched): the messages,
-// how a request's rows and its batch are found, its halves around the compute, and the batch's
-// compute.
+// What a forward and a backward differ in, for the one pipeline: the messages, how a request's
+// rows and its batch are found, its halves around the compute, and the batch's compute.
 struct GradwireService::ForwardStep {
   using Request = v1::ForwardRequest;
   using Response = v1::ForwardResponse;
@@ -299,18 +250,16 @@ struct GradwireService::ForwardStep {
     }
     return absl::StrCat(r.module_id(), r.training() ? "/train/" : "/", int(r.input().dtype()));
   }
-  // The whole call, and its half before the compute.
-  static constexpr auto kDo = &GradwireService::DoForward;
   static constexpr auto kPrepare = &GradwireService::PrepareForward;
-  template <typename Slot>
+  template <typename J>
   static std::vector<Output> Compute(GradwireService& s,
-                                     const std::vector<std::shared_ptr<Slot>>& ready,
-                                     core::ModuleHost::BatchRan* together) {
+                                     const std::vector<std::shared_ptr<J>>& ready,
+                                     core::BatchRan* together) {
     std::vector<const core::WireForwardRequest*> reqs;
     for (const auto& r : ready) reqs.push_back(&r->prepared.f);
-    std::vector<Output> outs = s.host_.ForwardBatch(ready[0]->req.module_id(), reqs);
-    // What ran as one backend call (a batch that fell back to its requests one by one reports
-    // none).
+    std::vector<Output> outs = s.host_.ForwardBatch(ready[0]->in.request->module_id(), reqs);
+    // What ran as one backend call (a batch that fell back to its requests one by one, or a
+    // request alone, reports none).
     for (size_t i = 0; i < ready.size(); ++i) {
       if (!outs[i].ok() || outs[i]->batch_requests == 0) continue;
       together->requests = outs[i]->batch_requests;
@@ -349,17 +298,15 @@ struct GradwireService::BackwardStep {
     return absl::StrCat(module, "/backward/", int(r.skip_grad_input()),
                         int(r.has_grad_layernorm_output()));
   }
-  // The whole call, and its half before the compute.
-  static constexpr auto kDo = &GradwireService::DoBackward;
   static constexpr auto kPrepare = &GradwireService::PrepareBackward;
-  template <typename Slot>
+  template <typename J>
   static std::vector<Output> Compute(GradwireService& s,
-                                     const std::vector<std::shared_ptr<Slot>>& ready,
-                                     core::ModuleHost::BatchRan* together) {
+                                     const std::vector<std::shared_ptr<J>>& ready,
+                                     core::BatchRan* together) {
     std::vector<std::string> contexts;
     std::vector<const core::WireBackwardRequest*> reqs;
     for (const auto& r : ready) {
-      contexts.push_back(r->req.context_id());
+      contexts.push_back(r->in.request->context_id());
       reqs.push_back(&r->prepared.in);
     }
     return s.host_.BackwardBatch(contexts, reqs, together);
@@ -376,110 +323,203 @@ struct GradwireService::BackwardStep {
 };
 
 template <typename Step>
-GradwireService::Unary* GradwireService::StepCall(Ctx* ctx, const grpc::ByteBuffer* req,
-                                                  grpc::ByteBuffer* resp) {
-  if (batcher_) return Batched<Step>(ctx, req, resp);
-  return RawUnary<typename Step::Request, typename Step::Response>(
-      ctx, Step::kMethod, req, resp, Step::RequestTensors(), Step::ResponseTensors(), Step::kDo);
+struct GradwireService::Job {
+  StepJob<typename Step::Request, typename Step::Response> in;
+  const Caller* caller = nullptr;        // the call's (set before it is queued)
+  const CallBase* call = nullptr;        // (set before it runs)
+  std::shared_ptr<const CallBase> hold;  // the call, alive until `in.done` has run
+  typename Step::Prepared prepared;
+  std::function<void()> task;  // the call's queued work, until its batch runs it
+  bool batched = false;        // queued in a batch (set before the work runs)
+  bool ready = false;          // prepared, waiting for its batch's compute
+};
+
+template <typename Step>
+void GradwireService::End(const std::shared_ptr<Job<Step>>& job, absl::Status status) {
+  std::function<void(absl::Status)> done = std::exchange(job->in.done, nullptr);
+  if (done) done(std::move(status));
+  job->hold.reset();
 }
 
 template <typename Step>
-GradwireService::Unary* GradwireService::Batched(Ctx* ctx, const grpc::ByteBuffer* req,
-                                                 grpc::ByteBuffer* resp) {
-  // One request: its message, and what passes between the halves of its work.
-  struct Slot {
-    wire::ReceivedMessage received;
-    typename Step::Request req;
-    typename Step::Response resp;
-    absl::Status parsed;
-    grpc::ByteBuffer* out = nullptr;
-    typename Step::Prepared prepared;
-    const Caller* caller = nullptr;         // the call's, alive while `pending` holds it
-    std::unique_ptr<PendingUnary> pending;  // set when prepared: the batch finishes the call
-    std::function<void()> task;             // the call's queued work, until the batch runs it
-    bool batched = false;                   // queued in a batch (set before the work runs)
-  };
-  auto slot = std::make_shared<Slot>();
-  slot->out = resp;
-  slot->parsed = slot->received.Parse(*req, &slot->req, Step::RequestTensors());
-  const RequestIds ids = slot->parsed.ok() ? IdsOf(slot->req) : RequestIds{};
+void GradwireService::Submit(const std::shared_ptr<Job<Step>>& job, std::function<void()> task,
+                             Order* order) {
+  const Caller& caller = *job->caller;
+  const std::string key = batcher_ ? Step::Key(*this, *job->in.request, caller) : std::string();
+  if (key.empty()) {
+    if (order != nullptr) order->Alone();
+    env_.executor().Submit(caller.client, std::move(task));
+    return;
+  }
   // Rows bound the batch: the leading dimensions of the tensor the rows come in.
   int64_t rows = 1;
-  if (const v1::Tensor* t = slot->parsed.ok() ? Step::Rows(slot->req) : nullptr) {
+  if (const v1::Tensor* t = Step::Rows(*job->in.request)) {
     for (int i = 0; i + 1 < t->shape_size(); ++i) {
       rows = std::min<int64_t>(int64_t(1) << 40, rows * std::max<int64_t>(0, t->shape(i)));
     }
   }
+  job->task = std::move(task);
+  job->batched = true;
+  batcher_->Add(
+      key, {caller.client, rows, job},
+      [this](std::vector<core::BatchFormer::Member>& members, core::BatchFormer::Run& run) {
+        RunBatch<Step>(members, run);
+      },
+      order);
+}
+
+template <typename Step>
+void GradwireService::RunJob(const std::shared_ptr<Job<Step>>& job, absl::Status started) {
+  if (!started.ok()) {
+    End(job, std::move(started));
+    return;
+  }
+  absl::Status prepared;
+  try {
+    prepared = (this->*Step::kPrepare)(*job->caller, *job->in.request, *job->call, job->in.raw,
+                                       &job->prepared);
+  } catch (const std::exception& e) {
+    prepared = absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
+    spdlog::error("{}", std::string(prepared.message()));
+  }
+  if (!prepared.ok()) {
+    End(job, std::move(prepared));
+    return;
+  }
+  if (job->batched) {  // its batch computes it, with the others
+    job->ready = true;
+    return;
+  }
+  Compute<Step>({job}, /*alone=*/true);
+}
+
+template <typename Step>
+void GradwireService::RunBatch(std::vector<core::BatchFormer::Member>& members,
+                               core::BatchFormer::Run& run) {
+  // Each job's work up to the compute (its own checks, its own cancellation), then one compute
+  // for those still there, then each one's delivery and end.
+  std::vector<std::shared_ptr<Job<Step>>> ready = PrepareMembers<Job<Step>>(members, run);
+  if (!ready.empty()) Compute<Step>(ready, /*alone=*/false);
+}
+
+template <typename Step>
+void GradwireService::Compute(const std::vector<std::shared_ptr<Job<Step>>>& ready, bool alone) {
+  std::vector<typename Step::Output> outs;
+  core::BatchRan together;
+  try {
+    outs = Step::Compute(*this, ready, &together);
+  } catch (const std::exception& e) {
+    const absl::Status failed =
+        absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
+    if (alone) {
+      spdlog::error("{}", std::string(failed.message()));
+    } else {
+      spdlog::error("a batch of {} {} calls failed: {}", ready.size(), Step::kMethod, e.what());
+    }
+    for (const auto& job : ready) End(job, failed);
+    return;
+  }
+  for (const auto& job : ready) Step::DropStaging(job->prepared);
+  if (together.requests > 0 && options_.on_batch) {
+    options_.on_batch(Step::kMethod, together.requests, together.rows);
+  }
+  if (alone) {  // here, on the device executor, as the call's own work
+    FinishJob<Step>(ready[0], std::move(outs[0]));
+    return;
+  }
+  // Delivery and the end of each job of a batch are host work: on the control thread, so the
+  // device executor goes on to the next task (another tenant's) at once.
+  for (size_t i = 0; i < ready.size(); ++i) {
+    env_.control().Submit(ready[i]->caller->client,
+                          [this, job = ready[i], out = std::move(outs[i])]() mutable {
+                            FinishJob<Step>(job, std::move(out));
+                          });
+  }
+}
+
+template <typename Step>
+void GradwireService::FinishJob(const std::shared_ptr<Job<Step>>& job, typename Step::Output out) {
+  RequestScope scope(job->call->request());
+  absl::Status status;
+  try {
+    status = Step::Finish(*this, *job->caller, *job->in.request, job->in.response, *job->call,
+                          job->prepared, std::move(out));
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
+    spdlog::error("{}", std::string(status.message()));
+  }
+  End(job, std::move(status));
+}
+
+StepEntry GradwireService::Forward(const CallBase& call, ForwardJob in, Order* order) {
+  auto job = std::make_shared<Job<ForwardStep>>();
+  job->in = std::move(in);
+  job->caller = &call.caller();
+  job->call = &call;
+  job->hold = call.Hold();
+  return {[this, job](absl::Status started) { RunJob<ForwardStep>(job, std::move(started)); },
+          [this, job, order](std::function<void()> task) {
+            Submit<ForwardStep>(job, std::move(task), order);
+          }};
+}
+
+StepEntry GradwireService::Backward(const CallBase& call, BackwardJob in, Order* order) {
+  auto job = std::make_shared<Job<BackwardStep>>();
+  job->in = std::move(in);
+  job->caller = &call.caller();
+  job->call = &call;
+  job->hold = call.Hold();
+  return {[this, job](absl::Status started) { RunJob<BackwardStep>(job, std::move(started)); },
+          [this, job, order](std::function<void()> task) {
+            Submit<BackwardStep>(job, std::move(task), order);
+          }};
+}
+
+template <typename Step>
+GradwireService::Unary* GradwireService::StepCall(Ctx* ctx, const grpc::ByteBuffer* req,
+                                                  grpc::ByteBuffer* resp) {
+  // The request and response live until the job's end.
+  struct Message {
+    wire::ReceivedMessage received;
+    typename Step::Request req;
+    typename Step::Response resp;
+    absl::Status parsed;
+  };
+  auto m = std::make_shared<Message>();
+  m->parsed = m->received.Parse(*req, &m->req, Step::RequestTensors());
+  auto job = std::make_shared<Job<Step>>();
+  job->in.request = &m->req;
+  job->in.response = &m->resp;
+  job->in.raw = &m->received;
+  const RequestIds ids = m->parsed.ok() ? IdsOf(m->req) : RequestIds{};
   return StartDeferrableUnary(
       env_, ctx, Step::kMethod,
-      [this, slot](const Caller& caller, const CallBase& call,
-                   std::unique_ptr<PendingUnary>* pending) -> absl::Status {
-        GW_RETURN_IF_ERROR(slot->parsed);
-        if (!slot->batched) {  // not in a batch: the whole call
-          GW_RETURN_IF_ERROR(
-              (this->*Step::kDo)(caller, slot->req, &slot->resp, call, &slot->received));
-          wire::SerializeMoving(&slot->resp, Step::ResponseTensors(), slot->out);
-          return absl::OkStatus();
-        }
-        GW_RETURN_IF_ERROR(
-            (this->*Step::kPrepare)(caller, slot->req, call, &slot->received, &slot->prepared));
-        slot->caller = &caller;
-        slot->pending = std::move(*pending);
+      [this, m, job, resp](const Caller&, const CallBase& call,
+                           std::unique_ptr<PendingUnary>* pending) -> absl::Status {
+        GW_RETURN_IF_ERROR(m->parsed);
+        job->call = &call;  // the pending end holds the call
+        job->in.done = [m, resp, end = std::shared_ptr<PendingUnary>(std::move(*pending))](
+                           absl::Status status) {
+          std::string created;
+          if (status.ok()) {
+            wire::SerializeMoving(&m->resp, Step::ResponseTensors(), resp);
+            // A training forward's context goes when its answer does not reach the client.
+            created = CreatedBy(m->resp);
+          }
+          end->Finish(std::move(status), std::move(created));
+        };
+        RunJob<Step>(job, absl::OkStatus());
         return absl::OkStatus();
       },
-      [this, slot, rows](const Caller& caller, std::function<void()> task) {
-        const std::string key =
-            slot->parsed.ok() ? Step::Key(*this, slot->req, caller) : std::string();
-        if (key.empty()) {
+      [this, m, job](const Caller& caller, std::function<void()> task) {
+        job->caller = &caller;
+        if (!m->parsed.ok()) {  // answered by its work
           env_.executor().Submit(caller.client, std::move(task));
           return;
         }
-        slot->task = std::move(task);
-        slot->batched = true;
-        batcher_->Add(key, {caller.client, rows, slot}, [this](auto& members, auto& run) {
-          // Each request's work up to the compute (its own checks, its own cancellation), then
-          // one compute for those still there, then each one's delivery and end.
-          std::vector<std::shared_ptr<Slot>> ready = PrepareMembers<Slot>(members, run);
-          if (ready.empty()) return;
-          std::vector<typename Step::Output> outs;
-          core::ModuleHost::BatchRan together;
-          try {
-            outs = Step::Compute(*this, ready, &together);
-          } catch (const std::exception& e) {
-            const absl::Status failed =
-                absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
-            spdlog::error("a batch of {} {} calls failed: {}", ready.size(), Step::kMethod,
-                          e.what());
-            for (const auto& s : ready) s->pending->Finish(failed, {});
-            return;
-          }
-          for (const auto& s : ready) Step::DropStaging(s->prepared);
-          if (together.requests > 0 && options_.on_batch) {
-            options_.on_batch(Step::kMethod, together.requests, together.rows);
-          }
-          // Delivery and the end of each call are host work: on the control thread, so the
-          // device executor goes on to the next task (another tenant's) at once.
-          for (size_t i = 0; i < ready.size(); ++i) {
-            env_.control().Submit(ready[i]->caller->client, [this, s = ready[i],
-                                                             out = std::move(outs[i])]() mutable {
-              RequestScope scope(s->pending->call().request());
-              absl::Status status;
-              try {
-                status = Step::Finish(*this, *s->caller, s->req, &s->resp, s->pending->call(),
-                                      s->prepared, std::move(out));
-                if (status.ok()) wire::SerializeMoving(&s->resp, Step::ResponseTensors(), s->out);
-              } catch (const std::exception& e) {
-                status = absl::InternalError(absl::StrCat(Step::kMethod, " failed: ", e.what()));
-                spdlog::error("{}", std::string(status.message()));
-              }
-              // A training forward's context goes when its answer does not reach the client.
-              std::string created = status.ok() ? CreatedBy(s->resp) : std::string();
-              s->pending->Finish(std::move(status), std::move(created));
-            });
-          }
-        });
+        Submit<Step>(job, std::move(task), nullptr);
       },
-      ids.module_id, RequestSize(int64_t(req->Length())), [slot] { return CreatedBy(slot->resp); },
+      ids.module_id, RequestSize(int64_t(req->Length())), [m] { return CreatedBy(m->resp); },
       ids.context_id);
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/executor.h"
 #include "server/rpc/status_map.h"
 
 namespace gradwire::rpc {
@@ -27,7 +28,8 @@ v1::TrainResponse Refusal(uint64_t request_id, const absl::Status& status) {
 }
 
 // Reads requests while fewer than `read_ahead` are unanswered, runs each on the device executor
-// in arrival order, writes responses one at a time in completion order, and finishes once the
+// in arrival order (its forwards and backwards batched with other calls' where that order holds),
+// writes responses one at a time in completion order, and finishes once the
 // client is done (or the call is cancelled) and nothing is left in flight. Every context a forward
 // on this stream created and no backward consumed is released at the end.
 //
@@ -70,21 +72,10 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
     }
     // Admission outside the call's lock: it looks the module and the context up and takes the
     // quota book's lock, and neither belongs under the call's lock. Each message counts against
-    // the queue bounds like a unary call; one refused gets its answer now, in its turn among the
-    // responses.
-    const std::string* module_id = &kNone;
-    const std::string* context_id = &kNone;
-    if (request->has_forward()) module_id = &request->forward().module_id();
-    if (request->has_backward()) context_id = &request->backward().context_id();
-    if (request->has_release()) context_id = &request->release().context_id();
-    const absl::Status refused = AdmitAndRun(
-        *module_id, *context_id, RunOn::kDevice,
-        [this, request](absl::Status started) { Process(*request, started); },
-        [this, request](absl::Status failed) {
-          // Process itself failed past its own guard: answer so the stream can finish.
-          std::lock_guard<std::mutex> lock(mu_);
-          RespondLocked(Refusal(request->request_id(), failed));
-        });
+    // --max-request-bytes and the queue bounds like a unary call; one refused gets its answer
+    // now, in its turn among the responses.
+    absl::Status refused = env_.CheckRequestBytes(int64_t(request->ByteSizeLong()));
+    if (refused.ok()) refused = Submit(request);
     std::lock_guard<std::mutex> lock(mu_);
     if (!refused.ok()) RespondLocked(Refusal(request->request_id(), refused));
     if (unanswered_ < limit_) StartReadLocked();
@@ -132,50 +123,83 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
     StartRead(&incoming_);
   }
 
-  // On the executor (`started`: see AdmitAndRun).
+  // Admits `request` and queues it: a forward or a backward as a job of the pipeline, which keeps
+  // the stream's order (order_), anything else on the device executor. On the reactor, one
+  // request at a time.
+  absl::Status Submit(const std::shared_ptr<v1::TrainRequest>& request) {
+    auto on_error = [this, request](absl::Status failed) {
+      // The work failed past its own guard: answer so the stream can finish.
+      std::lock_guard<std::mutex> lock(mu_);
+      RespondLocked(Refusal(request->request_id(), failed));
+    };
+    if (request->has_forward() || request->has_backward()) {
+      auto resp = std::make_shared<v1::TrainResponse>();
+      resp->set_request_id(request->request_id());
+      auto done = [this, request, resp](absl::Status status) {
+        Answer(*request, std::move(*resp), status);
+      };
+      StepEntry entry;
+      const std::string* module_id = &kNone;
+      const std::string* context_id = &kNone;
+      if (request->has_forward()) {
+        module_id = &request->forward().module_id();
+        entry = bodies_.steps->Forward(
+            *this, {&request->forward(), resp->mutable_forward(), nullptr, std::move(done)},
+            &order_);
+      } else {
+        context_id = &request->backward().context_id();
+        entry = bodies_.steps->Backward(
+            *this, {&request->backward(), resp->mutable_backward(), nullptr, std::move(done)},
+            &order_);
+      }
+      return AdmitAndRun(*module_id, *context_id, RunOn::kDevice, std::move(entry.run),
+                         std::move(on_error), std::move(entry.submit));
+    }
+    const std::string* context_id =
+        request->has_release() ? &request->release().context_id() : &kNone;
+    return AdmitAndRun(
+        kNone, *context_id, RunOn::kDevice,
+        [this, request](absl::Status started) { Process(*request, started); }, std::move(on_error),
+        [this](std::function<void()> task) {
+          order_.Alone();  // later jobs of the stream must not overtake it
+          env_.executor().Submit(caller().client, std::move(task));
+        });
+  }
+
+  // A release (or a request that names nothing to do), on the executor (`started`: see
+  // AdmitAndRun).
   void Process(const v1::TrainRequest& req, const absl::Status& started) {
     v1::TrainResponse resp;
     resp.set_request_id(req.request_id());
     absl::Status status;
     if (!started.ok()) {
       status = absl::CancelledError("the Train stream was cancelled");
-    } else if (auto too_big = env_.CheckRequestBytes(int64_t(req.ByteSizeLong())); !too_big.ok()) {
-      status = too_big;  // per message, as for the unary calls
+    } else if (req.has_release()) {
+      status = bodies_.release(caller(), req.release());
     } else {
-      switch (req.op_case()) {
-        case v1::TrainRequest::kForward:
-          status = bodies_.forward(caller(), req.forward(), resp.mutable_forward(), *this);
-          if (status.ok() && !resp.forward().context_id().empty()) {
-            std::lock_guard<std::mutex> lock(mu_);
-            contexts_.insert(resp.forward().context_id());
-          }
-          break;
-        case v1::TrainRequest::kBackward:
-          status = bodies_.backward(caller(), req.backward(), resp.mutable_backward(), *this);
-          if (status.ok() && !req.backward().retain()) {
-            std::lock_guard<std::mutex> lock(mu_);
-            contexts_.erase(req.backward().context_id());
-          }
-          break;
-        case v1::TrainRequest::kRelease:
-          status = bodies_.release(caller(), req.release());
-          if (status.ok()) {
-            resp.mutable_release();
-            std::lock_guard<std::mutex> lock(mu_);
-            contexts_.erase(req.release().context_id());
-          }
-          break;
-        default:
-          status = absl::InvalidArgumentError(
-              absl::StrCat("request ", req.request_id(), ": set forward, backward or release"));
-      }
+      status = absl::InvalidArgumentError(
+          absl::StrCat("request ", req.request_id(), ": set forward, backward or release"));
     }
-    if (!status.ok()) {
+    Answer(req, std::move(resp), status);
+  }
+
+  // A request's answer: the contexts the stream holds updated, then its response queued.
+  void Answer(const v1::TrainRequest& req, v1::TrainResponse resp, const absl::Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status.ok()) {
+      if (req.has_forward() && !resp.forward().context_id().empty()) {
+        contexts_.insert(resp.forward().context_id());
+      } else if (req.has_backward() && !req.backward().retain()) {
+        contexts_.erase(req.backward().context_id());
+      } else if (req.has_release()) {
+        resp.mutable_release();
+        contexts_.erase(req.release().context_id());
+      }
+    } else {
       resp.clear_result();
       resp.set_code(int(ToGrpc(status).error_code()));
       resp.set_message(std::string(status.message()));
     }
-    std::lock_guard<std::mutex> lock(mu_);
     RespondLocked(std::move(resp));
   }
 
@@ -214,6 +238,7 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
 
   const TrainBodies& bodies_;
   int limit_ = 8;
+  StepPipeline::Order order_;  // on the reactor, one read at a time
   // Under mu_ (CallBase's):
   v1::TrainRequest incoming_;
   std::deque<v1::TrainResponse> outgoing_;  // front is being written while writing_

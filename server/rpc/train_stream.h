@@ -1,5 +1,6 @@
 // The Train bidi stream: pipelined forwards, backwards and releases with bounded read-ahead, each
-// request through the lifecycle of call.h and the same bodies as the unary calls.
+// request through the lifecycle of call.h, its forwards and backwards through the same pipeline as
+// the unary calls' (batched with them).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -9,18 +10,14 @@
 #include "absl/status/status.h"
 #include "gradwire/v1/service.grpc.pb.h"
 #include "server/rpc/call.h"
+#include "server/rpc/step_pipeline.h"
 
 namespace gradwire::rpc {
 
-// What a Train request runs, by kind (the service's bodies of Forward, Backward and
-// ReleaseContext). The call is passed so a body can stop when it is abandoned.
+// What a Train request runs: forwards and backwards go through the service's one pipeline
+// (step_pipeline.h), in the order they came; releases run the service's ReleaseContext body.
 struct TrainBodies {
-  std::function<absl::Status(const Caller&, const v1::ForwardRequest&, v1::ForwardResponse*,
-                             const CallBase&)>
-      forward;
-  std::function<absl::Status(const Caller&, const v1::BackwardRequest&, v1::BackwardResponse*,
-                             const CallBase&)>
-      backward;
+  StepPipeline* steps = nullptr;
   std::function<absl::Status(const Caller&, const v1::ReleaseContextRequest&)> release;
 };
 

@@ -2,8 +2,9 @@
 // forwards of many clients run in batches and each gets exactly the bits a server without
 // batching gives it (training forwards: their own contexts, whose backwards give the same
 // grad_input); queued backwards of one module run as one batch with a plain server's grad_input; a
-// request that passes its deadline inside a batch fails alone while the others go on; bad requests
-// get their own errors.
+// Train stream's, a chunked call's and a unary call's requests share one batch, and a stream's
+// requests keep their order across batches; a request that passes its deadline inside a batch
+// fails alone while the others go on; bad requests get their own errors.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -357,6 +358,223 @@ TEST_P(BatchServiceTest, TwoBusyTenantsWithYieldGetAPlainServersBits) {
   }
   EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
   EXPECT_TRUE(WaitFor([] { return rpc::GradwireService::live_calls() <= 1; }));
+}
+
+// A server whose next forward (after Hold) holds the executor until `count` requests wait in
+// batches, so requests of every call shape queue behind it and meet in the batch former however
+// slowly their threads start; every batch that ran together is observed.
+class HeldServer {
+ public:
+  HeldServer()
+      : server_([this](rpc::ServiceOptions& o) {
+          o.batching.max_rows = 4096;
+          o.on_batch = [this](const char* method, int64_t requests, int64_t) {
+            std::lock_guard<std::mutex> lock(mu_);
+            observed_.emplace_back(method, requests);
+          };
+          o.before_forward_compute = [this] {
+            const int64_t count = hold_.exchange(0);
+            if (count == 0) return;
+            held_ = true;
+            WaitFor([&] { return server_.service().batched_waiting() >= count; }, 20000);
+          };
+        }) {}
+  TestServer& server() { return server_; }
+  // Starts a forward on `module` that holds the executor until `count` requests wait; returns
+  // once it holds it. Release() joins it.
+  void Hold(client::Client& c, const std::string& module, int64_t count) {
+    held_ = false;
+    hold_ = count;
+    blocker_ = std::thread([&c, module] {
+      EXPECT_TRUE(c.Forward(module, Random({2, kIn}), false).ok());
+    });
+    ASSERT_TRUE(WaitFor([&] { return held_.load(); }));
+  }
+  void Release() { blocker_.join(); }
+  // The last batch that ran together: method and requests.
+  std::pair<std::string, int64_t> last() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return observed_.empty() ? std::pair<std::string, int64_t>() : observed_.back();
+  }
+
+ private:
+  std::atomic<int64_t> hold_{0};
+  std::atomic<bool> held_{false};
+  std::thread blocker_;
+  std::mutex mu_;
+  std::vector<std::pair<std::string, int64_t>> observed_;
+  TestServer server_;  // last: stopped first, while the hooks' state lives
+};
+
+TEST_P(BatchServiceTest, TrainStreamChunkedAndUnaryCallsShareOneBatch) {
+  // Every call shape hands its forwards and backwards to one pipeline: a Train stream's requests,
+  // a chunked call's and a unary call's, queued together, run as one batch, and each gets a plain
+  // server's bits. Current scaling: no request's numbers depend on its place in the batch.
+  constexpr int kStream = 4, kAll = kStream + 2;  // + one chunked call, one unary call
+  HeldServer held;
+  TestServer plain;
+  ASSERT_TRUE(held.server().ok() && plain.ok());
+  auto b = held.server().Connect();
+  auto unary = held.server().Connect();
+  client::ClientOptions always_chunked;
+  always_chunked.chunking = client::ClientOptions::Chunking::kAlways;
+  auto chunked = held.server().Connect(always_chunked);
+  auto p = plain.Connect();
+  const std::string mb = CreateModule(*b, v1::LAYERNORM_LINEAR, 5);
+  const std::string mp = CreateModule(*p, v1::LAYERNORM_LINEAR, 5);
+  std::vector<client::HostTensor> xs, gs;
+  for (int i = 0; i < kAll; ++i) {
+    xs.push_back(Random({1 + i % 3, kIn}));
+    gs.push_back(Random({1 + i % 3, kOut}));
+  }
+
+  // The clients learn the module's widths first (ListModules, which waits for the device),
+  // outside the hold.
+  ASSERT_TRUE(chunked->Forward(mb, xs[0], false).ok());
+  ASSERT_EQ(chunked->chunked_calls(), 1);
+  ASSERT_TRUE(unary->Forward(mb, xs[0], false).ok());
+
+  // Forwards: the stream's, then one chunked and one unary, all behind the held forward.
+  held.Hold(*b, mb, kAll);
+  auto stream = b->OpenTrainStream();
+  for (int i = 0; i < kStream; ++i) ASSERT_TRUE(stream->SendForward(uint64_t(i), mb, xs[i], true));
+  absl::StatusOr<client::ForwardResult> fc = absl::UnknownError("not run"), fu = fc;
+  std::thread tc([&] { fc = chunked->Forward(mb, xs[kStream], true); });
+  std::thread tu([&] { fu = unary->Forward(mb, xs[kStream + 1], true); });
+  std::vector<client::ForwardResult> got(kAll);
+  for (int i = 0; i < kStream; ++i) {
+    auto r = stream->Read();
+    ASSERT_TRUE(r.has_value());
+    ASSERT_EQ(r->code(), 0) << r->message();
+    auto out = client::FromWire(r->forward().output());
+    ASSERT_TRUE(out.ok()) << out.status();
+    got[r->request_id()] = {*out, r->forward().context_id()};
+  }
+  tc.join();
+  tu.join();
+  held.Release();
+  ASSERT_TRUE(fc.ok() && fu.ok()) << fc.status() << fu.status();
+  got[kStream] = *fc;
+  got[kStream + 1] = *fu;
+  EXPECT_EQ(held.last(), (std::pair<std::string, int64_t>("Forward", kAll)));
+  EXPECT_EQ(chunked->chunked_calls(), 2);
+  std::vector<std::string> plain_contexts;
+  for (int i = 0; i < kAll; ++i) {
+    auto f = p->Forward(mp, xs[i], true);
+    ASSERT_TRUE(f.ok());
+    EXPECT_EQ(got[i].output.data, f->output.data) << "forward " << i;
+    plain_contexts.push_back(f->context_id);
+  }
+
+  // Backwards of those contexts, the same way.
+  const int64_t before = held.server().host().Stats().batched_backwards;
+  const int64_t chunked_before = chunked->chunked_calls();
+  held.Hold(*b, mb, kAll);
+  for (int i = 0; i < kStream; ++i) {
+    ASSERT_TRUE(stream->SendBackward(uint64_t(100 + i), got[i].context_id, gs[i]));
+  }
+  absl::StatusOr<client::HostTensor> bc = absl::UnknownError("not run"), bu = bc;
+  std::thread bct([&] { bc = chunked->Backward(got[kStream].context_id, gs[kStream]); });
+  std::thread but([&] { bu = unary->Backward(got[kStream + 1].context_id, gs[kStream + 1]); });
+  std::vector<client::HostTensor> dx(kAll);
+  for (int i = 0; i < kStream; ++i) {
+    auto r = stream->Read();
+    ASSERT_TRUE(r.has_value());
+    ASSERT_EQ(r->code(), 0) << r->message();
+    auto g = client::FromWire(r->backward().grad_input());
+    ASSERT_TRUE(g.ok()) << g.status();
+    dx[r->request_id() - 100] = *g;
+  }
+  bct.join();
+  but.join();
+  held.Release();
+  ASSERT_TRUE(bc.ok() && bu.ok()) << bc.status() << bu.status();
+  dx[kStream] = *bc;
+  dx[kStream + 1] = *bu;
+  EXPECT_EQ(held.last(), (std::pair<std::string, int64_t>("Backward", kAll)));
+  EXPECT_EQ(held.server().host().Stats().batched_backwards - before, kAll);
+  EXPECT_GT(chunked->chunked_calls(), chunked_before);
+  for (int i = 0; i < kAll; ++i) {
+    auto g = p->Backward(plain_contexts[size_t(i)], gs[i]);
+    ASSERT_TRUE(g.ok());
+    EXPECT_EQ(dx[i].data, g->data) << "backward " << i;
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(held.server().host().contexts().live_contexts(), 0);
+}
+
+TEST_P(BatchServiceTest, AStreamsRequestsRunInTheirOrderAcrossBatches) {
+  // A Train stream's requests run in the order they came, though they wait in batches: under
+  // delayed scaling each backward casts with the scale the backwards before it left, so a later
+  // request that joined an earlier one's batch, ahead of a request of another key queued between
+  // them, would change the bits. Backwards X, Y (skip_grad_input: another key), Z on one stream
+  // give the bits of X, Y, Z one after another on a plain server, gradients included.
+  HeldServer held;
+  TestServer plain;
+  ASSERT_TRUE(held.server().ok() && plain.ok());
+  auto b = held.server().Connect();
+  auto p = plain.Connect();
+  v1::ModuleSpec spec;
+  spec.set_kind(v1::LINEAR);
+  spec.set_in_features(kIn);
+  spec.set_out_features(kOut);
+  spec.set_bias(true);
+  spec.set_seed(12);
+  spec.mutable_recipe()->set_scaling(v1::DELAYED);
+  spec.mutable_recipe()->set_amax_history_len(4);
+  auto cb = b->CreateModule(spec);
+  auto cp = p->CreateModule(spec);
+  ASSERT_TRUE(cb.ok() && cp.ok()) << cb.status() << cp.status();
+  const std::string mb = cb->module_id(), mp = cp->module_id();
+  constexpr int kSteps = 3;
+  std::vector<std::string> on_held, on_plain;
+  std::vector<client::HostTensor> gs;
+  for (int i = 0; i < kSteps; ++i) {
+    const client::HostTensor x = Random({2, kIn});
+    auto fb = b->Forward(mb, x, true);
+    auto fp = p->Forward(mp, x, true);
+    ASSERT_TRUE(fb.ok() && fp.ok());
+    ASSERT_EQ(fb->output.data, fp->output.data);
+    on_held.push_back(fb->context_id);
+    on_plain.push_back(fp->context_id);
+    client::HostTensor g = Random({2, kOut});
+    for (float& v : g.data) v *= std::pow(16.0f, float(i) - 1.0f);  // each its own amax
+    gs.push_back(std::move(g));
+  }
+  auto skip = [](int i) {
+    client::BackwardOptions o;
+    o.skip_grad_input = i == 1;
+    return o;
+  };
+  held.Hold(*b, mb, kSteps);
+  auto stream = b->OpenTrainStream();
+  for (int i = 0; i < kSteps; ++i) {
+    ASSERT_TRUE(stream->SendBackward(uint64_t(i), on_held[size_t(i)], gs[size_t(i)], skip(i)));
+  }
+  std::vector<v1::TrainResponse> answers(kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    auto r = stream->Read();
+    ASSERT_TRUE(r.has_value());
+    ASSERT_EQ(r->code(), 0) << r->message();
+    answers[r->request_id()] = *r;
+  }
+  held.Release();
+  EXPECT_TRUE(stream->Finish().ok());
+  for (int i = 0; i < kSteps; ++i) {
+    auto g = p->Backward(on_plain[size_t(i)], gs[size_t(i)], skip(i));
+    ASSERT_TRUE(g.ok()) << g.status();
+    if (i == 1) continue;  // no grad_input
+    auto streamed = client::FromWire(answers[size_t(i)].backward().grad_input());
+    ASSERT_TRUE(streamed.ok());
+    EXPECT_EQ(streamed->data, g->data) << "backward " << i;
+  }
+  auto gb = b->GetGradients(mb);
+  auto gp = p->GetGradients(mp);
+  ASSERT_TRUE(gb.ok() && gp.ok());
+  ASSERT_EQ(gb->tensors.size(), gp->tensors.size());
+  for (size_t i = 0; i < gb->tensors.size(); ++i) {
+    EXPECT_EQ(gb->tensors[i].second.data, gp->tensors[i].second.data) << gb->tensors[i].first;
+  }
 }
 
 TEST_P(BatchServiceTest, BadRequestsGetTheirErrorsWithBatchingOn) {
