@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "gradwire/client/kinds.h"
 #include "gradwire/wire/codec.h"
 
 namespace gradwire::cli {
@@ -56,10 +57,8 @@ absl::StatusOr<ExportResult> ExportWeights(client::Client& client, const std::st
   for (const v1::ModuleInfo& m : *modules) {
     if (m.module_id() != module_id) continue;
     metadata["kind"] = v1::ModuleKind_Name(m.spec().kind());
-    metadata["in_features"] = absl::StrCat(m.spec().in_features());
-    metadata["out_features"] = absl::StrCat(m.spec().out_features());
-    if (m.spec().kind() == v1::LAYERNORM_MLP) {
-      metadata["ffn_features"] = absl::StrCat(m.spec().ffn_features());
+    for (const auto& [field, width] : client::KindWidths(m.spec())) {
+      metadata[field] = absl::StrCat(width);
     }
   }
 

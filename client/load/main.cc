@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
+#include "gradwire/client/kinds.h"
 #include "gradwire/client/shared_memory.h"
 #include "gradwire/kernels/random.h"
 #include "inprocess.h"
@@ -428,8 +429,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"forward", "step", "empty", "stream"}))
       ->capture_default_str();
   app.add_option("--module", o.module_id, "use this existing module instead of creating one");
-  app.add_option("--kind", o.kind, "module to create: linear, layernorm-linear, layernorm-mlp")
-      ->check(CLI::IsMember({"linear", "layernorm-linear", "layernorm-mlp"}))
+  app.add_option("--kind", o.kind, "module to create: " + gradwire::client::KindNames())
+      ->check(CLI::IsMember(gradwire::client::KindCliNames()))
       ->capture_default_str();
   app.add_option("--in", o.in_features, "in_features")
       ->check(CLI::PositiveNumber)
@@ -567,12 +568,11 @@ int main(int argc, char** argv) {
       return 1;
     }
   } else {
-    spec.set_kind(o.kind == "layernorm-mlp"      ? v1::LAYERNORM_MLP
-                  : o.kind == "layernorm-linear" ? v1::LAYERNORM_LINEAR
-                                                 : v1::LINEAR);
+    spec.set_kind(*gradwire::client::KindByName(o.kind));  // one of them: --kind checks it
     spec.set_in_features(o.in_features);
     spec.set_out_features(o.out_features);
-    if (o.kind == "layernorm-mlp") spec.set_ffn_features(o.ffn_features);
+    if (gradwire::client::KindReads(spec.kind(), "ffn_features"))
+      spec.set_ffn_features(o.ffn_features);
     spec.set_bias(o.bias);
     spec.mutable_recipe()->set_scaling(o.recipe == "delayed" ? v1::DELAYED : v1::CURRENT);
     spec.set_seed(o.run.seed);

@@ -1,5 +1,7 @@
 #include "gradwire/client/shape_cache.h"
 
+#include "gradwire/client/kinds.h"
+
 namespace gradwire::client {
 
 void ShapeCache::Remember(const v1::ModuleInfo& info) {
@@ -7,8 +9,9 @@ void ShapeCache::Remember(const v1::ModuleInfo& info) {
   ModuleShape shape;
   shape.in = spec.in_features();
   shape.out = spec.out_features();
-  shape.ffn = spec.kind() == v1::LAYERNORM_MLP ? spec.ffn_features() : 0;
-  shape.layernorm_output = spec.kind() != v1::LINEAR && spec.return_layernorm_output();
+  shape.ffn = KindReads(spec.kind(), "ffn_features") ? spec.ffn_features() : 0;
+  shape.layernorm_output =
+      KindReads(spec.kind(), "return_layernorm_output") && spec.return_layernorm_output();
   shape.gated = spec.activation() == v1::SWIGLU || spec.activation() == v1::GEGLU;
   std::lock_guard<std::mutex> lock(mu_);
   modules_[info.module_id()] = shape;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gradwire/client/kinds.h"
 
 namespace gradwire::torch_client {
 namespace {
@@ -242,9 +243,9 @@ bool RemoteModuleImpl::requires_grad() const { return weight_anchor_.requires_gr
 void RemoteModuleImpl::pretty_print(std::ostream& stream) const {
   const v1::ModuleSpec& spec = info_.spec();
   stream << "gradwire::RemoteModule(module_id=" << module_id_
-         << ", kind=" << v1::ModuleKind_Name(spec.kind()) << ", in_features=" << spec.in_features()
-         << ", out_features=" << spec.out_features();
-  if (spec.kind() == v1::LAYERNORM_MLP) stream << ", ffn_features=" << spec.ffn_features();
+         << ", kind=" << v1::ModuleKind_Name(spec.kind());
+  for (const auto& [field, width] : client::KindWidths(spec))
+    stream << ", " << field << "=" << width;
   stream << ", server=" << client_->options().server << ")";
 }
 

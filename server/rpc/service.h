@@ -141,6 +141,10 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // What a forward and a backward differ in (steps.cc).
   struct ForwardStep;
   struct BackwardStep;
+  // A job for `call`, and where it goes (Forward and Backward).
+  template <typename Step>
+  StepEntry Enter(const CallBase& call, StepJob<typename Step::Request, typename Step::Response> in,
+                  Order* order);
   // The queue: the batch former for a job that can share a batch, else the device executor.
   template <typename Step>
   void Submit(const std::shared_ptr<Job<Step>>& job, std::function<void()> task, Order* order);

@@ -451,28 +451,27 @@ void GradwireService::FinishJob(const std::shared_ptr<Job<Step>>& job, typename 
   End(job, std::move(status));
 }
 
-StepEntry GradwireService::Forward(const CallBase& call, ForwardJob in, Order* order) {
-  auto job = std::make_shared<Job<ForwardStep>>();
+template <typename Step>
+StepEntry GradwireService::Enter(const CallBase& call,
+                                 StepJob<typename Step::Request, typename Step::Response> in,
+                                 Order* order) {
+  auto job = std::make_shared<Job<Step>>();
   job->in = std::move(in);
   job->caller = &call.caller();
   job->call = &call;
   job->hold = call.Hold();
-  return {[this, job](absl::Status started) { RunJob<ForwardStep>(job, std::move(started)); },
+  return {[this, job](absl::Status started) { RunJob<Step>(job, std::move(started)); },
           [this, job, order](std::function<void()> task) {
-            Submit<ForwardStep>(job, std::move(task), order);
+            Submit<Step>(job, std::move(task), order);
           }};
 }
 
+StepEntry GradwireService::Forward(const CallBase& call, ForwardJob in, Order* order) {
+  return Enter<ForwardStep>(call, std::move(in), order);
+}
+
 StepEntry GradwireService::Backward(const CallBase& call, BackwardJob in, Order* order) {
-  auto job = std::make_shared<Job<BackwardStep>>();
-  job->in = std::move(in);
-  job->caller = &call.caller();
-  job->call = &call;
-  job->hold = call.Hold();
-  return {[this, job](absl::Status started) { RunJob<BackwardStep>(job, std::move(started)); },
-          [this, job, order](std::function<void()> task) {
-            Submit<BackwardStep>(job, std::move(task), order);
-          }};
+  return Enter<BackwardStep>(call, std::move(in), order);
 }
 
 template <typename Step>

@@ -13,7 +13,9 @@
 #include <condition_variable>
 #include <functional>
 #include <limits>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -406,6 +408,21 @@ class HeldServer {
   TestServer server_;  // last: stopped first, while the hooks' state lives
 };
 
+// The next `n` answers of `stream`, by request id; each must be a success.
+std::map<uint64_t, v1::TrainResponse> ReadAnswers(client::TrainStream& stream, int n) {
+  std::map<uint64_t, v1::TrainResponse> answers;
+  for (int i = 0; i < n; ++i) {
+    std::optional<v1::TrainResponse> r = stream.Read();
+    if (!r.has_value()) {
+      ADD_FAILURE() << "the stream ended after " << i << " of " << n << " answers";
+      break;
+    }
+    EXPECT_EQ(r->code(), 0) << r->message();
+    answers[r->request_id()] = *std::move(r);
+  }
+  return answers;
+}
+
 TEST_P(BatchServiceTest, TrainStreamChunkedAndUnaryCallsShareOneBatch) {
   // Every call shape hands its forwards and backwards to one pipeline: a Train stream's requests,
   // a chunked call's and a unary call's, queued together, run as one batch, and each gets a plain
@@ -442,13 +459,10 @@ TEST_P(BatchServiceTest, TrainStreamChunkedAndUnaryCallsShareOneBatch) {
   std::thread tc([&] { fc = chunked->Forward(mb, xs[kStream], true); });
   std::thread tu([&] { fu = unary->Forward(mb, xs[kStream + 1], true); });
   std::vector<client::ForwardResult> got(kAll);
-  for (int i = 0; i < kStream; ++i) {
-    auto r = stream->Read();
-    ASSERT_TRUE(r.has_value());
-    ASSERT_EQ(r->code(), 0) << r->message();
-    auto out = client::FromWire(r->forward().output());
+  for (const auto& [id, r] : ReadAnswers(*stream, kStream)) {
+    auto out = client::FromWire(r.forward().output());
     ASSERT_TRUE(out.ok()) << out.status();
-    got[r->request_id()] = {*out, r->forward().context_id()};
+    got[id] = {*out, r.forward().context_id()};
   }
   tc.join();
   tu.join();
@@ -477,13 +491,10 @@ TEST_P(BatchServiceTest, TrainStreamChunkedAndUnaryCallsShareOneBatch) {
   std::thread bct([&] { bc = chunked->Backward(got[kStream].context_id, gs[kStream]); });
   std::thread but([&] { bu = unary->Backward(got[kStream + 1].context_id, gs[kStream + 1]); });
   std::vector<client::HostTensor> dx(kAll);
-  for (int i = 0; i < kStream; ++i) {
-    auto r = stream->Read();
-    ASSERT_TRUE(r.has_value());
-    ASSERT_EQ(r->code(), 0) << r->message();
-    auto g = client::FromWire(r->backward().grad_input());
+  for (const auto& [id, r] : ReadAnswers(*stream, kStream)) {
+    auto g = client::FromWire(r.backward().grad_input());
     ASSERT_TRUE(g.ok()) << g.status();
-    dx[r->request_id() - 100] = *g;
+    dx[id - 100] = *g;
   }
   bct.join();
   but.join();
@@ -551,13 +562,8 @@ TEST_P(BatchServiceTest, AStreamsRequestsRunInTheirOrderAcrossBatches) {
   for (int i = 0; i < kSteps; ++i) {
     ASSERT_TRUE(stream->SendBackward(uint64_t(i), on_held[size_t(i)], gs[size_t(i)], skip(i)));
   }
-  std::vector<v1::TrainResponse> answers(kSteps);
-  for (int i = 0; i < kSteps; ++i) {
-    auto r = stream->Read();
-    ASSERT_TRUE(r.has_value());
-    ASSERT_EQ(r->code(), 0) << r->message();
-    answers[r->request_id()] = *r;
-  }
+  std::map<uint64_t, v1::TrainResponse> answers = ReadAnswers(*stream, kSteps);
+  ASSERT_EQ(answers.size(), size_t(kSteps));
   held.Release();
   EXPECT_TRUE(stream->Finish().ok());
   for (int i = 0; i < kSteps; ++i) {

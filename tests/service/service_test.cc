@@ -8,13 +8,20 @@
 
 #include <cmath>
 #include <random>
+#include <set>
+#include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "gradwire/client/client.h"
+#include "gradwire/client/kinds.h"
 #include "gradwire/kernels/fp8.h"
 #include "server/core/executor.h"
+#include "server/core/kind_description.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
+#include "server/rpc/spec_convert.h"
 #include "specs.h"
 #include "test_server.h"
 
@@ -500,6 +507,51 @@ INSTANTIATE_TEST_SUITE_P(Transports, ServiceTest,
                          ::testing::Values(testing::Transport::kTcp,
                                            testing::Transport::kInProcess),
                          testing::TransportParamName);
+
+// Module kinds are described once, in the wire contract (module.proto: a KindDescription on each
+// ModuleKind value), and every client reads that table; the server's own descriptions of its kinds
+// must say the same: names, the spec fields each reads, and its widths in DescribeModule's order.
+TEST(KindDescriptionsTest, TheContractDescribesTheServersKinds) {
+  ASSERT_EQ(client::ModuleKinds().size(), core::KindDescriptions().size());
+  for (const core::KindDescription* kind : core::KindDescriptions()) {
+    SCOPED_TRACE(kind->spec_name());
+    v1::ModuleKind wire = v1::MODULE_KIND_UNSPECIFIED;
+    ASSERT_TRUE(v1::ModuleKind_Parse(kind->spec_name(), &wire));
+    const v1::KindDescription* d = client::DescribeKind(wire);
+    ASSERT_NE(d, nullptr);
+    EXPECT_EQ(d->class_name(), kind->name());
+    EXPECT_EQ(client::KindByName(d->cli_name()), wire);
+    EXPECT_EQ(client::KindByName(kind->spec_name()), wire);
+    const std::set<std::string> fields(d->spec_fields().begin(), d->spec_fields().end());
+    std::set<std::string> expected;
+    if (kind->spec_fields().ffn) expected.insert({"ffn_features", "activation"});
+    if (kind->spec_fields().layernorm) {
+      expected.insert(
+          {"layernorm_eps", "zero_centered_gamma", "return_layernorm_output", "checkpoint"});
+    }
+    EXPECT_EQ(fields, expected);
+    for (const std::string& f : fields) EXPECT_TRUE(client::KindReads(wire, f)) << f;
+    EXPECT_FALSE(client::KindReads(wire, "in_features"));
+    core::ModuleSpec spec;
+    spec.kind = kind->kind();
+    spec.in_features = 96;
+    spec.out_features = 64;
+    spec.ffn_features = 128;
+    spec.bias = true;  // so every description has a comma after its widths
+    std::vector<std::string> widths;
+    for (const auto& [field, width] : client::KindWidths(rpc::SpecToProto(spec))) {
+      widths.push_back(absl::StrCat(width));
+    }
+    const std::string described = core::DescribeModule(spec);
+    EXPECT_EQ(described.find(absl::StrCat(kind->name(), " ", absl::StrJoin(widths, " -> "), ",")),
+              0u)
+        << described;
+  }
+  EXPECT_EQ(client::DescribeKind(v1::MODULE_KIND_UNSPECIFIED), nullptr);
+  EXPECT_EQ(client::DescribeKind(v1::ModuleKind(99)), nullptr);
+  EXPECT_FALSE(client::KindByName("conv2d").has_value());
+  EXPECT_EQ(client::KindNames(), "linear, layernorm-linear, layernorm-mlp");
+}
 
 }  // namespace
 }  // namespace gradwire

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 import torch
 
-from gradwire import tensor_messages, wire
+from gradwire import kinds, tensor_messages, wire
 from gradwire.tensor_messages import Outgoing, Path, Received
 from gradwire.v1 import module_pb2, service_pb2, service_pb2_grpc
 
@@ -166,6 +166,11 @@ def _host_port(server: str) -> Optional[Tuple[str, int]]:
     else:
         host, _, port = server.rpartition(":")
     return (host, int(port)) if port.isdigit() else None
+
+
+def _returns_layernorm(spec: module_pb2.ModuleSpec) -> bool:
+    """Whether a forward of ``spec``'s module also returns its LayerNorm output."""
+    return spec.return_layernorm_output and kinds.reads(spec.kind, "return_layernorm_output")
 
 
 def _read(path: Optional[str], what: str) -> Optional[bytes]:
@@ -754,8 +759,8 @@ class Client:
             spec = self._spec(module_id)
             if spec is not None:
                 rows = x.numel() // max(1, x.shape[-1])
-                width = spec.out_features + (spec.in_features if spec.return_layernorm_output
-                                             and spec.kind != module_pb2.LINEAR else 0)
+                width = spec.out_features + (spec.in_features if _returns_layernorm(spec)
+                                             else 0)
                 out_bytes = rows * width * size
         if self._use_chunked(sent, out_bytes):
             resp = self._chunked("ForwardChunked", req, service_pb2.ForwardRequestPart,
@@ -855,7 +860,7 @@ class Client:
         rows = x.numel() // x.shape[-1]
         in_bytes = x.numel() * size
         out_bytes = rows * spec.out_features * size
-        ln = spec.return_layernorm_output and spec.kind != module_pb2.LINEAR
+        ln = _returns_layernorm(spec)
         ln_bytes = rows * spec.in_features * size if ln else 0
         if in_bytes + out_bytes + ln_bytes < self._shm_min:
             return None
@@ -976,7 +981,7 @@ class Client:
         at = offset + req.input.shared_memory.byte_size
         out_bytes = rows * spec.out_features * size
         req.output_shared_memory.CopyFrom(region.ref(at, out_bytes))
-        if spec.return_layernorm_output and spec.kind != module_pb2.LINEAR:
+        if _returns_layernorm(spec):
             req.layernorm_output_shared_memory.CopyFrom(
                 region.ref(at + out_bytes, rows * spec.in_features * size))
         resp = self._call("Forward", req, module_id)

@@ -75,15 +75,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.autograd.function import once_differentiable
 
-from gradwire import optim, safetensors, wire
+from gradwire import kinds, optim, safetensors, wire
 from gradwire.client import Client, ContextLostError, GradwireError, open_client_for
 from gradwire.cluster import Cluster
 from gradwire.v1 import module_pb2
 
 log = logging.getLogger("gradwire")
 
-_KIND_NAMES = {module_pb2.LINEAR: "LINEAR", module_pb2.LAYERNORM_LINEAR: "LAYERNORM_LINEAR",
-               module_pb2.LAYERNORM_MLP: "LAYERNORM_MLP"}
 _ACTIVATIONS = {"gelu": module_pb2.GELU, "relu": module_pb2.RELU, "swiglu": module_pb2.SWIGLU,
                 "geglu": module_pb2.GEGLU}
 _ACTIVATION_NAMES = {v: k for k, v in _ACTIVATIONS.items()}
@@ -461,9 +459,9 @@ class RemoteModule(torch.nn.Module):
         the optimizer it was created with."""
         target = client.client_for(module_id) if isinstance(client, Cluster) else client
         kind = target.module_info(module_id.rsplit("/", 1)[-1]).spec.kind
-        kind_class = {module_pb2.LINEAR: RemoteLinear,
-                      module_pb2.LAYERNORM_LINEAR: RemoteLayerNormLinear,
-                      module_pb2.LAYERNORM_MLP: RemoteLayerNormMLP}.get(kind, RemoteModule)
+        # The class that names the kind (its _kind), else the general one.
+        kind_class = {getattr(c, "_kind", None): c
+                      for c in RemoteModule.__subclasses__()}.get(kind, RemoteModule)
         obj = kind_class.__new__(kind_class)
         RemoteModule.__init__(obj, client, module_id=module_id, optimizer=optimizer,
                               recompute_on_lost_context=recompute_on_lost_context)
@@ -486,7 +484,7 @@ class RemoteModule(torch.nn.Module):
     @property
     def kind(self) -> str:
         """"LINEAR", "LAYERNORM_LINEAR" or "LAYERNORM_MLP"."""
-        return _KIND_NAMES.get(self.spec.kind, str(self.spec.kind))
+        return kinds.name(self.spec.kind)
 
     @property
     def owned(self) -> bool:
@@ -914,14 +912,15 @@ def _restore(cls: type, server: str, state: Dict[str, Any]) -> RemoteModule:
 
 def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: str, seed: int,
           name: str, max_staleness: int,
-          optimizer: Optional[module_pb2.OptimizerConfig], **extra) -> module_pb2.ModuleSpec:
+          optimizer: Optional[module_pb2.OptimizerConfig], labels: Optional[Dict[str, str]] = None,
+          **extra) -> module_pb2.ModuleSpec:
+    """The spec of a module of ``kind``; ``labels``: the class's argument names of spec fields,
+    for its errors."""
     if recipe not in ("current", "delayed"):
         raise ValueError(f"recipe must be 'current' or 'delayed', got {recipe!r}")
     sizes = {"in_features": in_features, "out_features": out_features}
     sizes.update({k: v for k, v in extra.items() if k.endswith("_features")})
-    labels = {"ffn_features": "ffn_hidden_size"}
-    if kind == module_pb2.LAYERNORM_MLP:
-        labels["in_features"] = "hidden_size"
+    labels = labels or {}
     for key, value in sizes.items():
         arg = labels.get(key, key)
         # As nn.Linear's sizes: a whole number (8, not 8.0; not True), at least 1.
@@ -963,6 +962,7 @@ _COMMON_ARGS = """
 
 
 class RemoteLinear(RemoteModule):
+    _kind = module_pb2.LINEAR
     __doc__ = """FP8 ``y = x W^T + b`` on the server; parameters ``weight`` [out_features,
     in_features] and ``bias`` [out_features], as ``torch.nn.Linear``'s (so a state_dict loads
     into either).
@@ -989,6 +989,7 @@ class RemoteLinear(RemoteModule):
 
 
 class RemoteLayerNormLinear(RemoteModule):
+    _kind = module_pb2.LAYERNORM_LINEAR
     __doc__ = """FP8 ``LayerNorm(x) W^T + b`` on the server; parameters ``layer_norm_weight``,
     ``layer_norm_bias`` [in_features], ``weight`` [out_features, in_features], ``bias``.
 
@@ -1020,6 +1021,7 @@ class RemoteLayerNormLinear(RemoteModule):
 
 
 class RemoteLayerNormMLP(RemoteModule):
+    _kind = module_pb2.LAYERNORM_MLP
     __doc__ = """FP8 ``FC2(act(FC1(LayerNorm(x))))`` on the server; parameters
     ``layer_norm_weight``, ``layer_norm_bias`` [hidden_size], ``fc1_weight`` [ffn_hidden_size
     (twice that for swiglu/geglu), hidden_size], ``fc1_bias``, ``fc2_weight`` [out_features,
@@ -1055,7 +1057,10 @@ class RemoteLayerNormMLP(RemoteModule):
                                         eps)
         super().__init__(client, _spec(module_pb2.LAYERNORM_MLP, hidden_size,
                                        out_features or hidden_size, bias, recipe, seed, name,
-                                       max_staleness, config, ffn_features=ffn_hidden_size,
+                                       max_staleness, config,
+                                       labels={"in_features": "hidden_size",
+                                               "ffn_features": "ffn_hidden_size"},
+                                       ffn_features=ffn_hidden_size,
                                        activation=_ACTIVATIONS[activation],
                                        checkpoint=checkpoint, layernorm_eps=layernorm_eps,
                                        zero_centered_gamma=zero_centered_gamma),

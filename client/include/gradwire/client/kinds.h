@@ -1,0 +1,34 @@
+// Module kinds as the wire contract describes them: each gradwire.v1.ModuleKind value carries a
+// KindDescription option in module.proto (its names, the spec fields it reads, its widths). It is
+// the one table of kinds every client reads (this library, the CLI, gradwire-load, the libtorch
+// module; the Python package reads the same option), so a new kind needs no case in a client.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "gradwire/v1/module.pb.h"
+
+namespace gradwire::client {
+
+// The description of `kind`, or null for MODULE_KIND_UNSPECIFIED and values the contract does not
+// name (a newer server's kind).
+const v1::KindDescription* DescribeKind(v1::ModuleKind kind);
+// Every kind the contract names, in enum order.
+std::vector<v1::ModuleKind> ModuleKinds();
+// The kind whose cli_name ("layernorm-mlp") or enum name ("LAYERNORM_MLP") is `name`.
+std::optional<v1::ModuleKind> KindByName(absl::string_view name);
+// Whether a module of `kind` reads `field` of its ModuleSpec (beyond the fields every kind reads).
+bool KindReads(v1::ModuleKind kind, absl::string_view field);
+// The widths of `spec`'s module in order, by field name: {{"in_features", 1024},
+// {"ffn_features", 4096}, {"out_features", 1024}} for a LayerNormMLP. Empty for an unknown kind.
+std::vector<std::pair<std::string, int64_t>> KindWidths(const v1::ModuleSpec& spec);
+// The --kind values ("linear", "layernorm-linear", "layernorm-mlp"), and them joined by ", ".
+std::vector<std::string> KindCliNames();
+std::string KindNames();
+
+}  // namespace gradwire::client

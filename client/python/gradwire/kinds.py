@@ -1,0 +1,60 @@
+"""Module kinds as the wire contract describes them.
+
+Each ``gradwire.v1.ModuleKind`` value in ``module.proto`` carries a ``KindDescription`` option:
+its class name, its ``--kind`` name, the ``ModuleSpec`` fields it reads beyond the common ones,
+and the width fields that give its shape. It is the one table of kinds every client reads (this
+package, and the C++ client, CLI, load tool and libtorch module), so a new kind needs no case in
+a client.
+"""
+
+from typing import List, Optional, Tuple
+
+from gradwire.v1 import module_pb2
+
+
+def describe(kind: int) -> Optional[module_pb2.KindDescription]:
+    """The description of ``kind``, or None for MODULE_KIND_UNSPECIFIED and values this package
+    does not know (a newer server's kind)."""
+    value = module_pb2.ModuleKind.DESCRIPTOR.values_by_number.get(int(kind))
+    if value is None:
+        return None
+    options = value.GetOptions()
+    if not options.HasExtension(module_pb2.kind_description):
+        return None
+    return options.Extensions[module_pb2.kind_description]
+
+
+def kinds() -> List[int]:
+    """Every kind the contract names, in enum order."""
+    return [v.number for v in module_pb2.ModuleKind.DESCRIPTOR.values
+            if describe(v.number) is not None]
+
+
+def name(kind: int) -> str:
+    """The enum name ("LAYERNORM_MLP"), or the number as text for a kind this package does not
+    know."""
+    value = module_pb2.ModuleKind.DESCRIPTOR.values_by_number.get(int(kind))
+    return value.name if value is not None else str(kind)
+
+
+def by_name(text: str) -> Optional[int]:
+    """The kind whose ``--kind`` name ("layernorm-mlp") or enum name ("LAYERNORM_MLP") is
+    ``text``."""
+    for kind in kinds():
+        if text in (describe(kind).cli_name, name(kind)):
+            return kind
+    return None
+
+
+def reads(kind: int, field: str) -> bool:
+    """Whether a module of ``kind`` reads ``field`` of its spec (beyond the fields every kind
+    reads)."""
+    d = describe(kind)
+    return d is not None and field in d.spec_fields
+
+
+def widths(spec: module_pb2.ModuleSpec) -> List[Tuple[str, int]]:
+    """The widths of ``spec``'s module in order, by field name: ``[("in_features", 1024),
+    ("ffn_features", 4096), ("out_features", 1024)]`` for a LayerNormMLP."""
+    d = describe(spec.kind)
+    return [] if d is None else [(f, getattr(spec, f)) for f in d.widths]
