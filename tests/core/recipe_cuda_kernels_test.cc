@@ -1,5 +1,5 @@
-// The device delayed-scaling roll against ScalingState (server/device/scaling_state.cc), step by step, bit
-// for bit: history, scale, scale_inv. Skipped, visibly, where there is no CUDA device.
+// The device delayed-scaling roll against ScalingState (server/device/scaling_state.cc), step by
+// step, bit for bit: history, scale, scale_inv. Skipped, visibly, where there is no CUDA device.
 #include <gtest/gtest.h>
 
 #include <cmath>

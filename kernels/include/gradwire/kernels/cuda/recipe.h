@@ -1,5 +1,5 @@
-// Delayed scaling on the device: the end-of-step roll of ScalingState (server/device/scaling_state.cc) for
-// many tensors in one kernel, bit-exact with it.
+// Delayed scaling on the device: the end-of-step roll of ScalingState
+// (server/device/scaling_state.cc) for many tensors in one kernel, bit-exact with it.
 #pragma once
 
 #include <cstdint>
