@@ -571,7 +571,7 @@ if want batching; then
 fi
 
 # Pinned staging of the wire crossings (--cuda-staging-mib; off by default until measured here):
-# the wire parity rows through 1 MiB slots (their F32 and 16-bit tensors of 1 MiB or more cross
+# the wire ops' parity rows through 1 MiB slots (their F32 and 16-bit tensors of 1 MiB or more cross
 # in several chunks; smaller ones and FP8 codes take the plain copy), then
 # the step breakdown and the server step with 8 MiB slots, next to the runs above without.
 if want staging; then
@@ -580,7 +580,7 @@ if want staging; then
     (
       export GRADWIRE_CUDA_STAGING_MIB=1
       run "$(cap 60 0)" "$work/staged-parity.log" "$build/tests/core/backend_parity_test" \
-        --gtest_filter='*WireParity*/cuda_*' --gtest_color=no
+        --gtest_filter='*OpParity*/cuda_FromWire*:*OpParity*/cuda_ToWire' --gtest_color=no
       echo $? > "$work/staged-parity.rc"
     )
     tests_excerpt "parity with pinned staging (1 MiB)" "$work/staged-parity.log"

@@ -22,6 +22,8 @@ at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
   return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
 }
 
+bool Backend::Supports(Op op) const { return !core::Describe(op).has_default; }
+
 at::Tensor Backend::FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
                                 const at::Tensor& bias) const {
   std::vector<at::Tensor> parts;

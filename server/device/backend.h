@@ -26,6 +26,7 @@
 #include "gradwire/kernels/activation.h"
 #include "gradwire/wire/codec.h"
 #include "server/device/fp8_tensor.h"
+#include "server/device/ops.h"
 #include "server/device/quantizer.h"
 #include "server/device/scaling_state.h"
 
@@ -60,6 +61,12 @@ class Backend {
   virtual at::Device device() const = 0;
   // One line for logs: the device and what computes on it.
   virtual std::string Describe() const = 0;
+
+  // True when this backend runs `op` its own way; false when it runs Backend's default for it
+  // (ops.h: the ops with has_default). Every backend runs every op, so an op without a default is
+  // always supported. A backend that overrides a defaulted op says so here, and the parity
+  // harness holds each such op to its contract against the default or the reference.
+  virtual bool Supports(Op op) const;
 
   // A contiguous copy of `t` (any device) on this backend's device; on the CPU backend `t`
   // itself when it is already a contiguous CPU tensor.
@@ -134,15 +141,11 @@ class Backend {
   // Fused forms: an op and the FP8 cast of its result, which a backend may run as one kernel that
   // never writes the fp32 result it does not need (docs/backends.md, "Fused forms"). Each has a
   // composed default (the op, then Cast): a backend's fused form gives that default's results bit
-  // for bit (tests/core/backend_parity_test.cc, FusedParity), so modules call the fused forms
-  // everywhere and a batch's per-request casts (CastRows, which composes) match them. The config
-  // casts one tensor (its row_groups are not read here; fp8_ops.h's *Rows helpers split them).
-  enum class Fused { kLayerNormCast, kActivationCast, kDActivationCast };
-  // True when this backend runs `form` as one kernel instead of the composed default.
-  virtual bool Fuses(Fused form) const {
-    (void)form;
-    return false;
-  }
+  // for bit (the parity harness's LayerNormCast, ActivationCast and DActivationCast rows), so
+  // modules call the fused forms everywhere and a batch's per-request casts (CastRows, which
+  // composes) match them. The config casts one tensor (its row_groups are not read here;
+  // fp8_ops.h's *Rows helpers split them).
+  //
   // Cast of LayerNormForward(x, ln).y; `ln_out` receives mu and rstd, and y only when keep_y.
   virtual absl::StatusOr<Fp8Tensor> LayerNormCast(const at::Tensor& x, const LayerNormParams& ln,
                                                   const QuantizerConfig& config, CastUsage usage,

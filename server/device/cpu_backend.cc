@@ -146,6 +146,22 @@ class CpuBackend final : public ReferenceBackend {
  public:
   const char* name() const override { return "cpu"; }
 
+  // Its own Widen and NarrowBf16 (the wire codec's, threaded), PrepareWeight (the GEMM panels),
+  // and on the row-invariant GEMM one GEMM for a whole batch (FpropGroups, DgradGroups).
+  bool Supports(Op op) const override {
+    switch (op) {
+      case Op::kWiden:
+      case Op::kNarrowBf16:
+      case Op::kPrepareWeight:
+        return true;
+      case Op::kFpropGroups:
+      case Op::kDgradGroups:
+        return GetCpuGemm() == CpuGemm::kOrdered;
+      default:
+        return Backend::Supports(op);
+    }
+  }
+
   std::string Describe() const override {
     const bool pool = kernels::cpu::GetGemmThreads() == kernels::cpu::GemmThreads::kPool;
     const std::string threads = std::to_string(kernels::cpu::Threads()) + " threads";

@@ -22,6 +22,8 @@ class ReferenceBackend : public Backend {
   std::string Describe() const override {
     return "host CPU, reference FP8 kernels (single-threaded)";
   }
+  // Its own NarrowBf16 (the wire codec's rounding); every other defaulted op is the default.
+  bool Supports(Op op) const override { return op == Op::kNarrowBf16 || Backend::Supports(op); }
 
   at::Tensor ToDevice(const at::Tensor& t) const override;
   at::Tensor ToHost(const at::Tensor& t) const override { return ToDevice(t); }

@@ -2,17 +2,16 @@
 // (kernels/ref, the definition of the numerics), op by op and module by module, on fresh random
 // inputs.
 //
-//   casts                 bit for bit: codes, transposed codes, scale, scale_inv, amax
-//   GEMMs                 within the fp32 accumulation bound plus the tensor cores' partial sums
-//   wire conversions      bit for bit: every wire dtype decoded onto the device and encoded
-//                         back, at aligned and unaligned addresses; bf16 also kept narrow and
-//                         cast as it is
-//   LayerNorm, activation within fp32 rounding
-//   modules               Linear, LayerNormLinear, LayerNormMLP x recipe x activation x shape
-//                         (size 1, primes, aligned) x training/inference x bias: outputs,
-//                         grad_input and every parameter gradient, two steps (delayed scaling rolls
-//                         between); a normalised error over its limit draws again (up to three
-//                         draws), an FP8 rounding flip being a matter of chance
+//   ops      one row per backend and op of the seam (server/device/ops.h), each op's check
+//            from OpChecks: casts, wire conversions, transfers, scaling rolls and the finite
+//            checks bit for bit; GEMMs within the fp32 accumulation bound plus the tensor cores'
+//            partial sums; LayerNorm and activations within fp32 rounding; the fused forms and
+//            the grouped GEMMs bit for bit against the same backend's composed ops
+//   modules  Linear, LayerNormLinear, LayerNormMLP x recipe x activation x shape (size 1,
+//            primes, aligned) x training/inference x bias: outputs, grad_input and every
+//            parameter gradient, two steps (delayed scaling rolls between); a normalised error
+//            over its limit draws again (up to three draws), an FP8 rounding flip being a matter
+//            of chance
 //
 // Where a backend cannot run (no GPU, or a libtorch without CUDA) its rows skip and say why.
 #include <ATen/ATen.h>
@@ -22,22 +21,24 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "queued_reads_backend.h"
-#include "server/device/backend.h"
-#include "server/device/cpu_gemm.h"
-#include "server/device/device_scaling.h"
 #include "server/core/fp8_ops.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
+#include "server/device/backend.h"
+#include "server/device/cpu_gemm.h"
+#include "server/device/device_scaling.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -142,200 +143,885 @@ double Nmse(const at::Tensor& got, const at::Tensor& want) {
 struct Shape {
   int64_t rows, cols;
 };
+using Mnk = std::tuple<int64_t, int64_t, int64_t>;
 
-class CastParity
-    : public ::testing::TestWithParam<std::tuple<const char*, Shape, Fp8Format, bool>> {};
+std::string Dims(Shape s) { return std::to_string(s.rows) + "x" + std::to_string(s.cols); }
 
-TEST_P(CastParity, CodesScalesAndAmaxBitForBit) {
-  const auto [name, shape, format, delayed] = GetParam();
-  GW_REQUIRE_BACKEND(name);
-  const Backend& ref = *MakeReferenceBackend();
-  const Backend& b = *Get(name).backend;
-  const at::Tensor x = RandN({shape.rows, shape.cols}, 3.0);
-  QuantizerConfig q{format, 1, delayed ? 0.37f : 0.0f, nullptr, nullptr};
-  for (CastUsage usage : {CastUsage{true, true}, CastUsage{true, false}, CastUsage{false, true}}) {
-    auto want = ref.Cast(x, q, usage);
-    auto got = b.Cast(b.ToDevice(x), q, usage);
-    ASSERT_TRUE(want.ok() && got.ok());
-    ExpectSameCast(*got, *want, b);
-    if (usage.rowwise) {
-      EXPECT_TRUE(b.ToHost(b.Dequantize(*got, true)).equal(ref.Dequantize(*want, true)));
+// ---- The op rows -------------------------------------------------------------------------------
+//
+// One row per backend and op of the seam (server/device/ops.h), each running that op's check from
+// OpChecks() below: an op added to the list has a row at once, and the row fails until the op has
+// a check. An op a backend runs its own way (Supports) is held to its contract against the
+// reference or against Backend's default; one it leaves to the default is the default, held to
+// the reference (or, where the default composes ops already checked, to those ops).
+
+// What an op's check is given.
+struct OpRow {
+  const Backend& b;    // the backend under test
+  const Backend& ref;  // the reference backend
+  bool gpu;            // b is the CUDA backend
+};
+
+// The same values, bit for bit, wherever each lives.
+::testing::AssertionResult Same(const Backend& b, const at::Tensor& got, const at::Tensor& want) {
+  if (got.defined() != want.defined()) {
+    return ::testing::AssertionFailure() << (got.defined() ? "unexpected tensor" : "no tensor");
+  }
+  if (!want.defined()) return ::testing::AssertionSuccess();
+  const at::Tensor g = b.ToHost(got), w = b.ToHost(want);
+  if (g.sizes() != w.sizes() || g.scalar_type() != w.scalar_type()) {
+    return ::testing::AssertionFailure()
+           << "shape or dtype: " << g.sizes() << " " << g.scalar_type() << " vs " << w.sizes()
+           << " " << w.scalar_type();
+  }
+  // Bytes, not values: NaN payloads and signed zeros count.
+  if (std::memcmp(g.contiguous().data_ptr(), w.contiguous().data_ptr(),
+                  size_t(g.numel()) * g.element_size()) != 0) {
+    return ::testing::AssertionFailure() << "the bits differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+Fp8Tensor CastOn(const Backend& be, const at::Tensor& t, const QuantizerConfig& q,
+                 CastUsage usage = {true, true}) {
+  auto r = be.Cast(be.ToDevice(t), q, usage);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : Fp8Tensor();
+}
+
+const QuantizerConfig kE4M3{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr};
+const QuantizerConfig kE5M2{Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
+const CastUsage kUsages[] = {CastUsage{true, true}, CastUsage{true, false}, CastUsage{false, true}};
+const Activation kActivations[] = {Activation::kGelu, Activation::kRelu, Activation::kSwiglu,
+                                   Activation::kGeglu};
+// Size 1, primes, and multiples of 16 (no padding on the GPU).
+const Mnk kGemmShapes[] = {Mnk{1, 1, 1}, Mnk{7, 13, 11}, Mnk{33, 5, 64}, Mnk{64, 48, 32},
+                           Mnk{128, 256, 512}};
+const wire::DType kWireDTypes[] = {wire::DType::kF32, wire::DType::kBF16, wire::DType::kF16,
+                                   wire::DType::kFp8E4M3, wire::DType::kFp8E5M2};
+// 300 x 1031: past the CPU backend's threading cutoff; 1024 x 1537: several chunks of the CUDA
+// backend's pinned staging at 1 MiB (GRADWIRE_CUDA_STAGING_MIB=1), a partial one last.
+const Shape kWireShapes[] = {Shape{1, 1}, Shape{7, 13}, Shape{300, 1031}, Shape{1024, 1537}};
+const Shape kNormShapes[] = {Shape{1, 16}, Shape{7, 61}, Shape{130, 1031}};
+
+std::string MnkName(const Mnk& d) {
+  return std::to_string(std::get<0>(d)) + "x" + std::to_string(std::get<1>(d)) + "x" +
+         std::to_string(std::get<2>(d));
+}
+
+// Transfers -------------------------------------------------------------------------------------
+
+// ToDevice and ToHost: fp32 and bf16, contiguous or not, cross and come back unchanged, on the
+// right device and contiguous.
+void CheckCrossing(const OpRow& r) {
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{300, 1031}}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(Dims(s) + (dtype == at::kFloat ? " fp32" : " bf16"));
+      const at::Tensor x = RandN({s.rows, s.cols}, 3.0).to(dtype);
+      for (const at::Tensor& in : {x, x.t()}) {
+        const at::Tensor d = r.b.ToDevice(in);
+        EXPECT_EQ(d.device(), r.b.device());
+        EXPECT_TRUE(d.is_contiguous());
+        EXPECT_EQ(d.scalar_type(), dtype);
+        const at::Tensor h = r.b.ToHost(d);
+        EXPECT_TRUE(h.is_cpu());
+        EXPECT_TRUE(h.is_contiguous());
+        EXPECT_TRUE(h.equal(in.contiguous()));
+      }
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, CastParity,
-    ::testing::Combine(::testing::ValuesIn(kBackends),
-                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{64, 48}, Shape{130, 257},
-                                         Shape{300, 1031}),  // past the threaded cast's cutoff
-                       ::testing::Values(Fp8Format::kE4M3, Fp8Format::kE5M2), ::testing::Bool()),
-    [](const auto& info) {
-      const Shape s = std::get<1>(info.param);
-      return std::string(std::get<0>(info.param)) + "_" + std::to_string(s.rows) + "x" +
-             std::to_string(s.cols) + "_" + kernels::Fp8FormatName(std::get<2>(info.param)) +
-             (std::get<3>(info.param) ? "_delayed" : "_current");
-    });
+// The rpc boundary's conversions: an output encoded from the device (ToWire) and a wire tensor
+// decoded onto it (FromWire, with the FP8 codes a Linear takes as they are) give the reference's
+// values and bytes exactly, whatever the dtype, size or alignment of the request's bytes.
+void CheckToWire(const OpRow& r) {
+  for (Shape s : kWireShapes) {
+    for (wire::DType dtype : kWireDTypes) {
+      SCOPED_TRACE(Dims(s) + " " + wire::DTypeName(dtype));
+      const at::Tensor x = RandN({s.rows, s.cols}, 5.0);
+      const std::vector<int64_t> dims = {s.rows, s.cols};
+      const wire::EncodedTensor want = r.ref.ToWire(x, dtype, dims);
+      const wire::EncodedTensor got = r.b.ToWire(r.b.ToDevice(x), dtype, dims);
+      ASSERT_EQ(got.dtype, dtype);
+      EXPECT_EQ(got.shape, dims);
+      ASSERT_EQ(got.bytes.size(), want.bytes.size());
+      EXPECT_TRUE(got.bytes == want.bytes) << "encoded bytes";
+      EXPECT_EQ(Bits(got.scale_inv), Bits(want.scale_inv));
+    }
+  }
+}
 
-// The rpc boundary's conversions: a wire tensor decoded on the device (FromWire, with the FP8
-// codes a Linear takes as they are) and an output encoded from it (ToWire) give the reference's
-// values and bytes exactly, whatever the dtype, size (past the CPU backend's threading cutoff, and
-// over several chunks of the CUDA backend's pinned staging) or alignment of the request's bytes.
-class WireParity
-    : public ::testing::TestWithParam<std::tuple<const char*, Shape, wire::DType, bool>> {};
-
-TEST_P(WireParity, DecodeAndEncodeBitForBit) {
-  const auto [name, shape, dtype, unaligned] = GetParam();
-  GW_REQUIRE_BACKEND(name);
-  const Backend& ref = *MakeReferenceBackend();
-  const Backend& b = *Get(name).backend;
-  const at::Tensor x = RandN({shape.rows, shape.cols}, 5.0);
-  const std::vector<int64_t> dims = {shape.rows, shape.cols};
-  const wire::EncodedTensor want = ref.ToWire(x, dtype, dims);
-  const wire::EncodedTensor got = b.ToWire(b.ToDevice(x), dtype, dims);
-  ASSERT_EQ(got.dtype, dtype);
-  EXPECT_EQ(got.shape, dims);
-  ASSERT_EQ(got.bytes.size(), want.bytes.size());
-  EXPECT_TRUE(got.bytes == want.bytes) << "encoded bytes";
-  EXPECT_EQ(Bits(got.scale_inv), Bits(want.scale_inv));
-
-  // Decode the reference's bytes from where a request would hold them.
-  std::string buffer(want.bytes.size() + 1, '\0');
+// The reference's encoding of x as `dtype`, held in `buffer` where a request would hold it (one
+// byte off alignment when asked), and a view of it.
+wire::TensorView WireBytes(const Backend& ref, const at::Tensor& x, wire::DType dtype,
+                           bool unaligned, std::string& buffer) {
+  const std::vector<int64_t> dims = {x.size(0), x.size(1)};
+  const wire::EncodedTensor enc = ref.ToWire(x, dtype, dims);
+  buffer.assign(enc.bytes.size() + 1, '\0');
   char* data = buffer.data() + (unaligned ? 1 : 0);
-  std::memcpy(data, want.bytes.data(), want.bytes.size());
+  std::memcpy(data, enc.bytes.data(), enc.bytes.size());
   wire::TensorView v;
   v.dtype = dtype;
   v.data = data;
   v.shape = dims;
-  v.scale_inv = want.scale_inv;
-  Fp8Tensor ref_codes, codes;
-  const CastUsage usage{true, true};
-  const at::Tensor ref_x = ref.FromWire(v, shape.rows, shape.cols, &ref_codes, usage).clone();
-  const at::Tensor got_x = b.ToHost(b.FromWire(v, shape.rows, shape.cols, &codes, usage));
-  ASSERT_EQ(got_x.sizes(), ref_x.sizes());
-  EXPECT_TRUE(got_x.equal(ref_x)) << "decoded values";
-  if (wire::IsFp8(dtype)) {
-    ExpectSameCast(codes, ref_codes, b);
-  }
-  if (dtype == wire::DType::kF32) {
-    EXPECT_TRUE(got_x.equal(x)) << "F32 crosses exactly";
-  }
-  if (dtype == wire::DType::kBF16) {
-    // Kept narrow for a kind whose casts read bf16: the same values, and a cast of the bf16
-    // tensor is the reference's cast of the widened one, bit for bit.
-    const at::Tensor narrow = b.FromWireBf16(v, shape.rows, shape.cols);
-    ASSERT_EQ(narrow.scalar_type(), at::kBFloat16);
-    EXPECT_TRUE(b.ToHost(narrow).to(at::kFloat).equal(ref_x)) << "bf16 kept as it came";
-    for (float delayed_scale : {0.0f, 0.37f}) {
-      const QuantizerConfig q{Fp8Format::kE4M3, 1, delayed_scale, nullptr, nullptr};
-      auto want_cast = ref.Cast(ref_x, q, usage);
-      auto got_cast = b.Cast(narrow, q, usage);
-      ASSERT_TRUE(want_cast.ok() && got_cast.ok()) << got_cast.status();
-      ExpectSameCast(*got_cast, *want_cast, b);
+  v.scale_inv = enc.scale_inv;
+  return v;
+}
+
+void CheckFromWire(const OpRow& r) {
+  for (Shape s : kWireShapes) {
+    for (wire::DType dtype : kWireDTypes) {
+      for (bool unaligned : {false, true}) {
+        SCOPED_TRACE(Dims(s) + " " + wire::DTypeName(dtype) + (unaligned ? " unaligned" : ""));
+        const at::Tensor x = RandN({s.rows, s.cols}, 5.0);
+        std::string buffer;
+        const wire::TensorView v = WireBytes(r.ref, x, dtype, unaligned, buffer);
+        Fp8Tensor ref_codes, codes;
+        const CastUsage usage{true, true};
+        const at::Tensor want = r.ref.FromWire(v, s.rows, s.cols, &ref_codes, usage).clone();
+        const at::Tensor got = r.b.ToHost(r.b.FromWire(v, s.rows, s.cols, &codes, usage));
+        ASSERT_EQ(got.sizes(), want.sizes());
+        EXPECT_TRUE(got.equal(want)) << "decoded values";
+        if (wire::IsFp8(dtype)) ExpectSameCast(codes, ref_codes, r.b);
+        if (dtype == wire::DType::kF32) {
+          EXPECT_TRUE(got.equal(x)) << "F32 crosses exactly";
+        }
+      }
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, WireParity,
-    ::testing::Combine(::testing::ValuesIn(kBackends),
-                       // 300 x 1031: past the CPU backend's threading cutoff; 1024 x 1537:
-                       // several chunks of the CUDA backend's pinned staging at 1 MiB
-                       // (GRADWIRE_CUDA_STAGING_MIB=1), a partial one last
-                       ::testing::Values(Shape{1, 1}, Shape{7, 13}, Shape{300, 1031},
-                                         Shape{1024, 1537}),
-                       ::testing::Values(wire::DType::kF32, wire::DType::kBF16, wire::DType::kF16,
-                                         wire::DType::kFp8E4M3, wire::DType::kFp8E5M2),
-                       ::testing::Bool()),
-    [](const auto& info) {
-      const Shape s = std::get<1>(info.param);
-      return std::string(std::get<0>(info.param)) + "_" + std::to_string(s.rows) + "x" +
-             std::to_string(s.cols) + "_" + wire::DTypeName(std::get<2>(info.param)) +
-             (std::get<3>(info.param) ? "_unaligned" : "_aligned");
-    });
-
-using Mnk = std::tuple<int64_t, int64_t, int64_t>;
-class GemmParity : public ::testing::TestWithParam<std::tuple<const char*, Mnk>> {};
-
-TEST_P(GemmParity, FpropDgradWgradWithinTheAccumulationBound) {
-  const auto [name, mnk] = GetParam();
-  GW_REQUIRE_BACKEND(name);
-  const Backend& ref = *MakeReferenceBackend();
-  const Backend& b = *Get(name).backend;
-  const auto [m, n, k] = mnk;
-  const QuantizerConfig e4m3{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr},
-      e5m2{Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
-  const at::Tensor x = RandN({m, k}), w = RandN({n, k}, 0.1), dy = RandN({m, n}, 0.01),
-                   bias = RandN({n});
-  auto cast = [](const Backend& be, const at::Tensor& t, const QuantizerConfig& q) {
-    auto r = be.Cast(be.ToDevice(t), q, {true, true});
-    EXPECT_TRUE(r.ok());
-    return *r;
-  };
-  const Fp8Tensor rx = cast(ref, x, e4m3), rw = cast(ref, w, e4m3), rdy = cast(ref, dy, e5m2);
-  const Fp8Tensor bx = cast(b, x, e4m3), bw = cast(b, w, e4m3), bdy = cast(b, dy, e5m2);
-  const at::Tensor xd = ref.Dequantize(rx, true).to(at::kDouble),
-                   wd = ref.Dequantize(rw, true).to(at::kDouble),
-                   dyd = ref.Dequantize(rdy, true).to(at::kDouble);
-  // y = x w^T + bias
-  EXPECT_TRUE(WithinGemmBound(b.ToHost(b.Fprop(bx, bw, b.ToDevice(bias))), ref.Fprop(rx, rw, bias),
-                              xd.abs().mm(wd.abs().t()), k, std::ldexp(1.0, -10)))
-      << "fprop";
-  // The same with a bf16 output (a bf16 response), with and without the bias: within the GEMM
-  // bound plus one bf16 rounding (2^-8 relative) of the reference's fp32 output, and bit for bit
-  // the backend's own fp32 output rounded as the wire codec rounds (what keeps a batched request's
-  // bf16 response that of the request alone).
-  for (bool with_bias : {false, true}) {
-    const at::Tensor rb = with_bias ? bias : at::Tensor();
-    const at::Tensor bb = with_bias ? b.ToDevice(bias) : at::Tensor();
-    const at::Tensor want_f32 = ref.Fprop(rx, rw, rb);
-    const at::Tensor got = b.ToHost(b.FpropBf16(bx, bw, bb));
-    ASSERT_EQ(got.scalar_type(), at::kBFloat16);
-    // WithinGemmBound scales the terms by (k 2^-24 + 2^-10); the rounding's 2^-8 |y| goes in
-    // as terms of its own.
-    const double per_term = double(k) * std::ldexp(1.0, -24) + std::ldexp(1.0, -10);
-    const at::Tensor terms =
-        xd.abs().mm(wd.abs().t()) + std::ldexp(1.0, -8) / per_term * want_f32.to(at::kDouble).abs();
-    EXPECT_TRUE(WithinGemmBound(got.to(at::kFloat), want_f32, terms, k, std::ldexp(1.0, -10)))
-        << "fprop, bf16 output" << (with_bias ? ", bias" : "");
-    const at::Tensor own_f32 = b.ToHost(b.Fprop(bx, bw, bb));
-    EXPECT_TRUE(got.equal(ref.NarrowBf16(own_f32))) << "fprop, bf16 output, own rounding";
-    EXPECT_TRUE(b.ToHost(b.NarrowBf16(b.ToDevice(own_f32))).equal(ref.NarrowBf16(own_f32)))
-        << "NarrowBf16";
+// A bf16 request's input kept narrow for a kind whose casts read bf16: the same values as the
+// reference's decode, and a cast of it is the reference's cast of the widened tensor, bit for bit.
+void CheckFromWireBf16(const OpRow& r) {
+  for (Shape s : kWireShapes) {
+    for (bool unaligned : {false, true}) {
+      SCOPED_TRACE(Dims(s) + (unaligned ? " unaligned" : ""));
+      const at::Tensor x = RandN({s.rows, s.cols}, 5.0);
+      std::string buffer;
+      const wire::TensorView v = WireBytes(r.ref, x, wire::DType::kBF16, unaligned, buffer);
+      const at::Tensor wide = r.ref.FromWire(v, s.rows, s.cols, nullptr, {true, true}).clone();
+      const at::Tensor narrow = r.b.FromWireBf16(v, s.rows, s.cols);
+      ASSERT_EQ(narrow.scalar_type(), at::kBFloat16);
+      EXPECT_EQ(narrow.device(), r.b.device());
+      EXPECT_TRUE(r.b.ToHost(narrow).to(at::kFloat).equal(wide)) << "bf16 kept as it came";
+      if (r.b.Supports(Op::kFromWireBf16)) {
+        EXPECT_TRUE(Same(r.b, narrow, r.b.Backend::FromWireBf16(v, s.rows, s.cols)))
+            << "against the default";
+      }
+      for (float delayed_scale : {0.0f, 0.37f}) {
+        const QuantizerConfig q{Fp8Format::kE4M3, 1, delayed_scale, nullptr, nullptr};
+        auto want = r.ref.Cast(wide, q, {true, true});
+        auto got = r.b.Cast(narrow, q, {true, true});
+        ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+        ExpectSameCast(*got, *want, r.b);
+      }
+    }
   }
-  // dx = dy w
-  EXPECT_TRUE(WithinGemmBound(b.ToHost(b.Dgrad(bdy, bw)), ref.Dgrad(rdy, rw),
-                              dyd.abs().mm(wd.abs()), n, std::ldexp(1.0, -11)))
-      << "dgrad";
-  // acc += dy^T x, from a random start, with x cast as `q`
-  const at::Tensor acc0 = RandN({n, k});
-  auto wgrad = [&](const QuantizerConfig& q) {
-    const Fp8Tensor rxq = cast(ref, x, q), bxq = cast(b, x, q);
-    const at::Tensor xqd = ref.Dequantize(rxq, true).to(at::kDouble);
-    at::Tensor want = acc0.clone(), got = b.ToDevice(acc0);
-    ref.Wgrad(rdy, rxq, want, /*accumulate=*/true);
-    b.Wgrad(bdy, bxq, got, /*accumulate=*/true);
-    return WithinGemmBound(b.ToHost(got), want, dyd.abs().t().mm(xqd.abs()) + acc0.abs(), m,
-                           std::ldexp(1.0, -11));
-  };
-  EXPECT_TRUE(wgrad(e4m3)) << "wgrad";
-  // Both operands E5M2 (an input that came as E5M2 codes): no FP8 tensor-core kernel takes that
-  // pair, so the CUDA backend decodes both (exactly) and multiplies in float64.
-  EXPECT_TRUE(wgrad(e5m2)) << "wgrad E5M2 x E5M2";
 }
 
-// Size 1, primes, and multiples of 16 (no padding on the GPU).
-INSTANTIATE_TEST_SUITE_P(All, GemmParity,
+// FP8 codes that arrived already cast: the reference's tensor (the transposed copy, amax) from
+// the same codes, bit for bit.
+void CheckFromCodes(const OpRow& r) {
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{130, 257}}) {
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(Dims(s) + " " + kernels::Fp8FormatName(format));
+      const QuantizerConfig q{format, 0, 0.0f, nullptr, nullptr};
+      auto source = r.ref.Cast(RandN({s.rows, s.cols}, 3.0), q, {true, false});
+      ASSERT_TRUE(source.ok());
+      const at::Tensor codes = source->rowwise.contiguous();
+      for (CastUsage usage : kUsages) {
+        const Fp8Tensor want = r.ref.FromCodes(codes.data_ptr<uint8_t>(), s.rows, s.cols, format,
+                                               source->scale_inv(), usage);
+        const Fp8Tensor got = r.b.FromCodes(codes.data_ptr<uint8_t>(), s.rows, s.cols, format,
+                                            source->scale_inv(), usage);
+        ExpectSameCast(got, want, r.b);
+      }
+    }
+  }
+}
+
+// Compute ---------------------------------------------------------------------------------------
+
+// Casts, bit for bit: codes, transposed codes, scale, scale_inv, amax; both formats, both
+// recipes, every usage; and a bf16 x casts as its exact widening.
+void CheckCast(const OpRow& r) {
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{64, 48}, Shape{130, 257},
+                  Shape{300, 1031}}) {  // the last past the threaded cast's cutoff
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (bool delayed : {false, true}) {
+        SCOPED_TRACE(Dims(s) + " " + kernels::Fp8FormatName(format) +
+                     (delayed ? " delayed" : " current"));
+        const at::Tensor x = RandN({s.rows, s.cols}, 3.0);
+        const QuantizerConfig q{format, 1, delayed ? 0.37f : 0.0f, nullptr, nullptr};
+        for (CastUsage usage : kUsages) {
+          auto want = r.ref.Cast(x, q, usage);
+          auto got = r.b.Cast(r.b.ToDevice(x), q, usage);
+          ASSERT_TRUE(want.ok() && got.ok());
+          ExpectSameCast(*got, *want, r.b);
+        }
+        const at::Tensor narrow = x.to(at::kBFloat16);
+        auto want = r.ref.Cast(narrow.to(at::kFloat), q, {true, true});
+        auto got = r.b.Cast(r.b.ToDevice(narrow), q, {true, true});
+        ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+        ExpectSameCast(*got, *want, r.b);
+      }
+    }
+  }
+}
+
+void CheckDequantize(const OpRow& r) {
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{130, 257}}) {
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(Dims(s) + " " + kernels::Fp8FormatName(format));
+      const at::Tensor x = RandN({s.rows, s.cols}, 3.0);
+      const QuantizerConfig q{format, 0, 0.0f, nullptr, nullptr};
+      const Fp8Tensor want = CastOn(r.ref, x, q), got = CastOn(r.b, x, q);
+      for (bool rowwise : {true, false}) {
+        EXPECT_TRUE(r.b.ToHost(r.b.Dequantize(got, rowwise)).equal(r.ref.Dequantize(want, rowwise)))
+            << (rowwise ? "rowwise" : "columnwise");
+      }
+    }
+  }
+}
+
+// A bf16 tensor as fp32, exactly; an fp32 one as it is.
+void CheckWiden(const OpRow& r) {
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{300, 1031}}) {
+    SCOPED_TRACE(Dims(s));
+    const at::Tensor x = RandN({s.rows, s.cols}, 3.0);
+    const at::Tensor narrow = x.to(at::kBFloat16);
+    const at::Tensor wide = r.b.Widen(r.b.ToDevice(narrow));
+    EXPECT_EQ(wide.scalar_type(), at::kFloat);
+    EXPECT_TRUE(r.b.ToHost(wide).equal(narrow.to(at::kFloat)));
+    EXPECT_TRUE(r.b.ToHost(r.b.Widen(r.b.ToDevice(x))).equal(x));
+  }
+}
+
+// fp32 to bf16, to nearest even as the wire codec rounds: the reference's bits, on random values,
+// exact ties both ways, and a GEMM's output.
+void CheckNarrowBf16(const OpRow& r) {
+  at::Tensor x = RandN({97, 131}, 3.0);
+  std::mt19937 rng(11);
+  float* p = x.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); i += 3) {  // every third value exactly halfway
+    uint32_t u = Bits(p[i]);
+    u = (u & 0xFFFF0000u) | 0x8000u | ((rng() & 1) << 16);
+    std::memcpy(&p[i], &u, 4);
+  }
+  const at::Tensor want = r.ref.NarrowBf16(x);
+  ASSERT_EQ(want.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(Same(r.b, r.b.NarrowBf16(r.b.ToDevice(x)), r.b.ToDevice(want)));
+  const Fp8Tensor a = CastOn(r.b, RandN({33, 64}), kE4M3),
+                  w = CastOn(r.b, RandN({48, 64}, 0.1), kE4M3);
+  const at::Tensor y = r.b.ToHost(r.b.Fprop(a, w, at::Tensor()));
+  EXPECT_TRUE(Same(r.b, r.b.NarrowBf16(r.b.ToDevice(y)), r.b.ToDevice(r.ref.NarrowBf16(y))))
+      << "a GEMM's output";
+}
+
+// What PrepareWeight attaches changes no GEMM's bits: Fprop and Dgrad on the prepared weight are
+// those on the weight as cast.
+void CheckPrepareWeight(const OpRow& r) {
+  for (const Mnk& mnk : {Mnk{7, 13, 11}, Mnk{130, 257, 67}}) {
+    SCOPED_TRACE(MnkName(mnk));
+    const auto [m, n, k] = mnk;
+    const Fp8Tensor x = CastOn(r.b, RandN({m, k}), kE4M3),
+                    dy = CastOn(r.b, RandN({m, n}, 0.01), kE5M2);
+    const at::Tensor bias = r.b.ToDevice(RandN({n}));
+    for (CastUsage usage : {CastUsage{true, true}, CastUsage{true, false}}) {
+      const Fp8Tensor w = CastOn(r.b, RandN({n, k}, 0.1), kE4M3, usage);
+      Fp8Tensor prepared = w;
+      r.b.PrepareWeight(prepared);
+      EXPECT_TRUE(Same(r.b, r.b.Fprop(x, prepared, bias), r.b.Fprop(x, w, bias))) << "fprop";
+      if (usage.columnwise || !r.gpu) {  // the GPU's dgrad reads W's columnwise copy
+        EXPECT_TRUE(Same(r.b, r.b.Dgrad(dy, prepared), r.b.Dgrad(dy, w))) << "dgrad";
+      }
+    }
+  }
+}
+
+// LayerNorm within fp32 rounding of the reference, and a bf16 x gives what its exact widening
+// gives on the same backend, bit for bit (a GPU reads the bf16 values in its kernels).
+void CheckLayerNormForward(const OpRow& r) {
+  for (Shape s : kNormShapes) {
+    SCOPED_TRACE(Dims(s));
+    const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
+    for (bool zc : {false, true}) {
+      LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
+      LayerNormParams bln{r.b.ToDevice(ln.gamma), r.b.ToDevice(ln.beta), ln.eps, zc};
+      const LayerNormOut want = r.ref.LayerNormForward(x, ln);
+      const LayerNormOut got = r.b.LayerNormForward(r.b.ToDevice(x), bln);
+      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.y), want.y, 1e-4, 1e-4)) << "y";
+      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.mu), want.mu, 1e-5, 1e-5)) << "mu";
+      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.rstd), want.rstd, 1e-4, 1e-5))
+          << "rstd";
+      const at::Tensor narrow = x.to(at::kBFloat16);
+      const LayerNormOut from_narrow = r.b.LayerNormForward(r.b.ToDevice(narrow), bln);
+      const LayerNormOut from_wide = r.b.LayerNormForward(r.b.ToDevice(narrow.to(at::kFloat)), bln);
+      EXPECT_TRUE(Same(r.b, from_narrow.y, from_wide.y)) << "bf16 x: y";
+      EXPECT_TRUE(Same(r.b, from_narrow.mu, from_wide.mu)) << "bf16 x: mu";
+      EXPECT_TRUE(Same(r.b, from_narrow.rstd, from_wide.rstd)) << "bf16 x: rstd";
+    }
+  }
+}
+
+// dx within fp32 rounding of the reference, dgamma and dbeta accumulated within it; a bf16 x gives
+// its widening's dx bit for bit and its parameter gradients bit for bit on the host (a GPU adds
+// them with atomics, in an order that varies: there within fp32 rounding).
+void CheckLayerNormBackward(const OpRow& r) {
+  for (Shape s : kNormShapes) {
+    SCOPED_TRACE(Dims(s));
+    const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
+    for (bool zc : {false, true}) {
+      LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
+      LayerNormParams bln{r.b.ToDevice(ln.gamma), r.b.ToDevice(ln.beta), ln.eps, zc};
+      const LayerNormOut fwd = r.ref.LayerNormForward(x, ln);
+      const at::Tensor dy = RandN({s.rows, s.cols});
+      const at::Tensor g0 = RandN({s.cols}), b0 = RandN({s.cols});  // accumulated into
+      at::Tensor rg = g0.clone(), rb = b0.clone();
+      at::Tensor bg = r.b.ToDevice(g0), bb = r.b.ToDevice(b0);
+      const at::Tensor rdx = r.ref.LayerNormBackward(dy, x, fwd.mu, fwd.rstd, ln, rg, rb);
+      const at::Tensor bdx =
+          r.b.LayerNormBackward(r.b.ToDevice(dy), r.b.ToDevice(x), r.b.ToDevice(fwd.mu),
+                                r.b.ToDevice(fwd.rstd), bln, bg, bb);
+      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(bdx), rdx, 1e-3, 1e-4)) << "dx";
+      EXPECT_LT(Nmse(r.b.ToHost(bg), rg), 1e-10) << "dgamma";
+      EXPECT_LT(Nmse(r.b.ToHost(bb), rb), 1e-10) << "dbeta";
+
+      const at::Tensor narrow = x.to(at::kBFloat16);
+      const at::Tensor bn = r.b.ToDevice(narrow), bw = r.b.ToDevice(narrow.to(at::kFloat));
+      const LayerNormOut wide_fwd = r.b.LayerNormForward(bw, bln);
+      at::Tensor gn = r.b.Zeros({s.cols}), bnb = r.b.Zeros({s.cols});
+      at::Tensor gw = r.b.Zeros({s.cols}), bwb = r.b.Zeros({s.cols});
+      const at::Tensor dyd = r.b.ToDevice(dy);
+      const at::Tensor dxn =
+          r.b.LayerNormBackward(dyd, bn, wide_fwd.mu, wide_fwd.rstd, bln, gn, bnb);
+      const at::Tensor dxw =
+          r.b.LayerNormBackward(dyd, bw, wide_fwd.mu, wide_fwd.rstd, bln, gw, bwb);
+      EXPECT_EQ(dxn.scalar_type(), at::kFloat);
+      EXPECT_TRUE(Same(r.b, dxn, dxw)) << "bf16 x: dx";
+      if (r.gpu) {
+        EXPECT_LT(Nmse(r.b.ToHost(gn), r.b.ToHost(gw)), 1e-12) << "bf16 x: dgamma";
+        EXPECT_LT(Nmse(r.b.ToHost(bnb), r.b.ToHost(bwb)), 1e-12) << "bf16 x: dbeta";
+      } else {
+        EXPECT_TRUE(Same(r.b, gn, gw)) << "bf16 x: dgamma";
+        EXPECT_TRUE(Same(r.b, bnb, bwb)) << "bf16 x: dbeta";
+      }
+    }
+  }
+}
+
+void CheckActivation(const OpRow& r, bool backward) {
+  for (Shape s : kNormShapes) {
+    for (Activation act : kActivations) {
+      SCOPED_TRACE(Dims(s) + " " + kernels::ActivationName(act));
+      const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
+      const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
+      if (!backward) {
+        EXPECT_LT(Nmse(r.b.ToHost(r.b.ActivationForward(act, r.b.ToDevice(in), s.cols)),
+                       r.ref.ActivationForward(act, in, s.cols)),
+                  1e-12);
+      } else {
+        EXPECT_LT(Nmse(r.b.ToHost(r.b.ActivationBackward(act, r.b.ToDevice(dout), r.b.ToDevice(in),
+                                                         s.cols)),
+                       r.ref.ActivationBackward(act, dout, in, s.cols)),
+                  1e-12);
+      }
+    }
+  }
+}
+void CheckActivationForward(const OpRow& r) { CheckActivation(r, false); }
+void CheckActivationBackward(const OpRow& r) { CheckActivation(r, true); }
+
+// The fused forms (docs/backends.md) against the same backend's composed default (a qualified
+// Backend:: call: the op, then Cast), bit for bit: the codes, scales and amax, and the fp32 results
+// a caller asks for. The CUDA backend fuses all three, the host backends run the defaults, and
+// there the forms are also held to the reference backend's ops composed here (the check of the
+// defaults themselves). The modules call the fused forms, and a batch casts each request's rows
+// through the composed ops (CastRows), so a fused form that drifted from its composed one would
+// break batching's exactness as well as parity.
+void ForEachFusedCase(const std::function<void(Shape, bool, CastUsage)>& body) {
+  for (Shape s : kNormShapes) {
+    for (bool delayed : {false, true}) {
+      for (CastUsage usage : kUsages) {
+        SCOPED_TRACE(Dims(s) + (delayed ? " delayed" : " current") +
+                     (usage.rowwise ? " rowwise" : "") + (usage.columnwise ? " columnwise" : ""));
+        body(s, delayed, usage);
+      }
+    }
+  }
+}
+
+void CheckLayerNormCast(const OpRow& r) {
+  EXPECT_EQ(r.b.Supports(Op::kLayerNormCast), r.gpu);
+  ForEachFusedCase([&](Shape s, bool delayed, CastUsage usage) {
+    const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
+    const QuantizerConfig q{Fp8Format::kE4M3, 0, delayed ? 0.61f : 0.0f, nullptr, nullptr};
+    const bool zc = s.rows % 2 == 1;
+    LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
+    const LayerNormParams bln{r.b.ToDevice(ln.gamma), r.b.ToDevice(ln.beta), ln.eps, zc};
+    const at::Tensor bx = r.b.ToDevice(x);
+    for (bool keep_y : {false, true}) {
+      LayerNormOut fused_ln, composed_ln;
+      auto fused = r.b.LayerNormCast(bx, bln, q, usage, keep_y, &fused_ln);
+      auto composed = r.b.Backend::LayerNormCast(bx, bln, q, usage, keep_y, &composed_ln);
+      ASSERT_TRUE(fused.ok() && composed.ok());
+      ExpectSameCast(*fused, *composed, r.b);
+      EXPECT_TRUE(Same(r.b, fused_ln.y, composed_ln.y)) << "LayerNorm y";
+      EXPECT_TRUE(Same(r.b, fused_ln.mu, composed_ln.mu)) << "LayerNorm mu";
+      EXPECT_TRUE(Same(r.b, fused_ln.rstd, composed_ln.rstd)) << "LayerNorm rstd";
+      if (!r.gpu) {  // the host backends' LayerNorm and casts are the reference's bits
+        const LayerNormOut want_ln = r.ref.LayerNormForward(x, ln);
+        auto want = r.ref.Cast(want_ln.y, q, usage);
+        ASSERT_TRUE(want.ok());
+        ExpectSameCast(*fused, *want, r.b);
+        EXPECT_TRUE(Same(r.b, fused_ln.mu, want_ln.mu)) << "mu against the reference";
+        if (keep_y) {
+          EXPECT_TRUE(Same(r.b, fused_ln.y, want_ln.y)) << "y against the reference";
+        }
+      }
+    }
+    // A bf16 x (a LayerNorm kind's input kept as it came): its widening's cast, bit for bit.
+    const at::Tensor narrow = x.to(at::kBFloat16);
+    LayerNormOut ln_n, ln_w;
+    auto cn = r.b.LayerNormCast(r.b.ToDevice(narrow), bln, q, usage, /*keep_y=*/true, &ln_n);
+    auto cw = r.b.LayerNormCast(r.b.ToDevice(narrow.to(at::kFloat)), bln, q, usage, true, &ln_w);
+    ASSERT_TRUE(cn.ok() && cw.ok()) << cn.status();
+    ExpectSameCast(*cn, *cw, r.b);
+    EXPECT_TRUE(Same(r.b, ln_n.y, ln_w.y)) << "bf16 x: y";
+  });
+}
+
+void CheckActivationCast(const OpRow& r, bool backward) {
+  EXPECT_EQ(r.b.Supports(backward ? Op::kDActivationCast : Op::kActivationCast), r.gpu);
+  ForEachFusedCase([&](Shape s, bool delayed, CastUsage usage) {
+    // Activation + cast (E4M3) and d-activation + cast (E5M2), every activation.
+    const QuantizerConfig q =
+        backward ? QuantizerConfig{Fp8Format::kE5M2, 0, delayed ? 3.1f : 0.0f, nullptr, nullptr}
+                 : QuantizerConfig{Fp8Format::kE4M3, 0, delayed ? 0.61f : 0.0f, nullptr, nullptr};
+    for (Activation act : kActivations) {
+      SCOPED_TRACE(kernels::ActivationName(act));
+      const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
+      const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
+      const at::Tensor bin = r.b.ToDevice(in), bdout = r.b.ToDevice(dout);
+      at::Tensor fused_out, composed_out;
+      absl::StatusOr<Fp8Tensor> fused, fused_no_out, composed;
+      if (!backward) {
+        fused = r.b.ActivationCast(act, bin, s.cols, q, usage, &fused_out);
+        fused_no_out = r.b.ActivationCast(act, bin, s.cols, q, usage, nullptr);
+        composed = r.b.Backend::ActivationCast(act, bin, s.cols, q, usage, &composed_out);
+      } else {
+        fused = r.b.DActivationCast(act, bdout, bin, s.cols, q, usage, &fused_out);
+        fused_no_out = r.b.DActivationCast(act, bdout, bin, s.cols, q, usage, nullptr);
+        composed = r.b.Backend::DActivationCast(act, bdout, bin, s.cols, q, usage, &composed_out);
+      }
+      ASSERT_TRUE(fused.ok() && fused_no_out.ok() && composed.ok());
+      ExpectSameCast(*fused, *composed, r.b);
+      ExpectSameCast(*fused_no_out, *composed, r.b);
+      EXPECT_TRUE(Same(r.b, fused_out, composed_out)) << "the fp32 result";
+      if (!r.gpu) {  // the reference's ops, composed here
+        const at::Tensor out = backward ? r.ref.ActivationBackward(act, dout, in, s.cols)
+                                        : r.ref.ActivationForward(act, in, s.cols);
+        auto want = r.ref.Cast(out, q, usage);
+        ASSERT_TRUE(want.ok());
+        ExpectSameCast(*fused, *want, r.b);
+        EXPECT_TRUE(Same(r.b, fused_out, out)) << "the fp32 result against the reference";
+      }
+    }
+  });
+}
+void CheckActivationCastForward(const OpRow& r) { CheckActivationCast(r, false); }
+void CheckDActivationCast(const OpRow& r) { CheckActivationCast(r, true); }
+
+// The three GEMMs within the fp32 accumulation bound plus the tensor cores' partial sums, against
+// the reference on the same FP8 operands.
+struct GemmCase {
+  int64_t m, n, k;
+  at::Tensor x, w, dy, bias;
+  Fp8Tensor rx, rw, rdy, bx, bw, bdy;
+  at::Tensor xd, wd, dyd;  // the reference's operands dequantized, float64
+};
+
+GemmCase MakeGemmCase(const OpRow& r, const Mnk& mnk) {
+  GemmCase c;
+  std::tie(c.m, c.n, c.k) = mnk;
+  c.x = RandN({c.m, c.k});
+  c.w = RandN({c.n, c.k}, 0.1);
+  c.dy = RandN({c.m, c.n}, 0.01);
+  c.bias = RandN({c.n});
+  c.rx = CastOn(r.ref, c.x, kE4M3);
+  c.rw = CastOn(r.ref, c.w, kE4M3);
+  c.rdy = CastOn(r.ref, c.dy, kE5M2);
+  c.bx = CastOn(r.b, c.x, kE4M3);
+  c.bw = CastOn(r.b, c.w, kE4M3);
+  c.bdy = CastOn(r.b, c.dy, kE5M2);
+  c.xd = r.ref.Dequantize(c.rx, true).to(at::kDouble);
+  c.wd = r.ref.Dequantize(c.rw, true).to(at::kDouble);
+  c.dyd = r.ref.Dequantize(c.rdy, true).to(at::kDouble);
+  return c;
+}
+
+// y = x w^T + bias
+void CheckFprop(const OpRow& r) {
+  for (const Mnk& mnk : kGemmShapes) {
+    SCOPED_TRACE(MnkName(mnk));
+    const GemmCase c = MakeGemmCase(r, mnk);
+    for (bool with_bias : {true, false}) {
+      const at::Tensor rb = with_bias ? c.bias : at::Tensor();
+      EXPECT_TRUE(WithinGemmBound(
+          r.b.ToHost(r.b.Fprop(c.bx, c.bw, with_bias ? r.b.ToDevice(rb) : rb)),
+          r.ref.Fprop(c.rx, c.rw, rb), c.xd.abs().mm(c.wd.abs().t()), c.k, std::ldexp(1.0, -10)))
+          << (with_bias ? "with bias" : "without bias");
+    }
+  }
+}
+
+// The same with a bf16 output (a bf16 response), with and without the bias: within the GEMM bound
+// plus one bf16 rounding (2^-8 relative) of the reference's fp32 output, and bit for bit the
+// backend's own fp32 output rounded as the wire codec rounds (what keeps a batched request's bf16
+// response that of the request alone).
+void CheckFpropBf16(const OpRow& r) {
+  for (const Mnk& mnk : kGemmShapes) {
+    SCOPED_TRACE(MnkName(mnk));
+    const GemmCase c = MakeGemmCase(r, mnk);
+    for (bool with_bias : {false, true}) {
+      const at::Tensor rb = with_bias ? c.bias : at::Tensor();
+      const at::Tensor bb = with_bias ? r.b.ToDevice(c.bias) : at::Tensor();
+      const at::Tensor want_f32 = r.ref.Fprop(c.rx, c.rw, rb);
+      const at::Tensor got = r.b.ToHost(r.b.FpropBf16(c.bx, c.bw, bb));
+      ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+      // WithinGemmBound scales the terms by (k 2^-24 + 2^-10); the rounding's 2^-8 |y| goes in
+      // as terms of its own.
+      const double per_term = double(c.k) * std::ldexp(1.0, -24) + std::ldexp(1.0, -10);
+      const at::Tensor terms = c.xd.abs().mm(c.wd.abs().t()) +
+                               std::ldexp(1.0, -8) / per_term * want_f32.to(at::kDouble).abs();
+      EXPECT_TRUE(WithinGemmBound(got.to(at::kFloat), want_f32, terms, c.k, std::ldexp(1.0, -10)))
+          << (with_bias ? "with bias" : "without bias");
+      const at::Tensor own_f32 = r.b.ToHost(r.b.Fprop(c.bx, c.bw, bb));
+      EXPECT_TRUE(got.equal(r.ref.NarrowBf16(own_f32))) << "its own fp32 output, rounded";
+    }
+  }
+}
+
+// dx = dy w
+void CheckDgrad(const OpRow& r) {
+  for (const Mnk& mnk : kGemmShapes) {
+    SCOPED_TRACE(MnkName(mnk));
+    const GemmCase c = MakeGemmCase(r, mnk);
+    EXPECT_TRUE(WithinGemmBound(r.b.ToHost(r.b.Dgrad(c.bdy, c.bw)), r.ref.Dgrad(c.rdy, c.rw),
+                                c.dyd.abs().mm(c.wd.abs()), c.n, std::ldexp(1.0, -11)));
+  }
+}
+
+// acc += dy^T x from a random start, or acc = dy^T x, with x cast E4M3; and both operands E5M2 (an
+// input that came as E5M2 codes: no FP8 tensor-core kernel takes that pair, so the CUDA backend
+// decodes both, exactly, and multiplies in float64).
+void CheckWgrad(const OpRow& r) {
+  for (const Mnk& mnk : kGemmShapes) {
+    SCOPED_TRACE(MnkName(mnk));
+    const GemmCase c = MakeGemmCase(r, mnk);
+    const at::Tensor acc0 = RandN({c.n, c.k});
+    for (const QuantizerConfig& q : {kE4M3, kE5M2}) {
+      for (bool accumulate : {true, false}) {
+        const Fp8Tensor rxq = CastOn(r.ref, c.x, q), bxq = CastOn(r.b, c.x, q);
+        const at::Tensor xqd = r.ref.Dequantize(rxq, true).to(at::kDouble);
+        at::Tensor want = acc0.clone(), got = r.b.ToDevice(acc0);
+        r.ref.Wgrad(c.rdy, rxq, want, accumulate);
+        r.b.Wgrad(c.bdy, bxq, got, accumulate);
+        at::Tensor terms = c.dyd.abs().t().mm(xqd.abs());
+        if (accumulate) terms = terms + acc0.abs();
+        EXPECT_TRUE(WithinGemmBound(r.b.ToHost(got), want, terms, c.m, std::ldexp(1.0, -11)))
+            << kernels::Fp8FormatName(q.format) << (accumulate ? ", accumulating" : "");
+      }
+    }
+  }
+}
+
+// A batch's rows in one call: each group cast on its own (its own scale), every output row bit for
+// bit what the same backend's GEMM of its group alone gives.
+void CheckGroups(const OpRow& r, bool dgrad) {
+  const int64_t k = 37, n = 13;
+  const at::Tensor bias = r.b.ToDevice(RandN({n}));
+  for (bool w_columnwise : {true, false}) {
+    if (dgrad && !w_columnwise && r.gpu) continue;  // the GPU's dgrad reads W's columnwise copy
+    SCOPED_TRACE(w_columnwise ? "W both copies" : "W rowwise only");
+    Fp8Tensor w = CastOn(r.b, RandN({n, k}, 0.1), kE4M3, {true, w_columnwise});
+    r.b.PrepareWeight(w);
+    const int64_t width = dgrad ? n : k;
+    const QuantizerConfig& q = dgrad ? kE5M2 : kE4M3;
+    std::vector<Fp8Tensor> parts = {CastOn(r.b, RandN({3, width}), q, {true, false}),
+                                    CastOn(r.b, RandN({1, width}, 4.0), q, {true, false}),
+                                    CastOn(r.b, RandN({7, width}, 0.5), q, {true, false})};
+    const at::Tensor all =
+        dgrad ? r.b.DgradGroups(StackRows(parts), w) : r.b.FpropGroups(StackRows(parts), w, bias);
+    int64_t row = 0;
+    for (const Fp8Tensor& part : parts) {
+      const at::Tensor alone = dgrad ? r.b.Dgrad(part, w) : r.b.Fprop(part, w, bias);
+      EXPECT_TRUE(Same(r.b, all.narrow(0, row, part.rows).contiguous(), alone))
+          << "group at row " << row;
+      row += part.rows;
+    }
+  }
+}
+void CheckFpropGroups(const OpRow& r) { CheckGroups(r, false); }
+void CheckDgradGroups(const OpRow& r) { CheckGroups(r, true); }
+
+// acc[N] += column sums of g[M, N]: fp32 within fp32 rounding of the reference; a bf16 g as its
+// exact widening.
+void CheckAccumulateBiasGrad(const OpRow& r) {
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{300, 1031}}) {
+    SCOPED_TRACE(Dims(s));
+    const at::Tensor g = RandN({s.rows, s.cols}), acc0 = RandN({s.cols});
+    at::Tensor want = acc0.clone(), got = r.b.ToDevice(acc0);
+    r.ref.AccumulateBiasGrad(g, want);
+    r.b.AccumulateBiasGrad(r.b.ToDevice(g), got);
+    EXPECT_LT(Nmse(r.b.ToHost(got), want), 1e-12);
+    const at::Tensor narrow = g.to(at::kBFloat16);
+    at::Tensor from_narrow = r.b.ToDevice(acc0), from_wide = r.b.ToDevice(acc0);
+    r.b.AccumulateBiasGrad(r.b.ToDevice(narrow), from_narrow);
+    r.b.AccumulateBiasGrad(r.b.ToDevice(narrow.to(at::kFloat)), from_wide);
+    EXPECT_LT(Nmse(r.b.ToHost(from_narrow), r.b.ToHost(from_wide)), 1e-12) << "bf16 g";
+  }
+}
+
+// Scaling and the finite checks -----------------------------------------------------------------
+
+// The scaling state on the device (DeviceScaling over Backend::RollScaling) against ScalingState,
+// the recipe's definition on the host, bit for bit: every role's scale, scale_inv and history after
+// every step, and the scale view a delayed cast is given (Scale). On the host backends the roll is
+// ScalingState itself, so their rows check DeviceScaling's bookkeeping (the zero-padded rows, the
+// filled counts, Copy, Set); the cuda row checks the kernel's roll. Steps take random subsets of
+// three roles of both formats, with amaxes of 0, NaN, inf, subnormal and ordinary sizes; histories
+// of 1 to 9000 (past the CUDA kernel's 8192, where the CUDA backend rolls on the host); both
+// algorithms, two margins. A copy steps on its own, and a saved state set back continues as the
+// original does.
+void CheckRollScaling(const OpRow& r) {
+  const Backend& b = r.b;
+  const std::vector<Fp8Format> formats = {Fp8Format::kE4M3, Fp8Format::kE5M2, Fp8Format::kE4M3};
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(7);
+  auto amax = [&]() -> float {
+    switch (rng() % 8) {
+      case 0:
+        return 0.0f;
+      case 1:
+        return nan;
+      case 2:
+        return inf;
+      case 3:
+        return 1e-42f;  // subnormal: the scale saturates
+      default:
+        return std::ldexp(float(rng() % 1000 + 1) / 1000.0f, int(rng() % 40) - 20);
+    }
+  };
+  auto same = [&](DeviceScaling& got, std::vector<ScalingState>& want, const std::string& where) {
+    const std::vector<DeviceScaling::HostView> views = got.Read();
+    ASSERT_EQ(views.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE(where + ", role " + std::to_string(i));
+      EXPECT_EQ(Bits(views[i].scale), Bits(want[i].scale()));
+      EXPECT_EQ(Bits(views[i].scale_inv), Bits(1.0f / want[i].scale()));
+      ASSERT_EQ(views[i].history.size(), want[i].history().size());
+      for (size_t j = 0; j < views[i].history.size(); ++j) {
+        EXPECT_EQ(Bits(views[i].history[j]), Bits(want[i].history()[j])) << "entry " << j;
+      }
+      EXPECT_EQ(Bits(b.ToHost(got.Scale(i)).item<float>()), Bits(want[i].scale()));
+    }
+  };
+  for (AmaxAlgo algo : {AmaxAlgo::kMax, AmaxAlgo::kMostRecent}) {
+    for (int margin : {0, 2}) {
+      for (int64_t len : {1, 3, 64, 9000}) {
+        const std::string where = "algo " + std::to_string(int(algo)) + ", margin " +
+                                  std::to_string(margin) + ", history " + std::to_string(len);
+        RecipeConfig config;
+        config.mode = ScalingMode::kDelayed;
+        config.margin = margin;
+        config.history_len = len;
+        config.algo = algo;
+        DeviceScaling got(b, formats, config);
+        std::vector<ScalingState> want;
+        for (Fp8Format f : formats) want.emplace_back(f, config);
+        const int steps = len == 9000 ? 12 : 3 * int(len) + 8;
+        std::unique_ptr<DeviceScaling> copy;
+        std::vector<ScalingState> copy_want;
+        for (int step = 0; step < steps; ++step) {
+          std::vector<std::pair<size_t, float>> amaxes;
+          for (size_t i = 0; i < formats.size(); ++i) {
+            if (rng() % 3 == 0) continue;
+            amaxes.emplace_back(i, amax());
+            want[i].Record(amaxes.back().second);
+            want[i].Roll();
+          }
+          got.Step(amaxes);
+          same(got, want, where + ", step " + std::to_string(step));
+          if (step == steps / 2) {  // a copy, stepped on its own from here
+            copy = std::make_unique<DeviceScaling>(got.Copy());
+            copy_want = want;
+          }
+        }
+        ASSERT_TRUE(copy);
+        copy->Step({{1, 3.0f}});
+        copy_want[1].Record(3.0f);
+        copy_want[1].Roll();
+        same(*copy, copy_want, where + ", the copy");
+        same(got, want, where + ", the original after the copy stepped");
+        // Saved and set back into a fresh state: the same state, and the same next step.
+        DeviceScaling restored(b, formats, config);
+        const std::vector<DeviceScaling::HostView> saved = got.Read();
+        for (size_t i = 0; i < saved.size(); ++i) {
+          restored.Set(i, saved[i].history, saved[i].scale);
+        }
+        same(restored, want, where + ", restored");
+        restored.Step({{0, 2.5f}, {2, 0.75f}});
+        for (auto [i, a] : {std::pair<size_t, float>{0, 2.5f}, {2, 0.75f}}) {
+          want[i].Record(a);
+          want[i].Roll();
+        }
+        same(restored, want, where + ", restored and stepped");
+      }
+    }
+  }
+  RecipeConfig config;
+  DeviceScaling state(b, formats, config);
+  EXPECT_THROW(state.Step({{0, 1.0f}, {0, 2.0f}}), std::logic_error);
+  EXPECT_THROW(state.Scale(3), std::logic_error);
+}
+
+// Tensors for the finite checks: ordinary values, one with an inf, one with a NaN, and negative
+// zeros.
+std::vector<std::pair<std::string, at::Tensor>> AbsMaxInputs() {
+  std::vector<std::pair<std::string, at::Tensor>> in;
+  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{300, 1031}}) {
+    in.emplace_back(Dims(s), RandN({s.rows, s.cols}, 3.0));
+  }
+  at::Tensor with_inf = RandN({33, 65}), with_nan = RandN({33, 65});
+  with_inf.view({-1})[1000].fill_(-std::numeric_limits<float>::infinity());
+  with_nan.view({-1})[7].fill_(std::numeric_limits<float>::quiet_NaN());
+  in.emplace_back("an inf", with_inf);
+  in.emplace_back("a NaN", with_nan);
+  in.emplace_back("negative zeros", at::zeros({5, 9}).neg());
+  return in;
+}
+
+// The largest |value|, exactly the reference's (NaN when any value is NaN).
+::testing::AssertionResult SameMax(float got, float want) {
+  if (std::isnan(want) ? std::isnan(got) : Bits(got) == Bits(want)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << got << " vs " << want;
+}
+
+void CheckAbsMax(const OpRow& r) {
+  for (const auto& [what, x] : AbsMaxInputs()) {
+    EXPECT_TRUE(SameMax(r.b.AbsMax(r.b.ToDevice(x)), r.ref.AbsMax(x))) << what;
+  }
+}
+
+// The same values, NaN where the other has NaN (a GPU's sum with a NaN may carry another NaN's
+// bits), the rest bit for bit.
+::testing::AssertionResult SameSums(const Backend& b, const at::Tensor& got,
+                                    const at::Tensor& want) {
+  const at::Tensor g = b.ToHost(got);
+  if (!g.isnan().equal(want.isnan())) return ::testing::AssertionFailure() << "NaN elsewhere";
+  return Same(b, b.ToDevice(g.nan_to_num(0.0)), b.ToDevice(want.nan_to_num(0.0)));
+}
+
+// out = a + b, in place or not, exactly the reference's sums, with their max.
+void CheckAddAbsMax(const OpRow& r) {
+  for (const auto& [what, a] : AbsMaxInputs()) {
+    const at::Tensor bt = RandN(a.sizes().vec());
+    at::Tensor want = at::empty_like(a);
+    const float want_max = r.ref.AddAbsMax(a, bt, want);
+    at::Tensor got = r.b.Empty(a.sizes());
+    EXPECT_TRUE(SameMax(r.b.AddAbsMax(r.b.ToDevice(a), r.b.ToDevice(bt), got), want_max)) << what;
+    EXPECT_TRUE(SameSums(r.b, got, want)) << what << ": the sums";
+    at::Tensor in_place = r.b.ToDevice(a);
+    EXPECT_TRUE(SameMax(r.b.AddAbsMax(in_place, r.b.ToDevice(bt), in_place), want_max))
+        << what << ", in place";
+    EXPECT_TRUE(SameSums(r.b, in_place, want)) << what << ": the sums, in place";
+  }
+}
+
+// AbsMax's value, read later.
+void CheckAbsMaxLater(const OpRow& r) {
+  for (const auto& [what, x] : AbsMaxInputs()) {
+    const CastScalars later = r.b.AbsMaxLater(r.b.ToDevice(x));
+    EXPECT_TRUE(SameMax(later.amax(), r.ref.AbsMax(x))) << what;
+  }
+}
+
+using OpCheck = void (*)(const OpRow&);
+
+// Every op's check. An op of ops.h missing here fails its rows.
+const std::map<Op, OpCheck>& OpChecks() {
+  static const std::map<Op, OpCheck> checks = {
+      {Op::kToDevice, CheckCrossing},
+      {Op::kToHost, CheckCrossing},
+      {Op::kFromWire, CheckFromWire},
+      {Op::kFromWireBf16, CheckFromWireBf16},
+      {Op::kFromCodes, CheckFromCodes},
+      {Op::kToWire, CheckToWire},
+      {Op::kCast, CheckCast},
+      {Op::kDequantize, CheckDequantize},
+      {Op::kWiden, CheckWiden},
+      {Op::kNarrowBf16, CheckNarrowBf16},
+      {Op::kPrepareWeight, CheckPrepareWeight},
+      {Op::kLayerNormForward, CheckLayerNormForward},
+      {Op::kLayerNormBackward, CheckLayerNormBackward},
+      {Op::kActivationForward, CheckActivationForward},
+      {Op::kActivationBackward, CheckActivationBackward},
+      {Op::kLayerNormCast, CheckLayerNormCast},
+      {Op::kActivationCast, CheckActivationCastForward},
+      {Op::kDActivationCast, CheckDActivationCast},
+      {Op::kFprop, CheckFprop},
+      {Op::kFpropBf16, CheckFpropBf16},
+      {Op::kFpropGroups, CheckFpropGroups},
+      {Op::kDgrad, CheckDgrad},
+      {Op::kDgradGroups, CheckDgradGroups},
+      {Op::kWgrad, CheckWgrad},
+      {Op::kAccumulateBiasGrad, CheckAccumulateBiasGrad},
+      {Op::kRollScaling, CheckRollScaling},
+      {Op::kAbsMax, CheckAbsMax},
+      {Op::kAddAbsMax, CheckAddAbsMax},
+      {Op::kAbsMaxLater, CheckAbsMaxLater},
+  };
+  return checks;
+}
+
+std::vector<Op> EveryOp() {
+  std::vector<Op> ops;
+  for (const OpInfo& info : AllOps()) ops.push_back(info.op);
+  return ops;
+}
+
+}  // namespace
+
+void PrintTo(Op op, std::ostream* os) { *os << OpName(op); }
+
+namespace {
+
+class OpParity : public ::testing::TestWithParam<std::tuple<const char*, Op>> {};
+
+TEST_P(OpParity, HoldsItsContract) {
+  const auto [name, op] = GetParam();
+  GW_REQUIRE_BACKEND(name);
+  const Backend& b = *Get(name).backend;
+  if (!Describe(op).has_default) {
+    EXPECT_TRUE(b.Supports(op)) << "an op without a default is every backend's own";
+  }
+  const auto check = OpChecks().find(op);
+  ASSERT_NE(check, OpChecks().end()) << OpName(op) << " has no parity check (OpChecks)";
+  check->second(OpRow{b, *MakeReferenceBackend(), std::string(b.name()) == "cuda"});
+}
+
+INSTANTIATE_TEST_SUITE_P(All, OpParity,
                          ::testing::Combine(::testing::ValuesIn(kBackends),
-                                            ::testing::Values(Mnk{1, 1, 1}, Mnk{7, 13, 11},
-                                                              Mnk{33, 5, 64}, Mnk{64, 48, 32},
-                                                              Mnk{128, 256, 512})),
+                                            ::testing::ValuesIn(EveryOp())),
                          [](const auto& info) {
-                           const Mnk d = std::get<1>(info.param);
                            return std::string(std::get<0>(info.param)) + "_" +
-                                  std::to_string(std::get<0>(d)) + "x" +
-                                  std::to_string(std::get<1>(d)) + "x" +
-                                  std::to_string(std::get<2>(d));
+                                  OpName(std::get<1>(info.param));
                          });
 
 // Puts the CPU backend on its FP8 GEMM for a test, and back to what it was after.
@@ -344,6 +1030,46 @@ struct OrderedGemmScope {
   ~OrderedGemmScope() { SetCpuGemm(before); }
   CpuGemm before;
 };
+
+// The op table itself: in the enum's order, each name once; and which ops each backend runs its
+// own way, as docs/backends.md's table says.
+TEST(OpTable, ListsEveryOpOnceInOrder) {
+  std::set<std::string> names;
+  for (size_t i = 0; i < AllOps().size(); ++i) {
+    const OpInfo& info = AllOps()[i];
+    EXPECT_EQ(size_t(info.op), i);
+    EXPECT_TRUE(names.insert(info.name).second) << info.name;
+    EXPECT_STREQ(OpName(info.op), info.name);
+  }
+  EXPECT_EQ(OpChecks().size(), AllOps().size()) << "OpChecks and the op table list other ops";
+}
+
+TEST(OpTable, SupportsSaysWhichDefaultsEachBackendReplaces) {
+  auto own_defaulted = [](const Backend& b) {
+    std::vector<std::string> own;
+    for (const OpInfo& info : AllOps()) {
+      if (info.has_default && b.Supports(info.op)) own.push_back(info.name);
+    }
+    return own;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(own_defaulted(*MakeReferenceBackend()), V({"NarrowBf16"}));
+  {
+    const OrderedGemmScope ordered;
+    EXPECT_EQ(own_defaulted(*MakeCpuBackend()),
+              V({"Widen", "NarrowBf16", "PrepareWeight", "FpropGroups", "DgradGroups"}));
+  }
+  {
+    const CpuGemm before = GetCpuGemm();
+    SetCpuGemm(CpuGemm::kBlas);
+    EXPECT_EQ(own_defaulted(*MakeCpuBackend()), V({"Widen", "NarrowBf16", "PrepareWeight"}));
+    SetCpuGemm(before);
+  }
+  if (const BackendPtr& cuda = Get("cuda").backend) {
+    EXPECT_EQ(own_defaulted(*cuda), V({"FromWireBf16", "LayerNormCast", "ActivationCast",
+                                       "DActivationCast", "RollScaling", "AbsMaxLater"}));
+  }
+}
 
 // The CPU backend on its FP8 GEMM (--cpu-gemm ordered, the default: core/cpu_gemm.h): the three
 // products give the reference backend's bits, with W's columnwise copy or only its rowwise one,
@@ -434,319 +1160,6 @@ TEST(CpuOrderedGemm, AGroupedForwardOfMixedFormatsIsEachGroupAlone) {
     }
   }
 }
-
-class NormParity : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(NormParity, LayerNormAndActivationsWithinFp32Rounding) {
-  GW_REQUIRE_BACKEND(GetParam());
-  const Backend& ref = *MakeReferenceBackend();
-  const Backend& b = *Get(GetParam()).backend;
-  for (Shape s : {Shape{1, 16}, Shape{7, 61}, Shape{33, 1031}}) {
-    SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols));
-    const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
-    for (bool zc : {false, true}) {
-      LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
-      LayerNormParams bln{b.ToDevice(ln.gamma), b.ToDevice(ln.beta), ln.eps, zc};
-      const LayerNormOut want = ref.LayerNormForward(x, ln);
-      const LayerNormOut got = b.LayerNormForward(b.ToDevice(x), bln);
-      EXPECT_TRUE(gradwire::testing::AllClose(b.ToHost(got.y), want.y, 1e-4, 1e-4)) << "y";
-      const at::Tensor dy = RandN({s.rows, s.cols});
-      at::Tensor rg = at::zeros({s.cols}), rb = at::zeros({s.cols});
-      at::Tensor bg = b.Zeros({s.cols}), bb = b.Zeros({s.cols});
-      const at::Tensor rdx = ref.LayerNormBackward(dy, x, want.mu, want.rstd, ln, rg, rb);
-      const at::Tensor bdx = b.LayerNormBackward(b.ToDevice(dy), b.ToDevice(x), b.ToDevice(want.mu),
-                                                 b.ToDevice(want.rstd), bln, bg, bb);
-      EXPECT_TRUE(gradwire::testing::AllClose(b.ToHost(bdx), rdx, 1e-3, 1e-4)) << "dx";
-      EXPECT_LT(Nmse(b.ToHost(bg), rg), 1e-10) << "dgamma";
-      EXPECT_LT(Nmse(b.ToHost(bb), rb), 1e-10) << "dbeta";
-    }
-    for (Activation act :
-         {Activation::kGelu, Activation::kRelu, Activation::kSwiglu, Activation::kGeglu}) {
-      SCOPED_TRACE(kernels::ActivationName(act));
-      const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
-      const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
-      EXPECT_LT(Nmse(b.ToHost(b.ActivationForward(act, b.ToDevice(in), s.cols)),
-                     ref.ActivationForward(act, in, s.cols)),
-                1e-12);
-      EXPECT_LT(Nmse(b.ToHost(b.ActivationBackward(act, b.ToDevice(dout), b.ToDevice(in), s.cols)),
-                     ref.ActivationBackward(act, dout, in, s.cols)),
-                1e-12);
-    }
-  }
-}
-
-// A bfloat16 x (a LayerNorm kind's bf16 input, kept as it came) gives what its exact widening
-// gives on the same backend, bit for bit: LayerNorm's forward, its fused cast and dx (the GPU reads
-// the bf16 values in its kernels). The parameter gradients add with atomics on a GPU, in an order
-// that varies, so there they are held to fp32 rounding; elsewhere bit for bit.
-TEST_P(NormParity, ABf16InputIsItsWideningBitForBit) {
-  GW_REQUIRE_BACKEND(GetParam());
-  const Backend& b = *Get(GetParam()).backend;
-  const bool gpu = std::string(b.name()) == "cuda";
-  auto same = [&](const at::Tensor& got, const at::Tensor& want) {
-    return b.ToHost(got).equal(b.ToHost(want));
-  };
-  for (Shape s : {Shape{1, 16}, Shape{7, 61}, Shape{130, 1031}}) {
-    SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols));
-    const at::Tensor narrow = RandN({s.rows, s.cols}, 2.0).to(at::kBFloat16);
-    const at::Tensor bn = b.ToDevice(narrow), bw = b.ToDevice(narrow.to(at::kFloat));
-    ASSERT_EQ(bn.scalar_type(), at::kBFloat16);
-    for (bool zc : {false, true}) {
-      const LayerNormParams ln{b.ToDevice(RandN({s.cols}, 0.5) + 1.0),
-                               b.ToDevice(RandN({s.cols}, 0.5)), 1e-5f, zc};
-      const LayerNormOut from_narrow = b.LayerNormForward(bn, ln);
-      const LayerNormOut from_wide = b.LayerNormForward(bw, ln);
-      EXPECT_TRUE(same(from_narrow.y, from_wide.y)) << "y";
-      EXPECT_TRUE(same(from_narrow.mu, from_wide.mu)) << "mu";
-      EXPECT_TRUE(same(from_narrow.rstd, from_wide.rstd)) << "rstd";
-      for (bool delayed : {false, true}) {
-        const QuantizerConfig q{Fp8Format::kE4M3, 0, delayed ? 0.37f : 0.0f, nullptr, nullptr};
-        LayerNormOut ln_n, ln_w;
-        auto cn = b.LayerNormCast(bn, ln, q, {true, true}, /*keep_y=*/true, &ln_n);
-        auto cw = b.LayerNormCast(bw, ln, q, {true, true}, /*keep_y=*/true, &ln_w);
-        ASSERT_TRUE(cn.ok()) << cn.status();
-        ASSERT_TRUE(cw.ok()) << cw.status();
-        EXPECT_TRUE(same(cn->rowwise, cw->rowwise)) << "codes";
-        EXPECT_TRUE(same(cn->columnwise, cw->columnwise)) << "transposed codes";
-        EXPECT_EQ(cn->scale_inv(), cw->scale_inv());
-        EXPECT_EQ(cn->amax(), cw->amax());
-        EXPECT_TRUE(same(ln_n.y, ln_w.y)) << "fused y";
-      }
-      const at::Tensor dy = b.ToDevice(RandN({s.rows, s.cols}));
-      at::Tensor gn = b.Zeros({s.cols}), bn_grad = b.Zeros({s.cols});
-      at::Tensor gw = b.Zeros({s.cols}), bw_grad = b.Zeros({s.cols});
-      const at::Tensor dxn =
-          b.LayerNormBackward(dy, bn, from_wide.mu, from_wide.rstd, ln, gn, bn_grad);
-      const at::Tensor dxw =
-          b.LayerNormBackward(dy, bw, from_wide.mu, from_wide.rstd, ln, gw, bw_grad);
-      EXPECT_EQ(dxn.scalar_type(), at::kFloat);
-      EXPECT_TRUE(same(dxn, dxw)) << "dx";
-      if (gpu) {
-        EXPECT_LT(Nmse(b.ToHost(gn), b.ToHost(gw)), 1e-12) << "dgamma";
-        EXPECT_LT(Nmse(b.ToHost(bn_grad), b.ToHost(bw_grad)), 1e-12) << "dbeta";
-      } else {
-        EXPECT_TRUE(same(gn, gw)) << "dgamma";
-        EXPECT_TRUE(same(bn_grad, bw_grad)) << "dbeta";
-      }
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(All, NormParity, ::testing::ValuesIn(kBackends),
-                         [](const auto& info) { return std::string(info.param); });
-
-// The fused forms (Backend::LayerNormCast, ActivationCast, DActivationCast) against the same
-// backend's composed ops (the Backend defaults: the op, then Cast), bit for bit: the codes, scales
-// and amax, and the fp32 results a caller asks for. A backend that fuses a form must say so
-// (Fuses), and one that does not runs the defaults; the CPU backend's ops are the reference's bits
-// too, so its fused-form entry points are also held to the reference backend's ops composed here
-// (the check of the defaults themselves). The
-// modules call the fused forms, and a batch casts each request's rows through the composed ops
-// (CastRows), so a fused form that drifted from its composed one would break batching's
-// exactness as well as parity.
-class FusedParity : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(FusedParity, FusedFormsAreTheComposedOpsBitForBit) {
-  GW_REQUIRE_BACKEND(GetParam());
-  const Backend& ref = *MakeReferenceBackend();
-  const Backend& b = *Get(GetParam()).backend;
-  const bool gpu = std::string(b.name()) == "cuda";
-  for (Backend::Fused form : {Backend::Fused::kLayerNormCast, Backend::Fused::kActivationCast,
-                              Backend::Fused::kDActivationCast}) {
-    EXPECT_EQ(b.Fuses(form), gpu) << "form " << int(form);
-  }
-  // The same values, bit for bit, wherever each lives.
-  auto same = [&](const at::Tensor& got, const at::Tensor& want, const char* what) {
-    ASSERT_EQ(got.defined(), want.defined()) << what;
-    if (want.defined()) {
-      EXPECT_TRUE(b.ToHost(got).equal(b.ToHost(want))) << what;
-    }
-  };
-  for (Shape s : {Shape{1, 16}, Shape{7, 61}, Shape{130, 1031}}) {
-    for (bool delayed : {false, true}) {
-      SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols) +
-                   (delayed ? " delayed" : " current"));
-      for (CastUsage usage :
-           {CastUsage{true, true}, CastUsage{true, false}, CastUsage{false, true}}) {
-        SCOPED_TRACE(std::string(usage.rowwise ? "rowwise" : "") +
-                     (usage.columnwise ? " columnwise" : ""));
-        // LayerNorm + cast (E4M3), the fp32 output kept or not.
-        const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
-        const QuantizerConfig q4{Fp8Format::kE4M3, 0, delayed ? 0.61f : 0.0f, nullptr, nullptr};
-        const bool zc = s.rows % 2 == 1;
-        LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
-        const LayerNormParams bln{b.ToDevice(ln.gamma), b.ToDevice(ln.beta), ln.eps, zc};
-        const at::Tensor bx = b.ToDevice(x);
-        for (bool keep_y : {false, true}) {
-          LayerNormOut fused_ln, composed_ln;
-          auto fused = b.LayerNormCast(bx, bln, q4, usage, keep_y, &fused_ln);
-          auto composed = b.Backend::LayerNormCast(bx, bln, q4, usage, keep_y, &composed_ln);
-          ASSERT_TRUE(fused.ok() && composed.ok());
-          ExpectSameCast(*fused, *composed, b);
-          same(fused_ln.y, composed_ln.y, "LayerNorm y");
-          same(fused_ln.mu, composed_ln.mu, "LayerNorm mu");
-          same(fused_ln.rstd, composed_ln.rstd, "LayerNorm rstd");
-          if (!gpu) {  // the CPU backend's LayerNorm and casts are the reference's bits
-            const LayerNormOut want_ln = ref.LayerNormForward(x, ln);
-            auto want = ref.Cast(want_ln.y, q4, usage);
-            ASSERT_TRUE(want.ok());
-            ExpectSameCast(*fused, *want, b);
-            same(fused_ln.mu, want_ln.mu, "LayerNorm mu against the reference");
-            if (keep_y) same(fused_ln.y, want_ln.y, "LayerNorm y against the reference");
-          }
-        }
-        // Activation + cast (E4M3) and d-activation + cast (E5M2), every activation.
-        const QuantizerConfig q5{Fp8Format::kE5M2, 0, delayed ? 3.1f : 0.0f, nullptr, nullptr};
-        for (Activation act :
-             {Activation::kGelu, Activation::kRelu, Activation::kSwiglu, Activation::kGeglu}) {
-          SCOPED_TRACE(kernels::ActivationName(act));
-          const int64_t in_w = kernels::IsGated(act) ? 2 * s.cols : s.cols;
-          const at::Tensor in = RandN({s.rows, in_w}, 2.0), dout = RandN({s.rows, s.cols});
-          const at::Tensor bin = b.ToDevice(in), bdout = b.ToDevice(dout);
-          at::Tensor fused_y, composed_y;
-          auto fused = b.ActivationCast(act, bin, s.cols, q4, usage, &fused_y);
-          auto fused_no_y = b.ActivationCast(act, bin, s.cols, q4, usage, nullptr);
-          auto composed = b.Backend::ActivationCast(act, bin, s.cols, q4, usage, &composed_y);
-          ASSERT_TRUE(fused.ok() && fused_no_y.ok() && composed.ok());
-          ExpectSameCast(*fused, *composed, b);
-          ExpectSameCast(*fused_no_y, *composed, b);
-          same(fused_y, composed_y, "activation");
-          at::Tensor fused_din, composed_din;
-          auto dfused = b.DActivationCast(act, bdout, bin, s.cols, q5, usage, &fused_din);
-          auto dfused_no = b.DActivationCast(act, bdout, bin, s.cols, q5, usage, nullptr);
-          auto dcomposed =
-              b.Backend::DActivationCast(act, bdout, bin, s.cols, q5, usage, &composed_din);
-          ASSERT_TRUE(dfused.ok() && dfused_no.ok() && dcomposed.ok());
-          ExpectSameCast(*dfused, *dcomposed, b);
-          ExpectSameCast(*dfused_no, *dcomposed, b);
-          same(fused_din, composed_din, "d activation");
-          if (!gpu) {  // the reference's ops, composed here
-            const at::Tensor y = ref.ActivationForward(act, in, s.cols);
-            const at::Tensor din = ref.ActivationBackward(act, dout, in, s.cols);
-            auto want = ref.Cast(y, q4, usage);
-            auto dwant = ref.Cast(din, q5, usage);
-            ASSERT_TRUE(want.ok() && dwant.ok());
-            ExpectSameCast(*fused, *want, b);
-            ExpectSameCast(*dfused, *dwant, b);
-            same(fused_y, y, "activation against the reference");
-            same(fused_din, din, "d activation against the reference");
-          }
-        }
-      }
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(All, FusedParity, ::testing::ValuesIn(kBackends),
-                         [](const auto& info) { return std::string(info.param); });
-
-// The scaling state on the device (DeviceScaling over Backend::RollScaling) against ScalingState,
-// the recipe's definition on the host, bit for bit: every role's scale, scale_inv and history after
-// every step, and the scale view a delayed cast is given (Scale). On the host backends the roll is
-// ScalingState itself, so their rows check DeviceScaling's bookkeeping (the zero-padded rows, the
-// filled counts, Copy, Set); the cuda row checks the kernel's roll. Steps take random subsets of
-// three roles of both formats, with amaxes of 0, NaN, inf, subnormal and ordinary sizes; histories
-// of 1 to 9000 (past the CUDA kernel's 8192, where the CUDA backend rolls on the host); both
-// algorithms, two margins. A copy steps on its own, and a saved state set back continues as the
-// original does.
-class ScalingParity : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(ScalingParity, DeviceStateRollsAsScalingStateBitForBit) {
-  GW_REQUIRE_BACKEND(GetParam());
-  const Backend& b = *Get(GetParam()).backend;
-  const std::vector<Fp8Format> formats = {Fp8Format::kE4M3, Fp8Format::kE5M2, Fp8Format::kE4M3};
-  const float inf = std::numeric_limits<float>::infinity();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::mt19937 rng(7);
-  auto amax = [&]() -> float {
-    switch (rng() % 8) {
-      case 0:
-        return 0.0f;
-      case 1:
-        return nan;
-      case 2:
-        return inf;
-      case 3:
-        return 1e-42f;  // subnormal: the scale saturates
-      default:
-        return std::ldexp(float(rng() % 1000 + 1) / 1000.0f, int(rng() % 40) - 20);
-    }
-  };
-  auto same = [&](DeviceScaling& got, std::vector<ScalingState>& want, const std::string& where) {
-    const std::vector<DeviceScaling::HostView> views = got.Read();
-    ASSERT_EQ(views.size(), want.size());
-    for (size_t r = 0; r < want.size(); ++r) {
-      SCOPED_TRACE(where + ", role " + std::to_string(r));
-      EXPECT_EQ(Bits(views[r].scale), Bits(want[r].scale()));
-      EXPECT_EQ(Bits(views[r].scale_inv), Bits(1.0f / want[r].scale()));
-      ASSERT_EQ(views[r].history.size(), want[r].history().size());
-      for (size_t j = 0; j < views[r].history.size(); ++j) {
-        EXPECT_EQ(Bits(views[r].history[j]), Bits(want[r].history()[j])) << "entry " << j;
-      }
-      EXPECT_EQ(Bits(b.ToHost(got.Scale(r)).item<float>()), Bits(want[r].scale()));
-    }
-  };
-  for (AmaxAlgo algo : {AmaxAlgo::kMax, AmaxAlgo::kMostRecent}) {
-    for (int margin : {0, 2}) {
-      for (int64_t len : {1, 3, 64, 9000}) {
-        const std::string where = "algo " + std::to_string(int(algo)) + ", margin " +
-                                  std::to_string(margin) + ", history " + std::to_string(len);
-        RecipeConfig config;
-        config.mode = ScalingMode::kDelayed;
-        config.margin = margin;
-        config.history_len = len;
-        config.algo = algo;
-        DeviceScaling got(b, formats, config);
-        std::vector<ScalingState> want;
-        for (Fp8Format f : formats) want.emplace_back(f, config);
-        const int steps = len == 9000 ? 12 : 3 * int(len) + 8;
-        std::unique_ptr<DeviceScaling> copy;
-        std::vector<ScalingState> copy_want;
-        for (int step = 0; step < steps; ++step) {
-          std::vector<std::pair<size_t, float>> amaxes;
-          for (size_t r = 0; r < formats.size(); ++r) {
-            if (rng() % 3 == 0) continue;
-            amaxes.emplace_back(r, amax());
-            want[r].Record(amaxes.back().second);
-            want[r].Roll();
-          }
-          got.Step(amaxes);
-          same(got, want, where + ", step " + std::to_string(step));
-          if (step == steps / 2) {  // a copy, stepped on its own from here
-            copy = std::make_unique<DeviceScaling>(got.Copy());
-            copy_want = want;
-          }
-        }
-        ASSERT_TRUE(copy);
-        copy->Step({{1, 3.0f}});
-        copy_want[1].Record(3.0f);
-        copy_want[1].Roll();
-        same(*copy, copy_want, where + ", the copy");
-        same(got, want, where + ", the original after the copy stepped");
-        // Saved and set back into a fresh state: the same state, and the same next step.
-        DeviceScaling restored(b, formats, config);
-        const std::vector<DeviceScaling::HostView> saved = got.Read();
-        for (size_t r = 0; r < saved.size(); ++r) {
-          restored.Set(r, saved[r].history, saved[r].scale);
-        }
-        same(restored, want, where + ", restored");
-        restored.Step({{0, 2.5f}, {2, 0.75f}});
-        for (auto [r, a] : {std::pair<size_t, float>{0, 2.5f}, {2, 0.75f}}) {
-          want[r].Record(a);
-          want[r].Roll();
-        }
-        same(restored, want, where + ", restored and stepped");
-      }
-    }
-  }
-  RecipeConfig config;
-  DeviceScaling state(b, formats, config);
-  EXPECT_THROW(state.Step({{0, 1.0f}, {0, 2.0f}}), std::logic_error);
-  EXPECT_THROW(state.Scale(3), std::logic_error);
-}
-
-INSTANTIATE_TEST_SUITE_P(All, ScalingParity, ::testing::ValuesIn(kBackends),
-                         [](const auto& info) { return std::string(info.param); });
 
 // How often a step waits for the device (Backend::HostWaits). A cast leaves its scalars on the
 // device and they cross back behind it (CastScalars); the finite checks that no bound covers

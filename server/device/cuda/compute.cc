@@ -38,13 +38,18 @@ absl::StatusOr<Fp8Tensor> CudaBackend::Cast(const at::Tensor& x, const Quantizer
   return EndCast(std::move(c));
 }
 
-// The fused forms: the LayerNorm / activation / d-activation kernels write the FP8 cast of
-// their result in the same pass (under current scaling, a first pass finds the amax), and the
-// fp32 result only when asked. Each kernel computes its values with the same code whether or not
-// it casts, so the fused form equals the composed one bit for bit (FusedParity).
-bool CudaBackend::Fuses(Fused form) const {
-  (void)form;
-  return true;
+bool CudaBackend::Supports(Op op) const {
+  switch (op) {
+    case Op::kLayerNormCast:
+    case Op::kActivationCast:
+    case Op::kDActivationCast:
+    case Op::kFromWireBf16:
+    case Op::kAbsMaxLater:
+    case Op::kRollScaling:
+      return true;
+    default:
+      return Backend::Supports(op);
+  }
 }
 
 absl::StatusOr<Fp8Tensor> CudaBackend::LayerNormCast(const at::Tensor& x, const LayerNormParams& ln,

@@ -102,11 +102,14 @@ class CudaBackend final : public Backend {
   absl::StatusOr<Fp8Tensor> Cast(const at::Tensor& x, const QuantizerConfig& config,
                                  CastUsage usage) const override;
 
+  // Its own kernels for the fused forms, FromWireBf16, AbsMaxLater and RollScaling; the defaults
+  // for Widen, NarrowBf16, PrepareWeight, FpropBf16 and the grouped GEMMs.
+  bool Supports(Op op) const override;
+
   // The fused forms: the LayerNorm / activation / d-activation kernels write the FP8 cast of
   // their result in the same pass (under current scaling, a first pass finds the amax), and the
   // fp32 result only when asked. Each kernel computes its values with the same code whether or not
-  // it casts, so the fused form equals the composed one bit for bit (FusedParity).
-  bool Fuses(Fused form) const override;
+  // it casts, so the fused form equals the composed one bit for bit (the parity harness's rows).
   absl::StatusOr<Fp8Tensor> LayerNormCast(const at::Tensor& x, const LayerNormParams& ln,
                                           const QuantizerConfig& config, CastUsage usage,
                                           bool keep_y, LayerNormOut* ln_out) const override;
