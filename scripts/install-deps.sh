@@ -14,6 +14,8 @@ packages=(
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest python3-venv python3-pip python3-setuptools
   yamllint python3-yaml docker-compose gnuplot-nox
+  # The proxy tests (tests/deploy/haproxy_check.sh, tests/e2e/proxy_e2e.sh): HAProxy 2.6.
+  haproxy
   # Fuzzing (scripts/fuzz.sh): clang and its runtimes, libFuzzer among them.
   clang libclang-rt-14-dev
 )

@@ -52,7 +52,7 @@ absl::StatusOr<ExportResult> ExportWeights(client::Client& client, const std::st
       {"weight_version", absl::StrCat(weights->weight_version)}};
   // The spec only labels the file; the module may have been deleted since GetWeights, and the
   // weights are still worth writing then.
-  absl::StatusOr<std::vector<v1::ModuleInfo>> modules = client.ListModules();
+  absl::StatusOr<std::vector<v1::ModuleInfo>> modules = client.ListModules(module_id);
   if (!modules.ok()) return modules.status();
   for (const v1::ModuleInfo& m : *modules) {
     if (m.module_id() != module_id) continue;

@@ -40,6 +40,7 @@ using Clock = std::chrono::steady_clock;
 struct Options {
   std::string flow = "forward";  // forward | step | empty | stream
   std::string module_id;         // an existing module; else one is created from the spec below
+  int modules = 1;               // modules created (workers spread over them), without module_id
   std::string kind = "linear";   // linear | layernorm-linear | layernorm-mlp
   int64_t in_features = 1024, out_features = 1024, ffn_features = 4096;
   bool bias = true;
@@ -92,8 +93,9 @@ HostTensor Random(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
 // Forwards, steps or empty RPCs against the server, with requests encoded once per worker.
 class RemoteOps {
  public:
-  RemoteOps(Client& client, const Options& o, const std::string& module_id, int64_t in, int64_t out,
-            int workers)
+  // Worker w calls module_ids[w % size], every call routed by its module (gradwire-route).
+  RemoteOps(Client& client, const Options& o, const std::vector<std::string>& module_ids,
+            int64_t in, int64_t out, int workers)
       : client_(client), flow_(o.flow) {
     using gradwire::client::WireDType;
     // Activations (input, output) and gradients (grad_output, grad_input); "fp8" is E4M3 for
@@ -106,7 +108,7 @@ class RemoteOps {
     const WireDType grad_dtype = o.wire == "fp8" ? WireDType::kFp8E5M2 : dtype;
     for (int w = 0; w < workers; ++w) {
       v1::ForwardRequest f;
-      f.set_module_id(module_id);
+      f.set_module_id(module_ids[size_t(w) % module_ids.size()]);
       f.set_training(o.flow == "step" || o.flow == "stream");
       f.set_output_dtype(gradwire::client::ToProto(dtype));
       *f.mutable_input() = ToWire(Random(o.rows, in, o.run.seed, 2 * uint64_t(w)), dtype);
@@ -183,7 +185,7 @@ class RemoteOps {
     v1::ForwardResponse fr;
     {
       grpc::ClientContext ctx;
-      client_.PrepareContext(&ctx);
+      client_.PrepareContext(&ctx, "Forward", fwd_[w].module_id());
       const grpc::Status s = client_.stub().Forward(&ctx, fwd_[w], &fr);
       if (!s.ok()) {
         o.code = CodeName(s.error_code());
@@ -199,7 +201,7 @@ class RemoteOps {
       bwd_[w].set_context_id(fr.context_id());
       v1::BackwardResponse br;
       grpc::ClientContext ctx;
-      client_.PrepareContext(&ctx);
+      client_.PrepareContext(&ctx, "Backward", fwd_[w].module_id());
       const grpc::Status s = client_.stub().Backward(&ctx, bwd_[w], &br);
       if (!s.ok()) {
         o.code = CodeName(s.error_code());
@@ -217,7 +219,7 @@ class RemoteOps {
   OpOutcome RunStream(int w) {
     OpOutcome o;
     if (streams_.empty()) streams_.resize(fwd_.size());
-    if (!streams_[w]) streams_[w] = client_.OpenTrainStream();
+    if (!streams_[w]) streams_[w] = client_.OpenTrainStream(fwd_[w].module_id());
     gradwire::client::TrainStream& stream = *streams_[w];
     const auto t0 = Clock::now();
     v1::TrainRequest req;
@@ -429,6 +431,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"forward", "step", "empty", "stream"}))
       ->capture_default_str();
   app.add_option("--module", o.module_id, "use this existing module instead of creating one");
+  app.add_option("--modules", o.modules,
+                 "create this many modules and spread the workers over them (worker w calls "
+                 "module w mod N): behind a routing proxy, the load reaches every server")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str()
+      ->excludes("--module");
   app.add_option("--kind", o.kind, "module to create: " + gradwire::client::KindNames())
       ->check(CLI::IsMember(gradwire::client::KindCliNames()))
       ->capture_default_str();
@@ -548,9 +556,11 @@ int main(int argc, char** argv) {
   // The module: an existing one (its spec from the server) or a new one.
   v1::ModuleSpec spec;
   std::string module_id = o.module_id;
+  std::vector<std::string> module_ids;  // the workers' modules
   bool created = false;
   if (!module_id.empty()) {
-    auto modules = client.ListModules();
+    module_ids = {module_id};
+    auto modules = client.ListModules(module_id);
     if (!modules.ok()) {
       std::fprintf(stderr, "gradwire-load: %s\n", std::string(modules.status().message()).c_str());
       return 1;
@@ -578,20 +588,29 @@ int main(int argc, char** argv) {
     spec.set_seed(o.run.seed);
     spec.set_name("gradwire-load");
     if (o.flow != "empty" || o.baselines) {
-      auto info = client.CreateModule(spec);
-      if (!info.ok()) {
-        std::fprintf(stderr, "gradwire-load: %s\n", std::string(info.status().message()).c_str());
-        return 1;
+      for (int i = 0; i < o.modules; ++i) {
+        auto info = client.CreateModule(spec);
+        if (!info.ok()) {
+          std::fprintf(stderr, "gradwire-load: creating module %d of %d: %s\n", i + 1, o.modules,
+                       std::string(info.status().message()).c_str());
+          for (const std::string& id : module_ids) (void)client.DeleteModule(id);
+          return 1;
+        }
+        module_ids.push_back(info->module_id());
       }
-      module_id = info->module_id();
+      module_id = module_ids[0];
       created = true;
     }
   }
-  std::fprintf(stderr, "gradwire-load: %s on %s, module %s (%lld -> %lld), %lld rows, wire %s\n",
-               o.flow.c_str(), copts.server.c_str(), module_id.c_str(),
-               static_cast<long long>(spec.in_features()),
-               static_cast<long long>(spec.out_features()), static_cast<long long>(o.rows),
-               o.wire.c_str());
+  if (module_ids.empty()) module_ids = {module_id};  // --flow empty: no module
+  const std::string modules_label =
+      module_ids.size() > 1
+          ? std::to_string(module_ids.size()) + " modules (" + module_ids[0] + ", ...)"
+          : "module " + module_id;
+  std::fprintf(
+      stderr, "gradwire-load: %s on %s, %s (%lld -> %lld), %lld rows, wire %s\n", o.flow.c_str(),
+      copts.server.c_str(), modules_label.c_str(), static_cast<long long>(spec.in_features()),
+      static_cast<long long>(spec.out_features()), static_cast<long long>(o.rows), o.wire.c_str());
 
   std::vector<Row> rows;
   auto run_one = [&](const std::string& mode, int concurrency,
@@ -616,7 +635,7 @@ int main(int argc, char** argv) {
   for (int concurrency : o.sweep) {
     for (int round = 0; round < o.rounds && rc == 0; ++round) {
       const int workers = concurrency;
-      RemoteOps remote(client, o, module_id, spec.in_features(), spec.out_features(), workers);
+      RemoteOps remote(client, o, module_ids, spec.in_features(), spec.out_features(), workers);
       bool shared = false;
       if (o.flow != "empty" &&
           (o.shared_memory == "on" || (o.shared_memory == "auto" && remote.SharedMemoryPays()))) {
@@ -657,7 +676,7 @@ int main(int argc, char** argv) {
         run_one("in-process", concurrency, [&](int w) { return (*local)->Run(w); });
         Options empty = o;
         empty.flow = "empty";
-        RemoteOps ping(client, empty, module_id, spec.in_features(), spec.out_features(), workers);
+        RemoteOps ping(client, empty, module_ids, spec.in_features(), spec.out_features(), workers);
         run_one("empty-rpc", concurrency, [&](int w) { return ping.Run(w); });
       }
     }
@@ -670,7 +689,9 @@ int main(int argc, char** argv) {
                    {"live_contexts", info->live_contexts()},
                    {"context_bytes", info->context_bytes()}};
   }
-  if (created && !o.keep_module) (void)client.DeleteModule(module_id);
+  if (created && !o.keep_module) {
+    for (const std::string& id : module_ids) (void)client.DeleteModule(id);
+  }
 
   // The table goes to stdout, or to stderr when the JSON report does.
   std::FILE* table = o.json_path == "-" ? stderr : stdout;
@@ -685,6 +706,7 @@ int main(int argc, char** argv) {
   nlohmann::json report = {{"flow", o.flow},
                            {"server", copts.server},
                            {"module_id", module_id},
+                           {"module_ids", module_ids},
                            {"in_features", spec.in_features()},
                            {"out_features", spec.out_features()},
                            {"rows", o.rows},

@@ -43,9 +43,9 @@ bool RegionGone(const grpc::Status& s, const std::string& region) {
 template <typename Call>
 std::optional<absl::Status> CallInRegion(const Client& client,
                                          internal::SharedMemoryPool::Lease& lease,
-                                         const char* method, Call call) {
+                                         const char* method, const std::string& route, Call call) {
   grpc::ClientContext ctx;
-  client.PrepareContext(&ctx, method);
+  client.PrepareContext(&ctx, method, route);
   const grpc::Status s = call(&ctx);
   if (RegionGone(s, lease.region().name())) {
     lease.Drop();
@@ -120,8 +120,8 @@ class Client::Keeper {
   // One call on `ctx`, cancellable by the destructor; false once stopping.
   template <typename Call>
   bool Send(grpc::ClientContext* ctx, std::chrono::duration<double> deadline, Call call,
-            std::unique_lock<std::mutex>& lock) {
-    client_.PrepareContext(ctx, "KeepAlive");
+            std::unique_lock<std::mutex>& lock, const std::string& route = {}) {
+    client_.PrepareContext(ctx, "KeepAlive", route);
     ctx->set_deadline(
         std::min(ctx->deadline(),
                  std::chrono::system_clock::now() +
@@ -156,26 +156,30 @@ class Client::Keeper {
       }
       const auto period = std::chrono::duration<double>(std::max(ttl / 3, 0.05));
       if (cv_.wait_for(lock, period, [this] { return stop_; })) return;
-      if (ids_.empty()) continue;
-      v1::KeepAliveRequest req;
-      for (const std::string& id : ids_) req.add_module_ids(id);
-      v1::KeepAliveResponse resp;
-      grpc::ClientContext ctx;
-      grpc::Status s;
-      if (!Send(
-              &ctx, period, [&] { s = client_.stub().KeepAlive(&ctx, req, &resp); }, lock)) {
-        return;
-      }
-      ++calls_;
-      if (!s.ok()) {
-        spdlog::debug("gradwire client: KeepAlive to {}: {}", client_.options().server,
-                      s.error_message());
-        continue;
-      }
-      for (const std::string& gone : resp.unknown()) {
-        spdlog::warn("gradwire client: module {} is no longer on {}", gone,
-                     client_.options().server);
-        ids_.erase(gone);
+      // One call per module, routed by its id: behind a proxy the modules may live on
+      // different servers.
+      const std::vector<std::string> ids(ids_.begin(), ids_.end());
+      for (const std::string& id : ids) {
+        v1::KeepAliveRequest req;
+        req.add_module_ids(id);
+        v1::KeepAliveResponse resp;
+        grpc::ClientContext ctx;
+        grpc::Status s;
+        if (!Send(
+                &ctx, period, [&] { s = client_.stub().KeepAlive(&ctx, req, &resp); }, lock, id)) {
+          return;
+        }
+        ++calls_;
+        if (!s.ok()) {
+          spdlog::debug("gradwire client: KeepAlive of {} to {}: {}", id, client_.options().server,
+                        s.error_message());
+          continue;
+        }
+        for (const std::string& gone : resp.unknown()) {
+          spdlog::warn("gradwire client: module {} is no longer on {}", gone,
+                       client_.options().server);
+          ids_.erase(gone);
+        }
       }
     }
   }
@@ -229,7 +233,22 @@ Client::~Client() {
                            [this] { return background_->pending == 0; });
 }
 
-std::string NewContextId() {
+namespace {
+
+// Whether `value` may go in a metadata header: printable ASCII. gRPC aborts the process on
+// anything else, and a module id a caller passed in may be anything; such a call goes without the
+// header, and the server names what is wrong with the id.
+bool RoutableValue(const std::string& value) {
+  if (value.empty() || value.size() > 256) return false;
+  for (char c : value) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string NewRandomId() {
   thread_local std::mt19937_64 engine{std::random_device{}()};
   char buf[33];
   std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(engine()),
@@ -263,14 +282,14 @@ bool MayHaveRun(absl::StatusCode code) {
 
 }  // namespace
 
-void Client::ReleaseInBackground(const std::string& context_id) {
+void Client::ReleaseInBackground(const std::string& context_id, const std::string& module_id) {
   struct Call {
     grpc::ClientContext ctx;
     v1::ReleaseContextRequest req;
     v1::ReleaseContextResponse resp;
   };
   auto call = std::make_shared<Call>();
-  PrepareContext(&call->ctx, "ReleaseContext");
+  PrepareContext(&call->ctx, "ReleaseContext", module_id);
   call->ctx.set_deadline(
       std::min(call->ctx.deadline(), std::chrono::system_clock::now() + std::chrono::seconds(2)));
   call->req.set_context_id(context_id);
@@ -296,9 +315,11 @@ void Client::ReleaseInBackground(const std::string& context_id) {
 
 int64_t Client::unanswered_releases() const { return background_->sent.load(); }
 
-std::string Client::PrepareContext(grpc::ClientContext* ctx, const char* method) const {
+std::string Client::PrepareContext(grpc::ClientContext* ctx, const char* method,
+                                   const std::string& route) const {
   ctx->set_deadline(std::chrono::system_clock::now() + options_.timeout);
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  if (RoutableValue(route)) ctx->AddMetadata(kRouteHeader, route);
   std::string traceparent = NewTraceparent(options_.trace_id);
   ctx->AddMetadata("traceparent", traceparent);
   spdlog::debug("gradwire client: {} to {} traceparent={}", method, options_.server, traceparent);
@@ -334,11 +355,16 @@ absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
   return ::grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
+std::string Client::ModuleOfContext(const std::string& context_id) const {
+  return shapes_.ModuleOfContext(context_id);
+}
+
 absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx, "CreateModule");
   v1::CreateModuleRequest req;
   *req.mutable_spec() = spec;
+  req.set_module_id(NewRandomId());
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, "CreateModule", req.module_id());
   v1::CreateModuleResponse resp;
   if (auto s = FromGrpc("CreateModule", stub_->CreateModule(&ctx, req, &resp)); !s.ok()) {
     return s;
@@ -356,9 +382,9 @@ std::vector<std::string> Client::held() const { return keeper_->ids(); }
 
 int64_t Client::keep_alive_calls() const { return keeper_->calls(); }
 
-absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
+absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules(const std::string& route) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "ListModules");
+  PrepareContext(&ctx, "ListModules", route);
   v1::ListModulesResponse resp;
   if (auto s = FromGrpc("ListModules", stub_->ListModules(&ctx, {}, &resp)); !s.ok()) return s;
   for (const v1::ModuleInfo& info : resp.modules()) shapes_.Remember(info);
@@ -367,7 +393,7 @@ absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules() {
 
 absl::Status Client::DeleteModule(const std::string& module_id) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "DeleteModule");
+  PrepareContext(&ctx, "DeleteModule", module_id);
   v1::DeleteModuleRequest req;
   req.set_module_id(module_id);
   v1::DeleteModuleResponse resp;
@@ -384,7 +410,7 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
   absl::StatusOr<ForwardResult> result =
       ForwardNamed(module_id, input, true, context_id, &answered);
   if (!result.ok() && (answered || MayHaveRun(result.status().code()))) {
-    ReleaseInBackground(context_id);
+    ReleaseInBackground(context_id, module_id);
   }
   return result;
 }
@@ -404,8 +430,7 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     if (shape) {
       const int64_t rows = input.numel() / input.shape.back();
       const int64_t output = rows * shape->out, ln = shape->layernorm_output ? rows * shape->in : 0;
-      const int64_t bytes =
-          (input.numel() + output + ln) * wire::ElementSize(options_.wire_dtype);
+      const int64_t bytes = (input.numel() + output + ln) * wire::ElementSize(options_.wire_dtype);
       if (bytes >= min_bytes) {
         if (auto shared =
                 ForwardShared(module_id, input, training, context_id, output, ln, answered)) {
@@ -441,7 +466,7 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     ln_bytes = resp.layernorm_output().data();
   } else {
     grpc::ClientContext ctx;
-    PrepareContext(&ctx, "Forward");
+    PrepareContext(&ctx, "Forward", module_id);
     if (auto s = ZeroCopyUnary(channel_.get(), "Forward", &ctx, &req, wire::kForwardRequestTensors,
                                &received, &resp, wire::kForwardResponseTensors);
         !s.ok()) {
@@ -451,7 +476,9 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     ln_bytes = received.data(4);
   }
   *answered = true;
-  if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
+  if (training && !resp.context_id().empty()) {
+    shapes_.NoteContext(resp.context_id(), module_id, input.numel());
+  }
   auto output = FromWire(resp.output(), output_bytes);
   if (!output.ok()) return output.status();
   ForwardResult result{
@@ -472,6 +499,7 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   req.set_retain(options.retain);
   req.set_skip_grad_input(options.skip_grad_input);
   req.set_grad_input_dtype(ToProto(options_.wire_dtype));
+  const std::string module_id = ModuleOfContext(context_id);  // its route
   const int64_t grad_input_elements = shapes_.TakeContext(context_id, options.retain);
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       (grad_input_elements >= 0 || options.skip_grad_input)) {
@@ -479,11 +507,11 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
     const int64_t elements =
         grad_output.numel() + grad_input +
         (options.grad_layernorm_output ? options.grad_layernorm_output->numel() : 0);
-    if (elements * wire::ElementSize(options_.wire_dtype) >=
-        int64_t(options_.shared_memory_min_kib) << 10) {
+    if (elements * wire::ElementSize(options_.wire_dtype) >= int64_t(options_.shared_memory_min_kib)
+                                                                 << 10) {
       const HostTensor* gln =
           options.grad_layernorm_output ? &*options.grad_layernorm_output : nullptr;
-      if (auto shared = BackwardShared(req, grad_output, gln, grad_input)) {
+      if (auto shared = BackwardShared(module_id, req, grad_output, gln, grad_input)) {
         return *std::move(shared);
       }
     }
@@ -495,22 +523,21 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   }
   const int64_t request_bytes =
       int64_t(req.grad_output().data().size() + req.grad_layernorm_output().data().size());
-  const int64_t response_bytes =
-      options.skip_grad_input ? 0
-      : grad_input_elements < 0
-          ? -1
-          : grad_input_elements * wire::ElementSize(options_.wire_dtype);
+  const int64_t response_bytes = options.skip_grad_input ? 0
+                                 : grad_input_elements < 0
+                                     ? -1
+                                     : grad_input_elements * wire::ElementSize(options_.wire_dtype);
   v1::BackwardResponse resp;
   wire::ReceivedMessage received;
   if (UseChunked(request_bytes, response_bytes)) {
-    auto chunked = BackwardChunked(req);
+    auto chunked = BackwardChunked(req, module_id);
     if (!chunked.ok()) return chunked.status();
     resp = *std::move(chunked);
     if (!resp.has_grad_input()) return HostTensor{};
     return FromWire(resp.grad_input());
   }
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "Backward");
+  PrepareContext(&ctx, "Backward", module_id);
   if (auto s = ZeroCopyUnary(channel_.get(), "Backward", &ctx, &req, wire::kBackwardRequestTensors,
                              &received, &resp, wire::kBackwardResponseTensors);
       !s.ok()) {
@@ -520,10 +547,11 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   return FromWire(resp.grad_input(), received.data(1));
 }
 
-std::unique_ptr<TrainStream> Client::OpenTrainStream() {
+std::unique_ptr<TrainStream> Client::OpenTrainStream(const std::string& route) {
   std::unique_ptr<TrainStream> t(new TrainStream());
   t->wire_dtype_ = options_.wire_dtype;
   if (!options_.token.empty()) t->ctx_.AddMetadata("authorization", "Bearer " + options_.token);
+  if (RoutableValue(route)) t->ctx_.AddMetadata(kRouteHeader, route);
   // One request id for the stream: the server logs each of its messages under it.
   const std::string traceparent = NewTraceparent(options_.trace_id);
   t->ctx_.AddMetadata("traceparent", traceparent);
@@ -534,7 +562,7 @@ std::unique_ptr<TrainStream> Client::OpenTrainStream() {
 
 absl::Status Client::ReleaseContext(const std::string& context_id) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "ReleaseContext");
+  PrepareContext(&ctx, "ReleaseContext", ModuleOfContext(context_id));
   v1::ReleaseContextRequest req;
   req.set_context_id(context_id);
   (void)shapes_.TakeContext(context_id, /*keep=*/false);
@@ -584,20 +612,20 @@ absl::StatusOr<std::vector<v1::ListSharedMemoryResponse::Region>> Client::ListSh
 
 absl::StatusOr<v1::ForwardResponse> Client::ForwardRaw(const v1::ForwardRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "Forward");
+  PrepareContext(&ctx, "Forward", req.module_id());
   v1::ForwardResponse resp;
   if (auto s = FromGrpc("Forward", stub_->Forward(&ctx, req, &resp)); !s.ok()) return s;
   if (!resp.context_id().empty()) {
     int64_t elements = 1;
     for (int64_t d : req.input().shape()) elements *= d;
-    shapes_.NoteContext(resp.context_id(), elements);
+    shapes_.NoteContext(resp.context_id(), req.module_id(), elements);
   }
   return resp;
 }
 
 absl::StatusOr<v1::BackwardResponse> Client::BackwardRaw(const v1::BackwardRequest& req) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "Backward");
+  PrepareContext(&ctx, "Backward", ModuleOfContext(req.context_id()));
   v1::BackwardResponse resp;
   if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
   (void)shapes_.TakeContext(req.context_id(), /*keep=*/req.retain());
@@ -606,7 +634,7 @@ absl::StatusOr<v1::BackwardResponse> Client::BackwardRaw(const v1::BackwardReque
 
 absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, float learning_rate) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "ApplyGradients");
+  PrepareContext(&ctx, "ApplyGradients", module_id);
   v1::ApplyGradientsRequest req;
   req.set_module_id(module_id);
   req.set_learning_rate(learning_rate);
@@ -619,7 +647,7 @@ absl::StatusOr<uint64_t> Client::ApplyGradients(const std::string& module_id, fl
 
 absl::StatusOr<NamedTensors> Client::GetGradients(const std::string& module_id, bool zero) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, "GetGradients");
+  PrepareContext(&ctx, "GetGradients", module_id);
   v1::GetGradientsRequest req;
   req.set_module_id(module_id);
   req.set_zero(zero);
@@ -654,7 +682,7 @@ absl::StatusOr<NamedTensors> Client::GetWeights(const std::string& module_id) {
     resp = *std::move(chunked);
   } else {
     grpc::ClientContext ctx;
-    PrepareContext(&ctx, "GetWeights");
+    PrepareContext(&ctx, "GetWeights", module_id);
     if (auto s = FromGrpc("GetWeights", stub_->GetWeights(&ctx, req, &resp)); !s.ok()) return s;
   }
   auto out = FromWireNamed(resp.parameters());
@@ -684,7 +712,7 @@ absl::StatusOr<uint64_t> Client::SetWeights(
     resp = *std::move(chunked);
   } else {
     grpc::ClientContext ctx;
-    PrepareContext(&ctx, "SetWeights");
+    PrepareContext(&ctx, "SetWeights", module_id);
     if (auto s = FromGrpc("SetWeights", stub_->SetWeights(&ctx, req, &resp)); !s.ok()) return s;
   }
   return resp.weight_version();
@@ -721,13 +749,15 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
   }
   v1::ForwardResponse resp;
   const std::optional<absl::Status> s =
-      CallInRegion(*this, lease, "Forward",
+      CallInRegion(*this, lease, "Forward", module_id,
                    [&](grpc::ClientContext* ctx) { return stub_->Forward(ctx, req, &resp); });
   if (!s) return std::nullopt;
   if (!s->ok()) return absl::StatusOr<ForwardResult>(*s);
   *answered = true;
   ++shared_memory_calls_;
-  if (training && !resp.context_id().empty()) shapes_.NoteContext(resp.context_id(), input.numel());
+  if (training && !resp.context_id().empty()) {
+    shapes_.NoteContext(resp.context_id(), module_id, input.numel());
+  }
   auto output = ReadShared(region, resp.output());
   if (!output.ok()) return absl::StatusOr<ForwardResult>(output.status());
   ForwardResult result{
@@ -741,7 +771,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
 }
 
 std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
-    const v1::BackwardRequest& header, const HostTensor& grad_output,
+    const std::string& route, const v1::BackwardRequest& header, const HostTensor& grad_output,
     const HostTensor* grad_layernorm_output, int64_t grad_input_elements) {
   const uint64_t element = uint64_t(wire::ElementSize(options_.wire_dtype));
   const uint64_t go = uint64_t(grad_output.numel()) * element,
@@ -767,7 +797,7 @@ std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
   }
   v1::BackwardResponse resp;
   const std::optional<absl::Status> s =
-      CallInRegion(*this, lease, "Backward",
+      CallInRegion(*this, lease, "Backward", route,
                    [&](grpc::ClientContext* ctx) { return stub_->Backward(ctx, req, &resp); });
   if (!s) return std::nullopt;
   if (!s->ok()) return absl::StatusOr<HostTensor>(*s);
@@ -791,32 +821,34 @@ bool Client::UseChunked(int64_t request_bytes, int64_t response_bytes) const {
 
 std::optional<ModuleShape> Client::Shape(const std::string& module_id) {
   if (std::optional<ModuleShape> known = shapes_.Find(module_id)) return known;
-  (void)ListModules();  // fills the cache; a failure only means the size stays unknown
+  // Fills the cache, asking the module's server; a failure only means the size stays unknown.
+  (void)ListModules(module_id);
   return shapes_.Find(module_id);
 }
 
-void Client::StartChunked(grpc::ClientContext* ctx, const char* method) {
-  PrepareContext(ctx, method);
+void Client::StartChunked(grpc::ClientContext* ctx, const char* method, const std::string& route) {
+  PrepareContext(ctx, method, route);
   ++chunked_calls_;
 }
 
 absl::StatusOr<v1::ForwardResponse> Client::ForwardChunked(v1::ForwardRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx, "ForwardChunked");
+  StartChunked(&ctx, "ForwardChunked", req.module_id());
   return ZeroCopyChunked<v1::ForwardRequestPart, v1::ForwardResponsePart, v1::ForwardResponse>(
       channel_.get(), "ForwardChunked", ctx, req, int64_t(options_.chunk_kib) << 10);
 }
 
-absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest& req) {
+absl::StatusOr<v1::BackwardResponse> Client::BackwardChunked(v1::BackwardRequest& req,
+                                                             const std::string& route) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx, "BackwardChunked");
+  StartChunked(&ctx, "BackwardChunked", route);
   return ZeroCopyChunked<v1::BackwardRequestPart, v1::BackwardResponsePart, v1::BackwardResponse>(
       channel_.get(), "BackwardChunked", ctx, req, int64_t(options_.chunk_kib) << 10);
 }
 
 absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWeightsRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx, "GetWeightsChunked");
+  StartChunked(&ctx, "GetWeightsChunked", req.module_id());
   auto stream = stub_->GetWeightsChunked(&ctx, req);
   return ReadToEnd<v1::GetWeightsResponsePart, v1::GetWeightsResponse>("GetWeightsChunked", ctx,
                                                                        stream.get());
@@ -824,7 +856,7 @@ absl::StatusOr<v1::GetWeightsResponse> Client::GetWeightsChunked(const v1::GetWe
 
 absl::StatusOr<v1::SetWeightsResponse> Client::SetWeightsChunked(v1::SetWeightsRequest& req) {
   grpc::ClientContext ctx;
-  StartChunked(&ctx, "SetWeightsChunked");
+  StartChunked(&ctx, "SetWeightsChunked", req.module_id());
   v1::SetWeightsResponse resp;
   auto stream = stub_->SetWeightsChunked(&ctx, &resp);
   if (WriteChunked<v1::SetWeightsRequestPart>(stream.get(), req,

@@ -23,10 +23,11 @@ std::optional<ModuleShape> ShapeCache::Find(const std::string& module_id) const 
   return std::nullopt;
 }
 
-void ShapeCache::NoteContext(const std::string& context_id, int64_t grad_input_elements) {
+void ShapeCache::NoteContext(const std::string& context_id, const std::string& module_id,
+                             int64_t grad_input_elements) {
   constexpr size_t kMaxRemembered = 1 << 16;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!contexts_.emplace(context_id, grad_input_elements).second) return;
+  if (!contexts_.emplace(context_id, NotedContext{module_id, grad_input_elements}).second) return;
   context_order_.push_back(context_id);
   while (context_order_.size() > kMaxRemembered) {
     contexts_.erase(context_order_.front());
@@ -38,9 +39,15 @@ int64_t ShapeCache::TakeContext(const std::string& context_id, bool keep) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = contexts_.find(context_id);
   if (it == contexts_.end()) return -1;
-  const int64_t elements = it->second;
+  const int64_t elements = it->second.elements;
   if (!keep) contexts_.erase(it);  // context_order_ keeps the id until it ages out: harmless
   return elements;
+}
+
+std::string ShapeCache::ModuleOfContext(const std::string& context_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = contexts_.find(context_id);
+  return it == contexts_.end() ? std::string() : it->second.module_id;
 }
 
 }  // namespace gradwire::client

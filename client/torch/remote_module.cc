@@ -151,7 +151,8 @@ RemoteModuleImpl::RemoteModuleImpl(std::shared_ptr<client::Client> client, std::
   TORCH_CHECK(client_ != nullptr, "gradwire: RemoteModule needs a client");
   // The service has no single-module lookup; listing is cheap and checks the id up front rather
   // than at the first forward.
-  const std::vector<v1::ModuleInfo> modules = ValueOrThrow(client_->ListModules(), "ListModules");
+  const std::vector<v1::ModuleInfo> modules =
+      ValueOrThrow(client_->ListModules(module_id_), "ListModules");
   bool found = false;
   for (const v1::ModuleInfo& m : modules) {
     if (m.module_id() == module_id_) {

@@ -22,8 +22,9 @@ ModuleHost::ModuleHost(ContextLimits limits, ContextStore::Clock clock, BackendP
 
 ModuleHost::~ModuleHost() = default;
 
-absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std::string& tenant) {
-  return modules_->Create(spec, tenant);
+absl::StatusOr<ModuleInfo> ModuleHost::Create(const ModuleSpec& spec, const std::string& tenant,
+                                              const std::string& id) {
+  return modules_->Create(spec, tenant, id);
 }
 absl::StatusOr<ModuleInfo> ModuleHost::Info(const std::string& module_id) const {
   return modules_->Info(module_id);

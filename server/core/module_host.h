@@ -53,7 +53,9 @@ class ModuleHost {
   // Validates `spec` and initialises the parameters from spec.seed: weights and biases uniform in
   // [-1/sqrt(fan_in), 1/sqrt(fan_in)), LayerNorm gamma 1 (0 when zero-centered) and beta 0.
   // The module belongs to `tenant`, and so does every context its forwards create.
-  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant = {});
+  // `id`: the module's id (ALREADY_EXISTS when taken); empty, a fresh random one.
+  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant = {},
+                                    const std::string& id = {});
   absl::StatusOr<ModuleInfo> Info(const std::string& module_id) const;
   // The module's spec (fixed at creation), without Info's context count.
   absl::StatusOr<ModuleSpec> Spec(const std::string& module_id) const;

@@ -15,15 +15,22 @@ int64_t ModuleRegistry::NowNs() const {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
 }
 
-absl::StatusOr<ModuleInfo> ModuleRegistry::Create(const ModuleSpec& spec,
-                                                  const std::string& tenant) {
+absl::StatusOr<ModuleInfo> ModuleRegistry::Create(const ModuleSpec& spec, const std::string& tenant,
+                                                  const std::string& proposed) {
+  auto taken = [&proposed] {
+    return absl::AlreadyExistsError(
+        absl::StrCat("module_id ", proposed, " is taken: propose another (a fresh random one)"));
+  };
+  if (!proposed.empty()) {  // before the parameters are allocated; checked again below
+    std::lock_guard<std::mutex> lock(mu_);
+    if (modules_.count(proposed)) return taken();
+  }
   GW_ASSIGN_OR_RETURN(ModulePtr m, NewModule(spec, backend_));
   m->tenant = tenant;
   std::lock_guard<std::mutex> lock(mu_);
-  std::string id;
-  do {
-    id = RandomId128();
-  } while (modules_.count(id));
+  std::string id = proposed;
+  if (!id.empty() && modules_.count(id)) return taken();
+  while (id.empty() || modules_.count(id)) id = RandomId128();
   m->last_used_ns.store(NowNs(), std::memory_order_relaxed);
   modules_.emplace(id, m);
   std::lock_guard<std::mutex> module_lock(m->mu);

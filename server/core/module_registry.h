@@ -29,8 +29,10 @@ class ModuleRegistry {
   ModuleRegistry(const Backend& backend, ContextStore& contexts, ContextStore::Clock clock);
 
   // A new module of `spec` (validated, parameters initialised from its seed) owned by `tenant`,
-  // under a fresh random id.
-  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant);
+  // under `id` (ALREADY_EXISTS when a module has it), or under a fresh random id when `id` is
+  // empty. The caller has checked the id's form.
+  absl::StatusOr<ModuleInfo> Create(const ModuleSpec& spec, const std::string& tenant,
+                                    const std::string& id = {});
   // Registers a module built elsewhere (a checkpoint's) under `id`; ALREADY_EXISTS when taken.
   absl::Status Insert(const std::string& id, std::shared_ptr<Module> module);
   // The module, renewed (its lifetime starts again); NOT_FOUND naming the id.

@@ -7,9 +7,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/status_macros.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
-#include "server/common/status_macros.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/boundary.h"
 
@@ -41,11 +41,14 @@ CallEnv::~CallEnv() { control_.reset(); }
 absl::StatusOr<Caller> CallEnv::Authenticate(const grpc::CallbackServerContext* ctx) const {
   Caller caller;
   caller.peer = ctx->peer();
+  const auto& metadata = ctx->client_metadata();
+  if (auto route = metadata.find(kRouteHeader); route != metadata.end()) {
+    caller.route.assign(route->second.data(), route->second.size());
+  }
   if (options_.authenticator == nullptr) {
     caller.client = "peer " + PeerHost(ctx->peer());
     return caller;
   }
-  const auto& metadata = ctx->client_metadata();
   auto it = metadata.find("authorization");
   const std::string_view header = it == metadata.end()
                                       ? std::string_view()
@@ -56,14 +59,30 @@ absl::StatusOr<Caller> CallEnv::Authenticate(const grpc::CallbackServerContext* 
   return caller;
 }
 
+absl::Status CallEnv::CheckRoute(const Caller& caller, absl::string_view module_id) {
+  if (caller.route.empty() || caller.route == module_id) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the ", kRouteHeader, " header names module \"", Escaped(caller.route),
+      "\" but this call is about module \"", Escaped(module_id),
+      "\": a call routed by another module's id is refused (a proxy sends each module's calls "
+      "to the server that holds it by this header; docs/scaling-out.md)"));
+}
+
 absl::Status CallEnv::CheckModule(const Caller& caller, const std::string& module_id) const {
   GW_RETURN_IF_ERROR(CheckId("module_id", module_id));
+  GW_RETURN_IF_ERROR(CheckRoute(caller, module_id));
   return caller.isolated ? host_.CheckTenant(module_id, caller.tenant) : absl::OkStatus();
 }
 
 absl::Status CallEnv::CheckContext(const Caller& caller, const std::string& context_id) const {
   GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
-  return caller.isolated ? host_.CheckContextTenant(context_id, caller.tenant) : absl::OkStatus();
+  GW_RETURN_IF_ERROR(caller.isolated ? host_.CheckContextTenant(context_id, caller.tenant)
+                                     : absl::OkStatus());
+  if (caller.route.empty()) return absl::OkStatus();
+  // An unknown context fails later with NOT_FOUND, as without a header.
+  const std::string module_id =
+      host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
+  return module_id.empty() ? absl::OkStatus() : CheckRoute(caller, module_id);
 }
 
 absl::Status CallEnv::Admit(const Caller& caller, const std::string& module_id,
@@ -79,6 +98,7 @@ absl::Status CallEnv::Admit(const Caller& caller, const std::string& module_id,
   } else if (!context_id.empty()) {
     GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
     module_key = host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
+    if (!module_key.empty()) GW_RETURN_IF_ERROR(CheckRoute(caller, module_key));
   }
   if (admission == nullptr) return absl::OkStatus();
   return quotas_.Admit(caller.client, std::move(module_key), admission);

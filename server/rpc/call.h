@@ -40,6 +40,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "server/core/context_store.h"
 #include "server/rpc/options.h"
 #include "server/rpc/quota_book.h"
@@ -62,7 +63,14 @@ struct Caller {
   // (without its port, so reconnecting does not make a new client).
   std::string client;
   std::string peer;  // gRPC's peer string: "ipv4:127.0.0.1:51234", "unix:..."
+  // The call's "gradwire-route" header (kRouteHeader), "" without one: the module a proxy in
+  // front of several servers routed it by (docs/scaling-out.md). A call about another module is
+  // refused (CheckRoute).
+  std::string route;
 };
+
+// The metadata header a client names a call's module in, for proxies that route on it.
+inline constexpr char kRouteHeader[] = "gradwire-route";
 
 // What a call needs of the service, and all it sees of it. The service owns one and hands it to
 // every call it starts.
@@ -88,8 +96,14 @@ class CallEnv {
   absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
   // INVALID_ARGUMENT for a malformed id; NOT_FOUND (as for an unknown id) when the caller's tenant
   // does not own it.
+  // Both also refuse a call whose route header names another module (CheckRoute); a context's
+  // module is the one its forward ran.
   absl::Status CheckModule(const Caller& caller, const std::string& module_id) const;
   absl::Status CheckContext(const Caller& caller, const std::string& context_id) const;
+  // INVALID_ARGUMENT when the call has a route header and it is not `module_id`: a proxy routed
+  // the call by another module than the one it is about, and serving it here would hide the
+  // routing fault (the module's calls would be split over servers). Without a header, OK.
+  static absl::Status CheckRoute(const Caller& caller, absl::string_view module_id);
   // Step 2: ownership, then the queue bounds. A call naming a module must name one the caller may
   // see (NOT_FOUND otherwise, before anything is counted); a call naming a context counts for
   // that context's module only when the caller may see the context. Every call counts for its

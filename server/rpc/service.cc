@@ -102,12 +102,21 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
       [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
         if (!req->has_spec()) return absl::InvalidArgumentError("spec is required");
         GW_RETURN_IF_ERROR(CheckName("spec.name", req->spec().name()));
+        // A routed create names its module before it exists: the id it proposes.
+        GW_RETURN_IF_ERROR(CheckOptionalId("module_id", req->module_id()));
+        if (!caller.route.empty() && req->module_id().empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "a CreateModule with a ", kRouteHeader,
+              " header must propose its module_id (the same id): the module must live where its "
+              "id routes"));
+        }
+        GW_RETURN_IF_ERROR(CallEnv::CheckRoute(caller, req->module_id()));
         GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
         GW_RETURN_IF_ERROR(core::ValidateModuleSpec(spec));
         // The parameter quota is reserved before anything is allocated, and returned on failure.
         const int64_t bytes = core::ParameterCount(spec) * int64_t(sizeof(float));
         GW_RETURN_IF_ERROR(quotas_.ReserveParameters(caller.client, bytes));
-        absl::StatusOr<core::ModuleInfo> info = host_.Create(spec, caller.tenant);
+        absl::StatusOr<core::ModuleInfo> info = host_.Create(spec, caller.tenant, req->module_id());
         if (!info.ok()) {
           quotas_.ReturnParameters(caller.client, bytes);
           return info.status();
@@ -168,6 +177,7 @@ GradwireService::Unary* GradwireService::KeepAlive(Ctx* ctx, const v1::KeepAlive
         }
         for (const std::string& id : req->module_ids()) {
           GW_RETURN_IF_ERROR(CheckId("module_ids", id));
+          GW_RETURN_IF_ERROR(CallEnv::CheckRoute(caller, id));
         }
         for (const std::string& id : req->module_ids()) {
           if (!env_.CheckModule(caller, id).ok() || !host_.Touch(id).ok()) {

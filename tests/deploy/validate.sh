@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks deploy/: yamllint (strict) on every YAML file; `kubectl kustomize` builds the base and
 # each overlay (with throwaway Secret files) into the objects an operator expects; the ConfigMap's
-# server.toml is a configuration the real server accepts; the compose file is valid.
+# server.toml is a configuration the real server accepts; the compose files are valid.
+# (tests/deploy/haproxy_check.sh checks the HAProxy configurations themselves.)
 #   usage: validate.sh PATH/gradwire-server
 set -euo pipefail
 server_bin=$1
@@ -20,7 +21,7 @@ check "yamllint --strict on ${#yamls[@]} files" \
 cp -r "$root/deploy/k8s" "$tmp/k8s"
 for f in tls.crt tls.key ca.crt tokens.txt; do echo "placeholder" >"$tmp/k8s/overlays/example/$f"; done
 build() { "$kubectl" kustomize "$tmp/k8s/$1" 2>"$tmp/kustomize.err"; }
-for overlay in base overlays/example overlays/cpu overlays/monitoring; do
+for overlay in base overlays/example overlays/cpu overlays/monitoring overlays/haproxy; do
   check "kustomize builds $overlay" bash -c "$(declare -f build); tmp='$tmp' kubectl='$kubectl'; build $overlay >'$tmp/${overlay//\//_}.yaml'"
 done
 out="$tmp/overlays_example.yaml"
@@ -61,6 +62,51 @@ for d in docs:
     if d["kind"] != "Namespace":
         assert d["metadata"].get("namespace") == "gradwire", d["metadata"]
 PY
+hap="$tmp/overlays_haproxy.yaml"
+check "haproxy: the example plus a Deployment, its Service and PodDisruptionBudget" \
+  bash -c "grep -q '^kind: StatefulSet$' '$hap' && grep -q '^kind: Deployment$' '$hap' && grep -q '^  name: gradwire-proxy$' '$hap'"
+check "haproxy: the proxy's objects fit the example's" /usr/bin/python3 - "$hap" "$root/deploy/k8s/overlays/haproxy/haproxy.cfg" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+def one(kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, (kind, name, len(found))
+    return found[0]
+matches = lambda selector, labels: all(labels.get(k) == v for k, v in selector.items())
+dep = one("Deployment")
+pods = dep["spec"]["template"]["metadata"]["labels"]
+spec = dep["spec"]["template"]["spec"]
+# The proxy Service selects the HAProxy pods; the servers' headless Service does not.
+assert matches(one("Service", "gradwire-proxy")["spec"]["selector"], pods), pods
+assert not matches(one("Service", "gradwire")["spec"]["selector"], pods), pods
+assert any(matches(d["spec"]["selector"]["matchLabels"], pods)
+           for d in docs if d["kind"] == "PodDisruptionBudget")
+# It mounts the generated ConfigMap and Secret by their hashed names, and the ConfigMap holds
+# haproxy.cfg as written.
+volumes = {v["name"]: v for v in spec["volumes"]}
+cm = one("ConfigMap", volumes["config"]["configMap"]["name"])
+assert cm["metadata"]["name"].startswith("gradwire-haproxy-config-"), cm["metadata"]["name"]
+assert cm["data"]["haproxy.cfg"] == open(sys.argv[2]).read()
+secret = one("Secret", volumes["tls"]["secret"]["secretName"])
+items = {i["key"]: i["path"] for i in volumes["tls"]["secret"]["items"]}
+assert items == {"tls.crt": "tls.crt", "tls.key": "tls.crt.key", "ca.crt": "ca.crt"}, items
+assert all(k in secret["data"] for k in items), secret["data"].keys()
+container = spec["containers"][0]
+assert container["args"][-1] == "/etc/gradwire/haproxy/haproxy.cfg", container["args"]
+assert any(e["name"] == "POD_NAMESPACE" for e in container["env"])
+# The config names the servers by the StatefulSet's headless Service.
+sts = one("StatefulSet")
+cfg = cm["data"]["haproxy.cfg"]
+assert "." + sts["spec"]["serviceName"] + ".${POD_NAMESPACE}.svc." in cfg
+assert sts["metadata"]["name"] + "-0." in cfg
+# The servers keep their checkpoints on their own per-pod claims, as in the base: no claim is
+# shared between servers (they do not share a checkpoint directory; docs/scaling-out.md).
+assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"], "a shared claim"
+assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["data"]
+for d in docs:
+    if d["kind"] != "Namespace":
+        assert d["metadata"].get("namespace") == "gradwire", d["metadata"]
+PY
 
 # The ConfigMap's configuration is one the server accepts (secret paths pointed at real files).
 sed -e "s#/etc/gradwire/secret/#$tmp/k8s/overlays/example/#" "$root/deploy/k8s/base/server.toml" >"$tmp/server.toml"
@@ -73,6 +119,7 @@ check "server.toml: TLS and tokens on" \
 
 if command -v docker-compose >/dev/null; then
   check "compose file is valid" docker-compose -f "$root/deploy/compose.yaml" config -q
+  check "haproxy compose file is valid" docker-compose -f "$root/deploy/haproxy/compose.yaml" config -q
 else
   echo "skip compose file check: docker-compose not installed"
 fi

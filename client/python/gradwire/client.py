@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 ForwardResult = Tuple[torch.Tensor, str, Optional[torch.Tensor]]
 
 log = logging.getLogger("gradwire")
+
+# The metadata header naming the module a call is about: a proxy in front of several servers
+# routes each module's calls to one of them by it (docs/scaling-out.md). The client sends it on
+# every call about a module; the server refuses a call about another module than it names.
+ROUTE_HEADER = "gradwire-route"
 log.addHandler(logging.NullHandler())  # a library leaves the handlers to the application
 
 _SERVICE = service_pb2.DESCRIPTOR.services_by_name["Gradwire"]
@@ -211,19 +216,21 @@ def _keep_alive(ref: "weakref.ref", stop: threading.Event) -> None:
             return
         with c._keeper_lock:
             ids = sorted(c._held)
-        if not ids:
-            continue
-        try:
-            resp = c._stub.KeepAlive(service_pb2.KeepAliveRequest(module_ids=ids),
-                                     timeout=min(period, c.timeout), metadata=c._metadata()[0])
-        except grpc.RpcError as e:
-            log.debug("KeepAlive to %s: %s", c.server, e.code())
-            continue
-        finally:
-            c.keep_alive_calls += 1
-        for gone in resp.unknown:
-            log.warning("module %s is no longer on %s", gone, c.server)
-            c.release(gone)
+        # One call per module, routed by its id: behind a proxy the modules may live on
+        # different servers.
+        for module_id in ids:
+            try:
+                resp = c._stub.KeepAlive(service_pb2.KeepAliveRequest(module_ids=[module_id]),
+                                         timeout=min(period, c.timeout),
+                                         metadata=c._metadata(module_id)[0])
+            except grpc.RpcError as e:
+                log.debug("KeepAlive of %s to %s: %s", module_id, c.server, e.code())
+                continue
+            finally:
+                c.keep_alive_calls += 1
+            for gone in resp.unknown:
+                log.warning("module %s is no longer on %s", gone, c.server)
+                c.release(gone)
 
 
 class Client:
@@ -327,7 +334,8 @@ class Client:
         # a request's bytes, and answer a Received for responses that carry tensors.
         self._raw_calls: Dict[str, object] = {}
         self._instance_id: Optional[str] = None  # the server process forwards ran on
-        self._train: Optional["TrainStream"] = None
+        # Train streams by route (None: the unrouted one), opened on first use.
+        self._trains: Dict[Optional[str], "TrainStream"] = {}
         self._train_lock = threading.Lock()
         # The latest weight version the server reported per module (forward responses,
         # ApplyGradients, Get/SetWeights): how a module knows its local mirror is stale.
@@ -421,9 +429,10 @@ class Client:
             if module is not None:
                 module._deleted = True
         with self._train_lock:
-            if self._train is not None:
-                self._train.close(wait=max(0.0, deadline - time.monotonic()))
-                self._train = None
+            streams = list(self._trains.values())
+            self._trains.clear()
+        for stream in streams:
+            stream.close(wait=max(0.0, deadline - time.monotonic()))
         self._shm.close(unregister=time.monotonic() < deadline)
         with self._release_lock:
             releases = list(self._releases)
@@ -502,12 +511,13 @@ class Client:
             self._raw_calls[method] = call
         return call
 
-    def _call(self, method: str, request, about: str = "", raw: bool = False):
+    def _call(self, method: str, request, about: str = "", raw: bool = False,
+              route: Optional[str] = None):
         """Calls a unary method. ``raw``: through ``_raw`` (``request`` a message, an
         ``Outgoing``, or its encoding; a response that carries tensors comes back as a
-        Received)."""
+        Received). ``route``: the module the call is about (its ``gradwire-route`` header)."""
         self._check_open(method)
-        metadata, traceparent = self._metadata()
+        metadata, traceparent = self._metadata(route)
         start = time.perf_counter()
         try:
             if raw:
@@ -525,24 +535,32 @@ class Client:
                   1e3 * (time.perf_counter() - start), traceparent)
         return response
 
-    def _metadata(self) -> Tuple[Tuple[Tuple[str, str], ...], str]:
-        """The metadata of one call (the token, a fresh ``traceparent``) and its traceparent."""
+    def _metadata(self, route: Optional[str] = None
+                  ) -> Tuple[Tuple[Tuple[str, str], ...], str]:
+        """The metadata of one call (the token, a fresh ``traceparent``, and with ``route`` the
+        ``gradwire-route`` header naming the module the call is about) and its traceparent."""
         traceparent = new_traceparent(self.trace_id)
-        return self._auth + (("traceparent", traceparent),), traceparent
+        metadata = self._auth + (("traceparent", traceparent),)
+        # Only what a header can carry (printable ASCII): an id a caller passed in may be
+        # anything; such a call goes without the header and the server names what is wrong.
+        if route and len(route) <= 256 and route.isprintable() and route.isascii():
+            metadata += ((ROUTE_HEADER, route),)
+        return metadata, traceparent
 
     def _use_chunked(self, request_bytes: int, response_bytes: int = 0) -> bool:
         if self.chunking != "auto":
             return self.chunking == "always"
         return request_bytes > self.chunk_bytes or response_bytes > self.chunk_bytes
 
-    def _chunked(self, method: str, request: Outgoing, part_type, response_type=None):
+    def _chunked(self, method: str, request: Outgoing, part_type, response_type=None,
+                 route: Optional[str] = None):
         """Calls a chunked method: ``request``'s message as the header (its tensors' data
         empty), then its tensors' bytes in chunks, each chunk's message written around a slice
         of the tensor's memory; returns the reassembled response as a Received (or the single
         response of SetWeightsChunked)."""
         self._check_open(method)
         self.chunked_calls += 1
-        metadata, traceparent = self._metadata()
+        metadata, traceparent = self._metadata(route)
         start = time.perf_counter()
         try:
             result = self._raw(method)(chunked_parts(request, part_type, self.chunk_bytes),
@@ -559,7 +577,7 @@ class Client:
     def _spec(self, module_id: str) -> Optional[module_pb2.ModuleSpec]:
         if module_id not in self._modules:
             try:
-                self.list_modules()
+                self.module_info(module_id)  # asks the module's server (routed by its id)
             except GradwireError:
                 pass
         return self._modules.get(module_id)
@@ -581,8 +599,11 @@ class Client:
     def create_module(self, spec: module_pb2.ModuleSpec) -> module_pb2.ModuleInfo:
         """Creates a module from ``spec`` (the raw call: the module is not owned, so nothing
         deletes it but ``delete_module``; ``RemoteModule`` and its kinds own what they create)."""
-        info = self._call("CreateModule", service_pb2.CreateModuleRequest(spec=spec),
-                          module_pb2.ModuleKind.Name(spec.kind)).module
+        # The id is chosen here, so that the call is routed as every later one about the module.
+        module_id = secrets.token_hex(16)
+        info = self._call("CreateModule",
+                          service_pb2.CreateModuleRequest(spec=spec, module_id=module_id),
+                          module_pb2.ModuleKind.Name(spec.kind), route=module_id).module
         self._modules[info.module_id] = info.spec
         self._seen(info.module_id, info.weight_version)
         self.hold(info.module_id)
@@ -620,8 +641,13 @@ class Client:
         return modules
 
     def module_info(self, module_id: str) -> module_pb2.ModuleInfo:
-        """ListModules' entry for ``module_id``; NOT_FOUND when the server has no such module."""
-        for m in self.list_modules():
+        """ListModules' entry for ``module_id``; NOT_FOUND when the server has no such module.
+        The ListModules is routed by ``module_id``: behind a proxy it asks the module's server."""
+        modules = list(self._call("ListModules", service_pb2.ListModulesRequest(),
+                                  route=module_id).modules)
+        for m in modules:
+            self._modules[m.module_id] = m.spec
+        for m in modules:
             if m.module_id == module_id:
                 return m
         raise GradwireError("ListModules", "NOT_FOUND", f"module_id {module_id} is not on "
@@ -631,7 +657,7 @@ class Client:
         """Deletes the module and everything it holds on the server (weights, gradients,
         optimizer state, its contexts)."""
         self._call("DeleteModule", service_pb2.DeleteModuleRequest(module_id=module_id),
-                   module_id)
+                   module_id, route=module_id)
         self._modules.pop(module_id, None)
         self.weight_versions.pop(module_id, None)
         self._disown(module_id)
@@ -717,15 +743,15 @@ class Client:
             return self._forward_named(module_id, x, True, dtype, context_id, answered)
         except BaseException as e:
             if answered or _may_have_run(e):
-                self._release_in_background(context_id)
+                self._release_in_background(context_id, module_id)
             raise
 
-    def _release_in_background(self, context_id: str) -> None:
-        """One ReleaseContext of ``context_id`` with a short deadline, not waited for (close
-        waits for those still in flight, within its own deadline)."""
+    def _release_in_background(self, context_id: str, module_id: str) -> None:
+        """One ReleaseContext of ``context_id`` (of ``module_id``) with a short deadline, not
+        waited for (close waits for those still in flight, within its own deadline)."""
         if self._closed:
             return
-        metadata, _ = self._metadata()
+        metadata, _ = self._metadata(module_id)
         try:
             future = self._stub.ReleaseContext.future(
                 service_pb2.ReleaseContextRequest(context_id=context_id),
@@ -764,9 +790,9 @@ class Client:
                 out_bytes = rows * width * size
         if self._use_chunked(sent, out_bytes):
             resp = self._chunked("ForwardChunked", req, service_pb2.ForwardRequestPart,
-                                 service_pb2.ForwardResponse)
+                                 service_pb2.ForwardResponse, route=module_id)
         else:
-            resp = self._call("Forward", req, module_id, raw=True)
+            resp = self._call("Forward", req, module_id, raw=True, route=module_id)
         answered.append(True)
         self._seen(module_id, resp.message.weight_version)
         result = self.forward_result(resp)
@@ -820,9 +846,9 @@ class Client:
         try:
             if self._use_chunked(sent, 0 if skip_grad_input else sent):
                 resp = self._chunked("BackwardChunked", req, service_pb2.BackwardRequestPart,
-                                     service_pb2.BackwardResponse)
+                                     service_pb2.BackwardResponse, route=module_id)
             else:
-                resp = self._call("Backward", req, context_id, raw=True)
+                resp = self._call("Backward", req, context_id, raw=True, route=module_id)
         except GradwireError as e:
             raise self.lost_context(e) from None
         return _decode(resp, "grad_input") if resp.message.HasField("grad_input") else None
@@ -833,12 +859,12 @@ class Client:
     def _aligned(n: int) -> int:
         return (n + 63) & ~63
 
-    def _shared_call(self, method: str, req, about: str, region):
+    def _shared_call(self, method: str, req, about: str, region, route: Optional[str]):
         """A unary call whose tensors lie in ``region``: its response, or None when the server
         no longer has the region (closed after --shared-memory-idle; refused before anything
         was read or run, so the call can go over the wire), which is then dropped."""
         try:
-            resp = self._call(method, req, about)
+            resp = self._call(method, req, about, route=route)
         except GradwireError as e:
             if e.code == "NOT_FOUND" and region.name in e.message:
                 self._shm.drop(region)
@@ -876,7 +902,7 @@ class Client:
             req.output_shared_memory.CopyFrom(region.ref(at_out, out_bytes))
             if ln:
                 req.layernorm_output_shared_memory.CopyFrom(region.ref(at_ln, ln_bytes))
-            resp = self._shared_call("Forward", req, module_id, region)
+            resp = self._shared_call("Forward", req, module_id, region, module_id)
             if resp is None:
                 region = None  # dropped: the wire
                 return None
@@ -924,7 +950,7 @@ class Client:
             if gi_bytes:
                 req.grad_input_shared_memory.CopyFrom(region.ref(at_gi, gi_bytes))
             try:
-                resp = self._shared_call("Backward", req, context_id, region)
+                resp = self._shared_call("Backward", req, context_id, region, module_id)
             except GradwireError as e:
                 raise self.lost_context(e) from None
             if resp is None:
@@ -984,10 +1010,11 @@ class Client:
         if _returns_layernorm(spec):
             req.layernorm_output_shared_memory.CopyFrom(
                 region.ref(at + out_bytes, rows * spec.in_features * size))
-        resp = self._call("Forward", req, module_id)
+        resp = self._call("Forward", req, module_id, route=module_id)
         self._seen(module_id, resp.weight_version)
         ln = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") else None
         self._note_instance(resp.context_id)
+        self._note_context(resp.context_id, module_id)
         return region.read(resp.output), resp.context_id, ln
 
     def backward_shared(self, context_id: str, grad_output: torch.Tensor, region,
@@ -1004,7 +1031,8 @@ class Client:
             at = offset + req.grad_output.shared_memory.byte_size
             req.grad_input_shared_memory.CopyFrom(region.ref(at, region.size - at))
         try:
-            resp = self._call("Backward", req, context_id)
+            resp = self._call("Backward", req, context_id,
+                              route=self._context_modules.get(context_id))
         except GradwireError as e:
             raise self.lost_context(e) from None
         return region.read(resp.grad_input) if resp.HasField("grad_input") else None
@@ -1012,18 +1040,22 @@ class Client:
     def release_context(self, context_id: str) -> None:
         """Drops a training context without a backward."""
         self._call("ReleaseContext", service_pb2.ReleaseContextRequest(context_id=context_id),
-                   context_id)
+                   context_id, route=self._context_modules.pop(context_id, None))
 
-    def train_stream(self) -> "TrainStream":
+    def train_stream(self, route: Optional[str] = None) -> "TrainStream":
         """This client's Train stream (opened on first use, and again after one ended or was
         replaced): forwards and backwards of several micro-batches in flight at once on one
-        call, each request with its own deadline."""
+        call, each request with its own deadline. ``route``: a module id: the stream for that
+        module's requests only (forwards of it, backwards of its contexts), sent with its
+        ``gradwire-route`` header, so that a routing proxy keeps it on the module's server; one
+        is open per module used. None: one stream for any module (a direct connection)."""
         from gradwire.train_stream import TrainStream
         self._check_open("Train")
         with self._train_lock:
-            if self._train is None or self._train.closed:
-                self._train = TrainStream(self)
-            return self._train
+            stream = self._trains.get(route)
+            if stream is None or stream.closed:
+                stream = self._trains[route] = TrainStream(self, route)
+            return stream
 
     # --- optimizer and weights
 
@@ -1032,7 +1064,8 @@ class Client:
         zeroes; ``learning_rate`` > 0 overrides the configured rate for this step. Returns the
         new weight version."""
         version = self._call("ApplyGradients", service_pb2.ApplyGradientsRequest(
-            module_id=module_id, learning_rate=learning_rate), module_id).weight_version
+            module_id=module_id, learning_rate=learning_rate), module_id,
+            route=module_id).weight_version
         self._seen(module_id, version)
         return version
 
@@ -1055,7 +1088,7 @@ class Client:
         if self._use_chunked(0, size):
             self._check_open("GetWeightsChunked")
             self.chunked_calls += 1
-            metadata, traceparent = self._metadata()
+            metadata, traceparent = self._metadata(module_id)
             log.debug("GetWeightsChunked %s (traceparent %s)", module_id, traceparent)
             try:
                 stream = self._raw("GetWeightsChunked")(req.SerializeToString(),
@@ -1064,7 +1097,7 @@ class Client:
             except grpc.RpcError as e:
                 raise self._error("GetWeightsChunked", e, traceparent) from None
         else:
-            resp = self._call("GetWeights", req, module_id, raw=True)
+            resp = self._call("GetWeights", req, module_id, raw=True, route=module_id)
         version = resp.message.weight_version
         self._seen(module_id, version)
         return {p.message.name: _decode(p, "tensor") for p in resp.items("parameters")}, version
@@ -1072,7 +1105,8 @@ class Client:
     def get_weights_message(self, module_id: str, dtype: int) -> service_pb2.GetWeightsResponse:
         """GetWeights as the server encoded it (unary), for callers that want the wire bytes."""
         return self._call("GetWeights", service_pb2.GetWeightsRequest(module_id=module_id,
-                                                                      dtype=dtype), module_id)
+                                                                      dtype=dtype), module_id,
+                          route=module_id)
 
     def get_gradients(self, module_id: str, zero: bool = False,
                       dtype: int = wire.F32) -> Dict[str, torch.Tensor]:
@@ -1080,7 +1114,7 @@ class Client:
         (or zeroing), by parameter name, as float32 CPU tensors; ``zero`` zeroes them after
         reading; ``dtype`` is how they travel."""
         resp = self._call("GetGradients", service_pb2.GetGradientsRequest(
-            module_id=module_id, zero=zero, dtype=dtype), module_id, raw=True)
+            module_id=module_id, zero=zero, dtype=dtype), module_id, raw=True, route=module_id)
         return {p.message.name: _decode(p, "tensor") for p in resp.items("gradients")}
 
     def set_weights(self, module_id: str, params: Dict[str, torch.Tensor],
@@ -1112,10 +1146,11 @@ class Client:
             req = Outgoing(received.message, received.data)
         module_id = req.message.module_id
         if self._use_chunked(req.nbytes):
-            version = self._chunked("SetWeightsChunked", req,
-                                    service_pb2.SetWeightsRequestPart).weight_version
+            version = self._chunked("SetWeightsChunked", req, service_pb2.SetWeightsRequestPart,
+                                    route=module_id).weight_version
         else:
-            version = self._call("SetWeights", payload, module_id, raw=True).weight_version
+            version = self._call("SetWeights", payload, module_id, raw=True,
+                                 route=module_id).weight_version
         self._seen(module_id, version)
         return version
 

@@ -159,7 +159,7 @@ def _done(fn: Callable[[], Any]) -> Future:
 def submit_forward(client: Client, module_id: str, x: torch.Tensor, dtype: int) -> Future:
     """Future of a training forward's (output, context_id, layernorm_output)."""
     if _stream_ok(client, x, dtype):
-        return client.train_stream().forward(module_id, x, True, dtype)
+        return client.train_stream(module_id).forward(module_id, x, True, dtype)
     return _done(lambda: client.forward(module_id, x, training=True, dtype=dtype))
 
 
@@ -167,8 +167,11 @@ def submit_backward(client: Client, context_id: str, grad_output: torch.Tensor,
                     skip_grad_input: bool, retain: bool, dtype: int) -> Future:
     """Future of a backward's grad_input (None with skip_grad_input)."""
     if _stream_ok(client, grad_output, dtype):
-        return client.train_stream().backward(context_id, grad_output, skip_grad_input, retain,
-                                              dtype)
+        # The stream of the context's module (routed by it).
+        modules = client._context_modules
+        route = modules.get(context_id) if retain else modules.pop(context_id, None)
+        return client.train_stream(route).backward(context_id, grad_output, skip_grad_input,
+                                                   retain, dtype)
     return _done(lambda: client.backward(context_id, grad_output, skip_grad_input, retain,
                                          dtype=dtype))
 

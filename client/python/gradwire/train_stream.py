@@ -69,8 +69,9 @@ class TrainStream:
     with the server's error, or with DEADLINE_EXCEEDED.
     """
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, route: Optional[str] = None):
         self.client = client
+        self.route = route  # the one module this stream's requests are about, or None
         self.timeout = client.timeout
         self._requests: "queue.Queue" = queue.Queue()
         # request_id -> _Pending, in send order: with one timeout for all, the first entry
@@ -93,7 +94,7 @@ class TrainStream:
         # Requests go as the bytes _send encoded; responses come back as Received (their
         # tensors' bytes left in the received message until decoded).
         # One request id for the stream: the server logs each of its requests under it.
-        metadata, self.traceparent = client._metadata()
+        metadata, self.traceparent = client._metadata(route)
         self._call = client._raw("Train")(requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="gradwire-train", daemon=True)
         self._reader.start()
@@ -210,6 +211,7 @@ class TrainStream:
             self.client._seen(module_id, forward.message.weight_version)
             result = Client.forward_result(forward)
             self.client._note_instance(result[1])
+            self.client._note_context(result[1], module_id)
             return result
 
         return self._send("Train.Forward", "forward", req, decode)

@@ -47,7 +47,7 @@ def test_training_forward_has_a_deadline_and_the_stream_is_replaced(fresh_server
         layer = gradwire.RemoteLinear(c, 8, 4)
         x = torch.randn(2, 8, requires_grad=True)
         layer(x).sum().backward()  # the stream works, and the weights are mirrored
-        old = c.train_stream()
+        old = c.train_stream(layer.module_id)  # the layer's stream (routed by its id)
         fresh_server.pause()
         try:
             error, elapsed = within(20, lambda: layer(torch.randn(2, 8, requires_grad=True)))
@@ -59,7 +59,7 @@ def test_training_forward_has_a_deadline_and_the_stream_is_replaced(fresh_server
         # Training goes on over a new stream.
         x = torch.randn(2, 8, requires_grad=True)
         layer(x).sum().backward()
-        assert c.train_stream() is not old
+        assert c.train_stream(layer.module_id) is not old
         assert x.grad is not None and x.grad.abs().sum() > 0
         assert c.server_info().live_contexts == 0
 
@@ -140,7 +140,7 @@ def test_close_with_a_stalled_server_and_a_train_stream_waits_one_deadline(fresh
     c = gradwire.Client(fresh_server.address, timeout=TIMEOUT)
     m = gradwire.RemoteLinear(c, 4, 2)
     m(torch.randn(3, 4, requires_grad=True)).sum().backward()  # on the Train stream
-    assert c._train is not None
+    assert c._trains  # the module's routed stream
     fresh_server.pause()
     try:
         error, elapsed = within(20, c.close)

@@ -36,9 +36,14 @@ struct ForwardResult {
 // A W3C `traceparent` (version 00, sampled): `trace_id` (32 lowercase hex digits) when given,
 // else a fresh random trace-id, and a fresh random parent id.
 std::string NewTraceparent(const std::string& trace_id = "");
-// A context id for a training forward (ForwardRequest.context_id): 128 random bits as 32
-// lowercase hex digits.
-std::string NewContextId();
+// The metadata header naming the module a call is about, for proxies that route on it
+// (docs/scaling-out.md).
+inline constexpr char kRouteHeader[] = "gradwire-route";
+
+// An id a client chooses: 128 random bits as 32 lowercase hex digits. A training forward's
+// context id (ForwardRequest.context_id) and a new module's (CreateModuleRequest.module_id).
+std::string NewRandomId();
+inline std::string NewContextId() { return NewRandomId(); }
 
 class Client {
  public:
@@ -62,8 +67,15 @@ class Client {
   absl::StatusOr<std::string> CheckHealth(const std::string& service = "");
   // A module this client creates is kept alive on a server with --module-ttl while the client
   // lives (KeepAlive every third of the TTL, from a thread of its own) until DeleteModule.
+  //
+  // Routing: every call about a module carries its id in the "gradwire-route" header (a proxy in
+  // front of several servers sends each module's calls to one of them by it;
+  // docs/scaling-out.md), a backward or release that of its context's module. So CreateModule
+  // proposes the module's id (a fresh random one, NewRandomId) and routes by it.
   absl::StatusOr<v1::ModuleInfo> CreateModule(const v1::ModuleSpec& spec);
-  absl::StatusOr<std::vector<v1::ModuleInfo>> ListModules();
+  // `route`: a module id to send the call by (behind a routing proxy, the server that holds that
+  // module answers); empty, any server.
+  absl::StatusOr<std::vector<v1::ModuleInfo>> ListModules(const std::string& route = {});
   absl::Status DeleteModule(const std::string& module_id);
   // Keeps an existing module alive as a created one is (a module attached by id); Release stops.
   void Hold(const std::string& module_id);
@@ -83,8 +95,11 @@ class Client {
   absl::StatusOr<HostTensor> Backward(const std::string& context_id, const HostTensor& grad_output,
                                       BackwardOptions options = {});
   absl::Status ReleaseContext(const std::string& context_id);
-  // Opens a Train stream (no deadline: it lives until Finish or Cancel).
-  std::unique_ptr<TrainStream> OpenTrainStream();
+  // Opens a Train stream (no deadline: it lives until Finish or Cancel). `route`: the one module
+  // its requests are about (their module, or their contexts' module), sent as the stream's
+  // "gradwire-route" header; the server refuses a request about another one. A client behind a
+  // routing proxy opens one stream per module. Empty: no header (a direct connection).
+  std::unique_ptr<TrainStream> OpenTrainStream(const std::string& route = {});
 
   // Applies the accumulated gradients with the module's optimizer (learning_rate > 0 overrides
   // its rate for this step); returns the new weight version.
@@ -115,8 +130,12 @@ class Client {
   // call the deadline, token and W3C `traceparent` every wrapped call has, logs the traceparent
   // at debug level (spdlog's default logger) with `method`, and returns it. The server's request
   // id for the call is its trace-id: the server's log lines and errors about the call carry it.
+  // `route`, when not empty, goes in the "gradwire-route" header: the module the call is about.
   v1::Gradwire::Stub& stub() { return *stub_; }
-  std::string PrepareContext(grpc::ClientContext* ctx, const char* method = "call") const;
+  std::string PrepareContext(grpc::ClientContext* ctx, const char* method = "call",
+                             const std::string& route = {}) const;
+  // The module a training context of this client's came from ("" when it does not know it).
+  std::string ModuleOfContext(const std::string& context_id) const;
 
   // Calls made on the chunked variants so far (tests, benchmarks).
   int64_t chunked_calls() const;
@@ -134,7 +153,7 @@ class Client {
                                              bool training, const std::string& context_id,
                                              bool* answered);
   // One ReleaseContext of `context_id`, sent without waiting for it.
-  void ReleaseInBackground(const std::string& context_id);
+  void ReleaseInBackground(const std::string& context_id, const std::string& module_id);
   // Whether a call whose request carries `request_bytes` of tensors and whose response is
   // expected to carry `response_bytes` (-1: unknown) goes chunked.
   bool UseChunked(int64_t request_bytes, int64_t response_bytes) const;
@@ -142,9 +161,11 @@ class Client {
   std::optional<ModuleShape> Shape(const std::string& module_id);
 
   // A chunked call's context (PrepareContext), counted in chunked_calls_.
-  void StartChunked(grpc::ClientContext* ctx, const char* method);
+  void StartChunked(grpc::ClientContext* ctx, const char* method, const std::string& route);
   absl::StatusOr<v1::ForwardResponse> ForwardChunked(v1::ForwardRequest& req);
-  absl::StatusOr<v1::BackwardResponse> BackwardChunked(v1::BackwardRequest& req);
+  // `route`: the module of req's context (the caller looked it up before forgetting it).
+  absl::StatusOr<v1::BackwardResponse> BackwardChunked(v1::BackwardRequest& req,
+                                                       const std::string& route);
   absl::StatusOr<v1::GetWeightsResponse> GetWeightsChunked(const v1::GetWeightsRequest& req);
   absl::StatusOr<v1::SetWeightsResponse> SetWeightsChunked(v1::SetWeightsRequest& req);
   // Through a shared-memory region when the tensors are large enough and the pool lends one:
@@ -155,7 +176,8 @@ class Client {
                                                              int64_t output_elements,
                                                              int64_t layernorm_elements,
                                                              bool* answered);
-  std::optional<absl::StatusOr<HostTensor>> BackwardShared(const v1::BackwardRequest& header,
+  std::optional<absl::StatusOr<HostTensor>> BackwardShared(const std::string& route,
+                                                           const v1::BackwardRequest& header,
                                                            const HostTensor& grad_output,
                                                            const HostTensor* grad_layernorm_output,
                                                            int64_t grad_input_elements);

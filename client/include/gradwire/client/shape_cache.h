@@ -25,16 +25,24 @@ class ShapeCache {
  public:
   void Remember(const v1::ModuleInfo& info);
   std::optional<ModuleShape> Find(const std::string& module_id) const;
-  // A training forward made `context_id` from an input of `grad_input_elements` elements. Only
-  // the newest 65536 contexts are remembered: ones never consumed must not grow this forever.
-  void NoteContext(const std::string& context_id, int64_t grad_input_elements);
+  // A training forward of `module_id` made `context_id` from an input of `grad_input_elements`
+  // elements. Only the newest 65536 contexts are remembered: ones never consumed must not grow
+  // this forever.
+  void NoteContext(const std::string& context_id, const std::string& module_id,
+                   int64_t grad_input_elements);
   // The elements noted for `context_id` (-1: unknown); forgets it unless `keep`.
   int64_t TakeContext(const std::string& context_id, bool keep);
+  // The module noted for `context_id` ("" when unknown): a backward's route.
+  std::string ModuleOfContext(const std::string& context_id) const;
 
  private:
   mutable std::mutex mu_;
   std::unordered_map<std::string, ModuleShape> modules_;
-  std::unordered_map<std::string, int64_t> contexts_;
+  struct NotedContext {
+    std::string module_id;
+    int64_t elements;
+  };
+  std::unordered_map<std::string, NotedContext> contexts_;
   std::deque<std::string> context_order_;  // oldest first, to bound contexts_
 };
 

@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# Three gradwire-servers behind one address: Debian's HAProxy with deploy/haproxy/haproxy.cfg on
+# loopback, routing each call by its gradwire-route header (docs/scaling-out.md). Every client
+# routes every call about a module, so through the proxy:
+#   - the CLI's demo and gradwire-load (step and Train-stream flows, --modules) run with no error,
+#     and the load's modules spread over all three servers;
+#   - training through the proxy gives the bits of the same training on one server directly;
+#   - a call whose header names another module is refused, changing nothing;
+#   - a server killed leaves the other servers' modules untouched, and its own modules are gone
+#     with an error naming them.
+# A client that did not route a call would reach a random server, which two times in three does
+# not hold the module: the runs here make hundreds of calls of every kind.
+#   usage: proxy_e2e.sh PATH/gradwire-server PATH/gradwire PATH/gradwire-load
+set -euo pipefail
+server_bin=$1
+cli_bin=$2
+load_bin=$3
+root=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=SCRIPTDIR/../../scripts/lib/check.sh
+source "$root/scripts/lib/check.sh"
+command -v haproxy >/dev/null || { echo "proxy_e2e: haproxy not found (scripts/install-deps.sh installs it)"; exit 1; }
+python=/usr/bin/python3
+export PYTHONPATH="$root/client/python${PYTHONPATH:+:$PYTHONPATH}"
+
+pids=()
+cleanup_more() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; true; }
+free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+declare -A server_pid
+start_one() {  # start_one N: gradwire-server N on 127.0.0.1, its address in $tmp/portN
+  "$server_bin" --listen 127.0.0.1:0 --port-file "$tmp/port$1" --cpu-threads 1 \
+    --shared-memory off >"$tmp/server$1.log" 2>&1 &
+  pids+=($!)
+  server_pid[$1]=$!
+  for _ in $(seq 1 100); do [ -s "$tmp/port$1" ] && return 0; sleep 0.1; done
+  echo "server $1 did not start:"; cat "$tmp/server$1.log"; exit 1
+}
+for n in 1 2 3; do start_one "$n"; done
+proxy=127.0.0.1:$(free_port)
+admin=127.0.0.1:$(free_port)
+GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
+  GRADWIRE_SERVER_3=$(cat "$tmp/port3") GRADWIRE_PROXY_LISTEN=$proxy GRADWIRE_PROXY_ADMIN=$admin \
+  haproxy -f "$root/deploy/haproxy/haproxy.cfg" -db >"$tmp/haproxy.log" 2>&1 &
+pids+=($!)
+servers="$(cat "$tmp/port1") $(cat "$tmp/port2") $(cat "$tmp/port3")"
+
+states() {
+  "$python" - "$admin" <<'PY'
+import csv, io, sys, urllib.request
+rows = csv.DictReader(io.StringIO(urllib.request.urlopen("http://%s/stats;csv" % sys.argv[1], timeout=3).read().decode().lstrip("# ")))
+print(" ".join("%s=%s" % (r["svname"], r["status"]) for r in rows if r["pxname"] == "gradwire" and r["svname"].startswith("gradwire-")))
+PY
+}
+wait_states() {
+  for _ in $(seq 1 75); do
+    [ "$(states 2>/dev/null)" = "$1" ] && return 0
+    sleep 0.2
+  done
+  echo "  states: $(states 2>&1 || true), wanted: $1"
+  return 1
+}
+check "HAProxy sees the three servers UP" wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=UP"
+
+check "gradwire demo through the proxy" \
+  bash -c "'$cli_bin' demo --server '$proxy' >'$tmp/demo.log' 2>&1 || { tail -5 '$tmp/demo.log'; exit 1; }"
+
+# gradwire-load over 30 modules (2^-17 that one server gets none), every call routed; the modules
+# stay (--keep-module) so that where they went can be counted on each server directly.
+for flow in step stream; do
+  check "gradwire-load --flow $flow --modules 30 through the proxy: every call OK" \
+    bash -c "'$load_bin' --server '$proxy' --flow $flow --modules 30 -c 30 --in 64 --out 32 \
+      --rows 4 --warmup 0 --count 300 --keep-module --json '$tmp/load-$flow.json' \
+      >'$tmp/load-$flow.out' 2>&1 || { tail -5 '$tmp/load-$flow.out'; exit 1; }
+      '$python' - '$tmp/load-$flow.json' <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+remote = [x for x in r['runs'] if x['mode'] == 'remote'][0]
+assert remote['codes'] == {'OK': 300}, remote['codes']
+assert len(set(r['module_ids'])) == 30, r['module_ids']
+PY"
+done
+check "the load's 60 modules are spread over all three servers" \
+  "$python" - "$tmp/load-step.json" "$tmp/load-stream.json" $servers <<'PY'
+import json, sys
+import gradwire
+ids = set()
+for path in sys.argv[1:3]:
+    ids |= set(json.load(open(path))["module_ids"])
+counts = []
+for server in sys.argv[3:]:
+    with gradwire.Client(server) as c:
+        counts.append(len(ids & {m.module_id for m in c.list_modules()}))
+print("  modules per server:", counts)
+assert sum(counts) == 60 and min(counts) > 0, counts
+PY
+
+# Training through the proxy against the same training on server 1 directly: the quickstart's
+# model (remote LayerNormMLP and Linear, micro-batched on Train streams, AdamW on the client),
+# its losses bit for bit.
+check "training through the proxy gives the bits of training on one server" \
+  "$python" - "$proxy" "$(cat "$tmp/port1")" "$root/client/python/examples" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[3])
+import gradwire
+import quickstart
+runs = []
+for server in sys.argv[1:3]:
+    with gradwire.Client(server) as c:
+        runs.append(quickstart.run(c, steps=4, log=lambda s: None))
+print("  losses through the proxy:", runs[0]["losses"])
+assert runs[0]["losses"] == runs[1]["losses"], runs
+assert runs[0]["restored_equal"] and runs[1]["restored_equal"]
+PY
+
+check "a call whose gradwire-route names another module is refused through the proxy" \
+  "$python" - "$proxy" <<'PY'
+import sys
+import grpc
+import gradwire
+from gradwire.v1 import module_pb2, service_pb2
+proxy = sys.argv[1]
+with gradwire.Client(proxy) as c:
+    spec = module_pb2.ModuleSpec(kind=module_pb2.LINEAR, in_features=16, out_features=8, seed=3)
+    a = c.create_module(spec).module_id
+    b = c.create_module(spec).module_id
+    before, version = c.get_weights_versioned(a)
+    stub = c._stub
+    try:
+        stub.ApplyGradients(service_pb2.ApplyGradientsRequest(module_id=a), timeout=10,
+                            metadata=(("gradwire-route", b),))
+        raise SystemExit("a misrouted call was served")
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+        assert a in e.details() and b in e.details() and "gradwire-route" in e.details(), e.details()
+        print("  refused:", e.details()[:120], "...")
+    after, version_after = c.get_weights_versioned(a)
+    assert all(before[k].equal(after[k]) for k in before)
+    assert version_after == version, (version, version_after)
+PY
+
+# A server killed: the others' modules answer as before; its own are gone, named in the error.
+"$python" - "$proxy" $servers >"$tmp/placed" <<'PY'
+import sys
+import gradwire
+from gradwire.v1 import module_pb2
+proxy, servers = sys.argv[1], sys.argv[2:]
+spec = module_pb2.ModuleSpec(kind=module_pb2.LINEAR, in_features=16, out_features=8, seed=5)
+with gradwire.Client(proxy) as c:  # modules made by create_module outlive the client
+    ids = [c.create_module(spec).module_id for _ in range(24)]
+homes = {}
+for n, server in enumerate(servers, 1):
+    with gradwire.Client(server) as d:
+        for m in d.list_modules():
+            if m.module_id in ids:
+                homes[m.module_id] = n
+for i in ids:
+    print(i, homes[i])
+PY
+kill -9 "${server_pid[2]}"
+wait "${server_pid[2]}" 2>/dev/null || true
+check "a killed server goes DOWN" wait_states "gradwire-1=UP gradwire-2=DOWN gradwire-3=UP"
+check "the other servers' modules see no error; the killed one's are gone, named" \
+  "$python" - "$proxy" "$tmp/placed" <<'PY'
+import sys
+import torch
+import gradwire
+proxy = sys.argv[1]
+placed = [line.split() for line in open(sys.argv[2])]
+assert {home for _, home in placed} == {"1", "2", "3"}, placed
+with gradwire.Client(proxy) as c:
+    for module_id, home in placed:
+        try:
+            out, ctx, _ = c.forward(module_id, torch.randn(3, 16), True)
+            c.backward(ctx, torch.randn(3, 8))
+            assert home != "2", f"{module_id} answered after its server was killed"
+        except gradwire.GradwireError as e:
+            assert home == "2", f"{module_id} on server {home}: {e}"
+            assert e.code == "NOT_FOUND" and module_id in e.message, e
+    print("  %d modules answered, %d gone" % (sum(h != "2" for _, h in placed),
+                                               sum(h == "2" for _, h in placed)))
+PY
+finish proxy
