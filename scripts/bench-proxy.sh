@@ -82,8 +82,10 @@ for c in cases:
 haproxy = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                         text=True).stdout.strip()
+if subprocess.run(["git", "diff", "--quiet", "HEAD"]).returncode != 0:
+    commit += "+uncommitted changes"
 json.dump({"benchmark": "bench-proxy", "machine": describe(), "commit": commit,
-           "haproxy": haproxy, "seconds_per_run": float(sys.argv[4]), "order": "direct, proxy, proxy, direct",
-           "cases": rows}, open(out, "w"), indent=2)
+           "haproxy": haproxy, "seconds_per_run": float(sys.argv[4]),
+           "order": "direct, proxy, proxy, direct", "cases": rows}, open(out, "w"), indent=2)
 print("bench-proxy: wrote", out)
 PY

@@ -321,25 +321,33 @@ void CheckFromWireBf16(const OpRow& r) {
   }
 }
 
-// FP8 codes that arrived already cast: the reference's tensor (the transposed copy, amax) from
-// the same codes, bit for bit.
-void CheckFromCodes(const OpRow& r) {
+// body(shape, format, current-scaling config of that format) for small shapes (size 1, primes)
+// and both FP8 formats, traced.
+template <typename Body>
+void ForSmallShapesAndFormats(Body body) {
   for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{130, 257}}) {
     for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       SCOPED_TRACE(Dims(s) + " " + kernels::Fp8FormatName(format));
-      const QuantizerConfig q{format, 0, 0.0f, nullptr, nullptr};
-      auto source = r.ref.Cast(RandN({s.rows, s.cols}, 3.0), q, {true, false});
-      ASSERT_TRUE(source.ok());
-      const at::Tensor codes = source->rowwise.contiguous();
-      for (CastUsage usage : kUsages) {
-        const Fp8Tensor want = r.ref.FromCodes(codes.data_ptr<uint8_t>(), s.rows, s.cols, format,
-                                               source->scale_inv(), usage);
-        const Fp8Tensor got = r.b.FromCodes(codes.data_ptr<uint8_t>(), s.rows, s.cols, format,
-                                            source->scale_inv(), usage);
-        ExpectSameCast(got, want, r.b);
-      }
+      body(s, format, QuantizerConfig{format, 0, 0.0f, nullptr, nullptr});
     }
   }
+}
+
+// FP8 codes that arrived already cast: the reference's tensor (the transposed copy, amax) from
+// the same codes, bit for bit.
+void CheckFromCodes(const OpRow& r) {
+  ForSmallShapesAndFormats([&](Shape s, Fp8Format format, const QuantizerConfig& q) {
+    auto source = r.ref.Cast(RandN({s.rows, s.cols}, 3.0), q, {true, false});
+    ASSERT_TRUE(source.ok());
+    const at::Tensor codes = source->rowwise.contiguous();
+    for (CastUsage usage : kUsages) {
+      const Fp8Tensor want = r.ref.FromCodes(codes.data_ptr<uint8_t>(), s.rows, s.cols, format,
+                                             source->scale_inv(), usage);
+      const Fp8Tensor got = r.b.FromCodes(codes.data_ptr<uint8_t>(), s.rows, s.cols, format,
+                                          source->scale_inv(), usage);
+      ExpectSameCast(got, want, r.b);
+    }
+  });
 }
 
 // Compute ---------------------------------------------------------------------------------------
@@ -372,18 +380,14 @@ void CheckCast(const OpRow& r) {
 }
 
 void CheckDequantize(const OpRow& r) {
-  for (Shape s : {Shape{1, 1}, Shape{7, 13}, Shape{130, 257}}) {
-    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-      SCOPED_TRACE(Dims(s) + " " + kernels::Fp8FormatName(format));
-      const at::Tensor x = RandN({s.rows, s.cols}, 3.0);
-      const QuantizerConfig q{format, 0, 0.0f, nullptr, nullptr};
-      const Fp8Tensor want = CastOn(r.ref, x, q), got = CastOn(r.b, x, q);
-      for (bool rowwise : {true, false}) {
-        EXPECT_TRUE(r.b.ToHost(r.b.Dequantize(got, rowwise)).equal(r.ref.Dequantize(want, rowwise)))
-            << (rowwise ? "rowwise" : "columnwise");
-      }
+  ForSmallShapesAndFormats([&](Shape s, Fp8Format, const QuantizerConfig& q) {
+    const at::Tensor x = RandN({s.rows, s.cols}, 3.0);
+    const Fp8Tensor want = CastOn(r.ref, x, q), got = CastOn(r.b, x, q);
+    for (bool rowwise : {true, false}) {
+      EXPECT_TRUE(r.b.ToHost(r.b.Dequantize(got, rowwise)).equal(r.ref.Dequantize(want, rowwise)))
+          << (rowwise ? "rowwise" : "columnwise");
     }
-  }
+  });
 }
 
 // A bf16 tensor as fp32, exactly; an fp32 one as it is.
@@ -441,75 +445,76 @@ void CheckPrepareWeight(const OpRow& r) {
   }
 }
 
-// LayerNorm within fp32 rounding of the reference, and a bf16 x gives what its exact widening
-// gives on the same backend, bit for bit (a GPU reads the bf16 values in its kernels).
-void CheckLayerNormForward(const OpRow& r) {
+// body(shape, x, LayerNorm parameters on the host, the same on the backend's device) for
+// LayerNorm's shapes, with and without a zero-centered gamma.
+template <typename Body>
+void ForLayerNormCases(const OpRow& r, Body body) {
   for (Shape s : kNormShapes) {
     SCOPED_TRACE(Dims(s));
     const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
     for (bool zc : {false, true}) {
-      LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
-      LayerNormParams bln{r.b.ToDevice(ln.gamma), r.b.ToDevice(ln.beta), ln.eps, zc};
-      const LayerNormOut want = r.ref.LayerNormForward(x, ln);
-      const LayerNormOut got = r.b.LayerNormForward(r.b.ToDevice(x), bln);
-      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.y), want.y, 1e-4, 1e-4)) << "y";
-      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.mu), want.mu, 1e-5, 1e-5)) << "mu";
-      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.rstd), want.rstd, 1e-4, 1e-5))
-          << "rstd";
-      const at::Tensor narrow = x.to(at::kBFloat16);
-      const LayerNormOut from_narrow = r.b.LayerNormForward(r.b.ToDevice(narrow), bln);
-      const LayerNormOut from_wide = r.b.LayerNormForward(r.b.ToDevice(narrow.to(at::kFloat)), bln);
-      EXPECT_TRUE(Same(r.b, from_narrow.y, from_wide.y)) << "bf16 x: y";
-      EXPECT_TRUE(Same(r.b, from_narrow.mu, from_wide.mu)) << "bf16 x: mu";
-      EXPECT_TRUE(Same(r.b, from_narrow.rstd, from_wide.rstd)) << "bf16 x: rstd";
+      const LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
+      body(s, x, ln, LayerNormParams{r.b.ToDevice(ln.gamma), r.b.ToDevice(ln.beta), ln.eps, zc});
     }
   }
+}
+
+// LayerNorm within fp32 rounding of the reference, and a bf16 x gives what its exact widening
+// gives on the same backend, bit for bit (a GPU reads the bf16 values in its kernels).
+void CheckLayerNormForward(const OpRow& r) {
+  ForLayerNormCases(r, [&](Shape, const at::Tensor& x, const LayerNormParams& ln,
+                           const LayerNormParams& bln) {
+    const LayerNormOut want = r.ref.LayerNormForward(x, ln);
+    const LayerNormOut got = r.b.LayerNormForward(r.b.ToDevice(x), bln);
+    EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.y), want.y, 1e-4, 1e-4)) << "y";
+    EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.mu), want.mu, 1e-5, 1e-5)) << "mu";
+    EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(got.rstd), want.rstd, 1e-4, 1e-5)) << "rstd";
+    const at::Tensor narrow = x.to(at::kBFloat16);
+    const LayerNormOut from_narrow = r.b.LayerNormForward(r.b.ToDevice(narrow), bln);
+    const LayerNormOut from_wide = r.b.LayerNormForward(r.b.ToDevice(narrow.to(at::kFloat)), bln);
+    EXPECT_TRUE(Same(r.b, from_narrow.y, from_wide.y)) << "bf16 x: y";
+    EXPECT_TRUE(Same(r.b, from_narrow.mu, from_wide.mu)) << "bf16 x: mu";
+    EXPECT_TRUE(Same(r.b, from_narrow.rstd, from_wide.rstd)) << "bf16 x: rstd";
+  });
 }
 
 // dx within fp32 rounding of the reference, dgamma and dbeta accumulated within it; a bf16 x gives
 // its widening's dx bit for bit and its parameter gradients bit for bit on the host (a GPU adds
 // them with atomics, in an order that varies: there within fp32 rounding).
 void CheckLayerNormBackward(const OpRow& r) {
-  for (Shape s : kNormShapes) {
-    SCOPED_TRACE(Dims(s));
-    const at::Tensor x = RandN({s.rows, s.cols}, 2.0);
-    for (bool zc : {false, true}) {
-      LayerNormParams ln{RandN({s.cols}, 0.5) + 1.0, RandN({s.cols}, 0.5), 1e-5f, zc};
-      LayerNormParams bln{r.b.ToDevice(ln.gamma), r.b.ToDevice(ln.beta), ln.eps, zc};
-      const LayerNormOut fwd = r.ref.LayerNormForward(x, ln);
-      const at::Tensor dy = RandN({s.rows, s.cols});
-      const at::Tensor g0 = RandN({s.cols}), b0 = RandN({s.cols});  // accumulated into
-      at::Tensor rg = g0.clone(), rb = b0.clone();
-      at::Tensor bg = r.b.ToDevice(g0), bb = r.b.ToDevice(b0);
-      const at::Tensor rdx = r.ref.LayerNormBackward(dy, x, fwd.mu, fwd.rstd, ln, rg, rb);
-      const at::Tensor bdx =
-          r.b.LayerNormBackward(r.b.ToDevice(dy), r.b.ToDevice(x), r.b.ToDevice(fwd.mu),
-                                r.b.ToDevice(fwd.rstd), bln, bg, bb);
-      EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(bdx), rdx, 1e-3, 1e-4)) << "dx";
-      EXPECT_LT(Nmse(r.b.ToHost(bg), rg), 1e-10) << "dgamma";
-      EXPECT_LT(Nmse(r.b.ToHost(bb), rb), 1e-10) << "dbeta";
+  ForLayerNormCases(r, [&](Shape s, const at::Tensor& x, const LayerNormParams& ln,
+                           const LayerNormParams& bln) {
+    const LayerNormOut fwd = r.ref.LayerNormForward(x, ln);
+    const at::Tensor dy = RandN({s.rows, s.cols});
+    const at::Tensor g0 = RandN({s.cols}), b0 = RandN({s.cols});  // accumulated into
+    at::Tensor rg = g0.clone(), rb = b0.clone();
+    at::Tensor bg = r.b.ToDevice(g0), bb = r.b.ToDevice(b0);
+    const at::Tensor rdx = r.ref.LayerNormBackward(dy, x, fwd.mu, fwd.rstd, ln, rg, rb);
+    const at::Tensor bdx =
+        r.b.LayerNormBackward(r.b.ToDevice(dy), r.b.ToDevice(x), r.b.ToDevice(fwd.mu),
+                              r.b.ToDevice(fwd.rstd), bln, bg, bb);
+    EXPECT_TRUE(gradwire::testing::AllClose(r.b.ToHost(bdx), rdx, 1e-3, 1e-4)) << "dx";
+    EXPECT_LT(Nmse(r.b.ToHost(bg), rg), 1e-10) << "dgamma";
+    EXPECT_LT(Nmse(r.b.ToHost(bb), rb), 1e-10) << "dbeta";
 
-      const at::Tensor narrow = x.to(at::kBFloat16);
-      const at::Tensor bn = r.b.ToDevice(narrow), bw = r.b.ToDevice(narrow.to(at::kFloat));
-      const LayerNormOut wide_fwd = r.b.LayerNormForward(bw, bln);
-      at::Tensor gn = r.b.Zeros({s.cols}), bnb = r.b.Zeros({s.cols});
-      at::Tensor gw = r.b.Zeros({s.cols}), bwb = r.b.Zeros({s.cols});
-      const at::Tensor dyd = r.b.ToDevice(dy);
-      const at::Tensor dxn =
-          r.b.LayerNormBackward(dyd, bn, wide_fwd.mu, wide_fwd.rstd, bln, gn, bnb);
-      const at::Tensor dxw =
-          r.b.LayerNormBackward(dyd, bw, wide_fwd.mu, wide_fwd.rstd, bln, gw, bwb);
-      EXPECT_EQ(dxn.scalar_type(), at::kFloat);
-      EXPECT_TRUE(Same(r.b, dxn, dxw)) << "bf16 x: dx";
-      if (r.gpu) {
-        EXPECT_LT(Nmse(r.b.ToHost(gn), r.b.ToHost(gw)), 1e-12) << "bf16 x: dgamma";
-        EXPECT_LT(Nmse(r.b.ToHost(bnb), r.b.ToHost(bwb)), 1e-12) << "bf16 x: dbeta";
-      } else {
-        EXPECT_TRUE(Same(r.b, gn, gw)) << "bf16 x: dgamma";
-        EXPECT_TRUE(Same(r.b, bnb, bwb)) << "bf16 x: dbeta";
-      }
+    const at::Tensor narrow = x.to(at::kBFloat16);
+    const at::Tensor bn = r.b.ToDevice(narrow), bw = r.b.ToDevice(narrow.to(at::kFloat));
+    const LayerNormOut wide_fwd = r.b.LayerNormForward(bw, bln);
+    at::Tensor gn = r.b.Zeros({s.cols}), bnb = r.b.Zeros({s.cols});
+    at::Tensor gw = r.b.Zeros({s.cols}), bwb = r.b.Zeros({s.cols});
+    const at::Tensor dyd = r.b.ToDevice(dy);
+    const at::Tensor dxn = r.b.LayerNormBackward(dyd, bn, wide_fwd.mu, wide_fwd.rstd, bln, gn, bnb);
+    const at::Tensor dxw = r.b.LayerNormBackward(dyd, bw, wide_fwd.mu, wide_fwd.rstd, bln, gw, bwb);
+    EXPECT_EQ(dxn.scalar_type(), at::kFloat);
+    EXPECT_TRUE(Same(r.b, dxn, dxw)) << "bf16 x: dx";
+    if (r.gpu) {
+      EXPECT_LT(Nmse(r.b.ToHost(gn), r.b.ToHost(gw)), 1e-12) << "bf16 x: dgamma";
+      EXPECT_LT(Nmse(r.b.ToHost(bnb), r.b.ToHost(bwb)), 1e-12) << "bf16 x: dbeta";
+    } else {
+      EXPECT_TRUE(Same(r.b, gn, gw)) << "bf16 x: dgamma";
+      EXPECT_TRUE(Same(r.b, bnb, bwb)) << "bf16 x: dbeta";
     }
-  }
+  });
 }
 
 void CheckActivation(const OpRow& r, bool backward) {

@@ -117,20 +117,10 @@ fi
 
 # Live: two servers on loopback, HAProxy with the compose configuration in front of them. The
 # third server line points at a port nothing listens on: it must show DOWN from the start.
-free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-pids=()
-cleanup_more() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; true; }
-start_one() {  # start_one N: gradwire-server on 127.0.0.1, port in $tmp/portN
-  "$server_bin" --listen 127.0.0.1:0 --port-file "$tmp/port$1" --cpu-threads 1 --shared-memory off \
-    >"$tmp/server$1.log" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 1 100); do [ -s "$tmp/port$1" ] && return 0; sleep 0.1; done
-  echo "server $1 did not start:"; cat "$tmp/server$1.log"; exit 1
-}
+# shellcheck source=SCRIPTDIR/haproxy_lib.sh
+source "$root/tests/deploy/haproxy_lib.sh"
 start_one 1
-server1_pid=${pids[-1]}
 start_one 2
-server2_pid=${pids[-1]}
 proxy=127.0.0.1:$(free_port)
 admin=127.0.0.1:$(free_port)
 GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
@@ -138,22 +128,6 @@ GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
   haproxy -f "$compose_cfg" -db >"$tmp/haproxy.log" 2>&1 &
 pids+=($!)
 
-# Server states from the stats page: "gradwire-1=UP gradwire-2=UP gradwire-3=DOWN".
-states() {
-  "$python" - "$admin" <<'PY'
-import csv, io, sys, urllib.request
-rows = csv.DictReader(io.StringIO(urllib.request.urlopen("http://%s/stats;csv" % sys.argv[1], timeout=3).read().decode().lstrip("# ")))
-print(" ".join("%s=%s" % (r["svname"], r["status"]) for r in rows if r["pxname"] == "gradwire" and r["svname"].startswith("gradwire-")))
-PY
-}
-wait_states() {  # wait_states WANT: up to 15 s for the stats page to show WANT
-  for _ in $(seq 1 75); do
-    [ "$(states 2>/dev/null)" = "$1" ] && return 0
-    sleep 0.2
-  done
-  echo "  states: $(states 2>&1 || true), wanted: $1"
-  return 1
-}
 check "the health checks mark the two servers UP and the missing one DOWN" \
   wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=DOWN"
 check "/healthz answers 200" \
@@ -189,7 +163,7 @@ PY
 check "gradwire-route: every call of a key on one server, keys on both servers" \
   bash -c "$(declare -f route_calls); python='$python' proxy='$proxy' tmp='$tmp'; route_calls '$tmp/routes1' && [ \$(cut -d' ' -f2 '$tmp/routes1' | sort -u | wc -l) = 2 ]"
 
-kill -TERM "$server2_pid"
+kill -TERM "${server_pids[2]}"
 check "a stopped server goes DOWN" wait_states "gradwire-1=UP gradwire-2=DOWN gradwire-3=DOWN"
 check "gradwire-route: only the stopped server's keys move" \
   bash -c "$(declare -f route_calls); python='$python' proxy='$proxy' tmp='$tmp'; route_calls '$tmp/routes2' &&
@@ -197,7 +171,7 @@ check "gradwire-route: only the stopped server's keys move" \
 check "gradwire health through the proxy with one server left: SERVING" \
   bash -c "'$cli_bin' health --server '$proxy' --timeout 5 >/dev/null"
 
-kill -TERM "$server1_pid"
+kill -TERM "${server_pids[1]}"
 check "with no server up the proxy answers UNAVAILABLE, naming why" \
   bash -c "for _ in \$(seq 1 75); do
       out=\$('$cli_bin' health --server '$proxy' --timeout 5 2>&1) && exit 1

@@ -22,18 +22,8 @@ command -v haproxy >/dev/null || { echo "proxy_e2e: haproxy not found (scripts/i
 python=/usr/bin/python3
 export PYTHONPATH="$root/client/python${PYTHONPATH:+:$PYTHONPATH}"
 
-pids=()
-cleanup_more() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; true; }
-free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-declare -A server_pid
-start_one() {  # start_one N: gradwire-server N on 127.0.0.1, its address in $tmp/portN
-  "$server_bin" --listen 127.0.0.1:0 --port-file "$tmp/port$1" --cpu-threads 1 \
-    --shared-memory off >"$tmp/server$1.log" 2>&1 &
-  pids+=($!)
-  server_pid[$1]=$!
-  for _ in $(seq 1 100); do [ -s "$tmp/port$1" ] && return 0; sleep 0.1; done
-  echo "server $1 did not start:"; cat "$tmp/server$1.log"; exit 1
-}
+# shellcheck source=SCRIPTDIR/../deploy/haproxy_lib.sh
+source "$root/tests/deploy/haproxy_lib.sh"
 for n in 1 2 3; do start_one "$n"; done
 proxy=127.0.0.1:$(free_port)
 admin=127.0.0.1:$(free_port)
@@ -43,21 +33,6 @@ GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
 pids+=($!)
 servers="$(cat "$tmp/port1") $(cat "$tmp/port2") $(cat "$tmp/port3")"
 
-states() {
-  "$python" - "$admin" <<'PY'
-import csv, io, sys, urllib.request
-rows = csv.DictReader(io.StringIO(urllib.request.urlopen("http://%s/stats;csv" % sys.argv[1], timeout=3).read().decode().lstrip("# ")))
-print(" ".join("%s=%s" % (r["svname"], r["status"]) for r in rows if r["pxname"] == "gradwire" and r["svname"].startswith("gradwire-")))
-PY
-}
-wait_states() {
-  for _ in $(seq 1 75); do
-    [ "$(states 2>/dev/null)" = "$1" ] && return 0
-    sleep 0.2
-  done
-  echo "  states: $(states 2>&1 || true), wanted: $1"
-  return 1
-}
 check "HAProxy sees the three servers UP" wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=UP"
 
 check "gradwire demo through the proxy" \
@@ -155,8 +130,8 @@ for n, server in enumerate(servers, 1):
 for i in ids:
     print(i, homes[i])
 PY
-kill -9 "${server_pid[2]}"
-wait "${server_pid[2]}" 2>/dev/null || true
+kill -9 "${server_pids[2]}"
+wait "${server_pids[2]}" 2>/dev/null || true
 check "a killed server goes DOWN" wait_states "gradwire-1=UP gradwire-2=DOWN gradwire-3=UP"
 check "the other servers' modules see no error; the killed one's are gone, named" \
   "$python" - "$proxy" "$tmp/placed" <<'PY'

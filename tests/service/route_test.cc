@@ -45,14 +45,22 @@ class RouteTest : public ::testing::Test {
   void Prepare(grpc::ClientContext* ctx, const std::string& route) {
     c_->PrepareContext(ctx, "test", route);
   }
+  using Stub = v1::Gradwire::Stub;
+  // The unary `method` with `req`, routed by `route`; its response into `resp` when given.
+  template <typename Req, typename Resp>
+  grpc::Status Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Req&, Resp*),
+                    const Req& req, const std::string& route, Resp* resp = nullptr) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, route);
+    Resp local;
+    return (c_->stub().*method)(&ctx, req, resp != nullptr ? resp : &local);
+  }
   grpc::Status CreateRaw(const std::string& proposed, const std::string& route,
                          v1::CreateModuleResponse* resp) {
     v1::CreateModuleRequest req;
     *req.mutable_spec() = testing::LinearSpec(kIn, kOut, false, 9);
     req.set_module_id(proposed);
-    grpc::ClientContext ctx;
-    Prepare(&ctx, route);
-    return c_->stub().CreateModule(&ctx, req, resp);
+    return Call(&Stub::CreateModule, req, route, resp);
   }
   grpc::Status Forward(const std::string& module, bool training, const std::string& route,
                        v1::ForwardResponse* resp) {
@@ -60,18 +68,13 @@ class RouteTest : public ::testing::Test {
     req.set_module_id(module);
     *req.mutable_input() = client::ToWire(Random({3, kIn}), client::WireDType::kF32);
     req.set_training(training);
-    grpc::ClientContext ctx;
-    Prepare(&ctx, route);
-    return c_->stub().Forward(&ctx, req, resp);
+    return Call(&Stub::Forward, req, route, resp);
   }
   grpc::Status Backward(const std::string& context, const std::string& route) {
     v1::BackwardRequest req;
     req.set_context_id(context);
     *req.mutable_grad_output() = client::ToWire(Random({3, kOut}), client::WireDType::kF32);
-    grpc::ClientContext ctx;
-    Prepare(&ctx, route);
-    v1::BackwardResponse resp;
-    return c_->stub().Backward(&ctx, req, &resp);
+    return Call(&Stub::Backward, req, route);
   }
   std::vector<std::string> Modules() {
     std::vector<std::string> ids;
@@ -167,60 +170,30 @@ TEST_F(RouteTest, ACallRoutedByAnotherModuleIsRefusedAndChangesNothing) {
   const std::string context = fwd.context_id();
   ASSERT_FALSE(context.empty());
   ExpectMisrouted(Backward(context, b_), b_, a_, "Backward");
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, b_);
-    v1::ReleaseContextRequest req;
-    req.set_context_id(context);
-    v1::ReleaseContextResponse resp;
-    ExpectMisrouted(c_->stub().ReleaseContext(&ctx, req, &resp), b_, a_, "ReleaseContext");
-  }
+  v1::ReleaseContextRequest release;
+  release.set_context_id(context);
+  ExpectMisrouted(Call(&Stub::ReleaseContext, release, b_), b_, a_, "ReleaseContext");
   EXPECT_EQ(server_.host().Stats().live_contexts, 1);
 
   // The module calls.
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, b_);
-    v1::ApplyGradientsRequest req;
-    req.set_module_id(a_);
-    v1::ApplyGradientsResponse resp;
-    ExpectMisrouted(c_->stub().ApplyGradients(&ctx, req, &resp), b_, a_, "ApplyGradients");
-  }
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, b_);
-    v1::SetWeightsRequest req;
-    req.set_module_id(a_);
-    v1::NamedTensor* p = req.add_parameters();
-    p->set_name("bias");
-    *p->mutable_tensor() = client::ToWire(Random({kOut}), client::WireDType::kF32);
-    v1::SetWeightsResponse resp;
-    ExpectMisrouted(c_->stub().SetWeights(&ctx, req, &resp), b_, a_, "SetWeights");
-  }
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, b_);
-    v1::GetWeightsRequest req;
-    req.set_module_id(a_);
-    v1::GetWeightsResponse resp;
-    ExpectMisrouted(c_->stub().GetWeights(&ctx, req, &resp), b_, a_, "GetWeights");
-  }
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, b_);
-    v1::KeepAliveRequest req;
-    req.add_module_ids(a_);
-    v1::KeepAliveResponse resp;
-    ExpectMisrouted(c_->stub().KeepAlive(&ctx, req, &resp), b_, a_, "KeepAlive");
-  }
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, b_);
-    v1::DeleteModuleRequest req;
-    req.set_module_id(a_);
-    v1::DeleteModuleResponse resp;
-    ExpectMisrouted(c_->stub().DeleteModule(&ctx, req, &resp), b_, a_, "DeleteModule");
-  }
+  v1::ApplyGradientsRequest apply;
+  apply.set_module_id(a_);
+  ExpectMisrouted(Call(&Stub::ApplyGradients, apply, b_), b_, a_, "ApplyGradients");
+  v1::SetWeightsRequest set;
+  set.set_module_id(a_);
+  v1::NamedTensor* p = set.add_parameters();
+  p->set_name("bias");
+  *p->mutable_tensor() = client::ToWire(Random({kOut}), client::WireDType::kF32);
+  ExpectMisrouted(Call(&Stub::SetWeights, set, b_), b_, a_, "SetWeights");
+  v1::GetWeightsRequest get;
+  get.set_module_id(a_);
+  ExpectMisrouted(Call(&Stub::GetWeights, get, b_), b_, a_, "GetWeights");
+  v1::KeepAliveRequest keep;
+  keep.add_module_ids(a_);
+  ExpectMisrouted(Call(&Stub::KeepAlive, keep, b_), b_, a_, "KeepAlive");
+  v1::DeleteModuleRequest del;
+  del.set_module_id(a_);
+  ExpectMisrouted(Call(&Stub::DeleteModule, del, b_), b_, a_, "DeleteModule");
 
   // Nothing changed: a is there with its weights and version, and its context runs its backward
   // when routed right.
@@ -240,15 +213,10 @@ TEST_F(RouteTest, ACallRoutedByAnotherModuleIsRefusedAndChangesNothing) {
 
 // The calls not about one module (server info, health, the module list) take any header.
 TEST_F(RouteTest, ServerWideCallsIgnoreTheHeader) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, b_);
   v1::ListModulesResponse resp;
-  ASSERT_TRUE(c_->stub().ListModules(&ctx, {}, &resp).ok());
+  ASSERT_TRUE(Call(&Stub::ListModules, v1::ListModulesRequest(), b_, &resp).ok());
   EXPECT_EQ(resp.modules_size(), 2);
-  grpc::ClientContext info_ctx;
-  Prepare(&info_ctx, "anything");
-  v1::GetServerInfoResponse info;
-  EXPECT_TRUE(c_->stub().GetServerInfo(&info_ctx, {}, &info).ok());
+  EXPECT_TRUE(Call(&Stub::GetServerInfo, v1::GetServerInfoRequest(), "anything").ok());
 }
 
 // A Train stream routed by one module: its requests about that module run, one about another

@@ -1,0 +1,37 @@
+# shellcheck shell=bash
+# Sourced by the tests that run gradwire-servers behind HAProxy on loopback
+# (tests/deploy/haproxy_check.sh, tests/e2e/proxy_e2e.sh), after scripts/lib/check.sh and with
+# $server_bin, $python and $tmp set. Gives:
+#   free_port      a free TCP port on 127.0.0.1
+#   start_one N    gradwire-server N on 127.0.0.1 (its address in $tmp/portN, its pid in
+#                  ${server_pids[N]}); killed at exit with everything else in $pids
+#   states         the servers' states from HAProxy's stats page at $admin:
+#                  "gradwire-1=UP gradwire-2=UP gradwire-3=DOWN"
+#   wait_states W  up to 15 s for states to read W
+pids=()
+declare -A server_pids
+cleanup_more() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; true; }
+free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+start_one() {
+  "$server_bin" --listen 127.0.0.1:0 --port-file "$tmp/port$1" --cpu-threads 1 --shared-memory off \
+    >"$tmp/server$1.log" 2>&1 &
+  pids+=($!)
+  server_pids[$1]=$!
+  for _ in $(seq 1 100); do [ -s "$tmp/port$1" ] && return 0; sleep 0.1; done
+  echo "server $1 did not start:"; cat "$tmp/server$1.log"; exit 1
+}
+states() {
+  "$python" - "$admin" <<'PY'
+import csv, io, sys, urllib.request
+rows = csv.DictReader(io.StringIO(urllib.request.urlopen("http://%s/stats;csv" % sys.argv[1], timeout=3).read().decode().lstrip("# ")))
+print(" ".join("%s=%s" % (r["svname"], r["status"]) for r in rows if r["pxname"] == "gradwire" and r["svname"].startswith("gradwire-")))
+PY
+}
+wait_states() {
+  for _ in $(seq 1 75); do
+    [ "$(states 2>/dev/null)" = "$1" ] && return 0
+    sleep 0.2
+  done
+  echo "  states: $(states 2>&1 || true), wanted: $1"
+  return 1
+}
