@@ -240,6 +240,13 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
   app.add_option("--checkpoint-dir", config.checkpoint_dir,
                  "directory for module checkpoints: restored at start, written on create, weight "
                  "upload, every --checkpoint-every optimizer steps and at shutdown (off if empty)");
+  app.add_flag("--checkpoint-shared", config.checkpoint_shared,
+               "other servers share --checkpoint-dir (behind a proxy that routes each module's "
+               "calls by the gradwire-route header): take a module over from its checkpoint on "
+               "the first call about it instead of restoring all at start, and let go of a module "
+               "another server took over since (docs/scaling-out.md). Every server sharing a "
+               "directory needs it; a server without it refuses to start on a directory in use")
+      ->capture_default_str();
   app.add_option("--checkpoint-every", config.checkpoint_every,
                  "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
@@ -388,6 +395,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "checkpoint-dir = " << quote(f.checkpoint_dir) << "\n";
   out << "port-file = " << quote(f.port_file) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
+  out << "checkpoint-shared = " << (f.checkpoint_shared ? "true" : "false") << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";

@@ -48,6 +48,7 @@ struct ServerConfig {
   bool insecure = false;            // allow plaintext on a non-loopback address
   std::string checkpoint_dir;       // empty: modules live only in memory
   int64_t checkpoint_every = 100;   // optimizer steps between a module's checkpoints
+  bool checkpoint_shared = false;   // other servers share checkpoint_dir
   int stream_read_ahead = 8;        // Train-stream requests read ahead of their responses
   int cpu_threads = 0;              // CPU backend's threads (0: one per core)
   // The CUDA backend's wire crossings through two pinned slots of this many MiB (0: pageable

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "server/config.h"
-#include "server/device/cpu_gemm.h"
 #include "server/core/heap_trim.h"
+#include "server/device/cpu_gemm.h"
 #include "server/logging.h"
 #include "server/rpc/auth.h"
 #include "server/server.h"
@@ -99,6 +99,7 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
   o.max_message_mib = c.max_message_mib;
   o.checkpoint_dir = c.checkpoint_dir;
   o.checkpoint_every = c.checkpoint_every;
+  o.checkpoint_shared = c.checkpoint_shared;
   o.metrics_listen = c.metrics_listen;
   o.metrics_token_file = c.metrics_token_file;
   o.heap_trim_every_s = c.heap_trim_every_s;

@@ -21,8 +21,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/device/cpu_gemm.h"
 #include "server/core/heap_trim.h"
+#include "server/device/cpu_gemm.h"
 #include "server/rpc/boundary.h"
 
 namespace gradwire::server {
@@ -247,14 +247,26 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   s->host_ = std::make_unique<core::ModuleHost>(o.context_limits, nullptr, o.backend);
   if (!o.checkpoint_dir.empty()) {
     s->checkpointer_ = std::make_unique<core::Checkpointer>(o.checkpoint_dir, o.checkpoint_every);
-    if (absl::Status prepared = s->checkpointer_->Prepare(); !prepared.ok()) return prepared;
-    // Serving half a model would be worse than not starting.
-    absl::StatusOr<int64_t> restored = s->checkpointer_->RestoreAll(*s->host_);
-    if (!restored.ok()) {
-      return absl::Status(restored.status().code(), absl::StrCat("cannot restore checkpoints: ",
-                                                                 restored.status().message()));
+    if (absl::Status prepared = s->checkpointer_->Prepare(o.checkpoint_shared); !prepared.ok()) {
+      return prepared;
     }
-    spdlog::info("restored {} modules from {}", *restored, o.checkpoint_dir);
+    if (o.checkpoint_shared) {
+      // Servers sharing the directory each take a module over on the first call about it (the
+      // proxy sends that call where the module's id hashes); restoring all here would take every
+      // module from the servers that hold them.
+      spdlog::info(
+          "checkpoint dir {} shared with other servers: a module with a checkpoint there is taken "
+          "over on the first call about it",
+          o.checkpoint_dir);
+    } else {
+      // Serving half a model would be worse than not starting.
+      absl::StatusOr<int64_t> restored = s->checkpointer_->RestoreAll(*s->host_);
+      if (!restored.ok()) {
+        return absl::Status(restored.status().code(), absl::StrCat("cannot restore checkpoints: ",
+                                                                   restored.status().message()));
+      }
+      spdlog::info("restored {} modules from {}", *restored, o.checkpoint_dir);
+    }
   }
   // The device is shared between clients by the same weights as context memory: with tokens a
   // client is its tenant, named "tenant NAME" by the service (rpc::Caller::client).
@@ -365,6 +377,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
                                           o.heap_trim_every_s, [service = s->service_.get()] {
                                             service->CloseIdleSharedMemory();
                                             service->ExpireIdleModules();
+                                            service->LetGoOfMovedModules();
                                           });
   return s;
 }

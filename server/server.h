@@ -15,11 +15,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/device/backend.h"
 #include "server/core/checkpoint.h"
 #include "server/core/context_store.h"
 #include "server/core/executor.h"
 #include "server/core/module_host.h"
+#include "server/device/backend.h"
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/service.h"
@@ -52,6 +52,10 @@ struct ServerOptions {
   // optimizer steps and at shutdown; empty: modules live only in memory.
   std::string checkpoint_dir;
   int64_t checkpoint_every = 100;
+  // Other servers share checkpoint_dir (behind a proxy): modules are taken over on the first call
+  // about them instead of all restored at start, and a module another server took over is let go
+  // of (docs/scaling-out.md).
+  bool checkpoint_shared = false;
   // Prometheus endpoint, HOST:PORT (a bare PORT binds 127.0.0.1; port 0 picks one); empty: off.
   std::string metrics_listen;
   // A file whose first line is the bearer token the metrics endpoint requires; empty: none.

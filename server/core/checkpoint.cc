@@ -1,16 +1,27 @@
 #include "server/core/checkpoint.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <system_error>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "gradwire/storage/durable_file.h"
 #include "gradwire/storage/safetensors_file.h"
-#include "server/core/module_state.h"
 #include "server/common/status_macros.h"
+#include "server/core/context_store.h"
+#include "server/core/module_state.h"
 
 namespace gradwire::core {
 namespace {
@@ -21,6 +32,9 @@ using storage::StDType;
 using storage::StTensor;
 
 constexpr char kSuffix[] = ".gradwire.safetensors";
+constexpr char kLockFile[] = ".gradwire-lock";
+// In every refusal of a module another server holds now (IsMoved).
+constexpr char kMovedMarker[] = " moved to another server: ";
 constexpr int kFormatVersion = 1;
 
 json SpecToJson(const ModuleSpec& s) {
@@ -111,26 +125,292 @@ absl::StatusOr<at::Tensor> FromSt(const StTensor& t) {
   return out;
 }
 
+bool EndsWith(const std::string& s, const char* suffix) {
+  const size_t n = strlen(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+// A module id that can name a folder: not empty, no separators, not hidden.
+absl::Status CheckFolderName(const std::string& id) {
+  if (id.empty() || id.size() > 255 || id[0] == '.' || id.find('/') != std::string::npos ||
+      id.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("module id \"", id, "\" cannot name a checkpoint folder"));
+  }
+  return absl::OkStatus();
+}
+
+// The claims and states in a module's folder, by epoch.
+struct Scan {
+  std::vector<int64_t> claims;
+  std::vector<int64_t> states;
+  bool legacy = false;
+  int64_t max_claim() const {
+    return claims.empty() ? 0 : *std::max_element(claims.begin(), claims.end());
+  }
+  int64_t max_state() const {
+    return states.empty() ? -1 : *std::max_element(states.begin(), states.end());
+  }
+  bool any_state() const { return legacy || !states.empty(); }
+};
+
+Scan ScanFolder(const std::string& folder, const std::string& legacy) {
+  Scan scan;
+  std::error_code ec;
+  scan.legacy = fs::exists(legacy, ec);
+  for (const auto& entry : fs::directory_iterator(folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    int64_t epoch = 0;
+    if (name.rfind("claim.", 0) == 0) {
+      if (absl::SimpleAtoi(name.substr(6), &epoch) && epoch > 0) scan.claims.push_back(epoch);
+    } else if (name.rfind("state.", 0) == 0 && EndsWith(name, kSuffix)) {
+      const std::string digits = name.substr(6, name.size() - 6 - strlen(kSuffix));
+      if (absl::SimpleAtoi(digits, &epoch) && epoch > 0) scan.states.push_back(epoch);
+    }
+  }
+  return scan;
+}
+
+// The token in a claim file; empty when it cannot be read.
+std::string ReadToken(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  char buf[64] = {};
+  const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n <= 0) return {};
+  std::string text(buf, size_t(n));
+  return text.substr(0, text.find('\n'));
+}
+
+// Creates claim file `path` holding `token`, only if no claim has its name (O_EXCL): ABORTED
+// when another server made it first.
+absl::Status WriteClaim(const std::string& path, const std::string& token) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    if (errno == EEXIST) {
+      return absl::AbortedError(absl::StrCat(
+          storage::QuotePath(path),
+          " was claimed by another server at the same moment: the module is being taken over "
+          "there; retry"));
+    }
+    return absl::InternalError(
+        absl::StrCat("cannot create ", storage::QuotePath(path), ": ", std::strerror(errno)));
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string text = absl::StrCat(token, "\n", host, " pid ", ::getpid(), "\n");
+  bool ok = ::write(fd, text.data(), text.size()) == ssize_t(text.size());
+  ok = ::fsync(fd) == 0 && ok;
+  ok = ::close(fd) == 0 && ok;
+  if (!ok) {
+    ::unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("cannot write ", storage::QuotePath(path)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModuleState> ReadState(const std::string& path) {
+  std::map<std::string, std::string> metadata;
+  auto tensors = storage::ReadSafetensorsFile(path, &metadata);
+  if (!tensors.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": ", tensors.status().message()));
+  }
+  ModuleState state;
+  try {
+    if (metadata.at("format") != "gradwire-checkpoint") {
+      return absl::DataLossError(absl::StrCat(path, " is not a gradwire checkpoint"));
+    }
+    state.module_id = metadata.at("module_id");
+    if (auto t = metadata.find("tenant"); t != metadata.end()) state.tenant = t->second;
+    state.weight_version = std::stoull(metadata.at("weight_version"));
+    state.optimizer_steps = std::stoll(metadata.at("optimizer_steps"));
+    state.spec = SpecFromJson(json::parse(metadata.at("spec")));
+    for (const json& r : json::parse(metadata.at("scaling"))) {
+      const std::vector<float> history = r.at("history");
+      state.scaling.push_back(
+          {r.at("role"), r.at("scale"), std::deque<float>(history.begin(), history.end())});
+    }
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(path, ": bad checkpoint metadata: ", e.what()));
+  }
+  for (const StTensor& t : *tensors) {
+    GW_ASSIGN_OR_RETURN(at::Tensor value, FromSt(t));
+    if (t.name.rfind("param.", 0) == 0) {
+      state.parameters.emplace_back(t.name.substr(6), value);
+    } else if (t.name.rfind("slot.", 0) == 0) {
+      state.optimizer_slots.emplace_back(t.name.substr(5), value);
+    }
+  }
+  return state;
+}
+
 }  // namespace
 
 Checkpointer::Checkpointer(std::string dir, int64_t every_steps)
     : dir_(std::move(dir)), every_steps_(every_steps) {}
 
-std::string Checkpointer::PathOf(const std::string& module_id) const {
+Checkpointer::~Checkpointer() {
+  if (lock_fd_ >= 0) ::close(lock_fd_);
+}
+
+std::string Checkpointer::FolderOf(const std::string& module_id) const {
+  return (fs::path(dir_) / module_id).string();
+}
+
+std::string Checkpointer::StatePathOf(const std::string& module_id, int64_t epoch) const {
+  return (fs::path(dir_) / module_id / absl::StrCat("state.", epoch, kSuffix)).string();
+}
+
+std::string Checkpointer::ClaimPathOf(const std::string& module_id, int64_t epoch) const {
+  return (fs::path(dir_) / module_id / absl::StrCat("claim.", epoch)).string();
+}
+
+std::string Checkpointer::LegacyPathOf(const std::string& module_id) const {
   return (fs::path(dir_) / (module_id + kSuffix)).string();
 }
 
-absl::Status Checkpointer::Prepare() const {
+absl::Status Checkpointer::Prepare(bool shared) {
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec || !fs::is_directory(dir_)) {
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint dir ", dir_, " cannot be created: ", ec.message()));
   }
+  const std::string lock = (fs::path(dir_) / kLockFile).string();
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint dir ", dir_,
+                                                      " is not writable: cannot open ", lock, ": ",
+                                                      std::strerror(errno)));
+  }
+  if (::flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint dir ", dir_, " is in use by another gradwire-server ",
+          shared ? "that holds it alone" : "",
+          ": servers that share a checkpoint directory must all be started with "
+          "--checkpoint-shared, and a server without it must be the directory's only one"));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot lock ", lock, ": ", std::strerror(err)));
+  }
+  if (lock_fd_ >= 0) ::close(lock_fd_);
+  lock_fd_ = fd;
+  shared_ = shared;
   return absl::OkStatus();
 }
 
-absl::Status Checkpointer::Save(const ModuleState& state) const {
+bool Checkpointer::Exists(const std::string& module_id) const {
+  if (!CheckFolderName(module_id).ok()) return false;
+  struct stat st;
+  return ::stat(FolderOf(module_id).c_str(), &st) == 0 ||
+         ::stat(LegacyPathOf(module_id).c_str(), &st) == 0;
+}
+
+absl::Status Checkpointer::ClaimNew(const std::string& module_id) {
+  GW_RETURN_IF_ERROR(CheckFolderName(module_id));
+  const std::string folder = FolderOf(module_id);
+  const auto taken = [&] {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "module_id ", module_id,
+        " has a checkpoint in --checkpoint-dir already (a module of another server, or one not "
+        "loaded here yet): choose another id"));
+  };
+  struct stat st;
+  if (::stat(LegacyPathOf(module_id).c_str(), &st) == 0) return taken();
+  if (::mkdir(folder.c_str(), 0755) != 0) {
+    if (errno == EEXIST) return taken();
+    return absl::InternalError(
+        absl::StrCat("cannot create ", storage::QuotePath(folder), ": ", std::strerror(errno)));
+  }
+  const std::string token = RandomId128();
+  GW_RETURN_IF_ERROR(WriteClaim(ClaimPathOf(module_id, 1), token));
+  std::lock_guard<std::mutex> lock(mu_);
+  held_[module_id] = Held{1, token, true};
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Checkpointer::TakeOver> Checkpointer::Take(ModuleHost& host,
+                                                          const std::string& module_id) {
+  GW_RETURN_IF_ERROR(CheckFolderName(module_id));
+  const std::string folder = FolderOf(module_id), legacy = LegacyPathOf(module_id);
+  const Scan before = ScanFolder(folder, legacy);
+  if (!before.any_state()) {
+    return absl::NotFoundError(
+        absl::StrCat("module_id ", module_id, " has no checkpoint in ", dir_));
+  }
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  TakeOver out;
+  out.epoch = std::max(before.max_claim(), before.max_state()) + 1;
+  const std::string token = RandomId128();
+  GW_RETURN_IF_ERROR(WriteClaim(ClaimPathOf(module_id, out.epoch), token));
+  // The earlier holders' claims go: each of them is fenced from now on (CheckHeld).
+  for (int64_t e : before.claims) {
+    if (e < out.epoch) fs::remove(ClaimPathOf(module_id, e), ec);
+  }
+  // Scanned again after the claim: a state the last holder saved in between is the newest.
+  const Scan after = ScanFolder(folder, legacy);
+  out.from_epoch = std::max<int64_t>(after.max_state(), 0);
+  const std::string path = after.states.empty() ? legacy : StatePathOf(module_id, out.from_epoch);
+  GW_ASSIGN_OR_RETURN(ModuleState state, ReadState(path));
+  if (state.module_id != module_id) {
+    return absl::DataLossError(
+        absl::StrCat(path, " holds module ", state.module_id, ", not module ", module_id));
+  }
+  if (auto s = host.ImportState(state); !s.ok()) {
+    return absl::Status(
+        s.code() == absl::StatusCode::kAlreadyExists ? s.code() : absl::StatusCode::kDataLoss,
+        absl::StrCat(path, ": ", s.message()));
+  }
+  out.weight_version = state.weight_version;
+  out.optimizer_steps = state.optimizer_steps;
+  std::lock_guard<std::mutex> lock(mu_);
+  held_[module_id] = Held{out.epoch, token, false};
+  return out;
+}
+
+absl::Status Checkpointer::CheckHeld(const std::string& module_id, const Held& held) const {
+  struct stat st;
+  const bool mine = ReadToken(ClaimPathOf(module_id, held.epoch)) == held.token;
+  if (mine && ::stat(ClaimPathOf(module_id, held.epoch + 1).c_str(), &st) != 0) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "module ", module_id, kMovedMarker, "this server held it under checkpoint epoch ", held.epoch,
+      ", and another server has claimed it since (or deleted it); this server no "
+      "longer serves or saves it. Behind a proxy, retry: the call goes where the module is now"));
+}
+
+absl::Status Checkpointer::CheckHeld(const std::string& module_id) const {
+  Held held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = held_.find(module_id);
+    if (it == held_.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("module ", module_id, " is not held by this server's checkpoints"));
+    }
+    held = it->second;
+  }
+  return CheckHeld(module_id, held);
+}
+
+bool Checkpointer::IsMoved(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition &&
+         status.message().find(kMovedMarker) != absl::string_view::npos;
+}
+
+int64_t Checkpointer::EpochOf(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = held_.find(module_id);
+  return it == held_.end() ? 0 : it->second.epoch;
+}
+
+absl::Status Checkpointer::SaveState(const ModuleState& state, int64_t epoch) const {
   std::vector<StTensor> tensors;
   for (const auto& [name, t] : state.parameters) tensors.push_back(ToSt("param." + name, t));
   for (const auto& [name, t] : state.optimizer_slots) tensors.push_back(ToSt("slot." + name, t));
@@ -145,85 +425,110 @@ absl::Status Checkpointer::Save(const ModuleState& state) const {
       {"format_version", std::to_string(kFormatVersion)},
       {"module_id", state.module_id},
       {"tenant", state.tenant},
+      {"epoch", std::to_string(epoch)},
       {"weight_version", std::to_string(state.weight_version)},
       {"optimizer_steps", std::to_string(state.optimizer_steps)},
       {"spec", SpecToJson(state.spec).dump()},
       {"scaling", scaling.dump()}};
-  return storage::WriteSafetensorsFile(PathOf(state.module_id), tensors, metadata);
+  return storage::WriteSafetensorsFile(StatePathOf(state.module_id, epoch), tensors, metadata);
 }
 
-absl::Status Checkpointer::Save(const ModuleHost& host, const std::string& module_id) const {
+absl::Status Checkpointer::Save(const ModuleHost& host, const std::string& module_id) {
+  Held held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = held_.find(module_id);
+    if (it == held_.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("module ", module_id, " is not held by this server's checkpoints"));
+    }
+    held = it->second;
+  }
+  GW_RETURN_IF_ERROR(CheckHeld(module_id, held));
   GW_ASSIGN_OR_RETURN(ModuleState state, host.ExportState(module_id));
-  return Save(state);
+  GW_RETURN_IF_ERROR(SaveState(state, held.epoch));
+  if (held.superseded) return absl::OkStatus();
+  // The first save under this epoch: the states it superseded go.
+  std::error_code ec;
+  for (int64_t e : ScanFolder(FolderOf(module_id), LegacyPathOf(module_id)).states) {
+    if (e < held.epoch) fs::remove(StatePathOf(module_id, e), ec);
+  }
+  fs::remove(LegacyPathOf(module_id), ec);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = held_.find(module_id); it != held_.end() && it->second.epoch == held.epoch) {
+    it->second.superseded = true;
+  }
+  return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> Checkpointer::SaveAll(const ModuleHost& host) const {
+absl::StatusOr<int64_t> Checkpointer::SaveAll(const ModuleHost& host) {
   int64_t saved = 0;
   for (const ModuleInfo& info : host.List()) {
-    GW_RETURN_IF_ERROR(Save(host, info.module_id));
+    absl::Status s = Save(host, info.module_id);
+    if (IsMoved(s)) {
+      spdlog::warn("not saving module {}: {}", info.module_id, std::string(s.message()));
+      continue;
+    }
+    GW_RETURN_IF_ERROR(s);
     ++saved;
   }
   return saved;
 }
 
-absl::Status Checkpointer::Remove(const std::string& module_id) const {
+std::vector<std::string> Checkpointer::Lost() const {
+  std::map<std::string, Held> held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held = held_;
+  }
+  std::vector<std::string> lost;
+  for (const auto& [id, h] : held) {
+    if (!CheckHeld(id, h).ok()) lost.push_back(id);
+  }
+  return lost;
+}
+
+void Checkpointer::Forget(const std::string& module_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_.erase(module_id);
+}
+
+absl::Status Checkpointer::Remove(const std::string& module_id) {
+  GW_RETURN_IF_ERROR(CheckFolderName(module_id));
+  Forget(module_id);
   std::error_code ec;
-  fs::remove(PathOf(module_id), ec);
+  fs::remove_all(FolderOf(module_id), ec);
+  if (!ec) fs::remove(LegacyPathOf(module_id), ec);
   if (ec) {
     return absl::InternalError(
-        absl::StrCat("cannot remove ", PathOf(module_id), ": ", ec.message()));
+        absl::StrCat("cannot remove the checkpoint of module ", module_id, ": ", ec.message()));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> Checkpointer::RestoreAll(ModuleHost& host) const {
-  int64_t restored = 0;
+absl::StatusOr<int64_t> Checkpointer::RestoreAll(ModuleHost& host) {
+  std::set<std::string> ids;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
-    const std::string path = entry.path().string();
-    if (path.size() < sizeof(kSuffix) ||
-        path.compare(path.size() - strlen(kSuffix), strlen(kSuffix), kSuffix) != 0) {
-      continue;  // temporary files of an interrupted write, or foreign files
-    }
-    std::map<std::string, std::string> metadata;
-    auto tensors = storage::ReadSafetensorsFile(path, &metadata);
-    if (!tensors.ok()) {
-      return absl::DataLossError(absl::StrCat(path, ": ", tensors.status().message()));
-    }
-    ModuleState state;
-    try {
-      if (metadata.at("format") != "gradwire-checkpoint") {
-        return absl::DataLossError(absl::StrCat(path, " is not a gradwire checkpoint"));
-      }
-      state.module_id = metadata.at("module_id");
-      if (auto t = metadata.find("tenant"); t != metadata.end()) state.tenant = t->second;
-      state.weight_version = std::stoull(metadata.at("weight_version"));
-      state.optimizer_steps = std::stoll(metadata.at("optimizer_steps"));
-      state.spec = SpecFromJson(json::parse(metadata.at("spec")));
-      for (const json& r : json::parse(metadata.at("scaling"))) {
-        const std::vector<float> history = r.at("history");
-        state.scaling.push_back(
-            {r.at("role"), r.at("scale"), std::deque<float>(history.begin(), history.end())});
-      }
-    } catch (const std::exception& e) {
-      return absl::DataLossError(absl::StrCat(path, ": bad checkpoint metadata: ", e.what()));
-    }
-    for (const StTensor& t : *tensors) {
-      GW_ASSIGN_OR_RETURN(at::Tensor value, FromSt(t));
-      if (t.name.rfind("param.", 0) == 0) {
-        state.parameters.emplace_back(t.name.substr(6), value);
-      } else if (t.name.rfind("slot.", 0) == 0) {
-        state.optimizer_slots.emplace_back(t.name.substr(5), value);
-      }
-    }
-    if (auto s = host.ImportState(state); !s.ok()) {
-      return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
-    }
-    ++restored;
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name[0] == '.') continue;
+    std::error_code dir_ec;
+    if (entry.is_directory(dir_ec)) {
+      ids.insert(name);
+    } else if (EndsWith(name, kSuffix) && name.size() > strlen(kSuffix)) {
+      ids.insert(name.substr(0, name.size() - strlen(kSuffix)));
+    }  // else: temporary files of an interrupted write, or foreign files
   }
   if (ec) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot read checkpoint dir ", dir_, ": ", ec.message()));
+  }
+  int64_t restored = 0;
+  for (const std::string& id : ids) {
+    absl::StatusOr<TakeOver> took = Take(host, id);
+    if (took.status().code() == absl::StatusCode::kNotFound) continue;  // a create cut short
+    if (!took.ok()) return took.status();
+    ++restored;
   }
   return restored;
 }

@@ -1,11 +1,37 @@
-// Durable module state: one safetensors file per module in a directory, written to a temporary
-// file and renamed (a crash leaves the old checkpoint or the new one, never a torn one).
+// Durable module state in a checkpoint directory that one server owns or several share.
+//
+// Layout: a folder per module, `DIR/<module id>/`, holding
+//   claim.<E>                     the module's current claim: epoch E and the token of the server
+//                                 holding it (written with O_EXCL, so one server wins an epoch)
+//   state.<E>.gradwire.safetensors the module's state as the holder of epoch E last saved it
+//                                 (written to a temporary file and renamed: a crash leaves the old
+//                                 checkpoint or the new one, never a torn one)
+// A checkpoint of the earlier flat layout, `DIR/<module id>.gradwire.safetensors`, reads as
+// epoch 0 and is replaced by the first save.
+//
+// Ownership is fenced by epochs. A server holds a module under the epoch it claimed: claim 1 when
+// it created the module, the newest claim + 1 when it took the module over from the newest
+// checkpoint (first touch on a server that shares the directory, or a restore at start). A
+// holder writes only the state file of its own epoch, and only while its claim file is still
+// there with its token and no later claim exists; a takeover removes the earlier claims. So a
+// server that lost a module (the proxy moved it, another server took it over) can no longer
+// save it, and whatever it wrote before noticing carries an older epoch than the newest state,
+// which is the one a takeover reads. docs/scaling-out.md says what this gives a client.
+//
+// One race remains, and it is narrow: a holder checks its claim, a takeover claims the next
+// epoch and reads the newest state, and only then the old holder's rename lands. That file
+// carries the old epoch: the new holder's first save supersedes it, and until then a third
+// takeover would read it (state the new holder never saw, though never a rollback of a save the
+// new holder made).
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/core/module_host.h"
 
@@ -15,29 +41,84 @@ class Checkpointer {
  public:
   // `every_steps` > 0: a module is saved after every that many optimizer steps.
   Checkpointer(std::string dir, int64_t every_steps);
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
 
   const std::string& dir() const { return dir_; }
+  bool shared() const { return shared_; }
   // Whether a module that just reached `optimizer_steps` is due for a save.
   bool Due(int64_t optimizer_steps) const {
     return every_steps_ > 0 && optimizer_steps % every_steps_ == 0;
   }
 
-  // Creates the directory if needed and checks it is writable.
-  absl::Status Prepare() const;
-  absl::Status Save(const ModuleState& state) const;
-  absl::Status Save(const ModuleHost& host, const std::string& module_id) const;
-  // Saves every module; returns how many.
-  absl::StatusOr<int64_t> SaveAll(const ModuleHost& host) const;
-  // Removes a deleted module's checkpoint (no error when there is none).
-  absl::Status Remove(const std::string& module_id) const;
-  // Reads every checkpoint in the directory into `host`; returns how many modules it restored.
-  absl::StatusOr<int64_t> RestoreAll(ModuleHost& host) const;
+  // Creates the directory if needed and locks it: exclusively (this server alone restores and
+  // holds every module), or `shared` with other servers started the same way (modules are taken
+  // over on first touch). FAILED_PRECONDITION when another live server holds a lock that
+  // conflicts (the lock is flock(2) on DIR/.gradwire-lock, released when the process exits).
+  absl::Status Prepare(bool shared = false);
 
-  std::string PathOf(const std::string& module_id) const;
+  // Starts the checkpoints of a module just created here: its folder and claim 1. ALREADY_EXISTS
+  // when the id has a checkpoint already (another server's module, or one not loaded here yet).
+  absl::Status ClaimNew(const std::string& module_id);
+  // What a takeover found.
+  struct TakeOver {
+    int64_t epoch = 0;       // the epoch this server now holds the module under
+    int64_t from_epoch = 0;  // the epoch of the state it read (0: the flat layout)
+    uint64_t weight_version = 0;
+    int64_t optimizer_steps = 0;
+  };
+  // Takes the module over: claims the next epoch and imports the newest state into `host`.
+  // NOT_FOUND when the directory has no checkpoint of the id; ABORTED when another server claimed
+  // the same epoch at the same moment (retry); DATA_LOSS for a damaged checkpoint.
+  absl::StatusOr<TakeOver> Take(ModuleHost& host, const std::string& module_id);
+  // Whether the directory has a checkpoint (or the folder of one being made) of the id: two stats.
+  bool Exists(const std::string& module_id) const;
+
+  // Saves a held module under its epoch. FAILED_PRECONDITION when this server does not hold it,
+  // or no longer does (IsMoved: another server claimed a later epoch, or it was deleted there):
+  // nothing is written then.
+  absl::Status Save(const ModuleHost& host, const std::string& module_id);
+  // OK while this server still holds the module; the Save refusal otherwise.
+  absl::Status CheckHeld(const std::string& module_id) const;
+  // Whether `status` is the refusal of a module another server holds now.
+  static bool IsMoved(const absl::Status& status);
+  // Saves every module of `host` this server still holds; returns how many. Modules it lost are
+  // skipped (logged), and neither stop it nor count.
+  absl::StatusOr<int64_t> SaveAll(const ModuleHost& host);
+  // The held modules another server holds now (their claims superseded or removed): for the
+  // server to let them go. Reads one small file and stats one name per held module.
+  std::vector<std::string> Lost() const;
+  // Stops holding the module, leaving its files (another server holds it now).
+  void Forget(const std::string& module_id);
+  // Removes a deleted module's folder and files (no error when there are none).
+  absl::Status Remove(const std::string& module_id);
+  // Takes over every module with a checkpoint into `host`; returns how many.
+  absl::StatusOr<int64_t> RestoreAll(ModuleHost& host);
+
+  // The epoch this server holds the module under, 0 when it does not.
+  int64_t EpochOf(const std::string& module_id) const;
+  std::string FolderOf(const std::string& module_id) const;
+  std::string StatePathOf(const std::string& module_id, int64_t epoch) const;
+  std::string ClaimPathOf(const std::string& module_id, int64_t epoch) const;
+  // The flat layout's file of a module (read as epoch 0).
+  std::string LegacyPathOf(const std::string& module_id) const;
 
  private:
+  struct Held {
+    int64_t epoch = 0;
+    std::string token;        // written in the claim file: whose claim it is
+    bool superseded = false;  // the earlier epochs' state files are removed (after the first save)
+  };
+  absl::Status CheckHeld(const std::string& module_id, const Held& held) const;
+  absl::Status SaveState(const ModuleState& state, int64_t epoch) const;
+
   std::string dir_;
   int64_t every_steps_;
+  bool shared_ = false;
+  int lock_fd_ = -1;
+  mutable std::mutex mu_;  // guards held_
+  std::map<std::string, Held> held_;
 };
 
 }  // namespace gradwire::core

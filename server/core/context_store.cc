@@ -21,16 +21,21 @@ std::string RandomId128() {
   return id;
 }
 
-namespace {
-
-absl::Status Unknown(const std::string& context_id) {
+absl::Status ContextStore::Unknown(const std::string& context_id) const {
+  // An id of the right form that does not start with this store's maker tag was made by another
+  // server process: one that restarted, or one that left while its module moved here.
+  if (ParseId(context_id) && context_id.compare(0, maker_.size(), maker_) != 0) {
+    return absl::NotFoundError(absl::StrCat(
+        "context_id ", context_id,
+        " is not a live context: it was not made by this server process (the server that made "
+        "it restarted, or left and its module moved here; contexts do not survive either); run "
+        "the forward again"));
+  }
   return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
 }
 
-}  // namespace
-
 ContextStore::ContextStore(ContextLimits limits, Clock clock)
-    : limits_(limits), clock_(std::move(clock)) {
+    : limits_(limits), clock_(std::move(clock)), maker_(RandomId128().substr(0, kMakerDigits)) {
   gone_.reserve(kGoneMemory);
   gone_ring_.reserve(kGoneMemory);
 }
@@ -132,7 +137,9 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
     ++stats_.rejected_share;
     return s;
   }
-  while (id.empty() || entries_.count(id) || FindGoneLocked(id) != nullptr) id = RandomId128();
+  while (id.empty() || entries_.count(id) || FindGoneLocked(id) != nullptr) {
+    id = maker_ + RandomId128().substr(kMakerDigits);
+  }
   Entry entry;
   entry.module_id = std::move(module_id);
   entry.tenant = std::move(tenant);
@@ -333,6 +340,12 @@ absl::Status ContextStore::GoneStatus(const std::string& context_id, Gone why) c
           "context_id ", context_id,
           " was released when the Train stream that made it ended; a stream's contexts last only "
           "as long as the stream"));
+    case Gone::kModuleMoved:
+      return absl::NotFoundError(absl::StrCat(
+          "context_id ", context_id,
+          " was released: its module moved to another server (another server sharing the "
+          "checkpoint directory took it over), and contexts do not move with their module; run "
+          "the forward again"));
   }
   return Unknown(context_id);
 }
@@ -433,13 +446,13 @@ absl::Status ContextStore::Release(const std::string& context_id, ReleaseReason 
   return absl::OkStatus();
 }
 
-int64_t ContextStore::ReleaseModule(const std::string& module_id) {
+int64_t ContextStore::ReleaseModule(const std::string& module_id, bool moved) {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t released = 0;
   for (auto it = entries_.begin(); it != entries_.end();) {
     auto next = std::next(it);
     if (it->second.module_id == module_id) {
-      EraseLocked(it, /*remember=*/false, Gone::kConsumed);
+      EraseLocked(it, /*remember=*/moved, moved ? Gone::kModuleMoved : Gone::kConsumed);
       ++released;
     }
     it = next;

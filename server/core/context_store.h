@@ -146,8 +146,9 @@ class ContextStore {
   absl::Status Release(const std::string& context_id,
                        ReleaseReason reason = ReleaseReason::kByClient);
 
-  // Drops every context of a module (when the module is deleted); returns how many.
-  int64_t ReleaseModule(const std::string& module_id);
+  // Drops every context of a module (when the module is deleted, or `moved`: another server holds
+  // it now, and a later backward on one of them is told so); returns how many.
+  int64_t ReleaseModule(const std::string& module_id, bool moved = false);
 
   // Evicts the contexts past the TTL now (the store also does so on every Put and Acquire);
   // returns how many.
@@ -178,7 +179,18 @@ class ContextStore {
   std::weak_ptr<SavedTensors> Peek(const std::string& context_id) const;
 
  private:
-  enum class Gone { kConsumed, kEvictedTtl, kEvictedMemory, kUndelivered, kStreamEnded };
+  enum class Gone {
+    kConsumed,
+    kEvictedTtl,
+    kEvictedMemory,
+    kUndelivered,
+    kStreamEnded,
+    kModuleMoved
+  };
+  // Context ids start with this store's maker tag, so that an id made by another server process
+  // is told apart from one never made (Unknown).
+  static constexpr size_t kMakerDigits = 8;
+  absl::Status Unknown(const std::string& context_id) const;
   struct Entry {
     std::string module_id;
     std::string tenant;
@@ -223,6 +235,7 @@ class ContextStore {
 
   const ContextLimits limits_;
   const Clock clock_;
+  const std::string maker_;  // kMakerDigits hex digits, random per store
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> entries_;
   std::map<uint64_t, std::string> order_;  // least recently used first

@@ -39,9 +39,10 @@ absl::Status ModuleHost::CheckTenant(const std::string& module_id,
                                      const std::string& tenant) const {
   return modules_->CheckTenant(module_id, tenant);
 }
-absl::Status ModuleHost::Delete(const std::string& module_id) {
-  return modules_->Delete(module_id);
+absl::Status ModuleHost::Delete(const std::string& module_id, bool moved) {
+  return modules_->Delete(module_id, moved);
 }
+bool ModuleHost::Has(const std::string& module_id) const { return modules_->Has(module_id); }
 absl::Status ModuleHost::Touch(const std::string& module_id) const {
   return modules_->Find(module_id).status();
 }

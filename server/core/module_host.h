@@ -68,8 +68,11 @@ class ModuleHost {
   absl::Status CheckContextTenant(const std::string& context_id, const std::string& tenant) const {
     return contexts_.CheckTenant(context_id, tenant);
   }
-  // Deletes the module and releases its contexts.
-  absl::Status Delete(const std::string& module_id);
+  // Deletes the module and releases its contexts (`moved`: another server holds it now, and a
+  // later backward on one of them is told so).
+  absl::Status Delete(const std::string& module_id, bool moved = false);
+  // Whether a module has the id (whoever owns it), without renewing its lifetime.
+  bool Has(const std::string& module_id) const;
 
   // Forwards and backwards: StepRunner's (step_runner.h), which says what each computes and
   // refuses. Forward and Backward are a batch of one.

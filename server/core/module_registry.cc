@@ -118,14 +118,19 @@ absl::StatusOr<ModuleSpec> ModuleRegistry::Spec(const std::string& module_id) co
   return m->spec;
 }
 
-absl::Status ModuleRegistry::Delete(const std::string& module_id) {
+bool ModuleRegistry::Has(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return modules_.count(module_id) > 0;
+}
+
+absl::Status ModuleRegistry::Delete(const std::string& module_id, bool moved) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!modules_.erase(module_id)) {
       return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
     }
   }
-  contexts_.ReleaseModule(module_id);
+  contexts_.ReleaseModule(module_id, moved);
   return absl::OkStatus();
 }
 

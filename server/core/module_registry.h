@@ -43,8 +43,10 @@ class ModuleRegistry {
   std::vector<ModuleInfo> List(const std::string* tenant) const;
   // NOT_FOUND, worded exactly as for an unknown id, unless the module belongs to `tenant`.
   absl::Status CheckTenant(const std::string& module_id, const std::string& tenant) const;
-  // Removes the module and releases its contexts.
-  absl::Status Delete(const std::string& module_id);
+  // Removes the module and releases its contexts (`moved`: remembered as moved to another server).
+  absl::Status Delete(const std::string& module_id, bool moved = false);
+  // Whether a module has the id, without renewing it.
+  bool Has(const std::string& module_id) const;
   // Removes, with their contexts, the modules no call named for `ttl_s` seconds; their ids.
   std::vector<std::string> ExpireIdle(double ttl_s);
 

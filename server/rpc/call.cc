@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/status_macros.h"
+#include "server/core/checkpoint.h"
 #include "server/core/executor.h"
+#include "server/core/kind_description.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/boundary.h"
@@ -104,6 +106,56 @@ absl::Status CallEnv::Admit(const Caller& caller, const std::string& module_id,
   return quotas_.Admit(caller.client, std::move(module_key), admission);
 }
 
+std::string CallEnv::ToTakeOver(const Caller& caller, const std::string& module_id,
+                                const std::string& context_id) {
+  if (options_.checkpointer == nullptr || (module_id.empty() && !context_id.empty())) return {};
+  const std::string& id = module_id.empty() ? caller.route : module_id;
+  if (id.empty() || !CheckId("module_id", id).ok() || !CheckRoute(caller, id).ok()) return {};
+  std::lock_guard<std::mutex> lock(takeover_mu_);
+  auto it = waiting_for_.find(id);
+  if (it == waiting_for_.end()) {
+    if (host_.Has(id)) return {};
+    it = waiting_for_.emplace(id, 0).first;
+  }
+  ++it->second;
+  return id;
+}
+
+void CallEnv::TakeOverDone(const std::string& module_id) {
+  std::lock_guard<std::mutex> lock(takeover_mu_);
+  auto it = waiting_for_.find(module_id);
+  if (it != waiting_for_.end() && --it->second <= 0) waiting_for_.erase(it);
+}
+
+absl::Status CallEnv::TakeOver(const std::string& module_id) {
+  if (options_.checkpointer == nullptr || host_.Has(module_id)) return absl::OkStatus();
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<core::Checkpointer::TakeOver> took = options_.checkpointer->Take(host_, module_id);
+  if (took.status().code() == absl::StatusCode::kNotFound ||
+      took.status().code() == absl::StatusCode::kAlreadyExists) {
+    return absl::OkStatus();
+  }
+  if (!took.ok()) {
+    spdlog::error("cannot take over module {}: {}", module_id,
+                  std::string(took.status().message()));
+    return absl::Status(took.status().code(),
+                        absl::StrCat("module ", module_id,
+                                     " could not be taken over from the checkpoint directory: ",
+                                     took.status().message()));
+  }
+  absl::StatusOr<core::ModuleInfo> info = host_.Info(module_id);
+  if (info.ok() && !info->tenant.empty()) {
+    quotas_.CountExisting(module_id, "tenant " + info->tenant,
+                          core::ParameterCount(info->spec) * int64_t(sizeof(float)));
+  }
+  spdlog::info(
+      "took over module {} from its checkpoint (epoch {}, now held under epoch {}): weight version "
+      "{}, {} optimizer steps, in {:.1f} ms",
+      module_id, took->from_epoch, took->epoch, took->weight_version, took->optimizer_steps,
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  return absl::OkStatus();
+}
+
 absl::Status CallEnv::CheckRequestBytes(int64_t bytes) const {
   const int64_t limit = options_.limits.max_request_bytes;
   if (limit <= 0) return absl::OkStatus();
@@ -181,6 +233,45 @@ absl::Status CallBase::Authenticate(grpc::CallbackServerContext* ctx) {
 absl::Status CallBase::AdmitAndRun(const std::string& module_id, const std::string& context_id,
                                    RunOn on, std::function<void(absl::Status)> run,
                                    std::function<void(absl::Status)> on_error, Submitter submit) {
+  const std::string take =
+      on == RunOn::kInline ? std::string() : env_.ToTakeOver(*caller_, module_id, context_id);
+  if (take.empty()) {
+    return AdmitAndQueue(module_id, context_id, on, std::move(run), std::move(on_error),
+                         std::move(submit));
+  }
+  // While it waits for the take-over the call counts for its client's queue bound.
+  Admission waiting;
+  if (absl::Status s = env_.quotas().Admit(caller_->client, {}, &waiting); !s.ok()) {
+    env_.TakeOverDone(take);
+    return s;
+  }
+  Ref();
+  auto ticket = std::make_shared<Admission>(std::move(waiting));
+  env_.control().Submit(
+      caller_->client,
+      [this, take, ticket = std::move(ticket), module_id, context_id, on, run = std::move(run),
+       on_error = std::move(on_error), submit = std::move(submit)]() mutable {
+        RequestScope scope(request_);
+        ticket->Release();
+        absl::Status s;
+        try {
+          s = env_.TakeOver(take);
+        } catch (const std::exception& e) {
+          s = absl::InternalError(absl::StrCat("taking over module ", take, " failed: ", e.what()));
+        }
+        if (s.ok()) {
+          s = AdmitAndQueue(module_id, context_id, on, std::move(run), on_error, std::move(submit));
+        }
+        env_.TakeOverDone(take);
+        if (!s.ok() && on_error) on_error(s);
+        Unref();
+      });
+  return absl::OkStatus();
+}
+
+absl::Status CallBase::AdmitAndQueue(const std::string& module_id, const std::string& context_id,
+                                     RunOn on, std::function<void(absl::Status)> run,
+                                     std::function<void(absl::Status)> on_error, Submitter submit) {
   Admission admission;
   GW_RETURN_IF_ERROR(
       env_.Admit(*caller_, module_id, context_id, on == RunOn::kInline ? nullptr : &admission));

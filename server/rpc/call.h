@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -110,6 +111,25 @@ class CallEnv {
   // client. With `admission` null only ownership is checked (work that never waits in a queue).
   absl::Status Admit(const Caller& caller, const std::string& module_id,
                      const std::string& context_id, Admission* admission);
+  // Take-over on first touch (docs/scaling-out.md). With checkpoints, a call about a module this
+  // server does not have may be about one whose checkpoint is in the directory: another server's
+  // that left, or one not loaded yet. Such a call waits, on the control thread (reading storage
+  // never blocks a reactor), for the module to be taken over, and is admitted after (ownership
+  // is then checked against the loaded module's tenant).
+  //
+  // The module a call must wait for: the one it names (unless its route header names another:
+  // that call is refused as it is, and moves nothing), or, naming neither a module nor a context,
+  // the one its route header names; empty when the module is here and no take-over of it is
+  // pending. A call naming only a context takes nothing over: its context cannot be here when its
+  // module is not, and it fails as it would anyway. A non-empty answer
+  // counts the call as waiting for it until TakeOverDone, so that later calls about the module
+  // queue behind it and keep their order.
+  std::string ToTakeOver(const Caller& caller, const std::string& module_id,
+                         const std::string& context_id);
+  void TakeOverDone(const std::string& module_id);
+  // On the control thread: takes `module_id` over from the checkpoint directory unless it is
+  // here. OK too when it has no checkpoint: the call then fails as for any unknown module.
+  absl::Status TakeOver(const std::string& module_id);
   // RESOURCE_EXHAUSTED naming --max-request-bytes when `bytes` is over it.
   absl::Status CheckRequestBytes(int64_t bytes) const;
   // Step 6: logs and metrics of one finished call; ids are bounded and escaped here.
@@ -132,6 +152,8 @@ class CallEnv {
   core::DeviceExecutor& executor_;
   const ServiceOptions& options_;
   QuotaBook& quotas_;
+  std::mutex takeover_mu_;                  // guards waiting_for_
+  std::map<std::string, int> waiting_for_;  // calls waiting for a take-over, by module
   std::unique_ptr<core::DeviceExecutor> control_;
 };
 
@@ -183,6 +205,8 @@ class CallBase {
   // runs nothing, when the call is not admitted. Inline work is counted in no queue.
   // `submit`, when given, queues the work instead of `on`'s executor (a batch former that puts
   // it in a batch and runs it on the device executor).
+  // When the module must be taken over first (CallEnv::ToTakeOver), all of this happens on the
+  // control thread once it is, and a refusal then reaches `on_error`.
   absl::Status AdmitAndRun(const std::string& module_id, const std::string& context_id, RunOn on,
                            std::function<void(absl::Status started)> run,
                            std::function<void(absl::Status)> on_error, Submitter submit = nullptr);
@@ -211,6 +235,11 @@ class CallBase {
   absl::Status status_;    // what the call finished with (reported)
 
  private:
+  // AdmitAndRun's steps once the module is here.
+  absl::Status AdmitAndQueue(const std::string& module_id, const std::string& context_id, RunOn on,
+                             std::function<void(absl::Status started)> run,
+                             std::function<void(absl::Status)> on_error, Submitter submit);
+
   std::atomic<int> refs_{1};  // gRPC's, until OnDone
   std::string module_id_, context_id_;
 };

@@ -60,8 +60,9 @@ struct ServiceOptions {
   std::string version;      // reported by GetServerInfo
   std::string device;       // "cpu" or "cuda:N"
   std::string device_name;  // human-readable description of the device
-  // Persists modules on create, weight upload, delete and every N optimizer steps; null: none.
-  const core::Checkpointer* checkpointer = nullptr;
+  // Persists modules on create, weight upload, delete and every N optimizer steps, and takes over
+  // a module with a checkpoint on the first call about it; null: none.
+  core::Checkpointer* checkpointer = nullptr;
   // Bearer tokens and their tenants; null: no authentication, no isolation.
   const Authenticator* authenticator = nullptr;
   // Called once per finished RPC (request-scoped logs, metrics); may be empty.

@@ -58,11 +58,41 @@ GradwireService::~GradwireService() = default;
 
 int64_t GradwireService::batched_waiting() const { return batcher_ ? batcher_->waiting() : 0; }
 
-void GradwireService::Persist(const std::string& module_id) const {
+void GradwireService::Persist(const std::string& module_id) {
   if (!options_.checkpointer) return;
-  if (auto s = options_.checkpointer->Save(host_, module_id); !s.ok()) {
+  absl::Status s = options_.checkpointer->Save(host_, module_id);
+  if (core::Checkpointer::IsMoved(s)) {
+    LetGo(module_id, s);
+  } else if (!s.ok()) {
     spdlog::warn("checkpoint of module {} failed: {}", module_id, std::string(s.message()));
   }
+}
+
+absl::Status GradwireService::CheckStillHeld(const std::string& module_id) {
+  if (!options_.checkpointer) return absl::OkStatus();
+  absl::Status s = options_.checkpointer->CheckHeld(module_id);
+  if (!core::Checkpointer::IsMoved(s)) return absl::OkStatus();
+  LetGo(module_id, s);
+  return s;
+}
+
+void GradwireService::LetGo(const std::string& module_id, const absl::Status& why) {
+  options_.checkpointer->Forget(module_id);
+  const int64_t contexts = host_.contexts().live_contexts(module_id);
+  if (!host_.Delete(module_id, /*moved=*/true).ok()) return;  // let go of already
+  quotas_.ModuleDeleted(module_id);
+  spdlog::warn("let go of module {} and its {} live contexts: {}", module_id, contexts,
+               std::string(why.message()));
+}
+
+int GradwireService::LetGoOfMovedModules() {
+  if (!options_.checkpointer || !options_.checkpointer->shared()) return 0;
+  int n = 0;
+  for (const std::string& id : options_.checkpointer->Lost()) {
+    LetGo(id, options_.checkpointer->CheckHeld(id));
+    ++n;
+  }
+  return n;
 }
 
 std::vector<ClientUsage> GradwireService::Usage() const {
@@ -121,6 +151,16 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
           quotas_.ReturnParameters(caller.client, bytes);
           return info.status();
         }
+        if (options_.checkpointer) {
+          // Its checkpoint folder and first claim: no other server sharing the directory has or
+          // makes a module of this id.
+          if (absl::Status claimed = options_.checkpointer->ClaimNew(info->module_id);
+              !claimed.ok()) {
+            (void)host_.Delete(info->module_id);
+            quotas_.ReturnParameters(caller.client, bytes);
+            return claimed;
+          }
+        }
         quotas_.KeepParameters(info->module_id, caller.client, bytes);
         InfoToProto(*info, resp->mutable_module());
         Persist(info->module_id);
@@ -151,6 +191,7 @@ GradwireService::Unary* GradwireService::DeleteModule(Ctx* ctx, const v1::Delete
       env_, ctx, "DeleteModule",
       [this, req](const Caller& caller, const CallBase&) -> absl::Status {
         GW_RETURN_IF_ERROR(env_.CheckModule(caller, req->module_id()));
+        GW_RETURN_IF_ERROR(CheckStillHeld(req->module_id()));  // its files are another's now
         GW_RETURN_IF_ERROR(host_.Delete(req->module_id()));
         quotas_.ModuleDeleted(req->module_id());
         if (options_.checkpointer) {
@@ -180,7 +221,9 @@ GradwireService::Unary* GradwireService::KeepAlive(Ctx* ctx, const v1::KeepAlive
           GW_RETURN_IF_ERROR(CallEnv::CheckRoute(caller, id));
         }
         for (const std::string& id : req->module_ids()) {
-          if (!env_.CheckModule(caller, id).ok() || !host_.Touch(id).ok()) {
+          // Already on the control thread: a module with a checkpoint is taken over here.
+          if (!env_.TakeOver(id).ok() || !env_.CheckModule(caller, id).ok() ||
+              !host_.Touch(id).ok()) {
             resp->add_unknown(id);
           }
         }
@@ -215,6 +258,7 @@ GradwireService::Unary* GradwireService::ApplyGradients(Ctx* ctx,
       env_, ctx, "ApplyGradients",
       [this, req, resp](const Caller& caller, const CallBase&) -> absl::Status {
         GW_RETURN_IF_ERROR(env_.CheckModule(caller, req->module_id()));
+        GW_RETURN_IF_ERROR(CheckStillHeld(req->module_id()));
         GW_ASSIGN_OR_RETURN(uint64_t version,
                             host_.ApplyGradients(req->module_id(), req->learning_rate()));
         resp->set_weight_version(version);
@@ -259,6 +303,7 @@ absl::Status GradwireService::DoGetWeights(const Caller& caller, const v1::GetWe
 absl::Status GradwireService::DoSetWeights(const Caller& caller, const v1::SetWeightsRequest& req,
                                            v1::SetWeightsResponse* resp) {
   GW_RETURN_IF_ERROR(env_.CheckModule(caller, req.module_id()));
+  GW_RETURN_IF_ERROR(CheckStillHeld(req.module_id()));
   core::NamedViews params;
   for (int i = 0; i < req.parameters_size(); ++i) {
     const v1::NamedTensor& named = req.parameters(i);

@@ -129,6 +129,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   int ExpireIdleModules();
   // The module TTL in force (GetServerInfo.module_ttl_s): 0 when off or every module is durable.
   double module_ttl_s() const;
+  // With a shared checkpoint directory: lets go of the modules another server took over since
+  // (their claims superseded), with their contexts; the janitor calls it. Returns how many.
+  int LetGoOfMovedModules();
 
  private:
   // The one pipeline of forwards and backwards (step_pipeline.h, steps.cc): every call shape's
@@ -205,8 +208,15 @@ class GradwireService final : public ServiceBase, private StepPipeline {
                             v1::SetWeightsResponse* resp);
 
   // Saves a module's checkpoint when checkpoints are on; a failure is logged, not returned (the
-  // call itself succeeded, and the next save retries).
-  void Persist(const std::string& module_id) const;
+  // call itself succeeded, and the next save retries). A module another server holds now is
+  // let go of (LetGo) instead.
+  void Persist(const std::string& module_id);
+  // Before a call changes or deletes a module's state: the refusal when another server holds it
+  // now (it is then let go of here), else OK.
+  absl::Status CheckStillHeld(const std::string& module_id);
+  // Drops a module another server holds now, with its contexts (their backwards are told it
+  // moved) and its quota; its checkpoint files stay, they are the new holder's.
+  void LetGo(const std::string& module_id, const absl::Status& why);
 
   core::ModuleHost& host_;
   const ServiceOptions options_;

@@ -250,11 +250,18 @@ TEST(ContextStoreTest, PastTheHostBudgetTheOldestAreEvictedAndSaySo) {
   EXPECT_EQ(evicted.code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(Contains(evicted, "evicted")) << evicted;
   EXPECT_TRUE(Contains(evicted, "--host-offload-memory")) << evicted;
-  // Unknown ids read differently...
-  const std::string unknown = RandomId128();
+  // Unknown ids read differently (one this store could have made: its maker tag)...
+  const std::string unknown = ids[0].substr(0, 8) + RandomId128().substr(8);
   const absl::Status never = store.Acquire(unknown).status();
   EXPECT_EQ(never.code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(Contains(never, "evicted")) << never;
+  EXPECT_FALSE(Contains(never, "not made by this server process")) << never;
+  // ...and an id another store made (another server process) says so.
+  ContextStore elsewhere;
+  const std::string foreign = MustPut(elsewhere, 8, "alice");
+  const absl::Status moved = store.Acquire(foreign).status();
+  EXPECT_EQ(moved.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(moved, "not made by this server process")) << moved;
   // ...except to another tenant, who learns nothing: the evicted id reads as never-existed.
   EXPECT_TRUE(store.CheckTenant(ids[0], "alice").ok());
   const absl::Status other = store.CheckTenant(ids[0], "bob");

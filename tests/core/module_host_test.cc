@@ -9,8 +9,8 @@
 
 #include "server/core/checkpoint.h"
 #include "server/core/linear.h"
-#include "server/device/reference_backend.h"
 #include "server/core/tensor_calls.h"
+#include "server/device/reference_backend.h"
 #include "test_util.h"
 
 namespace gradwire::core {
@@ -577,6 +577,7 @@ TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   const std::string dir = ::testing::TempDir() + "/tenant-checkpoints-" + mine->module_id;
   Checkpointer checkpointer(dir, 0);
   ASSERT_TRUE(checkpointer.Prepare().ok());
+  ASSERT_TRUE(checkpointer.ClaimNew(mine->module_id).ok());
   ASSERT_TRUE(checkpointer.Save(host, mine->module_id).ok());
   ModuleHost restored;
   ASSERT_EQ(*checkpointer.RestoreAll(restored), 1);

@@ -3,18 +3,22 @@
 # (tests/deploy/haproxy_check.sh, tests/e2e/proxy_e2e.sh), after scripts/lib/check.sh and with
 # $server_bin, $python and $tmp set. Gives:
 #   free_port      a free TCP port on 127.0.0.1
-#   start_one N    gradwire-server N on 127.0.0.1 (its address in $tmp/portN, its pid in
-#                  ${server_pids[N]}); killed at exit with everything else in $pids
+#   start_one N [ADDRESS]
+#                  gradwire-server N on ADDRESS (default 127.0.0.1 and a free port; its address
+#                  in $tmp/portN, its pid in ${server_pids[N]}), with the flags in
+#                  ${server_flags[@]} besides; killed at exit with everything else in $pids
 #   states         the servers' states from HAProxy's stats page at $admin:
 #                  "gradwire-1=UP gradwire-2=UP gradwire-3=DOWN"
 #   wait_states W  up to 15 s for states to read W
 pids=()
 declare -A server_pids
+[ -n "${server_flags+x}" ] || server_flags=()
 cleanup_more() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null && wait "$p" 2>/dev/null; done; true; }
 free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 start_one() {
-  "$server_bin" --listen 127.0.0.1:0 --port-file "$tmp/port$1" --cpu-threads 1 --shared-memory off \
-    >"$tmp/server$1.log" 2>&1 &
+  rm -f "$tmp/port$1"
+  "$server_bin" --listen "${2:-127.0.0.1:0}" --port-file "$tmp/port$1" --cpu-threads 1 \
+    --shared-memory off "${server_flags[@]}" >>"$tmp/server$1.log" 2>&1 &
   pids+=($!)
   server_pids[$1]=$!
   for _ in $(seq 1 100); do [ -s "$tmp/port$1" ] && return 0; sleep 0.1; done

@@ -99,10 +99,21 @@ sts = one("StatefulSet")
 cfg = cm["data"]["haproxy.cfg"]
 assert "." + sts["spec"]["serviceName"] + ".${POD_NAMESPACE}.svc." in cfg
 assert sts["metadata"]["name"] + "-0." in cfg
-# The servers keep their checkpoints on their own per-pod claims, as in the base: no claim is
-# shared between servers (they do not share a checkpoint directory; docs/scaling-out.md).
-assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"], "a shared claim"
-assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["data"]
+# The servers share one checkpoint directory on a ReadWriteMany claim, with --checkpoint-shared
+# (docs/scaling-out.md).
+claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+assert [c["metadata"]["name"] for c in claims] == ["gradwire-checkpoints"], claims
+assert claims[0]["spec"]["accessModes"] == ["ReadWriteMany"], claims[0]
+server = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "server"][0]
+args = server["args"]
+assert args[:2] == ["--config", "/etc/gradwire/config/server.toml"], args
+assert "--checkpoint-shared" in args, args
+shared_dir = args[args.index("--checkpoint-dir") + 1]
+mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+assert shared_dir.startswith(mounts["shared-checkpoints"] + "/"), (shared_dir, mounts)
+volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+assert volumes["shared-checkpoints"]["persistentVolumeClaim"]["claimName"] == "gradwire-checkpoints"
+assert {"config", "secret"} <= set(volumes), volumes
 for d in docs:
     if d["kind"] != "Namespace":
         assert d["metadata"].get("namespace") == "gradwire", d["metadata"]

@@ -6,8 +6,10 @@
 #     and the load's modules spread over all three servers;
 #   - training through the proxy gives the bits of the same training on one server directly;
 #   - a call whose header names another module is refused, changing nothing;
-#   - a server killed leaves the other servers' modules untouched, and its own modules are gone
-#     with an error naming them.
+#   - the servers share one checkpoint directory (--checkpoint-shared): a server killed under
+#     load leaves the other servers' modules untouched (no error), and its modules serve again on
+#     the others from their last checkpoint; brought back, it takes them back at their newest
+#     versions and the servers that held them meanwhile let them go (tests/e2e/failover.py).
 # A client that did not route a call would reach a random server, which two times in three does
 # not hold the module: the runs here make hundreds of calls of every kind.
 #   usage: proxy_e2e.sh PATH/gradwire-server PATH/gradwire PATH/gradwire-load
@@ -23,6 +25,7 @@ python=/usr/bin/python3
 export PYTHONPATH="$root/client/python${PYTHONPATH:+:$PYTHONPATH}"
 
 # shellcheck source=SCRIPTDIR/../deploy/haproxy_lib.sh
+server_flags=(--checkpoint-dir "$tmp/checkpoints" --checkpoint-shared --checkpoint-every 2)
 source "$root/tests/deploy/haproxy_lib.sh"
 for n in 1 2 3; do start_one "$n"; done
 proxy=127.0.0.1:$(free_port)
@@ -112,45 +115,14 @@ with gradwire.Client(proxy) as c:
     assert version_after == version, (version, version_after)
 PY
 
-# A server killed: the others' modules answer as before; its own are gone, named in the error.
-"$python" - "$proxy" $servers >"$tmp/placed" <<'PY'
-import sys
-import gradwire
-from gradwire.v1 import module_pb2
-proxy, servers = sys.argv[1], sys.argv[2:]
-spec = module_pb2.ModuleSpec(kind=module_pb2.LINEAR, in_features=16, out_features=8, seed=5)
-with gradwire.Client(proxy) as c:  # modules made by create_module outlive the client
-    ids = [c.create_module(spec).module_id for _ in range(24)]
-homes = {}
-for n, server in enumerate(servers, 1):
-    with gradwire.Client(server) as d:
-        for m in d.list_modules():
-            if m.module_id in ids:
-                homes[m.module_id] = n
-for i in ids:
-    print(i, homes[i])
-PY
-kill -9 "${server_pids[2]}"
+# A server killed under load, then brought back on its address.
+victim_address=$(cat "$tmp/port2")
+check "a killed server's modules serve again elsewhere from their checkpoints; the others see no error" \
+  "$python" "$root/tests/e2e/failover.py" kill "$proxy" "$admin" "${server_pids[2]}" \
+  "$tmp/failover.json" $servers
 wait "${server_pids[2]}" 2>/dev/null || true
-check "a killed server goes DOWN" wait_states "gradwire-1=UP gradwire-2=DOWN gradwire-3=UP"
-check "the other servers' modules see no error; the killed one's are gone, named" \
-  "$python" - "$proxy" "$tmp/placed" <<'PY'
-import sys
-import torch
-import gradwire
-proxy = sys.argv[1]
-placed = [line.split() for line in open(sys.argv[2])]
-assert {home for _, home in placed} == {"1", "2", "3"}, placed
-with gradwire.Client(proxy) as c:
-    for module_id, home in placed:
-        try:
-            out, ctx, _ = c.forward(module_id, torch.randn(3, 16), True)
-            c.backward(ctx, torch.randn(3, 8))
-            assert home != "2", f"{module_id} answered after its server was killed"
-        except gradwire.GradwireError as e:
-            assert home == "2", f"{module_id} on server {home}: {e}"
-            assert e.code == "NOT_FOUND" and module_id in e.message, e
-    print("  %d modules answered, %d gone" % (sum(h != "2" for _, h in placed),
-                                               sum(h == "2" for _, h in placed)))
-PY
+start_one 2 "$victim_address"
+check "the killed server comes back UP" wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=UP"
+check "brought back, it takes its modules back at their newest versions; the others let them go" \
+  "$python" "$root/tests/e2e/failover.py" return "$proxy" "$tmp/failover.json" $servers
 finish proxy

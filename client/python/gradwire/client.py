@@ -119,7 +119,11 @@ class ContextLostError(GradwireError):
     - ``"undelivered"``: the forward's response never reached this client, so the server
       dropped the context;
     - ``"stream_ended"``: the Train stream that made it ended first;
-    - ``"server_restarted"``: the server is a new process (its instance id changed);
+    - ``"module_moved"``: the module moved to another server (behind a proxy, another server
+      sharing the checkpoint directory took it over) and contexts do not move with it;
+    - ``"server_restarted"``: the server process that made the context is gone: the server
+      restarted (its instance id changed), or, behind a proxy, it left and the module moved to
+      the server that answered;
     - ``"server_unavailable"``: the server cannot be reached;
     - ``"unknown"``: the server does not know the context (never made here, or released).
 
@@ -141,6 +145,10 @@ def _lost_reason(message: str) -> str:
         return "undelivered"
     if "stream" in message and "ended" in message:
         return "stream_ended"
+    if "its module moved to another server" in message:
+        return "module_moved"
+    if "not made by this server process" in message:
+        return "server_restarted"
     return "unknown"
 
 

@@ -1,0 +1,168 @@
+// The checkpoint directory's epochs and claims (server/core/checkpoint.h), two "servers" in one
+// process: each a ModuleHost with a Checkpointer on the same directory.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "server/core/checkpoint.h"
+#include "server/core/context_store.h"
+#include "server/core/module_host.h"
+#include "server/core/tensor_calls.h"
+#include "test_util.h"
+
+namespace gradwire::core {
+namespace {
+
+namespace fs = std::filesystem;
+using gradwire::testing::MakeLinearSpec;
+using gradwire::testing::RandN;
+
+std::string FreshDir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/gradwire-" + name + "-" + RandomId128();
+  fs::remove_all(dir);
+  return dir;
+}
+
+// One optimizer step: the weights and version change.
+void Step(ModuleHost& host, const std::string& id) {
+  auto fwd = TensorForward(host, id, RandN({3, 8}), true);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_TRUE(TensorBackward(host, fwd->context_id, RandN({3, 4}), false, false).ok());
+  ASSERT_TRUE(host.ApplyGradients(id, 0.1f).ok());
+}
+
+bool SameWeights(const ModuleHost& a, const ModuleHost& b, const std::string& id) {
+  auto wa = TensorWeights(a, id), wb = TensorWeights(b, id);
+  if (!wa.ok() || !wb.ok() || wa->weight_version != wb->weight_version) return false;
+  for (size_t i = 0; i < wa->tensors.size(); ++i) {
+    if (!wa->tensors[i].second.equal(wb->tensors[i].second)) return false;
+  }
+  return true;
+}
+
+TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
+  const std::string dir = FreshDir("takeover");
+  Checkpointer first(dir, 1), second(dir, 1);
+  ASSERT_TRUE(first.Prepare(/*shared=*/true).ok());
+  ASSERT_TRUE(second.Prepare(/*shared=*/true).ok());
+  ModuleHost a, b;
+  auto info = a.Create(MakeLinearSpec(8, 4));
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  ASSERT_TRUE(first.ClaimNew(id).ok());
+  EXPECT_EQ(first.EpochOf(id), 1);
+  Step(a, id);
+  ASSERT_TRUE(first.Save(a, id).ok());
+  EXPECT_TRUE(fs::exists(first.StatePathOf(id, 1)));
+
+  // The id is taken for every server on the directory.
+  EXPECT_EQ(second.ClaimNew(id).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(second.Exists(id));
+  EXPECT_FALSE(second.Exists(RandomId128()));
+  EXPECT_EQ(second.Take(b, RandomId128()).status().code(), absl::StatusCode::kNotFound);
+
+  auto took = second.Take(b, id);
+  ASSERT_TRUE(took.ok()) << took.status();
+  EXPECT_EQ(took->epoch, 2);
+  EXPECT_EQ(took->from_epoch, 1);
+  EXPECT_TRUE(SameWeights(a, b, id));
+  EXPECT_TRUE(first.Lost() == std::vector<std::string>{id});
+  EXPECT_TRUE(second.Lost().empty());
+
+  // The old holder trains on in memory: it cannot save, and writes nothing.
+  Step(a, id);
+  const absl::Status refused = first.Save(a, id);
+  EXPECT_TRUE(Checkpointer::IsMoved(refused)) << refused;
+  EXPECT_TRUE(Checkpointer::IsMoved(first.CheckHeld(id)));
+  EXPECT_EQ(*first.SaveAll(a), 0);  // skipped, not an error
+  // The new holder's first save supersedes the state it read.
+  Step(b, id);
+  ASSERT_TRUE(second.Save(b, id).ok());
+  EXPECT_FALSE(fs::exists(first.StatePathOf(id, 1)));
+  EXPECT_TRUE(fs::exists(second.StatePathOf(id, 2)));
+  EXPECT_FALSE(fs::exists(first.ClaimPathOf(id, 1)));
+
+  // A third takes over from the newest (the second's), not the first's newer in-memory state.
+  ModuleHost c;
+  Checkpointer third(dir, 1);
+  ASSERT_TRUE(third.Prepare(true).ok());
+  ASSERT_TRUE(third.Take(c, id).ok());
+  EXPECT_TRUE(SameWeights(b, c, id));
+  EXPECT_FALSE(SameWeights(a, c, id));
+  EXPECT_EQ(third.EpochOf(id), 3);
+  EXPECT_TRUE(Checkpointer::IsMoved(second.CheckHeld(id)));
+
+  // Removed by its holder: every earlier holder stays fenced, and nothing is left to take over.
+  ASSERT_TRUE(third.Remove(id).ok());
+  EXPECT_FALSE(fs::exists(third.FolderOf(id)));
+  EXPECT_TRUE(Checkpointer::IsMoved(second.CheckHeld(id)));
+  EXPECT_FALSE(second.Save(b, id).ok());
+  EXPECT_FALSE(fs::exists(third.FolderOf(id)));
+  ModuleHost d;
+  EXPECT_EQ(third.Take(d, id).status().code(), absl::StatusCode::kNotFound);
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointStoreTest, AFlatCheckpointReadsAsEpochZeroAndTheFirstSaveReplacesIt) {
+  const std::string dir = FreshDir("flat");
+  ModuleHost a;
+  auto info = a.Create(MakeLinearSpec(8, 4), "alice");
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  Step(a, id);
+  {
+    // Written as a server before epochs wrote it: one file, DIR/<id>.gradwire.safetensors.
+    Checkpointer writer(dir, 1);
+    ASSERT_TRUE(writer.Prepare().ok());
+    ASSERT_TRUE(writer.ClaimNew(id).ok());
+    ASSERT_TRUE(writer.Save(a, id).ok());
+    fs::rename(writer.StatePathOf(id, 1), writer.LegacyPathOf(id));
+    fs::remove_all(writer.FolderOf(id));
+  }
+  Checkpointer reader(dir, 1);
+  ASSERT_TRUE(reader.Prepare().ok());
+  ModuleHost b;
+  ASSERT_EQ(*reader.RestoreAll(b), 1);
+  EXPECT_TRUE(SameWeights(a, b, id));
+  EXPECT_EQ(b.Info(id)->tenant, "alice");
+  EXPECT_EQ(reader.EpochOf(id), 1);
+  ASSERT_TRUE(reader.Save(b, id).ok());
+  EXPECT_FALSE(fs::exists(reader.LegacyPathOf(id)));
+  EXPECT_TRUE(fs::exists(reader.StatePathOf(id, 1)));
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointStoreTest, ADirectoryIsHeldAloneOrSharedNeverBoth) {
+  const std::string dir = FreshDir("lock");
+  {
+    Checkpointer alone(dir, 1), other(dir, 1);
+    ASSERT_TRUE(alone.Prepare(false).ok());
+    const absl::Status second = other.Prepare(true);
+    EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(second.message().find("--checkpoint-shared"), absl::string_view::npos) << second;
+    EXPECT_EQ(other.Prepare(false).code(), absl::StatusCode::kFailedPrecondition);
+  }
+  Checkpointer one(dir, 1), two(dir, 1), alone(dir, 1);
+  EXPECT_TRUE(one.Prepare(true).ok());
+  EXPECT_TRUE(two.Prepare(true).ok());
+  EXPECT_EQ(alone.Prepare(false).code(), absl::StatusCode::kFailedPrecondition);
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointStoreTest, AnIdThatCannotNameAFolderIsRefused) {
+  const std::string dir = FreshDir("names");
+  Checkpointer store(dir, 1);
+  ASSERT_TRUE(store.Prepare(true).ok());
+  ModuleHost host;
+  for (const std::string id : {"", ".", "..", "a/b", ".hidden"}) {
+    EXPECT_EQ(store.ClaimNew(id).code(), absl::StatusCode::kInvalidArgument) << id;
+    EXPECT_EQ(store.Take(host, id).status().code(), absl::StatusCode::kInvalidArgument) << id;
+    EXPECT_FALSE(store.Exists(id)) << id;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace gradwire::core
