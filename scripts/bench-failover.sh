@@ -35,7 +35,7 @@ for run in $(seq 1 "$runs"); do
   wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=UP"
   "$python" "$root/tests/e2e/failover.py" kill "$proxy" "$admin" "${server_pids[2]}" \
     "$results/run$run.json" "$(cat "$tmp/port1")" "$(cat "$tmp/port2")" "$(cat "$tmp/port3")"
-  cleanup_more
+  cleanup_more || true
   echo "bench-failover: run $run of $runs done" >&2
 done
 "$python" - "$results" "$out_json" "$runs" <<'PY'
