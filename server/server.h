@@ -97,6 +97,8 @@ class Server {
   core::ModuleHost& host() { return *host_; }
   core::DeviceExecutor& executor() { return *executor_; }
   rpc::GradwireService& service() { return *service_; }
+  // Null without --checkpoint-dir.
+  core::Checkpointer* checkpointer() { return checkpointer_.get(); }
   const Metrics& metrics() const { return metrics_; }
 
  private:

@@ -329,7 +329,7 @@ absl::Status Checkpointer::ClaimNew(const std::string& module_id) {
   const std::string token = RandomId128();
   GW_RETURN_IF_ERROR(WriteClaim(ClaimPathOf(module_id, 1), token));
   std::lock_guard<std::mutex> lock(mu_);
-  held_[module_id] = Held{1, token, true};
+  held_[module_id] = Held{1, token, true, false};
   return absl::OkStatus();
 }
 
@@ -369,7 +369,7 @@ absl::StatusOr<Checkpointer::TakeOver> Checkpointer::Take(ModuleHost& host,
   out.weight_version = state.weight_version;
   out.optimizer_steps = state.optimizer_steps;
   std::lock_guard<std::mutex> lock(mu_);
-  held_[module_id] = Held{out.epoch, token, false};
+  held_[module_id] = Held{out.epoch, token, false, true};
   return out;
 }
 
@@ -408,6 +408,12 @@ int64_t Checkpointer::EpochOf(const std::string& module_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = held_.find(module_id);
   return it == held_.end() ? 0 : it->second.epoch;
+}
+
+bool Checkpointer::TookOver(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = held_.find(module_id);
+  return it != held_.end() && it->second.took_over;
 }
 
 absl::Status Checkpointer::SaveState(const ModuleState& state, int64_t epoch) const {

@@ -98,6 +98,9 @@ class Checkpointer {
 
   // The epoch this server holds the module under, 0 when it does not.
   int64_t EpochOf(const std::string& module_id) const;
+  // Whether this server process holds the module by a take-over (a restore at start, or a first
+  // touch), not by creating it: contexts made before then were made by another process.
+  bool TookOver(const std::string& module_id) const;
   std::string FolderOf(const std::string& module_id) const;
   std::string StatePathOf(const std::string& module_id, int64_t epoch) const;
   std::string ClaimPathOf(const std::string& module_id, int64_t epoch) const;
@@ -109,6 +112,7 @@ class Checkpointer {
     int64_t epoch = 0;
     std::string token;        // written in the claim file: whose claim it is
     bool superseded = false;  // the earlier epochs' state files are removed (after the first save)
+    bool took_over = false;   // held by a take-over, not a create
   };
   absl::Status CheckHeld(const std::string& module_id, const Held& held) const;
   absl::Status SaveState(const ModuleState& state, int64_t epoch) const;

@@ -21,21 +21,16 @@ std::string RandomId128() {
   return id;
 }
 
-absl::Status ContextStore::Unknown(const std::string& context_id) const {
-  // An id of the right form that does not start with this store's maker tag was made by another
-  // server process: one that restarted, or one that left while its module moved here.
-  if (ParseId(context_id) && context_id.compare(0, maker_.size(), maker_) != 0) {
-    return absl::NotFoundError(absl::StrCat(
-        "context_id ", context_id,
-        " is not a live context: it was not made by this server process (the server that made "
-        "it restarted, or left and its module moved here; contexts do not survive either); run "
-        "the forward again"));
-  }
+namespace {
+
+absl::Status Unknown(const std::string& context_id) {
   return absl::NotFoundError(absl::StrCat("context_id ", context_id, " is not a live context"));
 }
 
+}  // namespace
+
 ContextStore::ContextStore(ContextLimits limits, Clock clock)
-    : limits_(limits), clock_(std::move(clock)), maker_(RandomId128().substr(0, kMakerDigits)) {
+    : limits_(limits), clock_(std::move(clock)) {
   gone_.reserve(kGoneMemory);
   gone_ring_.reserve(kGoneMemory);
 }
@@ -137,9 +132,7 @@ absl::StatusOr<std::string> ContextStore::Put(std::string module_id, uint64_t we
     ++stats_.rejected_share;
     return s;
   }
-  while (id.empty() || entries_.count(id) || FindGoneLocked(id) != nullptr) {
-    id = maker_ + RandomId128().substr(kMakerDigits);
-  }
+  while (id.empty() || entries_.count(id) || FindGoneLocked(id) != nullptr) id = RandomId128();
   Entry entry;
   entry.module_id = std::move(module_id);
   entry.tenant = std::move(tenant);

@@ -187,10 +187,6 @@ class ContextStore {
     kStreamEnded,
     kModuleMoved
   };
-  // Context ids start with this store's maker tag, so that an id made by another server process
-  // is told apart from one never made (Unknown).
-  static constexpr size_t kMakerDigits = 8;
-  absl::Status Unknown(const std::string& context_id) const;
   struct Entry {
     std::string module_id;
     std::string tenant;
@@ -235,7 +231,6 @@ class ContextStore {
 
   const ContextLimits limits_;
   const Clock clock_;
-  const std::string maker_;  // kMakerDigits hex digits, random per store
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> entries_;
   std::map<uint64_t, std::string> order_;  // least recently used first

@@ -156,6 +156,20 @@ absl::Status CallEnv::TakeOver(const std::string& module_id) {
   return absl::OkStatus();
 }
 
+absl::Status CallEnv::ExplainLostContext(const Caller& caller, absl::Status status) const {
+  if (status.code() != absl::StatusCode::kNotFound || caller.route.empty() ||
+      options_.checkpointer == nullptr ||
+      status.message().find(" is not a live context") == absl::string_view::npos ||
+      !options_.checkpointer->TookOver(caller.route) || !CheckModule(caller, caller.route).ok()) {
+    return status;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      status.message(), ": module ", caller.route,
+      " came to this server process from its checkpoint (the server restarted, or the server "
+      "that held it left), and the contexts made before that were made by another process, "
+      "which took them with it; run the forward again"));
+}
+
 absl::Status CallEnv::CheckRequestBytes(int64_t bytes) const {
   const int64_t limit = options_.limits.max_request_bytes;
   if (limit <= 0) return absl::OkStatus();

@@ -130,6 +130,11 @@ class CallEnv {
   // On the control thread: takes `module_id` over from the checkpoint directory unless it is
   // here. OK too when it has no checkpoint: the call then fails as for any unknown module.
   absl::Status TakeOver(const std::string& module_id);
+  // A backward's or release's NOT_FOUND for an unknown context, told why when its route header
+  // names a module the caller may see that this server process took over from a checkpoint (a
+  // restart, or a move from a server that left): the context was made before, by another process.
+  // Any other status as it is.
+  absl::Status ExplainLostContext(const Caller& caller, absl::Status status) const;
   // RESOURCE_EXHAUSTED naming --max-request-bytes when `bytes` is over it.
   absl::Status CheckRequestBytes(int64_t bytes) const;
   // Step 6: logs and metrics of one finished call; ids are bounded and escaped here.

@@ -154,7 +154,7 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
                                               const wire::ReceivedMessage* raw,
                                               PreparedBackward* p) {
   p->start = std::chrono::steady_clock::now();
-  GW_RETURN_IF_ERROR(env_.CheckContext(caller, req.context_id()));
+  GW_RETURN_IF_ERROR(env_.ExplainLostContext(caller, env_.CheckContext(caller, req.context_id())));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
   core::WireBackwardRequest& in = p->in;
   GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
@@ -196,7 +196,7 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
 absl::Status GradwireService::FinishBackward(
     const Caller& caller, const v1::BackwardRequest& req, v1::BackwardResponse* resp,
     PreparedBackward& p, absl::StatusOr<std::optional<wire::EncodedTensor>> computed) {
-  GW_RETURN_IF_ERROR(computed.status());
+  GW_RETURN_IF_ERROR(env_.ExplainLostContext(caller, computed.status()));
   std::optional<wire::EncodedTensor>& grad_input = *computed;
   if (grad_input) {
     TransferTimer timer(p.transfer);
@@ -216,8 +216,8 @@ absl::Status GradwireService::FinishBackward(
 
 absl::Status GradwireService::DoRelease(const Caller& caller,
                                         const v1::ReleaseContextRequest& req) {
-  GW_RETURN_IF_ERROR(env_.CheckContext(caller, req.context_id()));
-  return host_.ReleaseContext(req.context_id());
+  GW_RETURN_IF_ERROR(env_.ExplainLostContext(caller, env_.CheckContext(caller, req.context_id())));
+  return env_.ExplainLostContext(caller, host_.ReleaseContext(req.context_id()));
 }
 
 GradwireService::Unary* GradwireService::Forward(Ctx* ctx, const grpc::ByteBuffer* req,

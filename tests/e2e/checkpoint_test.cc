@@ -177,11 +177,27 @@ TEST(CheckpointTest, SharedDirectoryTakesModulesOverAndFencesTheServerThatLostTh
   ExpectSameWeights(*taken, on_a_weights);
   EXPECT_EQ(taken->weight_version, 4u);
   EXPECT_NE(b.Log().find("took over module " + id), std::string::npos) << b.Log();
-  // A's context does not move with its module: B says so.
-  auto lost_here = on_b->Backward(pending->context_id, Random({4, 8}, rng));
-  EXPECT_EQ(lost_here.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(lost_here.status().message().find("not made by this server process"), std::string::npos)
-      << lost_here.status();
+  // A's context does not move with its module: B says why, to a backward routed by its module
+  // (every client routes a backward by its context's module; this client did not make it).
+  {
+    v1::BackwardRequest req;
+    req.set_context_id(pending->context_id);
+    v1::Tensor* g = req.mutable_grad_output();
+    g->set_dtype(v1::F32);
+    g->add_shape(4);
+    g->add_shape(8);
+    const client::HostTensor grad = Random({4, 8}, rng);
+    g->set_data(std::string(reinterpret_cast<const char*>(grad.data.data()),
+                            grad.data.size() * sizeof(float)));
+    v1::BackwardResponse resp;
+    grpc::ClientContext ctx;
+    on_b->PrepareContext(&ctx, "Backward", id);
+    const grpc::Status lost_here = on_b->stub().Backward(&ctx, req, &resp);
+    EXPECT_EQ(lost_here.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_NE(lost_here.error_message().find("came to this server process from its checkpoint"),
+              std::string::npos)
+        << lost_here.error_message();
+  }
 
   // A lost it: a step there is refused before it changes anything, and A lets the module go.
   auto refused = on_a->ApplyGradients(id);

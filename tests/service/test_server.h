@@ -91,6 +91,10 @@ struct TestServerOptions {
   std::function<void(rpc::ServiceOptions&)> configure;
   // What Connect() dials; address() is always the TCP port.
   Transport transport = Transport::kTcp;
+  // --checkpoint-dir, --checkpoint-shared, --checkpoint-every; empty dir: no checkpoints.
+  std::string checkpoint_dir;
+  bool checkpoint_shared = false;
+  int64_t checkpoint_every = 1;
 };
 
 // The server gradwire-server runs (server/server.h), started with test options on 127.0.0.1:0:
@@ -116,6 +120,9 @@ class TestServer {
     options.service.version = "test";
     options.service.stream_read_ahead = o.stream_read_ahead;
     options.service.limits = o.limits;
+    options.checkpoint_dir = o.checkpoint_dir;
+    options.checkpoint_shared = o.checkpoint_shared;
+    options.checkpoint_every = o.checkpoint_every;
     if (o.configure) o.configure(options.service);
     auto started = server::Server::Start(std::move(options));
     EXPECT_TRUE(started.ok()) << started.status();

@@ -147,7 +147,7 @@ def _lost_reason(message: str) -> str:
         return "stream_ended"
     if "its module moved to another server" in message:
         return "module_moved"
-    if "not made by this server process" in message:
+    if "came to this server process from its checkpoint" in message:
         return "server_restarted"
     return "unknown"
 

@@ -1,0 +1,148 @@
+// Servers sharing a checkpoint directory (--checkpoint-shared) in one process: calls that arrive
+// while a module is being taken over wait for it and run in order; two servers taking one module
+// over at once leave exactly one holder. Run under the sanitizers (.ci/run) for the take-over's
+// hand-offs between reactors, the control thread and the device executor.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gradwire/client/client.h"
+#include "server/core/checkpoint.h"
+#include "server/core/context_store.h"
+#include "specs.h"
+#include "test_server.h"
+
+namespace gradwire {
+namespace {
+
+using testing::Random;
+
+constexpr int64_t kIn = 24, kOut = 16;
+
+testing::TestServerOptions Shared(const std::string& dir) {
+  testing::TestServerOptions o;
+  o.checkpoint_dir = dir;
+  o.checkpoint_shared = true;
+  return o;
+}
+
+class TakeOverTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/gradwire-takeover-" + core::RandomId128();
+    a_ = std::make_unique<testing::TestServer>(Shared(dir_));
+    ASSERT_TRUE(a_->ok());
+    auto c = a_->Connect();
+    auto info = c->CreateModule(testing::LinearSpec(kIn, kOut, true, 5));
+    ASSERT_TRUE(info.ok()) << info.status();
+    id_ = info->module_id();
+    for (int i = 0; i < 2; ++i) {
+      auto f = c->Forward(id_, Random({4, kIn}), true);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_TRUE(c->Backward(f->context_id, Random({4, kOut})).ok());
+      ASSERT_TRUE(c->ApplyGradients(id_).ok());  // saved (--checkpoint-every 1)
+    }
+    auto w = c->GetWeights(id_);
+    ASSERT_TRUE(w.ok());
+    weights_ = *w;
+  }
+  void TearDown() override {
+    a_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void ExpectWeights(client::Client& c) {
+    auto w = c.GetWeights(id_);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->weight_version, weights_.weight_version);
+    ASSERT_EQ(w->tensors.size(), weights_.tensors.size());
+    for (size_t i = 0; i < w->tensors.size(); ++i) {
+      EXPECT_EQ(w->tensors[i].second.data, weights_.tensors[i].second.data);
+    }
+  }
+
+  std::string dir_, id_;
+  std::unique_ptr<testing::TestServer> a_;
+  client::NamedTensors weights_;
+};
+
+TEST_F(TakeOverTest, CallsArrivingDuringATakeOverWaitForItAndRunInOrder) {
+  testing::TestServer b(Shared(dir_));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b.host().List().size(), 0u);
+  // A Train stream's requests, sent before any answer: the first waits for the take-over, and
+  // the second must not overtake it.
+  auto streamer = b.Connect();
+  auto stream = streamer->OpenTrainStream(id_);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      auto c = b.Connect();
+      for (int i = 0; i < 4; ++i) {
+        auto f = c->Forward(id_, Random({2, kIn}), true);
+        if (!f.ok() || !c->Backward(f->context_id, Random({2, kOut})).ok()) ++failures;
+      }
+    });
+  }
+  for (uint64_t r = 1; r <= 6; ++r) {
+    ASSERT_TRUE(stream->SendForward(r, id_, Random({2, kIn}), r % 2 == 1));
+  }
+  for (uint64_t r = 1; r <= 6; ++r) {
+    auto resp = stream->Read();
+    ASSERT_TRUE(resp.has_value());
+    EXPECT_EQ(resp->request_id(), r);
+    EXPECT_EQ(resp->code(), 0) << resp->message();
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  ASSERT_EQ(b.host().List().size(), 1u);
+  EXPECT_EQ(b.server().checkpointer()->EpochOf(id_), 2);
+  auto c = b.Connect();
+  ExpectWeights(*c);  // backwards accumulate; the weights are the checkpoint's
+  // A lost it: a step there is refused and changes nothing.
+  auto on_a = a_->Connect();
+  auto refused = on_a->ApplyGradients(id_);
+  EXPECT_TRUE(core::Checkpointer::IsMoved(refused.status())) << refused.status();
+  EXPECT_FALSE(a_->host().Has(id_));
+}
+
+TEST_F(TakeOverTest, TwoServersTakingOneModuleOverAtOnceLeaveOneHolder) {
+  testing::TestServer b(Shared(dir_)), c(Shared(dir_));
+  ASSERT_TRUE(b.ok() && c.ok());
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int i = 0; i < 4; ++i) clients.push_back((i % 2 ? c : b).Connect());
+  std::atomic<int> ready{0};
+  std::vector<absl::StatusCode> codes(clients.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < clients.size(); ++i) {
+    threads.emplace_back([&, i] {
+      ++ready;
+      while (ready.load() < int(clients.size())) std::this_thread::yield();
+      codes[i] = clients[i]->GetWeights(id_).status().code();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (absl::StatusCode code : codes) {
+    // A server that claimed the same epoch a moment after the other is told to retry.
+    EXPECT_TRUE(code == absl::StatusCode::kOk || code == absl::StatusCode::kAborted)
+        << absl::StatusCodeToString(code);
+  }
+  const bool b_holds = b.server().checkpointer()->CheckHeld(id_).ok();
+  const bool c_holds = c.server().checkpointer()->CheckHeld(id_).ok();
+  EXPECT_NE(b_holds, c_holds) << "exactly one server holds the module";
+  testing::TestServer& holder = b_holds ? b : c;
+  auto on_holder = holder.Connect();
+  ExpectWeights(*on_holder);
+  EXPECT_TRUE(on_holder->ApplyGradients(id_).ok());
+  // The other lets go of it within its janitor's second, if it took it over at all.
+  testing::TestServer& other = b_holds ? c : b;
+  EXPECT_TRUE(testing::WaitFor([&] { return !other.host().Has(id_); }, 5000));
+}
+
+}  // namespace
+}  // namespace gradwire
