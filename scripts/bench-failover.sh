@@ -25,13 +25,7 @@ for run in $(seq 1 "$runs"); do
   server_flags=(--checkpoint-dir "$tmp/checkpoints" --checkpoint-shared --checkpoint-every 2)
   # shellcheck source=SCRIPTDIR/../tests/deploy/haproxy_lib.sh
   source "$root/tests/deploy/haproxy_lib.sh"
-  for n in 1 2 3; do start_one "$n"; done
-  proxy=127.0.0.1:$(free_port)
-  admin=127.0.0.1:$(free_port)
-  GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
-    GRADWIRE_SERVER_3=$(cat "$tmp/port3") GRADWIRE_PROXY_LISTEN=$proxy GRADWIRE_PROXY_ADMIN=$admin \
-    haproxy -f "$root/deploy/haproxy/haproxy.cfg" -db >"$tmp/haproxy.log" 2>&1 &
-  pids+=($!)
+  start_cluster
   wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=UP"
   "$python" "$root/tests/e2e/failover.py" kill "$proxy" "$admin" "${server_pids[2]}" \
     "$results/run$run.json" "$(cat "$tmp/port1")" "$(cat "$tmp/port2")" "$(cat "$tmp/port3")"
@@ -41,7 +35,7 @@ done
 "$python" - "$results" "$out_json" "$runs" <<'PY'
 import glob, json, subprocess, sys
 sys.path.insert(0, "scripts/lib")
-from machine import describe
+from machine import commit as machine_commit, describe
 results, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rows = [json.load(open(f"{results}/run{i}.json"))["result"] for i in range(1, n + 1)]
 print(f"{'run':>3} {'modules':>7} {'victims':>7} {'DOWN after kill s':>17} {'first served s':>14} "
@@ -54,10 +48,7 @@ worst = max(r["all_served_s"] for r in rows)
 print(f"worst: every module of the killed server served again {worst:.3f} s after DOWN "
       f"(target 2 s)")
 haproxy = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                        text=True).stdout.strip()
-if subprocess.run(["git", "diff", "--quiet", "HEAD"]).returncode != 0:
-    commit += "+uncommitted changes"
+commit = machine_commit()
 json.dump({"benchmark": "bench-failover", "machine": describe(), "commit": commit,
            "haproxy": haproxy, "checkpoint_every": 2, "servers": 3,
            "measured_from": "HAProxy's stats marking the killed server DOWN",

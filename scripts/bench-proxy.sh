@@ -53,7 +53,7 @@ done
 /usr/bin/python3 - "$tmp" "$out_json" "$cases" "$secs" <<'PY'
 import glob, json, subprocess, sys
 sys.path.insert(0, "scripts/lib")
-from machine import describe
+from machine import commit as machine_commit, describe
 tmp, out, cases = sys.argv[1], sys.argv[2], sys.argv[3].split()
 def runs(pattern):
     return [x for path in glob.glob(pattern) for x in json.load(open(path))["runs"]
@@ -80,10 +80,7 @@ for c in cases:
           f"{row['direct_per_s']:>9.1f} {row['proxy_per_s']:>9.1f} {row['rate_ratio']:>10.3f} "
           f"{row['p50_ms_direct']:>11.2f} {row['p50_ms_proxy']:>10.2f} {row['errors']:>6}")
 haproxy = subprocess.run(["haproxy", "-v"], capture_output=True, text=True).stdout.split("\n")[0]
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                        text=True).stdout.strip()
-if subprocess.run(["git", "diff", "--quiet", "HEAD"]).returncode != 0:
-    commit += "+uncommitted changes"
+commit = machine_commit()
 json.dump({"benchmark": "bench-proxy", "machine": describe(), "commit": commit,
            "haproxy": haproxy, "seconds_per_run": float(sys.argv[4]),
            "order": "direct, proxy, proxy, direct", "cases": rows}, open(out, "w"), indent=2)

@@ -247,6 +247,13 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                "another server took over since (docs/scaling-out.md). Every server sharing a "
                "directory needs it; a server without it refuses to start on a directory in use")
       ->capture_default_str();
+  app.add_option("--checkpoint-check-every", config.checkpoint_check_every_s,
+                 "with --checkpoint-shared: seconds between checks that this server still holds "
+                 "each of its modules (one small read and a stat per module on the shared "
+                 "storage); a module another server took over is let go of, with its contexts, at "
+                 "the next check, or at its next step, upload or save (0: only then)")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   app.add_option("--checkpoint-every", config.checkpoint_every,
                  "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
@@ -396,6 +403,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "port-file = " << quote(f.port_file) << "\n";
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "checkpoint-shared = " << (f.checkpoint_shared ? "true" : "false") << "\n";
+  out << "checkpoint-check-every = " << f.checkpoint_check_every_s << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";

@@ -373,12 +373,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   spdlog::info("context memory {} bytes on the device, {} bytes host offload, TTL {} s",
                o.context_limits.device_bytes, o.context_limits.host_bytes,
                o.context_limits.ttl_seconds);
-  s->janitor_ = std::make_unique<Janitor>(*s->host_, o.context_limits.ttl_seconds,
-                                          o.heap_trim_every_s, [service = s->service_.get()] {
-                                            service->CloseIdleSharedMemory();
-                                            service->ExpireIdleModules();
-                                            service->LetGoOfMovedModules();
-                                          });
+  // The sweep runs about once a second; the claims are checked every --checkpoint-check-every.
+  const auto check_every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(o.checkpoint_check_every_s));
+  s->janitor_ =
+      std::make_unique<Janitor>(*s->host_, o.context_limits.ttl_seconds, o.heap_trim_every_s,
+                                [service = s->service_.get(), check_every,
+                                 checked = std::chrono::steady_clock::now()]() mutable {
+                                  service->CloseIdleSharedMemory();
+                                  service->ExpireIdleModules();
+                                  const auto now = std::chrono::steady_clock::now();
+                                  if (check_every.count() > 0 && now - checked >= check_every) {
+                                    service->LetGoOfMovedModules();
+                                    checked = now;
+                                  }
+                                });
   return s;
 }
 

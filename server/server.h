@@ -56,6 +56,10 @@ struct ServerOptions {
   // about them instead of all restored at start, and a module another server took over is let go
   // of (docs/scaling-out.md).
   bool checkpoint_shared = false;
+  // With checkpoint_shared: seconds between checks that this server still holds each of its
+  // modules (a module another server took over is let go of then, or at its next step, upload or
+  // save); 0: only then.
+  double checkpoint_check_every_s = 1;
   // Prometheus endpoint, HOST:PORT (a bare PORT binds 127.0.0.1; port 0 picks one); empty: off.
   std::string metrics_listen;
   // A file whose first line is the bearer token the metrics endpoint requires; empty: none.

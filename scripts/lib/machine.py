@@ -81,6 +81,15 @@ def gpu():
         return None
 
 
+def commit():
+    """The checkout's short commit, marked when the tree differs from it: what a figure ran on."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    if subprocess.run(["git", "diff", "--quiet", "HEAD"]).returncode != 0:
+        head += "+uncommitted changes"
+    return head
+
+
 def describe(allocator=None, blas_name=None, server=None):
     mem = 0
     for line in read("/proc/meminfo").splitlines():

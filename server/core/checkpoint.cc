@@ -385,17 +385,18 @@ absl::Status Checkpointer::CheckHeld(const std::string& module_id, const Held& h
       "longer serves or saves it. Behind a proxy, retry: the call goes where the module is now"));
 }
 
-absl::Status Checkpointer::CheckHeld(const std::string& module_id) const {
-  Held held;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = held_.find(module_id);
-    if (it == held_.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("module ", module_id, " is not held by this server's checkpoints"));
-    }
-    held = it->second;
+absl::StatusOr<Checkpointer::Held> Checkpointer::HeldOf(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = held_.find(module_id);
+  if (it == held_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("module ", module_id, " is not held by this server's checkpoints"));
   }
+  return it->second;
+}
+
+absl::Status Checkpointer::CheckHeld(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(const Held held, HeldOf(module_id));
   return CheckHeld(module_id, held);
 }
 
@@ -440,16 +441,7 @@ absl::Status Checkpointer::SaveState(const ModuleState& state, int64_t epoch) co
 }
 
 absl::Status Checkpointer::Save(const ModuleHost& host, const std::string& module_id) {
-  Held held;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = held_.find(module_id);
-    if (it == held_.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("module ", module_id, " is not held by this server's checkpoints"));
-    }
-    held = it->second;
-  }
+  GW_ASSIGN_OR_RETURN(const Held held, HeldOf(module_id));
   GW_RETURN_IF_ERROR(CheckHeld(module_id, held));
   GW_ASSIGN_OR_RETURN(ModuleState state, host.ExportState(module_id));
   GW_RETURN_IF_ERROR(SaveState(state, held.epoch));

@@ -114,6 +114,8 @@ class Checkpointer {
     bool superseded = false;  // the earlier epochs' state files are removed (after the first save)
     bool took_over = false;   // held by a take-over, not a create
   };
+  // A copy of the module's holding; FAILED_PRECONDITION when this server does not hold it.
+  absl::StatusOr<Held> HeldOf(const std::string& module_id) const;
   absl::Status CheckHeld(const std::string& module_id, const Held& held) const;
   absl::Status SaveState(const ModuleState& state, int64_t epoch) const;
 

@@ -7,6 +7,8 @@
 #                  gradwire-server N on ADDRESS (default 127.0.0.1 and a free port; its address
 #                  in $tmp/portN, its pid in ${server_pids[N]}), with the flags in
 #                  ${server_flags[@]} besides; killed at exit with everything else in $pids
+#   start_cluster  servers 1 to 3 (start_one) and HAProxy with deploy/haproxy/haproxy.cfg in
+#                  front of them (needs $root): its address in $proxy, its stats page in $admin
 #   states         the servers' states from HAProxy's stats page at $admin:
 #                  "gradwire-1=UP gradwire-2=UP gradwire-3=DOWN"
 #   wait_states W  up to 15 s for states to read W
@@ -23,6 +25,15 @@ start_one() {
   server_pids[$1]=$!
   for _ in $(seq 1 100); do [ -s "$tmp/port$1" ] && return 0; sleep 0.1; done
   echo "server $1 did not start:"; cat "$tmp/server$1.log"; exit 1
+}
+start_cluster() {
+  for n in 1 2 3; do start_one "$n"; done
+  proxy=127.0.0.1:$(free_port)
+  admin=127.0.0.1:$(free_port)
+  GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
+    GRADWIRE_SERVER_3=$(cat "$tmp/port3") GRADWIRE_PROXY_LISTEN=$proxy GRADWIRE_PROXY_ADMIN=$admin \
+    haproxy -f "$root/deploy/haproxy/haproxy.cfg" -db >"$tmp/haproxy.log" 2>&1 &
+  pids+=($!)
 }
 states() {
   "$python" - "$admin" <<'PY'

@@ -27,13 +27,7 @@ export PYTHONPATH="$root/client/python${PYTHONPATH:+:$PYTHONPATH}"
 # shellcheck source=SCRIPTDIR/../deploy/haproxy_lib.sh
 server_flags=(--checkpoint-dir "$tmp/checkpoints" --checkpoint-shared --checkpoint-every 2)
 source "$root/tests/deploy/haproxy_lib.sh"
-for n in 1 2 3; do start_one "$n"; done
-proxy=127.0.0.1:$(free_port)
-admin=127.0.0.1:$(free_port)
-GRADWIRE_SERVER_1=$(cat "$tmp/port1") GRADWIRE_SERVER_2=$(cat "$tmp/port2") \
-  GRADWIRE_SERVER_3=$(cat "$tmp/port3") GRADWIRE_PROXY_LISTEN=$proxy GRADWIRE_PROXY_ADMIN=$admin \
-  haproxy -f "$root/deploy/haproxy/haproxy.cfg" -db >"$tmp/haproxy.log" 2>&1 &
-pids+=($!)
+start_cluster
 servers="$(cat "$tmp/port1") $(cat "$tmp/port2") $(cat "$tmp/port3")"
 
 check "HAProxy sees the three servers UP" wait_states "gradwire-1=UP gradwire-2=UP gradwire-3=UP"

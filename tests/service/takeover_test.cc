@@ -23,10 +23,13 @@ using testing::Random;
 
 constexpr int64_t kIn = 24, kOut = 16;
 
-testing::TestServerOptions Shared(const std::string& dir) {
+// `check_every_s` 0: the server notices a module it lost only at that module's next step,
+// upload or save, never by its own timer (so a test knows what it still holds).
+testing::TestServerOptions Shared(const std::string& dir, double check_every_s = 1) {
   testing::TestServerOptions o;
   o.checkpoint_dir = dir;
   o.checkpoint_shared = true;
+  o.checkpoint_check_every_s = check_every_s;
   return o;
 }
 
@@ -34,7 +37,7 @@ class TakeOverTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/gradwire-takeover-" + core::RandomId128();
-    a_ = std::make_unique<testing::TestServer>(Shared(dir_));
+    a_ = std::make_unique<testing::TestServer>(Shared(dir_, /*check_every_s=*/0));
     ASSERT_TRUE(a_->ok());
     auto c = a_->Connect();
     auto info = c->CreateModule(testing::LinearSpec(kIn, kOut, true, 5));
@@ -104,7 +107,8 @@ TEST_F(TakeOverTest, CallsArrivingDuringATakeOverWaitForItAndRunInOrder) {
   EXPECT_EQ(b.server().checkpointer()->EpochOf(id_), 2);
   auto c = b.Connect();
   ExpectWeights(*c);  // backwards accumulate; the weights are the checkpoint's
-  // A lost it: a step there is refused and changes nothing.
+  // A lost it (and, checking claims only at steps, still has it in memory): a step there is
+  // refused and changes nothing, and A lets it go.
   auto on_a = a_->Connect();
   auto refused = on_a->ApplyGradients(id_);
   EXPECT_TRUE(core::Checkpointer::IsMoved(refused.status())) << refused.status();
