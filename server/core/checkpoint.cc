@@ -473,15 +473,15 @@ absl::StatusOr<int64_t> Checkpointer::SaveAll(const ModuleHost& host) {
   return saved;
 }
 
-std::vector<std::string> Checkpointer::Lost() const {
+std::vector<std::pair<std::string, absl::Status>> Checkpointer::Lost() const {
   std::map<std::string, Held> held;
   {
     std::lock_guard<std::mutex> lock(mu_);
     held = held_;
   }
-  std::vector<std::string> lost;
+  std::vector<std::pair<std::string, absl::Status>> lost;
   for (const auto& [id, h] : held) {
-    if (!CheckHeld(id, h).ok()) lost.push_back(id);
+    if (absl::Status s = CheckHeld(id, h); !s.ok()) lost.emplace_back(id, std::move(s));
   }
   return lost;
 }

@@ -29,6 +29,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -86,9 +87,10 @@ class Checkpointer {
   // Saves every module of `host` this server still holds; returns how many. Modules it lost are
   // skipped (logged), and neither stop it nor count.
   absl::StatusOr<int64_t> SaveAll(const ModuleHost& host);
-  // The held modules another server holds now (their claims superseded or removed): for the
-  // server to let them go. Reads one small file and stats one name per held module.
-  std::vector<std::string> Lost() const;
+  // The held modules another server holds now (their claims superseded or removed), each with
+  // CheckHeld's refusal: for the server to let them go. Reads one small file and stats one name
+  // per held module.
+  std::vector<std::pair<std::string, absl::Status>> Lost() const;
   // Stops holding the module, leaving its files (another server holds it now).
   void Forget(const std::string& module_id);
   // Removes a deleted module's folder and files (no error when there are none).

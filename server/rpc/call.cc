@@ -127,6 +127,12 @@ void CallEnv::TakeOverDone(const std::string& module_id) {
   if (it != waiting_for_.end() && --it->second <= 0) waiting_for_.erase(it);
 }
 
+void CallEnv::CountExisting(const core::ModuleInfo& info) {
+  if (info.tenant.empty()) return;
+  quotas_.CountExisting(info.module_id, "tenant " + info.tenant,
+                        core::ParameterCount(info.spec) * int64_t(sizeof(float)));
+}
+
 absl::Status CallEnv::TakeOver(const std::string& module_id) {
   if (options_.checkpointer == nullptr || host_.Has(module_id)) return absl::OkStatus();
   const auto start = std::chrono::steady_clock::now();
@@ -143,10 +149,8 @@ absl::Status CallEnv::TakeOver(const std::string& module_id) {
                                      " could not be taken over from the checkpoint directory: ",
                                      took.status().message()));
   }
-  absl::StatusOr<core::ModuleInfo> info = host_.Info(module_id);
-  if (info.ok() && !info->tenant.empty()) {
-    quotas_.CountExisting(module_id, "tenant " + info->tenant,
-                          core::ParameterCount(info->spec) * int64_t(sizeof(float)));
+  if (absl::StatusOr<core::ModuleInfo> info = host_.Info(module_id); info.ok()) {
+    CountExisting(*info);
   }
   spdlog::info(
       "took over module {} from its checkpoint (epoch {}, now held under epoch {}): weight version "

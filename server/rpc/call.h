@@ -51,6 +51,7 @@
 namespace gradwire::core {
 class DeviceExecutor;
 class ModuleHost;
+struct ModuleInfo;
 }  // namespace gradwire::core
 
 namespace gradwire::rpc {
@@ -130,6 +131,9 @@ class CallEnv {
   // On the control thread: takes `module_id` over from the checkpoint directory unless it is
   // here. OK too when it has no checkpoint: the call then fails as for any unknown module.
   absl::Status TakeOver(const std::string& module_id);
+  // Counts a module made before this call (restored or taken over from a checkpoint) for its
+  // tenant's parameter quota, whatever the quota.
+  void CountExisting(const core::ModuleInfo& info);
   // A backward's or release's NOT_FOUND for an unknown context, told why when its route header
   // names a module the caller may see that this server process took over from a checkpoint (a
   // restart, or a move from a server that left): the context was made before, by another process.

@@ -47,11 +47,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
     batcher_ = std::make_unique<core::BatchFormer>(executor, options_.batching);
   }
   // Modules already here (restored from checkpoints) count for their tenants.
-  for (const core::ModuleInfo& info : host_.List()) {
-    if (info.tenant.empty()) continue;
-    quotas_.CountExisting(info.module_id, "tenant " + info.tenant,
-                          core::ParameterCount(info.spec) * int64_t(sizeof(float)));
-  }
+  for (const core::ModuleInfo& info : host_.List()) env_.CountExisting(info);
 }
 
 GradwireService::~GradwireService() = default;
@@ -88,8 +84,8 @@ void GradwireService::LetGo(const std::string& module_id, const absl::Status& wh
 int GradwireService::LetGoOfMovedModules() {
   if (!options_.checkpointer || !options_.checkpointer->shared()) return 0;
   int n = 0;
-  for (const std::string& id : options_.checkpointer->Lost()) {
-    LetGo(id, options_.checkpointer->CheckHeld(id));
+  for (const auto& [id, why] : options_.checkpointer->Lost()) {
+    LetGo(id, why);
     ++n;
   }
   return n;

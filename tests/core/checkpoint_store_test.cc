@@ -68,7 +68,10 @@ TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
   EXPECT_EQ(took->epoch, 2);
   EXPECT_EQ(took->from_epoch, 1);
   EXPECT_TRUE(SameWeights(a, b, id));
-  EXPECT_TRUE(first.Lost() == std::vector<std::string>{id});
+  const auto lost = first.Lost();
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].first, id);
+  EXPECT_TRUE(Checkpointer::IsMoved(lost[0].second)) << lost[0].second;
   EXPECT_TRUE(second.Lost().empty());
 
   // The old holder trains on in memory: it cannot save, and writes nothing.
