@@ -32,4 +32,11 @@ done
 # The commit this tree is at, for the GPU machine's report: the device copy's .git can be older.
 git rev-parse HEAD > commit
 git status --porcelain | wc -l > tree_changes
+# Each tracked file's hash: gpu-check.sh counts there the files that differ from what this run
+# saw (an edit or a commit after it), and says the recorded commit is stale if any do.
+(cd .. && git ls-files -z | xargs -0 sha1sum 2>/dev/null) > manifest || true
 du -sh . | sed 's/^/device deps: /'
+echo "device deps: recorded commit $(cut -c1-12 commit), $(cat tree_changes) uncommitted changes"
+if [ "$(cat tree_changes)" != 0 ]; then
+  echo "device deps: WARNING: commit first, so that the report's commit names what ran" >&2
+fi

@@ -1,34 +1,40 @@
 #!/usr/bin/env bash
-# The server's CUDA backend end to end, in one device call of at most ~9 minutes, most valuable
-# result first. On a GPU machine (nvcc, CMake, Ninja, python3 with CUDA torch), repo root, with
-# .device-deps/ carried (scripts/device/deps.sh packs it here):
+# The server's CUDA backend end to end on a GPU machine (nvcc, CMake, Ninja, python3 with CUDA
+# torch), most valuable result first, in a first device call of about 5 minutes that leaves room
+# for a second. Here, after the last commit: scripts/device/deps.sh (it packs .device-deps/ and
+# records the commit). Then, from the repo root:
 #
-#   device run, carry [".device-deps"], timeout_s 560:   scripts/device/gpu-check.sh
+#   device run, carry [".device-deps"], timeout_s 440:   scripts/device/gpu-check.sh
+#   at once, on the warm machine (its build is kept):     GW_CHECK_STEPS=second scripts/device/gpu-check.sh
 #
 #   0. configure and build only the targets below (Release, sm_90, build-gpucheck/)
 #   1. the parity harness's CUDA rows against the reference: nothing may fail or skip
-#   2. the service suites with GRADWIRE_TEST_DEVICE=cuda, in parallel (and the kernel tests)
+#   2. the service suites with GRADWIRE_TEST_DEVICE=cuda, in parallel, and the kernel tests
 #   3. the demo (Linear, --model mlp) through a real server on cpu and on cuda: final losses 5 %
-#   4. the server step over loopback next to the in-process step (both on the GPU), then the
-#      FP8 GEMM and module benchmark next to PyTorch, then (time left) the step with an FP8 wire
+#   4. the server step over loopback next to the in-process step (both on the GPU), over gRPC
+#      and through shared memory, then the FP8 GEMM and module benchmark next to PyTorch, the
+#      host copies, the step breakdown (with the copy stream and without) and batching. A second
+#      call: pinned staging, the step with FP8 and with bf16 on the wire.
 #
-# Every step has a timeout inside one budget (GW_CHECK_BUDGET_S, 540 s; the build's own limit is
+# Every step has a timeout inside one budget (GW_CHECK_BUDGET_S, 400 s; the build's own limit is
 # GW_CHECK_BUILD_S, 360 s: raise both for a first build on a small machine), and after every step
 # $OUT/cuda-stage2.json is rewritten with everything so far, so a run that is cut off still
-# returns what ran. $OUT (default build-gpucheck/out) gets at most six files:
+# returns what ran. $OUT (default build-gpucheck/out) gets six files:
 #   progress.log      one line per step as it finishes
-#   cuda-stage2.json  the results and the targets (commit it as docs/perf/cuda-stage2.json);
+#   cuda-stage2.json  the results and the targets (commit it as a new docs/perf/cuda-*.json);
 #                     "complete": false when the run was cut off
 #   build.log         configure and build: the architecture flags, errors, the tail
 #   tests.log         failures, skip reasons and the kernel tests' [ measured ] lines
 #   bench.txt         the benchmark tables
+#   logs.tar.gz       every step's whole log and the servers' logs (packed again after each step
+#                     that did not pass, and at the end)
 # The CPU suites are not run here: CI runs them. Without a GPU (a rehearsal) every step still
 # runs and says why it could not; a CUDA row that skips counts as a failure.
-# Exit status: 0 when parity, the service suites and the demo met their targets.
+# Exit status: 0 when parity, the service suites, the kernel tests and the demo met their targets.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 
-budget=${GW_CHECK_BUDGET_S:-540}
+budget=${GW_CHECK_BUDGET_S:-400}
 t0=$(date +%s)
 deadline=$((t0 + budget))
 build=${GW_CHECK_BUILD:-build-gpucheck}
@@ -36,7 +42,8 @@ out=${OUT:-$build/out}
 work=$build/work
 mkdir -p "$out" "$work"
 out=$(cd "$out" && pwd)
-rm -f "$work"/* "$out"/progress.log "$out"/tests.log "$out"/bench.txt "$out"/build.log
+rm -f "$work"/* "$out"/progress.log "$out"/tests.log "$out"/bench.txt "$out"/build.log \
+  "$out"/logs.tar.gz
 json=$out/cuda-stage2.json
 py=python3
 
@@ -49,10 +56,36 @@ report() {
   "$py" scripts/device/gpu_check_report.py "$work" "$json" "$@" 2>> "$out/progress.log" ||
     say "report: could not write $json"
 }
+# pack_logs: every file of the work folder (each step's whole log, the servers' logs, the status
+# and result files) into $OUT/logs.tar.gz, so that a failure's whole output comes back, not only
+# tests.log's excerpt. A file over 2 MiB keeps its first and last MiB; the archive stays under
+# the 16 MiB a returned file may have (over 15 MiB, each file keeps 128 KiB at each end).
+pack_logs() {
+  local pack=$build/logs-pack each=1048576 f n
+  for each in 1048576 131072; do
+    rm -rf "$pack"
+    mkdir -p "$pack/logs"
+    for f in "$work"/*; do
+      [ -f "$f" ] || continue
+      n=$pack/logs/$(basename "$f")
+      if [ "$(stat -c %s "$f")" -le $((2 * each)) ]; then
+        cp "$f" "$n"
+      else
+        { head -c "$each" "$f"; printf '\n[... cut by gpu-check: %s bytes in all ...]\n' \
+            "$(stat -c %s "$f")"; tail -c "$each" "$f"; } > "$n"
+      fi
+    done
+    tar -C "$pack" -czf "$out/logs.tar.gz.tmp" logs 2>/dev/null || break
+    [ "$(stat -c %s "$out/logs.tar.gz.tmp")" -gt $((15 * 1048576)) ] || break
+  done
+  [ -f "$out/logs.tar.gz.tmp" ] && mv -f "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
+  rm -rf "$pack"
+}
 step_done() {  # step_done NAME STATUS STARTED [NOTE]: record a step and rewrite the report
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(($(date +%s) - $3))" "${4:-}" >> "$work/steps.tsv"
   say "$1: $2${4:+ ($4)} in $(($(date +%s) - $3)) s"
   report
+  [ "$2" = ok ] || pack_logs  # a cut-off run still returns the logs of what failed
 }
 # cap WANT [RESERVE]: WANT seconds, or less so that RESERVE seconds are left for what follows.
 cap() {
@@ -128,13 +161,28 @@ finish() {
   for p in $left_over; do kill "$p" 2>/dev/null; done
   [ -z "$left_over" ] || sleep 1
   for p in $left_over; do kill -9 "$p" 2>/dev/null; done
+  pack_logs
   echo "gpu-check: targets (all results in $json):"
   if [ "$reached_end" = 1 ]; then report --final --print; else report --print; fi
   say "done in $(elapsed) s, exit status $rc"
   exit "$rc"
 }
-# want STEP: whether GW_CHECK_STEPS (space-separated step names; unset: every step) names it.
-want() { [ -z "${GW_CHECK_STEPS:-}" ] || [[ " $GW_CHECK_STEPS " == *" $1 "* ]]; }
+# The steps after the build. A first call runs the checks and the figures the report needs (the
+# one-stream breakdown is the only measure of the copy stream's overlap); the comparisons after
+# them (pinned staging, FP8 and bf16 on the wire) are for a second call, which a warm machine
+# starts with its build done: GW_CHECK_STEPS="second" (or any names below, or "all").
+first_steps="parity service demo server-step server-step-shm cuda-bench host-copies step-breakdown
+  step-breakdown-one-stream batching"
+second_steps="staging server-step-fp8 server-step-bf16"
+case "${GW_CHECK_STEPS:-first}" in
+  first) steps_asked=$first_steps ;;
+  second) steps_asked=$second_steps ;;
+  all) steps_asked="$first_steps $second_steps" ;;
+  *) steps_asked=$GW_CHECK_STEPS ;;
+esac
+steps_asked=$(echo $steps_asked)  # one line, single spaces
+# want STEP: whether the steps asked for name it.
+want() { [[ " $steps_asked " == *" $1 "* ]]; }
 reached_end=0  # "complete" in the JSON: every step had its turn
 trap finish EXIT
 trap 'say "stopped by a signal"; exit 143' TERM INT HUP
@@ -142,6 +190,10 @@ trap 'say "stopped by a signal"; exit 143' TERM INT HUP
 # --- The machine ------------------------------------------------------------------------------
 started=$(date +%s)
 say "gpu-check: budget ${budget} s, build dir $build, results in $out"
+say "steps: $steps_asked"
+for s in $steps_asked; do
+  [[ " $first_steps $second_steps " == *" $s "* ]] || say "WARNING: no step is called $s"
+done
 if ! ls .device-deps/*.deb > /dev/null 2>&1 && [ ! -d /opt/gwdeps/usr ]; then
   say "WARNING: no .device-deps/ (scripts/device/deps.sh here, then carry it): gRPC, protobuf," \
     "spdlog and GoogleTest must then come from this machine"
@@ -156,11 +208,17 @@ cat "$work/env.log" >> "$out/progress.log"
   echo "cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
   echo "memory_gib=$(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)"
   echo "os=$(sed -n 's/^PRETTY_NAME="*\([^"]*\)"*$/\1/p' /etc/os-release 2>/dev/null), $(uname -r)"
+  echo "steps_asked=$steps_asked"
   echo "nvcc=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
   # deps.sh records the commit here before the call; the device copy's .git can be older.
   if [ -s .device-deps/commit ]; then
     echo "commit=$(cat .device-deps/commit)"
     echo "tree_changes=$(cat .device-deps/tree_changes 2>/dev/null || echo unknown)"
+    # Files that differ from the tree deps.sh hashed: nonzero means a change after deps.sh ran.
+    if [ -s .device-deps/manifest ]; then
+      echo "files_changed_since_deps=$(sha1sum -c --quiet .device-deps/manifest 2>/dev/null |
+        grep -c -v '^sha1sum:')"
+    fi
   else
     echo "commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)"
     echo "tree_changes=$(git status --porcelain 2>/dev/null | wc -l)"
@@ -184,6 +242,11 @@ print("available=" + str(torch.cuda.is_available()))
 print("cxx11_abi=" + str(torch._C._GLIBCXX_USE_CXX11_ABI))
 PY
 torch_pid=$!
+stale=$(sed -n 's/^files_changed_since_deps=//p' "$work/machine.txt")
+if [ "${stale:-0}" != 0 ]; then
+  say "WARNING: $stale files differ from the tree scripts/device/deps.sh recorded: the report's" \
+    "commit does not name what runs here (run deps.sh after the last commit)"
+fi
 step_done machine ok "$started"
 
 # --- 0. Build only what runs ------------------------------------------------------------------
@@ -356,6 +419,21 @@ if want service; then
   passed=$(cat "$work"/svc-*.log 2>/dev/null | grep -c -E '^\[       OK \]')
   step_done service "$([ "$svc_fail" = 0 ] && [ "${#names[@]}" -gt 0 ] && echo ok || echo FAILED)" \
     "$started" "${#names[@]} suites, $svc_fail failing or skipping, $passed tests passed"
+  # The kernel tests ran beside the suites: a step of their own, so that a failing or skipping
+  # one changes a status and the exit code, not only a row of the JSON.
+  kt_n=0 kt_fail=0
+  for t in "${kernel_tests[@]}"; do
+    [ -f "$work/kt-$t.log" ] || continue
+    kt_n=$((kt_n + 1))
+    rc=$(cat "$work/kt-$t.rc" 2>/dev/null || echo "?")
+    if [ "$rc" != 0 ] || grep -q -E '^\[  (FAILED|SKIPPED) \].*\([0-9]+ ms\)$' "$work/kt-$t.log"; then
+      kt_fail=$((kt_fail + 1))
+    fi
+  done
+  passed=$(cat "$work"/kt-*.log 2>/dev/null | grep -c -E '^\[       OK \]')
+  step_done kernel-tests "$([ "$kt_fail" = 0 ] && [ "$kt_n" = "${#kernel_tests[@]}" ] && echo ok ||
+    echo FAILED)" "$started" \
+    "$kt_n of ${#kernel_tests[@]} built, $kt_fail failing or skipping, $passed tests passed"
 fi
 
 # --- 3. The demo through a real server, CPU and CUDA side by side -----------------------------
@@ -460,6 +538,10 @@ server_step() {
       awk '{print $1 " " $4 "/s"}' | tr '\n' ' ')"
 }
 ! want server-step || server_step server-step f32 "$(cap 75 0)"
+# The same step with the tensors through shared memory (the load tool on the server's host).
+if want server-step-shm && [ "$(left)" -ge 60 ]; then
+  server_step server-step-shm f32 "$(cap 75 0)" shm
+fi
 
 started=$(date +%s)
 if ! want cuda-bench; then
@@ -610,11 +692,8 @@ if want staging; then
   [ "$(left)" -lt 60 ] || server_step server-step-staged f32 "$(cap 75 0)" staged
 fi
 
-# Last, if there is time: the same f32 step with the tensors through shared memory (a client on
-# the server's host), then with FP8 on the wire, a quarter of f32's bytes, then with bf16.
-if want server-step-shm && [ "$(left)" -ge 60 ]; then
-  server_step server-step-shm f32 "$(cap 75 0)" shm
-fi
+# Last, if there is time: the same f32 step with FP8 on the wire, a quarter of f32's bytes, then
+# with bf16.
 if want server-step-fp8 && [ "$(left)" -ge 60 ]; then
   server_step server-step-fp8 fp8 "$(cap 75 0)"
 fi
@@ -629,6 +708,7 @@ cat "$out/bench.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
 ok = all(r["targets"][k]["met"] is True for k in
-         ("parity_all_pass_none_skipped", "service_all_pass_none_skipped", "demo_within_5pct"))
+         ("parity_all_pass_none_skipped", "service_all_pass_none_skipped",
+          "kernel_tests_all_pass_none_skipped", "demo_within_5pct"))
 sys.exit(0 if ok else 1)
 PY

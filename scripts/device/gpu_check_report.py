@@ -242,7 +242,7 @@ def target(met, detail):
     return {"met": met, "detail": detail}
 
 
-def targets(parity, service, demo_rows, step, gemm, modules, with_torch):
+def targets(parity, service, kernels, demo_rows, step, gemm, modules, with_torch):
     t = {}
     if parity is None:
         t["parity_all_pass_none_skipped"] = target(None, "not run")
@@ -258,6 +258,16 @@ def targets(parity, service, demo_rows, step, gemm, modules, with_torch):
         t["service_all_pass_none_skipped"] = target(
             ok, f"{service['passed']} passed, {service['failed']} failed, "
                 f"{service['skipped']} skipped")
+    # The kernel tests: every binary ran, and none failed or skipped (a skip there means no GPU
+    # or the wrong architecture).
+    if not kernels:
+        t["kernel_tests_all_pass_none_skipped"] = target(None, "not run")
+    else:
+        bad = [n for n, k in kernels.items()
+               if k["rc"] != 0 or k["failed"] or k["skipped"] or not k["passed"]]
+        t["kernel_tests_all_pass_none_skipped"] = target(
+            not bad, ", ".join(f"{n} {k['passed']} passed, {k['failed']} failed, "
+                               f"{k['skipped']} skipped, rc {k['rc']}" for n, k in kernels.items()))
     verdicts, details = [], []
     for model, row in demo_rows.items():
         cpu, gpu = row.get("cpu"), row.get("cuda")
@@ -334,6 +344,8 @@ def main():
     now = datetime.datetime.now(datetime.timezone.utc)
     report = {
         "command": "scripts/device/gpu-check.sh",
+        # GW_CHECK_STEPS: a first call's steps, a second call's, or a choice.
+        "steps_asked": info.get("steps_asked"),
         "complete": final,
         "updated": now.isoformat(timespec="seconds"),
         "elapsed_s": round(now.timestamp() - float(started), 1) if started else None,
@@ -354,6 +366,8 @@ def main():
             "no_gpu_reason": info.get("no_gpu"),
             "commit": info.get("commit"),
             "uncommitted_changes": info.get("tree_changes"),
+            # Files that differ from the tree deps.sh hashed at that commit (0: the commit ran).
+            "files_changed_since_deps": info.get("files_changed_since_deps"),
         },
         "build": build or None,
         "parity": parity and {k: parity[k] for k in ("passed", "failed", "skipped", "redrawn",
@@ -385,7 +399,7 @@ def main():
         "modules": modules,
         # A fixed-shape Linear step as one CUDA graph against its kernels launched one by one.
         "cuda_graphs": cuda_graphs(work),
-        "targets": targets(parity, service, demo_rows, step, gemm, modules, with_torch),
+        "targets": targets(parity, service, kernels, demo_rows, step, gemm, modules, with_torch),
         "steps": steps(work),
     }
     tmp = out_path + ".tmp"
