@@ -191,8 +191,9 @@ trap 'say "stopped by a signal"; exit 143' TERM INT HUP
 started=$(date +%s)
 say "gpu-check: budget ${budget} s, build dir $build, results in $out"
 say "steps: $steps_asked"
+known=" $(echo $first_steps $second_steps) "
 for s in $steps_asked; do
-  [[ " $first_steps $second_steps " == *" $s "* ]] || say "WARNING: no step is called $s"
+  [[ "$known" == *" $s "* ]] || say "WARNING: no step is called $s"
 done
 if ! ls .device-deps/*.deb > /dev/null 2>&1 && [ ! -d /opt/gwdeps/usr ]; then
   say "WARNING: no .device-deps/ (scripts/device/deps.sh here, then carry it): gRPC, protobuf," \
