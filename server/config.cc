@@ -254,6 +254,15 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "the next check, or at its next step, upload or save (0: only then)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  app.add_option("--checkpoint-handover-wait", config.checkpoint_handover_wait_s,
+                 "with --checkpoint-shared: seconds a server taking over a module waits for the "
+                 "live server holding it to pick up a hand-over request; that server then saves "
+                 "the module, drops it and releases it, so no step it took is lost when a proxy "
+                 "moves the module (a server coming back, one added). A holder that is gone or "
+                 "does not answer in time is fenced instead, and its steps since its last save "
+                 "are lost (0: never ask)")
+      ->check(CLI::Range(0.0, 60.0))
+      ->capture_default_str();
   app.add_option("--checkpoint-every", config.checkpoint_every,
                  "optimizer steps between a module's checkpoints (0: only create/upload/shutdown)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40))
@@ -404,6 +413,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "checkpoint-every = " << f.checkpoint_every << "\n";
   out << "checkpoint-shared = " << (f.checkpoint_shared ? "true" : "false") << "\n";
   out << "checkpoint-check-every = " << f.checkpoint_check_every_s << "\n";
+  out << "checkpoint-handover-wait = " << f.checkpoint_handover_wait_s << "\n";
   out << "stream-read-ahead = " << f.stream_read_ahead << "\n";
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";

@@ -38,20 +38,21 @@ struct ServerConfig {
   int64_t max_parameter_bytes_per_client = int64_t(8) << 30;
   int64_t max_context_bytes_per_client = int64_t(4) << 30;
   int64_t max_stream_bytes_per_client = int64_t(4) << 30;
-  std::string metrics_token_file;       // bearer token the metrics endpoint requires; empty: none
-  double shutdown_grace_s = 10.0;       // in-flight calls get this long on SIGINT/SIGTERM
-  double delivery_slack_ms = 10.0;      // a forward this close to its deadline is abandoned
-  std::string metrics_listen;           // host:port of the Prometheus endpoint; empty: off
-  std::string tls_cert;                 // PEM certificate chain; with tls_key: serve TLS
-  std::string tls_key;                  // PEM private key
-  std::string tls_client_ca;            // PEM CA bundle: require and verify client certificates
-  bool insecure = false;                // allow plaintext on a non-loopback address
-  std::string checkpoint_dir;           // empty: modules live only in memory
-  int64_t checkpoint_every = 100;       // optimizer steps between a module's checkpoints
-  bool checkpoint_shared = false;       // other servers share checkpoint_dir
-  double checkpoint_check_every_s = 1;  // seconds between checks of the modules' claims
-  int stream_read_ahead = 8;            // Train-stream requests read ahead of their responses
-  int cpu_threads = 0;                  // CPU backend's threads (0: one per core)
+  std::string metrics_token_file;         // bearer token the metrics endpoint requires; empty: none
+  double shutdown_grace_s = 10.0;         // in-flight calls get this long on SIGINT/SIGTERM
+  double delivery_slack_ms = 10.0;        // a forward this close to its deadline is abandoned
+  std::string metrics_listen;             // host:port of the Prometheus endpoint; empty: off
+  std::string tls_cert;                   // PEM certificate chain; with tls_key: serve TLS
+  std::string tls_key;                    // PEM private key
+  std::string tls_client_ca;              // PEM CA bundle: require and verify client certificates
+  bool insecure = false;                  // allow plaintext on a non-loopback address
+  std::string checkpoint_dir;             // empty: modules live only in memory
+  int64_t checkpoint_every = 100;         // optimizer steps between a module's checkpoints
+  bool checkpoint_shared = false;         // other servers share checkpoint_dir
+  double checkpoint_check_every_s = 1;    // seconds between checks of the modules' claims
+  double checkpoint_handover_wait_s = 2;  // a live holder's time to pick up a hand-over
+  int stream_read_ahead = 8;              // Train-stream requests read ahead of their responses
+  int cpu_threads = 0;                    // CPU backend's threads (0: one per core)
   // The CUDA backend's wire crossings through two pinned slots of this many MiB (0: pageable
   // copies); core/staged_copy.h.
   int cuda_staging_mib = 0;

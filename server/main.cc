@@ -101,6 +101,7 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
   o.checkpoint_every = c.checkpoint_every;
   o.checkpoint_shared = c.checkpoint_shared;
   o.checkpoint_check_every_s = c.checkpoint_check_every_s;
+  o.checkpoint_handover_wait_s = c.checkpoint_handover_wait_s;
   o.metrics_listen = c.metrics_listen;
   o.metrics_token_file = c.metrics_token_file;
   o.heap_trim_every_s = c.heap_trim_every_s;

@@ -165,6 +165,49 @@ class Server::MetricsEndpoint {
 // heap memory back to the OS every --heap-trim-every seconds (core/heap_trim.h); once the server
 // has been idle that long, the CPU backend's scratch buffers go too (under load they are what
 // the next call reuses, and a trim does not touch them).
+// With a shared checkpoint directory: the hand-overs other servers ask this one for, picked up
+// every 50 ms (one directory listing), and this server's heartbeat every 250 ms, on a thread of
+// their own (the janitor's sweep can take long: it reads every held module's claim).
+class Server::HandOverWatcher {
+ public:
+  HandOverWatcher(core::Checkpointer& checkpointer, rpc::GradwireService& service) {
+    thread_ = std::thread([this, &checkpointer, &service] {
+      using Clock = std::chrono::steady_clock;
+      auto beat = Clock::now();
+      std::unique_lock<std::mutex> lock(mu_);
+      const auto every = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(core::Checkpointer::kHeartbeatEveryS));
+      while (!cv_.wait_for(lock, std::chrono::milliseconds(50), [this] { return stop_; })) {
+        try {
+          service.HandOverRequested();
+          if (Clock::now() - beat >= every) {
+            checkpointer.Heartbeat();
+            beat = Clock::now();
+          }
+        } catch (const std::exception& e) {  // the storage's trouble: logged, tried again
+          spdlog::error("hand-over watcher: {}", e.what());
+        }
+      }
+    });
+  }
+  ~HandOverWatcher() { Stop(); }
+  void Stop() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 class Server::Janitor {
  public:
   // `sweep` runs about once a second besides (shared-memory regions gone idle).
@@ -250,6 +293,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     if (absl::Status prepared = s->checkpointer_->Prepare(o.checkpoint_shared); !prepared.ok()) {
       return prepared;
     }
+    s->checkpointer_->SetHandOverWait(o.checkpoint_handover_wait_s);
     if (o.checkpoint_shared) {
       // Servers sharing the directory each take a module over on the first call about it (the
       // proxy sends that call where the module's id hashes); restoring all here would take every
@@ -388,6 +432,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
                                     checked = now;
                                   }
                                 });
+  if (s->checkpointer_ && s->checkpointer_->shared()) {
+    s->handover_ = std::make_unique<HandOverWatcher>(*s->checkpointer_, *s->service_);
+  }
   return s;
 }
 
@@ -400,12 +447,14 @@ absl::StatusOr<int64_t> Server::Shutdown(std::chrono::system_clock::time_point d
     grpc_->Wait();
   }
   if (endpoint_) endpoint_->Stop();  // before the executor goes: the endpoint reads its backlog
+  if (handover_) handover_->Stop();  // queues hand-overs on the executor
   executor_.reset();                 // drains tasks the cancelled calls left behind
   if (janitor_) janitor_->Stop();
   if (!options_.port_file.empty()) std::remove(options_.port_file.c_str());
   int64_t saved = 0;
   if (checkpointer_) {
     absl::StatusOr<int64_t> all = checkpointer_->SaveAll(*host_);
+    checkpointer_->Leave();  // takers go on at once, from these saves, and ask this server nothing
     if (!all.ok()) {
       return absl::Status(all.status().code(),
                           absl::StrCat("final checkpoint failed: ", all.status().message()));
@@ -422,6 +471,7 @@ Server::~Server() {
   if (grpc_ && !stopped_) (void)Shutdown(std::chrono::system_clock::now());
   // A server that failed to start stops what it had started, in reverse order.
   if (endpoint_) endpoint_->Stop();
+  if (handover_) handover_->Stop();
   if (janitor_) janitor_->Stop();
 }
 

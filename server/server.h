@@ -60,6 +60,9 @@ struct ServerOptions {
   // modules (a module another server took over is let go of then, or at its next step, upload or
   // save); 0: only then.
   double checkpoint_check_every_s = 1;
+  // With checkpoint_shared: seconds a server taking a module over waits for its live holder to
+  // pick up a hand-over request (Checkpointer::SetHandOverWait); 0: never asks.
+  double checkpoint_handover_wait_s = 2;
   // Prometheus endpoint, HOST:PORT (a bare PORT binds 127.0.0.1; port 0 picks one); empty: off.
   std::string metrics_listen;
   // A file whose first line is the bearer token the metrics endpoint requires; empty: none.
@@ -108,6 +111,7 @@ class Server {
  private:
   class MetricsEndpoint;  // server.cc
   class Janitor;          // server.cc
+  class HandOverWatcher;  // server.cc
   Server() = default;
 
   ServerOptions options_;
@@ -119,6 +123,7 @@ class Server {
   std::unique_ptr<MetricsEndpoint> endpoint_;
   std::unique_ptr<grpc::Server> grpc_;
   std::unique_ptr<Janitor> janitor_;
+  std::unique_ptr<HandOverWatcher> handover_;
   int port_ = 0;
   std::string address_;
   std::string metrics_address_;

@@ -91,6 +91,43 @@ int GradwireService::LetGoOfMovedModules() {
   return n;
 }
 
+int GradwireService::HandOverRequested() {
+  if (!options_.checkpointer || !options_.checkpointer->shared()) return 0;
+  const std::vector<std::string> ids = options_.checkpointer->HandOverRequests();
+  for (const std::string& id : ids) env_.executor().Submit([this, id] { HandOver(id); });
+  return int(ids.size());
+}
+
+void GradwireService::HandOver(const std::string& module_id) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status saved;
+  int64_t contexts = 0;
+  try {
+    saved = options_.checkpointer->Save(host_, module_id);
+  } catch (const std::exception& e) {
+    saved = absl::InternalError(e.what());
+  }
+  try {
+    contexts = host_.contexts().live_contexts(module_id);
+    if (host_.Delete(module_id, /*moved=*/true).ok()) quotas_.ModuleDeleted(module_id);
+  } catch (const std::exception& e) {
+    spdlog::error("handing module {} over: dropping it here failed: {}", module_id, e.what());
+  }
+  options_.checkpointer->Release(module_id);  // whatever happened: the taker must not wait on
+  if (!saved.ok()) {
+    spdlog::error(
+        "handed module {} over without saving it ({}): the server taking it over reads its last "
+        "checkpoint",
+        module_id, std::string(saved.message()));
+    return;
+  }
+  spdlog::info(
+      "handed module {} and its {} live contexts over to the server that asked, saved "
+      "in {:.1f} ms",
+      module_id, contexts,
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+}
+
 std::vector<ClientUsage> GradwireService::Usage() const {
   return quotas_.Usage(host_.contexts().live_bytes_by_client());
 }

@@ -132,6 +132,11 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // With a shared checkpoint directory: lets go of the modules another server took over since
   // (their claims superseded), with their contexts; the janitor calls it. Returns how many.
   int LetGoOfMovedModules();
+  // With a shared checkpoint directory: queues the hand-overs other servers asked this one for
+  // (Checkpointer::HandOverRequests) behind the work already queued on the device executor, where
+  // each saves its module, drops it and releases its claim; the hand-over watcher calls it.
+  // Returns how many it queued.
+  int HandOverRequested();
 
  private:
   // The one pipeline of forwards and backwards (step_pipeline.h, steps.cc): every call shape's
@@ -217,6 +222,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // Drops a module another server holds now, with its contexts (their backwards are told it
   // moved) and its quota; its checkpoint files stay, they are the new holder's.
   void LetGo(const std::string& module_id, const absl::Status& why);
+  // On the device executor, so no step of the module runs meanwhile: saves it (everything it did
+  // here), drops it with its contexts and quota, then releases its claim to the server that asked.
+  void HandOver(const std::string& module_id);
 
   core::ModuleHost& host_;
   const ServiceOptions options_;

@@ -2,9 +2,12 @@
 // process: each a ModuleHost with a Checkpointer on the same directory.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "server/core/checkpoint.h"
 #include "server/core/context_store.h"
@@ -47,6 +50,7 @@ TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
   Checkpointer first(dir, 1), second(dir, 1);
   ASSERT_TRUE(first.Prepare(/*shared=*/true).ok());
   ASSERT_TRUE(second.Prepare(/*shared=*/true).ok());
+  second.SetHandOverWait(0);  // fencing, not a hand-over: the holder is not asked
   ModuleHost a, b;
   auto info = a.Create(MakeLinearSpec(8, 4));
   ASSERT_TRUE(info.ok());
@@ -91,6 +95,7 @@ TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
   ModuleHost c;
   Checkpointer third(dir, 1);
   ASSERT_TRUE(third.Prepare(true).ok());
+  third.SetHandOverWait(0);
   ASSERT_TRUE(third.Take(c, id).ok());
   EXPECT_TRUE(SameWeights(b, c, id));
   EXPECT_FALSE(SameWeights(a, c, id));
@@ -105,6 +110,83 @@ TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
   EXPECT_FALSE(fs::exists(third.FolderOf(id)));
   ModuleHost d;
   EXPECT_EQ(third.Take(d, id).status().code(), absl::StatusCode::kNotFound);
+  fs::remove_all(dir);
+}
+
+// The hand-over: a holder whose heartbeat is fresh is asked, and when it picks the request up the
+// taker waits for its save and release; one that does not answer is fenced after the wait, and
+// one that left is not asked at all.
+TEST(CheckpointStoreTest, ALiveHolderHandsOverAndASilentOrGoneOneIsFenced) {
+  using Clock = std::chrono::steady_clock;
+  const std::string dir = FreshDir("handover");
+  Checkpointer first(dir, 1), second(dir, 1), third(dir, 1), fourth(dir, 1);
+  for (Checkpointer* c : {&first, &second, &third, &fourth}) ASSERT_TRUE(c->Prepare(true).ok());
+  ModuleHost a, b, c, d;
+  auto info = a.Create(MakeLinearSpec(8, 4));
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  ASSERT_TRUE(first.ClaimNew(id).ok());
+  Step(a, id);
+  ASSERT_TRUE(first.Save(a, id).ok());
+  Step(a, id);  // two steps the checkpoint does not have
+  Step(a, id);
+  auto newest = TensorWeights(a, id);
+  ASSERT_TRUE(newest.ok());
+  ASSERT_EQ(newest->weight_version, 4u);
+
+  // The holder's side, as the server's watcher and executor do it.
+  std::atomic<bool> handed{false};
+  std::thread holder([&] {
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    while (!handed && Clock::now() < until) {
+      first.Heartbeat();
+      for (const std::string& asked : first.HandOverRequests()) {
+        EXPECT_EQ(asked, id);
+        EXPECT_TRUE(first.HandOverRequests().empty()) << "a request is picked up once";
+        EXPECT_TRUE(first.Save(a, asked).ok());
+        EXPECT_TRUE(a.Delete(asked, /*moved=*/true).ok());
+        first.Release(asked);
+        handed = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  second.SetHandOverWait(10);
+  first.Heartbeat();  // alive, however slowly this machine ran the steps
+  auto took = second.Take(b, id);
+  holder.join();
+  ASSERT_TRUE(handed);
+  ASSERT_TRUE(took.ok()) << took.status();
+  EXPECT_EQ(took->epoch, 2);
+  EXPECT_EQ(took->from_epoch, 1);
+  EXPECT_EQ(took->weight_version, 4u) << "the steps since the holder's last save were lost";
+  auto w = TensorWeights(b, id);
+  ASSERT_TRUE(w.ok());
+  for (size_t i = 0; i < w->tensors.size(); ++i) {
+    EXPECT_TRUE(w->tensors[i].second.equal(newest->tensors[i].second));
+  }
+  EXPECT_EQ(first.EpochOf(id), 0);
+  EXPECT_FALSE(fs::exists(first.ClaimPathOf(id, 1)));
+  EXPECT_TRUE(second.CheckHeld(id).ok());
+
+  // A holder alive but silent: after the wait the taker fences it, and takes the module over from
+  // its last checkpoint. Its request does not stay behind.
+  Step(b, id);  // not saved: lost, as with a failure
+  third.SetHandOverWait(0.2);
+  auto fenced = third.Take(c, id);
+  ASSERT_TRUE(fenced.ok()) << fenced.status();
+  EXPECT_EQ(fenced->epoch, 3);
+  EXPECT_EQ(fenced->weight_version, 4u);
+  EXPECT_TRUE(Checkpointer::IsMoved(second.CheckHeld(id)));
+  EXPECT_TRUE(second.HandOverRequests().empty());
+
+  // A holder that left (a clean stop) is not asked: no wait, however long the taker would wait.
+  third.Leave();
+  fourth.SetHandOverWait(30);
+  const auto start = Clock::now();
+  ASSERT_TRUE(fourth.Take(d, id).ok());
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(fourth.EpochOf(id), 4);
   fs::remove_all(dir);
 }
 

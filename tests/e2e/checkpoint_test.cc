@@ -138,8 +138,11 @@ TEST(CheckpointTest, SharedDirectoryTakesModulesOverAndFencesTheServerThatLostTh
   char base[] = "/tmp/gradwire-shared-ckpt-XXXXXX";
   ASSERT_NE(mkdtemp(base), nullptr);
   const std::string dir = std::string(base) + "/checkpoints";
-  const std::vector<std::string> flags = {"--checkpoint-dir", dir, "--checkpoint-shared",
-                                          "--checkpoint-every", "1"};
+  // Takers do not ask the holder to hand over (--checkpoint-handover-wait 0): this test is about
+  // fencing a holder; takeover_test and the proxy test's return phase check the hand-over.
+  const std::vector<std::string> flags = {
+      "--checkpoint-dir",           dir, "--checkpoint-shared", "--checkpoint-every", "1",
+      "--checkpoint-handover-wait", "0"};
   std::mt19937 rng(std::random_device{}());
   auto connect = [](const ServerProcess& server) {
     client::ClientOptions options;

@@ -94,7 +94,8 @@ check "--device cuda without usable CUDA kernels: exit 2 with reason" \
 check "--help exits 0" [ "$rc_help" = 0 ]
 for flag in --listen --device --log-level --log-format --max-message-mib --shutdown-grace \
   --tls-cert --tls-key --tls-client-ca --insecure --metrics-listen --checkpoint-dir \
-  --checkpoint-every --checkpoint-shared --checkpoint-check-every --port-file; do
+  --checkpoint-every --checkpoint-shared --checkpoint-check-every --checkpoint-handover-wait \
+  --port-file; do
   check "--help documents $flag" grep -q -- "$flag" "$tmp/help.txt"
 done
 

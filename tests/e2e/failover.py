@@ -12,11 +12,13 @@ the other servers' modules without pause, the victim (server 2) is killed with S
   - each of the victim's modules serves again (measured from HAProxy marking it DOWN) on another
     server, with the weights and version of its last checkpoint (one step back);
   - a backward on a context the victim made raises ContextLostError naming why.
-The victim's modules then train two more steps there (saved), and STATE_JSON records it all.
+The victim's modules then train three more steps there (the third not saved), and STATE_JSON
+records it all.
 
-return: with server 2 back on its address, the victim's modules go back to it and continue from
-the newest checkpoint (no version goes back); the servers that held them meanwhile let them go and
-can no longer save them; the other modules are untouched.
+return: with server 2 back on its address, the victim's modules go back to it with every step the
+servers that held them meanwhile took, the unsaved ones too (those servers are alive, so they hand
+each module over: save it, drop it, release it); no version goes back, and the other modules are
+untouched.
 """
 import csv
 import io
@@ -150,6 +152,7 @@ def kill(proxy, admin, victim_pid, state_path, servers):
             lost_reasons[e.reason] = lost_reasons.get(e.reason, 0) + 1
         step(c, mid)
         step(c, mid)  # saved on the server that holds it now
+        step(c, mid)  # not saved: only a hand-over brings it back
     assert lost_reasons == {"server_restarted": len(victims)}, lost_reasons
     after = {mid: c.get_weights_versioned(mid) for mid in ids}
     holders = homes_of(set(victims), [servers[0], servers[2]])
@@ -177,20 +180,20 @@ def come_back(proxy, state_path, servers):
     state = json.load(open(state_path))
     ids, victims, versions = state["ids"], state["victims"], state["versions"]
     c = gradwire.Client(proxy)
-    for mid in ids:  # no version goes back, and every module trains on
+    for mid in ids:  # no version goes back (not even an unsaved step), and every module trains on
         _, v = c.get_weights_versioned(mid)
         assert v == versions[mid], (mid, v, versions[mid])
         assert step(c, mid) == v + 1
     back = homes_of(set(victims), [servers[1]])
     assert set(back) == set(victims), "not every module went back to the returning server"
-    # The servers that held them meanwhile let them go, and cannot save them any more.
+    # The servers that held them meanwhile handed them over.
     deadline = time.time() + 10
     while homes_of(set(victims), [servers[0], servers[2]]):
         assert time.time() < deadline, "a server kept a module another server took over"
         time.sleep(0.2)
     c.close(keep=True)
-    print("  %d modules went back to the returning server at their newest versions; the servers "
-          "that held them let them go" % len(victims))
+    print("  %d modules went back to the returning server at their newest versions, unsaved steps "
+          "included: the servers that held them handed them over" % len(victims))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,15 @@ using testing::Random;
 constexpr int64_t kIn = 24, kOut = 16;
 
 // `check_every_s` 0: the server notices a module it lost only at that module's next step,
-// upload or save, never by its own timer (so a test knows what it still holds).
-testing::TestServerOptions Shared(const std::string& dir, double check_every_s = 1) {
+// upload or save, never by its own timer (so a test knows what it still holds). `handover_wait_s`
+// 0: taking a module over, the server does not ask its live holder to hand it over, and fences it.
+testing::TestServerOptions Shared(const std::string& dir, double check_every_s = 1,
+                                  double handover_wait_s = 5) {
   testing::TestServerOptions o;
   o.checkpoint_dir = dir;
   o.checkpoint_shared = true;
   o.checkpoint_check_every_s = check_every_s;
+  o.checkpoint_handover_wait_s = handover_wait_s;
   return o;
 }
 
@@ -73,7 +76,8 @@ class TakeOverTest : public ::testing::Test {
 };
 
 TEST_F(TakeOverTest, CallsArrivingDuringATakeOverWaitForItAndRunInOrder) {
-  testing::TestServer b(Shared(dir_));
+  // B does not ask A to hand over: A keeps the module in memory, fenced.
+  testing::TestServer b(Shared(dir_, 1, /*handover_wait_s=*/0));
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(b.host().List().size(), 0u);
   // A Train stream's requests, sent before any answer: the first waits for the take-over, and
@@ -113,6 +117,57 @@ TEST_F(TakeOverTest, CallsArrivingDuringATakeOverWaitForItAndRunInOrder) {
   auto refused = on_a->ApplyGradients(id_);
   EXPECT_TRUE(core::Checkpointer::IsMoved(refused.status())) << refused.status();
   EXPECT_FALSE(a_->host().Has(id_));
+}
+
+// A live holder asked to hand a module over saves what it did since its last checkpoint, drops
+// the module with its contexts and releases it: the taker continues from every step, and a
+// context made on the holder is told that its module moved.
+TEST(HandOverTest, ALiveHolderHandsOverTheStepsItDidSinceItsLastSave) {
+  const std::string dir = ::testing::TempDir() + "/gradwire-handover-" + core::RandomId128();
+  testing::TestServerOptions options = Shared(dir);
+  options.checkpoint_every = 1000;  // saved when created, then never by a step
+  testing::TestServer a(options), b(options);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto on_a = a.Connect();
+  auto info = on_a->CreateModule(testing::LinearSpec(kIn, kOut, true, 7));
+  ASSERT_TRUE(info.ok()) << info.status();
+  const std::string id = info->module_id();
+  for (int i = 0; i < 3; ++i) {
+    auto f = on_a->Forward(id, Random({4, kIn}), true);
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(on_a->Backward(f->context_id, Random({4, kOut})).ok());
+    ASSERT_TRUE(on_a->ApplyGradients(id).ok());
+  }
+  auto open = on_a->Forward(id, Random({4, kIn}), true);  // a context left on A
+  ASSERT_TRUE(open.ok()) << open.status();
+  auto before = on_a->GetWeights(id);
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ(before->weight_version, 4u);
+
+  auto on_b = b.Connect();
+  auto after = on_b->GetWeights(id);  // B takes it over: A hands it over first
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->weight_version, 4u) << "a step A took since its last save was lost";
+  ASSERT_EQ(after->tensors.size(), before->tensors.size());
+  for (size_t i = 0; i < after->tensors.size(); ++i) {
+    EXPECT_EQ(after->tensors[i].second.data, before->tensors[i].second.data);
+  }
+  EXPECT_FALSE(a.host().Has(id));
+  EXPECT_EQ(a.server().checkpointer()->EpochOf(id), 0);
+  EXPECT_EQ(b.server().checkpointer()->EpochOf(id), 2);
+  EXPECT_TRUE(b.server().checkpointer()->CheckHeld(id).ok());
+  auto lost = on_a->Backward(open->context_id, Random({4, kOut}));
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(lost.status().message().find("moved to another server"), std::string::npos)
+      << lost.status();
+  // B trains on from there, and saves under its own epoch.
+  auto f = on_b->Forward(id, Random({4, kIn}), true);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(on_b->Backward(f->context_id, Random({4, kOut})).ok());
+  auto stepped = on_b->ApplyGradients(id);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(*stepped, 5u);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(TakeOverTest, TwoServersTakingOneModuleOverAtOnceLeaveOneHolder) {

@@ -96,6 +96,7 @@ struct TestServerOptions {
   bool checkpoint_shared = false;
   int64_t checkpoint_every = 1;
   double checkpoint_check_every_s = 1;
+  double checkpoint_handover_wait_s = 5;  // generous: sanitizers and a loaded machine
 };
 
 // The server gradwire-server runs (server/server.h), started with test options on 127.0.0.1:0:
@@ -125,6 +126,7 @@ class TestServer {
     options.checkpoint_shared = o.checkpoint_shared;
     options.checkpoint_every = o.checkpoint_every;
     options.checkpoint_check_every_s = o.checkpoint_check_every_s;
+    options.checkpoint_handover_wait_s = o.checkpoint_handover_wait_s;
     if (o.configure) o.configure(options.service);
     auto started = server::Server::Start(std::move(options));
     EXPECT_TRUE(started.ok()) << started.status();
