@@ -161,36 +161,22 @@ class Server::MetricsEndpoint {
   std::string address_;
 };
 
-// Housekeeping: evicts contexts past the TTL even when no call arrives to do it, and gives freed
-// heap memory back to the OS every --heap-trim-every seconds (core/heap_trim.h); once the server
-// has been idle that long, the CPU backend's scratch buffers go too (under load they are what
-// the next call reuses, and a trim does not touch them).
-// With a shared checkpoint directory: the hand-overs other servers ask this one for, picked up
-// every 50 ms (one directory listing), and this server's heartbeat every 250 ms, on a thread of
-// their own (the janitor's sweep can take long: it reads every held module's claim).
-class Server::HandOverWatcher {
+namespace {
+
+// A thread that runs `tick` every `period` until Stop, which waits for a tick in progress (ticks
+// run with the thread's lock held).
+class Ticker {
  public:
-  HandOverWatcher(core::Checkpointer& checkpointer, rpc::GradwireService& service) {
-    thread_ = std::thread([this, &checkpointer, &service] {
-      using Clock = std::chrono::steady_clock;
-      auto beat = Clock::now();
+  Ticker() = default;
+  ~Ticker() { Stop(); }
+  Ticker(const Ticker&) = delete;
+  Ticker& operator=(const Ticker&) = delete;
+  void Start(std::chrono::milliseconds period, std::function<void()> tick) {
+    thread_ = std::thread([this, period, tick = std::move(tick)] {
       std::unique_lock<std::mutex> lock(mu_);
-      const auto every = std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(core::Checkpointer::kHeartbeatEveryS));
-      while (!cv_.wait_for(lock, std::chrono::milliseconds(50), [this] { return stop_; })) {
-        try {
-          service.HandOverRequested();
-          if (Clock::now() - beat >= every) {
-            checkpointer.Heartbeat();
-            beat = Clock::now();
-          }
-        } catch (const std::exception& e) {  // the storage's trouble: logged, tried again
-          spdlog::error("hand-over watcher: {}", e.what());
-        }
-      }
+      while (!cv_.wait_for(lock, period, [this] { return stop_; })) tick();
     });
   }
-  ~HandOverWatcher() { Stop(); }
   void Stop() {
     if (!thread_.joinable()) return;
     {
@@ -208,6 +194,12 @@ class Server::HandOverWatcher {
   std::thread thread_;
 };
 
+}  // namespace
+
+// Housekeeping: evicts contexts past the TTL even when no call arrives to do it, and gives freed
+// heap memory back to the OS every --heap-trim-every seconds (core/heap_trim.h); once the server
+// has been idle that long, the CPU backend's scratch buffers go too (under load they are what
+// the next call reuses, and a trim does not touch them).
 class Server::Janitor {
  public:
   // `sweep` runs about once a second besides (shared-memory regions gone idle).
@@ -223,62 +215,73 @@ class Server::Janitor {
       period = std::min(
           period, std::chrono::milliseconds(std::max<int64_t>(int64_t(trim_every_s * 1000), 10)));
     }
-    const auto trim_every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-        std::chrono::duration<double>(trim_every_s));
-    thread_ = std::thread(
-        [this, &host, period, evict, trim, trim_every, ttl_s, sweep = std::move(sweep)] {
-          using Clock = std::chrono::steady_clock;
-          auto last_trim = Clock::now(), last_activity = Clock::now();
-          int64_t calls_seen = host.Stats().compute_calls;
-          bool trimmed_since_activity = false;
-          std::unique_lock<std::mutex> lock(mu_);
-          auto last_sweep = Clock::now();
-          while (!cv_.wait_for(lock, period, [this] { return stop_; })) {
-            if (sweep && Clock::now() - last_sweep >= std::chrono::seconds(1)) {
-              sweep();
-              last_sweep = Clock::now();
-            }
-            if (evict) {
-              if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
-                spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n, ttl_s);
-              }
-            }
-            if (!trim) continue;
-            const auto now = Clock::now();
-            if (const int64_t calls = host.Stats().compute_calls; calls != calls_seen) {
-              calls_seen = calls;
-              last_activity = now;
-              trimmed_since_activity = false;
-            }
-            const bool idle = !trimmed_since_activity && now - last_activity >= trim_every;
-            if (idle || now - last_trim >= trim_every) {
-              const core::HeapTrimResult r = core::TrimHeap(/*release_scratch=*/idle);
-              last_trim = Clock::now();
-              trimmed_since_activity = trimmed_since_activity || idle;
-              if (r.supported) {
-                spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
-                              r.rss_after_bytes >> 10, r.seconds * 1e3);
-              }
-            }
-          }
-        });
+    using Clock = std::chrono::steady_clock;
+    const auto trim_every =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(trim_every_s));
+    ticker_.Start(period, [&host, evict, trim, trim_every, ttl_s, sweep = std::move(sweep),
+                           last_trim = Clock::now(), last_activity = Clock::now(),
+                           calls_seen = host.Stats().compute_calls, trimmed_since_activity = false,
+                           last_sweep = Clock::now()]() mutable {
+      if (sweep && Clock::now() - last_sweep >= std::chrono::seconds(1)) {
+        sweep();
+        last_sweep = Clock::now();
+      }
+      if (evict) {
+        if (const int64_t n = host.EvictExpiredContexts(); n > 0) {
+          spdlog::info("evicted {} contexts unused for {} s (--context-ttl)", n, ttl_s);
+        }
+      }
+      if (!trim) return;
+      const auto now = Clock::now();
+      if (const int64_t calls = host.Stats().compute_calls; calls != calls_seen) {
+        calls_seen = calls;
+        last_activity = now;
+        trimmed_since_activity = false;
+      }
+      const bool idle = !trimmed_since_activity && now - last_activity >= trim_every;
+      if (idle || now - last_trim >= trim_every) {
+        const core::HeapTrimResult r = core::TrimHeap(/*release_scratch=*/idle);
+        last_trim = Clock::now();
+        trimmed_since_activity = trimmed_since_activity || idle;
+        if (r.supported) {
+          spdlog::debug("heap trim: RSS {} -> {} KiB in {:.1f} ms", r.rss_before_bytes >> 10,
+                        r.rss_after_bytes >> 10, r.seconds * 1e3);
+        }
+      }
+    });
   }
-  ~Janitor() { Stop(); }
-  void Stop() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
+  void Stop() { ticker_.Stop(); }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;
+  Ticker ticker_;
+};
+
+// With a shared checkpoint directory: the hand-overs other servers ask this one for, picked up
+// every 50 ms (one directory listing), and this server's heartbeat every kHeartbeatEveryS, on a
+// thread of their own (the janitor's sweep can take long: it reads every held module's claim).
+class Server::HandOverWatcher {
+ public:
+  HandOverWatcher(core::Checkpointer& checkpointer, rpc::GradwireService& service) {
+    using Clock = std::chrono::steady_clock;
+    const auto every = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(core::Checkpointer::kHeartbeatEveryS));
+    ticker_.Start(std::chrono::milliseconds(50),
+                  [&checkpointer, &service, every, beat = Clock::now()]() mutable {
+                    try {
+                      service.HandOverRequested();
+                      if (Clock::now() - beat >= every) {
+                        checkpointer.Heartbeat();
+                        beat = Clock::now();
+                      }
+                    } catch (const std::exception& e) {  // the storage's trouble: tried again
+                      spdlog::error("hand-over watcher: {}", e.what());
+                    }
+                  });
+  }
+  void Stop() { ticker_.Stop(); }
+
+ private:
+  Ticker ticker_;
 };
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
