@@ -341,7 +341,10 @@ class Client:
         # The same methods with the encoding done here (see gradwire.tensor_messages): they take
         # a request's bytes, and answer a Received for responses that carry tensors.
         self._raw_calls: Dict[str, object] = {}
-        self._instance_id: Optional[str] = None  # the server process forwards ran on
+        # The server process each module's forwards ran on, by module (behind a proxy, the
+        # modules of one client live in several server processes), and under "" the first one
+        # (for a context whose module this client no longer knows).
+        self._instance_ids: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         # Train streams by route (None: the unrouted one), opened on first use.
         self._trains: Dict[Optional[str], "TrainStream"] = {}
         self._train_lock = threading.Lock()
@@ -596,13 +599,15 @@ class Client:
 
     # --- server and modules
 
-    def server_info(self) -> service_pb2.GetServerInfoResponse:
-        """Version, device, module kinds, modules and live contexts of the server."""
-        return self._call("GetServerInfo", service_pb2.GetServerInfoRequest())
+    def server_info(self, route: Optional[str] = None) -> service_pb2.GetServerInfoResponse:
+        """Version, device, module kinds, modules and live contexts of the server. ``route``: a
+        module id, so that behind a proxy the answer comes from the server holding it."""
+        return self._call("GetServerInfo", service_pb2.GetServerInfoRequest(), route=route)
 
-    def instance_id(self) -> str:
-        """The server process's instance id (a new one after every restart)."""
-        return self.server_info().instance_id
+    def instance_id(self, route: Optional[str] = None) -> str:
+        """The server process's instance id (a new one after every restart); ``route`` as for
+        ``server_info``."""
+        return self.server_info(route).instance_id
 
     def create_module(self, spec: module_pb2.ModuleSpec) -> module_pb2.ModuleInfo:
         """Creates a module from ``spec`` (the raw call: the module is not owned, so nothing
@@ -718,12 +723,17 @@ class Client:
         ln = _decode(resp, "layernorm_output") if msg.HasField("layernorm_output") else None
         return _decode(resp, "output"), msg.context_id, ln
 
-    def _note_instance(self, context_id: str) -> None:
-        if context_id and self._instance_id is None:
-            try:
-                self._instance_id = self.instance_id()
-            except GradwireError:
-                pass
+    def _note_instance(self, context_id: str, module_id: str) -> None:
+        """Remembers, at a module's first training forward, which server process holds it."""
+        if not context_id or module_id in self._instance_ids:
+            return
+        try:
+            self._instance_ids[module_id] = self.instance_id(module_id)
+        except GradwireError:
+            return
+        self._instance_ids.setdefault("", self._instance_ids[module_id])
+        while len(self._instance_ids) > 65536:
+            self._instance_ids.popitem(last=False)
 
     def wire_dtypes_for(self, dtype: torch.dtype) -> Tuple[int, int]:
         """(activation, gradient) wire dtypes for a tensor of ``dtype``: this client's, except
@@ -804,7 +814,7 @@ class Client:
         answered.append(True)
         self._seen(module_id, resp.message.weight_version)
         result = self.forward_result(resp)
-        self._note_instance(result[1])
+        self._note_instance(result[1], module_id)
         self._note_context(result[1], module_id)
         return result
 
@@ -815,9 +825,11 @@ class Client:
         while len(self._context_modules) > 65536:
             self._context_modules.popitem(last=False)
 
-    def lost_context(self, error: GradwireError) -> GradwireError:
+    def lost_context(self, error: GradwireError,
+                     module_id: Optional[str] = None) -> GradwireError:
         """The error a failed backward should raise: a ContextLostError with its reason when the
-        context is gone, else ``error`` itself."""
+        context is gone, else ``error`` itself. ``module_id``: the context's module, whose server
+        process is asked whether it restarted."""
         if isinstance(error, ContextLostError):
             return error
         if error.code == "UNAVAILABLE":
@@ -826,9 +838,10 @@ class Client:
         if error.code != "NOT_FOUND" or "context_id" not in error.message:
             return error
         reason = _lost_reason(error.message)
-        if reason == "unknown" and self._instance_id is not None:
+        known = self._instance_ids.get(module_id or "")
+        if reason == "unknown" and known is not None:
             try:
-                if self.instance_id() != self._instance_id:
+                if self.instance_id(module_id) != known:
                     reason = "server_restarted"
             except GradwireError:
                 reason = "server_unavailable"
@@ -858,7 +871,7 @@ class Client:
             else:
                 resp = self._call("Backward", req, context_id, raw=True, route=module_id)
         except GradwireError as e:
-            raise self.lost_context(e) from None
+            raise self.lost_context(e, module_id) from None
         return _decode(resp, "grad_input") if resp.message.HasField("grad_input") else None
 
     # --- shared-memory tensors
@@ -923,7 +936,7 @@ class Client:
         finally:
             if region is not None:
                 self._shm.release(region)
-        self._note_instance(resp.context_id)
+        self._note_instance(resp.context_id, module_id)
         self._note_context(resp.context_id, module_id)
         return out, resp.context_id, ln_out
 
@@ -960,7 +973,7 @@ class Client:
             try:
                 resp = self._shared_call("Backward", req, context_id, region, module_id)
             except GradwireError as e:
-                raise self.lost_context(e) from None
+                raise self.lost_context(e, module_id) from None
             if resp is None:
                 region = None  # dropped: the wire
                 return False, None
@@ -1021,7 +1034,7 @@ class Client:
         resp = self._call("Forward", req, module_id, route=module_id)
         self._seen(module_id, resp.weight_version)
         ln = region.read(resp.layernorm_output) if resp.HasField("layernorm_output") else None
-        self._note_instance(resp.context_id)
+        self._note_instance(resp.context_id, module_id)
         self._note_context(resp.context_id, module_id)
         return region.read(resp.output), resp.context_id, ln
 
@@ -1038,11 +1051,11 @@ class Client:
         if not skip_grad_input:
             at = offset + req.grad_output.shared_memory.byte_size
             req.grad_input_shared_memory.CopyFrom(region.ref(at, region.size - at))
+        module_id = self._context_modules.get(context_id)
         try:
-            resp = self._call("Backward", req, context_id,
-                              route=self._context_modules.get(context_id))
+            resp = self._call("Backward", req, context_id, route=module_id)
         except GradwireError as e:
-            raise self.lost_context(e) from None
+            raise self.lost_context(e, module_id) from None
         return region.read(resp.grad_input) if resp.HasField("grad_input") else None
 
     def release_context(self, context_id: str) -> None:

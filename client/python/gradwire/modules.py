@@ -254,7 +254,7 @@ class _Backward:
             self.done.set_result(f.result())
             return
         if isinstance(error, GradwireError):
-            error = c.client.lost_context(error)
+            error = c.client.lost_context(error, c.module_id)
         if self.recomputed or c.saved_input is None or \
                 not isinstance(error, ContextLostError):
             self.done.set_exception(error)
@@ -415,7 +415,7 @@ class RemoteModule(torch.nn.Module):
         client.hold(info.module_id)  # kept alive on a server with --module-ttl while open
         # The server process the module lives in: a module the server no longer knows is then
         # told apart from one deleted on a running server (see _explained).
-        self._instance_id = _instance_of(client)
+        self._instance_id = _instance_of(client, info.module_id)
         self.spec: module_pb2.ModuleSpec = info.spec
         self.local_optimizer: bool = optimizer == "local"
         self.recompute_on_lost_context = recompute_on_lost_context
@@ -526,7 +526,7 @@ class RemoteModule(torch.nn.Module):
         if error.code != "NOT_FOUND" or self.module_id not in error.message or \
                 self._instance_id is None:
             return error
-        now = _instance_of(self.client)
+        now = _instance_of(self.client, self.module_id)
         if now is None or now == self._instance_id:
             return error
         return GradwireError(
@@ -893,10 +893,11 @@ class RemoteModule(torch.nn.Module):
         raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
 
 
-def _instance_of(client: Client) -> Optional[str]:
-    """The instance id of ``client``'s server process, or None when it cannot be asked."""
+def _instance_of(client: Client, module_id: str) -> Optional[str]:
+    """The instance id of the server process ``client``'s calls about ``module_id`` reach (behind
+    a proxy, the one holding it), or None when it cannot be asked."""
     try:
-        return client.instance_id()
+        return client.instance_id(module_id)
     except GradwireError:
         return None
 

@@ -210,7 +210,7 @@ class TrainStream:
             forward = resp.field("forward")
             self.client._seen(module_id, forward.message.weight_version)
             result = Client.forward_result(forward)
-            self.client._note_instance(result[1])
+            self.client._note_instance(result[1], module_id)
             self.client._note_context(result[1], module_id)
             return result
 

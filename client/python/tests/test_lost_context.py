@@ -132,3 +132,35 @@ def test_module_lost_to_a_restart_is_named():
     finally:
         c.close(keep=True)
         first.stop()
+
+
+def test_whether_a_server_restarted_is_asked_of_the_contexts_module(short_ttl_server):
+    """Behind a proxy one client's modules live in several server processes: a context the
+    server does not know is judged by the process holding its module (a GetServerInfo routed by
+    the module), not by whichever server an unrouted call reaches."""
+    import secrets
+    with gradwire.Client(short_ttl_server) as c:
+        layer = gradwire.RemoteLinear(c, 8, 4, seed=1)
+        c.forward(layer.module_id, torch.randn(2, 8), training=True)
+        routes = []
+        real = c.server_info
+
+        def spy(route=None):
+            routes.append(route)
+            return real(route)
+
+        c.server_info = spy
+        unknown = secrets.token_hex(16)
+        c._note_context(unknown, layer.module_id)
+        with pytest.raises(gradwire.ContextLostError) as e:
+            c.backward(unknown, torch.ones(2, 4))
+        assert e.value.reason == "unknown", e.value
+        assert routes == [layer.module_id]
+        # The module's process changed since its forward: that process restarted.
+        c._instance_ids[layer.module_id] = "another process"
+        unknown = secrets.token_hex(16)
+        c._note_context(unknown, layer.module_id)
+        with pytest.raises(gradwire.ContextLostError) as e:
+            c.backward(unknown, torch.ones(2, 4))
+        assert e.value.reason == "server_restarted", e.value
+        assert routes == [layer.module_id, layer.module_id]
