@@ -855,6 +855,19 @@ class Client:
         longer holds the context."""
         module_id = (self._context_modules.pop(context_id, None) if not retain
                      else self._context_modules.get(context_id))
+        try:
+            return self._backward_to(module_id, context_id, grad_output, skip_grad_input, retain,
+                                     grad_layernorm_output, dtype)
+        except GradwireError:
+            # Not consumed: a retry goes where the context lives (behind a proxy, routed).
+            if module_id is not None and not retain:
+                self._note_context(context_id, module_id)
+            raise
+
+    def _backward_to(self, module_id: Optional[str], context_id: str, grad_output: torch.Tensor,
+                     skip_grad_input: bool, retain: bool,
+                     grad_layernorm_output: Optional[torch.Tensor],
+                     dtype: Optional[int]) -> Optional[torch.Tensor]:
         if not self._shm.off and module_id is not None:
             done, grad_input = self._backward_shared_auto(
                 context_id, module_id, grad_output, skip_grad_input, retain,

@@ -134,12 +134,12 @@ def test_module_lost_to_a_restart_is_named():
         first.stop()
 
 
-def test_whether_a_server_restarted_is_asked_of_the_contexts_module(short_ttl_server):
+def test_whether_a_server_restarted_is_asked_of_the_contexts_module(server):
     """Behind a proxy one client's modules live in several server processes: a context the
     server does not know is judged by the process holding its module (a GetServerInfo routed by
     the module), not by whichever server an unrouted call reaches."""
     import secrets
-    with gradwire.Client(short_ttl_server) as c:
+    with gradwire.Client(server) as c:
         layer = gradwire.RemoteLinear(c, 8, 4, seed=1)
         c.forward(layer.module_id, torch.randn(2, 8), training=True)
         routes = []
@@ -156,6 +156,8 @@ def test_whether_a_server_restarted_is_asked_of_the_contexts_module(short_ttl_se
             c.backward(unknown, torch.ones(2, 4))
         assert e.value.reason == "unknown", e.value
         assert routes == [layer.module_id]
+        # A failed backward keeps the context's route, so a retry goes to the same server.
+        assert c._context_modules.get(unknown) == layer.module_id
         # The module's process changed since its forward: that process restarted.
         c._instance_ids[layer.module_id] = "another process"
         unknown = secrets.token_hex(16)
@@ -164,3 +166,15 @@ def test_whether_a_server_restarted_is_asked_of_the_contexts_module(short_ttl_se
             c.backward(unknown, torch.ones(2, 4))
         assert e.value.reason == "server_restarted", e.value
         assert routes == [layer.module_id, layer.module_id]
+
+
+def test_a_backward_refused_for_its_input_can_be_retried_where_the_context_lives(server):
+    with gradwire.Client(server) as c:
+        layer = gradwire.RemoteLinear(c, 8, 4, seed=1)
+        _, context_id, _ = c.forward(layer.module_id, torch.randn(2, 8), training=True)
+        with pytest.raises(gradwire.GradwireError) as e:
+            c.backward(context_id, torch.ones(2, 5))  # the wrong width: refused, nothing consumed
+        assert e.value.code == "INVALID_ARGUMENT", e.value
+        assert c._context_modules.get(context_id) == layer.module_id  # still routed by its module
+        assert c.backward(context_id, torch.ones(2, 4)).shape == (2, 8)
+        assert context_id not in c._context_modules
