@@ -72,12 +72,18 @@ absl::Status GradwireService::CheckStillHeld(const std::string& module_id) {
   return s;
 }
 
+std::optional<int64_t> GradwireService::DropMoved(const std::string& module_id) {
+  const int64_t contexts = host_.contexts().live_contexts(module_id);
+  if (!host_.Delete(module_id, /*moved=*/true).ok()) return std::nullopt;  // dropped already
+  quotas_.ModuleDeleted(module_id);
+  return contexts;
+}
+
 void GradwireService::LetGo(const std::string& module_id, const absl::Status& why) {
   options_.checkpointer->Forget(module_id);
-  const int64_t contexts = host_.contexts().live_contexts(module_id);
-  if (!host_.Delete(module_id, /*moved=*/true).ok()) return;  // let go of already
-  quotas_.ModuleDeleted(module_id);
-  spdlog::warn("let go of module {} and its {} live contexts: {}", module_id, contexts,
+  const std::optional<int64_t> contexts = DropMoved(module_id);
+  if (!contexts) return;
+  spdlog::warn("let go of module {} and its {} live contexts: {}", module_id, *contexts,
                std::string(why.message()));
 }
 
@@ -108,8 +114,7 @@ void GradwireService::HandOver(const std::string& module_id) {
     saved = absl::InternalError(e.what());
   }
   try {
-    contexts = host_.contexts().live_contexts(module_id);
-    if (host_.Delete(module_id, /*moved=*/true).ok()) quotas_.ModuleDeleted(module_id);
+    contexts = DropMoved(module_id).value_or(0);
   } catch (const std::exception& e) {
     spdlog::error("handing module {} over: dropping it here failed: {}", module_id, e.what());
   }

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -222,6 +223,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // Drops a module another server holds now, with its contexts (their backwards are told it
   // moved) and its quota; its checkpoint files stay, they are the new holder's.
   void LetGo(const std::string& module_id, const absl::Status& why);
+  // Drops a module that moved to another server, with its contexts (told it moved) and its
+  // quota: how many live contexts it had, or nothing when it was dropped already.
+  std::optional<int64_t> DropMoved(const std::string& module_id);
   // On the device executor, so no step of the module runs meanwhile: saves it (everything it did
   // here), drops it with its contexts and quota, then releases its claim to the server that asked.
   void HandOver(const std::string& module_id);
