@@ -291,6 +291,12 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "GEMM) or blas (the process's BLAS on the decoded operands, for comparison)")
       ->check(CLI::IsMember({"blas", "ordered"}))
       ->capture_default_str();
+  app.add_option("--cpu-isa", config.cpu_isa,
+                 "the instruction set of the FP8 GEMM's micro-kernel: auto (the widest this CPU "
+                 "runs: avx512bf16, avx512, avx2, baseline), or one of those names. Every copy "
+                 "gives the same bits; a copy this CPU lacks is refused at start")
+      ->check(CLI::IsMember({"auto", "avx512bf16", "avx512", "avx2", "baseline"}))
+      ->capture_default_str();
   app.add_option("--max-batch-rows", config.max_batch_rows,
                  "dynamic batching: forwards of one module, and backwards of one module's "
                  "contexts, waiting for the device run as one backend call over up to this many "
@@ -418,6 +424,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "cpu-threads = " << f.cpu_threads << "\n";
   out << "cpu-gemm-threads = " << quote(f.cpu_gemm_threads) << "\n";
   out << "cpu-gemm = " << quote(f.cpu_gemm) << "\n";
+  out << "cpu-isa = " << quote(f.cpu_isa) << "\n";
   out << "cuda-staging-mib = " << f.cuda_staging_mib << "\n";
   out << "max-batch-rows = " << f.max_batch_rows << "\n";
   out << "batch-delay-us = " << f.batch_delay_us << "\n";

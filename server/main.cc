@@ -180,6 +180,10 @@ int main(int argc, char** argv) {
   gradwire::core::SetCpuThreads(config.cpu_threads, config.cpu_gemm_threads == "blas");
   gradwire::core::SetCpuGemm(config.cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
                                                           : gradwire::core::CpuGemm::kBlas);
+  if (std::string bad = gradwire::core::SetCpuIsa(config.cpu_isa); !bad.empty()) {
+    spdlog::error("--cpu-isa {}: {}", config.cpu_isa, bad);
+    return 2;
+  }
   if (config.heap_retain && !gradwire::core::RetainLargeBlocks()) {
     spdlog::warn("--heap-retain: this C library has no mallopt; large blocks stay mmapped");
   }

@@ -2,10 +2,12 @@
 // set), dispatching to the widest copy the running CPU supports.
 #include "gradwire/kernels/cpu/ordered_gemm.h"
 
+#include <atomic>
 #include <cstring>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "gradwire/kernels/cpu/scratch.h"
 #include "ordered_gemm_impl.h"
@@ -13,6 +15,7 @@
 namespace gradwire::kernels::cpu {
 
 #if defined(GRADWIRE_ORDERED_GEMM_X86)
+void OrderedGemmAvx512Bf16(const OrderedGemmArgs& g);
 void OrderedGemmAvx512(const OrderedGemmArgs& g);
 void OrderedGemmAvx2(const OrderedGemmArgs& g);
 #endif
@@ -21,9 +24,14 @@ namespace {
 
 int64_t Panels(int64_t n) { return (n + kPanelWidth - 1) / kPanelWidth; }
 
-// Where column jj (0 .. kPanelWidth - 1) of a panel sits in its row (ordered_gemm.h): columns
-// 0-7 in the even words, 8-15 in the odd ones.
-constexpr int64_t Slot(int64_t jj) { return jj < 8 ? 2 * jj : 2 * (jj - 8) + 1; }
+// bf16 values in one panel: its pairs of k (an odd k's last pair padded), 2 x kPanelWidth each.
+int64_t PanelSize(int64_t k) { return Pairs(k) * 2 * kPanelWidth; }
+
+// Where column jj (0 .. kPanelWidth - 1) at depth d sits in its panel (ordered_gemm.h): in the
+// word of pair d / 2 for column jj, the upper half (the higher address) for the even d.
+constexpr int64_t Slot(int64_t jj, int64_t d) {
+  return (d / 2) * 2 * kPanelWidth + 2 * jj + (d % 2 == 0 ? 1 : 0);
+}
 
 // The upper half of a float's bits: exact for a value that bf16 holds.
 inline uint16_t UpperHalf(float v) {
@@ -40,13 +48,16 @@ void Pack(int64_t n, int64_t k, uint16_t* out, const Value& value) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k * 16));
   ParallelFor(panels, grain, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
-      uint16_t* panel = out + q * k * kPanelWidth;
+      uint16_t* panel = out + q * PanelSize(k);
       const int64_t j0 = q * kPanelWidth;
       const int64_t width = std::min<int64_t>(kPanelWidth, n - j0);
-      for (int64_t d = 0; d < k; ++d) {
-        uint16_t* row = panel + d * kPanelWidth;
-        for (int64_t jj = 0; jj < width; ++jj) row[Slot(jj)] = value(j0 + jj, d);
-        for (int64_t jj = width; jj < kPanelWidth; ++jj) row[Slot(jj)] = 0;
+      for (int64_t t = 0; t < Pairs(k); ++t) {
+        uint16_t* pair = panel + t * 2 * kPanelWidth;
+        for (int64_t jj = 0; jj < width; ++jj) {
+          pair[2 * jj + 1] = value(j0 + jj, 2 * t);
+          pair[2 * jj] = 2 * t + 1 < k ? value(j0 + jj, 2 * t + 1) : uint16_t(0);
+        }
+        for (int64_t jj = 2 * width; jj < 2 * kPanelWidth; ++jj) pair[jj] = 0;
       }
     }
   });
@@ -83,13 +94,13 @@ void EmptySums(const OrderedGemmArgs& g) {
 }  // namespace
 
 size_t PanelBytes(int64_t n, int64_t k) {
-  return size_t(Panels(n) * kPanelWidth * k) * sizeof(uint16_t);
+  return size_t(Panels(n) * PanelSize(k)) * sizeof(uint16_t);
 }
 
 float PanelValue(const PanelsView& panels, int64_t j, int64_t k) {
-  const uint32_t bits = uint32_t(panels.data[(j / kPanelWidth) * panels.k * kPanelWidth +
-                                             k * kPanelWidth + Slot(j % kPanelWidth)])
-                        << 16;
+  const uint32_t bits =
+      uint32_t(panels.data[(j / kPanelWidth) * PanelSize(panels.k) + Slot(j % kPanelWidth, k)])
+      << 16;
   float v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
@@ -136,6 +147,67 @@ GemmPanels::GemmPanels(const uint8_t* codes, Fp8Format format, int64_t n, int64_
 
 GemmPanels::~GemmPanels() { FreeHostBuffer(data_); }
 
+namespace {
+
+// The baseline copy. SSE2: 16 xmm registers, two per V8: 4 V8 of sums, a panel row of B and a
+// broadcast.
+void OrderedGemmBaseline(const OrderedGemmArgs& g) { Kernel<Fma<Lanes8>, 4, 2>::Run(g); }
+
+#if defined(GRADWIRE_ORDERED_GEMM_X86)
+// Whether the AVX-512 BF16 copy gives the baseline copy's bits on this CPU: a product of
+// E5M2 x E4M3 values over the codes' whole finite range, deep and odd enough to hold every kind
+// of step (its sums span 2^-25 .. 2^24, and the pair order decides about one step in two
+// hundred, so an instruction that added a pair the other way round fails here).
+bool Bf16CopyReproducesTheReference() {
+  constexpr int64_t m = 7, n = 37, k = 301;
+  std::vector<uint8_t> a(size_t(m * k)), b(size_t(n * k));
+  uint32_t state = 0x2545F491u;
+  auto next = [&state]() {
+    state = state * 1664525u + 1013904223u;
+    return uint8_t(state >> 24);
+  };
+  for (uint8_t& c : a) {
+    do c = next();
+    while ((c & 0x7C) == 0x7C);  // E5M2 inf and NaN
+  }
+  for (uint8_t& c : b) {
+    do c = next();
+    while ((c & 0x7F) == 0x7F);  // E4M3 NaN
+  }
+  std::vector<uint16_t> panels(PanelBytes(n, k) / sizeof(uint16_t));
+  PackPanelsFromCodes(b.data(), Fp8Format::kE4M3, n, k, true, panels.data());
+  std::vector<float> want(size_t(m * n)), got(size_t(m * n));
+  OrderedGemmArgs g;
+  g.m = m;
+  g.a_codes = a.data();
+  g.a_format = Fp8Format::kE5M2;
+  g.lda = k;
+  g.b = {n, k, panels.data()};
+  g.ldc = n;
+  g.c = want.data();
+  OrderedGemmBaseline(g);
+  g.c = got.data();
+  OrderedGemmAvx512Bf16(g);
+  return std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
+}
+#endif
+
+// Whether every value of A [m, k] (row stride lda) is exact in bf16, as a decoded FP8 value is.
+bool ExactInBf16(const float* a, int64_t m, int64_t k, int64_t lda) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = a + i * lda;
+    uint32_t low = 0;
+    for (int64_t d = 0; d < k; ++d) low |= __builtin_bit_cast(uint32_t, row[d]) & 0xFFFFu;
+    if (low != 0) return false;
+  }
+  return true;
+}
+
+// The copy chosen by SetOrderedGemmCopy (int(copy)), or -1: the best one.
+std::atomic<int> g_chosen{-1};
+
+}  // namespace
+
 bool OrderedGemmCopySupported(OrderedGemmCopy copy) {
   switch (copy) {
     case OrderedGemmCopy::kBaseline:
@@ -144,8 +216,13 @@ bool OrderedGemmCopySupported(OrderedGemmCopy copy) {
     case OrderedGemmCopy::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case OrderedGemmCopy::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+    case OrderedGemmCopy::kAvx512Bf16: {
+      static const bool ok = __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bf16") &&
+                             Bf16CopyReproducesTheReference();
+      return ok;
+    }
 #endif
     default:
       return false;
@@ -153,15 +230,35 @@ bool OrderedGemmCopySupported(OrderedGemmCopy copy) {
 }
 
 OrderedGemmCopy OrderedGemmBestCopy() {
-  static const OrderedGemmCopy best =
-      OrderedGemmCopySupported(OrderedGemmCopy::kAvx512) ? OrderedGemmCopy::kAvx512
-      : OrderedGemmCopySupported(OrderedGemmCopy::kAvx2) ? OrderedGemmCopy::kAvx2
-                                                         : OrderedGemmCopy::kBaseline;
+  static const OrderedGemmCopy best = [] {
+    for (OrderedGemmCopy c :
+         {OrderedGemmCopy::kAvx512Bf16, OrderedGemmCopy::kAvx512, OrderedGemmCopy::kAvx2}) {
+      if (OrderedGemmCopySupported(c)) return c;
+    }
+    return OrderedGemmCopy::kBaseline;
+  }();
   return best;
+}
+
+OrderedGemmCopy OrderedGemmActiveCopy() {
+  const int chosen = g_chosen.load(std::memory_order_relaxed);
+  return chosen < 0 ? OrderedGemmBestCopy() : OrderedGemmCopy(chosen);
+}
+
+void SetOrderedGemmCopy(std::optional<OrderedGemmCopy> copy) {
+  if (copy && !OrderedGemmCopySupported(*copy)) {
+    throw std::invalid_argument(std::string("the ") + OrderedGemmCopyName(*copy) +
+                                " copy of the FP8 GEMM is not available on this build or CPU "
+                                "(this CPU's best: " +
+                                OrderedGemmCopyName(OrderedGemmBestCopy()) + ")");
+  }
+  g_chosen.store(copy ? int(*copy) : -1, std::memory_order_relaxed);
 }
 
 const char* OrderedGemmCopyName(OrderedGemmCopy copy) {
   switch (copy) {
+    case OrderedGemmCopy::kAvx512Bf16:
+      return "avx512bf16";
     case OrderedGemmCopy::kAvx512:
       return "avx512";
     case OrderedGemmCopy::kAvx2:
@@ -171,6 +268,14 @@ const char* OrderedGemmCopyName(OrderedGemmCopy copy) {
   }
 }
 
+std::optional<OrderedGemmCopy> OrderedGemmCopyByName(const std::string& name) {
+  for (OrderedGemmCopy c : {OrderedGemmCopy::kBaseline, OrderedGemmCopy::kAvx2,
+                            OrderedGemmCopy::kAvx512, OrderedGemmCopy::kAvx512Bf16}) {
+    if (name == OrderedGemmCopyName(c)) return c;
+  }
+  return std::nullopt;
+}
+
 void OrderedGemmUsing(OrderedGemmCopy copy, const OrderedGemmArgs& g) {
   if (!OrderedGemmCopySupported(copy)) {
     throw std::invalid_argument(std::string("OrderedGemm: the ") + OrderedGemmCopyName(copy) +
@@ -178,8 +283,17 @@ void OrderedGemmUsing(OrderedGemmCopy copy, const OrderedGemmArgs& g) {
   }
   if (g.m <= 0 || g.b.n <= 0) return;
   if (g.b.k <= 0) return EmptySums(g);
+  // The dot-product copy reads A as bf16: a float A that is not exact there (not decoded FP8
+  // values) runs on the widest copy that multiplies in fp32 instead.
+  if (copy == OrderedGemmCopy::kAvx512Bf16 && g.a_codes == nullptr &&
+      !ExactInBf16(g.a, g.m, g.b.k, g.lda)) {
+    copy = OrderedGemmCopy::kAvx512;
+  }
   switch (copy) {
 #if defined(GRADWIRE_ORDERED_GEMM_X86)
+    case OrderedGemmCopy::kAvx512Bf16:
+      OrderedGemmAvx512Bf16(g);
+      return;
     case OrderedGemmCopy::kAvx512:
       OrderedGemmAvx512(g);
       return;
@@ -188,11 +302,10 @@ void OrderedGemmUsing(OrderedGemmCopy copy, const OrderedGemmArgs& g) {
       return;
 #endif
     default:
-      // SSE2: 16 xmm registers, two per V8: 4 V8 of sums, a panel row of B and a broadcast.
-      Kernel<4, 2>::Run(g);
+      OrderedGemmBaseline(g);
   }
 }
 
-void OrderedGemm(const OrderedGemmArgs& g) { OrderedGemmUsing(OrderedGemmBestCopy(), g); }
+void OrderedGemm(const OrderedGemmArgs& g) { OrderedGemmUsing(OrderedGemmActiveCopy(), g); }
 
 }  // namespace gradwire::kernels::cpu

@@ -10,6 +10,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "gradwire/kernels/cpu/blas.h"
@@ -168,7 +171,7 @@ class CpuBackend final : public ReferenceBackend {
     if (GetCpuGemm() == CpuGemm::kOrdered) {
       return "host CPU, FP8 casts and loops on " + threads +
              ", GEMMs on the row-invariant FP8 GEMM (" +
-             kernels::cpu::OrderedGemmCopyName(kernels::cpu::OrderedGemmBestCopy()) +
+             kernels::cpu::OrderedGemmCopyName(kernels::cpu::OrderedGemmActiveCopy()) +
              " micro-kernel, bit for bit the reference GEMM) on the same threads";
     }
     return "host CPU, FP8 casts and loops on " + threads + ", GEMMs on " +
@@ -483,6 +486,20 @@ void SetCpuThreads(int threads, bool gemm_on_blas_threads) {
 }
 
 void SetCpuGemm(CpuGemm gemm) { g_cpu_gemm.store(gemm); }
+std::string SetCpuIsa(const std::string& name) {
+  if (name == "auto") {
+    kernels::cpu::SetOrderedGemmCopy(std::nullopt);
+    return "";
+  }
+  const auto copy = kernels::cpu::OrderedGemmCopyByName(name);
+  if (!copy) return "no such copy of the FP8 GEMM (auto, avx512bf16, avx512, avx2, baseline)";
+  try {
+    kernels::cpu::SetOrderedGemmCopy(*copy);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
 CpuGemm GetCpuGemm() { return g_cpu_gemm.load(std::memory_order_relaxed); }
 
 BackendPtr MakeCpuBackend() {

@@ -12,11 +12,18 @@
 // gradwire-server sets this from --cpu-gemm at start.
 #pragma once
 
+#include <string>
+
 namespace gradwire::core {
 
 enum class CpuGemm { kBlas, kOrdered };
 
 void SetCpuGemm(CpuGemm gemm);
 CpuGemm GetCpuGemm();
+
+// The FP8 GEMM's micro-kernel copy by name (--cpu-isa): "auto" for the widest this CPU runs, or
+// a name of kernels/cpu/ordered_gemm.h. Returns why it cannot be used (empty: done; nothing is
+// changed then).
+std::string SetCpuIsa(const std::string& name);
 
 }  // namespace gradwire::core

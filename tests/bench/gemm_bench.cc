@@ -9,7 +9,11 @@
 // same threads: split by the pool over blocks of C (BLAS single-threaded, the backend's default)
 // and by BLAS's own threads, and the faster of the two counts.
 //
-//   gemm_bench [--m 1,16,256,4096] [--d 1024,4096] [--seconds 0.3] [--json PATH]
+// --copies times the FP8 side on each named copy of the micro-kernel (kernels/cpu/ordered_gemm.h)
+// in the same run, each against the same sgemm; the first one is the row's fp8 figure.
+//
+//   gemm_bench [--m 1,16,256,4096] [--d 1024,4096] [--seconds 0.3] [--copies best|all|NAME,...]
+//              [--json PATH]
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -18,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -81,7 +86,36 @@ struct Row {
   std::string product;
   int64_t m_rows, d, gemm_m, gemm_n, gemm_k;
   double fp8_s, blas_pool_s, blas_own_s;
+  std::vector<double> copy_s;  // per copy of --copies; fp8_s is the first
 };
+
+std::vector<cpu::OrderedGemmCopy> ParseCopies(const std::string& text) {
+  std::vector<cpu::OrderedGemmCopy> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item == "best") {
+      out.push_back(cpu::OrderedGemmBestCopy());
+      continue;
+    }
+    if (item == "all") {  // every copy this CPU runs, widest first
+      for (cpu::OrderedGemmCopy c :
+           {cpu::OrderedGemmCopy::kAvx512Bf16, cpu::OrderedGemmCopy::kAvx512,
+            cpu::OrderedGemmCopy::kAvx2, cpu::OrderedGemmCopy::kBaseline}) {
+        if (cpu::OrderedGemmCopySupported(c)) out.push_back(c);
+      }
+      continue;
+    }
+    const auto copy = cpu::OrderedGemmCopyByName(item);
+    if (!copy || !cpu::OrderedGemmCopySupported(*copy)) {
+      std::fprintf(stderr, "gemm_bench: no copy %s on this build or CPU (best: %s)\n", item.c_str(),
+                   cpu::OrderedGemmCopyName(cpu::OrderedGemmBestCopy()));
+      std::exit(2);
+    }
+    out.push_back(*copy);
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -89,6 +123,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> ms = {1, 16, 256, 4096}, ds = {1024, 4096};
   double budget = 0.3;
   std::string json_path;
+  std::string copies_text = "best";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> const char* {
@@ -106,10 +141,16 @@ int main(int argc, char** argv) {
       budget = std::stod(value());
     } else if (a == "--json") {
       json_path = value();
+    } else if (a == "--copies") {
+      copies_text = value();
+    } else if (a == "--list-copies") {  // the copies this CPU runs, widest first, one a line
+      for (cpu::OrderedGemmCopy c : ParseCopies("all"))
+        std::printf("%s\n", cpu::OrderedGemmCopyName(c));
+      return 0;
     } else {
       std::fprintf(stderr,
                    "usage: gemm_bench [--m 1,16,256,4096] [--d 1024,4096] [--seconds 0.3] "
-                   "[--json PATH]\n");
+                   "[--copies best|all|avx512bf16,avx512,avx2,baseline] [--json PATH]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -122,11 +163,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   cpu::SetThreads(0);
-  const std::string copy = cpu::OrderedGemmCopyName(cpu::OrderedGemmBestCopy());
+  const std::vector<cpu::OrderedGemmCopy> copies = ParseCopies(copies_text);
+  const std::string copy = cpu::OrderedGemmCopyName(copies.front());
   std::printf("FP8 GEMM (%s micro-kernel) against %s, %d threads\n", copy.c_str(),
               cpu::BlasDescription().c_str(), cpu::Threads());
-  std::printf("%-6s %5s %5s | %10s %10s %10s | %9s %9s | %7s\n", "prod", "M", "D", "fp8 ms",
+  std::printf("%-6s %5s %5s | %10s %10s %10s | %9s %9s | %7s", "prod", "M", "D", "fp8 ms",
               "blas ms", "blas-own", "fp8 GF/s", "blas GF/s", "ratio");
+  for (size_t c = 1; c < copies.size(); ++c) {
+    std::printf(" | %10s", (std::string(cpu::OrderedGemmCopyName(copies[c])) + " x").c_str());
+  }
+  std::printf("\n");
   std::vector<Row> rows;
   for (int64_t d : ds) {
     float s_w = 1, s_x = 1, s_dy = 1;
@@ -194,7 +240,12 @@ int main(int argc, char** argv) {
       for (const std::string product : {"fprop", "dgrad", "wgrad"}) {
         Row r{product, m, d, product == "wgrad" ? d : m, d, product == "wgrad" ? m : d, 0, 0, 0};
         // A product this size runs few times; keep the budget but never less than two calls.
-        r.fp8_s = Time(fp8(product), budget);
+        for (cpu::OrderedGemmCopy c : copies) {
+          cpu::SetOrderedGemmCopy(c);
+          r.copy_s.push_back(Time(fp8(product), budget));
+        }
+        cpu::SetOrderedGemmCopy(std::nullopt);
+        r.fp8_s = r.copy_s.front();
         cpu::SetGemmThreads(cpu::GemmThreads::kPool);
         r.blas_pool_s = Time(blas(product), budget);
         cpu::SetGemmThreads(cpu::GemmThreads::kBlas);
@@ -202,10 +253,12 @@ int main(int argc, char** argv) {
         cpu::SetGemmThreads(cpu::GemmThreads::kPool);
         const double flops = 2.0 * double(r.gemm_m) * double(r.gemm_n) * double(r.gemm_k);
         const double blas_s = std::min(r.blas_pool_s, r.blas_own_s);
-        std::printf("%-6s %5lld %5lld | %10.4f %10.4f %10.4f | %9.1f %9.1f | %6.2fx\n",
+        std::printf("%-6s %5lld %5lld | %10.4f %10.4f %10.4f | %9.1f %9.1f | %6.2fx",
                     product.c_str(), (long long)m, (long long)d, r.fp8_s * 1e3, r.blas_pool_s * 1e3,
                     r.blas_own_s * 1e3, flops / r.fp8_s * 1e-9, flops / blas_s * 1e-9,
                     blas_s / r.fp8_s);
+        for (size_t c = 1; c < copies.size(); ++c) std::printf(" | %9.2fx", blas_s / r.copy_s[c]);
+        std::printf("\n");
         std::fflush(stdout);
         rows.push_back(r);
       }
@@ -226,8 +279,12 @@ int main(int argc, char** argv) {
          << ", \"sgemm_own_threads_ms\": " << r.blas_own_s * 1e3
          << ", \"fp8_gflops\": " << flops / r.fp8_s * 1e-9
          << ", \"sgemm_gflops\": " << flops / blas_s * 1e-9
-         << ", \"fp8_speedup_vs_sgemm\": " << blas_s / r.fp8_s << "}"
-         << (i + 1 < rows.size() ? ",\n" : "\n");
+         << ", \"fp8_speedup_vs_sgemm\": " << blas_s / r.fp8_s << ", \"copies_ms\": {";
+      for (size_t c = 0; c < copies.size(); ++c) {
+        js << (c > 0 ? ", " : "") << "\"" << cpu::OrderedGemmCopyName(copies[c])
+           << "\": " << r.copy_s[c] * 1e3;
+      }
+      js << "}}" << (i + 1 < rows.size() ? ",\n" : "\n");
     }
     js << "  ]\n}\n";
   }

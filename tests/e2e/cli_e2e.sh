@@ -95,7 +95,7 @@ check "--help exits 0" [ "$rc_help" = 0 ]
 for flag in --listen --device --log-level --log-format --max-message-mib --shutdown-grace \
   --tls-cert --tls-key --tls-client-ca --insecure --metrics-listen --checkpoint-dir \
   --checkpoint-every --checkpoint-shared --checkpoint-check-every --checkpoint-handover-wait \
-  --port-file; do
+  --port-file --cpu-isa; do
   check "--help documents $flag" grep -q -- "$flag" "$tmp/help.txt"
 done
 
@@ -111,5 +111,18 @@ wait "$quiet_pid" || true
 check "--port-file: removed at exit" [ ! -e "$tmp/port" ]
 check "--port-file: an unwritable path is refused" \
   bash -c "! '$server_bin' --listen 127.0.0.1:0 --port-file /nonexistent-dir/port >/dev/null 2>&1"
+
+# --cpu-isa: the FP8 GEMM's copy, named in the device description; a name that is no copy is
+# refused. The baseline copy runs on every CPU.
+"$server_bin" --listen 127.0.0.1:0 --cpu-isa baseline --port-file "$tmp/isa-port" \
+  >"$tmp/isa.log" 2>&1 &
+isa_pid=$!
+for _ in $(seq 1 100); do [ -s "$tmp/isa-port" ] && break; sleep 0.1; done
+check "--cpu-isa baseline: gradwire info names the copy" \
+  bash -c "'$cli_bin' info --server \"\$(cat '$tmp/isa-port')\" | grep -q 'baseline micro-kernel'"
+kill -TERM "$isa_pid"
+wait "$isa_pid" || true
+check "--cpu-isa: a name that is no copy is refused" \
+  bash -c "! '$server_bin' --listen 127.0.0.1:0 --cpu-isa avx1024 >/dev/null 2>&1"
 
 finish

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -133,8 +134,8 @@ struct Problem {
 
 std::vector<OrderedGemmCopy> Copies() {
   std::vector<OrderedGemmCopy> out;
-  for (OrderedGemmCopy c :
-       {OrderedGemmCopy::kBaseline, OrderedGemmCopy::kAvx2, OrderedGemmCopy::kAvx512}) {
+  for (OrderedGemmCopy c : {OrderedGemmCopy::kBaseline, OrderedGemmCopy::kAvx2,
+                            OrderedGemmCopy::kAvx512, OrderedGemmCopy::kAvx512Bf16}) {
     if (cpu::OrderedGemmCopySupported(c)) out.push_back(c);
   }
   return out;
@@ -144,10 +145,11 @@ TEST(OrderedGemmTest, EveryCopyComputesTheReferenceBitsOnEveryShape) {
   EXPECT_TRUE(cpu::OrderedGemmCopySupported(cpu::OrderedGemmBestCopy()));
   const struct {
     int64_t m, n, k;
-  } shapes[] = {{1, 1, 1},       {1, 1, 7},      {1, 17, 8},      {2, 3, 9},     {5, 13, 0},
-                {7, 5, 31},      {4, 4, 16},     {9, 11, 63},     {13, 29, 130}, {64, 64, 64},
-                {1, 1024, 1024}, {37, 257, 515}, {129, 67, 1031}, {6, 16, 5},    {12, 32, 3},
-                {11, 97, 41},    {3, 200, 17},   {23, 16, 2}};
+  } shapes[] = {{1, 1, 1},       {1, 1, 7},      {1, 17, 8},      {2, 3, 9},      {5, 13, 0},
+                {7, 5, 31},      {4, 4, 16},     {9, 11, 63},     {13, 29, 130},  {64, 64, 64},
+                {1, 1024, 1024}, {37, 257, 515}, {129, 67, 1031}, {6, 16, 5},     {12, 32, 3},
+                {11, 97, 41},    {3, 200, 17},   {23, 16, 2},     {30, 100, 513}, {25, 70, 514},
+                {1, 400, 4}};
   for (const auto& s : shapes) {
     for (auto [fa, fb] : {std::pair{Fp8Format::kE4M3, Fp8Format::kE4M3},
                           std::pair{Fp8Format::kE5M2, Fp8Format::kE4M3}}) {
@@ -279,6 +281,79 @@ TEST(OrderedGemmTest, TheOrderIsOneRoundedAddPerKInIncreasingK) {
   EXPECT_EQ(c, 256.0f);
 }
 
+TEST(OrderedGemmTest, TheChosenCopyRunsAndEveryCopyIsNamed) {
+  // The widest supported copy is the default; SetOrderedGemmCopy picks another (--cpu-isa) and
+  // OrderedGemm then gives the same bits on it; an unsupported one is refused naming the best.
+  EXPECT_EQ(cpu::OrderedGemmActiveCopy(), cpu::OrderedGemmBestCopy());
+  for (OrderedGemmCopy c : {OrderedGemmCopy::kAvx512Bf16, OrderedGemmCopy::kAvx512,
+                            OrderedGemmCopy::kAvx2, OrderedGemmCopy::kBaseline}) {
+    EXPECT_EQ(cpu::OrderedGemmCopyByName(cpu::OrderedGemmCopyName(c)), c);
+    if (cpu::OrderedGemmCopySupported(c)) {
+      EXPECT_GE(int(cpu::OrderedGemmBestCopy()), int(c))
+          << "the best copy is the widest supported one, " << cpu::OrderedGemmCopyName(c)
+          << " or wider";
+    }
+  }
+  EXPECT_FALSE(cpu::OrderedGemmCopyByName("avx1024").has_value());
+  const Problem p(19, 70, 301, Fp8Format::kE5M2, Fp8Format::kE4M3);
+  const std::vector<float> want = p.Reference(true, false);
+  for (OrderedGemmCopy copy : Copies()) {
+    cpu::SetOrderedGemmCopy(copy);
+    EXPECT_EQ(cpu::OrderedGemmActiveCopy(), copy);
+    std::vector<float> c(size_t(p.m * p.n));
+    OrderedGemmArgs g;
+    g.m = p.m;
+    g.a_codes = p.a_codes.data();
+    g.a_format = p.fa;
+    g.lda = p.k;
+    g.b = p.B();
+    g.scale = p.sa * p.sb;
+    g.bias = p.bias.data();
+    g.c = c.data();
+    g.ldc = p.n;
+    cpu::OrderedGemm(g);
+    EXPECT_TRUE(SameBits(c, want)) << cpu::OrderedGemmCopyName(copy);
+  }
+  cpu::SetOrderedGemmCopy(std::nullopt);
+  EXPECT_EQ(cpu::OrderedGemmActiveCopy(), cpu::OrderedGemmBestCopy());
+  for (OrderedGemmCopy c :
+       {OrderedGemmCopy::kAvx512Bf16, OrderedGemmCopy::kAvx512, OrderedGemmCopy::kAvx2}) {
+    if (cpu::OrderedGemmCopySupported(c)) continue;
+    try {
+      cpu::SetOrderedGemmCopy(c);
+      ADD_FAILURE() << cpu::OrderedGemmCopyName(c) << " was chosen on a CPU without it";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(cpu::OrderedGemmCopyName(cpu::OrderedGemmBestCopy())),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(cpu::OrderedGemmActiveCopy(), cpu::OrderedGemmBestCopy());
+  }
+}
+
+TEST(OrderedGemmTest, TheBf16CopyRunsAFloatANotExactInBf16AsTheAvx512CopyDoes) {
+  if (!cpu::OrderedGemmCopySupported(OrderedGemmCopy::kAvx512Bf16)) {
+    GTEST_SKIP() << "this CPU has no AVX-512 BF16 copy (best: "
+                 << cpu::OrderedGemmCopyName(cpu::OrderedGemmBestCopy()) << ")";
+  }
+  // A's values with 11 significant bits: a bf16 A would drop the low ones, so the copy must not
+  // read A as bf16 here.
+  Problem p(13, 40, 37, Fp8Format::kE4M3, Fp8Format::kE4M3);
+  for (float& v : p.a) v = v * (1.0f + std::ldexp(1.0f, -10));
+  std::vector<float> got(size_t(p.m * p.n)), want(got.size());
+  OrderedGemmArgs g;
+  g.m = p.m;
+  g.a = p.a.data();
+  g.lda = p.k;
+  g.b = p.B();
+  g.ldc = p.n;
+  g.c = want.data();
+  cpu::OrderedGemmUsing(OrderedGemmCopy::kAvx512, g);
+  g.c = got.data();
+  cpu::OrderedGemmUsing(OrderedGemmCopy::kAvx512Bf16, g);
+  EXPECT_TRUE(SameBits(got, want));
+}
+
 TEST(OrderedGemmTest, PackingFromCodesInEitherLayoutGivesThePanelsOfTheDecodedValues) {
   for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 1}, {17, 5}, {16, 16}, {33, 7}, {5, 40}}) {
     float scale_inv = 1;
@@ -290,15 +365,18 @@ TEST(OrderedGemmTest, PackingFromCodesInEitherLayoutGivesThePanelsOfTheDecodedVa
     }
     std::vector<uint16_t> want(cpu::PanelBytes(n, k) / sizeof(uint16_t), uint16_t(0xFFFF));
     cpu::PackPanels(values.data(), n, k, k, true, want.data());
-    // Every panel value is B's value or, past n, zero; and each sits where the kernel's widening
-    // reads it: column c < 8 of a panel row in word 2c, column 8 + c in word 2c + 1.
+    // Every panel value is B's value or, past n (and past an odd k), zero; and each sits where
+    // the kernels read it: a panel is (k + 1) / 2 row pairs of 16 words, column c's word of pair
+    // t holding depth 2t in its upper half (the higher address) and 2t + 1 in its lower half.
     const cpu::PanelsView view{n, k, want.data()};
+    const int64_t panel_size = (k + 1) / 2 * 32;
+    EXPECT_EQ(want.size(), size_t((n + 15) / 16 * panel_size));
     for (int64_t j = 0; j < (n + 15) / 16 * 16; ++j) {
-      for (int64_t d = 0; d < k; ++d) {
-        const float expect = j < n ? values[size_t(j * k + d)] : 0.0f;
-        EXPECT_EQ(cpu::PanelValue(view, j, d), expect) << j << "," << d;
-        const int64_t c = j % 16, slot = c < 8 ? 2 * c : 2 * (c - 8) + 1;
-        const uint16_t word = want[size_t((j / 16) * k * 16 + d * 16 + slot)];
+      for (int64_t d = 0; d < (k + 1) / 2 * 2; ++d) {
+        const float expect = j < n && d < k ? values[size_t(j * k + d)] : 0.0f;
+        if (d < k) EXPECT_EQ(cpu::PanelValue(view, j, d), expect) << j << "," << d;
+        const int64_t c = j % 16, slot = (d / 2) * 32 + 2 * c + (d % 2 == 0 ? 1 : 0);
+        const uint16_t word = want[size_t((j / 16) * panel_size + slot)];
         uint32_t bits;
         std::memcpy(&bits, &expect, sizeof bits);
         EXPECT_EQ(word, uint16_t(bits >> 16)) << j << "," << d;

@@ -13,19 +13,26 @@
 // the same operands (the parity harness checks it).
 //
 // How it runs (BLIS's split of a GEMM into packing and one register-tile micro-kernel): B is
-// packed into panels of kPanelWidth columns, each [K][kPanelWidth] contiguous, so a micro-kernel
-// step reads half a cache line of B and one value of each of its rows of A, and adds their
-// products into a tile of C held in registers. The panels hold bf16: every FP8 value (E4M3 and
-// E5M2, subnormals included) is exact in bf16, so the kernel widens them back to the same fp32
-// values with a shift or a mask, and a product that streams the weight once (a few rows) reads
-// half the bytes fp32 panels would take. Each element's sum runs along k in one register lane from
-// k = 0 to K - 1 and is never split (no split-K), so the tile shape, the edge tiles and the split
-// over threads change nothing in it. The panels of a weight are built once per weight version
-// (the CPU backend's weight workspace); other operands are packed per call.
+// packed into panels of kPanelWidth columns, so a micro-kernel step reads one row pair of a panel
+// and one value of each of its rows of A, and adds their products into a tile of C held in
+// registers. The panels hold bf16: every FP8 value (E4M3 and E5M2, subnormals included) is exact
+// in bf16, and a product that streams the weight once (a few rows) reads half the bytes fp32
+// panels would take. Each element's sum runs along k in one register lane from k = 0 to K - 1
+// and is never split (no split-K), so the tile shape, the edge tiles and the split over threads
+// change nothing in it. The panels of a weight are built once per weight version (the CPU
+// backend's weight workspace); other operands are packed per call.
+//
+// The copies differ in how a step adds. The multiply-add copies widen each bf16 value back to
+// its fp32 value (a shift or a mask) and add one k at a time. The AVX-512 BF16 copy hands a pair
+// of k to vdpbf16ps, which adds both products of each lane, the odd-numbered element's first,
+// each add rounded: the pairs are laid out so that this is k = 2t, then 2t + 1, the reference's
+// order. The process checks that copy's bits against the baseline's once before it uses it.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "gradwire/kernels/fp8.h"
 
@@ -34,10 +41,12 @@ namespace gradwire::kernels::cpu {
 // Columns of C per panel of B.
 inline constexpr int64_t kPanelWidth = 16;
 
-// B packed for the GEMM: ceil(n / kPanelWidth) panels, each [k][kPanelWidth] bf16 values (the
-// upper halves of the fp32 values); the columns past n in the last panel are zero. Within a row
-// of a panel the columns are interleaved, so that one 32-byte load widens to both halves with one
-// shift and one mask: word 2c holds column c and word 2c + 1 column 8 + c (c < 8). Not owning.
+// B packed for the GEMM: ceil(n / kPanelWidth) panels of bf16 values (the upper halves of the
+// fp32 values). A panel is ceil(k / 2) row pairs, each one 32-bit word per column (kPanelWidth
+// words, 64 bytes, columns in order): depth 2t in the word's upper half, depth 2t + 1 in its
+// lower half (zero past an odd k). The columns past n in the last panel are zero. One load gives
+// a multiply-add copy both depths of the pair (a mask and a shift), and vdpbf16ps its two
+// operands in the order that adds depth 2t first. Not owning.
 struct PanelsView {
   int64_t n = 0, k = 0;
   const uint16_t* data = nullptr;
@@ -97,18 +106,31 @@ struct OrderedGemmArgs {
 void OrderedGemm(const OrderedGemmArgs& args);
 
 // The copies of the micro-kernel, one per instruction set: the same arithmetic, other tiles.
-//   kBaseline  the build's default (SSE2 on x86-64): multiply, then add
-//   kAvx2      AVX2 + FMA: 6 rows x 16 columns in 12 registers
-//   kAvx512    AVX-512F/VL + FMA: 32 registers, 6 rows x 32 columns
-enum class OrderedGemmCopy { kBaseline, kAvx2, kAvx512 };
+//   kBaseline    the build's default (SSE2 on x86-64): multiply, then add; 2 rows x 16 columns
+//   kAvx2        AVX2 + FMA, 8-lane ymm: 6 rows x 16 columns in 12 registers of sums
+//   kAvx512      AVX-512F, 16-lane zmm multiply-adds: 24 registers of sums, 6 rows x 64 columns
+//   kAvx512Bf16  AVX-512 BF16, vdpbf16ps on pairs of k: 24 registers of sums, 6 rows x 64
+//                columns; only where it reproduces the baseline's bits on this CPU (checked
+//                once, at the first question about it)
+enum class OrderedGemmCopy { kBaseline, kAvx2, kAvx512, kAvx512Bf16 };
 
-// The copy OrderedGemm runs on this CPU (the widest it supports), and its name ("avx512", "avx2",
-// "baseline") for reports.
+// The widest copy this CPU supports, and its name ("avx512bf16", "avx512", "avx2", "baseline")
+// for reports.
 OrderedGemmCopy OrderedGemmBestCopy();
 const char* OrderedGemmCopyName(OrderedGemmCopy copy);
+// The copy of that name, or nullopt.
+std::optional<OrderedGemmCopy> OrderedGemmCopyByName(const std::string& name);
 // Whether this build has the copy and this CPU can run it.
 bool OrderedGemmCopySupported(OrderedGemmCopy copy);
+// The copy OrderedGemm runs: the best one unless SetOrderedGemmCopy chose another (the server's
+// --cpu-isa; the benchmarks). Every copy computes the same bits: the choice changes only speed.
+// std::invalid_argument for a copy this build or CPU does not support (naming the best one);
+// nullopt goes back to the best.
+OrderedGemmCopy OrderedGemmActiveCopy();
+void SetOrderedGemmCopy(std::optional<OrderedGemmCopy> copy);
 // OrderedGemm on a given supported copy (the tests check that every copy computes the same bits).
+// A float A must hold decoded FP8 values (exact in bf16); the AVX-512 BF16 copy checks and runs
+// an A that is not on the AVX-512 copy instead.
 void OrderedGemmUsing(OrderedGemmCopy copy, const OrderedGemmArgs& args);
 
 }  // namespace gradwire::kernels::cpu
