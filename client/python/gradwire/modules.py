@@ -64,16 +64,18 @@ module's weights as they are now; if they changed in between, the gradient belon
 weights, not to the ones that made the output the loss saw.
 """
 
+import collections
 import contextlib
 import copy
+import time
 import logging
 import threading
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from gradwire import kinds, optim, safetensors, wire
 from gradwire.client import Client, ContextLostError, GradwireError, open_client_for
@@ -327,6 +329,53 @@ def second_backward_error(what: str) -> RuntimeError:
         "by the first backward. Specify retain_graph=True on the first backward to keep it.")
 
 
+class _NoSecondOrder(torch.autograd.Function):
+    """Passes on a gradient that a remote backward computed (under ``create_graph=True``) and
+    refuses, naming the module, to be differentiated again: the server's backward has no
+    backward of its own. ``deps``: the tensors the gradient would depend on locally (the
+    gradient of the output, the weights), so that a double backward reaches this node."""
+
+    @staticmethod
+    def forward(ctx, label, grad, *deps):
+        ctx.label = label
+        return grad.detach()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.label}: a double backward (differentiating a gradient made with "
+            "create_graph=True) cannot pass through this module: the server computes its "
+            "backward, which is not itself differentiable. Keep gradient penalties and "
+            "higher-order gradients to local layers, or detach() the gradient first.")
+
+
+def second_order_guard(label: str, outputs: Sequence[Optional[torch.Tensor]],
+                       deps: Sequence[Optional[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], ...]:
+    """A remote backward's ``outputs`` as it returns them: as they are, or, when autograd
+    records the backward itself (``create_graph=True``), behind a node that refuses a double
+    backward with a message naming the module (``label``)."""
+    if not torch.is_grad_enabled():
+        return tuple(outputs)
+    deps = [d for d in deps if isinstance(d, torch.Tensor) and d.requires_grad]
+    if not deps:
+        return tuple(outputs)
+    return tuple(_NoSecondOrder.apply(label, o, *deps) if isinstance(o, torch.Tensor) else o
+                 for o in outputs)
+
+
+def wait_backward(future: Future, modules: Sequence["RemoteModule"]) -> Any:
+    """The result of a backward's ``future``. Interrupted while waiting (KeyboardInterrupt), the
+    backward goes on on the server and adds to the gradients of ``modules`` there: each module
+    then drops what it added before its gradients are used again (``_settle_interrupted``)."""
+    try:
+        return future.result()
+    except BaseException:
+        if not future.done():
+            for m in modules:
+                m._interrupted.append(future)
+        raise
+
+
 class _RemoteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probe, module, activation_dtype, gradient_dtype, *anchors):
@@ -336,30 +385,70 @@ class _RemoteFunction(torch.autograd.Function):
             if module.recompute_on_lost_context else None
         ctx.remote = Context(module, context_id, activation_dtype, gradient_dtype, saved)
         ctx.module, ctx.probe = module, probe
+        ctx.weight_nodes = [] if module.local_optimizer else [a.grad_fn for a in anchors]
         ctx.input_dtype, ctx.input_device = x.dtype, x.device
         return y.to(device=x.device, dtype=x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        # Not torch's once_differentiable: its error on a double backward names no module.
+        with torch.no_grad():
+            grads = _RemoteFunction._backward(ctx, grad_output.detach())
+        return second_order_guard(ctx.module._label(), grads,
+                                  (grad_output, *ctx.module._anchors()))
+
+    @staticmethod
+    def _backward(ctx, grad_output):
         remote = ctx.remote
         if remote is None:
             raise second_backward_error(ctx.module._label())
         retain = ctx.probe.keep_graph()
         module = ctx.module
+        # A server optimizer's backward asked only for input gradients (autograd.grad(loss, x),
+        # a frozen module) adds weight gradients all the same, which must not reach a step.
+        drop = not module.local_optimizer and not module._weights_wanted(ctx.weight_nodes)
         # With a local optimizer the backward accumulates into the module's one gradient buffer
         # on the server, which the client then reads and zeroes: this thread's backward and
         # its read go together, so that another thread's backward through the module cannot
         # land in between and each call gets its own weight gradients.
-        with module._backward_lock if module.local_optimizer else contextlib.nullcontext():
-            grad_input = remote.backward_async(grad_output, not ctx.needs_input_grad[0],
-                                               retain).result()
+        with module._backward_lock if module.local_optimizer or drop else \
+                contextlib.nullcontext():
+            module._settle_interrupted()
+            if drop:
+                module._check_droppable()
+            else:
+                module._backwards_since_step += 1  # the server's gradients change from here
+            future = remote.backward_async(grad_output, not ctx.needs_input_grad[0], retain)
+            grad_input = wait_backward(future, [module])
+            if drop:
+                module._drop_server_gradients()
             grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
         if not retain:
             ctx.remote = None
         if grad_input is not None:
             grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
         return (grad_input, None, None, None, None, *grads)
+
+
+class _LiveParameters(collections.OrderedDict):
+    """A remote module's ``_parameters``: iterating its items -- what ``named_parameters()``,
+    ``parameters()`` (a parent's too) and ``state_dict()`` do -- first pulls the server's
+    weights when they moved since the last pull and nothing changed here, so such a read is
+    current, as a local module's is. The module's own code iterates without pulling
+    (``RemoteModule._items``)."""
+
+    def __init__(self, owner: "RemoteModule"):
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def items(self):
+        owner = self._owner()
+        if owner is not None:
+            owner._refresh_for_read()
+        return super().items()
+
+    def __reduce__(self):  # a plain OrderedDict in copies: no owner to pull for
+        return (collections.OrderedDict, (list(dict.items(self)),))
 
 
 class RemoteModule(torch.nn.Module):
@@ -389,6 +478,11 @@ class RemoteModule(torch.nn.Module):
                  keep: bool = False, recompute_on_lost_context: bool = False,
                  where: Optional[int] = None):
         super().__init__()
+        self.__dict__["_parameters"] = _LiveParameters(self)
+        self._reading = False  # a read of the parameters is pulling them now
+        # Futures of backwards interrupted while waiting (KeyboardInterrupt): what they add to
+        # the server's gradients is dropped before the module's gradients are used again.
+        self._interrupted: List[Future] = []
         if (spec is None) == (module_id is None):
             raise ValueError("give exactly one of spec (create a module) or module_id (use one)")
         if optimizer not in ("local", "server", "sgd", "adamw"):
@@ -436,9 +530,11 @@ class RemoteModule(torch.nn.Module):
                 client.delete_module(self.module_id)
             raise RuntimeError(f"module {self.module_id} has parameters this client does not "
                                f"know: {unknown} (a newer server? upgrade the package)")
+        # requires_grad=True in both modes: with a server optimizer too it says whether the
+        # module trains (requires_grad_(False) freezes it), though its gradients stay on the
+        # server and .grad stays None.
         for name in info.parameter_names:
-            self.register_parameter(name, torch.nn.Parameter(
-                torch.empty(shapes[name]), requires_grad=self.local_optimizer))
+            self.register_parameter(name, torch.nn.Parameter(torch.empty(shapes[name])))
         self._record(None)
         # Autograd records a Function only when an input needs grad: with a server optimizer
         # the parameters do not, so this empty tensor (not a parameter: it belongs to no
@@ -559,7 +655,14 @@ class RemoteModule(torch.nn.Module):
             raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
         check_input(self._label(), x)
         x = _autocast(x)
-        if x.numel() == 0 and x.dim() >= 1 and x.shape[-1] == self.spec.in_features:
+        if x.numel() == 0 and x.dim() >= 1:
+            if x.shape[-1] != self.spec.in_features:
+                # The error the server gives a batch with rows (which it never sees here).
+                raise GradwireError(
+                    "Forward", "INVALID_ARGUMENT",
+                    f"{self._label()}: input.shape must be [..., {self.spec.in_features}] (the "
+                    f"module's in_features), got {list(x.shape)}: the last dimension is "
+                    f"{x.shape[-1]}")
             return self._empty_forward(x)
         activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
         training = self._trains(x)
@@ -590,6 +693,38 @@ class RemoteModule(torch.nn.Module):
                 y = y + (t.sum() * 0).to(y.dtype)
         return y
 
+    def _items(self):
+        """The parameters by name, without the pull a read through ``parameters()`` makes."""
+        return dict.items(self._parameters)
+
+    def _refresh_for_read(self) -> None:
+        """Before ``named_parameters()`` / ``parameters()`` / ``state_dict()`` reads the
+        parameters: pulls them when the server's weights moved (a server optimizer's step,
+        another writer) and nothing changed here."""
+        if self.__dict__.get("_reading", True) or "_synced" not in self.__dict__:
+            return  # the module's own iteration, or one while it is being built
+        self._reading = True
+        try:
+            self._refresh()
+        except GradwireError as e:
+            log.warning("%s: the parameters read now may be stale, the pull failed: %s",
+                        self._label(), e)
+        finally:
+            self._reading = False
+
+    def _trainable(self) -> bool:
+        """Whether the weights want gradients: with a server optimizer, whether the parameters
+        require grad (all of them, or none: the server's optimizer steps the whole module)."""
+        flags = {p.requires_grad for p in self._parameters.values()}
+        if len(flags) > 1 and not self.local_optimizer:
+            frozen = [n for n, p in self._items() if not p.requires_grad]
+            raise RuntimeError(
+                f"{self._label()}: {', '.join(frozen)} do not require grad but the other "
+                "parameters do; the server's optimizer steps the whole module, so freeze all of "
+                "it (module.requires_grad_(False)) or none, or create it with "
+                "optimizer='local' to freeze single parameters")
+        return True in flags
+
     def _trains(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` needs a context on the server: grad on, and something to
         backpropagate to. In training mode that is always the weights with a server optimizer;
@@ -597,20 +732,87 @@ class RemoteModule(torch.nn.Module):
         parameters that need grad (only ``no_grad()`` and ``inference_mode()`` cut it)."""
         if not torch.is_grad_enabled():
             return False
-        local_grads = self.local_optimizer and \
-            any(p.requires_grad for p in self._parameters.values())
+        trainable = self._trainable()
+        local_grads = self.local_optimizer and trainable
         if not self.training:
             return x.requires_grad or local_grads
-        return not self.local_optimizer or x.requires_grad or local_grads
+        return trainable or x.requires_grad
 
     def _anchors(self) -> Tuple[torch.Tensor, ...]:
-        return tuple(self._parameters.values()) if self.local_optimizer else (self._anchor,)
+        """The tensors a training forward's node hangs from besides the input: the parameters
+        (a local optimizer), or for a server optimizer a node of its own over ``_anchor`` when
+        the module trains, which a backward asks autograd about (``_weights_wanted``)."""
+        if self.local_optimizer:
+            return tuple(self._parameters.values())
+        if not self._trainable():
+            return ()
+        return (self._anchor.view_as(self._anchor),)
+
+    @staticmethod
+    def _weights_wanted(nodes: Sequence[Any]) -> bool:
+        """In a backward of a server-optimizer module: whether autograd runs the node of the
+        module's anchor, i.e. whether this backward is for the weights too (``backward()``),
+        or only for some inputs (``torch.autograd.grad(loss, x)``, ``backward(inputs=...)``)."""
+        if not nodes:
+            return False
+        check = getattr(torch._C, "_will_engine_execute_node", None)
+        if check is None:
+            return True
+        try:
+            return any(check(n) for n in nodes if n is not None)
+        except (RuntimeError, TypeError):
+            return True
+
+    def _settle_interrupted(self) -> None:
+        """Waits for the backwards interrupted while waiting on this module (within the
+        client's timeout) and drops the weight gradients they added on the server. With a local
+        optimizer every earlier backward's gradients were already read into ``.grad``, so only
+        theirs go; with a server optimizer the interrupted step is dropped whole (the gradients
+        accumulated since the last step), as the server keeps one sum."""
+        if not self._interrupted:
+            return
+        pending, self._interrupted = self._interrupted, []
+        deadline = time.monotonic() + self.client.timeout
+        for i, f in enumerate(pending):
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                self._interrupted = pending[i:]
+                raise RuntimeError(
+                    f"{self._label()}: a backward interrupted earlier is still running on the "
+                    f"server after {self.client.timeout:g} s, and its weight gradients would "
+                    "be added to this one's; try again once the server has finished it") \
+                    from None
+            except BaseException:  # noqa: BLE001 - failed: it added nothing
+                pass
+        if not self.local_optimizer and self._backwards_since_step > len(pending):
+            log.warning("%s: an interrupted backward's gradients are dropped, with the "
+                        "gradients accumulated since the last step", self._label())
+        self._drop_server_gradients()
+
+    def _drop_server_gradients(self) -> None:
+        """Zeroes the gradients the server accumulated (GetGradients is the only call that
+        does; FP8 keeps the answer small)."""
+        with self._calls():
+            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
+        self._backwards_since_step = 0
+
+    def _check_droppable(self) -> None:
+        """Before a server-optimizer backward whose weight gradients nobody asked for: they can
+        be dropped afterwards only while the server holds no other gradients for the next
+        step, so refuse it otherwise."""
+        if self._backwards_since_step:
+            raise RuntimeError(
+                f"{self._label()}: this backward asks for no weight gradients (autograd.grad() "
+                "of inputs only, or the module is frozen), but the server adds them to the "
+                f"gradients of the {self._backwards_since_step} backward(s) accumulated for the "
+                "next step of its optimizer, where they cannot be told apart. Run it before "
+                "those backwards or after step()/zero_grad(), or use optimizer='local'")
 
     def _gradients_for_autograd(self, needed: Sequence[bool]) -> List[Optional[torch.Tensor]]:
         """After a backward: the gradients autograd accumulates into the parameters' ``.grad``
         (a local optimizer), read and zeroed on the server; None for each with a server
         optimizer, whose gradients stay there."""
-        self._backwards_since_step += 1
         if not self.local_optimizer:
             return [None] * len(needed)
         # Zeroed even when no parameter wants them (frozen), so they cannot reach a later step.
@@ -618,14 +820,14 @@ class RemoteModule(torch.nn.Module):
                                           dtype=self._parameter_wire_dtype())
         self._backwards_since_step = 0
         return [grads[name].to(device=p.device, dtype=p.dtype) if want else None
-                for (name, p), want in zip(self._parameters.items(), needed)]
+                for (name, p), want in zip(self._items(), needed)]
 
     # --- the mirror of the weights
 
     def _record(self, version: Optional[int]) -> None:
         """The parameters now hold weight ``version`` (None: unknown) and no local change."""
         self._synced = version
-        self._versions = {n: (p, p.data_ptr(), p._version) for n, p in self._parameters.items()}
+        self._versions = {n: (p, p.data_ptr(), p._version) for n, p in self._items()}
         self._local_edits = False
 
     def _dirty(self) -> bool:
@@ -635,7 +837,7 @@ class RemoteModule(torch.nn.Module):
         nn.Parameter(...)``, or a weight tied to another module's)."""
         if self._local_edits:
             return True
-        for n, p in self._parameters.items():
+        for n, p in self._items():
             seen = self._versions.get(n)
             if seen is None or seen[0] is not p or seen[1] != p.data_ptr() or \
                     seen[2] != p._version:
@@ -686,7 +888,7 @@ class RemoteModule(torch.nn.Module):
 
     def _copy_in(self, weights: Dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, p in self._parameters.items():
+            for name, p in self._items():
                 if name not in weights:
                     continue
                 if tuple(weights[name].shape) != tuple(p.shape):
@@ -699,7 +901,7 @@ class RemoteModule(torch.nn.Module):
         """Sends the parameters' values to the server now (SetWeights); returns the new weight
         version. A forward does this by itself after an in-place change."""
         self._check_alive()
-        params = {n: p.detach() for n, p in self._parameters.items()}
+        params = {n: p.detach() for n, p in self._items()}
         with self._calls():
             version = self.client.set_weights(self.module_id, params,
                                               self._parameter_wire_dtype())
@@ -762,6 +964,7 @@ class RemoteModule(torch.nn.Module):
                 "Create it with optimizer='sgd' or 'adamw' to step it on the server.")
         if self._dirty():
             self.push()
+        self._settle_interrupted()
         with self._calls():
             version = self.client.apply_gradients(self.module_id, optim.wire_rate(lr))
         self._backwards_since_step = 0
@@ -771,10 +974,9 @@ class RemoteModule(torch.nn.Module):
         """Zeroes the gradients the server accumulated, if a backward ran since the last step
         (with a local optimizer they never stay there)."""
         self._check_alive()
+        self._settle_interrupted()  # zeroes them, if a backward was interrupted
         if self._backwards_since_step:
-            # GetGradients is the only call that zeroes them; FP8 keeps the answer small.
-            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
-            self._backwards_since_step = 0
+            self._drop_server_gradients()
 
     def get_weights(self) -> Dict[str, torch.Tensor]:
         """The server's current weights by parameter name, as new float32 CPU tensors (local
@@ -806,6 +1008,7 @@ class RemoteModule(torch.nn.Module):
         name (float32 CPU tensors); ``zero`` zeroes them after reading. With
         ``optimizer="local"`` each backward moves them into ``.grad``, so this reads zeros."""
         self._check_alive()
+        self._settle_interrupted()
         with self._calls():
             grads = self.client.get_gradients(self.module_id, zero)
         if zero:
@@ -871,13 +1074,26 @@ class RemoteModule(torch.nn.Module):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "RemoteModule":
         new = type(self)._rebuild(self.client, self._portable_state())
+        memo[id(self)] = new
         device = next((p.device for p in self._parameters.values()), torch.device("cpu"))
         if device.type != "cpu":
             new.to(device)
-        for key, value in self.__dict__.items():  # plain attributes a user set
-            if key not in new.__dict__:
+        # As nn.Module's deepcopy: each parameter keeps requires_grad, and a parameter this
+        # deepcopy has already copied (a weight tied to another module's) stays tied to that
+        # copy; one not copied yet is recorded, so a later module that shares it ties to ours.
+        with torch.no_grad():
+            for name, p in self._items():
+                if p is None:
+                    continue
+                if id(p) in memo:
+                    new._parameters[name] = memo[id(p)]
+                    continue
+                mine = new._parameters[name]
+                mine.requires_grad_(p.requires_grad)
+                memo[id(p)] = mine
+        for key, value in self.__dict__.items():  # plain attributes a user set, and hooks
+            if key not in new.__dict__ or "hook" in key:
                 new.__dict__[key] = copy.deepcopy(value, memo)
-        memo[id(self)] = new
         log.debug("deep copy of %s: %s", self._label(), new.module_id)
         return new
 

@@ -190,7 +190,10 @@ class ServerOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for module, group in zip(self.remote_modules, self.param_groups):
-            module.apply_gradients(lr=group["lr"])
+            # A frozen module (requires_grad_(False)) is left alone, as a torch optimizer
+            # leaves a parameter without a gradient: no weight decay, no momentum.
+            if any(p.requires_grad for p in module._parameters.values()):
+                module.apply_gradients(lr=group["lr"])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -25,11 +25,10 @@ from concurrent.futures import Future
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from gradwire.client import GradwireError
 from gradwire.modules import (Context, GraphProbe, RemoteModule, _autocast, check_input, probed,
-                              second_backward_error, submit_forward, then)
+                              second_backward_error, second_order_guard, submit_forward, then)
 
 
 class _Chain:
@@ -113,12 +112,23 @@ class _PipelineFunction(torch.autograd.Function):
         outputs = [c.result() for c in chains]  # any failure raises here
         ctx.contexts, ctx.blocks, ctx.probe = contexts, blocks, probe
         ctx.counts = [len(b._anchors()) for b in blocks]
+        ctx.anchor_nodes, at = [], 0
+        for count in ctx.counts:
+            ctx.anchor_nodes.append([a.grad_fn for a in anchors[at:at + count]])
+            at += count
         ctx.input_dtype, ctx.input_device = x.dtype, x.device
         return torch.cat(outputs).to(device=x.device, dtype=x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        with torch.no_grad():
+            grads = _PipelineFunction._backward(ctx, grad_output.detach())
+        anchors = [a for block in ctx.blocks for a in block._anchors()]
+        return second_order_guard("a RemoteSequential run of remote blocks (" + ", ".join(
+            b._label() for b in ctx.blocks) + ")", grads, (grad_output, *anchors))
+
+    @staticmethod
+    def _backward(ctx, grad_output):
         contexts = ctx.contexts
         if contexts is None:
             raise second_backward_error("a RemoteSequential run of remote blocks")
@@ -134,9 +144,29 @@ class _PipelineFunction(torch.autograd.Function):
             return step
 
         n = len(ctx.blocks)
+        # Server-optimizer blocks whose weight gradients autograd does not ask for (see
+        # _RemoteFunction): dropped after the backward.
+        drop = [not b.local_optimizer and not b._weights_wanted(nodes)
+                for b, nodes in zip(ctx.blocks, ctx.anchor_nodes)]
+        for block, dropped in zip(ctx.blocks, drop):
+            block._settle_interrupted()
+            if dropped:
+                block._check_droppable()
+            else:
+                block._backwards_since_step += 1
         chains = [_chain([backward_step(m, b) for b in reversed(range(n))], part)
                   for m, part in enumerate(parts)]
-        grads = [c.result() for c in chains]
+        try:
+            grads = [c.result() for c in chains]
+        except BaseException:
+            # Interrupted: the pending chains go on on the servers (see wait_backward).
+            pending = [c for c in chains if not c.done()]
+            for block in ctx.blocks if pending else ():
+                block._interrupted.extend(pending)
+            raise
+        for block, dropped in zip(ctx.blocks, drop):
+            if dropped:
+                block._drop_server_gradients()
         if not retain:
             ctx.contexts = None
         grad = None

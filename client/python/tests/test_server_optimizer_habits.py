@@ -1,0 +1,81 @@
+"""Server-optimizer modules (optimizer="sgd" / "adamw") under PyTorch's habits: a gradient-only
+autograd call adds nothing to the next step, requires_grad_(False) freezes the module, and
+model.parameters() holds the weights the server's steps made."""
+
+import pytest
+import torch
+
+import gradwire
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_autograd_grad_of_the_input_adds_nothing_to_the_step(client):
+    m = gradwire.RemoteLinear(client, 8, 4, seed=7, optimizer="sgd", lr=0.1)
+    twin = gradwire.RemoteLinear(client, 8, 4, seed=7, optimizer="sgd", lr=0.1)
+    opt = gradwire.ServerOptimizer(m)
+    x = torch.randn(5, 8, requires_grad=True)
+    saliency, = torch.autograd.grad(m(x).square().sum(), x)  # a saliency map
+    assert saliency.abs().sum() > 0
+    x.grad = None
+    m(x).square().sum().backward(inputs=[x])  # the same through backward(inputs=...)
+    assert x.grad.abs().sum() > 0
+    x2 = torch.randn(5, 8)
+    m(x2).square().sum().backward()
+    opt.step()
+    twin(x2).square().sum().backward()
+    twin.apply_gradients()
+    assert same(m.get_weights(), twin.get_weights())
+
+
+def test_autograd_grad_amid_accumulation_is_refused(client):
+    m = gradwire.RemoteLinear(client, 8, 4, optimizer="sgd")
+    m(torch.randn(5, 8)).sum().backward()  # accumulated for the next step
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="asks for no weight gradients"):
+        torch.autograd.grad(m(x).sum(), x)
+    gradwire.ServerOptimizer(m).zero_grad()
+    gx, = torch.autograd.grad(m(x).sum(), x)  # after zero_grad it works
+    assert gx.abs().sum() > 0
+    assert all(g.abs().sum() == 0 for g in m.get_gradients().values())
+
+
+def test_requires_grad_false_freezes_the_module(client):
+    m = gradwire.RemoteLinear(client, 8, 4, seed=8, optimizer="adamw", lr=0.1,
+                              weight_decay=0.1)
+    other = gradwire.RemoteLinear(client, 4, 2, seed=9, optimizer="adamw", lr=0.1)
+    model = torch.nn.Sequential(m, other)
+    opt = gradwire.ServerOptimizer(model)
+    before = m.get_weights()
+    m.requires_grad_(False)
+    x = torch.randn(5, 8, requires_grad=True)
+    model(x).square().sum().backward()
+    assert x.grad.abs().sum() > 0  # the gradient still flows through the frozen module
+    opt.step()
+    assert same(m.get_weights(), before), "a frozen module was stepped"
+    m.requires_grad_(True)
+    model(x).square().sum().backward()
+    opt.step()
+    assert not same(m.get_weights(), before)  # trains again
+    m.bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="freeze all of it"):
+        m(torch.randn(2, 8))
+
+
+def test_parameters_are_current_after_server_steps(client):
+    m = gradwire.RemoteLinear(client, 8, 4, seed=10, optimizer="sgd", lr=0.5)
+    model = torch.nn.Sequential(m)
+    opt = gradwire.ServerOptimizer(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(5, 8)).square().sum().backward()
+    opt.step()
+    now = dict(model.named_parameters())
+    server = client.get_weights(m.module_id)
+    assert not torch.equal(now["0.weight"].detach(), before[0])
+    assert torch.equal(now["0.weight"].detach(), server["weight"])
+    assert torch.equal(now["0.bias"].detach(), server["bias"])
+    # An EMA over model.parameters() copies the stepped weights.
+    ema = [p.detach().clone() for p in model.parameters()]
+    assert torch.equal(ema[0], server["weight"])
