@@ -451,6 +451,85 @@ class _LiveParameters(collections.OrderedDict):
         return (collections.OrderedDict, (list(dict.items(self)),))
 
 
+class _WithTensors(torch.autograd.Function):
+    """A training forward of a server module on weights given here (``torch.func``'s
+    ``functional_call``, a parametrization, ``weight_norm``, pruning): the weights were sent
+    before the forward, and the backward hands the server's weight gradients to the given
+    tensors, through which autograd reaches whatever made them."""
+
+    @staticmethod
+    def forward(ctx, x, probe, target, activation_dtype, gradient_dtype, names, *tensors):
+        y, context_id, _ = submit_forward(target.client, target.module_id, x,
+                                          activation_dtype).result()
+        ctx.remote = Context(target, context_id, activation_dtype, gradient_dtype)
+        ctx.target, ctx.probe, ctx.names = target, probe, names
+        ctx.places = [(t.dtype, t.device) for t in tensors]
+        ctx.input_dtype, ctx.input_device = x.dtype, x.device
+        return y.to(device=x.device, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        with torch.no_grad():
+            grads = _WithTensors._backward(ctx, grad_output.detach())
+        return second_order_guard(ctx.target._label(), grads, (grad_output,))
+
+    @staticmethod
+    def _backward(ctx, grad_output):
+        remote, target = ctx.remote, ctx.target
+        if remote is None:
+            raise second_backward_error(target._label())
+        retain = ctx.probe.keep_graph()
+        with target._backward_lock:  # the backward and the read of its gradients, together
+            target._settle_interrupted()
+            future = remote.backward_async(grad_output, not ctx.needs_input_grad[0], retain)
+            grad_input = wait_backward(future, [target])
+            grads = target.client.get_gradients(target.module_id, zero=True)
+        if not retain:
+            ctx.remote = None
+        if grad_input is not None:
+            grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
+        weights = [grads[n].to(device=device, dtype=dtype) if want else None
+                   for n, (dtype, device), want in zip(ctx.names, ctx.places,
+                                                       ctx.needs_input_grad[6:])]
+        return (grad_input, None, None, None, None, None, *weights)
+
+
+class _Twin:
+    """A scratch server module with the spec of a remote module, for forwards on weights that
+    are not the module's own for longer than one call (``functional_call``): each such forward
+    sends them there first, so the module's own weights stay as they are. A backward may come
+    after the next call's weights arrived (no staleness limit): the server keeps the weights a
+    context was made with until its backward."""
+
+    def __init__(self, owner: "RemoteModule"):
+        spec = module_pb2.ModuleSpec()
+        spec.CopyFrom(owner.spec)
+        spec.max_staleness = -1
+        spec.ClearField("optimizer")
+        info = owner.client.create_module(spec)
+        self.client = owner.client
+        self.module_id = info.module_id
+        self.client._own(self.module_id)  # deleted by Client.close(), if not before
+        self._text = f"{owner._label()} (on given weights: module {self.module_id})"
+        self._backward_lock = threading.Lock()
+        self._interrupted: List[Future] = []
+        self._sent: Optional[List[Tuple[torch.Tensor, int]]] = None
+        self.recomputed_backwards = 0
+
+    def _label(self) -> str:
+        return self._text
+
+    def _settle_interrupted(self) -> None:
+        pending, self._interrupted = self._interrupted, []
+        for f in pending:
+            try:
+                f.result(timeout=self.client.timeout)
+            except BaseException:  # noqa: BLE001 - failed or still running: zeroed below
+                pass
+        if pending:
+            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
+
+
 class RemoteModule(torch.nn.Module):
     """A module hosted by gradwire-server, with real parameters that mirror the server's
     weights (see the ``gradwire.modules`` docstring for when they are pulled and pushed).
@@ -511,6 +590,9 @@ class RemoteModule(torch.nn.Module):
         # told apart from one deleted on a running server (see _explained).
         self._instance_id = _instance_of(client, info.module_id)
         self.spec: module_pb2.ModuleSpec = info.spec
+        self._server_names: Tuple[str, ...] = tuple(info.parameter_names)
+        self._twin: Optional[_Twin] = None  # made on the first forward on given weights
+        self._sent: Optional[List[Tuple[torch.Tensor, int]]] = None  # given weights sent last
         self.local_optimizer: bool = optimizer == "local"
         self.recompute_on_lost_context = recompute_on_lost_context
         self.recomputed_backwards = 0  # backwards that re-ran their forward (context lost)
@@ -664,6 +746,9 @@ class RemoteModule(torch.nn.Module):
                     f"module's in_features), got {list(x.shape)}: the last dimension is "
                     f"{x.shape[-1]}")
             return self._empty_forward(x)
+        given = self._given_weights()
+        if given is not None:
+            return self._forward_given(x, *given)
         activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
         training = self._trains(x)
         with self._calls():
@@ -693,9 +778,97 @@ class RemoteModule(torch.nn.Module):
                 y = y + (t.sum() * 0).to(y.dtype)
         return y
 
-    def _items(self):
-        """The parameters by name, without the pull a read through ``parameters()`` makes."""
-        return dict.items(self._parameters)
+    def _items(self) -> List[Tuple[str, torch.Tensor]]:
+        """The server's parameters by name, without the pull a read through ``parameters()``
+        makes (and without those a reparametrization added: ``weight_g``, ``weight_orig``)."""
+        names = self.__dict__.get("_server_names")
+        return [(n, p) for n, p in dict.items(self._parameters)
+                if names is None or n in names]
+
+    def _given_weights(self) -> Optional[Tuple[Dict[str, torch.Tensor], bool]]:
+        """The weights a forward computes with where they are not the module's own parameters
+        (name -> tensor), and whether they hold for this call only; None when they all are.
+
+        - ``functional_call``: torch 1.13's ``stateless.functional_call`` answers the names it
+          replaces through the module's attributes (``_attr_to_path``); torch 2's
+          ``torch.func.functional_call`` puts the given tensors, not Parameters, into
+          ``_parameters`` for the call. For this call only.
+        - A parametrization (``torch.nn.utils.parametrize``: ``orthogonal``, ``spectral_norm``,
+          your own), ``weight_norm`` and pruning take the name out of ``_parameters`` and
+          answer it as an attribute computed from their own parameters. Lasting."""
+        own = self.__dict__["_parameters"]
+        paths = self.__dict__.get("_attr_to_path") or {}
+        given: Dict[str, torch.Tensor] = {}
+        temporary = False
+        for name in self._server_names:
+            registered = dict.get(own, name)
+            if name in paths:
+                given[name], temporary = getattr(self, name), True
+            elif registered is not None and not isinstance(registered, torch.nn.Parameter):
+                given[name], temporary = registered, True
+            elif registered is None and name not in own:
+                value = getattr(self, name, None)
+                if not isinstance(value, torch.Tensor):
+                    raise RuntimeError(f"{self._label()}: parameter {name} is gone, and no "
+                                       "parametrization gives it; the server module has it")
+                given[name] = value
+        return (given, temporary) if given else None
+
+    def _forward_given(self, x: torch.Tensor, given: Dict[str, torch.Tensor],
+                       temporary: bool) -> torch.Tensor:
+        """The forward on weights given here (see ``_given_weights``): they are sent first --
+        into a scratch module for a ``functional_call``, into the module itself for a lasting
+        reparametrization -- and the backward hands the weight gradients to them."""
+        for t in given.values():
+            functorch = getattr(getattr(torch._C, "_functorch", None),
+                                "is_functorch_wrapped_tensor", None)
+            if functorch is not None and functorch(t):
+                raise RuntimeError(
+                    f"{self._label()}: torch.func transforms (grad, vmap, jacrev, ...) cannot "
+                    "pass through a module computed on a server; call torch.func."
+                    "functional_call without them and take gradients with torch.autograd")
+        if not temporary and not self.local_optimizer:
+            raise RuntimeError(
+                f"{self._label()}: {', '.join(given)} is reparametrized here (a "
+                "parametrization, weight_norm or pruning), but the server's optimizer would "
+                "step the weights the reparametrization computes; create the module with "
+                "optimizer='local' and train the reparametrization's parameters")
+        self._refresh()  # the module's own parameters among them hold the server's values
+        names = list(self._server_names)
+        own = dict(self._items())
+        tensors = [given[n] if n in given else own[n] for n in names]
+        if temporary:
+            if self._twin is None:
+                with self._calls():
+                    self._twin = _Twin(self)
+                weakref.finalize(self, RemoteModule._delete_quietly, self.client,
+                                 self._twin.module_id)
+            target = self._twin
+        else:
+            if self._dirty():
+                self.push()
+            target = self
+        sent = [(t, t._version) for t in tensors]
+        if target._sent is None or len(target._sent) != len(sent) or \
+                any(a is not b or va != vb for (a, va), (b, vb) in zip(target._sent, sent)):
+            values = {n: t.detach().to("cpu", torch.float32) for n, t in zip(names, tensors)}
+            with self._calls():
+                version = self.client.set_weights(target.module_id, values)
+            target._sent = sent
+            if target is self:
+                self._record(version)  # its own parameters hold what the server has
+        activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
+        if not torch.is_grad_enabled() or \
+                not (x.requires_grad or any(t.requires_grad for t in tensors)):
+            with self._calls():
+                out, _, _ = self.client.forward(target.module_id, x, training=False,
+                                                dtype=activation_dtype)
+            return out.to(device=x.device, dtype=x.dtype)
+        probe = GraphProbe()
+        with self._calls():
+            y = _WithTensors.apply(x, probe, target, activation_dtype, gradient_dtype,
+                                   tuple(names), *tensors)
+        return probed(y, probe)
 
     def _refresh_for_read(self) -> None:
         """Before ``named_parameters()`` / ``parameters()`` / ``state_dict()`` reads the
@@ -743,7 +916,7 @@ class RemoteModule(torch.nn.Module):
         (a local optimizer), or for a server optimizer a node of its own over ``_anchor`` when
         the module trains, which a backward asks autograd about (``_weights_wanted``)."""
         if self.local_optimizer:
-            return tuple(self._parameters.values())
+            return tuple(p for _, p in self._items())
         if not self._trainable():
             return ()
         return (self._anchor.view_as(self._anchor),)
@@ -1039,6 +1212,8 @@ class RemoteModule(torch.nn.Module):
                 raise
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._twin is not None:
+            RemoteModule._delete_quietly(self.client, self._twin.module_id)
         self._deleted = True
 
     def __enter__(self) -> "RemoteModule":
