@@ -329,6 +329,55 @@ def second_backward_error(what: str) -> RuntimeError:
         "by the first backward. Specify retain_graph=True on the first backward to keep it.")
 
 
+def nonfinite_rows(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The rows (all dimensions but the last, flattened) of ``t`` holding a NaN or an
+    infinity, as a bool mask; None when every value is finite."""
+    if t.numel() == 0 or bool(torch.isfinite(t).all()):
+        return None
+    return ~torch.isfinite(t.reshape(-1, t.shape[-1])).all(dim=-1)
+
+
+def clean_gradient(grad_output: torch.Tensor
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A backward's ``grad_output`` as the server takes it (finite: rows holding a NaN or an
+    infinity zeroed) and the mask of those rows (None when there were none). The caller makes
+    their input gradients NaN and the weight gradients non-finite, as a local layer's would
+    be, so that a loop that skips non-finite steps (``torch.cuda.amp.GradScaler``, a check of
+    its own) sees them."""
+    bad = nonfinite_rows(grad_output)
+    if bad is None:
+        return grad_output, None
+    rows = grad_output.reshape(-1, grad_output.shape[-1])
+    clean = torch.where(bad[:, None], torch.zeros((), dtype=rows.dtype), rows)
+    return clean.reshape(grad_output.shape), bad
+
+
+def poison_rows(grad_input: Optional[torch.Tensor], bad: Optional[torch.Tensor]
+                ) -> Optional[torch.Tensor]:
+    """``grad_input`` with the rows of ``bad`` set to NaN."""
+    if grad_input is None or bad is None:
+        return grad_input
+    rows = grad_input.reshape(-1, grad_input.shape[-1]).clone()
+    rows[bad] = float("nan")
+    return rows.reshape(grad_input.shape)
+
+
+class _NonFiniteStep(torch.autograd.Function):
+    """Marks, in backward, that non-finite values reached the weight gradients of server-optimizer
+    modules, whose next step is then skipped (see ``RemoteModule.apply_gradients``)."""
+
+    @staticmethod
+    def forward(ctx, y, modules, *anchors):
+        ctx.modules = modules
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for m in ctx.modules:
+            m._nonfinite_gradients = True
+        return (grad, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
 class _NoSecondOrder(torch.autograd.Function):
     """Passes on a gradient that a remote backward computed (under ``create_graph=True``) and
     refuses, naming the module, to be differentiated again: the server's backward has no
@@ -404,6 +453,7 @@ class _RemoteFunction(torch.autograd.Function):
             raise second_backward_error(ctx.module._label())
         retain = ctx.probe.keep_graph()
         module = ctx.module
+        grad_output, bad = clean_gradient(grad_output)
         # A server optimizer's backward asked only for input gradients (autograd.grad(loss, x),
         # a frozen module) adds weight gradients all the same, which must not reach a step.
         drop = not module.local_optimizer and not module._weights_wanted(ctx.weight_nodes)
@@ -425,6 +475,11 @@ class _RemoteFunction(torch.autograd.Function):
             grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
         if not retain:
             ctx.remote = None
+        if bad is not None:
+            grad_input = poison_rows(grad_input, bad)
+            grads = [g.fill_(float("nan")) if g is not None else None for g in grads]
+            if not module.local_optimizer and not drop:
+                module._nonfinite_gradients = True
         if grad_input is not None:
             grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
         return (grad_input, None, None, None, None, *grads)
@@ -479,6 +534,7 @@ class _WithTensors(torch.autograd.Function):
         if remote is None:
             raise second_backward_error(target._label())
         retain = ctx.probe.keep_graph()
+        grad_output, bad = clean_gradient(grad_output)
         with target._backward_lock:  # the backward and the read of its gradients, together
             target._settle_interrupted()
             future = remote.backward_async(grad_output, not ctx.needs_input_grad[0], retain)
@@ -491,6 +547,9 @@ class _WithTensors(torch.autograd.Function):
         weights = [grads[n].to(device=device, dtype=dtype) if want else None
                    for n, (dtype, device), want in zip(ctx.names, ctx.places,
                                                        ctx.needs_input_grad[6:])]
+        if bad is not None:
+            grad_input = poison_rows(grad_input, bad)
+            weights = [w.fill_(float("nan")) if w is not None else None for w in weights]
         return (grad_input, None, None, None, None, None, *weights)
 
 
@@ -562,6 +621,10 @@ class RemoteModule(torch.nn.Module):
         # Futures of backwards interrupted while waiting (KeyboardInterrupt): what they add to
         # the server's gradients is dropped before the module's gradients are used again.
         self._interrupted: List[Future] = []
+        # A backward since the last step had NaN or infinite values (server optimizer): the next
+        # step is skipped, as GradScaler skips one; skipped_steps counts them.
+        self._nonfinite_gradients = False
+        self.skipped_steps = 0
         if (spec is None) == (module_id is None):
             raise ValueError("give exactly one of spec (create a module) or module_id (use one)")
         if optimizer not in ("local", "server", "sgd", "adamw"):
@@ -746,6 +809,9 @@ class RemoteModule(torch.nn.Module):
                     f"module's in_features), got {list(x.shape)}: the last dimension is "
                     f"{x.shape[-1]}")
             return self._empty_forward(x)
+        bad = nonfinite_rows(x) if x.dim() >= 1 else None
+        if bad is not None:
+            return self._nonfinite_forward(x, bad)
         given = self._given_weights()
         if given is not None:
             return self._forward_given(x, *given)
@@ -764,6 +830,27 @@ class RemoteModule(torch.nn.Module):
                                                 dtype=activation_dtype)
                 y = out.to(device=x.device, dtype=x.dtype)
         return y
+
+    def _nonfinite_forward(self, x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        """An input with NaN or infinite values (the server takes only finite ones), as a local
+        layer takes it: the rows holding them give NaN rows (the server computes the others),
+        and the weight gradients of a backward through them are non-finite -- NaN in ``.grad``
+        with a local optimizer; with a server optimizer the module's next step is skipped --
+        so that a loop that skips non-finite steps (GradScaler, a check of its own) does."""
+        rows = x.reshape(-1, x.shape[-1])
+        good = (~bad).nonzero().squeeze(1)
+        y_good = self.forward(rows.index_select(0, good))  # forward: the hooks run once
+        out = torch.full((rows.shape[0], self.spec.out_features), float("nan"),
+                         dtype=y_good.dtype, device=y_good.device)
+        y = out.index_copy(0, good.to(y_good.device), y_good)
+        if torch.is_grad_enabled() and self._trainable():
+            if self.local_optimizer:
+                weights = [p for _, p in self._items() if p.requires_grad]
+                taint = sum((p.sum() * float("nan")).to(y.dtype) for p in weights)
+                y = torch.where(bad.to(y.device)[:, None], y + taint, y)
+            elif self.training or x.requires_grad:
+                y = _NonFiniteStep.apply(y, [self], self._anchor)
+        return y.reshape(tuple(x.shape[:-1]) + (self.spec.out_features,))
 
     def _empty_forward(self, x: torch.Tensor) -> torch.Tensor:
         """An input with no rows, as ``nn.Linear`` takes it: an output with no rows, and no call
@@ -1138,6 +1225,14 @@ class RemoteModule(torch.nn.Module):
         if self._dirty():
             self.push()
         self._settle_interrupted()
+        if self._nonfinite_gradients:
+            # As GradScaler skips a step whose gradients are not finite: nothing changes.
+            log.warning("%s: step skipped, a backward had non-finite values (its gradients "
+                        "are dropped)", self._label())
+            self._drop_server_gradients()
+            self._nonfinite_gradients = False
+            self.skipped_steps += 1
+            return self.client.weight_versions.get(self.module_id, self._synced or 0)
         with self._calls():
             version = self.client.apply_gradients(self.module_id, optim.wire_rate(lr))
         self._backwards_since_step = 0
@@ -1148,6 +1243,7 @@ class RemoteModule(torch.nn.Module):
         (with a local optimizer they never stay there)."""
         self._check_alive()
         self._settle_interrupted()  # zeroes them, if a backward was interrupted
+        self._nonfinite_gradients = False
         if self._backwards_since_step:
             self._drop_server_gradients()
 

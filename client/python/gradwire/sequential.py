@@ -27,7 +27,8 @@ from typing import Iterator, List, Optional, Tuple, Union
 import torch
 
 from gradwire.client import GradwireError
-from gradwire.modules import (Context, GraphProbe, RemoteModule, _autocast, check_input, probed,
+from gradwire.modules import (Context, GraphProbe, RemoteModule, _autocast, check_input,
+                              clean_gradient, nonfinite_rows, poison_rows, probed,
                               second_backward_error, second_order_guard, submit_forward, then)
 
 
@@ -133,7 +134,8 @@ class _PipelineFunction(torch.autograd.Function):
         if contexts is None:
             raise second_backward_error("a RemoteSequential run of remote blocks")
         retain = ctx.probe.keep_graph()
-        parts = list(torch.chunk(grad_output.detach().to("cpu", torch.float32), len(contexts)))
+        grad_output, bad = clean_gradient(grad_output.detach())
+        parts = list(torch.chunk(grad_output.to("cpu", torch.float32), len(contexts)))
         want_input = ctx.needs_input_grad[0]
 
         def backward_step(m: int, b: int):
@@ -171,11 +173,18 @@ class _PipelineFunction(torch.autograd.Function):
             ctx.contexts = None
         grad = None
         if want_input:
-            grad = torch.cat(grads).to(device=ctx.input_device, dtype=ctx.input_dtype)
+            grad = poison_rows(torch.cat(grads), bad).to(device=ctx.input_device,
+                                                         dtype=ctx.input_dtype)
         needed = ctx.needs_input_grad[4:]
         param_grads, at = [], 0
-        for block, count in zip(ctx.blocks, ctx.counts):
-            param_grads += block._gradients_for_autograd(needed[at:at + count])
+        for block, count, dropped in zip(ctx.blocks, ctx.counts, drop):
+            grads_here = block._gradients_for_autograd(needed[at:at + count])
+            if bad is not None:  # non-finite, as a local layer's would be (see clean_gradient)
+                grads_here = [g.fill_(float("nan")) if g is not None else None
+                              for g in grads_here]
+                if not block.local_optimizer and not dropped:
+                    block._nonfinite_gradients = True
+            param_grads += grads_here
             at += count
         return (grad, None, None, None, *param_grads)
 
@@ -345,7 +354,10 @@ class RemoteSequential(torch.nn.Module):
                                "to gradwire-server, which a TorchScript graph cannot record")
         check_input(label, x)
         x = _autocast(x)
-        if not any(b._trains(x) for b in blocks):
+        # A block on given weights (functional_call, a parametrization), or an input with NaN or
+        # infinite values, takes the blocks' own forwards, which handle them.
+        if not any(b._trains(x) for b in blocks) or nonfinite_rows(x) is not None or \
+                any(b._given_weights() is not None for b in blocks):
             for block in blocks:
                 x = block(x)
             return x
