@@ -12,13 +12,13 @@ the chunked calls.
 ``parameters()`` counts, ``named_parameters()`` and ``state_dict()`` keys are those of a local
 layer. Their values are a *mirror* of the server's weights, kept lazily:
 
-- *pulled* (GetWeights) only when read through the module and stale: ``module.weight``,
-  ``state_dict()`` (a parent's too), ``pull()``; and, with a local optimizer, before a training
-  forward, so that ``step()`` works on current values (an inference forward pulls nothing).
-  Until the first pull the values are unspecified; parameters reached through a parent's
-  ``parameters()`` hold the values of the last pull (``gradwire.pull(model)`` refreshes all).
-  A pull is stale when the server's weight version moved (every forward response, optimizer
-  step and weight upload reports it);
+- *pulled* (GetWeights) only when read and stale: ``module.weight``, ``parameters()``,
+  ``named_parameters()`` and ``state_dict()`` (a parent's too), ``pull()``; and, with a local
+  optimizer, before a training forward, so that ``step()`` works on current values (an
+  inference forward pulls nothing). A pull copies into the same tensors, so a tensor kept from
+  an earlier read holds the new values after the next read (``gradwire.pull(model)`` refreshes
+  all now). A pull is stale when the server's weight version moved (every forward response,
+  optimizer step and weight upload reports it);
 - *pushed* (SetWeights) when changed in place here -- an optimizer's ``step()``, ``with
   torch.no_grad(): m.weight.mul_(0.5)`` -- before the module's next forward, ``get_weights()``,
   ``apply_gradients()``, or at once by ``push()``. Changes are seen by the tensors' version
@@ -53,6 +53,16 @@ current weights (server optimizer state such as momentum is not copied). ``pickl
 open ``gradwire.Client`` to the same server in the loading process, and creates a new module
 there, or raises a RuntimeError that says so. ``copy.copy`` is refused (two objects would own
 one server module).
+
+**Weights given from outside.** ``functional_call`` (torch 1.13's ``stateless`` one and
+``torch.func.functional_call``), parametrizations, ``weight_norm`` and pruning make the forward
+compute with the weights they give: those are sent first (into a scratch module for a
+``functional_call``, into the module for a lasting reparametrization), and the weight
+gradients go to the given tensors.
+
+**Non-finite values.** The server takes only finite tensors: rows of an input or a gradient that
+hold a NaN or an infinity are not sent, give NaN rows, and make the weight gradients NaN (with
+a server optimizer: the next step is skipped), as a local layer's would be.
 
 **TorchScript.** ``torch.jit.trace`` and ``torch.jit.script`` raise a RuntimeError naming the
 module: its forward is a call to a server, which a graph cannot record.
