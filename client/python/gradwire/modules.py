@@ -77,6 +77,8 @@ weights, not to the ones that made the output the loss saw.
 import collections
 import contextlib
 import copy
+import os
+import sys
 import time
 import logging
 import threading
@@ -409,7 +411,8 @@ class _NoSecondOrder(torch.autograd.Function):
 
 
 def second_order_guard(label: str, outputs: Sequence[Optional[torch.Tensor]],
-                       deps: Sequence[Optional[torch.Tensor]]) -> Tuple[Optional[torch.Tensor], ...]:
+                       deps: Sequence[Optional[torch.Tensor]]
+                       ) -> Tuple[Optional[torch.Tensor], ...]:
     """A remote backward's ``outputs`` as it returns them: as they are, or, when autograd
     records the backward itself (``create_graph=True``), behind a node that refuses a double
     backward with a message naming the module (``label``)."""
@@ -480,9 +483,14 @@ class _RemoteFunction(torch.autograd.Function):
                 module._backwards_since_step += 1  # the server's gradients change from here
             future = remote.backward_async(grad_output, not ctx.needs_input_grad[0], retain)
             grad_input = wait_backward(future, [module])
-            if drop:
-                module._drop_server_gradients()
-            grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
+            try:
+                if drop:
+                    module._drop_server_gradients()
+                grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
+            except BaseException as e:
+                if not isinstance(e, Exception):  # interrupted: what it added may still be there
+                    module._interrupted.append(future)
+                raise
         if not retain:
             ctx.remote = None
         if bad is not None:
@@ -493,6 +501,35 @@ class _RemoteFunction(torch.autograd.Function):
         if grad_input is not None:
             grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
         return (grad_input, None, None, None, None, *grads)
+
+
+_TENSOR_BASE = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+_CLIP_GRAD = os.path.join("torch", "nn", "utils", "clip_grad.py")
+
+
+class _ServerParameter(torch.nn.Parameter):
+    """A parameter of a module trained by the server's optimizer: its gradient stays on the
+    server and ``.grad`` stays None. ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
+    would therefore clip nothing of it and leave it out of the norm, silently; reading its
+    ``.grad`` from them raises instead, saying what to do."""
+
+    @property
+    def grad(self):
+        frame, depth = sys._getframe(1), 0
+        while frame is not None and depth < 2:  # the function, or a comprehension in it
+            if frame.f_code.co_filename.endswith(_CLIP_GRAD):
+                raise RuntimeError(
+                    f"{getattr(self, '_gradwire_label', 'a remote module')}: its gradients stay "
+                    "on the server (optimizer='sgd' or 'adamw'), so gradient clipping here "
+                    "would neither count nor clip them, and the server's optimizer does not "
+                    "clip. Clip only the local parameters (leave this module's out), or create "
+                    "the module with optimizer='local' to clip its gradients")
+            frame, depth = frame.f_back, depth + 1
+        return _TENSOR_BASE.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        _TENSOR_BASE.grad.__set__(self, value)
 
 
 class _LiveParameters(collections.OrderedDict):
@@ -688,8 +725,10 @@ class RemoteModule(torch.nn.Module):
         # requires_grad=True in both modes: with a server optimizer too it says whether the
         # module trains (requires_grad_(False) freezes it), though its gradients stay on the
         # server and .grad stays None.
+        kind = torch.nn.Parameter if self.local_optimizer else _ServerParameter
         for name in info.parameter_names:
-            self.register_parameter(name, torch.nn.Parameter(torch.empty(shapes[name])))
+            self.register_parameter(name, kind(torch.empty(shapes[name])))
+            self._parameters[name]._gradwire_label = self._label()
         self._record(None)
         # Autograd records a Function only when an input needs grad: with a server optimizer
         # the parameters do not, so this empty tensor (not a parameter: it belongs to no

@@ -21,9 +21,9 @@ Every remote module picks one place for its weight gradients, with ``optimizer=`
   ``requires_grad_(False)`` freezes such a module (all its parameters, or none): no weight
   gradient, and ``ServerOptimizer.step()`` leaves it alone. A backward that asks for no weight
   gradient (``torch.autograd.grad(loss, x)``) leaves none for the next step; while gradients
-  for the next step are accumulated it is refused. ``torch.nn.utils.clip_grad_norm_`` sees no
-  gradient of these modules (they stay on the server, which does not clip): to clip, use
-  ``"local"``.
+  for the next step are accumulated it is refused. ``torch.nn.utils.clip_grad_norm_`` and
+  ``clip_grad_value_`` over these parameters raise: their gradients stay on the server, which
+  does not clip; clip the local parameters alone, or use ``"local"`` to clip.
 
 The server's SGD and AdamW follow ``torch.optim.SGD`` and ``torch.optim.AdamW`` step for step
 (``tests/test_optimizers.py`` checks one step of each against torch).

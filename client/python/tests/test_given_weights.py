@@ -52,9 +52,8 @@ def test_functional_call_uses_the_given_weights(client):
     check_functional_call(client, stateless.functional_call)
 
 
-@pytest.mark.skipif(not hasattr(torch, "func") or
-                    not hasattr(getattr(torch, "func", None), "functional_call"),
-                    reason=f"torch.func.functional_call needs torch 2 (this is {torch.__version__})")
+@pytest.mark.skipif(not hasattr(getattr(torch, "func", None), "functional_call"),
+                    reason=f"torch.func.functional_call needs torch 2, this is {torch.__version__}")
 def test_torch_func_functional_call_uses_the_given_weights(client):
     check_functional_call(client, torch.func.functional_call)
 
@@ -71,7 +70,8 @@ def test_parametrization_is_what_the_server_computes_with(client):
     parametrize.register_parametrization(m, "weight", Double())
     y = m(x)
     y.square().sum().backward()
-    want_y, want_grads = reference(client, m, {"weight": 2 * w0["weight"], "bias": w0["bias"]}, x)
+    want_y, want_grads = reference(client, m, {"weight": 2 * w0["weight"], "bias": w0["bias"]},
+                                   x)
     assert torch.equal(y.detach(), want_y)
     original = m.parametrizations.weight.original
     assert torch.equal(original.grad, 2 * want_grads["weight"])  # through the parametrization

@@ -79,3 +79,20 @@ def test_parameters_are_current_after_server_steps(client):
     # An EMA over model.parameters() copies the stepped weights.
     ema = [p.detach().clone() for p in model.parameters()]
     assert torch.equal(ema[0], server["weight"])
+
+
+def test_clip_grad_norm_over_server_optimizer_parameters_is_refused(client):
+    local = torch.nn.Linear(8, 8)
+    m = gradwire.RemoteLinear(client, 8, 4, optimizer="sgd")
+    model = torch.nn.Sequential(local, m)
+    model(torch.randn(5, 8)).square().sum().backward()
+    with pytest.raises(RuntimeError, match="gradients stay on the server") as e:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert m.module_id in str(e.value)
+    with pytest.raises(RuntimeError, match="gradients stay on the server"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    # Clipping the local parameters alone works, as the message says.
+    want = torch.cat([p.grad.flatten() for p in local.parameters()]).norm()
+    norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 1e-3)
+    assert float(norm) == pytest.approx(float(want)) and float(norm) > 1e-3
+    assert m.weight.grad is None  # elsewhere .grad reads as before
