@@ -37,9 +37,13 @@ def test_mlp_stack_results_are_those_quoted(client):
     finally:
         sys.path.pop(0)
     history = mlp_stack.train(client, log=lambda line: None)  # the defaults, as quoted
-    run = (f"{100 * history['fp8_acc'][-1]:.1f}", f"{100 * history['f32_acc'][-1]:.1f}",
-           f"{history['fp8_loss'][-1]:.4f}", f"{history['f32_loss'][-1]:.4f}")
-    assert run == quote.groups()
+    fp8_acc, f32_acc, fp8_loss, f32_loss = (float(v) for v in quote.groups())
+    # Within a test sample (1 of 171) and three units of the last digit quoted: the local
+    # layers' float32 arithmetic may round otherwise with another BLAS.
+    assert abs(100 * history["fp8_acc"][-1] - fp8_acc) < 0.6, history["fp8_acc"][-1]
+    assert abs(100 * history["f32_acc"][-1] - f32_acc) < 0.6, history["f32_acc"][-1]
+    assert abs(history["fp8_loss"][-1] - fp8_loss) <= 3e-4, history["fp8_loss"][-1]
+    assert abs(history["f32_loss"][-1] - f32_loss) <= 3e-4, history["f32_loss"][-1]
 
 
 def test_unreachable_server_is_described_as_it_fails():

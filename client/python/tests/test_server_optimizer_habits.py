@@ -96,3 +96,22 @@ def test_clip_grad_norm_over_server_optimizer_parameters_is_refused(client):
     norm = torch.nn.utils.clip_grad_norm_(local.parameters(), 1e-3)
     assert float(norm) == pytest.approx(float(want)) and float(norm) > 1e-3
     assert m.weight.grad is None  # elsewhere .grad reads as before
+
+
+def test_autograd_grad_through_a_pipeline_adds_nothing_to_the_step(client):
+    blocks = [gradwire.RemoteLinear(client, 8, 8, seed=30 + i, optimizer="sgd", lr=0.1)
+              for i in range(2)]
+    twins = [gradwire.RemoteLinear(client, 8, 8, seed=30 + i, optimizer="sgd", lr=0.1)
+             for i in range(2)]
+    model = gradwire.RemoteSequential(blocks, micro_batches=2)
+    reference = gradwire.RemoteSequential(twins, micro_batches=2)
+    x = torch.randn(4, 8, requires_grad=True)
+    gx, = torch.autograd.grad(model(x).square().sum(), x)
+    assert gx.abs().sum() > 0
+    x2 = torch.randn(4, 8)
+    model(x2).square().sum().backward()
+    gradwire.ServerOptimizer(model).step()
+    reference(x2).square().sum().backward()
+    gradwire.ServerOptimizer(reference).step()
+    for b, t in zip(blocks, twins):
+        assert same(b.get_weights(), t.get_weights())
