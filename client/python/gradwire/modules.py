@@ -77,11 +77,11 @@ weights, not to the ones that made the output the loss saw.
 import collections
 import contextlib
 import copy
+import logging
 import os
 import sys
-import time
-import logging
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -456,8 +456,9 @@ class _RemoteFunction(torch.autograd.Function):
         # Not torch's once_differentiable: its error on a double backward names no module.
         with torch.no_grad():
             grads = _RemoteFunction._backward(ctx, grad_output.detach())
-        return second_order_guard(ctx.module._label(), grads,
-                                  (grad_output, *ctx.module._anchors()))
+        module = ctx.module
+        weights = tuple(p for _, p in module._items()) if module.local_optimizer else ()
+        return second_order_guard(module._label(), grads, (grad_output, *weights))
 
     @staticmethod
     def _backward(ctx, grad_output):
@@ -731,8 +732,10 @@ class RemoteModule(torch.nn.Module):
             self._parameters[name]._gradwire_label = self._label()
         self._record(None)
         # Autograd records a Function only when an input needs grad: with a server optimizer
-        # the parameters do not, so this empty tensor (not a parameter: it belongs to no
-        # state_dict) keeps the call in the graph of a first layer, whose input needs none.
+        # the parameters are not its inputs (their gradients stay on the server), so this empty
+        # tensor (not a parameter: it belongs to no state_dict) keeps the call in the graph of a
+        # first layer, whose input needs none; a node over it tells a backward whether autograd
+        # wants the weights' gradients (_anchors, _weights_wanted).
         self._anchor = torch.empty(0, requires_grad=True)
         self._finalizer = None
         if self._owned:

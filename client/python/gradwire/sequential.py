@@ -124,7 +124,7 @@ class _PipelineFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         with torch.no_grad():
             grads = _PipelineFunction._backward(ctx, grad_output.detach())
-        anchors = [a for block in ctx.blocks for a in block._anchors()]
+        anchors = [p for block in ctx.blocks if block.local_optimizer for _, p in block._items()]
         return second_order_guard("a RemoteSequential run of remote blocks (" + ", ".join(
             b._label() for b in ctx.blocks) + ")", grads, (grad_output, *anchors))
 
