@@ -55,3 +55,18 @@ def test_interrupted_backward_reaches_no_later_step_server(fresh_server, zero_fi
         twin.apply_gradients()
         w, t = m.get_weights(), twin.get_weights()
         assert all(torch.equal(w[k], t[k]) for k in w), "the interrupted gradient was applied"
+
+
+def test_interrupted_pipeline_backward_reaches_no_later_step(fresh_server):
+    with gradwire.Client(fresh_server.address, timeout=30) as c:
+        blocks = [gradwire.RemoteLinear(c, 8, 8, seed=7 + i) for i in range(2)]
+        model = gradwire.RemoteSequential(blocks, micro_batches=2)
+        x1, x2 = torch.randn(8, 8), torch.randn(8, 8)
+        interrupted_backward(fresh_server, model(x1).square().sum())
+        model.zero_grad()
+        model(x2).square().sum().backward()
+        after = [b.weight.grad.clone() for b in blocks]
+        model.zero_grad()
+        model(x2).square().sum().backward()
+        for a, b in zip(after, blocks):
+            assert a.abs().sum() > 0 and torch.equal(a, b.weight.grad)
