@@ -128,3 +128,16 @@ def test_reparametrized_server_optimizer_module_is_refused(client):
     parametrize.register_parametrization(m, "weight", Double())
     with pytest.raises(RuntimeError, match="optimizer='local'"):
         m(torch.randn(2, 8))
+
+
+def test_functional_call_scratch_module_goes_with_the_module(client, server):
+    from torch.nn.utils import stateless
+    from conftest import module_ids
+    m = gradwire.RemoteLinear(client, 8, 4, seed=16)
+    w = torch.randn(4, 8)
+    stateless.functional_call(m, {"weight": w}, (torch.randn(2, 8),))
+    stateless.functional_call(m, {"weight": w}, (torch.randn(2, 8),))  # the same scratch module
+    scratch = m._twin.module_id
+    assert scratch in module_ids(server) and scratch != m.module_id
+    m.delete()
+    assert scratch not in module_ids(server) and m.module_id not in module_ids(server)
