@@ -69,6 +69,11 @@ def open_client_for(server: str) -> Optional["Client"]:
 
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 
+# The first and the largest wait, in milliseconds, before the connection tries the server again
+# after losing it (see Client's channel options).
+_RECONNECT_BACKOFF_MS = (100, 500)
+RECONNECT_BACKOFF_MAX_S = _RECONNECT_BACKOFF_MS[1] / 1000.0
+
 
 def new_traceparent(trace_id: Optional[str] = None) -> str:
     """A W3C ``traceparent`` (version 00, sampled): ``trace_id`` (32 lowercase hex digits) when
@@ -326,7 +331,14 @@ class Client:
         self._auth = (("authorization", "Bearer " + token),) if token else ()
         limit = max_message_mib << 20
         options = [("grpc.max_send_message_length", limit),
-                   ("grpc.max_receive_message_length", limit)]
+                   ("grpc.max_receive_message_length", limit),
+                   # gRPC's own reconnect backoff grows to minutes (1 s, then 1.6 times more
+                   # after each failed attempt), so a server that restarted would stay
+                   # unreachable from here for seconds after it listens again. Bounded, a
+                   # restarted server is reached within RECONNECT_BACKOFF_MAX_S.
+                   ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS[1])]
         if tls:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(tls_ca, "tls_ca"),
@@ -479,9 +491,14 @@ class Client:
         return GradwireError(method, code, details, request_id)
 
     def connection_hint(self) -> str:
-        """What to check when the server cannot be reached: whether anything listens at the
-        address, and which TLS settings fit a server that does."""
+        """What to check when the server cannot be reached: whether the address names a port,
+        whether anything listens there, whether a server answers there now (one that restarted
+        after this connection's last attempt), and which TLS settings fit a server that does."""
         where = _host_port(self.server)
+        if where is None and not self.server.startswith("unix"):
+            return (f"{self.server!r} names no port, and gRPC then tries port 443: give "
+                    "\"host:port\" (gradwire-server listens where its --listen says, e.g. "
+                    "127.0.0.1:50051)")
         if where is not None:
             try:
                 socket.create_connection(where, timeout=min(self.timeout, 2.0)).close()
@@ -489,6 +506,10 @@ class Client:
                 return (f"nothing accepts connections at {self.server} ({e.strerror or e}): "
                         "is gradwire-server running there?")
         if not self._tls:
+            if self._answers_plaintext():
+                return (f"gradwire-server answers at {self.server} now, but this connection "
+                        "found nothing there at its last attempt (the server restarted?); it "
+                        f"tries again within {RECONNECT_BACKOFF_MAX_S:g} s: retry the call")
             return (f"{self.server} accepts connections but the call failed: server expects "
                     "TLS? give tls_ca= (and tls_cert=/tls_key= for mutual TLS)")
         if not self._mutual_tls:
@@ -498,6 +519,21 @@ class Client:
         return ("TLS failed: is tls_cert signed by the CA the server trusts (--tls-client-ca), "
                 "tls_ca the CA of the server's certificate, and the host named in it "
                 "(tls_server_name=)? or does the server not serve TLS at all?")
+
+    def _answers_plaintext(self) -> bool:
+        """Whether a gRPC call on a fresh plaintext connection to the server gets an answer
+        (any answer but UNAVAILABLE: a refusal of the token is an answer too)."""
+        channel = grpc.insecure_channel(self.server)
+        try:
+            service_pb2_grpc.GradwireStub(channel).GetServerInfo(
+                service_pb2.GetServerInfoRequest(), timeout=min(self.timeout, 2.0),
+                metadata=self._metadata()[0])
+            return True
+        except grpc.RpcError as e:
+            return e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+        finally:
+            channel.close()
 
     def _check_open(self, method: str) -> None:
         if self._closed:

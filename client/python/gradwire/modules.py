@@ -12,13 +12,13 @@ the chunked calls.
 ``parameters()`` counts, ``named_parameters()`` and ``state_dict()`` keys are those of a local
 layer. Their values are a *mirror* of the server's weights, kept lazily:
 
-- *pulled* (GetWeights) only when read through the module and stale: ``module.weight``,
-  ``state_dict()`` (a parent's too), ``pull()``; and, with a local optimizer, before a training
-  forward, so that ``step()`` works on current values (an inference forward pulls nothing).
-  Until the first pull the values are unspecified; parameters reached through a parent's
-  ``parameters()`` hold the values of the last pull (``gradwire.pull(model)`` refreshes all).
-  A pull is stale when the server's weight version moved (every forward response, optimizer
-  step and weight upload reports it);
+- *pulled* (GetWeights) only when read and stale: ``module.weight``, ``parameters()``,
+  ``named_parameters()`` and ``state_dict()`` (a parent's too), ``pull()``; and, with a local
+  optimizer, before a training forward, so that ``step()`` works on current values (an
+  inference forward pulls nothing). A pull copies into the same tensors, so a tensor kept from
+  an earlier read holds the new values after the next read (``gradwire.pull(model)`` refreshes
+  all now). A pull is stale when the server's weight version moved (every forward response,
+  optimizer step and weight upload reports it);
 - *pushed* (SetWeights) when changed in place here -- an optimizer's ``step()``, ``with
   torch.no_grad(): m.weight.mul_(0.5)`` -- before the module's next forward, ``get_weights()``,
   ``apply_gradients()``, or at once by ``push()``. Changes are seen by the tensors' version
@@ -54,6 +54,16 @@ open ``gradwire.Client`` to the same server in the loading process, and creates 
 there, or raises a RuntimeError that says so. ``copy.copy`` is refused (two objects would own
 one server module).
 
+**Weights given from outside.** ``functional_call`` (torch 1.13's ``stateless`` one and
+``torch.func.functional_call``), parametrizations, ``weight_norm`` and pruning make the forward
+compute with the weights they give: those are sent first (into a scratch module for a
+``functional_call``, into the module for a lasting reparametrization), and the weight
+gradients go to the given tensors.
+
+**Non-finite values.** The server takes only finite tensors: rows of an input or a gradient that
+hold a NaN or an infinity are not sent, give NaN rows, and make the weight gradients NaN (with
+a server optimizer: the next step is skipped), as a local layer's would be.
+
 **TorchScript.** ``torch.jit.trace`` and ``torch.jit.script`` raise a RuntimeError naming the
 module: its forward is a call to a server, which a graph cannot record.
 
@@ -64,16 +74,20 @@ module's weights as they are now; if they changed in between, the gradient belon
 weights, not to the ones that made the output the loss saw.
 """
 
+import collections
 import contextlib
 import copy
 import logging
+import os
+import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from gradwire import kinds, optim, safetensors, wire
 from gradwire.client import Client, ContextLostError, GradwireError, open_client_for
@@ -327,6 +341,103 @@ def second_backward_error(what: str) -> RuntimeError:
         "by the first backward. Specify retain_graph=True on the first backward to keep it.")
 
 
+def nonfinite_rows(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The rows (all dimensions but the last, flattened) of ``t`` holding a NaN or an
+    infinity, as a bool mask; None when every value is finite."""
+    if t.numel() == 0 or bool(torch.isfinite(t).all()):
+        return None
+    return ~torch.isfinite(t.reshape(-1, t.shape[-1])).all(dim=-1)
+
+
+def clean_gradient(grad_output: torch.Tensor
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A backward's ``grad_output`` as the server takes it (finite: rows holding a NaN or an
+    infinity zeroed) and the mask of those rows (None when there were none). The caller makes
+    their input gradients NaN and the weight gradients non-finite, as a local layer's would
+    be, so that a loop that skips non-finite steps (``torch.cuda.amp.GradScaler``, a check of
+    its own) sees them."""
+    bad = nonfinite_rows(grad_output)
+    if bad is None:
+        return grad_output, None
+    rows = grad_output.reshape(-1, grad_output.shape[-1])
+    clean = torch.where(bad[:, None], torch.zeros((), dtype=rows.dtype), rows)
+    return clean.reshape(grad_output.shape), bad
+
+
+def poison_rows(grad_input: Optional[torch.Tensor], bad: Optional[torch.Tensor]
+                ) -> Optional[torch.Tensor]:
+    """``grad_input`` with the rows of ``bad`` set to NaN."""
+    if grad_input is None or bad is None:
+        return grad_input
+    rows = grad_input.reshape(-1, grad_input.shape[-1]).clone()
+    rows[bad] = float("nan")
+    return rows.reshape(grad_input.shape)
+
+
+class _NonFiniteStep(torch.autograd.Function):
+    """Marks, in backward, that non-finite values reached the weight gradients of server-optimizer
+    modules, whose next step is then skipped (see ``RemoteModule.apply_gradients``)."""
+
+    @staticmethod
+    def forward(ctx, y, modules, *anchors):
+        ctx.modules = modules
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for m in ctx.modules:
+            m._nonfinite_gradients = True
+        return (grad, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """Passes on a gradient that a remote backward computed (under ``create_graph=True``) and
+    refuses, naming the module, to be differentiated again: the server's backward has no
+    backward of its own. ``deps``: the tensors the gradient would depend on locally (the
+    gradient of the output, the weights), so that a double backward reaches this node."""
+
+    @staticmethod
+    def forward(ctx, label, grad, *deps):
+        ctx.label = label
+        return grad.detach()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.label}: a double backward (differentiating a gradient made with "
+            "create_graph=True) cannot pass through this module: the server computes its "
+            "backward, which is not itself differentiable. Keep gradient penalties and "
+            "higher-order gradients to local layers, or detach() the gradient first.")
+
+
+def second_order_guard(label: str, outputs: Sequence[Optional[torch.Tensor]],
+                       deps: Sequence[Optional[torch.Tensor]]
+                       ) -> Tuple[Optional[torch.Tensor], ...]:
+    """A remote backward's ``outputs`` as it returns them: as they are, or, when autograd
+    records the backward itself (``create_graph=True``), behind a node that refuses a double
+    backward with a message naming the module (``label``)."""
+    if not torch.is_grad_enabled():
+        return tuple(outputs)
+    deps = [d for d in deps if isinstance(d, torch.Tensor) and d.requires_grad]
+    if not deps:
+        return tuple(outputs)
+    return tuple(_NoSecondOrder.apply(label, o, *deps) if isinstance(o, torch.Tensor) else o
+                 for o in outputs)
+
+
+def wait_backward(future: Future, modules: Sequence["RemoteModule"]) -> Any:
+    """The result of a backward's ``future``. Interrupted while waiting (KeyboardInterrupt), the
+    backward goes on on the server and adds to the gradients of ``modules`` there: each module
+    then drops what it added before its gradients are used again (``_settle_interrupted``)."""
+    try:
+        return future.result()
+    except BaseException:
+        if not future.done():
+            for m in modules:
+                m._interrupted.append(future)
+        raise
+
+
 class _RemoteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probe, module, activation_dtype, gradient_dtype, *anchors):
@@ -336,30 +447,194 @@ class _RemoteFunction(torch.autograd.Function):
             if module.recompute_on_lost_context else None
         ctx.remote = Context(module, context_id, activation_dtype, gradient_dtype, saved)
         ctx.module, ctx.probe = module, probe
+        ctx.weight_nodes = [] if module.local_optimizer else [a.grad_fn for a in anchors]
         ctx.input_dtype, ctx.input_device = x.dtype, x.device
         return y.to(device=x.device, dtype=x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        # Not torch's once_differentiable: its error on a double backward names no module.
+        with torch.no_grad():
+            grads = _RemoteFunction._backward(ctx, grad_output.detach())
+        module = ctx.module
+        weights = tuple(p for _, p in module._items()) if module.local_optimizer else ()
+        return second_order_guard(module._label(), grads, (grad_output, *weights))
+
+    @staticmethod
+    def _backward(ctx, grad_output):
         remote = ctx.remote
         if remote is None:
             raise second_backward_error(ctx.module._label())
         retain = ctx.probe.keep_graph()
         module = ctx.module
+        grad_output, bad = clean_gradient(grad_output)
+        # A server optimizer's backward asked only for input gradients (autograd.grad(loss, x),
+        # a frozen module) adds weight gradients all the same, which must not reach a step.
+        drop = not module.local_optimizer and not module._weights_wanted(ctx.weight_nodes)
         # With a local optimizer the backward accumulates into the module's one gradient buffer
         # on the server, which the client then reads and zeroes: this thread's backward and
         # its read go together, so that another thread's backward through the module cannot
         # land in between and each call gets its own weight gradients.
-        with module._backward_lock if module.local_optimizer else contextlib.nullcontext():
-            grad_input = remote.backward_async(grad_output, not ctx.needs_input_grad[0],
-                                               retain).result()
-            grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
+        with module._backward_lock if module.local_optimizer or drop else \
+                contextlib.nullcontext():
+            module._settle_interrupted()
+            if drop:
+                module._check_droppable()
+            else:
+                module._backwards_since_step += 1  # the server's gradients change from here
+            future = remote.backward_async(grad_output, not ctx.needs_input_grad[0], retain)
+            grad_input = wait_backward(future, [module])
+            try:
+                if drop:
+                    module._drop_server_gradients()
+                grads = module._gradients_for_autograd(ctx.needs_input_grad[5:])
+            except BaseException as e:
+                if not isinstance(e, Exception):  # interrupted: what it added may still be there
+                    module._interrupted.append(future)
+                raise
+        if not retain:
+            ctx.remote = None
+        if bad is not None:
+            grad_input = poison_rows(grad_input, bad)
+            grads = [g.fill_(float("nan")) if g is not None else None for g in grads]
+            if not module.local_optimizer and not drop:
+                module._nonfinite_gradients = True
+        if grad_input is not None:
+            grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
+        return (grad_input, None, None, None, None, *grads)
+
+
+_TENSOR_BASE = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+_CLIP_GRAD = os.path.join("torch", "nn", "utils", "clip_grad.py")
+
+
+class _ServerParameter(torch.nn.Parameter):
+    """A parameter of a module trained by the server's optimizer: its gradient stays on the
+    server and ``.grad`` stays None. ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
+    would therefore clip nothing of it and leave it out of the norm, silently; reading its
+    ``.grad`` from them raises instead, saying what to do."""
+
+    @property
+    def grad(self):
+        frame, depth = sys._getframe(1), 0
+        while frame is not None and depth < 2:  # the function, or a comprehension in it
+            if frame.f_code.co_filename.endswith(_CLIP_GRAD):
+                raise RuntimeError(
+                    f"{getattr(self, '_gradwire_label', 'a remote module')}: its gradients stay "
+                    "on the server (optimizer='sgd' or 'adamw'), so gradient clipping here "
+                    "would neither count nor clip them, and the server's optimizer does not "
+                    "clip. Clip only the local parameters (leave this module's out), or create "
+                    "the module with optimizer='local' to clip its gradients")
+            frame, depth = frame.f_back, depth + 1
+        return _TENSOR_BASE.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        _TENSOR_BASE.grad.__set__(self, value)
+
+
+class _LiveParameters(collections.OrderedDict):
+    """A remote module's ``_parameters``: iterating its items -- what ``named_parameters()``,
+    ``parameters()`` (a parent's too) and ``state_dict()`` do -- first pulls the server's
+    weights when they moved since the last pull and nothing changed here, so such a read is
+    current, as a local module's is. The module's own code iterates without pulling
+    (``RemoteModule._items``)."""
+
+    def __init__(self, owner: "RemoteModule"):
+        super().__init__()
+        self._owner = weakref.ref(owner)
+
+    def items(self):
+        owner = self._owner()
+        if owner is not None:
+            owner._refresh_for_read()
+        return super().items()
+
+    def __reduce__(self):  # a plain OrderedDict in copies: no owner to pull for
+        return (collections.OrderedDict, (list(dict.items(self)),))
+
+
+class _WithTensors(torch.autograd.Function):
+    """A training forward of a server module on weights given here (``torch.func``'s
+    ``functional_call``, a parametrization, ``weight_norm``, pruning): the weights were sent
+    before the forward, and the backward hands the server's weight gradients to the given
+    tensors, through which autograd reaches whatever made them."""
+
+    @staticmethod
+    def forward(ctx, x, probe, target, activation_dtype, gradient_dtype, names, *tensors):
+        y, context_id, _ = submit_forward(target.client, target.module_id, x,
+                                          activation_dtype).result()
+        ctx.remote = Context(target, context_id, activation_dtype, gradient_dtype)
+        ctx.target, ctx.probe, ctx.names = target, probe, names
+        ctx.places = [(t.dtype, t.device) for t in tensors]
+        ctx.input_dtype, ctx.input_device = x.dtype, x.device
+        return y.to(device=x.device, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        with torch.no_grad():
+            grads = _WithTensors._backward(ctx, grad_output.detach())
+        return second_order_guard(ctx.target._label(), grads, (grad_output,))
+
+    @staticmethod
+    def _backward(ctx, grad_output):
+        remote, target = ctx.remote, ctx.target
+        if remote is None:
+            raise second_backward_error(target._label())
+        retain = ctx.probe.keep_graph()
+        grad_output, bad = clean_gradient(grad_output)
+        with target._backward_lock:  # the backward and the read of its gradients, together
+            target._settle_interrupted()
+            future = remote.backward_async(grad_output, not ctx.needs_input_grad[0], retain)
+            grad_input = wait_backward(future, [target])
+            grads = target.client.get_gradients(target.module_id, zero=True)
         if not retain:
             ctx.remote = None
         if grad_input is not None:
             grad_input = grad_input.to(device=ctx.input_device, dtype=ctx.input_dtype)
-        return (grad_input, None, None, None, None, *grads)
+        weights = [grads[n].to(device=device, dtype=dtype) if want else None
+                   for n, (dtype, device), want in zip(ctx.names, ctx.places,
+                                                       ctx.needs_input_grad[6:])]
+        if bad is not None:
+            grad_input = poison_rows(grad_input, bad)
+            weights = [w.fill_(float("nan")) if w is not None else None for w in weights]
+        return (grad_input, None, None, None, None, None, *weights)
+
+
+class _Twin:
+    """A scratch server module with the spec of a remote module, for forwards on weights that
+    are not the module's own for longer than one call (``functional_call``): each such forward
+    sends them there first, so the module's own weights stay as they are. A backward may come
+    after the next call's weights arrived (no staleness limit): the server keeps the weights a
+    context was made with until its backward."""
+
+    def __init__(self, owner: "RemoteModule"):
+        spec = module_pb2.ModuleSpec()
+        spec.CopyFrom(owner.spec)
+        spec.max_staleness = -1
+        spec.ClearField("optimizer")
+        info = owner.client.create_module(spec)
+        self.client = owner.client
+        self.module_id = info.module_id
+        self.client._own(self.module_id)  # deleted by Client.close(), if not before
+        self._text = f"{owner._label()} (on given weights: module {self.module_id})"
+        self._backward_lock = threading.Lock()
+        self._interrupted: List[Future] = []
+        self._sent: Optional[List[Tuple[torch.Tensor, int]]] = None
+        self.recomputed_backwards = 0
+
+    def _label(self) -> str:
+        return self._text
+
+    def _settle_interrupted(self) -> None:
+        pending, self._interrupted = self._interrupted, []
+        for f in pending:
+            try:
+                f.result(timeout=self.client.timeout)
+            except BaseException:  # noqa: BLE001 - failed or still running: zeroed below
+                pass
+        if pending:
+            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
 
 
 class RemoteModule(torch.nn.Module):
@@ -389,6 +664,15 @@ class RemoteModule(torch.nn.Module):
                  keep: bool = False, recompute_on_lost_context: bool = False,
                  where: Optional[int] = None):
         super().__init__()
+        self.__dict__["_parameters"] = _LiveParameters(self)
+        self._reading = False  # a read of the parameters is pulling them now
+        # Futures of backwards interrupted while waiting (KeyboardInterrupt): what they add to
+        # the server's gradients is dropped before the module's gradients are used again.
+        self._interrupted: List[Future] = []
+        # A backward since the last step had NaN or infinite values (server optimizer): the next
+        # step is skipped, as GradScaler skips one; skipped_steps counts them.
+        self._nonfinite_gradients = False
+        self.skipped_steps = 0
         if (spec is None) == (module_id is None):
             raise ValueError("give exactly one of spec (create a module) or module_id (use one)")
         if optimizer not in ("local", "server", "sgd", "adamw"):
@@ -417,6 +701,9 @@ class RemoteModule(torch.nn.Module):
         # told apart from one deleted on a running server (see _explained).
         self._instance_id = _instance_of(client, info.module_id)
         self.spec: module_pb2.ModuleSpec = info.spec
+        self._server_names: Tuple[str, ...] = tuple(info.parameter_names)
+        self._twin: Optional[_Twin] = None  # made on the first forward on given weights
+        self._sent: Optional[List[Tuple[torch.Tensor, int]]] = None  # given weights sent last
         self.local_optimizer: bool = optimizer == "local"
         self.recompute_on_lost_context = recompute_on_lost_context
         self.recomputed_backwards = 0  # backwards that re-ran their forward (context lost)
@@ -436,13 +723,19 @@ class RemoteModule(torch.nn.Module):
                 client.delete_module(self.module_id)
             raise RuntimeError(f"module {self.module_id} has parameters this client does not "
                                f"know: {unknown} (a newer server? upgrade the package)")
+        # requires_grad=True in both modes: with a server optimizer too it says whether the
+        # module trains (requires_grad_(False) freezes it), though its gradients stay on the
+        # server and .grad stays None.
+        kind = torch.nn.Parameter if self.local_optimizer else _ServerParameter
         for name in info.parameter_names:
-            self.register_parameter(name, torch.nn.Parameter(
-                torch.empty(shapes[name]), requires_grad=self.local_optimizer))
+            self.register_parameter(name, kind(torch.empty(shapes[name])))
+            self._parameters[name]._gradwire_label = self._label()
         self._record(None)
         # Autograd records a Function only when an input needs grad: with a server optimizer
-        # the parameters do not, so this empty tensor (not a parameter: it belongs to no
-        # state_dict) keeps the call in the graph of a first layer, whose input needs none.
+        # the parameters are not its inputs (their gradients stay on the server), so this empty
+        # tensor (not a parameter: it belongs to no state_dict) keeps the call in the graph of a
+        # first layer, whose input needs none; a node over it tells a backward whether autograd
+        # wants the weights' gradients (_anchors, _weights_wanted).
         self._anchor = torch.empty(0, requires_grad=True)
         self._finalizer = None
         if self._owned:
@@ -559,8 +852,21 @@ class RemoteModule(torch.nn.Module):
             raise RuntimeError(f"{self._label()} {_NO_GRAPH}")
         check_input(self._label(), x)
         x = _autocast(x)
-        if x.numel() == 0 and x.dim() >= 1 and x.shape[-1] == self.spec.in_features:
+        if x.numel() == 0 and x.dim() >= 1:
+            if x.shape[-1] != self.spec.in_features:
+                # The error the server gives a batch with rows (which it never sees here).
+                raise GradwireError(
+                    "Forward", "INVALID_ARGUMENT",
+                    f"{self._label()}: input.shape must be [..., {self.spec.in_features}] (the "
+                    f"module's in_features), got {list(x.shape)}: the last dimension is "
+                    f"{x.shape[-1]}")
             return self._empty_forward(x)
+        bad = nonfinite_rows(x) if x.dim() >= 1 else None
+        if bad is not None:
+            return self._nonfinite_forward(x, bad)
+        given = self._given_weights()
+        if given is not None:
+            return self._forward_given(x, *given)
         activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
         training = self._trains(x)
         with self._calls():
@@ -577,6 +883,27 @@ class RemoteModule(torch.nn.Module):
                 y = out.to(device=x.device, dtype=x.dtype)
         return y
 
+    def _nonfinite_forward(self, x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        """An input with NaN or infinite values (the server takes only finite ones), as a local
+        layer takes it: the rows holding them give NaN rows (the server computes the others),
+        and the weight gradients of a backward through them are non-finite -- NaN in ``.grad``
+        with a local optimizer; with a server optimizer the module's next step is skipped --
+        so that a loop that skips non-finite steps (GradScaler, a check of its own) does."""
+        rows = x.reshape(-1, x.shape[-1])
+        good = (~bad).nonzero().squeeze(1)
+        y_good = self.forward(rows.index_select(0, good))  # forward: the hooks run once
+        out = torch.full((rows.shape[0], self.spec.out_features), float("nan"),
+                         dtype=y_good.dtype, device=y_good.device)
+        y = out.index_copy(0, good.to(y_good.device), y_good)
+        if torch.is_grad_enabled() and self._trainable():
+            if self.local_optimizer:
+                weights = [p for _, p in self._items() if p.requires_grad]
+                taint = sum((p.sum() * float("nan")).to(y.dtype) for p in weights)
+                y = torch.where(bad.to(y.device)[:, None], y + taint, y)
+            elif self.training or x.requires_grad:
+                y = _NonFiniteStep.apply(y, [self], self._anchor)
+        return y.reshape(tuple(x.shape[:-1]) + (self.spec.out_features,))
+
     def _empty_forward(self, x: torch.Tensor) -> torch.Tensor:
         """An input with no rows, as ``nn.Linear`` takes it: an output with no rows, and no call
         to the server. The output stays in the graph of whatever needs a gradient (the input,
@@ -590,6 +917,126 @@ class RemoteModule(torch.nn.Module):
                 y = y + (t.sum() * 0).to(y.dtype)
         return y
 
+    def _items(self) -> List[Tuple[str, torch.Tensor]]:
+        """The server's parameters by name, without the pull a read through ``parameters()``
+        makes (and without those a reparametrization added: ``weight_g``, ``weight_orig``)."""
+        names = self.__dict__.get("_server_names")
+        return [(n, p) for n, p in dict.items(self._parameters)
+                if names is None or n in names]
+
+    def _given_weights(self) -> Optional[Tuple[Dict[str, torch.Tensor], bool]]:
+        """The weights a forward computes with where they are not the module's own parameters
+        (name -> tensor), and whether they hold for this call only; None when they all are.
+
+        - ``functional_call``: torch 1.13's ``stateless.functional_call`` answers the names it
+          replaces through the module's attributes (``_attr_to_path``); torch 2's
+          ``torch.func.functional_call`` puts the given tensors, not Parameters, into
+          ``_parameters`` for the call. For this call only.
+        - A parametrization (``torch.nn.utils.parametrize``: ``orthogonal``, ``spectral_norm``,
+          your own), ``weight_norm`` and pruning take the name out of ``_parameters`` and
+          answer it as an attribute computed from their own parameters. Lasting."""
+        own = self.__dict__["_parameters"]
+        paths = self.__dict__.get("_attr_to_path") or {}
+        given: Dict[str, torch.Tensor] = {}
+        temporary = False
+        for name in self._server_names:
+            registered = dict.get(own, name)
+            if name in paths:
+                given[name], temporary = getattr(self, name), True
+            elif registered is not None and not isinstance(registered, torch.nn.Parameter):
+                given[name], temporary = registered, True
+            elif registered is None and name not in own:
+                value = getattr(self, name, None)
+                if not isinstance(value, torch.Tensor):
+                    raise RuntimeError(f"{self._label()}: parameter {name} is gone, and no "
+                                       "parametrization gives it; the server module has it")
+                given[name] = value
+        return (given, temporary) if given else None
+
+    def _forward_given(self, x: torch.Tensor, given: Dict[str, torch.Tensor],
+                       temporary: bool) -> torch.Tensor:
+        """The forward on weights given here (see ``_given_weights``): they are sent first --
+        into a scratch module for a ``functional_call``, into the module itself for a lasting
+        reparametrization -- and the backward hands the weight gradients to them."""
+        for t in given.values():
+            functorch = getattr(getattr(torch._C, "_functorch", None),
+                                "is_functorch_wrapped_tensor", None)
+            if functorch is not None and functorch(t):
+                raise RuntimeError(
+                    f"{self._label()}: torch.func transforms (grad, vmap, jacrev, ...) cannot "
+                    "pass through a module computed on a server; call torch.func."
+                    "functional_call without them and take gradients with torch.autograd")
+        if not temporary and not self.local_optimizer:
+            raise RuntimeError(
+                f"{self._label()}: {', '.join(given)} is reparametrized here (a "
+                "parametrization, weight_norm or pruning), but the server's optimizer would "
+                "step the weights the reparametrization computes; create the module with "
+                "optimizer='local' and train the reparametrization's parameters")
+        self._refresh()  # the module's own parameters among them hold the server's values
+        names = list(self._server_names)
+        own = dict(self._items())
+        tensors = [given[n] if n in given else own[n] for n in names]
+        if temporary:
+            if self._twin is None:
+                with self._calls():
+                    self._twin = _Twin(self)
+                weakref.finalize(self, RemoteModule._delete_quietly, self.client,
+                                 self._twin.module_id)
+            target = self._twin
+        else:
+            if self._dirty():
+                self.push()
+            target = self
+        sent = [(t, t._version) for t in tensors]
+        if target._sent is None or len(target._sent) != len(sent) or \
+                any(a is not b or va != vb for (a, va), (b, vb) in zip(target._sent, sent)):
+            values = {n: t.detach().to("cpu", torch.float32) for n, t in zip(names, tensors)}
+            with self._calls():
+                version = self.client.set_weights(target.module_id, values)
+            target._sent = sent
+            if target is self:
+                self._record(version)  # its own parameters hold what the server has
+        activation_dtype, gradient_dtype = self.client.wire_dtypes_for(x.dtype)
+        if not torch.is_grad_enabled() or \
+                not (x.requires_grad or any(t.requires_grad for t in tensors)):
+            with self._calls():
+                out, _, _ = self.client.forward(target.module_id, x, training=False,
+                                                dtype=activation_dtype)
+            return out.to(device=x.device, dtype=x.dtype)
+        probe = GraphProbe()
+        with self._calls():
+            y = _WithTensors.apply(x, probe, target, activation_dtype, gradient_dtype,
+                                   tuple(names), *tensors)
+        return probed(y, probe)
+
+    def _refresh_for_read(self) -> None:
+        """Before ``named_parameters()`` / ``parameters()`` / ``state_dict()`` reads the
+        parameters: pulls them when the server's weights moved (a server optimizer's step,
+        another writer) and nothing changed here."""
+        if self.__dict__.get("_reading", True) or "_synced" not in self.__dict__:
+            return  # the module's own iteration, or one while it is being built
+        self._reading = True
+        try:
+            self._refresh()
+        except GradwireError as e:
+            log.warning("%s: the parameters read now may be stale, the pull failed: %s",
+                        self._label(), e)
+        finally:
+            self._reading = False
+
+    def _trainable(self) -> bool:
+        """Whether the weights want gradients: with a server optimizer, whether the parameters
+        require grad (all of them, or none: the server's optimizer steps the whole module)."""
+        flags = {p.requires_grad for p in self._parameters.values()}
+        if len(flags) > 1 and not self.local_optimizer:
+            frozen = [n for n, p in self._items() if not p.requires_grad]
+            raise RuntimeError(
+                f"{self._label()}: {', '.join(frozen)} do not require grad but the other "
+                "parameters do; the server's optimizer steps the whole module, so freeze all of "
+                "it (module.requires_grad_(False)) or none, or create it with "
+                "optimizer='local' to freeze single parameters")
+        return True in flags
+
     def _trains(self, x: torch.Tensor) -> bool:
         """Whether a forward on ``x`` needs a context on the server: grad on, and something to
         backpropagate to. In training mode that is always the weights with a server optimizer;
@@ -597,20 +1044,87 @@ class RemoteModule(torch.nn.Module):
         parameters that need grad (only ``no_grad()`` and ``inference_mode()`` cut it)."""
         if not torch.is_grad_enabled():
             return False
-        local_grads = self.local_optimizer and \
-            any(p.requires_grad for p in self._parameters.values())
+        trainable = self._trainable()
+        local_grads = self.local_optimizer and trainable
         if not self.training:
             return x.requires_grad or local_grads
-        return not self.local_optimizer or x.requires_grad or local_grads
+        return trainable or x.requires_grad
 
     def _anchors(self) -> Tuple[torch.Tensor, ...]:
-        return tuple(self._parameters.values()) if self.local_optimizer else (self._anchor,)
+        """The tensors a training forward's node hangs from besides the input: the parameters
+        (a local optimizer), or for a server optimizer a node of its own over ``_anchor`` when
+        the module trains, which a backward asks autograd about (``_weights_wanted``)."""
+        if self.local_optimizer:
+            return tuple(p for _, p in self._items())
+        if not self._trainable():
+            return ()
+        return (self._anchor.view_as(self._anchor),)
+
+    @staticmethod
+    def _weights_wanted(nodes: Sequence[Any]) -> bool:
+        """In a backward of a server-optimizer module: whether autograd runs the node of the
+        module's anchor, i.e. whether this backward is for the weights too (``backward()``),
+        or only for some inputs (``torch.autograd.grad(loss, x)``, ``backward(inputs=...)``)."""
+        if not nodes:
+            return False
+        check = getattr(torch._C, "_will_engine_execute_node", None)
+        if check is None:
+            return True
+        try:
+            return any(check(n) for n in nodes if n is not None)
+        except (RuntimeError, TypeError):
+            return True
+
+    def _settle_interrupted(self) -> None:
+        """Waits for the backwards interrupted while waiting on this module (within the
+        client's timeout) and drops the weight gradients they added on the server. With a local
+        optimizer every earlier backward's gradients were already read into ``.grad``, so only
+        theirs go; with a server optimizer the interrupted step is dropped whole (the gradients
+        accumulated since the last step), as the server keeps one sum."""
+        if not self._interrupted:
+            return
+        pending, self._interrupted = self._interrupted, []
+        deadline = time.monotonic() + self.client.timeout
+        for i, f in enumerate(pending):
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                self._interrupted = pending[i:]
+                raise RuntimeError(
+                    f"{self._label()}: a backward interrupted earlier is still running on the "
+                    f"server after {self.client.timeout:g} s, and its weight gradients would "
+                    "be added to this one's; try again once the server has finished it") \
+                    from None
+            except BaseException:  # noqa: BLE001 - failed: it added nothing
+                pass
+        if not self.local_optimizer and self._backwards_since_step > len(pending):
+            log.warning("%s: an interrupted backward's gradients are dropped, with the "
+                        "gradients accumulated since the last step", self._label())
+        self._drop_server_gradients()
+
+    def _drop_server_gradients(self) -> None:
+        """Zeroes the gradients the server accumulated (GetGradients is the only call that
+        does; FP8 keeps the answer small)."""
+        with self._calls():
+            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
+        self._backwards_since_step = 0
+
+    def _check_droppable(self) -> None:
+        """Before a server-optimizer backward whose weight gradients nobody asked for: they can
+        be dropped afterwards only while the server holds no other gradients for the next
+        step, so refuse it otherwise."""
+        if self._backwards_since_step:
+            raise RuntimeError(
+                f"{self._label()}: this backward asks for no weight gradients (autograd.grad() "
+                "of inputs only, or the module is frozen), but the server adds them to the "
+                f"gradients of the {self._backwards_since_step} backward(s) accumulated for the "
+                "next step of its optimizer, where they cannot be told apart. Run it before "
+                "those backwards or after step()/zero_grad(), or use optimizer='local'")
 
     def _gradients_for_autograd(self, needed: Sequence[bool]) -> List[Optional[torch.Tensor]]:
         """After a backward: the gradients autograd accumulates into the parameters' ``.grad``
         (a local optimizer), read and zeroed on the server; None for each with a server
         optimizer, whose gradients stay there."""
-        self._backwards_since_step += 1
         if not self.local_optimizer:
             return [None] * len(needed)
         # Zeroed even when no parameter wants them (frozen), so they cannot reach a later step.
@@ -618,14 +1132,14 @@ class RemoteModule(torch.nn.Module):
                                           dtype=self._parameter_wire_dtype())
         self._backwards_since_step = 0
         return [grads[name].to(device=p.device, dtype=p.dtype) if want else None
-                for (name, p), want in zip(self._parameters.items(), needed)]
+                for (name, p), want in zip(self._items(), needed)]
 
     # --- the mirror of the weights
 
     def _record(self, version: Optional[int]) -> None:
         """The parameters now hold weight ``version`` (None: unknown) and no local change."""
         self._synced = version
-        self._versions = {n: (p, p.data_ptr(), p._version) for n, p in self._parameters.items()}
+        self._versions = {n: (p, p.data_ptr(), p._version) for n, p in self._items()}
         self._local_edits = False
 
     def _dirty(self) -> bool:
@@ -635,7 +1149,7 @@ class RemoteModule(torch.nn.Module):
         nn.Parameter(...)``, or a weight tied to another module's)."""
         if self._local_edits:
             return True
-        for n, p in self._parameters.items():
+        for n, p in self._items():
             seen = self._versions.get(n)
             if seen is None or seen[0] is not p or seen[1] != p.data_ptr() or \
                     seen[2] != p._version:
@@ -686,7 +1200,7 @@ class RemoteModule(torch.nn.Module):
 
     def _copy_in(self, weights: Dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, p in self._parameters.items():
+            for name, p in self._items():
                 if name not in weights:
                     continue
                 if tuple(weights[name].shape) != tuple(p.shape):
@@ -699,7 +1213,7 @@ class RemoteModule(torch.nn.Module):
         """Sends the parameters' values to the server now (SetWeights); returns the new weight
         version. A forward does this by itself after an in-place change."""
         self._check_alive()
-        params = {n: p.detach() for n, p in self._parameters.items()}
+        params = {n: p.detach() for n, p in self._items()}
         with self._calls():
             version = self.client.set_weights(self.module_id, params,
                                               self._parameter_wire_dtype())
@@ -762,6 +1276,15 @@ class RemoteModule(torch.nn.Module):
                 "Create it with optimizer='sgd' or 'adamw' to step it on the server.")
         if self._dirty():
             self.push()
+        self._settle_interrupted()
+        if self._nonfinite_gradients:
+            # As GradScaler skips a step whose gradients are not finite: nothing changes.
+            log.warning("%s: step skipped, a backward had non-finite values (its gradients "
+                        "are dropped)", self._label())
+            self._drop_server_gradients()
+            self._nonfinite_gradients = False
+            self.skipped_steps += 1
+            return self.client.weight_versions.get(self.module_id, self._synced or 0)
         with self._calls():
             version = self.client.apply_gradients(self.module_id, optim.wire_rate(lr))
         self._backwards_since_step = 0
@@ -771,10 +1294,10 @@ class RemoteModule(torch.nn.Module):
         """Zeroes the gradients the server accumulated, if a backward ran since the last step
         (with a local optimizer they never stay there)."""
         self._check_alive()
+        self._settle_interrupted()  # zeroes them, if a backward was interrupted
+        self._nonfinite_gradients = False
         if self._backwards_since_step:
-            # GetGradients is the only call that zeroes them; FP8 keeps the answer small.
-            self.client.get_gradients(self.module_id, zero=True, dtype=wire.FP8_E4M3)
-            self._backwards_since_step = 0
+            self._drop_server_gradients()
 
     def get_weights(self) -> Dict[str, torch.Tensor]:
         """The server's current weights by parameter name, as new float32 CPU tensors (local
@@ -806,6 +1329,7 @@ class RemoteModule(torch.nn.Module):
         name (float32 CPU tensors); ``zero`` zeroes them after reading. With
         ``optimizer="local"`` each backward moves them into ``.grad``, so this reads zeros."""
         self._check_alive()
+        self._settle_interrupted()
         with self._calls():
             grads = self.client.get_gradients(self.module_id, zero)
         if zero:
@@ -836,6 +1360,8 @@ class RemoteModule(torch.nn.Module):
                 raise
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._twin is not None:
+            RemoteModule._delete_quietly(self.client, self._twin.module_id)
         self._deleted = True
 
     def __enter__(self) -> "RemoteModule":
@@ -871,13 +1397,26 @@ class RemoteModule(torch.nn.Module):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "RemoteModule":
         new = type(self)._rebuild(self.client, self._portable_state())
+        memo[id(self)] = new
         device = next((p.device for p in self._parameters.values()), torch.device("cpu"))
         if device.type != "cpu":
             new.to(device)
-        for key, value in self.__dict__.items():  # plain attributes a user set
-            if key not in new.__dict__:
+        # As nn.Module's deepcopy: each parameter keeps requires_grad, and a parameter this
+        # deepcopy has already copied (a weight tied to another module's) stays tied to that
+        # copy; one not copied yet is recorded, so a later module that shares it ties to ours.
+        with torch.no_grad():
+            for name, p in self._items():
+                if p is None:
+                    continue
+                if id(p) in memo:
+                    new._parameters[name] = memo[id(p)]
+                    continue
+                mine = new._parameters[name]
+                mine.requires_grad_(p.requires_grad)
+                memo[id(p)] = mine
+        for key, value in self.__dict__.items():  # plain attributes a user set, and hooks
+            if key not in new.__dict__ or "hook" in key:
                 new.__dict__[key] = copy.deepcopy(value, memo)
-        memo[id(self)] = new
         log.debug("deep copy of %s: %s", self._label(), new.module_id)
         return new
 

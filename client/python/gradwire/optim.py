@@ -14,9 +14,16 @@ Every remote module picks one place for its weight gradients, with ``optimizer=`
 - ``"sgd"`` or ``"adamw"``: the server's optimizer, configured here (``lr``, ``momentum``,
   ``nesterov``, ``weight_decay``; ``betas``, ``eps``), stepped by ``module.apply_gradients()``
   or by a ``ServerOptimizer``, which LR schedulers drive. Gradients and weights then never
-  cross the wire. The module's parameters are a read-only mirror with ``requires_grad=False``:
-  a local optimizer leaves them alone, as it does any frozen parameter, and
+  cross the wire. The module's parameters are a mirror whose ``.grad`` stays None: a local
+  optimizer leaves them alone, as it does any parameter without a gradient, and
   ``apply_gradients()`` on a ``"local"`` module is refused (its gradients are in ``.grad``).
+  Reading them through ``parameters()`` after a step pulls the new values.
+  ``requires_grad_(False)`` freezes such a module (all its parameters, or none): no weight
+  gradient, and ``ServerOptimizer.step()`` leaves it alone. A backward that asks for no weight
+  gradient (``torch.autograd.grad(loss, x)``) leaves none for the next step; while gradients
+  for the next step are accumulated it is refused. ``torch.nn.utils.clip_grad_norm_`` and
+  ``clip_grad_value_`` over these parameters raise: their gradients stay on the server, which
+  does not clip; clip the local parameters alone, or use ``"local"`` to clip.
 
 The server's SGD and AdamW follow ``torch.optim.SGD`` and ``torch.optim.AdamW`` step for step
 (``tests/test_optimizers.py`` checks one step of each against torch).
@@ -190,7 +197,10 @@ class ServerOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for module, group in zip(self.remote_modules, self.param_groups):
-            module.apply_gradients(lr=group["lr"])
+            # A frozen module (requires_grad_(False)) is left alone, as a torch optimizer
+            # leaves a parameter without a gradient: no weight decay, no momentum.
+            if any(p.requires_grad for p in module._parameters.values()):
+                module.apply_gradients(lr=group["lr"])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

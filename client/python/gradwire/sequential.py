@@ -25,11 +25,11 @@ from concurrent.futures import Future
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from gradwire.client import GradwireError
-from gradwire.modules import (Context, GraphProbe, RemoteModule, _autocast, check_input, probed,
-                              second_backward_error, submit_forward, then)
+from gradwire.modules import (Context, GraphProbe, RemoteModule, _autocast, check_input,
+                              clean_gradient, nonfinite_rows, poison_rows, probed,
+                              second_backward_error, second_order_guard, submit_forward, then)
 
 
 class _Chain:
@@ -113,17 +113,29 @@ class _PipelineFunction(torch.autograd.Function):
         outputs = [c.result() for c in chains]  # any failure raises here
         ctx.contexts, ctx.blocks, ctx.probe = contexts, blocks, probe
         ctx.counts = [len(b._anchors()) for b in blocks]
+        ctx.anchor_nodes, at = [], 0
+        for count in ctx.counts:
+            ctx.anchor_nodes.append([a.grad_fn for a in anchors[at:at + count]])
+            at += count
         ctx.input_dtype, ctx.input_device = x.dtype, x.device
         return torch.cat(outputs).to(device=x.device, dtype=x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        with torch.no_grad():
+            grads = _PipelineFunction._backward(ctx, grad_output.detach())
+        anchors = [p for block in ctx.blocks if block.local_optimizer for _, p in block._items()]
+        return second_order_guard("a RemoteSequential run of remote blocks (" + ", ".join(
+            b._label() for b in ctx.blocks) + ")", grads, (grad_output, *anchors))
+
+    @staticmethod
+    def _backward(ctx, grad_output):
         contexts = ctx.contexts
         if contexts is None:
             raise second_backward_error("a RemoteSequential run of remote blocks")
         retain = ctx.probe.keep_graph()
-        parts = list(torch.chunk(grad_output.detach().to("cpu", torch.float32), len(contexts)))
+        grad_output, bad = clean_gradient(grad_output.detach())
+        parts = list(torch.chunk(grad_output.to("cpu", torch.float32), len(contexts)))
         want_input = ctx.needs_input_grad[0]
 
         def backward_step(m: int, b: int):
@@ -134,18 +146,45 @@ class _PipelineFunction(torch.autograd.Function):
             return step
 
         n = len(ctx.blocks)
+        # Server-optimizer blocks whose weight gradients autograd does not ask for (see
+        # _RemoteFunction): dropped after the backward.
+        drop = [not b.local_optimizer and not b._weights_wanted(nodes)
+                for b, nodes in zip(ctx.blocks, ctx.anchor_nodes)]
+        for block, dropped in zip(ctx.blocks, drop):
+            block._settle_interrupted()
+            if dropped:
+                block._check_droppable()
+            else:
+                block._backwards_since_step += 1
         chains = [_chain([backward_step(m, b) for b in reversed(range(n))], part)
                   for m, part in enumerate(parts)]
-        grads = [c.result() for c in chains]
+        try:
+            grads = [c.result() for c in chains]
+        except BaseException:
+            # Interrupted: the pending chains go on on the servers (see wait_backward).
+            pending = [c for c in chains if not c.done()]
+            for block in ctx.blocks if pending else ():
+                block._interrupted.extend(pending)
+            raise
+        for block, dropped in zip(ctx.blocks, drop):
+            if dropped:
+                block._drop_server_gradients()
         if not retain:
             ctx.contexts = None
         grad = None
         if want_input:
-            grad = torch.cat(grads).to(device=ctx.input_device, dtype=ctx.input_dtype)
+            grad = poison_rows(torch.cat(grads), bad).to(device=ctx.input_device,
+                                                         dtype=ctx.input_dtype)
         needed = ctx.needs_input_grad[4:]
         param_grads, at = [], 0
-        for block, count in zip(ctx.blocks, ctx.counts):
-            param_grads += block._gradients_for_autograd(needed[at:at + count])
+        for block, count, dropped in zip(ctx.blocks, ctx.counts, drop):
+            grads_here = block._gradients_for_autograd(needed[at:at + count])
+            if bad is not None:  # non-finite, as a local layer's would be (see clean_gradient)
+                grads_here = [g.fill_(float("nan")) if g is not None else None
+                              for g in grads_here]
+                if not block.local_optimizer and not dropped:
+                    block._nonfinite_gradients = True
+            param_grads += grads_here
             at += count
         return (grad, None, None, None, *param_grads)
 
@@ -315,7 +354,10 @@ class RemoteSequential(torch.nn.Module):
                                "to gradwire-server, which a TorchScript graph cannot record")
         check_input(label, x)
         x = _autocast(x)
-        if not any(b._trains(x) for b in blocks):
+        # A block on given weights (functional_call, a parametrization), or an input with NaN or
+        # infinite values, takes the blocks' own forwards, which handle them.
+        if not any(b._trains(x) for b in blocks) or nonfinite_rows(x) is not None or \
+                any(b._given_weights() is not None for b in blocks):
             for block in blocks:
                 x = block(x)
             return x

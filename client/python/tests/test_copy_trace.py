@@ -47,6 +47,36 @@ def test_deepcopy_of_a_model(client):
         assert torch.equal(model(x), twin(x))
 
 
+def test_deepcopy_keeps_frozen_tied_and_hooks(client):
+    """As nn.Module's deepcopy: requires_grad=False stays, a weight tied between two layers is
+    one parameter in the copy too, and the module's hooks come along."""
+    a = gradwire.RemoteLinear(client, 4, 4, seed=3)
+    b = gradwire.RemoteLinear(client, 4, 4, seed=4)
+    b.weight = a.weight  # tied
+    a.bias.requires_grad_(False)
+    calls = []
+    a.register_forward_hook(lambda module, inputs, output: calls.append(module))
+    model = torch.nn.Sequential(a, b)
+    assert len(list(model.parameters())) == 3
+    twin = copy.deepcopy(model)
+    ta, tb = twin[0], twin[1]
+    assert ta.module_id != a.module_id and tb.module_id != b.module_id
+    assert len(list(twin.parameters())) == 3
+    assert tb.weight is ta.weight
+    assert not ta.bias.requires_grad and ta.weight.requires_grad and tb.bias.requires_grad
+    x = torch.randn(2, 4)
+    twin(x)
+    assert calls == [ta]  # the copy's hook runs, on the copy
+    # The tie holds on the server too: a step of the shared weight reaches both copies.
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    twin(x).square().sum().backward()
+    assert ta.bias.grad is None
+    opt.step()
+    twin(x)
+    assert torch.equal(ta.get_weights()["weight"], tb.get_weights()["weight"])
+    assert torch.equal(ta.get_weights()["weight"], ta.weight.detach())
+
+
 def test_pickle_with_an_open_client(client):
     m = gradwire.RemoteLinear(client, 5, 3, seed=2, optimizer="sgd", lr=0.2).eval()
     blob = pickle.dumps(m)

@@ -3,8 +3,10 @@ no package index and no C++ build, and works from there."""
 
 import os
 import re
+import shutil
 import subprocess
-import sys
+
+import pytest
 
 import gradwire
 
@@ -31,19 +33,35 @@ def test_public_api_is_typed_and_documented():
         assert sig.return_annotation is not inspect.Signature.empty, method
 
 
-def test_pip_install_into_a_venv(tmp_path, server):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True)
-    py = str(venv / "bin" / "python")
-    build = tmp_path / "build"
-    out = subprocess.run([py, "-m", "pip", "install", "--no-build-isolation", "--no-index",
-                          "--quiet", PACKAGE],
-                         capture_output=True, text=True,
-                         env={**os.environ, "PIP_BUILD": str(build)})
-    assert out.returncode == 0, out.stdout + out.stderr
-    # From anywhere but the source tree, with no PYTHONPATH: the installed copy and its stubs.
+def _files(top):
+    return {os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top) for f in fs}
+
+
+@pytest.mark.parametrize("readme", [os.path.join(PACKAGE, "README.md"),
+                                    os.path.join(ROOT, "README.md")], ids=["package", "repository"])
+def test_readme_install_into_a_venv(tmp_path, server, readme):
+    """The README's install commands, run in a copy of the checkout: they install a working
+    package and leave nothing (build/, *.egg-info) in the checkout."""
+    with open(readme, encoding="utf-8") as f:
+        blocks = [b for b in re.findall(r"```sh\n(.*?)```", f.read(), re.S) if "pip install" in b]
+    assert blocks, "no install command"
+    checkout = tmp_path / "checkout"
+    package = checkout / "client" / "python"
+    package.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(PACKAGE, name), package / name)
+    shutil.copytree(os.path.join(PACKAGE, "gradwire"), package / "gradwire",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = _files(checkout)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TMPDIR"] = str(tmp_path)
+    out = subprocess.run(["bash", "-e", "-c", blocks[0]], cwd=str(checkout), capture_output=True,
+                         text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    left = {f for f in _files(checkout) - before if not f.startswith("venv" + os.sep)}
+    assert not left, f"the install left files in the checkout: {sorted(left)[:5]}"
+    py = str(checkout / "venv" / "bin" / "python")
+    # From anywhere but the source tree, with no PYTHONPATH: the installed copy and its stubs.
     code = ("import gradwire, torch, os; "
             "assert 'site-packages' in gradwire.__file__, gradwire.__file__; "
             "assert os.path.isfile(os.path.join(os.path.dirname(gradwire.__file__), "
