@@ -52,19 +52,30 @@ absl::StatusOr<std::shared_ptr<Module>> ModuleRegistry::Find(const std::string& 
   if (it == modules_.end()) {
     return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
   }
-  it->second->last_used_ns.store(NowNs(), std::memory_order_relaxed);
   return it->second;
 }
 
-std::vector<std::string> ModuleRegistry::ExpireIdle(double ttl_s) {
+void ModuleRegistry::Renew(const Module& module) const {
+  module.last_used_ns.store(NowNs(), std::memory_order_relaxed);
+}
+
+absl::Status ModuleRegistry::Touch(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  Renew(*m);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ModuleRegistry::ExpireIdle(double ttl_s, const Busy& busy) {
   std::vector<std::string> expired;
   if (!(ttl_s > 0)) return expired;
   const int64_t cutoff = NowNs() - int64_t(ttl_s * 1e9);
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = modules_.begin(); it != modules_.end();) {
-      // Under mu_: a call that finds the module from here on renews it first, or finds it gone.
-      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+      // Under mu_, no call can find the module meanwhile; one that holds it already (the map's is
+      // then not the only reference) keeps it until its success renews it, or it ends.
+      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff &&
+          it->second.use_count() == 1 && !(busy && busy(it->first))) {
         expired.push_back(it->first);
         it = modules_.erase(it);
       } else {

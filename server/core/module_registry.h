@@ -1,11 +1,12 @@
-// The module registry: which modules exist, under which ids, owned by which tenant, and when a
-// call last named each (--module-ttl). Transport-free and thread-safe; the modules themselves
-// (module.h) have their own locks.
+// The module registry: which modules exist, under which ids, owned by which tenant, and their
+// leases (--module-ttl): when a call of the module's owner last succeeded on each. Transport-free
+// and thread-safe; the modules themselves (module.h) have their own locks.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -35,8 +36,15 @@ class ModuleRegistry {
                                     const std::string& id = {});
   // Registers a module built elsewhere (a checkpoint's) under `id`; ALREADY_EXISTS when taken.
   absl::Status Insert(const std::string& id, std::shared_ptr<Module> module);
-  // The module, renewed (its lifetime starts again); NOT_FOUND naming the id.
+  // The module; NOT_FOUND naming the id. A lookup renews nothing: whoever asks, and whatever
+  // the call that asked meets later.
   absl::StatusOr<std::shared_ptr<Module>> Find(const std::string& module_id) const;
+  // Starts the module's lease again. The parts call it when a call on the module succeeded (a
+  // forward, a backward, a step, a weights call): the rpc layer reaches them only for the module's
+  // owner, after its checks.
+  void Renew(const Module& module) const;
+  // Find, then Renew (a keep-alive of the module's owner).
+  absl::Status Touch(const std::string& module_id) const;
 
   absl::StatusOr<ModuleInfo> Info(const std::string& module_id) const;
   absl::StatusOr<ModuleSpec> Spec(const std::string& module_id) const;
@@ -47,8 +55,11 @@ class ModuleRegistry {
   absl::Status Delete(const std::string& module_id, bool moved = false);
   // Whether a module has the id, without renewing it.
   bool Has(const std::string& module_id) const;
-  // Removes, with their contexts, the modules no call named for `ttl_s` seconds; their ids.
-  std::vector<std::string> ExpireIdle(double ttl_s);
+  // Removes, with their contexts, the modules whose lease was not renewed for `ttl_s` seconds;
+  // their ids. A module a call holds now (found and not yet let go of) or that `busy` names (calls
+  // queued for it) stays: it expires later, unless that call's success renews it.
+  using Busy = std::function<bool(const std::string& module_id)>;
+  std::vector<std::string> ExpireIdle(double ttl_s, const Busy& busy = nullptr);
 
   int64_t size() const;
   int64_t expired() const { return expired_.load(); }

@@ -124,8 +124,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // Closes the regions CreateSharedMemory made that went unused for --shared-memory-idle (the
   // server's janitor calls it).
   int CloseIdleSharedMemory() { return shared_memory_.CloseIdle(); }
-  // Releases the modules no call or keep-alive touched for --module-ttl, with their contexts and
-  // quota (none when every module is durable: --checkpoint-dir); the janitor calls it. Returns
+  // Releases the modules whose owner made no call that succeeded and sent no keep-alive for
+  // --module-ttl (a module with a call of its owner queued or running stays), with their contexts
+  // and quota (none when every module is durable: --checkpoint-dir); the janitor calls it. Returns
   // how many.
   int ExpireIdleModules();
   // The module TTL in force (GetServerInfo.module_ttl_s): 0 when off or every module is durable.
