@@ -538,13 +538,6 @@ void Checkpointer::AskHolder(const std::string& module_id, int64_t epoch) const 
                claim.server, 1e3 * seconds());
 }
 
-bool Checkpointer::Exists(const std::string& module_id) const {
-  if (!CheckFolderName(module_id).ok()) return false;
-  struct stat st;
-  return ::stat(FolderOf(module_id).c_str(), &st) == 0 ||
-         ::stat(LegacyPathOf(module_id).c_str(), &st) == 0;
-}
-
 absl::Status Checkpointer::ClaimNew(const std::string& module_id) {
   GW_RETURN_IF_ERROR(CheckFolderName(module_id));
   const std::string folder = FolderOf(module_id);
