@@ -39,8 +39,6 @@ constexpr char kLockFile[] = ".gradwire-lock";
 // DIR/.servers/<token>/: a shared server's heartbeat and the hand-over requests addressed to it.
 constexpr char kServersDir[] = ".servers";
 constexpr char kAliveFile[] = "alive";
-// In every refusal of a module another server holds now (IsMoved).
-constexpr char kMovedMarker[] = " moved to another server: ";
 constexpr int kFormatVersion = 1;
 
 json SpecToJson(const ModuleSpec& s) {
@@ -621,10 +619,11 @@ absl::Status Checkpointer::CheckHeld(const std::string& module_id, const Held& h
   if (mine && ::stat(ClaimPathOf(module_id, held.epoch + 1).c_str(), &st) != 0) {
     return absl::OkStatus();
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "module ", module_id, kMovedMarker, "this server held it under checkpoint epoch ", held.epoch,
-      ", and another server has claimed it since (or deleted it); this server no "
-      "longer serves or saves it. Behind a proxy, retry: the call goes where the module is now"));
+  return ModuleMovedError(
+      module_id, absl::StrCat("this server held it under checkpoint epoch ", held.epoch,
+                              ", and another server has claimed it since (or deleted it); this "
+                              "server no longer serves or saves it. Behind a proxy, retry: the "
+                              "call goes where the module is now"));
 }
 
 absl::StatusOr<Checkpointer::Held> Checkpointer::HeldOf(const std::string& module_id) const {
@@ -642,10 +641,7 @@ absl::Status Checkpointer::CheckHeld(const std::string& module_id) const {
   return CheckHeld(module_id, held);
 }
 
-bool Checkpointer::IsMoved(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kFailedPrecondition &&
-         status.message().find(kMovedMarker) != absl::string_view::npos;
-}
+bool Checkpointer::IsMoved(const absl::Status& status) { return IsModuleMoved(status); }
 
 int64_t Checkpointer::EpochOf(const std::string& module_id) const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -674,6 +674,32 @@ TEST(ModuleHostLeaseTest, OnlyCallsThatSucceedRenewAModule) {
   std::filesystem::remove_all(dir);
 }
 
+// A module dropped as moved (another server holds it now) is told moved to its owner's calls that
+// look it up later, and is unknown to everyone else; a module of the id arriving again is served.
+TEST(ModuleHostTenantTest, AModuleDroppedAsMovedIsToldMovedToItsOwnerOnly) {
+  ModuleHost host;
+  auto info = host.Create(MakeLinearSpec(8, 4), "alice");
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  auto state = host.ExportState(id);
+  ASSERT_TRUE(state.ok());
+  ASSERT_TRUE(host.Delete(id, /*moved=*/true).ok());
+  EXPECT_FALSE(host.Has(id));
+  EXPECT_TRUE(IsModuleMoved(host.Spec(id).status())) << host.Spec(id).status();
+  EXPECT_TRUE(IsModuleMoved(host.CheckTenant(id, "alice"))) << host.CheckTenant(id, "alice");
+  EXPECT_TRUE(Checkpointer::IsMoved(TensorForward(host, id, RandN({2, 8}), false).status()));
+  const absl::Status foreign = host.CheckTenant(id, "bob");
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(foreign.message(), "module_id " + id + " is not a module");  // as for any unknown id
+  EXPECT_EQ(host.Delete(id, true).code(), absl::StatusCode::kNotFound);
+  // Back (taken over again): served, and once deleted plainly, unknown.
+  ASSERT_TRUE(host.ImportState(*state).ok());
+  EXPECT_TRUE(TensorForward(host, id, RandN({2, 8}), false).ok());
+  ASSERT_TRUE(host.Delete(id).ok());
+  EXPECT_EQ(host.Spec(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(host.CheckTenant(id, "alice").code(), absl::StatusCode::kNotFound);
+}
+
 // The kind registry: one kind object per ModuleKind, each with its parameters, roles and checks;
 // the host reaches parameters through typed handles and names them only at the boundary.
 TEST(ModuleKindRegistryTest, EveryKindIsRegisteredWithItsParametersAndRoles) {
