@@ -155,8 +155,9 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
       ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   app.add_option("--module-ttl", config.module_ttl_s,
-                 "seconds after which a module that no call and no client keep-alive touched is "
-                 "released with its contexts and gradients (0: never). The project's clients "
+                 "seconds after which a module whose owner made no call that succeeded and sent "
+                 "no keep-alive is released with its contexts and gradients (0: never); refused "
+                 "calls and other tenants' calls renew nothing. The project's clients "
                  "keep the modules they created or attached alive while they are open; durable "
                  "modules (--checkpoint-dir) are never released")
       ->check(CLI::Range(0.0, 1e9))

@@ -119,8 +119,6 @@ class Checkpointer {
   // NOT_FOUND when the directory has no checkpoint of the id; ABORTED when another server claimed
   // the same epoch at the same moment (retry); DATA_LOSS for a damaged checkpoint.
   absl::StatusOr<TakeOver> Take(ModuleHost& host, const std::string& module_id);
-  // Whether the directory has a checkpoint (or the folder of one being made) of the id: two stats.
-  bool Exists(const std::string& module_id) const;
 
   // Saves a held module under its epoch. FAILED_PRECONDITION when this server does not hold it,
   // or no longer does (IsMoved: another server claimed a later epoch, or it was deleted there):

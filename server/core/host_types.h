@@ -9,11 +9,27 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "gradwire/wire/codec.h"
 #include "server/core/context_store.h"
 #include "server/core/module_spec.h"
 
 namespace gradwire::core {
+
+// The refusal of a call about a module another server sharing the checkpoint directory holds now
+// (it took the module over, or was handed it): FAILED_PRECONDITION, "module <id> moved to another
+// server: <why>". Behind a proxy a retry reaches the module where it is now. The checkpoints give
+// it for a module they no longer hold, the registry for a module dropped as moved.
+inline constexpr char kModuleMovedMarker[] = " moved to another server: ";
+inline absl::Status ModuleMovedError(absl::string_view module_id, absl::string_view why) {
+  return absl::FailedPreconditionError(absl::StrCat("module ", module_id, kModuleMovedMarker, why));
+}
+inline bool IsModuleMoved(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition &&
+         status.message().find(kModuleMovedMarker) != absl::string_view::npos;
+}
 
 struct ModuleInfo {
   std::string module_id;

@@ -44,10 +44,11 @@ absl::Status ModuleHost::Delete(const std::string& module_id, bool moved) {
 }
 bool ModuleHost::Has(const std::string& module_id) const { return modules_->Has(module_id); }
 absl::Status ModuleHost::Touch(const std::string& module_id) const {
-  return modules_->Find(module_id).status();
+  return modules_->Touch(module_id);
 }
-std::vector<std::string> ModuleHost::ExpireIdleModules(double ttl_s) {
-  return modules_->ExpireIdle(ttl_s);
+std::vector<std::string> ModuleHost::ExpireIdleModules(
+    double ttl_s, const std::function<bool(const std::string&)>& busy) {
+  return modules_->ExpireIdle(ttl_s, busy);
 }
 
 absl::StatusOr<WireForwardOutput> ModuleHost::Forward(const std::string& module_id,

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -116,11 +117,15 @@ class ModuleHost {
   // Evicts contexts past their TTL now; returns how many (a janitor calls this periodically).
   int64_t EvictExpiredContexts() { return contexts_.EvictExpired(); }
 
-  // Module lifetimes (--module-ttl). Every call that names a module, its backwards and a
-  // client's keep-alive (Touch) renew it; ExpireIdleModules deletes, with their contexts, the
-  // modules none of these touched for `ttl_s` seconds, and returns their ids.
+  // Module leases (--module-ttl). Only what succeeds renews a module: a forward, a backward of one
+  // of its contexts, an optimizer step, a weights or gradients call, and Touch (a keep-alive).
+  // Lookups (Info, Spec, CheckTenant, Has) and refused calls renew nothing. The rpc layer reaches
+  // these only for the module's owner, so another tenant naming a module never renews it.
+  // ExpireIdleModules deletes, with their contexts, the modules not renewed for `ttl_s` seconds
+  // that no call holds now and `busy` (calls queued for them) does not name; returns their ids.
   absl::Status Touch(const std::string& module_id) const;
-  std::vector<std::string> ExpireIdleModules(double ttl_s);
+  std::vector<std::string> ExpireIdleModules(
+      double ttl_s, const std::function<bool(const std::string& module_id)>& busy = nullptr);
 
  private:
   BackendPtr backend_;

@@ -33,6 +33,7 @@ absl::StatusOr<ModuleInfo> ModuleRegistry::Create(const ModuleSpec& spec, const 
   while (id.empty() || modules_.count(id)) id = RandomId128();
   m->last_used_ns.store(NowNs(), std::memory_order_relaxed);
   modules_.emplace(id, m);
+  ArrivedLocked(id);
   std::lock_guard<std::mutex> module_lock(m->mu);
   return InfoLocked(id, *m);
 }
@@ -43,28 +44,51 @@ absl::Status ModuleRegistry::Insert(const std::string& id, std::shared_ptr<Modul
   if (!modules_.emplace(id, std::move(module)).second) {
     return absl::AlreadyExistsError(absl::StrCat("module_id ", id, " exists"));
   }
+  ArrivedLocked(id);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<Module>> ModuleRegistry::Find(const std::string& module_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = modules_.find(module_id);
-  if (it == modules_.end()) {
-    return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
-  }
-  it->second->last_used_ns.store(NowNs(), std::memory_order_relaxed);
+  if (it == modules_.end()) return MissingLocked(module_id, nullptr);
   return it->second;
 }
 
-std::vector<std::string> ModuleRegistry::ExpireIdle(double ttl_s) {
+absl::Status ModuleRegistry::MissingLocked(const std::string& module_id,
+                                           const std::string* tenant) const {
+  auto moved = moved_.find(module_id);
+  if (moved != moved_.end() && (tenant == nullptr || moved->second.first == *tenant)) {
+    return ModuleMovedError(
+        module_id,
+        "this server handed it over or let it go after this call was admitted (another server "
+        "sharing the checkpoint directory holds it now), and no longer serves it. Behind a proxy, "
+        "retry: the call goes where the module is now");
+  }
+  return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
+}
+
+void ModuleRegistry::Renew(const Module& module) const {
+  module.last_used_ns.store(NowNs(), std::memory_order_relaxed);
+}
+
+absl::Status ModuleRegistry::Touch(const std::string& module_id) const {
+  GW_ASSIGN_OR_RETURN(auto m, Find(module_id));
+  Renew(*m);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ModuleRegistry::ExpireIdle(double ttl_s, const Busy& busy) {
   std::vector<std::string> expired;
   if (!(ttl_s > 0)) return expired;
   const int64_t cutoff = NowNs() - int64_t(ttl_s * 1e9);
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = modules_.begin(); it != modules_.end();) {
-      // Under mu_: a call that finds the module from here on renews it first, or finds it gone.
-      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+      // Under mu_, no call can find the module meanwhile; one that holds it already (the map's is
+      // then not the only reference) keeps it until its success renews it, or it ends.
+      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff &&
+          it->second.use_count() == 1 && !(busy && busy(it->first))) {
         expired.push_back(it->first);
         it = modules_.erase(it);
       } else {
@@ -90,9 +114,10 @@ absl::StatusOr<ModuleInfo> ModuleRegistry::Info(const std::string& module_id) co
 
 absl::Status ModuleRegistry::CheckTenant(const std::string& module_id,
                                          const std::string& tenant) const {
-  auto m = Find(module_id);
-  if (!m.ok()) return m.status();
-  if ((*m)->tenant != tenant) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = modules_.find(module_id);
+  if (it == modules_.end()) return MissingLocked(module_id, &tenant);
+  if (it->second->tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
   }
   return absl::OkStatus();
@@ -126,9 +151,24 @@ bool ModuleRegistry::Has(const std::string& module_id) const {
 absl::Status ModuleRegistry::Delete(const std::string& module_id, bool moved) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!modules_.erase(module_id)) {
+    auto it = modules_.find(module_id);
+    if (it == modules_.end()) {
       return absl::NotFoundError(absl::StrCat("module_id ", module_id, " is not a module"));
     }
+    if (moved) {
+      const uint64_t n = ++moved_count_;
+      moved_[module_id] = {it->second->tenant, n};
+      moved_order_.emplace_back(module_id, n);
+      while (moved_order_.size() > kMovedRemembered) {
+        const auto& [id, number] = moved_order_.front();
+        // Only its latest entry forgets it: a module that moved twice stays remembered.
+        if (auto m = moved_.find(id); m != moved_.end() && m->second.second == number) {
+          moved_.erase(m);
+        }
+        moved_order_.pop_front();
+      }
+    }
+    modules_.erase(it);
   }
   contexts_.ReleaseModule(module_id, moved);
   return absl::OkStatus();

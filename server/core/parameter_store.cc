@@ -43,6 +43,7 @@ absl::StatusOr<uint64_t> ParameterStore::ApplyGradients(const std::string& modul
   }
   m->optimizer_steps = step;
   m->accumulated_backwards = 0;
+  modules_.Renew(*m);
   return ++m->version;
 }
 
@@ -62,6 +63,7 @@ absl::StatusOr<EncodedParameters> ParameterStore::GetGradients(const std::string
     if (zero) m->accumulated_backwards = 0;
   }
   for (const auto& [name, t] : copies) out.tensors.emplace_back(name, EncodeHost(t, dtype));
+  modules_.Renew(*m);
   return out;
 }
 

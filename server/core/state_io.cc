@@ -26,6 +26,7 @@ absl::StatusOr<EncodedParameters> StateIO::GetWeights(const std::string& module_
     out.weight_version = m->version;
   }
   for (const auto& [name, t] : copies) out.tensors.emplace_back(name, EncodeHost(t, dtype));
+  modules_.Renew(*m);
   return out;
 }
 
@@ -61,6 +62,7 @@ absl::StatusOr<uint64_t> StateIO::SetWeights(const std::string& module_id,
   }
   std::lock_guard<std::mutex> lock(m->mu);
   for (const auto& [index, t] : checked) m->params[index].value.copy_(t);
+  modules_.Renew(*m);
   return ++m->version;
 }
 

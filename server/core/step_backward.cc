@@ -229,6 +229,7 @@ void StepRunner::BackwardRun::Run(const std::vector<size_t>& which, BatchRan* ra
     contexts.Finish(ids_[one.index], /*consumed=*/true, reqs_[one.index]->retain);
     results_[one.index] = Result(std::move(one.grad_input));
   }
+  if (committed > 0) runner_.modules_.Renew(*m);  // a backward that succeeded renews its module
   std::sort(alone.begin(), alone.end());
   for (size_t i : alone) {
     try {

@@ -266,6 +266,13 @@ std::vector<absl::StatusOr<WireForwardOutput>> StepRunner::Forward(
   if (!together || !run.Run(members)) {
     for (size_t i : members) run.Run({i});
   }
+  // A forward that succeeded renews the module's lease; refusals alone renew nothing.
+  for (const auto& r : results) {
+    if (r.ok()) {
+      modules_.Renew(**found);
+      break;
+    }
+  }
   return results;
 }
 

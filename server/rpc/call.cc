@@ -76,8 +76,10 @@ absl::Status CallEnv::CheckModule(const Caller& caller, const std::string& modul
   return caller.isolated ? host_.CheckTenant(module_id, caller.tenant) : absl::OkStatus();
 }
 
-absl::Status CallEnv::CheckContext(const Caller& caller, const std::string& context_id) const {
+absl::Status CallEnv::CheckContext(const Caller& caller, const std::string& context_id,
+                                   const std::string& admitted) const {
   GW_RETURN_IF_ERROR(CheckId("context_id", context_id));
+  if (!admitted.empty()) return absl::OkStatus();  // the admission's lookup answered both
   GW_RETURN_IF_ERROR(caller.isolated ? host_.CheckContextTenant(context_id, caller.tenant)
                                      : absl::OkStatus());
   if (caller.route.empty()) return absl::OkStatus();
@@ -88,7 +90,8 @@ absl::Status CallEnv::CheckContext(const Caller& caller, const std::string& cont
 }
 
 absl::Status CallEnv::Admit(const Caller& caller, const std::string& module_id,
-                            const std::string& context_id, Admission* admission) {
+                            const std::string& context_id, Admission* admission,
+                            std::string* module) {
   // Ownership first: a call for a module the caller may not see is NOT_FOUND before it counts
   // anywhere. A call naming a context counts for that context's module only when the caller may
   // see it; otherwise its work fails at once anyway. This runs on reactor threads: the module map's
@@ -102,6 +105,7 @@ absl::Status CallEnv::Admit(const Caller& caller, const std::string& module_id,
     module_key = host_.contexts().ModuleOf(context_id, caller.isolated ? &caller.tenant : nullptr);
     if (!module_key.empty()) GW_RETURN_IF_ERROR(CheckRoute(caller, module_key));
   }
+  if (module != nullptr) *module = module_key;
   if (admission == nullptr) return absl::OkStatus();
   return quotas_.Admit(caller.client, std::move(module_key), admission);
 }
@@ -291,8 +295,9 @@ absl::Status CallBase::AdmitAndQueue(const std::string& module_id, const std::st
                                      RunOn on, std::function<void(absl::Status)> run,
                                      std::function<void(absl::Status)> on_error, Submitter submit) {
   Admission admission;
-  GW_RETURN_IF_ERROR(
-      env_.Admit(*caller_, module_id, context_id, on == RunOn::kInline ? nullptr : &admission));
+  std::string admitted;
+  GW_RETURN_IF_ERROR(env_.Admit(*caller_, module_id, context_id,
+                                on == RunOn::kInline ? nullptr : &admission, &admitted));
   Ref();
   // The executors keep copyable tasks; the admission rides in a shared holder.
   auto ticket = std::make_shared<Admission>(std::move(admission));
@@ -330,7 +335,7 @@ absl::Status CallBase::AdmitAndQueue(const std::string& module_id, const std::st
       break;
     case RunOn::kDevice:
       if (submit) {
-        submit(std::move(task));
+        submit(std::move(task), admitted);
       } else {
         env_.executor().Submit(caller_->client, std::move(task));
       }
@@ -367,15 +372,17 @@ class UnaryCall final : public Call<grpc::ServerUnaryReactor> {
   void Start(grpc::CallbackServerContext* ctx, DeferrableWork work, std::string module_id,
              std::string context_id, RequestSize request,
              std::function<std::string()> created_context, RunOn on,
-             std::function<void(const Caller&, std::function<void()>)> submit = nullptr) {
+             std::function<void(const Caller&, std::function<void()>, const std::string&)> submit =
+                 nullptr) {
     NoteIds(module_id, context_id);
     absl::Status refused = Authenticate(ctx);
     if (refused.ok() && request.bytes >= 0) refused = env_.CheckRequestBytes(request.bytes);
     if (refused.ok()) {
       Submitter submitter;
       if (submit) {
-        submitter = [this, submit = std::move(submit)](std::function<void()> task) {
-          submit(caller(), std::move(task));
+        submitter = [this, submit = std::move(submit)](std::function<void()> task,
+                                                       const std::string& module) {
+          submit(caller(), std::move(task), module);
         };
       }
       refused = AdmitAndRun(
@@ -468,8 +475,10 @@ grpc::ServerUnaryReactor* StartUnary(CallEnv& env, grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* StartDeferrableUnary(
     CallEnv& env, grpc::CallbackServerContext* ctx, const char* method, DeferrableWork work,
-    std::function<void(const Caller&, std::function<void()> task)> submit, std::string module_id,
-    RequestSize request, std::function<std::string()> created_context, std::string context_id) {
+    std::function<void(const Caller&, std::function<void()> task, const std::string& module)>
+        submit,
+    std::string module_id, RequestSize request, std::function<std::string()> created_context,
+    std::string context_id) {
   auto* call = new UnaryCall(env, ctx, method);
   call->Start(ctx, std::move(work), std::move(module_id), std::move(context_id), request,
               std::move(created_context), CallBase::RunOn::kDevice, std::move(submit));

@@ -100,8 +100,11 @@ class CallEnv {
   // does not own it.
   // Both also refuse a call whose route header names another module (CheckRoute); a context's
   // module is the one its forward ran.
+  // `admitted`: the context's module as the call's admission found it (Admit's `module`), whose
+  // ownership and route were checked there and never change; empty, they are looked up here.
   absl::Status CheckModule(const Caller& caller, const std::string& module_id) const;
-  absl::Status CheckContext(const Caller& caller, const std::string& context_id) const;
+  absl::Status CheckContext(const Caller& caller, const std::string& context_id,
+                            const std::string& admitted = {}) const;
   // INVALID_ARGUMENT when the call has a route header and it is not `module_id`: a proxy routed
   // the call by another module than the one it is about, and serving it here would hide the
   // routing fault (the module's calls would be split over servers). Without a header, OK.
@@ -110,8 +113,11 @@ class CallEnv {
   // see (NOT_FOUND otherwise, before anything is counted); a call naming a context counts for
   // that context's module only when the caller may see the context. Every call counts for its
   // client. With `admission` null only ownership is checked (work that never waits in a queue).
+  // `module`, when given, gets the module the call counts for: the one it names, or its context's
+  // (live, the caller's, its route checked here); empty when neither.
   absl::Status Admit(const Caller& caller, const std::string& module_id,
-                     const std::string& context_id, Admission* admission);
+                     const std::string& context_id, Admission* admission,
+                     std::string* module = nullptr);
   // Take-over on first touch (docs/scaling-out.md). With checkpoints, a call about a module this
   // server does not have may be about one whose checkpoint is in the directory: another server's
   // that left, or one not loaded yet. Such a call waits, on the control thread (reading storage
@@ -194,8 +200,9 @@ class CallBase {
   }
 
   // What queues a call's work instead of its executor (the batch former, which runs it on the
-  // device executor in a batch): see AdmitAndRun.
-  using Submitter = std::function<void(std::function<void()> task)>;
+  // device executor in a batch): see AdmitAndRun. `module`: the module the admission counted the
+  // call for (CallEnv::Admit's), so that the work need not look a context's up again.
+  using Submitter = std::function<void(std::function<void()> task, const std::string& module)>;
 
   // Where a call's work runs.
   enum class RunOn {
@@ -325,12 +332,14 @@ using DeferrableWork = std::function<absl::Status(const Caller&, const CallBase&
                                                   std::unique_ptr<PendingUnary>* pending)>;
 
 // StartUnary for deferrable work queued by `submit` (which gets the caller, for its client and
-// tenant, and the task to queue) instead of on an executor: a request the dynamic batcher puts
-// in a batch.
+// tenant, the task to queue and the module it was admitted for) instead of on an executor: a
+// request the dynamic batcher puts in a batch.
 grpc::ServerUnaryReactor* StartDeferrableUnary(
     CallEnv& env, grpc::CallbackServerContext* ctx, const char* method, DeferrableWork work,
-    std::function<void(const Caller&, std::function<void()> task)> submit, std::string module_id,
-    RequestSize request, std::function<std::string()> created_context, std::string context_id = {});
+    std::function<void(const Caller&, std::function<void()> task, const std::string& module)>
+        submit,
+    std::string module_id, RequestSize request, std::function<std::string()> created_context,
+    std::string context_id = {});
 
 // Starts a unary call through the lifecycle: authenticated, measured against --max-request-bytes
 // (`request`), admitted for `module_id` / `context_id`, then `work` runs `on` its executor.

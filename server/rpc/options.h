@@ -54,8 +54,8 @@ struct ClientQuotas {
 };
 
 struct ServiceOptions {
-  // --module-ttl: a module no call or keep-alive touched for this long is released (0: never;
-  // with a checkpointer every module is durable and none is).
+  // --module-ttl: a module whose owner made no call that succeeded and sent no keep-alive for
+  // this long is released (0: never; with a checkpointer every module is durable and none is).
   double module_ttl_s = 3600;
   std::string version;      // reported by GetServerInfo
   std::string device;       // "cpu" or "cuda:N"

@@ -277,10 +277,16 @@ double GradwireService::module_ttl_s() const {
 int GradwireService::ExpireIdleModules() {
   const double ttl = module_ttl_s();
   if (!(ttl > 0)) return 0;
-  const std::vector<std::string> expired = host_.ExpireIdleModules(ttl);
+  // A module with an admitted call still queued stays until that call ends (its success renews
+  // it).
+  const std::vector<std::string> expired = host_.ExpireIdleModules(
+      ttl, [this](const std::string& id) { return quotas_.queued_calls(id) > 0; });
   for (const std::string& id : expired) {
     quotas_.ModuleDeleted(id);
-    spdlog::info("released module {}: no call or keep-alive for {} s (--module-ttl)", id, ttl);
+    spdlog::info(
+        "released module {}: no successful call or keep-alive of its owner for {} s "
+        "(--module-ttl)",
+        id, ttl);
   }
   return int(expired.size());
 }

@@ -124,8 +124,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // Closes the regions CreateSharedMemory made that went unused for --shared-memory-idle (the
   // server's janitor calls it).
   int CloseIdleSharedMemory() { return shared_memory_.CloseIdle(); }
-  // Releases the modules no call or keep-alive touched for --module-ttl, with their contexts and
-  // quota (none when every module is durable: --checkpoint-dir); the janitor calls it. Returns
+  // Releases the modules whose owner made no call that succeeded and sent no keep-alive for
+  // --module-ttl (a module with a call of its owner queued or running stays), with their contexts
+  // and quota (none when every module is durable: --checkpoint-dir); the janitor calls it. Returns
   // how many.
   int ExpireIdleModules();
   // The module TTL in force (GetServerInfo.module_ttl_s): 0 when off or every module is durable.
@@ -156,7 +157,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
                   Order* order);
   // The queue: the batch former for a job that can share a batch, else the device executor.
   template <typename Step>
-  void Submit(const std::shared_ptr<Job<Step>>& job, std::function<void()> task, Order* order);
+  // `module`: the one the job's call was admitted for (CallBase::Submitter's).
+  void Submit(const std::shared_ptr<Job<Step>>& job, std::function<void()> task, Order* order,
+              const std::string& module);
   // On the device executor: prepares the job, then, when it is alone, computes and finishes it.
   template <typename Step>
   void RunJob(const std::shared_ptr<Job<Step>>& job, absl::Status started);
@@ -193,6 +196,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
                              v1::ForwardResponse* resp, const CallBase& call, PreparedForward& p,
                              absl::StatusOr<core::WireForwardOutput> computed);
   struct PreparedBackward {
+    // The context's module as the call's admission found it (its ownership and route checked
+    // there), empty when it found none: set when the job is queued.
+    std::string admitted_module;
     core::WireBackwardRequest in;
     // The gradients' bytes, when they lie in shared memory (freed on the executor).
     std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();

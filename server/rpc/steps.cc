@@ -154,7 +154,8 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
                                               const wire::ReceivedMessage* raw,
                                               PreparedBackward* p) {
   p->start = std::chrono::steady_clock::now();
-  GW_RETURN_IF_ERROR(env_.ExplainLostContext(caller, env_.CheckContext(caller, req.context_id())));
+  GW_RETURN_IF_ERROR(env_.ExplainLostContext(
+      caller, env_.CheckContext(caller, req.context_id(), p->admitted_module)));
   if (!req.has_grad_output()) return absl::InvalidArgumentError("grad_output is required");
   core::WireBackwardRequest& in = p->in;
   GW_ASSIGN_OR_RETURN(in.grad_input_dtype,
@@ -179,7 +180,9 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
   in.skip_grad_input = req.skip_grad_input();
   if (req.has_grad_input_shared_memory() && !in.skip_grad_input) {
     // Room for grad_input, checked before the backward accumulates anything.
-    const std::string module_id = host_.contexts().ModuleOf(req.context_id(), TenantOf(caller));
+    const std::string module_id =
+        !p->admitted_module.empty() ? p->admitted_module
+                                    : host_.contexts().ModuleOf(req.context_id(), TenantOf(caller));
     GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(module_id));
     const uint64_t rows =
         uint64_t(in.grad_output.numel() / std::max<int64_t>(1, spec.out_features));
@@ -243,7 +246,7 @@ struct GradwireService::ForwardStep {
   static const v1::Tensor* Rows(const Request& r) { return r.has_input() ? &r.input() : nullptr; }
   // Forwards of one module, training or not, with one input dtype (how the input reaches the
   // kind) share a batch; empty: the request runs alone.
-  static std::string Key(const GradwireService&, const Request& r, const Caller&) {
+  static std::string Key(const Request& r, const std::string& /*module*/) {
     if (!r.has_input() || r.input().shape().empty() ||
         r.input().shape(r.input().shape_size() - 1) <= 0) {
       return {};
@@ -251,6 +254,8 @@ struct GradwireService::ForwardStep {
     return absl::StrCat(r.module_id(), r.training() ? "/train/" : "/", int(r.input().dtype()));
   }
   static constexpr auto kPrepare = &GradwireService::PrepareForward;
+  // What the admission found is not needed: a forward names its module.
+  static void Admitted(Prepared&, const std::string& /*module*/) {}
   template <typename J>
   static std::vector<Output> Compute(GradwireService& s,
                                      const std::vector<std::shared_ptr<J>>& ready,
@@ -289,16 +294,17 @@ struct GradwireService::BackwardStep {
   }
   // Backwards of one module's contexts share a batch, keyed also by what the kind computes
   // (grad_input or not, a LayerNorm output's gradient or not): a batch is one kind call. The
-  // module is looked up as the call's admission does: a context of another tenant, or none,
-  // runs alone and fails.
-  static std::string Key(const GradwireService& s, const Request& r, const Caller& caller) {
+  // module is the one the call's admission found: a context of another tenant, or none, runs
+  // alone and fails.
+  static std::string Key(const Request& r, const std::string& module) {
     if (!r.has_grad_output() || r.grad_output().shape().empty()) return {};
-    const std::string module = s.host_.contexts().ModuleOf(r.context_id(), TenantOf(caller));
     if (module.empty()) return {};
     return absl::StrCat(module, "/backward/", int(r.skip_grad_input()),
                         int(r.has_grad_layernorm_output()));
   }
   static constexpr auto kPrepare = &GradwireService::PrepareBackward;
+  // The context's module as the admission found it: its preparation looks nothing up again.
+  static void Admitted(Prepared& p, const std::string& module) { p.admitted_module = module; }
   template <typename J>
   static std::vector<Output> Compute(GradwireService& s,
                                      const std::vector<std::shared_ptr<J>>& ready,
@@ -343,9 +349,10 @@ void GradwireService::End(const std::shared_ptr<Job<Step>>& job, absl::Status st
 
 template <typename Step>
 void GradwireService::Submit(const std::shared_ptr<Job<Step>>& job, std::function<void()> task,
-                             Order* order) {
+                             Order* order, const std::string& module) {
   const Caller& caller = *job->caller;
-  const std::string key = batcher_ ? Step::Key(*this, *job->in.request, caller) : std::string();
+  Step::Admitted(job->prepared, module);
+  const std::string key = batcher_ ? Step::Key(*job->in.request, module) : std::string();
   if (key.empty()) {
     if (order != nullptr) order->Alone();
     env_.executor().Submit(caller.client, std::move(task));
@@ -461,8 +468,8 @@ StepEntry GradwireService::Enter(const CallBase& call,
   job->call = &call;
   job->hold = call.Hold();
   return {[this, job](absl::Status started) { RunJob<Step>(job, std::move(started)); },
-          [this, job, order](std::function<void()> task) {
-            Submit<Step>(job, std::move(task), order);
+          [this, job, order](std::function<void()> task, const std::string& module) {
+            Submit<Step>(job, std::move(task), order, module);
           }};
 }
 
@@ -510,13 +517,13 @@ GradwireService::Unary* GradwireService::StepCall(Ctx* ctx, const grpc::ByteBuff
         RunJob<Step>(job, absl::OkStatus());
         return absl::OkStatus();
       },
-      [this, m, job](const Caller& caller, std::function<void()> task) {
+      [this, m, job](const Caller& caller, std::function<void()> task, const std::string& module) {
         job->caller = &caller;
         if (!m->parsed.ok()) {  // answered by its work
           env_.executor().Submit(caller.client, std::move(task));
           return;
         }
-        Submit<Step>(job, std::move(task), nullptr);
+        Submit<Step>(job, std::move(task), nullptr, module);
       },
       ids.module_id, RequestSize(int64_t(req->Length())), [m] { return CreatedBy(m->resp); },
       ids.context_id);

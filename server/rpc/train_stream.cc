@@ -160,7 +160,7 @@ class TrainCall final : public Call<grpc::ServerBidiReactor<v1::TrainRequest, v1
     return AdmitAndRun(
         kNone, *context_id, RunOn::kDevice,
         [this, request](absl::Status started) { Process(*request, started); }, std::move(on_error),
-        [this](std::function<void()> task) {
+        [this](std::function<void()> task, const std::string&) {
           order_.Alone();  // later jobs of the stream must not overtake it
           env_.executor().Submit(caller().client, std::move(task));
         });

@@ -3,8 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 
 #include "server/core/checkpoint.h"
@@ -584,6 +587,117 @@ TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   EXPECT_EQ(restored.Info(mine->module_id)->tenant, "alice");
   EXPECT_EQ(restored.CheckTenant(mine->module_id, "bob").code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(checkpointer.Remove(mine->module_id).ok());
+}
+
+// Leases (--module-ttl) on a clock the test moves: a module created at 0 and named at 0.6 s is
+// still there at 1.2 s under a TTL of 1 s only when that call renewed it. Lookups, refused calls,
+// a checkpoint's export and a failed take-over renew nothing; every call that succeeds does.
+TEST(ModuleHostLeaseTest, OnlyCallsThatSucceedRenewAModule) {
+  using std::chrono::steady_clock;
+  auto now = std::make_shared<steady_clock::time_point>(steady_clock::now());
+  ModuleHost host(ContextLimits{}, [now] { return *now; });
+  const auto advance = [&](double s) {
+    *now += std::chrono::duration_cast<steady_clock::duration>(std::chrono::duration<double>(s));
+  };
+  const std::string dir = ::testing::TempDir() + "/lease-checkpoints-" + RandomId128();
+  Checkpointer checkpointer(dir, 0);
+  ASSERT_TRUE(checkpointer.Prepare().ok());
+  // Whether `call` (on a module of alice's created, and given a training forward's context, at
+  // 0) renewed the module at 0.6 s.
+  const auto renews =
+      [&](const std::function<void(const std::string& id, const std::string& context)>& call) {
+        auto info = host.Create(MakeLinearSpec(8, 4), "alice");
+        EXPECT_TRUE(info.ok()) << info.status();
+        const std::string id = info->module_id;
+        auto fwd = TensorForward(host, id, RandN({3, 8}), true);
+        EXPECT_TRUE(fwd.ok()) << fwd.status();
+        advance(0.6);
+        call(id, fwd->context_id);
+        advance(0.6);
+        const std::vector<std::string> expired = host.ExpireIdleModules(1.0);
+        const bool renewed = std::find(expired.begin(), expired.end(), id) == expired.end();
+        if (renewed) EXPECT_TRUE(host.Delete(id).ok());
+        EXPECT_FALSE(host.Has(id));
+        return renewed;
+      };
+  // Lookups, whoever makes them.
+  EXPECT_FALSE(renews([&](const std::string& id, const std::string&) {
+    EXPECT_TRUE(host.Info(id).ok());
+    EXPECT_TRUE(host.Spec(id).ok());
+    EXPECT_TRUE(host.Has(id));
+    EXPECT_TRUE(host.CheckTenant(id, "alice").ok());
+    EXPECT_EQ(host.CheckTenant(id, "bob").code(), absl::StatusCode::kNotFound);
+    EXPECT_TRUE(host.Scaling(id).ok());
+    EXPECT_EQ(host.List().size(), 1u);
+  }));
+  // Refused calls.
+  EXPECT_FALSE(renews([&](const std::string& id, const std::string& context) {
+    EXPECT_EQ(TensorForward(host, id, RandN({3, 7}), true).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(TensorBackward(host, context, RandN({3, 5}), false, false).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(SetTensorWeights(host, id, {{"nope", RandN({4, 8})}}).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(host.ApplyGradients(id, -1.0f).status().code(), absl::StatusCode::kInvalidArgument);
+  }));
+  // A checkpoint's export, and a take-over refused because the module is here.
+  EXPECT_FALSE(renews([&](const std::string& id, const std::string&) {
+    ASSERT_TRUE(checkpointer.ClaimNew(id).ok());
+    ASSERT_TRUE(checkpointer.Save(host, id).ok());
+    EXPECT_EQ(checkpointer.Take(host, id).status().code(), absl::StatusCode::kAlreadyExists);
+  }));
+  // Calls that succeed, each alone.
+  const std::vector<std::function<void(const std::string&, const std::string&)>> succeeding = {
+      [&](const std::string& id, const std::string&) {
+        EXPECT_TRUE(TensorForward(host, id, RandN({2, 8}), false).ok());
+      },
+      [&](const std::string&, const std::string& context) {
+        EXPECT_TRUE(TensorBackward(host, context, RandN({3, 4}), false, false).ok());
+      },
+      [&](const std::string& id, const std::string&) { EXPECT_TRUE(host.ApplyGradients(id).ok()); },
+      [&](const std::string& id, const std::string&) {
+        EXPECT_TRUE(TensorGradients(host, id, false).ok());
+      },
+      [&](const std::string& id, const std::string&) { EXPECT_TRUE(TensorWeights(host, id).ok()); },
+      [&](const std::string& id, const std::string&) {
+        EXPECT_TRUE(SetTensorWeights(host, id, {{"weight", RandN({4, 8})}}).ok());
+      },
+      [&](const std::string& id, const std::string&) { EXPECT_TRUE(host.Touch(id).ok()); },
+  };
+  for (size_t i = 0; i < succeeding.size(); ++i) EXPECT_TRUE(renews(succeeding[i])) << i;
+  // A module that calls are queued for stays past its lease, and goes once they are done.
+  auto info = host.Create(MakeLinearSpec(8, 4), "alice");
+  ASSERT_TRUE(info.ok());
+  advance(1.2);
+  EXPECT_TRUE(host.ExpireIdleModules(1.0, [](const std::string&) { return true; }).empty());
+  EXPECT_EQ(host.ExpireIdleModules(1.0), std::vector<std::string>{info->module_id});
+  std::filesystem::remove_all(dir);
+}
+
+// A module dropped as moved (another server holds it now) is told moved to its owner's calls that
+// look it up later, and is unknown to everyone else; a module of the id arriving again is served.
+TEST(ModuleHostTenantTest, AModuleDroppedAsMovedIsToldMovedToItsOwnerOnly) {
+  ModuleHost host;
+  auto info = host.Create(MakeLinearSpec(8, 4), "alice");
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  auto state = host.ExportState(id);
+  ASSERT_TRUE(state.ok());
+  ASSERT_TRUE(host.Delete(id, /*moved=*/true).ok());
+  EXPECT_FALSE(host.Has(id));
+  EXPECT_TRUE(IsModuleMoved(host.Spec(id).status())) << host.Spec(id).status();
+  EXPECT_TRUE(IsModuleMoved(host.CheckTenant(id, "alice"))) << host.CheckTenant(id, "alice");
+  EXPECT_TRUE(Checkpointer::IsMoved(TensorForward(host, id, RandN({2, 8}), false).status()));
+  const absl::Status foreign = host.CheckTenant(id, "bob");
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(foreign.message(), "module_id " + id + " is not a module");  // as for any unknown id
+  EXPECT_EQ(host.Delete(id, true).code(), absl::StatusCode::kNotFound);
+  // Back (taken over again): served, and once deleted plainly, unknown.
+  ASSERT_TRUE(host.ImportState(*state).ok());
+  EXPECT_TRUE(TensorForward(host, id, RandN({2, 8}), false).ok());
+  ASSERT_TRUE(host.Delete(id).ok());
+  EXPECT_EQ(host.Spec(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(host.CheckTenant(id, "alice").code(), absl::StatusCode::kNotFound);
 }
 
 // The kind registry: one kind object per ModuleKind, each with its parameters, roles and checks;

@@ -1,6 +1,7 @@
-// Module lifetimes (--module-ttl) through the real service: a module no call and no keep-alive
-// touched for the TTL is released with its contexts and counted; every call on it and a client's
-// keep-alive renew it; the C++ client keeps the modules it created or holds alive by itself and
+// Module lifetimes (--module-ttl) through the real service: a module whose owner made no call
+// that succeeded and sent no keep-alive for the TTL is released with its contexts and counted; its
+// owner's calls that succeed and keep-alives renew it, refused calls and other tenants' calls do
+// not; the C++ client keeps the modules it created or holds alive by itself and
 // stops when told or when it goes; KeepAlive checks what it is given; GetServerInfo and each
 // module's description say what the server does.
 #include <gtest/gtest.h>
@@ -141,6 +142,71 @@ TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
   Sleep(1.6);
   EXPECT_TRUE(bob->held().empty());
   EXPECT_EQ(ExpiredSoFar(server), 1);
+}
+
+// Only the owner's calls that succeed renew a module. Another tenant naming it (keep-alives, a
+// forward, a weights call, all refused) renews nothing, and neither does the owner's refused
+// forward (a wrong width): both such modules go after the TTL, while the one the owner runs
+// forwards on stays.
+TEST(ModuleLifetimeTest, OnlyTheOwnersSuccessfulCallsRenewAModule) {
+  auto auth = rpc::Authenticator::FromEntries(
+      {{"alice", "token-alice-0123456789"}, {"bob", "token-bob-0123456789ab"}});
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  TestServer server([&] {
+    testing::TestServerOptions o;
+    o.authenticator = &*auth;
+    o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 1.0; };
+    return o;
+  }());
+  ASSERT_TRUE(server.ok());
+  auto alice = server.Connect("token-alice-0123456789");
+  auto bob = server.Connect("token-bob-0123456789ab");
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto info = alice->CreateModule(LinearSpec(16, 8));
+    ASSERT_TRUE(info.ok()) << info.status();
+    ids.push_back(info->module_id());
+    alice->Release(ids.back());  // only the calls below can renew it
+  }
+  const std::string& theirs = ids[0];   // only bob names it
+  const std::string& refused = ids[1];  // only alice's refused forwards name it
+  const std::string& used = ids[2];     // alice's forwards that succeed
+  auto keep_alive = [](client::Client& c, const std::string& id) {
+    grpc::ClientContext ctx;
+    c.PrepareContext(&ctx);
+    v1::KeepAliveRequest req;
+    req.add_module_ids(id);
+    v1::KeepAliveResponse resp;
+    EXPECT_TRUE(c.stub().KeepAlive(&ctx, req, &resp).ok());
+    return resp;
+  };
+  int refusals_while_alive = 0;
+  for (int i = 0; i < 10; ++i) {  // 2 s and more: twice the TTL
+    Sleep(0.2);
+    const v1::KeepAliveResponse resp = keep_alive(*bob, theirs);
+    ASSERT_EQ(resp.unknown_size(), 1);
+    EXPECT_EQ(resp.unknown(0), theirs);
+    EXPECT_EQ(bob->Forward(theirs, Random({1, 16}), false).status().code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_EQ(bob->GetWeights(theirs).status().code(), absl::StatusCode::kNotFound);
+    // Refused while the module lives, and NOT_FOUND once it went.
+    const absl::StatusCode bad = alice->Forward(refused, Random({1, 15}), false).status().code();
+    EXPECT_TRUE(bad == absl::StatusCode::kInvalidArgument || bad == absl::StatusCode::kNotFound)
+        << absl::StatusCodeToString(bad);
+    refusals_while_alive += bad == absl::StatusCode::kInvalidArgument;
+    auto y = alice->Forward(used, Random({1, 16}), false);
+    ASSERT_TRUE(y.ok()) << y.status();
+  }
+  EXPECT_GE(refusals_while_alive, 1);
+  EXPECT_EQ(ExpiredSoFar(server), 2);
+  auto listed = alice->ListModules();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].module_id(), used);
+  EXPECT_EQ(alice->GetWeights(theirs).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(alice->Forward(refused, Random({1, 16}), false).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(bob->held().empty());
 }
 
 TEST(ModuleLifetimeTest, OffWithZero) {

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <future>
 #include <string>
 #include <thread>
 #include <vector>
@@ -117,6 +118,51 @@ TEST_F(TakeOverTest, CallsArrivingDuringATakeOverWaitForItAndRunInOrder) {
   auto refused = on_a->ApplyGradients(id_);
   EXPECT_TRUE(core::Checkpointer::IsMoved(refused.status())) << refused.status();
   EXPECT_FALSE(a_->host().Has(id_));
+}
+
+// Calls admitted on a server while it held the module and still queued there when it let the
+// module go (another server took it over) are told that the module moved, as the step refusals
+// say it: retryable behind a proxy, not NOT_FOUND.
+TEST_F(TakeOverTest, CallsQueuedWhenTheModuleMovedAreToldItMoved) {
+  // B does not ask A to hand over: it fences A, which lets go when it checks its claims (here when
+  // the test says so: A checks only at steps, uploads and saves).
+  testing::TestServer b(Shared(dir_, 1, /*handover_wait_s=*/0));
+  ASSERT_TRUE(b.ok());
+  // A's device executor held, so that A's calls wait in its queue.
+  std::promise<void> open;
+  std::shared_future<void> gate = open.get_future().share();
+  std::atomic<bool> holding{false};
+  a_->executor().Submit([&holding, gate] {
+    holding = true;
+    gate.wait();
+  });
+  ASSERT_TRUE(testing::WaitFor([&] { return holding.load(); }));
+  auto on_a = a_->Connect();
+  absl::Status forward, step;
+  // Requests built by hand: the client's own forward may ask the module's shape first, and that
+  // call would be the one queued.
+  v1::ForwardRequest req;
+  req.set_module_id(id_);
+  *req.mutable_input() = client::ToWire(Random({2, kIn}), client::WireDType::kF32);
+  std::thread forwarding([&] { forward = on_a->ForwardRaw(req).status(); });
+  // Counted apart from housekeeping's tasks (client ""), which the janitor queues too.
+  const auto calls_queued = [&] {
+    return a_->executor().queued() - a_->executor().queued(std::string());
+  };
+  EXPECT_TRUE(testing::WaitFor([&] { return calls_queued() == 1; }));  // (the threads are joined)
+  std::thread stepping([&] { step = on_a->ApplyGradients(id_).status(); });
+  EXPECT_TRUE(testing::WaitFor([&] { return calls_queued() == 2; }));
+  auto on_b = b.Connect();
+  ExpectWeights(*on_b);  // B takes it over
+  EXPECT_EQ(a_->service().LetGoOfMovedModules(), 1);
+  EXPECT_FALSE(a_->host().Has(id_));
+  open.set_value();
+  forwarding.join();
+  stepping.join();
+  EXPECT_TRUE(core::Checkpointer::IsMoved(forward)) << forward;
+  EXPECT_TRUE(core::Checkpointer::IsMoved(step)) << step;
+  EXPECT_FALSE(a_->host().Has(id_));  // neither took it back
+  EXPECT_EQ(b.server().checkpointer()->EpochOf(id_), 2);
 }
 
 // A live holder asked to hand a module over saves what it did since its last checkpoint, drops
