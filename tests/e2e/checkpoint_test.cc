@@ -261,7 +261,13 @@ TEST(CheckpointTest, SharedDirectoryTakesModulesOverAndFencesTheServerThatLostTh
     EXPECT_EQ(on_c->GetWeights(id).status().code(), absl::StatusCode::kNotFound);
     EXPECT_EQ(c.Signal(SIGTERM), 0) << c.Log();
   }
-  EXPECT_EQ(on_b->GetWeights(id).status().code(), absl::StatusCode::kNotFound);
+  // B let the module go as moved: its owner is told so (a proxy's retry then reaches the server
+  // that knows it was deleted), or, once B forgot the move, that there is no such module.
+  const absl::Status after = on_b->GetWeights(id).status();
+  EXPECT_TRUE((after.code() == absl::StatusCode::kFailedPrecondition &&
+               after.message().find("moved") != std::string::npos) ||
+              after.code() == absl::StatusCode::kNotFound)
+      << after;
   on_b.reset();
   EXPECT_EQ(b.Signal(SIGTERM), 0) << b.Log();
   EXPECT_FALSE(std::filesystem::exists(dir + "/" + id)) << "B's shutdown wrote the module back";
