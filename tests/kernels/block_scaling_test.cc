@@ -12,9 +12,12 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "gradwire/kernels/cpu/ordered_gemm.h"
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/gemm.h"
 
 namespace gradwire::kernels {
 namespace {
@@ -460,6 +463,81 @@ INSTANTIATE_TEST_SUITE_P(Formats, BlockScaleExponentTest, ::testing::Values(kE4M
                          [](const auto& info) {
                            return std::string(Fp8FormatName(info.param.format));
                          });
+
+// Random values whose blocks take scale exponents across the whole clamped range and past it,
+// cast with `block` and dequantized: a block-scaled GEMM operand.
+std::vector<float> DequantizedOperand(const Format& f, int64_t rows, int64_t cols,
+                                      BlockShape block) {
+  std::vector<float> x = RandomBlocked(rows, cols, block.rows, block.cols);
+  for (float& v : x) {
+    if (!std::isfinite(v)) v = 1.0f;  // finite operands: the sums are compared bit for bit
+  }
+  std::vector<uint8_t> codes(x.size());
+  std::vector<float> scale(size_t(BlockGridRows(rows, block) * BlockGridCols(cols, block)));
+  QuantizeBlocks(x.data(), rows, cols, block, f.format, codes.data(), scale.data(), nullptr,
+                 nullptr);
+  std::vector<float> out(x.size());
+  DequantizeBlocks(codes.data(), rows, cols, block, scale.data(), f.format, out.data());
+  return out;
+}
+
+// The block-scaled GEMM: the reference's ordered sum on dequantized operands (FloatGemm) is,
+// bit for bit, every copy of the CPU's FP8 GEMM on the same values (a float A, B packed from
+// floats) — over blocks whose exponents span the whole range, E4M3 x E4M3 and E5M2 x E4M3. And
+// FloatGemm is the float64 sum of the same products within fp32 accumulation error.
+TEST(BlockScaledGemm, OrderedGemmCopiesAreTheReferenceBitsAcrossTheExponentRange) {
+  for (const Format& fa : {kE4M3, kE5M2}) {
+    for (const auto& [m, n, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+             {1, 1, 1}, {7, 13, 33}, {6, 17, 300}, {19, 40, 129}}) {
+      SCOPED_TRACE(std::string(Fp8FormatName(fa.format)) + " " + std::to_string(m) + "x" +
+                   std::to_string(n) + "x" + std::to_string(k));
+      const std::vector<float> a = DequantizedOperand(fa, m, k, BlockShape{1, 32});
+      const std::vector<float> b = DequantizedOperand(kE4M3, n, k, BlockShape{128, 128});
+      std::vector<float> bias(static_cast<size_t>(n));
+      for (size_t j = 0; j < bias.size(); ++j) bias[j] = float(j) * 0.25f - 1.0f;
+      std::vector<float> want(size_t(m * n), NAN);
+      FloatGemm(a.data(), b.data(), m, n, k, want.data(), bias.data(), false);
+      // Float64 of the same products: the fp32 sum is within k * 2^-24 * sum |products|.
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double exact = bias[size_t(j)], terms = std::fabs(bias[size_t(j)]);
+          for (int64_t d = 0; d < k; ++d) {
+            const double p = double(a[size_t(i * k + d)]) * double(b[size_t(j * k + d)]);
+            exact += p;
+            terms += std::fabs(p);
+          }
+          if (!std::isfinite(want[size_t(i * n + j)])) {  // a partial sum past fp32's range
+            ASSERT_GT(terms, std::ldexp(1.0, 127)) << i << "," << j;
+            continue;
+          }
+          ASSERT_LE(std::fabs(double(want[size_t(i * n + j)]) - exact),
+                    double(k + 2) * std::ldexp(1.0, -24) * terms + 1e-300)
+              << i << "," << j;
+        }
+      }
+      std::vector<uint16_t> panels(cpu::PanelBytes(n, k) / 2 + 1);
+      cpu::PackPanels(b.data(), n, k, k, /*n_major=*/true, panels.data());
+      for (cpu::OrderedGemmCopy copy :
+           {cpu::OrderedGemmCopy::kBaseline, cpu::OrderedGemmCopy::kAvx2,
+            cpu::OrderedGemmCopy::kAvx512}) {
+        if (!cpu::OrderedGemmCopySupported(copy)) continue;
+        std::vector<float> got(size_t(m * n), NAN);
+        cpu::OrderedGemmArgs g;
+        g.m = m;
+        g.a = a.data();
+        g.lda = k;
+        g.b = {n, k, panels.data()};
+        g.scale = 1.0f;
+        g.bias = bias.data();
+        g.c = got.data();
+        g.ldc = n;
+        cpu::OrderedGemmUsing(copy, g);
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+            << cpu::OrderedGemmCopyName(copy);
+      }
+    }
+  }
+}
 
 TEST(BlockScalingConstants, RecipeBlockShapes) {
   EXPECT_EQ(kBlockScalingEdge, 128);
