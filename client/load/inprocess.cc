@@ -7,10 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/random.h"
-#include "server/device/backend.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
 #include "server/core/module_kind.h"
+#include "server/device/backend.h"
 
 namespace gradwire::load {
 namespace {
@@ -50,8 +50,19 @@ class HostBaseline final : public InProcess {
     spec.out_features = p.out_features();
     spec.ffn_features = p.ffn_features();
     spec.bias = p.bias();
-    spec.recipe.mode = p.recipe().scaling() == v1::DELAYED ? core::ScalingMode::kDelayed
-                                                           : core::ScalingMode::kCurrent;
+    switch (p.recipe().scaling()) {
+      case v1::DELAYED:
+        spec.recipe.mode = core::ScalingMode::kDelayed;
+        break;
+      case v1::BLOCK:
+        spec.recipe.mode = core::ScalingMode::kBlock;
+        break;
+      case v1::MXFP8:
+        spec.recipe.mode = core::ScalingMode::kMxfp8;
+        break;
+      default:
+        spec.recipe.mode = core::ScalingMode::kCurrent;
+    }
     spec.seed = p.seed();
     auto info = host_->Create(spec);
     if (!info.ok()) return info.status();

@@ -32,31 +32,44 @@ void AddScaledRow(float a, const float* b, int64_t n, float* sums) {
   for (int64_t j = 0; j < n; ++j) sums[j] += a * b[j];
 }
 
-}  // namespace
-
-void Fp8Gemm(const Fp8GemmArgs& args) {
-  const int64_t m = args.m, n = args.n, k = args.k;
-  // A as [m, k] (rows contiguous along k) and B as [k, n] (each depth's row of B contiguous
-  // along n), so that a row of C is a sum over k of A's value times B's row.
-  const std::vector<float> a = DecodeAs(args.a, m, k, args.a.transposed);
-  const std::vector<float> b = DecodeAs(args.b, k, n, args.b.transposed);
-  const float scale = args.a.scale_inv * args.b.scale_inv;
+// C (+)= (A . B) * scale (+ bias): a [m, k], b [k, n] (each depth's row of B contiguous along
+// n), so that a row of C is a sum over k of A's value times B's row.
+void GemmValues(const float* a, const float* b, int64_t m, int64_t n, int64_t k, float scale,
+                float* c, const float* bias, bool accumulate) {
   constexpr int64_t kBlock = 256;  // columns of C summed at a time, kept in cache across k
   std::vector<float> sums(static_cast<size_t>(std::min(n, kBlock)));
   for (int64_t i = 0; i < m; ++i) {
-    float* c_row = args.c + i * n;
+    float* c_row = c + i * n;
     for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
       const int64_t width = std::min(kBlock, n - j0);
       std::fill(sums.begin(), sums.begin() + width, 0.0f);
       for (int64_t d = 0; d < k; ++d)
-        AddScaledRow(a[i * k + d], b.data() + d * n + j0, width, sums.data());
+        AddScaledRow(a[i * k + d], b + d * n + j0, width, sums.data());
       for (int64_t j = 0; j < width; ++j) {
         float value = sums[j] * scale;
-        if (args.bias) value += args.bias[j0 + j];
-        c_row[j0 + j] = args.accumulate ? c_row[j0 + j] + value : value;
+        if (bias) value += bias[j0 + j];
+        c_row[j0 + j] = accumulate ? c_row[j0 + j] + value : value;
       }
     }
   }
+}
+
+}  // namespace
+
+void Fp8Gemm(const Fp8GemmArgs& args) {
+  const std::vector<float> a = DecodeAs(args.a, args.m, args.k, args.a.transposed);
+  const std::vector<float> b = DecodeAs(args.b, args.k, args.n, args.b.transposed);
+  GemmValues(a.data(), b.data(), args.m, args.n, args.k, args.a.scale_inv * args.b.scale_inv,
+             args.c, args.bias, args.accumulate);
+}
+
+void FloatGemm(const float* a, const float* b, int64_t m, int64_t n, int64_t k, float* c,
+               const float* bias, bool accumulate) {
+  std::vector<float> b_kn(static_cast<size_t>(n * k));  // B as [k, n]
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < k; ++d) b_kn[size_t(d * n + j)] = b[j * k + d];
+  }
+  GemmValues(a, b_kn.data(), m, n, k, 1.0f, c, bias, accumulate);
 }
 
 }  // namespace gradwire::kernels

@@ -32,6 +32,9 @@ WorkspacePtr PinForBackward(const WorkspacePtr& ws, bool needs_rowwise) {
 Fp8Tensor BackwardWeight(const WeightWorkspace& ws, size_t i) {
   Fp8Tensor w = ws.weights.at(i);
   if (!w.dgrad_panels && i < ws.dgrad_panels.size()) w.dgrad_panels = ws.dgrad_panels[i].lock();
+  if (!w.dgrad_value_panels && i < ws.dgrad_value_panels.size()) {
+    w.dgrad_value_panels = ws.dgrad_value_panels[i].lock();
+  }
   return w;
 }
 
@@ -171,7 +174,11 @@ absl::StatusOr<WorkspaceResult> GetOrBuildWorkspace(const Backend& backend,
       c.rowwise = at::Tensor();
       c.fprop_panels = nullptr;
       c.dgrad_panels = nullptr;
+      c.fprop_value_panels = nullptr;
+      c.dgrad_value_panels = nullptr;
+      c.rowwise_scale_inv = at::Tensor();
       slim->dgrad_panels.push_back(w.dgrad_panels);
+      slim->dgrad_value_panels.push_back(w.dgrad_value_panels);
       slim->weights.push_back(std::move(c));
     }
     ws->for_backward = std::move(slim);

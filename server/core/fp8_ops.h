@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/core/saved_tensors.h"
 #include "server/device/backend.h"
 #include "server/device/fp8_tensor.h"
 #include "server/device/quantizer.h"
-#include "server/core/saved_tensors.h"
 
 namespace gradwire::core {
 
@@ -32,6 +32,8 @@ struct WeightWorkspace {
   // On that slim part: the full workspace's input-gradient panels (CPU backend), held weakly. A
   // backward reads them while the version is still cached; after that it packs W^T itself.
   std::vector<std::weak_ptr<const kernels::cpu::GemmPanels>> dgrad_panels;
+  // The same for block-scaled weights (panels of the dequantized values).
+  std::vector<std::weak_ptr<const ValuePanels>> dgrad_value_panels;
   bool has_columnwise() const;
   // FP8 codes and aux bytes: what the workspace holds on the device.
   int64_t bytes() const;

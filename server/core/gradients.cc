@@ -9,9 +9,11 @@
 namespace gradwire::core {
 namespace {
 
-// Largest |decoded value| of a cast: codes saturate at the format's largest finite value.
+// Largest |decoded value| of a cast: codes saturate at the format's largest finite value, times
+// the tensor's scale_inv or, block-scaled, the largest of its blocks'.
 double MaxDecoded(const Fp8Tensor& t) {
-  return double(kernels::Fp8Max(t.format)) * double(t.scale_inv());
+  return double(kernels::Fp8Max(t.format)) *
+         double(t.block_scaled ? t.max_scale_inv : t.scale_inv());
 }
 
 // (1 + gamma_n) for an fp32 sum of n terms, plus one rounding for the scale: |fl(sum)| is at most

@@ -18,7 +18,9 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
   if (weight.size(1) != args.input.size(1)) {
     return absl::InternalError("LinearForward: K mismatch");
   }
-  const Fp8Tensor* codes = args.input_fp8;
+  // FP8 input codes carry one scale for the tensor: a block-scaled recipe casts their decoded
+  // values (args.input) with its own blocks instead.
+  const Fp8Tensor* codes = args.quantizers[kInputRole].block_scaled ? nullptr : args.input_fp8;
   if (codes != nullptr &&
       (codes->rows != args.input.size(0) || codes->cols != args.input.size(1))) {
     return absl::InternalError("Forward: FP8 input codes do not match the input's shape");

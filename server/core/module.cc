@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <string_view>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/kernels/random.h"
@@ -84,6 +86,13 @@ GradAccumulator* Module::Accumulator(Param id) {
 
 absl::StatusOr<ModulePtr> NewModule(const ModuleSpec& spec, const Backend& backend) {
   GW_RETURN_IF_ERROR(ValidateModuleSpec(spec));
+  // The CUDA backend has no block-scaled GEMM yet (docs/block-scaling.md, docs/cuda.md).
+  if (BlockScaled(spec.recipe.mode) && std::string_view(backend.name()) == "cuda") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spec.recipe.scaling ", absl::AsciiStrToUpper(ScalingModeName(spec.recipe.mode)),
+        " is not supported on --device cuda yet; use --device cpu, or the CURRENT or DELAYED "
+        "recipe"));
+  }
   auto m = std::make_shared<Module>();
   m->spec = spec;
   m->kind = FindKind(spec.kind);  // valid: ValidateModuleSpec checked it

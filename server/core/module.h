@@ -88,6 +88,8 @@ struct Module {
     for (size_t i = 0; i < roles.size(); ++i) {
       q[i].format = roles[i].format;
       q[i].margin = spec.recipe.margin;
+      // Block-scaled: every role E4M3, its blocks by whether it is a weight.
+      if (BlockScaled(spec.recipe.mode)) SetBlockScaling(q[i], spec.recipe.mode, roles[i].weight);
       if (spec.recipe.mode == ScalingMode::kDelayed && !roles[i].weight) {
         q[i].scale_device = scaling->Scale(i);
       }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/status_macros.h"
 
@@ -34,7 +35,7 @@ absl::Status ValidateCommon(const ModuleSpec& s) {
   GW_RETURN_IF_ERROR(CheckSpecRange("spec.activation", int64_t(s.activation), 0,
                                     int64_t(kernels::Activation::kGeglu)));
   GW_RETURN_IF_ERROR(CheckSpecRange("spec.recipe.scaling", int64_t(s.recipe.mode), 0,
-                                    int64_t(ScalingMode::kDelayed)));
+                                    int64_t(ScalingMode::kMxfp8)));
   GW_RETURN_IF_ERROR(CheckSpecRange("spec.recipe.amax_compute_algo", int64_t(s.recipe.algo), 0,
                                     int64_t(AmaxAlgo::kMostRecent)));
   GW_RETURN_IF_ERROR(CheckSpecRange("spec.optimizer.kind", int64_t(s.optimizer.kind), 0,
@@ -43,6 +44,13 @@ absl::Status ValidateCommon(const ModuleSpec& s) {
   GW_RETURN_IF_ERROR(CheckSpecRange("spec.out_features", s.out_features, 1, kMaxFeatures));
   GW_RETURN_IF_ERROR(CheckFinitePositive("spec.layernorm_eps", s.layernorm_eps));
   GW_RETURN_IF_ERROR(CheckSpecRange("spec.recipe.margin", s.recipe.margin, 0, kMaxMargin));
+  // A block's scale is the power of two that fits its amax (docs/block-scaling.md): no margin.
+  if (BlockScaled(s.recipe.mode) && s.recipe.margin != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.recipe.margin must be 0 under ",
+        absl::AsciiStrToUpper(ScalingModeName(s.recipe.mode)),
+        " (each block's scale is the power of two that fits it), got ", s.recipe.margin));
+  }
   GW_RETURN_IF_ERROR(
       CheckSpecRange("spec.recipe.amax_history_len", s.recipe.history_len, 1, kMaxHistory));
   if (s.optimizer.kind == OptimizerConfig::Kind::kSgd) {

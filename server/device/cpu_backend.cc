@@ -29,6 +29,24 @@
 #include "server/device/reference_ops.h"
 
 namespace gradwire::core {
+
+// A weight's GEMM operand packed once per weight version from its dequantized values (the
+// block-scaled recipes: every value is an FP8 value times a power-of-two block scale within the
+// exponent range of docs/block-scaling.md, so it is exact in bf16 and the packing keeps it).
+class ValuePanels {
+ public:
+  // b [n, k] row-major.
+  ValuePanels(const float* b, int64_t n, int64_t k)
+      : data_(kernels::cpu::PanelBytes(n, k) / sizeof(uint16_t) + 1), n_(n), k_(k) {
+    kernels::cpu::PackPanels(b, n, k, k, /*n_major=*/true, data_.data());
+  }
+  kernels::cpu::PanelsView view() const { return {n_, k_, data_.data()}; }
+
+ private:
+  std::vector<uint16_t> data_;
+  int64_t n_, k_;
+};
+
 namespace {
 
 // The decoded floats (codes without the scale, in storage order) of one stored copy, in scratch.
@@ -68,6 +86,47 @@ Panels DgradPanels(const Fp8Tensor& w) {
   if (w.dgrad_panels) return {w.dgrad_panels->view(), {}};
   if (w.has_columnwise()) return PackNow(w.columnwise, w.format, w.cols, w.rows, true);
   return PackNow(w.rowwise, w.format, w.cols, w.rows, false);
+}
+
+// One stored copy of a block-scaled tensor, dequantized block by block into scratch.
+kernels::cpu::Scratch DequantizeToScratch(const Fp8Tensor& t, bool rowwise) {
+  kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(t.rows * t.cols) * sizeof(float));
+  DequantizeInto(t, rowwise, out.floats());
+  return out;
+}
+
+// Packs B [n, k] from values stored [n, k] into scratch.
+Panels PackValuesNow(const float* values, int64_t n, int64_t k) {
+  Panels p;
+  p.lease = kernels::cpu::TakeScratch(kernels::cpu::PanelBytes(n, k));
+  auto* out = static_cast<uint16_t*>(p.lease.data());
+  kernels::cpu::PackPanels(values, n, k, k, /*n_major=*/true, out);
+  p.view = {n, k, out};
+  return p;
+}
+
+// A block-scaled weight as the forward's B (W [N, K], its rowwise copy) or the input gradient's
+// (W^T [K, N], its columnwise copy): the workspace's panels, else packed now.
+Panels BlockWeightPanels(const Fp8Tensor& w, bool fprop) {
+  const std::shared_ptr<const ValuePanels>& kept =
+      fprop ? w.fprop_value_panels : w.dgrad_value_panels;
+  if (kept) return {kept->view(), {}};
+  const kernels::cpu::Scratch values = DequantizeToScratch(w, fprop);
+  return fprop ? PackValuesNow(values.floats(), w.rows, w.cols)
+               : PackValuesNow(values.floats(), w.cols, w.rows);
+}
+
+// The rowwise copies of a (possibly row-grouped) block-scaled tensor, dequantized and stacked by
+// rows into one scratch operand [rows, cols]: each group's values are its own cast's.
+kernels::cpu::Scratch StackDequantized(const Fp8Tensor& t) {
+  if (!t.grouped()) return DequantizeToScratch(t, true);
+  kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(t.rows * t.cols) * sizeof(float));
+  int64_t row = 0;
+  for (const Fp8Tensor& g : t.groups) {
+    DequantizeInto(g, true, out.floats() + row * t.cols);
+    row += g.rows;
+  }
+  return out;
 }
 
 // C[m, n] = alpha * op(A) . op(B) + beta * C, row-major (see kernels/cpu/blas.h), on the BLAS the
@@ -188,6 +247,8 @@ class CpuBackend final : public ReferenceBackend {
         !x.is_cpu() || (!usage.rowwise && !usage.columnwise)) {
       return ReferenceBackend::Cast(x, config, usage);  // refused there, with its message
     }
+    // The block-scaled recipes' cast is the reference's (kernels/ref/block_scaling.h).
+    if (config.block_scaled) return ReferenceBackend::Cast(x, config, usage);
     Fp8Tensor out;
     out.format = config.format;
     out.rows = x.size(0);
@@ -299,6 +360,17 @@ class CpuBackend final : public ReferenceBackend {
   // (each GEMM decodes what it reads).
   void PrepareWeight(Fp8Tensor& w) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return;
+    if (w.block_scaled) {  // panels of the dequantized values
+      if (w.has_rowwise()) {
+        const kernels::cpu::Scratch v = DequantizeToScratch(w, true);
+        w.fprop_value_panels = std::make_shared<const ValuePanels>(v.floats(), w.rows, w.cols);
+      }
+      if (w.has_columnwise()) {
+        const kernels::cpu::Scratch v = DequantizeToScratch(w, false);
+        w.dgrad_value_panels = std::make_shared<const ValuePanels>(v.floats(), w.cols, w.rows);
+      }
+      return;
+    }
     if (w.has_rowwise()) {
       w.fprop_panels = std::make_shared<const kernels::cpu::GemmPanels>(
           w.rowwise.data_ptr<uint8_t>(), w.format, w.rows, w.cols, true);
@@ -349,6 +421,7 @@ class CpuBackend final : public ReferenceBackend {
 
   // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias).
   at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
+    if (x.block_scaled || w.block_scaled) return BlockFprop(x, w, bias);
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     at::Tensor y = Empty({x.rows, w.rows});
     const float* bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -373,6 +446,7 @@ class CpuBackend final : public ReferenceBackend {
   at::Tensor FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
                          const at::Tensor& bias) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::FpropGroups(x, w, bias);
+    if (w.block_scaled) return BlockFprop(x, w, bias);
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Panels b = FpropPanels(w);
     const GroupedRows a = StackGroups(x, w.scale_inv());
@@ -413,6 +487,7 @@ class CpuBackend final : public ReferenceBackend {
     return out;
   }
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
+    if (dy.block_scaled || w.block_scaled) return BlockDgrad(dy, w);
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     at::Tensor dx = Empty({dy.rows, w.cols});
     if (GetCpuGemm() == CpuGemm::kOrdered) {
@@ -432,6 +507,7 @@ class CpuBackend final : public ReferenceBackend {
   // A batch of backwards in one input-gradient GEMM, as FpropGroups does.
   at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::DgradGroups(dy, w);
+    if (w.block_scaled) return BlockDgrad(dy, w);
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Panels b = DgradPanels(w);
     const GroupedRows a = StackGroups(dy, w.scale_inv());
@@ -444,6 +520,16 @@ class CpuBackend final : public ReferenceBackend {
   // packed from X's columnwise copy.
   void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
              bool accumulate) const override {
+    if (dy.block_scaled || x.block_scaled) {
+      if (GetCpuGemm() != CpuGemm::kOrdered) return ReferenceBackend::Wgrad(dy, x, acc, accumulate);
+      GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
+      const kernels::cpu::Scratch a = DequantizeToScratch(dy, false);  // dY^T [N, M]
+      const kernels::cpu::Scratch xt = DequantizeToScratch(x, false);  // X^T [K, M]
+      const Panels b = PackValuesNow(xt.floats(), x.cols, x.rows);
+      Ordered(dy.cols, 1.0f, nullptr, dy.format, b.view, nullptr, acc.data_ptr<float>(), nullptr,
+              accumulate, a.floats());
+      return;
+    }
     GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
     if (GetCpuGemm() == CpuGemm::kOrdered) {  // A: dY^T [N, M], dy's columnwise codes
       const Panels b = PackNow(x.columnwise, x.format, x.cols, x.rows, true);
@@ -456,6 +542,36 @@ class CpuBackend final : public ReferenceBackend {
     Gemm(false, true, dy.cols, x.cols, dy.rows, dy.scale_inv() * x.scale_inv(), a.floats(),
          b.floats(), accumulate ? 1.0f : 0.0f, acc.data_ptr<float>());
   }
+  // The block-scaled GEMMs (docs/block-scaling.md): the operands' dequantized values (exact in
+  // bf16) on the same row-invariant GEMM with scale 1, a batch's groups stacked into one A, so
+  // every row is the bits of its group alone and of the reference. Under --cpu-gemm blas, the
+  // reference's GEMM.
+  at::Tensor BlockFprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const {
+    if (GetCpuGemm() != CpuGemm::kOrdered) {
+      return x.grouped() ? Backend::FpropGroups(x, w, bias) : ReferenceBackend::Fprop(x, w, bias);
+    }
+    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
+    const Panels b = BlockWeightPanels(w, /*fprop=*/true);
+    const kernels::cpu::Scratch a = StackDequantized(x);
+    at::Tensor y = Empty({x.rows, w.rows});
+    Ordered(x.rows, 1.0f, nullptr, x.format, b.view,
+            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), nullptr, false,
+            a.floats());
+    return y;
+  }
+  at::Tensor BlockDgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const {
+    if (GetCpuGemm() != CpuGemm::kOrdered) {
+      return dy.grouped() ? Backend::DgradGroups(dy, w) : ReferenceBackend::Dgrad(dy, w);
+    }
+    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
+    const Panels b = BlockWeightPanels(w, /*fprop=*/false);
+    const kernels::cpu::Scratch a = StackDequantized(dy);
+    at::Tensor dx = Empty({dy.rows, w.cols});
+    Ordered(dy.rows, 1.0f, nullptr, dy.format, b.view, nullptr, dx.data_ptr<float>(), nullptr,
+            false, a.floats());
+    return dx;
+  }
+
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {
     if (g.scalar_type() == at::kBFloat16) {
       const kernels::cpu::Scratch widened = WidenBf16(g);

@@ -12,12 +12,17 @@
 #include <vector>
 
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/block_scaling.h"
 
 namespace gradwire::kernels::cpu {
 class GemmPanels;
 }
 
 namespace gradwire::core {
+
+// A weight's GEMM operand packed from its dequantized values (the CPU backend's, for the
+// block-scaled recipes; defined there).
+class ValuePanels;
 
 // One cast's scale, scale_inv and amax as the host sees them. The host backends set them as they
 // cast. A GPU cast leaves them in device memory and hands over a reader that brings them back the
@@ -61,6 +66,22 @@ struct Fp8Tensor {
   // gradient. Empty for activations and on the other backends.
   std::shared_ptr<const kernels::cpu::GemmPanels> fprop_panels;
   std::shared_ptr<const kernels::cpu::GemmPanels> dgrad_panels;
+  // The same for a block-scaled weight: panels of its dequantized values (exact in bf16).
+  std::shared_ptr<const ValuePanels> fprop_value_panels;
+  std::shared_ptr<const ValuePanels> dgrad_value_panels;
+  // Block scaling (BLOCK, MXFP8; docs/block-scaling.md). When block_scaled, each copy has a
+  // power-of-two scale_inv per block instead of the tensor's one: rowwise_scale_inv fp32
+  // [BlockGridRows(rows, rowwise_block), BlockGridCols(cols, rowwise_block)] for the rowwise copy
+  // [rows, cols], and columnwise_scale_inv the same for the columnwise copy as it is stored
+  // ([cols, rows], blocked by columnwise_block); host tensors (on the host backends). The scalars
+  // then hold scale 1, scale_inv 1 and the amax of the source, and max_scale_inv is the largest
+  // block scale_inv of either copy (what bounds its decoded values).
+  bool block_scaled = false;
+  kernels::BlockShape rowwise_block{};
+  kernels::BlockShape columnwise_block{};
+  at::Tensor rowwise_scale_inv;
+  at::Tensor columnwise_scale_inv;
+  float max_scale_inv = 1.0f;
   // scale_inv in device memory (fp32 [1], 16-byte aligned) for backends whose GEMM reads it from
   // there (CUDA); undefined on the CPU backend. Always equal to `scale_inv`.
   at::Tensor scale_inv_device;
@@ -76,6 +97,8 @@ struct Fp8Tensor {
   // Bytes of FP8 codes held (both copies).
   int64_t bytes() const {
     int64_t total = (has_rowwise() ? rows * cols : 0) + (has_columnwise() ? rows * cols : 0);
+    if (rowwise_scale_inv.defined()) total += int64_t(rowwise_scale_inv.nbytes());
+    if (columnwise_scale_inv.defined()) total += int64_t(columnwise_scale_inv.nbytes());
     for (const Fp8Tensor& g : groups) total += g.bytes();
     return total;
   }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "gradwire/kernels/cpu/loops.h"
+#include "gradwire/kernels/ref/block_scaling.h"
 #include "gradwire/kernels/ref/cast.h"
 
 namespace gradwire::core {
@@ -21,6 +22,71 @@ float HostScale(const QuantizerConfig& config) {
   }
   return *s.data_ptr<float>();
 }
+
+void SetBlockScaling(QuantizerConfig& q, ScalingMode mode, bool weight) {
+  q.block_scaled = true;
+  q.format = kernels::Fp8Format::kE4M3;
+  if (mode == ScalingMode::kBlock) {
+    constexpr int64_t e = kernels::kBlockScalingEdge;
+    q.rowwise_block = weight ? kernels::BlockShape{e, e} : kernels::BlockShape{1, e};
+    q.columnwise_block = weight ? kernels::BlockShape{e, e} : kernels::BlockShape{1, e};
+  } else {
+    q.rowwise_block = {1, kernels::kMxfp8BlockLength};
+    q.columnwise_block = {1, kernels::kMxfp8BlockLength};
+  }
+}
+
+namespace {
+
+float MaxOf(const at::Tensor& t) {
+  float m = 0.0f;
+  const float* p = t.data_ptr<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, p[i]);
+  return m;
+}
+
+// The block-scaled cast (kernels/ref/block_scaling.h): each copy blocked along its own rows.
+Fp8Tensor QuantizeBlocked(const float* data, const QuantizerConfig& config, CastUsage usage,
+                          Fp8Tensor out) {
+  out.block_scaled = true;
+  out.rowwise_block = config.rowwise_block;
+  out.columnwise_block = config.columnwise_block;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  // The columnwise copy [cols, rows] blocked by {br, bc} is x blocked by {bc, br}, transposed.
+  const kernels::BlockShape as_x{config.columnwise_block.cols, config.columnwise_block.rows};
+  const bool same = usage.rowwise && usage.columnwise && as_x.rows == config.rowwise_block.rows &&
+                    as_x.cols == config.rowwise_block.cols;
+  float max_scale_inv = 0.0f;
+  if (usage.rowwise) {
+    out.rowwise_scale_inv = at::empty({kernels::BlockGridRows(out.rows, config.rowwise_block),
+                                       kernels::BlockGridCols(out.cols, config.rowwise_block)},
+                                      f32);
+  }
+  if (usage.columnwise) {
+    out.columnwise_scale_inv = at::empty(
+        {kernels::BlockGridCols(out.cols, as_x), kernels::BlockGridRows(out.rows, as_x)}, f32);
+  }
+  if (usage.rowwise) {
+    kernels::QuantizeBlocks(data, out.rows, out.cols, config.rowwise_block, config.format,
+                            out.rowwise.data_ptr<uint8_t>(),
+                            out.rowwise_scale_inv.data_ptr<float>(),
+                            same ? out.columnwise.data_ptr<uint8_t>() : nullptr,
+                            same ? out.columnwise_scale_inv.data_ptr<float>() : nullptr);
+    max_scale_inv = MaxOf(out.rowwise_scale_inv);
+  }
+  if (usage.columnwise && !same) {
+    kernels::QuantizeBlocks(data, out.rows, out.cols, as_x, config.format, nullptr, nullptr,
+                            out.columnwise.data_ptr<uint8_t>(),
+                            out.columnwise_scale_inv.data_ptr<float>());
+  }
+  if (usage.columnwise) max_scale_inv = std::max(max_scale_inv, MaxOf(out.columnwise_scale_inv));
+  out.max_scale_inv = max_scale_inv > 0.0f ? max_scale_inv : 1.0f;
+  // The source's amax (NaN when a value is NaN), for the finite checks and the roles' records.
+  out.scalars = CastScalars(1.0f, 1.0f, kernels::Amax(data, out.rows * out.cols));
+  return out;
+}
+
+}  // namespace
 
 absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
                                    CastUsage usage) {
@@ -40,6 +106,16 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
   const float* data = x.data_ptr<float>();
   uint8_t* rowwise = usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr;
   uint8_t* columnwise = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
+  if (config.block_scaled) {
+    if (config.format != kernels::Fp8Format::kE4M3 && config.format != kernels::Fp8Format::kE5M2) {
+      return absl::InternalError("Quantize: unknown FP8 format");
+    }
+    if (config.rowwise_block.rows < 1 || config.rowwise_block.cols < 1 ||
+        config.columnwise_block.rows < 1 || config.columnwise_block.cols < 1) {
+      return absl::InternalError("Quantize: a block shape must be at least 1 x 1");
+    }
+    return QuantizeBlocked(data, config, usage, std::move(out));
+  }
   if (GivenScale(config)) {  // delayed: the scale is given; amax comes out of the same pass
     const float given = HostScale(config);
     float amax = 0.0f;
@@ -91,9 +167,20 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) {
   const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
   at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));
-  kernels::DequantizeFp8(codes.data_ptr<uint8_t>(), codes.numel(), t.scale_inv(), t.format,
-                         out.data_ptr<float>());
+  DequantizeInto(t, rowwise, out.data_ptr<float>());
   return out;
+}
+
+void DequantizeInto(const Fp8Tensor& t, bool rowwise, float* out) {
+  const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
+  if (!t.block_scaled) {
+    kernels::DequantizeFp8(codes.data_ptr<uint8_t>(), codes.numel(), t.scale_inv(), t.format, out);
+    return;
+  }
+  const at::Tensor& grid = rowwise ? t.rowwise_scale_inv : t.columnwise_scale_inv;
+  kernels::DequantizeBlocks(codes.data_ptr<uint8_t>(), codes.size(0), codes.size(1),
+                            rowwise ? t.rowwise_block : t.columnwise_block, grid.data_ptr<float>(),
+                            t.format, out);
 }
 
 }  // namespace gradwire::core

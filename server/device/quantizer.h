@@ -10,7 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/block_scaling.h"
 #include "server/device/fp8_tensor.h"
+#include "server/device/recipe.h"
 
 namespace gradwire::core {
 
@@ -49,10 +51,24 @@ struct QuantizerConfig {
   // A replay (ReplayOf): the scale is that of this earlier cast, read on the host when the
   // replay's cast is made. When set it is the scale, and `scale` and `scale_device` are not read.
   std::optional<CastScalars> scale_of;
+  // Block scaling (BLOCK, MXFP8; docs/block-scaling.md): a power-of-two scale per block, from
+  // the block's own values, so margin, scale, scale_device and scale_of are not read (a replay
+  // of a block cast is the same cast of the same values). rowwise_block blocks the rowwise copy
+  // [rows, cols]; columnwise_block blocks the columnwise copy as it is stored, [cols, rows].
+  bool block_scaled = false;
+  kernels::BlockShape rowwise_block{};
+  kernels::BlockShape columnwise_block{};
 };
+
+// Makes `q` a cast of a block-scaled recipe (BlockScaled(mode)) for a weight (`weight`) or an
+// activation or gradient: BLOCK 128 x 128 (weights; the columnwise copy the same blocks
+// transposed) or 1 x 128 along the reducing dimension of each copy; MXFP8 1 x 32 along it.
+// Every block-scaled cast is E4M3.
+void SetBlockScaling(QuantizerConfig& q, ScalingMode mode, bool weight);
 
 // True when `config` casts with a given scale (delayed scaling), not one from the input's amax.
 inline bool GivenScale(const QuantizerConfig& config) {
+  if (config.block_scaled) return false;
   return config.scale_of.has_value() || config.scale_device.defined() || config.scale > 0.0f;
 }
 // The given scale of a cast on a host backend (scale_device, when defined, is a CPU tensor
@@ -92,7 +108,10 @@ inline QuantizerConfig ReplayOf(const QuantizerConfig& config, const Fp8Tensor& 
   return replay;
 }
 
-// Decodes one stored copy back to float32 (rowwise: [rows, cols]; else [cols, rows]).
+// Decodes one stored copy back to float32 (rowwise: [rows, cols]; else [cols, rows]), with its
+// tensor's scale_inv or, block-scaled, each block's.
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise);
+// The same into `out` (rows * cols floats, host memory).
+void DequantizeInto(const Fp8Tensor& t, bool rowwise, float* out);
 
 }  // namespace gradwire::core

@@ -1,17 +1,44 @@
-// FP8 scaling recipes: per-tensor current scaling, and delayed scaling from an amax history.
-// The recipe's settings; the state it keeps per tensor role is scaling_state.h's.
+// FP8 scaling recipes: per-tensor current scaling, delayed scaling from an amax history, and the
+// block-scaled recipes BLOCK and MXFP8 (docs/block-scaling.md). The recipe's settings; the state
+// it keeps per tensor role is scaling_state.h's.
 #pragma once
 
 #include <cstdint>
 
 namespace gradwire::core {
 
-enum class ScalingMode { kCurrent, kDelayed };
+// The values are stored in checkpoints: append only.
+enum class ScalingMode {
+  kCurrent = 0,  // per tensor, from its own amax
+  kDelayed = 1,  // per tensor role, from an amax history of earlier steps
+  kBlock = 2,    // power-of-two scales per 1x128 block (activations, gradients), 128x128 (weights)
+  kMxfp8 = 3,    // power-of-two scales per 32 elements along each GEMM's reduction dimension
+};
 enum class AmaxAlgo { kMax, kMostRecent };
+
+// True for the recipes with a scale per block (BLOCK, MXFP8).
+inline bool BlockScaled(ScalingMode mode) {
+  return mode == ScalingMode::kBlock || mode == ScalingMode::kMxfp8;
+}
+
+// "current", "delayed", "block", "mxfp8": what logs, GetState and the CLI call it.
+inline const char* ScalingModeName(ScalingMode mode) {
+  switch (mode) {
+    case ScalingMode::kCurrent:
+      return "current";
+    case ScalingMode::kDelayed:
+      return "delayed";
+    case ScalingMode::kBlock:
+      return "block";
+    case ScalingMode::kMxfp8:
+      return "mxfp8";
+  }
+  return "unknown";
+}
 
 struct RecipeConfig {
   ScalingMode mode = ScalingMode::kCurrent;
-  int margin = 0;                  // headroom in powers of two
+  int margin = 0;                  // headroom in powers of two (per-tensor recipes; 0 for blocks)
   int64_t history_len = 1024;      // delayed: amaxes remembered
   AmaxAlgo algo = AmaxAlgo::kMax;  // delayed: which remembered amax sets the scale
 };

@@ -11,6 +11,7 @@
 #include "gradwire/kernels/ref/cast.h"
 #include "gradwire/kernels/ref/gemm.h"
 #include "gradwire/kernels/ref/layernorm.h"
+#include "server/device/quantizer.h"
 
 namespace gradwire::core {
 namespace {
@@ -31,10 +32,28 @@ void RunGemm(const kernels::Fp8GemmArgs& gemm) {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
+// A block-scaled GEMM (docs/block-scaling.md): both operands dequantized exactly, block by block,
+// then the reference's ordered sum with scale 1. a is [m, k] and b is [n, k] as stored copies
+// (`a_rowwise`, `b_rowwise` say which).
+void RunBlockGemm(const Fp8Tensor& a, bool a_rowwise, const Fp8Tensor& b, bool b_rowwise, int64_t m,
+                  int64_t n, int64_t k, float* c, const float* bias, bool accumulate) {
+  const auto start = std::chrono::steady_clock::now();
+  const at::Tensor av = Dequantize(a, a_rowwise);
+  const at::Tensor bv = Dequantize(b, b_rowwise);
+  kernels::FloatGemm(av.data_ptr<float>(), bv.data_ptr<float>(), m, n, k, c, bias, accumulate);
+  CountGemm(2.0 * double(m) * double(n) * double(k),
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
+
 }  // namespace
 
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) {
   at::Tensor y = EmptyFloat(x.rows, w.rows);
+  if (x.block_scaled || w.block_scaled) {
+    RunBlockGemm(x, true, w, true, x.rows, w.rows, x.cols, y.data_ptr<float>(),
+                 bias.defined() ? bias.data_ptr<float>() : nullptr, false);
+    return y;
+  }
   kernels::Fp8GemmArgs gemm;
   gemm.a = Operand(x.rowwise, x, /*transposed=*/false);
   gemm.b = Operand(w.rowwise, w, /*transposed=*/true);
@@ -49,6 +68,11 @@ at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bi
 
 at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) {
   at::Tensor dx = EmptyFloat(dy.rows, w.cols);
+  if (dy.block_scaled || w.block_scaled) {  // W^T [K, N]: the columnwise copy
+    RunBlockGemm(dy, true, w, false, dy.rows, w.cols, dy.cols, dx.data_ptr<float>(), nullptr,
+                 false);
+    return dx;
+  }
   kernels::Fp8GemmArgs gemm;
   gemm.a = Operand(dy.rowwise, dy, false);
   gemm.b = Operand(w.columnwise, w, true);  // W^T stored [K, N]: contiguous along N
@@ -61,6 +85,11 @@ at::Tensor Fp8Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) {
 }
 
 void Fp8Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc, bool accumulate) {
+  if (dy.block_scaled || x.block_scaled) {  // dY^T [N, M] and X^T [K, M]: the columnwise copies
+    RunBlockGemm(dy, false, x, false, dy.cols, x.cols, dy.rows, acc.data_ptr<float>(), nullptr,
+                 accumulate);
+    return;
+  }
   kernels::Fp8GemmArgs gemm;
   gemm.a = Operand(dy.columnwise, dy, false);  // dY^T stored [N, M]
   gemm.b = Operand(x.columnwise, x, true);     // X^T stored [K, M]

@@ -203,8 +203,7 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
         InfoToProto(*info, resp->mutable_module());
         Persist(info->module_id);
         spdlog::info("created {} \"{}\" ({} scaling) as module {}{}{}", core::DescribeModule(spec),
-                     Escaped(spec.name, kMaxNameLength),
-                     spec.recipe.mode == core::ScalingMode::kDelayed ? "delayed" : "current",
+                     Escaped(spec.name, kMaxNameLength), core::ScalingModeName(spec.recipe.mode),
                      info->module_id, caller.isolated ? " of tenant " : "",
                      Escaped(caller.tenant, kMaxNameLength));
         return absl::OkStatus();

@@ -41,20 +41,45 @@ absl::StatusOr<core::Activation> ActivationFromProto(v1::Activation a) {
   }
 }
 
+core::ScalingMode ScalingModeFromProto(v1::ScalingRecipe r) {
+  switch (r) {
+    case v1::DELAYED:
+      return core::ScalingMode::kDelayed;
+    case v1::BLOCK:
+      return core::ScalingMode::kBlock;
+    case v1::MXFP8:
+      return core::ScalingMode::kMxfp8;
+    default:
+      return core::ScalingMode::kCurrent;
+  }
+}
+
+v1::ScalingRecipe ScalingModeToProto(core::ScalingMode mode) {
+  switch (mode) {
+    case core::ScalingMode::kDelayed:
+      return v1::DELAYED;
+    case core::ScalingMode::kBlock:
+      return v1::BLOCK;
+    case core::ScalingMode::kMxfp8:
+      return v1::MXFP8;
+    default:
+      return v1::CURRENT;
+  }
+}
+
 absl::Status RecipeFromProto(const v1::Fp8Recipe& r, core::RecipeConfig* recipe) {
   // Values outside the contract are refused; unset ones are the defaults (current scaling, the
   // history's max).
   if (!v1::ScalingRecipe_IsValid(r.scaling())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.recipe.scaling must be CURRENT or DELAYED, got ", int(r.scaling())));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.recipe.scaling must be CURRENT, DELAYED, BLOCK or MXFP8, got ", int(r.scaling())));
   }
   if (!v1::AmaxComputeAlgo_IsValid(r.amax_compute_algo())) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec.recipe.amax_compute_algo must be MAX or MOST_RECENT, got ",
                      int(r.amax_compute_algo())));
   }
-  recipe->mode =
-      r.scaling() == v1::DELAYED ? core::ScalingMode::kDelayed : core::ScalingMode::kCurrent;
+  recipe->mode = ScalingModeFromProto(r.scaling());
   recipe->algo =
       r.amax_compute_algo() == v1::MOST_RECENT ? core::AmaxAlgo::kMostRecent : core::AmaxAlgo::kMax;
   recipe->margin = r.margin();
@@ -143,7 +168,7 @@ v1::ModuleSpec SpecToProto(const core::ModuleSpec& s) {
   p.set_out_features(s.out_features);
   p.set_bias(s.bias);
   v1::Fp8Recipe* r = p.mutable_recipe();
-  r->set_scaling(s.recipe.mode == core::ScalingMode::kDelayed ? v1::DELAYED : v1::CURRENT);
+  r->set_scaling(ScalingModeToProto(s.recipe.mode));
   r->set_margin(s.recipe.margin);
   r->set_amax_history_len(int32_t(s.recipe.history_len));
   r->set_amax_compute_algo(s.recipe.algo == core::AmaxAlgo::kMax ? v1::MAX : v1::MOST_RECENT);

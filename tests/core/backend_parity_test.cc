@@ -1173,6 +1173,134 @@ TEST(CpuOrderedGemm, AGroupedForwardOfMixedFormatsIsEachGroupAlone) {
 // is queued and read those values only after: the result's copy back is the one wait of a
 // training forward and of a backward, whatever the kind and recipe. The bounds of these ordinary
 // values prove the gradient sums finite, so no other check runs.
+// ---- The block-scaled recipes' rows (docs/block-scaling.md) ---------------------------------
+//
+// The seam's ops take block-scaled casts through the same calls (a QuantizerConfig with
+// block_scaled; an Fp8Tensor with block scales). Each backend's Cast, Dequantize, PrepareWeight
+// and GEMMs on them are the reference's bits, under both of the CPU backend's GEMMs; the CUDA
+// backend refuses them (UNIMPLEMENTED) and its rows skip, saying so.
+
+// Values whose blocks of 32 columns (and so of 128) span magnitudes 2^-70 .. 2^70: scale
+// exponents across the whole clamped range [-50, 50] and past both ends.
+at::Tensor WideBlocks(int64_t rows, int64_t cols) {
+  at::Tensor x = RandN({rows, cols});
+  std::uniform_int_distribution<int> e(-70, 70);
+  static std::mt19937 rng(std::random_device{}());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+      x[r].narrow(0, c0, std::min<int64_t>(32, cols - c0)).mul_(std::ldexp(1.0, e(rng)));
+    }
+  }
+  return x;
+}
+
+void ExpectSameBlockCast(const Fp8Tensor& got, const Fp8Tensor& want, const Backend& b) {
+  ExpectSameCast(got, want, b);
+  ASSERT_TRUE(got.block_scaled && want.block_scaled);
+  EXPECT_EQ(got.rowwise_scale_inv.defined(), want.rowwise_scale_inv.defined());
+  EXPECT_EQ(got.columnwise_scale_inv.defined(), want.columnwise_scale_inv.defined());
+  if (want.rowwise_scale_inv.defined()) {
+    EXPECT_TRUE(Same(b, got.rowwise_scale_inv, want.rowwise_scale_inv)) << "rowwise scales";
+  }
+  if (want.columnwise_scale_inv.defined()) {
+    EXPECT_TRUE(Same(b, got.columnwise_scale_inv, want.columnwise_scale_inv))
+        << "columnwise scales";
+  }
+  EXPECT_EQ(got.max_scale_inv, want.max_scale_inv);
+}
+
+class BlockRecipeOps : public ::testing::TestWithParam<std::tuple<const char*, ScalingMode>> {};
+
+TEST_P(BlockRecipeOps, CastsDequantizeAndGemmsAreTheReferenceBits) {
+  const auto [name, mode] = GetParam();
+  GW_REQUIRE_BACKEND(name);
+  const Backend& b = *Get(name).backend;
+  const Backend& ref = *MakeReferenceBackend();
+  QuantizerConfig qa, qw;
+  SetBlockScaling(qa, mode, false);
+  SetBlockScaling(qw, mode, true);
+  if (std::string(b.name()) == "cuda") {
+    auto refused = b.Cast(b.ToDevice(RandN({4, 8})), qa, {true, true});
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented) << refused.status();
+    GTEST_SKIP() << "the CUDA backend has no block-scaled path (docs/block-scaling.md)";
+  }
+  auto bits = [](const at::Tensor& x, const at::Tensor& y) {
+    return x.sizes() == y.sizes() &&
+           std::memcmp(x.data_ptr<float>(), y.data_ptr<float>(), size_t(x.numel()) * 4) == 0;
+  };
+  for (CpuGemm gemm : {CpuGemm::kOrdered, CpuGemm::kBlas}) {
+    SetCpuGemm(gemm);
+    for (const Mnk& mnk : {Mnk{1, 1, 1}, Mnk{7, 13, 33}, Mnk{130, 40, 300}, Mnk{33, 129, 257}}) {
+      const auto [m, n, k] = mnk;
+      SCOPED_TRACE(MnkName(mnk) + (gemm == CpuGemm::kOrdered ? " ordered" : " blas"));
+      const at::Tensor x = WideBlocks(m, k), w = WideBlocks(n, k), dy = WideBlocks(m, n),
+                       bias = RandN({n});
+      for (CastUsage usage : kUsages) {
+        ExpectSameBlockCast(CastOn(b, x, qa, usage), CastOn(ref, x, qa, usage), b);
+        ExpectSameBlockCast(CastOn(b, w, qw, usage), CastOn(ref, w, qw, usage), b);
+      }
+      const Fp8Tensor rx = CastOn(ref, x, qa), rw = CastOn(ref, w, qw), rdy = CastOn(ref, dy, qa);
+      const Fp8Tensor bx = CastOn(b, x, qa), bdy = CastOn(b, dy, qa);
+      Fp8Tensor bw = CastOn(b, w, qw);
+      for (bool rowwise : {true, false}) {
+        EXPECT_TRUE(b.ToHost(b.Dequantize(bx, rowwise)).equal(ref.Dequantize(rx, rowwise)));
+        EXPECT_TRUE(b.ToHost(b.Dequantize(bw, rowwise)).equal(ref.Dequantize(rw, rowwise)));
+      }
+      // The reference's block GEMM against float64 on its dequantized operands.
+      const at::Tensor xd = ref.Dequantize(rx, true).to(at::kDouble);
+      const at::Tensor wd = ref.Dequantize(rw, true).to(at::kDouble);
+      const at::Tensor want_y = ref.Fprop(rx, rw, bias);
+      EXPECT_TRUE(WithinGemmBound(want_y, xd.mm(wd.t()) + bias.to(at::kDouble),
+                                  xd.abs().mm(wd.abs().t()) + bias.to(at::kDouble).abs(), k, 0));
+      for (bool prepared : {false, true}) {
+        SCOPED_TRACE(prepared ? "prepared weight" : "weight packed per call");
+        if (prepared) b.PrepareWeight(bw);
+        EXPECT_TRUE(bits(b.ToHost(b.Fprop(bx, bw, bias)), want_y)) << "fprop";
+        EXPECT_TRUE(bits(b.ToHost(b.Fprop(bx, bw, at::Tensor())), ref.Fprop(rx, rw, at::Tensor())))
+            << "fprop without bias";
+        EXPECT_TRUE(bits(b.ToHost(b.Dgrad(bdy, bw)), ref.Dgrad(rdy, rw))) << "dgrad";
+        // A batch: groups of other sizes and magnitudes, each its own cast.
+        const at::Tensor x2 = WideBlocks(3, k), x3 = WideBlocks(5, k);
+        const Fp8Tensor gx =
+            StackRows({CastOn(b, x, qa, {true, false}), CastOn(b, x2, qa, {true, false}),
+                       CastOn(b, x3, qa, {true, false})});
+        const at::Tensor all = b.ToHost(b.FpropGroups(gx, bw, bias));
+        int64_t row = 0;
+        for (const at::Tensor& part : {x, x2, x3}) {
+          const at::Tensor alone = ref.Fprop(CastOn(ref, part, qa), rw, bias);
+          EXPECT_TRUE(bits(all.narrow(0, row, part.size(0)).contiguous(), alone))
+              << "fprop group at row " << row;
+          row += part.size(0);
+        }
+        const at::Tensor d2 = WideBlocks(2, n);
+        const Fp8Tensor gdy =
+            StackRows({CastOn(b, d2, qa, {true, false}), CastOn(b, dy, qa, {true, false})});
+        const at::Tensor dall = b.ToHost(b.DgradGroups(gdy, bw));
+        EXPECT_TRUE(bits(dall.narrow(0, 0, 2).contiguous(), ref.Dgrad(CastOn(ref, d2, qa), rw)));
+        EXPECT_TRUE(bits(dall.narrow(0, 2, m).contiguous(), ref.Dgrad(rdy, rw)));
+      }
+      for (bool accumulate : {false, true}) {
+        const at::Tensor start = RandN({n, k});
+        at::Tensor got = b.ToDevice(start.clone()), want = start.clone();
+        b.Wgrad(bdy, bx, got, accumulate);
+        ref.Wgrad(rdy, rx, want, accumulate);
+        EXPECT_TRUE(bits(b.ToHost(got), want)) << "wgrad" << (accumulate ? ", accumulating" : "");
+      }
+    }
+  }
+  SetCpuGemm(CpuGemm::kOrdered);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, BlockRecipeOps,
+                         ::testing::Combine(::testing::ValuesIn(kBackends),
+                                            ::testing::Values(ScalingMode::kBlock,
+                                                              ScalingMode::kMxfp8)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) + "_" +
+                                  ScalingModeName(std::get<1>(info.param));
+                         });
+
 class HostWaits : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(HostWaits, AForwardAndABackwardEachWaitOnlyForTheirResultsCopy) {
@@ -1277,7 +1405,7 @@ struct ModuleCase {
 
 std::string CaseName(const ModuleCase& c) {
   std::string s = ModuleKindName(c.kind);
-  s += c.mode == ScalingMode::kDelayed ? "_delayed" : "_current";
+  s += std::string("_") + ScalingModeName(c.mode);
   if (c.kind == ModuleKind::kLayerNormMlp) s += std::string("_") + kernels::ActivationName(c.act);
   s += "_" + std::to_string(c.rows) + "x" + std::to_string(c.in) + "x" + std::to_string(c.out);
   if (c.kind == ModuleKind::kLayerNormMlp) s += "x" + std::to_string(c.ffn);
@@ -1291,7 +1419,7 @@ std::vector<ModuleCase> AllModuleCases() {
   struct Dims {
     int64_t rows, in, out, ffn;
   };
-  const Dims dims[] = {{1, 16, 1, 16}, {7, 13, 5, 11}, {33, 64, 48, 96}};
+  const Dims dims[] = {{1, 16, 1, 16}, {7, 13, 5, 11}, {33, 64, 48, 96}, {130, 200, 136, 150}};
   std::vector<ModuleCase> cases;
   for (ModuleKind kind :
        {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
@@ -1300,9 +1428,12 @@ std::vector<ModuleCase> AllModuleCases() {
             ? std::vector<Activation>{Activation::kGelu, Activation::kRelu, Activation::kSwiglu,
                                       Activation::kGeglu}
             : std::vector<Activation>{Activation::kGelu};
-    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed}) {
+    for (ScalingMode mode :
+         {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kBlock, ScalingMode::kMxfp8}) {
       for (Activation act : acts) {
-        for (size_t d = 0; d < 3; ++d) {
+        // The block-scaled recipes also at a size with several blocks of 128 (and of 32) along
+        // every dimension, partial ones last.
+        for (size_t d = 0; d < (BlockScaled(mode) ? 4u : 3u); ++d) {
           for (bool training : {true, false}) {
             for (bool bias : {true, false}) {
               const bool ckpt = training && kind != ModuleKind::kLinear && d == 1;
@@ -1343,6 +1474,14 @@ std::vector<Miss> DrawModuleCase(const BackendPtr& backend, const ModuleCase& c,
   auto ref_id = ref_host.Create(spec);
   auto id = host.Create(spec);
   if (!ref_id.ok()) return hard("reference Create: " + ref_id.status().ToString());
+  // The CUDA backend has no block-scaled path: it refuses such a module when it is created.
+  if (BlockScaled(c.mode) && std::string(backend->name()) == "cuda") {
+    if (id.ok() || id.status().code() != absl::StatusCode::kFailedPrecondition) {
+      return hard("the CUDA backend should refuse a block-scaled module: " +
+                  id.status().ToString());
+    }
+    return misses;
+  }
   if (!id.ok()) return hard("Create: " + id.status().ToString());
   // Linear casts the same fp32 input and gradient on both sides, so every cast is identical and
   // the GEMMs differ only in accumulation order; the LayerNorm modules cast values each backend

@@ -1,8 +1,8 @@
 // ModuleHost::ForwardBatch and BackwardBatch: forwards of many requests as one backend call, bit
 // for bit what each request gets alone (inference) or in the sequence of its requests (training:
 // outputs, scaling state, and each context through its backward) (docs/batching.md). Every kind x
-// recipe x wire dtype, batches of 1-16 requests of 1-300 rows, on the reference backend and the CPU
-// backend under both of its GEMMs.
+// recipe (the block-scaled ones too) x wire dtype, batches of 1-16 requests of 1-300 rows, on the
+// reference backend and the CPU backend under both of its GEMMs.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "queued_reads_backend.h"
-#include "server/device/cpu_gemm.h"
 #include "server/core/module_host.h"
-#include "server/device/reference_backend.h"
 #include "server/core/tensor_calls.h"
+#include "server/device/cpu_gemm.h"
+#include "server/device/reference_backend.h"
 #include "test_util.h"
 
 namespace gradwire::testing {
@@ -66,13 +66,19 @@ WireInput Encode(const at::Tensor& x, DType dtype, DType output_dtype) {
 struct Case {
   const char* backend;  // "reference", "cpu-blas", "cpu-ordered", "cuda"
   ModuleKind kind;
-  bool delayed;
+  core::ScalingMode mode;
   DType dtype;
+  bool delayed() const { return mode == core::ScalingMode::kDelayed; }
 };
 
+// Every recipe: per tensor (current, delayed) and block-scaled (BLOCK, MXFP8), whose requests'
+// row counts (1 to 300) are mostly not multiples of the blocks' 128 or 32.
+const core::ScalingMode kModes[] = {core::ScalingMode::kCurrent, core::ScalingMode::kDelayed,
+                                    core::ScalingMode::kBlock, core::ScalingMode::kMxfp8};
+
 std::string Name(const Case& c) {
-  return std::string(c.backend) + " " + core::ModuleKindName(c.kind) +
-         (c.delayed ? " delayed " : " current ") + wire::DTypeName(c.dtype);
+  return std::string(c.backend) + " " + core::ModuleKindName(c.kind) + " " +
+         core::ScalingModeName(c.mode) + " " + wire::DTypeName(c.dtype);
 }
 
 // Whether this machine runs the CUDA backend (a GPU and a libtorch with CUDA; not in CI).
@@ -91,8 +97,10 @@ std::vector<Case> Cases(std::initializer_list<DType> dtypes, bool cuda = false) 
   for (const char* backend : backends) {
     for (ModuleKind kind :
          {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
-      for (bool delayed : {false, true}) {
-        for (DType dtype : dtypes) out.push_back({backend, kind, delayed, dtype});
+      for (core::ScalingMode mode : kModes) {
+        // The CUDA backend refuses the block-scaled recipes (docs/block-scaling.md).
+        if (core::BlockScaled(mode) && std::string(backend) == "cuda") continue;
+        for (DType dtype : dtypes) out.push_back({backend, kind, mode, dtype});
       }
     }
   }
@@ -109,7 +117,8 @@ core::BackendPtr BackendFor(const std::string& name) {
 core::ModuleSpec SpecFor(const Case& c, uint64_t seed) {
   core::ModuleSpec spec = MakeModuleSpec(c.kind, 40, 24, 56, seed);
   if (c.kind != ModuleKind::kLinear) spec.return_layernorm_output = seed % 2 == 0;
-  if (c.delayed) spec.recipe = DelayedRecipe(core::AmaxAlgo::kMax, 4);
+  if (c.delayed()) spec.recipe = DelayedRecipe(core::AmaxAlgo::kMax, 4);
+  spec.recipe.mode = c.mode;
   return spec;
 }
 
@@ -137,7 +146,7 @@ TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
     const std::string id = info->module_id;
     // Delayed scaling: a few training forwards first, so the scales are not their
     // initial 1 (inference then leaves them alone).
-    if (c.delayed) {
+    if (c.delayed()) {
       for (int i = 0; i < 3; ++i) {
         auto f = core::TensorForward(host, id, RandN({5, 40}, 1.0 + i), true);
         ASSERT_TRUE(f.ok()) << f.status();
@@ -174,7 +183,7 @@ TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
     }
     ++cases;
   }
-  EXPECT_EQ(cases, (HaveCuda() ? 4 : 3) * 3 * 2 * 5);
+  EXPECT_EQ(cases, 3 * 3 * 4 * 5 + (HaveCuda() ? 3 * 2 * 5 : 0));
 }
 
 // A bf16 response: the module's output comes back in bf16 (FpropBf16), alone and in a batch
@@ -224,7 +233,7 @@ TEST_F(ForwardBatchTest, ABf16ResponseIsTheF32OutputRounded) {
     }
     ++cases;
   }
-  EXPECT_EQ(cases, 3 * 3 * 2 * 2);
+  EXPECT_EQ(cases, 3 * 3 * 4 * 2);
 }
 
 TEST_F(ForwardBatchTest, TrainingBatchesAreTheSequenceOfTheirRequests) {
@@ -288,7 +297,7 @@ TEST_F(ForwardBatchTest, TrainingBatchesAreTheSequenceOfTheirRequests) {
     }
     ++cases;
   }
-  EXPECT_EQ(cases, 3 * 3 * 2 * 3);
+  EXPECT_EQ(cases, 3 * 3 * 4 * 3);
 }
 
 TEST_F(ForwardBatchTest, AMalformedOrNonFiniteRequestFailsAloneAndTheOthersGoOn) {
@@ -607,7 +616,7 @@ TEST_F(BackwardBatchTest, BackwardBatchesAreTheSequenceOfTheirRequests) {
     }
     ++cases;
   }
-  EXPECT_EQ(cases, 3 * 3 * 2 * 2);
+  EXPECT_EQ(cases, 3 * 3 * 4 * 2);
 }
 
 TEST_F(BackwardBatchTest, ABadOrNonFiniteRequestGetsItsOwnAnswerAndTheOthersAreTheSequence) {

@@ -511,7 +511,7 @@ TEST(ModuleHostImportTest, RefusesOutOfRangeEnumsInAState) {
       {"spec.kind", [](ModuleSpec* s) { s->kind = ModuleKind(3); }},
       {"spec.kind", [](ModuleSpec* s) { s->kind = ModuleKind(-1); }},
       {"spec.activation", [](ModuleSpec* s) { s->activation = kernels::Activation(7); }},
-      {"spec.recipe.scaling", [](ModuleSpec* s) { s->recipe.mode = ScalingMode(2); }},
+      {"spec.recipe.scaling", [](ModuleSpec* s) { s->recipe.mode = ScalingMode(4); }},
       {"spec.recipe.amax_compute_algo", [](ModuleSpec* s) { s->recipe.algo = AmaxAlgo(9); }},
       {"spec.optimizer.kind", [](ModuleSpec* s) { s->optimizer.kind = OptimizerConfig::Kind(5); }},
   };

@@ -599,9 +599,19 @@ std::vector<Case> Cases() {
     s->set_ffn_features(4);
     s->set_activation(static_cast<v1::Activation>(99));
   });
-  create("CreateScalingOutOfEnum", "spec.recipe.scaling must be CURRENT or DELAYED",
+  create("CreateScalingOutOfEnum", "spec.recipe.scaling must be CURRENT, DELAYED, BLOCK or MXFP8",
          [](v1::ModuleSpec* s) {
            s->mutable_recipe()->set_scaling(static_cast<v1::ScalingRecipe>(9));
+         });
+  create("CreateBlockWithMargin", "spec.recipe.margin must be 0 under BLOCK",
+         [](v1::ModuleSpec* s) {
+           s->mutable_recipe()->set_scaling(v1::BLOCK);
+           s->mutable_recipe()->set_margin(1);
+         });
+  create("CreateMxfp8WithMargin", "spec.recipe.margin must be 0 under MXFP8",
+         [](v1::ModuleSpec* s) {
+           s->mutable_recipe()->set_scaling(v1::MXFP8);
+           s->mutable_recipe()->set_margin(3);
          });
   create("CreateAmaxAlgoOutOfEnum", "spec.recipe.amax_compute_algo must be MAX or MOST_RECENT",
          [](v1::ModuleSpec* s) {

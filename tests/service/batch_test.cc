@@ -48,9 +48,15 @@ class GatherRound {
   std::atomic<int64_t> armed_{0};
 };
 
-std::string CreateModule(client::Client& c, v1::ModuleKind kind, uint64_t seed) {
+// The recipes a batch is held to a plain server's bits under: per-tensor current scaling and
+// the block-scaled ones (whose blocks never span two requests' rows).
+const v1::ScalingRecipe kRecipes[] = {v1::CURRENT, v1::BLOCK, v1::MXFP8};
+
+std::string CreateModule(client::Client& c, v1::ModuleKind kind, uint64_t seed,
+                         v1::ScalingRecipe recipe = v1::CURRENT) {
   v1::ModuleSpec spec;
   spec.set_kind(kind);
+  spec.mutable_recipe()->set_scaling(recipe);
   spec.set_in_features(kIn);
   spec.set_out_features(kOut);
   if (kind == v1::LAYERNORM_MLP) spec.set_ffn_features(kFfn);
@@ -78,43 +84,44 @@ TEST_P(BatchServiceTest, ConcurrentForwardsGetTheBitsOfAServerWithoutBatching) {
   ASSERT_TRUE(batched.ok() && plain.ok());
   auto b = batched.Connect();
   auto p = plain.Connect();
-  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
-    SCOPED_TRACE(v1::ModuleKind_Name(kind));
-    const std::string on_batched = CreateModule(*b, kind, 11);
-    const std::string on_plain = CreateModule(*p, kind, 11);
-    constexpr int kClients = 24;
-    std::vector<client::HostTensor> inputs;
-    std::mt19937 rng(std::random_device{}());
-    for (int i = 0; i < kClients; ++i) {
-      client::HostTensor x = Random({1 + int64_t(rng() % 9), kIn});
-      const float scale = std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
-      for (float& v : x.data) v *= scale;
-      inputs.push_back(std::move(x));
+  for (v1::ScalingRecipe recipe : kRecipes)
+    for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
+      SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe));
+      const std::string on_batched = CreateModule(*b, kind, 11, recipe);
+      const std::string on_plain = CreateModule(*p, kind, 11, recipe);
+      constexpr int kClients = 24;
+      std::vector<client::HostTensor> inputs;
+      std::mt19937 rng(std::random_device{}());
+      for (int i = 0; i < kClients; ++i) {
+        client::HostTensor x = Random({1 + int64_t(rng() % 9), kIn});
+        const float scale = std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
+        for (float& v : x.data) v *= scale;
+        inputs.push_back(std::move(x));
+      }
+      std::vector<absl::StatusOr<client::ForwardResult>> results(kClients,
+                                                                 absl::UnknownError("not run"));
+      std::vector<std::thread> threads;
+      round.Arm(kClients);
+      for (int i = 0; i < kClients; ++i) {
+        threads.emplace_back([&, i] {
+          auto c = batched.Connect();
+          results[size_t(i)] = c->Forward(on_batched, inputs[size_t(i)], false);
+        });
+      }
+      for (auto& t : threads) t.join();
+      int batched_requests = 0;
+      for (int i = 0; i < kClients; ++i) {
+        ASSERT_TRUE(results[size_t(i)].ok()) << results[size_t(i)].status();
+        auto alone = p->Forward(on_plain, inputs[size_t(i)], false);
+        ASSERT_TRUE(alone.ok()) << alone.status();
+        EXPECT_EQ(alone->batch_requests, 0);
+        EXPECT_EQ(results[size_t(i)]->output.shape, alone->output.shape);
+        EXPECT_EQ(results[size_t(i)]->output.data, alone->output.data) << "request " << i;
+        if (results[size_t(i)]->batch_requests > 1) ++batched_requests;
+      }
+      // All were queued together: most run in batches (how many per batch is the batcher's).
+      EXPECT_GT(batched_requests, kClients / 2);
     }
-    std::vector<absl::StatusOr<client::ForwardResult>> results(kClients,
-                                                               absl::UnknownError("not run"));
-    std::vector<std::thread> threads;
-    round.Arm(kClients);
-    for (int i = 0; i < kClients; ++i) {
-      threads.emplace_back([&, i] {
-        auto c = batched.Connect();
-        results[size_t(i)] = c->Forward(on_batched, inputs[size_t(i)], false);
-      });
-    }
-    for (auto& t : threads) t.join();
-    int batched_requests = 0;
-    for (int i = 0; i < kClients; ++i) {
-      ASSERT_TRUE(results[size_t(i)].ok()) << results[size_t(i)].status();
-      auto alone = p->Forward(on_plain, inputs[size_t(i)], false);
-      ASSERT_TRUE(alone.ok()) << alone.status();
-      EXPECT_EQ(alone->batch_requests, 0);
-      EXPECT_EQ(results[size_t(i)]->output.shape, alone->output.shape);
-      EXPECT_EQ(results[size_t(i)]->output.data, alone->output.data) << "request " << i;
-      if (results[size_t(i)]->batch_requests > 1) ++batched_requests;
-    }
-    // All were queued together: most run in batches (how many per batch is the batcher's).
-    EXPECT_GT(batched_requests, kClients / 2);
-  }
 }
 
 TEST_P(BatchServiceTest, ARequestPastItsDeadlineInsideABatchFailsAloneAndTheOthersGoOn) {
@@ -175,8 +182,8 @@ TEST_P(BatchServiceTest, ARequestPastItsDeadlineInsideABatchFailsAloneAndTheOthe
 }
 
 TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
-  // Current scaling, so no request's numbers depend on the order the batch put it in: each
-  // output and each context's grad_input must be a plain server's bits.
+  // Current or block scaling, so no request's numbers depend on the order the batch put it in:
+  // each output and each context's grad_input must be a plain server's bits.
   GatherRound round;
   TestServer batched([&](rpc::ServiceOptions& o) {
     o.batching.max_rows = 512;
@@ -186,49 +193,51 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
   TestServer plain;
   auto b = batched.Connect();
   auto p = plain.Connect();
-  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_MLP}) {
-    SCOPED_TRACE(v1::ModuleKind_Name(kind));
-    const std::string mb = CreateModule(*b, kind, 3), mp = CreateModule(*p, kind, 3);
-    constexpr int kClients = 12;
-    std::vector<client::HostTensor> xs, gs;
-    for (int i = 0; i < kClients; ++i) {
-      xs.push_back(Random({1 + i % 4, kIn}));
-      gs.push_back(Random({1 + i % 4, kOut}));
+  for (v1::ScalingRecipe recipe : kRecipes)
+    for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_MLP}) {
+      SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe));
+      const std::string mb = CreateModule(*b, kind, 3, recipe),
+                        mp = CreateModule(*p, kind, 3, recipe);
+      constexpr int kClients = 12;
+      std::vector<client::HostTensor> xs, gs;
+      for (int i = 0; i < kClients; ++i) {
+        xs.push_back(Random({1 + i % 4, kIn}));
+        gs.push_back(Random({1 + i % 4, kOut}));
+      }
+      std::vector<absl::StatusOr<client::ForwardResult>> fwd(kClients, absl::UnknownError(""));
+      std::vector<absl::StatusOr<client::HostTensor>> bwd(kClients, absl::UnknownError(""));
+      std::vector<std::thread> threads;
+      round.Arm(kClients);
+      for (int i = 0; i < kClients; ++i) {
+        threads.emplace_back([&, i] {
+          auto c = batched.Connect();
+          fwd[size_t(i)] = c->Forward(mb, xs[size_t(i)], true);
+          if (fwd[size_t(i)].ok())
+            bwd[size_t(i)] = c->Backward(fwd[size_t(i)]->context_id, gs[size_t(i)]);
+        });
+      }
+      for (auto& t : threads) t.join();
+      int in_batches = 0;
+      for (int i = 0; i < kClients; ++i) {
+        ASSERT_TRUE(fwd[size_t(i)].ok()) << fwd[size_t(i)].status();
+        ASSERT_TRUE(bwd[size_t(i)].ok()) << bwd[size_t(i)].status();
+        if (fwd[size_t(i)]->batch_requests > 1) ++in_batches;
+        auto f = p->Forward(mp, xs[size_t(i)], true);
+        ASSERT_TRUE(f.ok());
+        EXPECT_EQ(fwd[size_t(i)]->output.data, f->output.data) << "request " << i;
+        auto g = p->Backward(f->context_id, gs[size_t(i)]);
+        ASSERT_TRUE(g.ok());
+        EXPECT_EQ(bwd[size_t(i)]->data, g->data) << "grad_input of request " << i;
+      }
+      // All forwards were queued together: most ran in batches.
+      EXPECT_GT(in_batches, kClients / 2);
+      EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
     }
-    std::vector<absl::StatusOr<client::ForwardResult>> fwd(kClients, absl::UnknownError(""));
-    std::vector<absl::StatusOr<client::HostTensor>> bwd(kClients, absl::UnknownError(""));
-    std::vector<std::thread> threads;
-    round.Arm(kClients);
-    for (int i = 0; i < kClients; ++i) {
-      threads.emplace_back([&, i] {
-        auto c = batched.Connect();
-        fwd[size_t(i)] = c->Forward(mb, xs[size_t(i)], true);
-        if (fwd[size_t(i)].ok())
-          bwd[size_t(i)] = c->Backward(fwd[size_t(i)]->context_id, gs[size_t(i)]);
-      });
-    }
-    for (auto& t : threads) t.join();
-    int in_batches = 0;
-    for (int i = 0; i < kClients; ++i) {
-      ASSERT_TRUE(fwd[size_t(i)].ok()) << fwd[size_t(i)].status();
-      ASSERT_TRUE(bwd[size_t(i)].ok()) << bwd[size_t(i)].status();
-      if (fwd[size_t(i)]->batch_requests > 1) ++in_batches;
-      auto f = p->Forward(mp, xs[size_t(i)], true);
-      ASSERT_TRUE(f.ok());
-      EXPECT_EQ(fwd[size_t(i)]->output.data, f->output.data) << "request " << i;
-      auto g = p->Backward(f->context_id, gs[size_t(i)]);
-      ASSERT_TRUE(g.ok());
-      EXPECT_EQ(bwd[size_t(i)]->data, g->data) << "grad_input of request " << i;
-    }
-    // All forwards were queued together: most ran in batches.
-    EXPECT_GT(in_batches, kClients / 2);
-    EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
-  }
 }
 
 TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
   // A forward holds the executor until every backward waits in the one open batch of their
-  // module (the former counts them), so the batch runs them all. Current scaling: each
+  // module (the former counts them), so the batch runs them all. Current or block scaling: each
   // grad_input is a plain server's bits in any order.
   constexpr int kClients = 8;
   std::atomic<bool> hold{false}, held{false};
@@ -252,51 +261,53 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
   ASSERT_TRUE(batched.ok() && plain.ok());
   auto b = batched.Connect();
   auto p = plain.Connect();
-  for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
-    SCOPED_TRACE(v1::ModuleKind_Name(kind));
-    const std::string mb = CreateModule(*b, kind, 4), mp = CreateModule(*p, kind, 4);
-    std::vector<std::string> cb, cp;
-    std::vector<client::HostTensor> gs;
-    for (int i = 0; i < kClients; ++i) {
-      const client::HostTensor x = Random({1 + i % 3, kIn});
-      auto fb = b->Forward(mb, x, true);
-      auto fp = p->Forward(mp, x, true);
-      ASSERT_TRUE(fb.ok() && fp.ok()) << fb.status() << fp.status();
-      cb.push_back(fb->context_id);
-      cp.push_back(fp->context_id);
-      client::HostTensor g = Random({1 + i % 3, kOut});
-      for (float& v : g.data) v *= std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
-      gs.push_back(std::move(g));
+  for (v1::ScalingRecipe recipe : kRecipes)
+    for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
+      SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe));
+      const std::string mb = CreateModule(*b, kind, 4, recipe),
+                        mp = CreateModule(*p, kind, 4, recipe);
+      std::vector<std::string> cb, cp;
+      std::vector<client::HostTensor> gs;
+      for (int i = 0; i < kClients; ++i) {
+        const client::HostTensor x = Random({1 + i % 3, kIn});
+        auto fb = b->Forward(mb, x, true);
+        auto fp = p->Forward(mp, x, true);
+        ASSERT_TRUE(fb.ok() && fp.ok()) << fb.status() << fp.status();
+        cb.push_back(fb->context_id);
+        cp.push_back(fp->context_id);
+        client::HostTensor g = Random({1 + i % 3, kOut});
+        for (float& v : g.data) v *= std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
+        gs.push_back(std::move(g));
+      }
+      const int64_t before = batched.host().Stats().batched_backwards;
+      hold = true;
+      held = false;
+      std::thread blocker([&] { EXPECT_TRUE(b->Forward(mb, Random({2, kIn}), false).ok()); });
+      ASSERT_TRUE(WaitFor([&] { return held.load(); }));
+      std::vector<absl::StatusOr<client::HostTensor>> got(kClients, absl::UnknownError("not run"));
+      std::vector<std::thread> threads;
+      for (int i = 0; i < kClients; ++i) {
+        threads.emplace_back([&, i] {
+          auto c = batched.Connect();
+          got[size_t(i)] = c->Backward(cb[size_t(i)], gs[size_t(i)]);
+        });
+      }
+      for (auto& t : threads) t.join();
+      blocker.join();
+      EXPECT_EQ(batched.host().Stats().batched_backwards - before, kClients);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ASSERT_FALSE(observed.empty());
+        EXPECT_EQ(observed.back(), (std::pair<std::string, int64_t>("Backward", kClients)));
+      }
+      for (int i = 0; i < kClients; ++i) {
+        ASSERT_TRUE(got[size_t(i)].ok()) << got[size_t(i)].status();
+        auto alone = p->Backward(cp[size_t(i)], gs[size_t(i)]);
+        ASSERT_TRUE(alone.ok());
+        EXPECT_EQ(got[size_t(i)]->data, alone->data) << "grad_input of request " << i;
+      }
+      EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
     }
-    const int64_t before = batched.host().Stats().batched_backwards;
-    hold = true;
-    held = false;
-    std::thread blocker([&] { EXPECT_TRUE(b->Forward(mb, Random({2, kIn}), false).ok()); });
-    ASSERT_TRUE(WaitFor([&] { return held.load(); }));
-    std::vector<absl::StatusOr<client::HostTensor>> got(kClients, absl::UnknownError("not run"));
-    std::vector<std::thread> threads;
-    for (int i = 0; i < kClients; ++i) {
-      threads.emplace_back([&, i] {
-        auto c = batched.Connect();
-        got[size_t(i)] = c->Backward(cb[size_t(i)], gs[size_t(i)]);
-      });
-    }
-    for (auto& t : threads) t.join();
-    blocker.join();
-    EXPECT_EQ(batched.host().Stats().batched_backwards - before, kClients);
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ASSERT_FALSE(observed.empty());
-      EXPECT_EQ(observed.back(), (std::pair<std::string, int64_t>("Backward", kClients)));
-    }
-    for (int i = 0; i < kClients; ++i) {
-      ASSERT_TRUE(got[size_t(i)].ok()) << got[size_t(i)].status();
-      auto alone = p->Backward(cp[size_t(i)], gs[size_t(i)]);
-      ASSERT_TRUE(alone.ok());
-      EXPECT_EQ(got[size_t(i)]->data, alone->data) << "grad_input of request " << i;
-    }
-    EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
-  }
 }
 
 TEST_P(BatchServiceTest, TwoBusyTenantsWithYieldGetAPlainServersBits) {

@@ -43,4 +43,13 @@ struct Fp8GemmArgs {
 
 void Fp8Gemm(const Fp8GemmArgs& args);
 
+// The same arithmetic on operands that are already values, with scale 1 (the block-scaled
+// recipes' GEMM, docs/block-scaling.md: each operand dequantized exactly, block by block):
+//   c[i, j] = [c[i, j] +] (sum_k a[i, k] * b[j, k] [+ bias[j]])
+// a [m, k] and b [n, k] row-major (both contiguous along k), c [m, n]; host memory. Equal to the
+// CPU backend's GEMM on the same values (kernels/cpu/ordered_gemm.h) when every product is exact
+// in fp32 and no nonzero product or partial sum is below 2^-126 in magnitude.
+void FloatGemm(const float* a, const float* b, int64_t m, int64_t n, int64_t k, float* c,
+               const float* bias, bool accumulate);
+
 }  // namespace gradwire::kernels
