@@ -123,16 +123,23 @@ TEST(ModuleLifetimeTest, KeepAliveChecksItsInputAndNamesUnknownModules) {
             grpc::StatusCode::INVALID_ARGUMENT);
 }
 
-TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
-  auto auth = rpc::Authenticator::FromEntries(
+// Tokens for two tenants, alice and bob, and a server on them whose modules live one second
+// unless renewed.
+absl::StatusOr<rpc::Authenticator> TwoTenants() {
+  return rpc::Authenticator::FromEntries(
       {{"alice", "token-alice-0123456789"}, {"bob", "token-bob-0123456789ab"}});
+}
+testing::TestServerOptions TtlOfOneSecond(const rpc::Authenticator& auth) {
+  testing::TestServerOptions o;
+  o.authenticator = &auth;
+  o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 1.0; };
+  return o;
+}
+
+TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
+  auto auth = TwoTenants();
   ASSERT_TRUE(auth.ok()) << auth.status();
-  TestServer server([&] {
-    testing::TestServerOptions o;
-    o.authenticator = &*auth;
-    o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 1.0; };
-    return o;
-  }());
+  TestServer server(TtlOfOneSecond(*auth));
   ASSERT_TRUE(server.ok());
   auto alice = server.Connect("token-alice-0123456789");
   auto bob = server.Connect("token-bob-0123456789ab");
@@ -149,15 +156,9 @@ TEST(ModuleLifetimeTest, AnotherTenantsModuleIsNotRenewed) {
 // forward (a wrong width): both such modules go after the TTL, while the one the owner runs
 // forwards on stays.
 TEST(ModuleLifetimeTest, OnlyTheOwnersSuccessfulCallsRenewAModule) {
-  auto auth = rpc::Authenticator::FromEntries(
-      {{"alice", "token-alice-0123456789"}, {"bob", "token-bob-0123456789ab"}});
+  auto auth = TwoTenants();
   ASSERT_TRUE(auth.ok()) << auth.status();
-  TestServer server([&] {
-    testing::TestServerOptions o;
-    o.authenticator = &*auth;
-    o.configure = [](rpc::ServiceOptions& s) { s.module_ttl_s = 1.0; };
-    return o;
-  }());
+  TestServer server(TtlOfOneSecond(*auth));
   ASSERT_TRUE(server.ok());
   auto alice = server.Connect("token-alice-0123456789");
   auto bob = server.Connect("token-bob-0123456789ab");
