@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "gradwire/client/recipes.h"
 #include "gradwire/kernels/random.h"
 #include "progress.h"
 
@@ -62,7 +63,7 @@ double MeanSquaredError(const HostTensor& y, const HostTensor& target) {
 v1::ModuleSpec BaseSpec(const DemoOptions& o, uint64_t seed, const char* name) {
   v1::ModuleSpec spec;
   spec.set_bias(true);
-  spec.mutable_recipe()->set_scaling(o.recipe == "delayed" ? v1::DELAYED : v1::CURRENT);
+  spec.mutable_recipe()->set_scaling(client::RecipeByName(o.recipe).value_or(v1::CURRENT));
   spec.mutable_optimizer()->mutable_sgd()->set_learning_rate(o.learning_rate);
   spec.set_seed(seed);
   spec.set_name(name);
@@ -168,9 +169,9 @@ class RemoteMlp final : public RemoteModel {
 
 absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Cluster& client,
                                                            const DemoOptions& o) {
-  if (o.recipe != "current" && o.recipe != "delayed") {
+  if (!client::RecipeByName(o.recipe)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("recipe must be current or delayed, got ", o.recipe));
+        absl::StrCat("recipe must be one of ", client::RecipeNamesJoined(), ", got ", o.recipe));
   }
   if (o.model == "linear") {
     auto model = std::make_unique<RemoteTwoLinear>(client, o.keep_modules, o.placement);

@@ -20,7 +20,7 @@ namespace gradwire::cli {
 
 struct DemoOptions {
   std::string model = "linear";    // "linear" or "mlp"
-  std::string recipe = "current";  // FP8 scaling: "current" or "delayed"
+  std::string recipe = "current";  // FP8 scaling: "current", "delayed", "block" or "mxfp8"
   int64_t steps = 200;             // training steps (forward + backward + optimizer step)
   int64_t batch = 64;              // samples per step
   int64_t in_features = 16;

@@ -14,6 +14,7 @@
 #include "demo.h"
 #include "gradwire/client/client.h"
 #include "gradwire/client/cluster.h"
+#include "gradwire/client/recipes.h"
 #include "weights.h"
 
 namespace {
@@ -66,15 +67,17 @@ int RunInfo(Client& client, bool json) {
                           {"context_bytes", info->context_bytes()}};
     out["module_list"] = nlohmann::json::array();
     for (const auto& m : *modules) {
-      out["module_list"].push_back({{"module_id", m.module_id()},
-                                    {"name", m.spec().name()},
-                                    {"kind", gradwire::v1::ModuleKind_Name(m.spec().kind())},
-                                    {"description", Describe(m)},
-                                    {"in_features", m.spec().in_features()},
-                                    {"out_features", m.spec().out_features()},
-                                    {"bias", m.spec().bias()},
-                                    {"weight_version", m.weight_version()},
-                                    {"live_contexts", m.live_contexts()}});
+      out["module_list"].push_back(
+          {{"module_id", m.module_id()},
+           {"name", m.spec().name()},
+           {"kind", gradwire::v1::ModuleKind_Name(m.spec().kind())},
+           {"description", Describe(m)},
+           {"in_features", m.spec().in_features()},
+           {"out_features", m.spec().out_features()},
+           {"bias", m.spec().bias()},
+           {"recipe", gradwire::client::RecipeName(m.spec().recipe().scaling())},
+           {"weight_version", m.weight_version()},
+           {"live_contexts", m.live_contexts()}});
     }
     std::cout << out.dump() << "\n";
     return 0;
@@ -87,9 +90,11 @@ int RunInfo(Client& client, bool json) {
               static_cast<long long>(info->live_contexts()),
               static_cast<long long>(info->context_bytes()));
   for (const auto& m : *modules) {
-    std::printf("  %s  %s  v%llu  %lld contexts  %s\n", m.module_id().c_str(), Describe(m).c_str(),
-                static_cast<unsigned long long>(m.weight_version()),
-                static_cast<long long>(m.live_contexts()), m.spec().name().c_str());
+    std::printf("  %s  %s  v%llu  %lld contexts  %s scaling  %s\n", m.module_id().c_str(),
+                Describe(m).c_str(), static_cast<unsigned long long>(m.weight_version()),
+                static_cast<long long>(m.live_contexts()),
+                gradwire::client::RecipeName(m.spec().recipe().scaling()).c_str(),
+                m.spec().name().c_str());
   }
   return 0;
 }
@@ -223,8 +228,9 @@ int main(int argc, char** argv) {
                    "linear: Linear -> ReLU (client) -> Linear; mlp: one LayerNormMLP")
       ->check(CLI::IsMember({"linear", "mlp"}))
       ->capture_default_str();
-  demo->add_option("--recipe", demo_options.recipe, "FP8 scaling recipe of the modules")
-      ->check(CLI::IsMember({"current", "delayed"}))
+  demo->add_option("--recipe", demo_options.recipe,
+                   "FP8 scaling recipe of the modules: " + gradwire::client::RecipeNamesJoined())
+      ->check(CLI::IsMember(gradwire::client::RecipeNames()))
       ->capture_default_str();
   demo->add_option("--steps", demo_options.steps, "training steps")
       ->check(CLI::Range(int64_t(1), int64_t(1000000)))

@@ -19,6 +19,7 @@
 
 #include "gradwire/client/client.h"
 #include "gradwire/client/kinds.h"
+#include "gradwire/client/recipes.h"
 #include "gradwire/client/shared_memory.h"
 #include "gradwire/kernels/random.h"
 #include "inprocess.h"
@@ -449,8 +450,10 @@ int main(int argc, char** argv) {
   app.add_option("--ffn", o.ffn_features, "ffn_features (layernorm-mlp)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--recipe", o.recipe, "FP8 scaling: current or delayed")
-      ->check(CLI::IsMember({"current", "delayed"}))
+  app.add_option("--recipe", o.recipe,
+                 "FP8 scaling: " + gradwire::client::RecipeNamesJoined() +
+                     " (block, mxfp8: a scale per block, docs/block-scaling.md)")
+      ->check(CLI::IsMember(gradwire::client::RecipeNames()))
       ->capture_default_str();
   app.add_option("--rows", o.rows, "rows (tokens) per request")
       ->check(CLI::PositiveNumber)
@@ -584,7 +587,8 @@ int main(int argc, char** argv) {
     if (gradwire::client::KindReads(spec.kind(), "ffn_features"))
       spec.set_ffn_features(o.ffn_features);
     spec.set_bias(o.bias);
-    spec.mutable_recipe()->set_scaling(o.recipe == "delayed" ? v1::DELAYED : v1::CURRENT);
+    spec.mutable_recipe()->set_scaling(
+        gradwire::client::RecipeByName(o.recipe).value_or(v1::CURRENT));
     spec.set_seed(o.run.seed);
     spec.set_name("gradwire-load");
     if (o.flow != "empty" || o.baselines) {

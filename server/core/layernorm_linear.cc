@@ -2,8 +2,8 @@
 
 #include <ATen/ATen.h>
 
-#include "server/core/linear.h"
 #include "server/common/status_macros.h"
+#include "server/core/linear.h"
 
 namespace gradwire::core {
 
@@ -126,6 +126,7 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
       row += g.rows;
       if (keep_columnwise) {
         g.rowwise = at::Tensor();
+        g.rowwise_scale_inv = at::Tensor();
         one->ln_out = std::move(g);
       }
       one->workspace = PinForBackward(result.workspace);
@@ -135,6 +136,7 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
     saved->input_quantizer = ReplayOf(q, x);
     if (keep_columnwise) {
       x.rowwise = at::Tensor();
+      x.rowwise_scale_inv = at::Tensor();
       saved->ln_out = std::move(x);
     }
     saved->workspace = PinForBackward(result.workspace);

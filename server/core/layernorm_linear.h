@@ -32,7 +32,10 @@ struct LayerNormLinearSaved final : LayerNormSaved {
   QuantizerConfig input_quantizer;  // the exact cast of the forward, for the recompute
   int64_t bytes() const override { return layernorm_bytes() + ln_out.bytes(); }
   void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
-    for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise}) fn(*t);
+    for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise,
+                          &ln_out.rowwise_scale_inv, &ln_out.columnwise_scale_inv}) {
+      fn(*t);
+    }
   }
 };
 

@@ -78,6 +78,8 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
       if (keep) {
         ln_q.rowwise = at::Tensor();
         act_q.rowwise = at::Tensor();
+        ln_q.rowwise_scale_inv = at::Tensor();
+        act_q.rowwise_scale_inv = at::Tensor();
         one->ln_out = std::move(ln_q);
         one->fc1_out = RowsOf(h.fc1_out, row, rows);
         one->act_out = std::move(act_q);
@@ -92,6 +94,8 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
     if (keep) {
       h.ln_q.rowwise = at::Tensor();
       h.act_q.rowwise = at::Tensor();
+      h.ln_q.rowwise_scale_inv = at::Tensor();
+      h.act_q.rowwise_scale_inv = at::Tensor();
       saved->ln_out = std::move(h.ln_q);
       saved->fc1_out = std::move(h.fc1_out);
       saved->act_out = std::move(h.act_q);

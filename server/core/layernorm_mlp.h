@@ -35,8 +35,10 @@ struct LayerNormMlpSaved final : LayerNormSaved {
   // workspace: weights[0] = FC1, weights[1] = FC2; aux = gamma, beta, FC1's bias
   int64_t bytes() const override;
   void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
-    for (at::Tensor* t : {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise, &fc1_out,
-                          &act_out.rowwise, &act_out.columnwise}) {
+    for (at::Tensor* t :
+         {&input, &mu, &rstd, &ln_out.rowwise, &ln_out.columnwise, &fc1_out, &act_out.rowwise,
+          &act_out.columnwise, &ln_out.rowwise_scale_inv, &ln_out.columnwise_scale_inv,
+          &act_out.rowwise_scale_inv, &act_out.columnwise_scale_inv}) {
       fn(*t);
     }
   }

@@ -48,6 +48,7 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
     auto keep = [&](Fp8Tensor input) {
       auto saved = std::make_shared<LinearSaved>();
       input.rowwise = at::Tensor();
+      input.rowwise_scale_inv = at::Tensor();
       saved->input = std::move(input);
       saved->workspace = pinned;
       return saved;

@@ -28,6 +28,8 @@ struct LinearSaved final : SavedWithWorkspace {
   void ForEachTensor(const std::function<void(at::Tensor&)>& fn) override {
     fn(input.rowwise);
     fn(input.columnwise);
+    fn(input.rowwise_scale_inv);  // block-scaled: the copies' scales
+    fn(input.columnwise_scale_inv);
   }
 };
 

@@ -14,6 +14,7 @@
 #include "server/core/layernorm_mlp.h"
 #include "server/core/linear.h"
 #include "server/core/module_host.h"
+#include "server/core/offload.h"
 #include "server/core/tensor_calls.h"
 #include "server/device/reference_backend.h"
 #include "test_util.h"
@@ -292,6 +293,64 @@ TEST_P(BlockLayerNormKindsTest, TheWorkspaceIsCastOncePerWeightVersion) {
     auto next = LinearForward(args);
     ASSERT_TRUE(next.ok());
     EXPECT_TRUE(next->workspace_built);
+  }
+}
+
+// A block-scaled context owns its scales with its codes: ForEachTensor visits every byte bytes()
+// counts (what offload moves), and a context packed to host memory and back gives its backward
+// the same bits.
+TEST_P(BlockLayerNormKindsTest, ASavedContextsScalesTravelWithItsCodes) {
+  const ScalingMode mode = GetParam();
+  const int64_t m = 19, k = 150, n = 40, f = 64;
+  for (ModuleKind kind :
+       {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
+    SCOPED_TRACE(ModuleKindName(kind));
+    const LayerNormParams ln = RandomLn(k, false);
+    ModuleSpec spec = gradwire::testing::MakeModuleSpec(kind, k, n, f);
+    spec.bias = true;
+    spec.recipe.mode = mode;
+    ParamTable p;
+    p[Param::kLayerNormWeight] = ln.gamma;
+    p[Param::kLayerNormBias] = ln.beta;
+    p[Param::kWeight] = RandN({n, k}, 0.1);
+    p[Param::kBias] = RandN({n});
+    p[Param::kFc1Weight] = RandN({f, k}, 0.1);
+    p[Param::kFc1Bias] = RandN({f});
+    p[Param::kFc2Weight] = RandN({n, f}, 0.1);
+    p[Param::kFc2Bias] = RandN({n});
+    KindForwardArgs args = MakeFwdArgs(spec, MixedRows(m, k), p, true);
+    args.quantizers = BlockScaling(kind, mode);
+    const ModuleKindOps& ops = *FindKind(kind);
+    auto fwd = ops.Forward(args);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    int64_t visited = 0;
+    fwd->saved->ForEachTensor([&](at::Tensor& t) {
+      if (t.defined()) visited += int64_t(t.nbytes());
+    });
+    EXPECT_EQ(visited, fwd->saved->bytes());
+    const at::Tensor dy = MixedRows(m, n);
+    auto backward = [&](const SavedTensors* saved) {
+      ParamTable g;
+      for (Param param :
+           {Param::kWeight, Param::kBias, Param::kLayerNormWeight, Param::kLayerNormBias,
+            Param::kFc1Weight, Param::kFc1Bias, Param::kFc2Weight, Param::kFc2Bias}) {
+        g[param] = at::zeros_like(p[param]);
+      }
+      DirectGradients grads(*MakeReferenceBackend(), g);
+      KindBackwardArgs bargs = MakeBwdArgs(spec, dy, saved, &grads);
+      bargs.quantizers = BlockScaling(kind, mode);
+      auto r = ops.Backward(bargs);
+      EXPECT_TRUE(r.ok()) << r.status();
+      return r.ok() ? r->grad_input : at::Tensor();
+    };
+    const at::Tensor want = backward(fwd->saved.get());
+    auto fwd2 = ops.Forward(args);
+    ASSERT_TRUE(fwd2.ok());
+    auto pack = HostPack::Pack(*fwd2->saved);
+    ASSERT_TRUE(pack.ok()) << pack.status();
+    EXPECT_EQ((*pack)->bytes(), visited);
+    ASSERT_TRUE((*pack)->Unpack(*fwd2->saved).ok());
+    EXPECT_TRUE(at::equal(backward(fwd2->saved.get()), want));
   }
 }
 

@@ -36,15 +36,21 @@ for kind in layernorm-mlp layernorm-linear linear; do
   "$load_bin" --server "$addr" --kind "$kind" --in 64 --out 32 --ffn 128 --rows 2 --count 1 \
     --warmup 0 --keep-module >/dev/null 2>&1
 done
+"$load_bin" --server "$addr" --kind linear --in 48 --out 16 --rows 3 --count 1 --warmup 0 \
+  --recipe mxfp8 --keep-module >/dev/null 2>&1
 "$cli_bin" info --server "$addr" >"$tmp/kinds.txt"
 cat "$tmp/kinds.txt"
 check "info: a LayerNormMLP" grep -q " LayerNormMLP 64 -> 128 -> 32, gelu, bias  v" "$tmp/kinds.txt"
 check "info: a LayerNormLinear" grep -q " LayerNormLinear 64 -> 32, bias  v" "$tmp/kinds.txt"
 check "info: a Linear" grep -q " Linear 64 -> 32, bias  v" "$tmp/kinds.txt"
+check "info: each module's recipe" grep -q " Linear 64 -> 32, bias  v.* current scaling" "$tmp/kinds.txt"
+check "info: an MXFP8 module" grep -q " Linear 48 -> 16, bias  v.* mxfp8 scaling" "$tmp/kinds.txt"
 "$cli_bin" info --server "$addr" --json >"$tmp/kinds.json"
 check "info --json: kind and description" \
   grep -q '"description":"LayerNormMLP 64 -> 128 -> 32, gelu, bias","in_features":64,"kind":"LAYERNORM_MLP"' \
   "$tmp/kinds.json"
+
+check "info --json: the recipe" grep -q '"recipe":"mxfp8"' "$tmp/kinds.json"
 
 # Health, as a container probe sees it: exit 0 only when SERVING.
 check "health: SERVING, exit 0" bash -c "'$cli_bin' health --server '$addr' | grep -qx SERVING"

@@ -1453,14 +1453,20 @@ def _restore(cls: type, server: str, state: Dict[str, Any]) -> RemoteModule:
     return cls._rebuild(client, state)
 
 
+# The FP8 scaling recipes by name (docs/block-scaling.md for the block-scaled two).
+_RECIPES = {"current": module_pb2.CURRENT, "delayed": module_pb2.DELAYED,
+            "block": module_pb2.BLOCK, "mxfp8": module_pb2.MXFP8}
+
+
 def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: str, seed: int,
           name: str, max_staleness: int,
           optimizer: Optional[module_pb2.OptimizerConfig], labels: Optional[Dict[str, str]] = None,
           **extra) -> module_pb2.ModuleSpec:
     """The spec of a module of ``kind``; ``labels``: the class's argument names of spec fields,
     for its errors."""
-    if recipe not in ("current", "delayed"):
-        raise ValueError(f"recipe must be 'current' or 'delayed', got {recipe!r}")
+    if recipe not in _RECIPES:
+        raise ValueError(
+            f"recipe must be 'current', 'delayed', 'block' or 'mxfp8', got {recipe!r}")
     sizes = {"in_features": in_features, "out_features": out_features}
     sizes.update({k: v for k, v in extra.items() if k.endswith("_features")})
     labels = labels or {}
@@ -1477,14 +1483,17 @@ def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: st
     spec = module_pb2.ModuleSpec(kind=kind, in_features=in_features, out_features=out_features,
                                  bias=bias, seed=seed, name=name, max_staleness=max_staleness,
                                  **extra)
-    spec.recipe.scaling = module_pb2.DELAYED if recipe == "delayed" else module_pb2.CURRENT
+    spec.recipe.scaling = _RECIPES[recipe]
     if optimizer is not None:
         spec.optimizer.CopyFrom(optimizer)
     return spec
 
 
 _COMMON_ARGS = """
-        recipe: FP8 scaling, "current" (per tensor, per call) or "delayed" (amax history).
+        recipe: FP8 scaling, "current" (per tensor, per call), "delayed" (amax history),
+            "block" (a power-of-two scale per 1x128 block, 128x128 for weights) or "mxfp8"
+            (per 32 elements along each GEMM's reduction): with a block recipe one outlier
+            costs only its own block.
         seed: seed of the deterministic initialisation (same seed, same weights everywhere).
         name: a label ListModules shows.
         optimizer: "local" (default: a torch optimizer over ``parameters()`` trains it; its

@@ -1,0 +1,24 @@
+// FP8 scaling recipes by name: what the CLI's --recipe, gradwire-load's --recipe and `gradwire
+// info` call the values of gradwire.v1.ScalingRecipe ("current", "delayed", "block", "mxfp8").
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "gradwire/v1/module.pb.h"
+
+namespace gradwire::client {
+
+// The recipe called `name`: its lowercase name ("mxfp8") or its enum name ("MXFP8"); nullopt for
+// anything else (SCALING_RECIPE_UNSPECIFIED included).
+std::optional<v1::ScalingRecipe> RecipeByName(absl::string_view name);
+// The lowercase name of `recipe`; "current" for SCALING_RECIPE_UNSPECIFIED (what the server
+// treats it as), the enum's number for a value this contract does not name.
+std::string RecipeName(v1::ScalingRecipe recipe);
+// Every recipe's lowercase name, in enum order, and them joined by ", ".
+std::vector<std::string> RecipeNames();
+std::string RecipeNamesJoined();
+
+}  // namespace gradwire::client

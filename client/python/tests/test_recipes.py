@@ -1,0 +1,34 @@
+"""The block-scaled FP8 recipes from Python (recipe="block" / "mxfp8", docs/block-scaling.md):
+the server runs them, the module's spec names them, and one outlier costs only its own row."""
+
+import pytest
+import torch
+
+import gradwire
+from gradwire.v1 import module_pb2
+
+
+@pytest.mark.parametrize("recipe,value", [("block", module_pb2.BLOCK), ("mxfp8", module_pb2.MXFP8)])
+def test_a_block_recipe_keeps_the_other_rows_of_an_outlier(client, recipe, value):
+    m = gradwire.RemoteLinear(client, 64, 8, recipe=recipe, seed=3)
+    assert m.spec.recipe.scaling == value
+    # What the server says the module is (its own spec, read back).
+    assert gradwire.RemoteModule.attach(client, m.module_id).spec.recipe.scaling == value
+    x = torch.randn(5, 64)
+    dirty = x.clone()
+    dirty[0, 7] = 3e6
+    with torch.no_grad():
+        clean_y, dirty_y = m(x), m(dirty)
+    # Each row's blocks are its own: rows 1..4 come out bit for bit as without the outlier.
+    assert torch.equal(clean_y[1:], dirty_y[1:])
+    # The same weights (same seed) under per-tensor scaling: the two FP8 results agree to a few
+    # E4M3 roundings.
+    per_tensor = gradwire.RemoteLinear(client, 64, 8, recipe="current", seed=3)
+    with torch.no_grad():
+        other = per_tensor(x)
+    assert (clean_y - other).norm() <= 0.1 * other.norm()
+
+
+def test_an_unknown_recipe_is_refused_before_any_call(client):
+    with pytest.raises(ValueError, match="'block' or 'mxfp8'"):
+        gradwire.RemoteLinear(client, 4, 2, recipe="blocks")
