@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fp8_model.h"
 #include "gradwire/kernels/cpu/ordered_gemm.h"
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/kernels/ref/gemm.h"
@@ -22,46 +23,7 @@
 namespace gradwire::kernels {
 namespace {
 
-struct Format {
-  Fp8Format format;
-  int exponent_bits;
-  int mantissa_bits;
-  int bias;
-  bool ieee_specials;  // E5M2: top exponent is inf/NaN; E4M3 (fn): only S.1111.111 is NaN
-};
-
-const Format kE4M3{Fp8Format::kE4M3, 4, 3, 7, false};
-const Format kE5M2{Fp8Format::kE5M2, 5, 2, 15, true};
-
-double ModelDecode(const Format& f, int code) {
-  const int exponent = (code >> f.mantissa_bits) & ((1 << f.exponent_bits) - 1);
-  const int mantissa = code & ((1 << f.mantissa_bits) - 1);
-  const int top = (1 << f.exponent_bits) - 1;
-  double v;
-  if (f.ieee_specials && exponent == top) {
-    v = mantissa == 0 ? INFINITY : NAN;
-  } else if (!f.ieee_specials && exponent == top && mantissa == (1 << f.mantissa_bits) - 1) {
-    v = NAN;
-  } else if (exponent == 0) {
-    v = std::ldexp(double(mantissa), 1 - f.bias - f.mantissa_bits);
-  } else {
-    v = std::ldexp(1.0 + double(mantissa) / double(1 << f.mantissa_bits), exponent - f.bias);
-  }
-  return (code & 0x80) ? -v : v;
-}
-
-// The 128 non-negative codes' values, decoded once per format.
-const std::vector<double>& ModelValues(const Format& f) {
-  static const auto build = [](const Format& g) {
-    std::vector<double> v(128);
-    for (int code = 0; code < 128; ++code) v[size_t(code)] = ModelDecode(g, code);
-    return v;
-  };
-  static const std::vector<double> e4m3 = build(kE4M3), e5m2 = build(kE5M2);
-  return f.format == Fp8Format::kE4M3 ? e4m3 : e5m2;
-}
-
-double ModelMax(const Format& f) {
+double ModelMax(const FormatModel& f) {
   double max = 0;
   for (double v : ModelValues(f)) {
     if (std::isfinite(v)) max = std::max(max, v);
@@ -69,27 +31,8 @@ double ModelMax(const Format& f) {
   return max;
 }
 
-// Nearest finite value (ties to the even code), saturating; -1 for NaN.
-int ModelEncode(const Format& f, double x) {
-  if (std::isnan(x)) return -1;
-  const int sign = std::signbit(x) ? 0x80 : 0;
-  const double a = std::fabs(x);
-  int best = 0, max_code = 0;
-  double best_distance = INFINITY, max = 0;
-  const std::vector<double>& values = ModelValues(f);
-  for (int code = 0; code < 128; ++code) {
-    const double v = values[size_t(code)];
-    if (!std::isfinite(v)) continue;
-    if (v > max) max = v, max_code = code;
-    const double d = std::fabs(v - a);
-    if (d < best_distance || (d == best_distance && (code & 1) == 0))
-      best = code, best_distance = d;
-  }
-  return sign | (a >= max ? max_code : best);
-}
-
 // The smallest integer e with amax <= max * 2^e, found by search; 0 for amax == 0; clamped.
-int ModelExponent(const Format& f, double amax) {
+int ModelExponent(const FormatModel& f, double amax) {
   if (amax == 0) return 0;
   const double max = ModelMax(f);
   int e = -400;
@@ -103,8 +46,8 @@ struct ModelCast {
   std::vector<double> dequantized;  // [rows, cols]
 };
 
-ModelCast ModelQuantize(const Format& f, const std::vector<float>& x, int64_t rows, int64_t cols,
-                        int64_t block_rows, int64_t block_cols) {
+ModelCast ModelQuantize(const FormatModel& f, const std::vector<float>& x, int64_t rows,
+                        int64_t cols, int64_t block_rows, int64_t block_cols) {
   const int64_t grid_rows = (rows + block_rows - 1) / block_rows;
   const int64_t grid_cols = (cols + block_cols - 1) / block_cols;
   ModelCast m;
@@ -132,8 +75,6 @@ ModelCast ModelQuantize(const Format& f, const std::vector<float>& x, int64_t ro
   }
   return m;
 }
-
-bool IsNanCode(const Format& f, uint8_t code) { return std::isnan(ModelDecode(f, code)); }
 
 std::mt19937& Rng() {
   thread_local std::mt19937 rng(std::random_device{}());
@@ -193,7 +134,7 @@ std::vector<float> RandomBlocked(int64_t rows, int64_t cols, int64_t block_rows,
 }
 
 struct Case {
-  Format format;
+  FormatModel format;
   int64_t block_rows, block_cols;
   int64_t rows, cols;
 };
@@ -284,7 +225,7 @@ TEST_P(BlockQuantizeTest, EachOrientationAlone) {
 
 std::vector<Case> Cases() {
   std::vector<Case> cases;
-  for (const Format& f : {kE4M3, kE5M2}) {
+  for (const FormatModel& f : {kE4M3, kE5M2}) {
     // BLOCK's 1x128 and 128x128, MXFP8's 1x32 rowwise and 32x1 columnwise, and odd shapes;
     // sizes below, at and past a block, primes, size 1.
     for (const auto& b :
@@ -301,10 +242,10 @@ std::vector<Case> Cases() {
 INSTANTIATE_TEST_SUITE_P(Shapes, BlockQuantizeTest, ::testing::ValuesIn(Cases()),
                          [](const auto& info) { return CaseName(info.param); });
 
-class BlockScaleExponentTest : public ::testing::TestWithParam<Format> {};
+class BlockScaleExponentTest : public ::testing::TestWithParam<FormatModel> {};
 
 TEST_P(BlockScaleExponentTest, MatchesSearchOnBoundariesAndRandomAmax) {
-  const Format f = GetParam();
+  const FormatModel f = GetParam();
   const double max = ModelMax(f);
   ASSERT_EQ(double(Fp8Max(f.format)), max);
   std::vector<float> amaxes{0.0f, FLT_MIN, std::nextafter(0.0f, 1.0f), FLT_MAX, 3e6f, 1.0f};
@@ -341,7 +282,7 @@ TEST_P(BlockScaleExponentTest, MatchesSearchOnBoundariesAndRandomAmax) {
 // The point of block scaling: an outlier changes its own block and nothing else, and a block's
 // finite values never saturate while its scale is in range.
 TEST_P(BlockScaleExponentTest, OutlierCostsOnlyItsBlockAndNothingSaturates) {
-  const Format f = GetParam();
+  const FormatModel f = GetParam();
   const int64_t rows = 5, cols = 300;
   const BlockShape block{1, 32};
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -384,7 +325,7 @@ TEST_P(BlockScaleExponentTest, OutlierCostsOnlyItsBlockAndNothingSaturates) {
 // The exponent range's promise to the GEMM: every nonzero dequantized value is a normal bf16
 // (its low 16 bits zero, its exponent >= -126), in [2^-66, 2^66), for any finite input.
 TEST_P(BlockScaleExponentTest, DequantizedValuesAreNormalBf16InTheDocumentedRange) {
-  const Format f = GetParam();
+  const FormatModel f = GetParam();
   const int64_t rows = 64, cols = 96;
   const std::vector<float> x = RandomBlocked(rows, cols, 1, 32);
   std::vector<uint8_t> codes(x.size());
@@ -414,7 +355,7 @@ TEST_P(BlockScaleExponentTest, DequantizedValuesAreNormalBf16InTheDocumentedRang
 }
 
 TEST_P(BlockScaleExponentTest, ZeroNanAndInfinityBlocks) {
-  const Format f = GetParam();
+  const FormatModel f = GetParam();
   // Block 0: zeros; block 1: NaNs; block 2: +-inf only; block 3: inf next to finite values;
   // block 4: huge (saturates at the top of the range); block 5: tiny (rounds on the grid of the
   // bottom of the range).
@@ -466,7 +407,7 @@ INSTANTIATE_TEST_SUITE_P(Formats, BlockScaleExponentTest, ::testing::Values(kE4M
 
 // Random values whose blocks take scale exponents across the whole clamped range and past it,
 // cast with `block` and dequantized: a block-scaled GEMM operand.
-std::vector<float> DequantizedOperand(const Format& f, int64_t rows, int64_t cols,
+std::vector<float> DequantizedOperand(const FormatModel& f, int64_t rows, int64_t cols,
                                       BlockShape block) {
   std::vector<float> x = RandomBlocked(rows, cols, block.rows, block.cols);
   for (float& v : x) {
@@ -486,7 +427,7 @@ std::vector<float> DequantizedOperand(const Format& f, int64_t rows, int64_t col
 // floats) — over blocks whose exponents span the whole range, E4M3 x E4M3 and E5M2 x E4M3. And
 // FloatGemm is the float64 sum of the same products within fp32 accumulation error.
 TEST(BlockScaledGemm, OrderedGemmCopiesAreTheReferenceBitsAcrossTheExponentRange) {
-  for (const Format& fa : {kE4M3, kE5M2}) {
+  for (const FormatModel& fa : {kE4M3, kE5M2}) {
     for (const auto& [m, n, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
              {1, 1, 1}, {7, 13, 33}, {6, 17, 300}, {19, 40, 129}}) {
       SCOPED_TRACE(std::string(Fp8FormatName(fa.format)) + " " + std::to_string(m) + "x" +

@@ -8,68 +8,13 @@
 #include <random>
 #include <vector>
 
+#include "fp8_model.h"
 #include "gradwire/kernels/fp8.h"
 
 namespace gradwire::kernels {
 namespace {
 
-struct FormatModel {
-  Fp8Format format;
-  int exponent_bits;
-  int mantissa_bits;
-  int bias;
-  bool ieee_specials;  // E5M2: top exponent is inf/NaN; E4M3 (fn): only S.1111.111 is NaN
-};
-
 void PrintTo(const FormatModel& f, std::ostream* os) { *os << Fp8FormatName(f.format); }
-
-const FormatModel kE4M3{Fp8Format::kE4M3, 4, 3, 7, false};
-const FormatModel kE5M2{Fp8Format::kE5M2, 5, 2, 15, true};
-
-// float64 value of a code, written from the format definition (not from the library).
-double ModelDecode(const FormatModel& f, int code) {
-  const int sign = code >> 7;
-  const int exponent = (code >> f.mantissa_bits) & ((1 << f.exponent_bits) - 1);
-  const int mantissa = code & ((1 << f.mantissa_bits) - 1);
-  const int top = (1 << f.exponent_bits) - 1;
-  double v;
-  if (f.ieee_specials && exponent == top) {
-    v = mantissa == 0 ? INFINITY : NAN;
-  } else if (!f.ieee_specials && exponent == top && mantissa == (1 << f.mantissa_bits) - 1) {
-    v = NAN;
-  } else if (exponent == 0) {
-    v = std::ldexp(double(mantissa), 1 - f.bias - f.mantissa_bits);
-  } else {
-    v = std::ldexp(1.0 + double(mantissa) / double(1 << f.mantissa_bits), exponent - f.bias);
-  }
-  return sign ? -v : v;
-}
-
-// Reference encoder: nearest finite value by float64 distance; ties go to the even code;
-// beyond the largest finite value (and +-inf) saturate; NaN is NaN.
-int ModelEncode(const FormatModel& f, double x) {
-  if (std::isnan(x)) return -1;  // "some NaN"
-  const int sign = std::signbit(x) ? 0x80 : 0;
-  const double a = std::fabs(x);
-  int best = -1;
-  double best_distance = INFINITY;
-  double max_finite = 0;
-  int max_code = 0;
-  for (int code = 0; code < 128; ++code) {
-    const double v = ModelDecode(f, code);
-    if (!std::isfinite(v)) continue;
-    if (v > max_finite) max_finite = v, max_code = code;
-    const double d = std::fabs(v - a);
-    if (d < best_distance || (d == best_distance && (code & 1) == 0)) {
-      best = code;
-      best_distance = d;
-    }
-  }
-  if (a >= max_finite) return sign | max_code;
-  return sign | best;
-}
-
-bool IsNanCode(const FormatModel& f, int code) { return std::isnan(ModelDecode(f, code)); }
 
 class Fp8CodecTest : public ::testing::TestWithParam<FormatModel> {};
 
