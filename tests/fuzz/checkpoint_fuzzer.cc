@@ -22,8 +22,10 @@
 namespace {
 
 namespace fs = std::filesystem;
+using gradwire::core::AmaxAlgo;
 using gradwire::core::ModuleHost;
 using gradwire::core::ModuleKind;
+using gradwire::core::ScalingMode;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "checkpoint_fuzzer invariant broken: %s\n", what.c_str());
@@ -76,8 +78,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (int(spec.activation) < 0 || int(spec.activation) > 3) {
     Fail("restored a module with activation " + std::to_string(int(spec.activation)));
   }
-  if (int(spec.recipe.mode) < 0 || int(spec.recipe.mode) > 1 || int(spec.recipe.algo) < 0 ||
-      int(spec.recipe.algo) > 1 || int(spec.optimizer.kind) < 0 || int(spec.optimizer.kind) > 1) {
+  if (int(spec.recipe.mode) < 0 || int(spec.recipe.mode) > int(ScalingMode::kMxfp8) ||
+      int(spec.recipe.algo) < 0 || int(spec.recipe.algo) > int(AmaxAlgo::kMostRecent) ||
+      int(spec.optimizer.kind) < 0 || int(spec.optimizer.kind) > 1) {
     Fail("restored a module with an out-of-range recipe or optimizer");
   }
   // A restored module must compute like a created one: small modules only, to stay fast.
