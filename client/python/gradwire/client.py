@@ -412,9 +412,19 @@ class Client:
         with self._owned_lock:
             return list(self._owned)
 
-    def _own(self, module_id: str, module=None) -> None:
+    def own(self, module_id: str, module=None) -> None:
+        """Makes ``module_id`` one this client deletes on ``close()`` (what a ``RemoteModule``
+        that created its module does). ``module``: the Python object holding it, kept weakly."""
         with self._owned_lock:
             self._owned[module_id] = weakref.ref(module) if module is not None else None
+
+    def context_route(self, context_id: str, consume: bool) -> Optional[str]:
+        """The module a training context belongs to (None when this client did not make it),
+        which routes its backward. ``consume``: the caller's backward consumes the context, so
+        the client forgets it."""
+        if consume:
+            return self._context_modules.pop(context_id, None)
+        return self._context_modules.get(context_id)
 
     def _disown(self, module_id: str) -> None:
         with self._owned_lock:

@@ -182,8 +182,7 @@ def submit_backward(client: Client, context_id: str, grad_output: torch.Tensor,
     """Future of a backward's grad_input (None with skip_grad_input)."""
     if _stream_ok(client, grad_output, dtype):
         # The stream of the context's module (routed by it).
-        modules = client._context_modules
-        route = modules.get(context_id) if retain else modules.pop(context_id, None)
+        route = client.context_route(context_id, consume=not retain)
         return client.train_stream(route).backward(context_id, grad_output, skip_grad_input,
                                                    retain, dtype)
     return _done(lambda: client.backward(context_id, grad_output, skip_grad_input, retain,
@@ -616,7 +615,7 @@ class _Twin:
         info = owner.client.create_module(spec)
         self.client = owner.client
         self.module_id = info.module_id
-        self.client._own(self.module_id)  # deleted by Client.close(), if not before
+        self.client.own(self.module_id)  # deleted by Client.close(), if not before
         self._text = f"{owner._label()} (on given weights: module {self.module_id})"
         self._backward_lock = threading.Lock()
         self._interrupted: List[Future] = []
@@ -739,7 +738,7 @@ class RemoteModule(torch.nn.Module):
         self._anchor = torch.empty(0, requires_grad=True)
         self._finalizer = None
         if self._owned:
-            client._own(self.module_id, self)
+            client.own(self.module_id, self)
             self._finalizer = weakref.finalize(self, RemoteModule._delete_quietly, client,
                                                self.module_id)
         # The parameters hold the server's values from the start (not uninitialised memory): a

@@ -157,7 +157,7 @@ def test_whether_a_server_restarted_is_asked_of_the_contexts_module(server):
         assert e.value.reason == "unknown", e.value
         assert routes == [layer.module_id]
         # A failed backward keeps the context's route, so a retry goes to the same server.
-        assert c._context_modules.get(unknown) == layer.module_id
+        assert c.context_route(unknown, consume=False) == layer.module_id
         # The module's process changed since its forward: that process restarted.
         c._instance_ids[layer.module_id] = "another process"
         unknown = secrets.token_hex(16)
@@ -175,6 +175,7 @@ def test_a_backward_refused_for_its_input_can_be_retried_where_the_context_lives
         with pytest.raises(gradwire.GradwireError) as e:
             c.backward(context_id, torch.ones(2, 5))  # the wrong width: refused, nothing consumed
         assert e.value.code == "INVALID_ARGUMENT", e.value
-        assert c._context_modules.get(context_id) == layer.module_id  # still routed by its module
+        # Still routed by its module.
+        assert c.context_route(context_id, consume=False) == layer.module_id
         assert c.backward(context_id, torch.ones(2, 4)).shape == (2, 8)
-        assert context_id not in c._context_modules
+        assert c.context_route(context_id, consume=False) is None
