@@ -48,11 +48,11 @@ def accuracy(model, x, y):
     return correct
 
 
-def build(where, blocks, micro_batches, lr, momentum, seed):
+def build(where, blocks, micro_batches, lr, momentum, seed, recipe="current"):
     torch.manual_seed(seed)
     remote_blocks = [gradwire.RemoteLayerNormMLP(where, 32, 64, 32, seed=seed + i,
                                                  optimizer="sgd", lr=lr, momentum=momentum,
-                                                 name=f"mlp_stack.block{i}")
+                                                 recipe=recipe, name=f"mlp_stack.block{i}")
                      for i in range(blocks)]
     embed, head = torch.nn.Linear(30, 32), torch.nn.Linear(32, 2)
     stack = gradwire.RemoteSequential(remote_blocks, micro_batches=micro_batches)
@@ -67,10 +67,10 @@ def build(where, blocks, micro_batches, lr, momentum, seed):
 
 
 def train(where, epochs=15, batch=64, blocks=3, micro_batches=4, lr=0.01, momentum=0.9, seed=0,
-          log=print):
+          recipe="current", log=print):
     """Trains the remote model and its float32 twin; returns per-epoch results and timings."""
     x_train, x_test, y_train, y_test = load_data(seed)
-    remote, stack, local = build(where, blocks, micro_batches, lr, momentum, seed)
+    remote, stack, local = build(where, blocks, micro_batches, lr, momentum, seed, recipe)
     local_params = [p for i in (0, 2) for p in remote[i].parameters()]
     remote_opt = torch.optim.SGD(local_params, lr=lr, momentum=momentum)
     local_opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=momentum)
@@ -142,6 +142,8 @@ def main():
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--recipe", choices=["current", "delayed", "block", "mxfp8"],
+                        default="current", help="the blocks' FP8 scaling recipe")
     parser.add_argument("--wire-dtype", choices=["f32", "bf16", "f16", "fp8"], default="f32")
     parser.add_argument("--plot", default="mlp-stack-loss.png", help="PNG of the loss curves")
     parser.add_argument("--json", action="store_true", help="print the history as one JSON line")
@@ -152,7 +154,7 @@ def main():
     # Closing deletes the blocks the run created on the servers, whatever happened.
     with where:
         history = train(where, args.epochs, blocks=args.blocks, micro_batches=args.micro_batches,
-                        lr=args.lr, momentum=args.momentum, seed=args.seed)
+                        lr=args.lr, momentum=args.momentum, seed=args.seed, recipe=args.recipe)
     plot(history, args.plot, args.blocks)
     print(f"loss curves: {args.plot}", file=sys.stderr)
     if args.json:

@@ -1,6 +1,9 @@
 """The block-scaled FP8 recipes from Python (recipe="block" / "mxfp8", docs/block-scaling.md):
 the server runs them, the module's spec names them, and one outlier costs only its own row."""
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -32,3 +35,35 @@ def test_a_block_recipe_keeps_the_other_rows_of_an_outlier(client, recipe, value
 def test_an_unknown_recipe_is_refused_before_any_call(client):
     with pytest.raises(ValueError, match="'block' or 'mxfp8'"):
         gradwire.RemoteLinear(client, 4, 2, recipe="blocks")
+
+
+# FP8 training under every recipe ends within 5% of the same model trained in float32 from the
+# same weights and data: the two examples that train a float32 twin beside the remote model,
+# shortened.
+RECIPES = ["current", "delayed", "block", "mxfp8"]
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def example(name):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_digits_example_trains_within_five_percent_of_float32(client, recipe):
+    history = example("digits").train(client, epochs=3, seed=0, recipe=recipe, log=lambda s: None)
+    fp8, f32 = history["fp8_loss"][-1], history["f32_loss"][-1]
+    assert history["fp8_loss"][-1] < 0.5 * history["fp8_loss"][0], history  # it learned
+    assert abs(fp8 - f32) <= 0.05 * f32, history
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_mlp_stack_example_trains_within_five_percent_of_float32(client, recipe):
+    history = example("mlp_stack").train(client, epochs=4, blocks=2, seed=0, recipe=recipe,
+                              log=lambda s: None)
+    fp8, f32 = history["fp8_loss"][-1], history["f32_loss"][-1]
+    assert history["fp8_loss"][-1] < history["fp8_loss"][0], history  # it learned
+    assert abs(fp8 - f32) <= 0.05 * f32, history
