@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "gradwire/kernels/cpu/loops.h"
 #include "gradwire/kernels/cpu/parallel.h"
+#include "gradwire/kernels/cpu/scratch.h"
 #include "vector_clones.h"
 
 namespace gradwire::kernels::cpu {
@@ -87,6 +89,36 @@ uint32_t EncodeRowAmax(const float* x, int64_t n, float scale, Fp8Format format,
                                     : EncodeRowAmaxE5M2(x, n, scale, out);
 }
 
+// The block-scaled cast's loops (kernels/ref/block_scaling.h). colmax[i] = max(colmax[i], |x[i]|)
+// over finite x[i] only, as bits of |x| (an integer max of non-negative floats' bits orders them
+// as the floats): the amax that sets a block's scale ignores NaN and inf.
+GRADWIRE_VECTOR_CLONES
+void FiniteAbsMaxInto(const float* x, int64_t n, uint32_t* colmax) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu;
+    const uint32_t finite = a < 0x7F800000u ? a : 0u;
+    colmax[i] = finite > colmax[i] ? finite : colmax[i];
+  }
+}
+
+// out[i] = Encode(x[i] * scale[i]): each element with its own block's scale.
+GRADWIRE_VECTOR_CLONES
+void EncodeRowScaledE4M3(const float* x, const float* scale, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = EncodeE4M3(x[i] * scale[i]);
+}
+
+GRADWIRE_VECTOR_CLONES
+void EncodeRowScaledE5M2(const float* x, const float* scale, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = EncodeE5M2(x[i] * scale[i]);
+}
+
+// out[i] = table[codes[i]] * scale[i].
+GRADWIRE_VECTOR_CLONES
+void DecodeRowScaled(const uint8_t* codes, const float* table, const float* scale, int64_t n,
+                     float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * scale[i];
+}
+
 // out[c * ld_out + r] = in[r * ld_in + c] for a tile of rows x cols (each at most kTile).
 void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols, uint8_t* out,
                    int64_t ld_out) {
@@ -160,6 +192,77 @@ void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* o
         const int64_t w = std::min(cols, c0 + kTile) - c0;
         TransposeTile(codes + r0 * cols + c0, cols, r1 - r0, w, out + c0 * rows + r0, rows);
       }
+    }
+  });
+}
+
+void QuantizeBlocks(const float* x, int64_t rows, int64_t cols, BlockShape block, Fp8Format format,
+                    uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t) {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t grid_rows = BlockGridRows(rows, block);
+  const int64_t grid_cols = BlockGridCols(cols, block);
+  // The transposed copy is written from the rowwise codes: in place when those are wanted, else
+  // from scratch.
+  Scratch spare;
+  uint8_t* codes = out;
+  if (codes == nullptr && out_t != nullptr) {
+    spare = TakeScratch(size_t(rows * cols));
+    codes = static_cast<uint8_t*>(spare.data());
+  }
+  // A range of block rows per thread: about 16 K elements each at least.
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, block.rows * cols));
+  ParallelFor(grid_rows, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> colmax(static_cast<size_t>(cols));
+    std::vector<float> colscale(static_cast<size_t>(cols));
+    for (int64_t bi = b0; bi < b1; ++bi) {
+      const int64_t r0 = bi * block.rows, r1 = std::min(r0 + block.rows, rows);
+      // Per column, the largest finite |x| over the block row's rows; then per block, the
+      // largest over its columns.
+      std::fill(colmax.begin(), colmax.end(), 0u);
+      for (int64_t r = r0; r < r1; ++r) FiniteAbsMaxInto(x + r * cols, cols, colmax.data());
+      for (int64_t bj = 0; bj < grid_cols; ++bj) {
+        const int64_t c0 = bj * block.cols, c1 = std::min(c0 + block.cols, cols);
+        const uint32_t m = *std::max_element(colmax.begin() + c0, colmax.begin() + c1);
+        const int e = BlockScaleExponent(__builtin_bit_cast(float, m), format);
+        const float scale = std::ldexp(1.0f, -e);
+        const float inv = std::ldexp(1.0f, e);
+        if (scale_inv) scale_inv[bi * grid_cols + bj] = inv;
+        if (scale_inv_t) scale_inv_t[bj * grid_rows + bi] = inv;
+        std::fill(colscale.begin() + c0, colscale.begin() + c1, scale);
+      }
+      if (codes == nullptr) continue;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (format == Fp8Format::kE4M3) {
+          EncodeRowScaledE4M3(x + r * cols, colscale.data(), cols, codes + r * cols);
+        } else {
+          EncodeRowScaledE5M2(x + r * cols, colscale.data(), cols, codes + r * cols);
+        }
+      }
+    }
+  });
+  if (out_t != nullptr) TransposeCodes(codes, rows, cols, out_t);
+}
+
+void DequantizeBlocks(const uint8_t* codes, int64_t rows, int64_t cols, BlockShape block,
+                      const float* scale_inv, Fp8Format format, float* out) {
+  if (rows <= 0 || cols <= 0) return;
+  const float* table = DecodeTable(format);
+  const int64_t grid_cols = BlockGridCols(cols, block);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / cols);
+  ParallelFor(rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> colscale(static_cast<size_t>(cols));
+    int64_t built = -1;  // the block row colscale holds
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t bi = r / block.rows;
+      if (bi != built) {
+        for (int64_t bj = 0; bj < grid_cols; ++bj) {
+          const int64_t c0 = bj * block.cols, c1 = std::min(c0 + block.cols, cols);
+          std::fill(colscale.begin() + c0, colscale.begin() + c1, scale_inv[bi * grid_cols + bj]);
+        }
+        built = bi;
+      }
+      DecodeRowScaled(codes + r * cols, table, colscale.data(), cols, out + r * cols);
     }
   });
 }

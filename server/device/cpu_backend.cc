@@ -88,10 +88,20 @@ Panels DgradPanels(const Fp8Tensor& w) {
   return PackNow(w.rowwise, w.format, w.cols, w.rows, false);
 }
 
+// DequantizeInto, a block-scaled tensor's on the threaded loop (kernels/cpu/cast.h).
+void DequantizeBlocksInto(const Fp8Tensor& t, bool rowwise, float* out) {
+  if (!t.block_scaled) return DequantizeInto(t, rowwise, out);
+  const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
+  const at::Tensor& grid = rowwise ? t.rowwise_scale_inv : t.columnwise_scale_inv;
+  kernels::cpu::DequantizeBlocks(codes.data_ptr<uint8_t>(), codes.size(0), codes.size(1),
+                                 rowwise ? t.rowwise_block : t.columnwise_block,
+                                 grid.data_ptr<float>(), t.format, out);
+}
+
 // One stored copy of a block-scaled tensor, dequantized block by block into scratch.
 kernels::cpu::Scratch DequantizeToScratch(const Fp8Tensor& t, bool rowwise) {
   kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(t.rows * t.cols) * sizeof(float));
-  DequantizeInto(t, rowwise, out.floats());
+  DequantizeBlocksInto(t, rowwise, out.floats());
   return out;
 }
 
@@ -123,7 +133,7 @@ kernels::cpu::Scratch StackDequantized(const Fp8Tensor& t) {
   kernels::cpu::Scratch out = kernels::cpu::TakeScratch(size_t(t.rows * t.cols) * sizeof(float));
   int64_t row = 0;
   for (const Fp8Tensor& g : t.groups) {
-    DequantizeInto(g, true, out.floats() + row * t.cols);
+    DequantizeBlocksInto(g, true, out.floats() + row * t.cols);
     row += g.rows;
   }
   return out;
@@ -247,8 +257,16 @@ class CpuBackend final : public ReferenceBackend {
         !x.is_cpu() || (!usage.rowwise && !usage.columnwise)) {
       return ReferenceBackend::Cast(x, config, usage);  // refused there, with its message
     }
-    // The block-scaled recipes' cast is the reference's (kernels/ref/block_scaling.h).
-    if (config.block_scaled) return ReferenceBackend::Cast(x, config, usage);
+    // The block-scaled recipes' cast: the reference's (kernels/ref/block_scaling.h) on the
+    // threaded loops of kernels/cpu/cast.h, bit for bit; bfloat16 widens exactly first.
+    if (config.block_scaled) {
+      static constexpr BlockCastLoops kLoops{&kernels::cpu::QuantizeBlocks, &kernels::cpu::AbsMax};
+      if (!bf16) return QuantizeBlockScaled(x, config, usage, kLoops);
+      const kernels::cpu::Scratch wide = WidenBf16(x);
+      const at::Tensor values =
+          at::from_blob(wide.floats(), x.sizes(), at::TensorOptions().dtype(at::kFloat));
+      return QuantizeBlockScaled(values, config, usage, kLoops);
+    }
     Fp8Tensor out;
     out.format = config.format;
     out.rows = x.size(0);

@@ -47,7 +47,7 @@ float MaxOf(const at::Tensor& t) {
 
 // The block-scaled cast (kernels/ref/block_scaling.h): each copy blocked along its own rows.
 Fp8Tensor QuantizeBlocked(const float* data, const QuantizerConfig& config, CastUsage usage,
-                          Fp8Tensor out) {
+                          Fp8Tensor out, const BlockCastLoops& loops) {
   out.block_scaled = true;
   out.rowwise_block = config.rowwise_block;
   out.columnwise_block = config.columnwise_block;
@@ -67,29 +67,29 @@ Fp8Tensor QuantizeBlocked(const float* data, const QuantizerConfig& config, Cast
         {kernels::BlockGridCols(out.cols, as_x), kernels::BlockGridRows(out.rows, as_x)}, f32);
   }
   if (usage.rowwise) {
-    kernels::QuantizeBlocks(data, out.rows, out.cols, config.rowwise_block, config.format,
-                            out.rowwise.data_ptr<uint8_t>(),
-                            out.rowwise_scale_inv.data_ptr<float>(),
-                            same ? out.columnwise.data_ptr<uint8_t>() : nullptr,
-                            same ? out.columnwise_scale_inv.data_ptr<float>() : nullptr);
+    loops.quantize(data, out.rows, out.cols, config.rowwise_block, config.format,
+                   out.rowwise.data_ptr<uint8_t>(), out.rowwise_scale_inv.data_ptr<float>(),
+                   same ? out.columnwise.data_ptr<uint8_t>() : nullptr,
+                   same ? out.columnwise_scale_inv.data_ptr<float>() : nullptr);
     max_scale_inv = MaxOf(out.rowwise_scale_inv);
   }
   if (usage.columnwise && !same) {
-    kernels::QuantizeBlocks(data, out.rows, out.cols, as_x, config.format, nullptr, nullptr,
-                            out.columnwise.data_ptr<uint8_t>(),
-                            out.columnwise_scale_inv.data_ptr<float>());
+    loops.quantize(data, out.rows, out.cols, as_x, config.format, nullptr, nullptr,
+                   out.columnwise.data_ptr<uint8_t>(), out.columnwise_scale_inv.data_ptr<float>());
   }
   if (usage.columnwise) max_scale_inv = std::max(max_scale_inv, MaxOf(out.columnwise_scale_inv));
   out.max_scale_inv = max_scale_inv > 0.0f ? max_scale_inv : 1.0f;
   // The source's amax (NaN when a value is NaN), for the finite checks and the roles' records.
-  out.scalars = CastScalars(1.0f, 1.0f, kernels::Amax(data, out.rows * out.cols));
+  out.scalars = CastScalars(1.0f, 1.0f, loops.amax(data, out.rows * out.cols));
   return out;
 }
 
 }  // namespace
 
-absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
-                                   CastUsage usage) {
+namespace {
+
+absl::StatusOr<Fp8Tensor> QuantizeOn(const at::Tensor& x, const QuantizerConfig& config,
+                                     CastUsage usage, const BlockCastLoops& loops) {
   if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || !x.is_cpu()) {
     return absl::InternalError("Quantize expects a contiguous 2-D float32 CPU tensor");
   }
@@ -114,7 +114,7 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
         config.columnwise_block.rows < 1 || config.columnwise_block.cols < 1) {
       return absl::InternalError("Quantize: a block shape must be at least 1 x 1");
     }
-    return QuantizeBlocked(data, config, usage, std::move(out));
+    return QuantizeBlocked(data, config, usage, std::move(out), loops);
   }
   if (GivenScale(config)) {  // delayed: the scale is given; amax comes out of the same pass
     const float given = HostScale(config);
@@ -130,6 +130,19 @@ absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& c
   kernels::QuantizeFp8(data, out.rows, out.cols, scale, config.format, rowwise, columnwise,
                        nullptr);
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
+                                   CastUsage usage) {
+  return QuantizeOn(x, config, usage, BlockCastLoops{});
+}
+
+absl::StatusOr<Fp8Tensor> QuantizeBlockScaled(const at::Tensor& x, const QuantizerConfig& config,
+                                              CastUsage usage, const BlockCastLoops& loops) {
+  if (!config.block_scaled) return absl::InternalError("QuantizeBlockScaled of a per-tensor cast");
+  return QuantizeOn(x, config, usage, loops);
 }
 
 Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::Fp8Format format,

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/kernels/ref/block_scaling.h"
+#include "gradwire/kernels/ref/cast.h"
 #include "server/device/fp8_tensor.h"
 #include "server/device/recipe.h"
 
@@ -85,6 +86,19 @@ struct CastUsage {
 // x whatever the recipe, so delayed scaling can record it.
 absl::StatusOr<Fp8Tensor> Quantize(const at::Tensor& x, const QuantizerConfig& config,
                                    CastUsage usage);
+
+// The loops a block-scaled cast runs on: the reference's (kernels/ref/block_scaling.h) by
+// default; a backend may give its own, which must compute the same bits (the CPU backend's
+// threaded ones, kernels/cpu/cast.h).
+struct BlockCastLoops {
+  void (*quantize)(const float* x, int64_t rows, int64_t cols, kernels::BlockShape block,
+                   kernels::Fp8Format format, uint8_t* out, float* scale_inv, uint8_t* out_t,
+                   float* scale_inv_t) = &kernels::QuantizeBlocks;
+  float (*amax)(const float* x, int64_t n) = &kernels::Amax;
+};
+// Quantize of a block-scaled `config` (BlockScaled), on `loops`; x as Quantize's.
+absl::StatusOr<Fp8Tensor> QuantizeBlockScaled(const at::Tensor& x, const QuantizerConfig& config,
+                                              CastUsage usage, const BlockCastLoops& loops);
 
 // An FP8 tensor from codes that arrived already cast (rows x cols, row-major) with their
 // scale_inv: used as they are, nothing re-quantized. The columnwise copy is the exact transpose;

@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "fp8_model.h"
+#include "gradwire/kernels/cpu/cast.h"
 #include "gradwire/kernels/cpu/ordered_gemm.h"
+#include "gradwire/kernels/cpu/parallel.h"
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/kernels/ref/gemm.h"
 
@@ -223,6 +225,42 @@ TEST_P(BlockQuantizeTest, EachOrientationAlone) {
   EXPECT_EQ(s_alone_t, s_t);
 }
 
+// The CPU backend's threaded loops (kernels/cpu/cast.h) give the reference's bytes: codes (NaN
+// codes included), both scale grids, the transposed copy, each orientation alone, and the
+// dequantized values; on one thread and on three (more workers than blocks in some shapes).
+TEST_P(BlockQuantizeTest, CpuLoopsAreTheReferenceBits) {
+  const Case p = GetParam();
+  const BlockShape block{p.block_rows, p.block_cols};
+  const size_t grid = size_t(BlockGridRows(p.rows, block) * BlockGridCols(p.cols, block));
+  const int threads_before = cpu::Threads();
+  for (int threads : {1, 3}) {
+    cpu::SetThreads(threads);
+    const std::vector<float> x = RandomBlocked(p.rows, p.cols, p.block_rows, p.block_cols);
+    std::vector<uint8_t> ref(x.size()), ref_t(x.size());
+    std::vector<float> s(grid), s_t(grid);
+    QuantizeBlocks(x.data(), p.rows, p.cols, block, p.format.format, ref.data(), s.data(),
+                   ref_t.data(), s_t.data());
+    std::vector<uint8_t> got(x.size(), 0x5A), got_t(x.size(), 0xA5), alone_t(x.size(), 0x33);
+    std::vector<float> g(grid, -3.0f), g_t(grid, -5.0f), alone_s_t(grid, -7.0f);
+    cpu::QuantizeBlocks(x.data(), p.rows, p.cols, block, p.format.format, got.data(), g.data(),
+                        got_t.data(), g_t.data());
+    cpu::QuantizeBlocks(x.data(), p.rows, p.cols, block, p.format.format, nullptr, nullptr,
+                        alone_t.data(), alone_s_t.data());
+    ASSERT_EQ(got, ref) << threads << " threads";
+    ASSERT_EQ(got_t, ref_t) << threads << " threads";
+    ASSERT_EQ(alone_t, ref_t) << threads << " threads";
+    ASSERT_EQ(g, s);
+    ASSERT_EQ(g_t, s_t);
+    ASSERT_EQ(alone_s_t, s_t);
+    std::vector<float> deq(x.size()), deq_cpu(x.size(), -1.0f);
+    DequantizeBlocks(ref.data(), p.rows, p.cols, block, s.data(), p.format.format, deq.data());
+    cpu::DequantizeBlocks(ref.data(), p.rows, p.cols, block, s.data(), p.format.format,
+                          deq_cpu.data());
+    ASSERT_EQ(0, std::memcmp(deq.data(), deq_cpu.data(), deq.size() * sizeof(float)));
+  }
+  cpu::SetThreads(threads_before);
+}
+
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   for (const FormatModel& f : {kE4M3, kE5M2}) {
@@ -231,7 +269,8 @@ std::vector<Case> Cases() {
     for (const auto& b :
          std::vector<std::pair<int64_t, int64_t>>{{1, 128}, {128, 128}, {1, 32}, {32, 1}, {3, 5}}) {
       for (const auto& s : std::vector<std::pair<int64_t, int64_t>>{
-               {1, 1}, {1, 127}, {2, 128}, {5, 300}, {131, 129}, {33, 31}, {128, 256}}) {
+               {1, 1}, {1, 127}, {2, 128}, {5, 300}, {131, 129}, {33, 31}, {128, 256},
+               {300, 1100}}) {
         cases.push_back({f, b.first, b.second, s.first, s.second});
       }
     }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/block_scaling.h"
 
 namespace gradwire::kernels::cpu {
 
@@ -22,5 +23,15 @@ void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8For
 
 // out[c, r] = codes[r, c]: codes [rows, cols] transposed, in cache-sized tiles, threaded.
 void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* out);
+
+// As kernels::QuantizeBlocks (kernels/ref/block_scaling.h), bit for bit: threaded over block
+// rows and vectorised; out_t is the transpose of the rowwise codes (written to scratch first when
+// out is null).
+void QuantizeBlocks(const float* x, int64_t rows, int64_t cols, BlockShape block, Fp8Format format,
+                    uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t);
+
+// As kernels::DequantizeBlocks, bit for bit, threaded over rows.
+void DequantizeBlocks(const uint8_t* codes, int64_t rows, int64_t cols, BlockShape block,
+                      const float* scale_inv, Fp8Format format, float* out);
 
 }  // namespace gradwire::kernels::cpu
