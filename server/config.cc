@@ -22,8 +22,10 @@ std::string EnvName(const std::string& long_name) {
 
 // Options that are not configuration (never read from the environment or a file).
 bool IsMeta(const CLI::Option* opt) {
-  const std::string name = opt->get_name(false, true);
-  return name == "--help" || name == "--config" || name == "--print-config";
+  for (const std::string& name : opt->get_lnames()) {
+    if (name == "help" || name == "config" || name == "print-config") return true;
+  }
+  return false;
 }
 
 // Fills every option not given as a flag or in the environment from the TOML file at `path`:

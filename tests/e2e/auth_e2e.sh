@@ -27,6 +27,9 @@ check "config: file values apply" bash -c "'$server_bin' --config '$tmp/server.t
 check "config: underscores name the same key" bash -c "'$server_bin' --config '$tmp/server.toml' --print-config | grep -qx 'checkpoint-every = 7'"
 check "config: environment beats file" bash -c "GRADWIRE_SERVER_MAX_MESSAGE_MIB=48 '$server_bin' --config '$tmp/server.toml' --print-config | grep -qx 'max-message-mib = 48'"
 check "config: flag beats environment" bash -c "GRADWIRE_SERVER_MAX_MESSAGE_MIB=48 '$server_bin' --config '$tmp/server.toml' --max-message-mib 16 --print-config | grep -qx 'max-message-mib = 16'"
+# --help, --config's own flag and --print-config are not configuration: no variable sets them.
+check "config: GRADWIRE_SERVER_HELP is not --help" bash -c "GRADWIRE_SERVER_HELP=1 '$server_bin' --print-config | grep -qx 'max-message-mib = 64'"
+check "config: --help names no variable for itself" bash -c "! '$server_bin' --help | grep -q GRADWIRE_SERVER_HELP"
 check "config: the file may come from the environment" bash -c "GRADWIRE_SERVER_CONFIG='$tmp/server.toml' '$server_bin' --print-config | grep -qx 'max-message-mib = 32'"
 check "config: tokens are masked" bash -c "'$server_bin' --config '$tmp/server.toml' --print-config | grep -qx 'tokens = \[\"carol:\*\*\*\*\"\]'"
 check "config: no token in the output" bash -c "! '$server_bin' --config '$tmp/server.toml' --print-config | grep -q 0123456789abcdef"
