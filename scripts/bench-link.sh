@@ -188,6 +188,7 @@ fi
 
 # --- the benchmark --------------------------------------------------------------------------
 mkdir -p "$(dirname "$out_json")"
+cut -d' ' -f1-3 /proc/loadavg >"$tmp/load-before.txt"  # a busy machine shows here
 : >"$tmp/load.tsv"
 tcp_rate() {  # plain TCP, host -> namespace: what the shaped link delivers (Gbit/s)
   local mib=$1
@@ -265,6 +266,7 @@ for rate in $rates; do
 done
 
 backend=$(grep -o "on cpu: .*" "$tmp/server.log" | head -1 | cut -c9-)
+cut -d' ' -f1-3 /proc/loadavg >"$tmp/load-after.txt"
 "$py" - "$tmp" "$out_json" "$rates" "$forms" "$cases" "$backend" "$secs" \
   "$host_dev" "$ns_dev" "$host_ip" "$ns_ip" \
   "$(for r in $rates; do echo "$r:$(burst_of "$r"):$(limit_of "$r")"; done)" <<'PY'
@@ -326,6 +328,8 @@ json.dump({
                                   "(--heap-retain), PyTorch runs with the defaults", server=backend),
     "command": "scripts/bench-link.sh",
     "seconds_per_case": float(secs),
+    "load_average_1_5_15_min": {"start": [float(v) for v in open(f"{tmp}/load-before.txt").read().split()],
+                                "end": [float(v) for v in open(f"{tmp}/load-after.txt").read().split()]},
     "unit": "training steps per second (forward + backward), one client, closed loop",
     "link": {
         "kind": "veth pair between this network namespace (clients) and one made for the "
