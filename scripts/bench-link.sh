@@ -22,7 +22,9 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 # The gradwire wire forms, each a value of gradwire-load --wire-dtype and of the Python
-# Client(wire_dtype=...). bf16 may be added with --forms.
+# Client(wire_dtype=...): a new form joins the benchmark and the check as one more word here (or
+# in --forms; bf16 is optional). A form that must change no result is also checked against f32's
+# bits (EQUALS_F32 in tests/bench/link_check.py, which names "exact").
 default_forms="f32 fp8"
 mode=bench
 out_json=docs/perf/link.json
@@ -43,7 +45,7 @@ while [ $# -gt 0 ]; do
     --cases) cases=$2; shift ;;
     --server-bin) server_bin=$2; shift ;;
     --load-bin) load_bin=$2; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n "2,19p" "$0"; exit 0 ;;
     *) echo "bench-link: unknown argument $1 (--help)" >&2; exit 2 ;;
   esac
   shift
