@@ -306,7 +306,9 @@ absl::Status CallBase::AdmitAndQueue(const std::string& module_id, const std::st
                on_error = std::move(on_error), queued = std::chrono::steady_clock::now(),
                waited = on != RunOn::kInline] {
     RequestScope scope(request_);
-    ticket->Release();
+    // Out of the queue bounds from here; the module stays busy, safe from its TTL, until the
+    // call's work returns (a call admitted while its module was alive finds it).
+    ticket->Start();
     if (const auto& observe = env_.options().on_queue_wait; observe && waited) {
       observe(method_, caller_->client,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count());
@@ -323,6 +325,7 @@ absl::Status CallBase::AdmitAndQueue(const std::string& module_id, const std::st
     } catch (...) {
       failed = absl::InternalError(absl::StrCat(method_, " failed with an unknown exception"));
     }
+    ticket->Release();
     if (!failed.ok()) {
       spdlog::error("{}", std::string(failed.message()));
       if (on_error) on_error(failed);

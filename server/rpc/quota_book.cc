@@ -35,13 +35,25 @@ Admission& Admission::operator=(Admission&& other) noexcept {
     book_ = std::exchange(other.book_, nullptr);
     module_key_ = std::move(other.module_key_);
     client_key_ = std::move(other.client_key_);
+    started_ = std::exchange(other.started_, false);
   }
   return *this;
 }
 
+void Admission::Start() {
+  if (book_ == nullptr || started_) return;
+  book_->Started(module_key_, client_key_);
+  started_ = true;
+}
+
 void Admission::Release() {
   if (book_ == nullptr) return;
-  std::exchange(book_, nullptr)->Dequeued(module_key_, client_key_);
+  QuotaBook* book = std::exchange(book_, nullptr);
+  if (std::exchange(started_, false)) {
+    book->Ended(module_key_);
+  } else {
+    book->Dequeued(module_key_, client_key_);
+  }
 }
 
 QuotaBook::QuotaBook(const ServiceLimits& limits, const ClientQuotas& quotas)
@@ -84,6 +96,26 @@ void QuotaBook::Dequeued(const std::string& module_key, const std::string& clien
   std::lock_guard<std::mutex> lock(mu_);
   Subtract(queued_, module_key, 1);
   Subtract(queued_by_client_, client_key, 1);
+}
+
+void QuotaBook::Started(const std::string& module_key, const std::string& client_key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Subtract(queued_, module_key, 1);
+  Subtract(queued_by_client_, client_key, 1);
+  if (!module_key.empty()) ++running_[module_key];
+}
+
+void QuotaBook::Ended(const std::string& module_key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Subtract(running_, module_key, 1);
+}
+
+int64_t QuotaBook::busy_calls(const std::string& module_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t busy = 0;
+  if (auto it = queued_.find(module_id); it != queued_.end()) busy += it->second;
+  if (auto it = running_.find(module_id); it != running_.end()) busy += it->second;
+  return busy;
 }
 
 absl::Status QuotaBook::ReserveStreamBytes(const std::string& client, int64_t bytes) {

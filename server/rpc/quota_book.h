@@ -31,6 +31,9 @@ class Admission {
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
   ~Admission() { Release(); }
+  // The call leaves the queue and runs: it no longer counts for the queue bounds, and its module
+  // stays busy (QuotaBook::busy_calls) until Release.
+  void Start();
   void Release();
 
  private:
@@ -39,6 +42,7 @@ class Admission {
       : book_(book), module_key_(std::move(module_key)), client_key_(std::move(client_key)) {}
   QuotaBook* book_ = nullptr;
   std::string module_key_, client_key_;
+  bool started_ = false;
 };
 
 class QuotaBook {
@@ -52,6 +56,9 @@ class QuotaBook {
   absl::Status Admit(const std::string& client, std::string module_key, Admission* admission);
   // Calls counted for `module_id` that have not started yet.
   int64_t queued_calls(const std::string& module_id) const;
+  // Calls counted for `module_id` that are queued or running: admitted and not yet ended. A
+  // module with any is busy, and no TTL takes it from under them.
+  int64_t busy_calls(const std::string& module_id) const;
 
   // Chunked bytes in flight: reserved when a request's header is accepted, returned when the
   // request is dropped.
@@ -75,12 +82,15 @@ class QuotaBook {
  private:
   friend class Admission;
   void Dequeued(const std::string& module_key, const std::string& client_key);
+  void Started(const std::string& module_key, const std::string& client_key);
+  void Ended(const std::string& module_key);
 
   const ServiceLimits limits_;
   const ClientQuotas quotas_;
-  mutable std::mutex mu_;                                      // guards the five maps below
+  mutable std::mutex mu_;                                      // guards the six maps below
   std::unordered_map<std::string, int64_t> queued_;            // module -> calls not started
   std::unordered_map<std::string, int64_t> queued_by_client_;  // client -> calls not started
+  std::unordered_map<std::string, int64_t> running_;           // module -> calls started, not ended
   std::unordered_map<std::string, int64_t> stream_bytes_;      // client -> chunked bytes held
   std::unordered_map<std::string, int64_t> parameter_bytes_;   // client -> fp32 parameter bytes
   // module -> the client holding its parameter bytes, and how many

@@ -276,10 +276,10 @@ double GradwireService::module_ttl_s() const {
 int GradwireService::ExpireIdleModules() {
   const double ttl = module_ttl_s();
   if (!(ttl > 0)) return 0;
-  // A module with an admitted call still queued stays until that call ends (its success renews
-  // it).
+  // A module with an admitted call, queued or running, stays until that call ends (its success
+  // renews it).
   const std::vector<std::string> expired = host_.ExpireIdleModules(
-      ttl, [this](const std::string& id) { return quotas_.queued_calls(id) > 0; });
+      ttl, [this](const std::string& id) { return quotas_.busy_calls(id) > 0; });
   for (const std::string& id : expired) {
     quotas_.ModuleDeleted(id);
     spdlog::info(

@@ -6,6 +6,7 @@
 // module's description say what the server does.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -65,6 +66,41 @@ TEST(ModuleLifetimeTest, IdleModulesAreReleasedWithTheirContexts) {
   auto gone = c->Forward(idle, Random({1, 16}), false);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(c->Forward(used, Random({1, 16}), false).ok());
+}
+
+// A call admitted while its module was alive runs, however long it then waits to start: its
+// module is busy from admission until the call's work returns, so the TTL sweep passes it by.
+// Here the forward stalls for twice the TTL between leaving the queue and looking its module up
+// (the on_queue_wait hook runs in that gap), while sweeps run.
+TEST(ModuleLifetimeTest, ACallAdmittedBeforeTheTtlFindsItsModule) {
+  std::atomic<bool> stall{false};
+  testing::TestServerOptions o;
+  o.configure = [&stall](rpc::ServiceOptions& s) {
+    s.module_ttl_s = 1.0;
+    s.on_queue_wait = [&stall](const char* method, const std::string&, double) {
+      if (std::string(method) == "Forward" && stall.exchange(false)) Sleep(2.2);
+    };
+  };
+  TestServer server(o);
+  ASSERT_TRUE(server.ok());
+  auto c = server.Connect();
+  const std::string id = c->CreateModule(LinearSpec(16, 8))->module_id();
+  c->Release(id);  // only calls renew it
+  stall = true;
+  std::thread sweeper([&] {  // sweeps during the stall, as the janitor does about once a second
+    for (int i = 0; i < 8; ++i) {
+      Sleep(0.25);
+      server.service().ExpireIdleModules();
+    }
+  });
+  auto y = c->Forward(id, Random({2, 16}), false);
+  sweeper.join();
+  EXPECT_FALSE(stall.load());  // the stall happened
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_EQ(ExpiredSoFar(server), 0);  // the forward's success renewed it
+  // Idle from here on, it goes after its TTL.
+  Sleep(1.4);
+  EXPECT_EQ(ExpiredSoFar(server), 1);
 }
 
 TEST(ModuleLifetimeTest, TheClientKeepsItsModulesAlive) {
