@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "gradwire/kernels/cpu/cast.h"
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/kernels/ref/cast.h"
@@ -114,7 +115,10 @@ void EncodeElements(const float* x, int64_t n, DType dtype, float fp8_scale, voi
     }
     case DType::kFp8E4M3:
     case DType::kFp8E5M2:
-      kernels::QuantizeFp8(x, 1, n, fp8_scale, Format(dtype), dst, nullptr, nullptr);
+      // The CPU kernels' encoder: the reference cast's codes bit for bit (checked exhaustively
+      // in tests/kernels), vectorised and on this thread, several times faster than the
+      // reference's rint and ldexp per element.
+      kernels::cpu::EncodeFp8(x, n, fp8_scale, Format(dtype), dst);
       return;
   }
 }

@@ -218,7 +218,7 @@ int main(int argc, char** argv) {
                      "service to ask about, e.g. gradwire.v1.Gradwire (default: the whole server)");
 
   gradwire::cli::DemoOptions demo_options;
-  std::string wire = "f32";
+  std::string wire = "exact";
   CLI::App* demo =
       app.add_subcommand("demo",
                          "train a small model whose layers live on the server (synthetic "
@@ -246,8 +246,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   demo->add_option("--seed", demo_options.seed, "seed of data, task and weights")
       ->capture_default_str();
-  demo->add_option("--wire-dtype", wire, "dtype of activations and gradients on the wire")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+  demo->add_option("--wire-dtype", wire,
+                   "how activations and gradients cross: exact (F32 results bit for bit, a "
+                   "Linear's input as the server's own FP8 cast of it), or one dtype both ways "
+                   "(f32; bf16 and f16 round)")
+      ->check(CLI::IsMember({"exact", "f32", "bf16", "f16"}))
       ->capture_default_str();
   demo->add_flag("--keep-modules", demo_options.keep_modules,
                  "leave the demo's modules on the server");
@@ -301,9 +304,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  options.wire_dtype = wire == "bf16"  ? gradwire::client::WireDType::kBF16
-                       : wire == "f16" ? gradwire::client::WireDType::kF16
-                                       : gradwire::client::WireDType::kF32;
+  options.wire_dtype =
+      wire == "bf16"  ? gradwire::client::WireForm(gradwire::client::WireDType::kBF16)
+      : wire == "f16" ? gradwire::client::WireForm(gradwire::client::WireDType::kF16)
+      : wire == "f32" ? gradwire::client::WireForm(gradwire::client::WireDType::kF32)
+                      : gradwire::client::kExactWire;
   auto endpoints = gradwire::client::Cluster::ParseEndpoints(options.server);
   if (!endpoints.ok()) return Fail(endpoints.status());
   gradwire::client::Cluster cluster(options, *endpoints);

@@ -47,7 +47,7 @@ struct Options {
   bool bias = true;
   std::string recipe = "current";
   int64_t rows = 1;
-  std::string wire = "f32";
+  std::string wire = "exact";
   RunConfig run;
   std::string arrivals = "constant";
   std::vector<int> sweep;
@@ -95,12 +95,15 @@ HostTensor Random(int64_t rows, int64_t cols, uint64_t seed, uint64_t stream) {
 class RemoteOps {
  public:
   // Worker w calls module_ids[w % size], every call routed by its module (gradwire-route).
+  // `fp8_input`: the modules' spec lets the exact wire send their input as E4M3
+  // (gradwire::client::ExactWireTakesFp8).
   RemoteOps(Client& client, const Options& o, const std::vector<std::string>& module_ids,
-            int64_t in, int64_t out, int workers)
+            int64_t in, int64_t out, int workers, bool fp8_input)
       : client_(client), flow_(o.flow) {
     using gradwire::client::WireDType;
     // Activations (input, output) and gradients (grad_output, grad_input); "fp8" is E4M3 for
-    // activations and E5M2 for gradients.
+    // activations and E5M2 for gradients; "exact" (host_tensor.h: WireForm) is F32 but for an
+    // input the module casts to E4M3 first, which crosses as that cast.
     const WireDType dtype = o.wire == "bf16"                      ? WireDType::kBF16
                             : o.wire == "f16"                     ? WireDType::kF16
                             : o.wire == "e4m3" || o.wire == "fp8" ? WireDType::kFp8E4M3
@@ -112,7 +115,10 @@ class RemoteOps {
       f.set_module_id(module_ids[size_t(w) % module_ids.size()]);
       f.set_training(o.flow == "step" || o.flow == "stream");
       f.set_output_dtype(gradwire::client::ToProto(dtype));
-      *f.mutable_input() = ToWire(Random(o.rows, in, o.run.seed, 2 * uint64_t(w)), dtype);
+      HostTensor x = Random(o.rows, in, o.run.seed, 2 * uint64_t(w));
+      const WireDType in_dtype =
+          o.wire == "exact" ? gradwire::client::ExactInputDType(x, fp8_input) : dtype;
+      *f.mutable_input() = ToWire(x, in_dtype);
       fwd_.push_back(std::move(f));
       v1::BackwardRequest b;
       b.set_grad_input_dtype(gradwire::client::ToProto(grad_dtype));
@@ -130,10 +136,37 @@ class RemoteOps {
 
   size_t shared_workers() const { return regions_.size(); }
 
-  // Whether a worker's tensors are large enough for shared memory to pay under "auto".
-  bool SharedMemoryPays() const {
+  // The bytes of worker w's tensors: outputs in the dtype asked for (the exact wire's input may be
+  // narrower than its output).
+  struct Sizes {
+    uint64_t input, output, ln, grad_out, grad_in;
+  };
+  Sizes SizesOf(size_t w, int64_t in, int64_t out) const {
+    const v1::ForwardRequest& f = fwd_[w];
+    const v1::BackwardRequest& b = bwd_[w];
+    auto element = [](v1::DType d) -> uint64_t {
+      return d == v1::F32 ? 4 : d == v1::BF16 || d == v1::F16 ? 2 : 1;
+    };
+    uint64_t rows = 1;
+    for (int64_t d : f.input().shape()) rows *= uint64_t(d);
+    rows /= uint64_t(in);
+    Sizes z;
+    z.input = f.input().data().size();
+    z.output = rows * uint64_t(out) * element(f.output_dtype());
+    z.ln = rows * uint64_t(in) * element(f.output_dtype());
+    z.grad_out = b.grad_output().data().size();
+    z.grad_in = rows * uint64_t(in) * element(b.grad_input_dtype());
+    return z;
+  }
+
+  // Whether a worker's tensors are large enough for shared memory to pay under "auto": a call's
+  // tensors in and out together reach 64 KiB, as the client library decides (the output in its
+  // own dtype, which the exact wire's input may be narrower than).
+  bool SharedMemoryPays(int64_t in, int64_t out) const {
     if (fwd_.empty()) return false;
-    const uint64_t bytes = fwd_[0].input().data().size() + bwd_[0].grad_output().data().size();
+    const Sizes z = SizesOf(0, in, out);
+    const bool step = flow_ == "step" || flow_ == "stream";
+    const uint64_t bytes = z.input + z.output + (step ? z.grad_out + z.grad_in : 0);
     return bytes >= (uint64_t(64) << 10);
   }
 
@@ -143,10 +176,9 @@ class RemoteOps {
     for (size_t w = 0; w < fwd_.size(); ++w) {
       v1::ForwardRequest& f = fwd_[w];
       v1::BackwardRequest& b = bwd_[w];
-      // Bytes per element are the same in and out: output = input / in * out, and so on.
-      const uint64_t input = f.input().data().size(), grad_out = b.grad_output().data().size();
-      const uint64_t output = input / uint64_t(in) * uint64_t(out), ln = input;
-      const uint64_t grad_in = grad_out / uint64_t(out) * uint64_t(in);
+      const Sizes z = SizesOf(w, in, out);
+      const uint64_t input = z.input, output = z.output, ln = z.ln, grad_out = z.grad_out,
+                     grad_in = z.grad_in;
       const uint64_t total = input + output + ln + grad_out + grad_in;
       auto region = gradwire::client::SharedRegion::Create(client_, total);
       if (!region.ok()) return region.status();
@@ -459,9 +491,11 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--wire-dtype", o.wire,
-                 "dtype of activations and gradients on the wire; fp8: activations E4M3 and "
-                 "gradients E5M2 (a quarter of F32's bytes)")
-      ->check(CLI::IsMember({"f32", "bf16", "f16", "fp8", "e4m3", "e5m2"}))
+                 "how activations and gradients cross: exact (F32 results bit for bit; a "
+                 "Linear's input under current scaling as the server's own E4M3 cast of it), or "
+                 "one dtype for all: f32, bf16, f16, e4m3, e5m2, fp8 (activations E4M3 and "
+                 "gradients E5M2, a quarter of F32's bytes; lossy)")
+      ->check(CLI::IsMember({"exact", "f32", "bf16", "f16", "fp8", "e4m3", "e5m2"}))
       ->capture_default_str();
   app.add_option("--concurrency,-c", o.run.concurrency,
                  "closed loop: requests in flight; with --rate: most in flight")
@@ -639,10 +673,13 @@ int main(int argc, char** argv) {
   for (int concurrency : o.sweep) {
     for (int round = 0; round < o.rounds && rc == 0; ++round) {
       const int workers = concurrency;
-      RemoteOps remote(client, o, module_ids, spec.in_features(), spec.out_features(), workers);
+      RemoteOps remote(client, o, module_ids, spec.in_features(), spec.out_features(), workers,
+                       gradwire::client::ExactWireTakesFp8(spec));
       bool shared = false;
       if (o.flow != "empty" &&
-          (o.shared_memory == "on" || (o.shared_memory == "auto" && remote.SharedMemoryPays()))) {
+          (o.shared_memory == "on" ||
+           (o.shared_memory == "auto" &&
+            remote.SharedMemoryPays(spec.in_features(), spec.out_features())))) {
         const absl::Status s = remote.UseSharedMemory(spec.in_features(), spec.out_features());
         shared = remote.shared_workers() > 0;
         if (s.ok()) {
@@ -680,7 +717,8 @@ int main(int argc, char** argv) {
         run_one("in-process", concurrency, [&](int w) { return (*local)->Run(w); });
         Options empty = o;
         empty.flow = "empty";
-        RemoteOps ping(client, empty, module_ids, spec.in_features(), spec.out_features(), workers);
+        RemoteOps ping(client, empty, module_ids, spec.in_features(), spec.out_features(), workers,
+                       false);
         run_one("empty-rpc", concurrency, [&](int w) { return ping.Run(w); });
       }
     }

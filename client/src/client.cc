@@ -356,7 +356,7 @@ absl::StatusOr<std::string> Client::CheckHealth(const std::string& service) {
 }
 
 std::string Client::ModuleOfContext(const std::string& context_id) const {
-  return shapes_.ModuleOfContext(context_id);
+  return shapes_->ModuleOfContext(context_id);
 }
 
 absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) {
@@ -369,7 +369,7 @@ absl::StatusOr<v1::ModuleInfo> Client::CreateModule(const v1::ModuleSpec& spec) 
   if (auto s = FromGrpc("CreateModule", stub_->CreateModule(&ctx, req, &resp)); !s.ok()) {
     return s;
   }
-  shapes_.Remember(resp.module());
+  shapes_->Remember(resp.module());
   keeper_->Add(resp.module().module_id());
   return resp.module();
 }
@@ -387,7 +387,7 @@ absl::StatusOr<std::vector<v1::ModuleInfo>> Client::ListModules(const std::strin
   PrepareContext(&ctx, "ListModules", route);
   v1::ListModulesResponse resp;
   if (auto s = FromGrpc("ListModules", stub_->ListModules(&ctx, {}, &resp)); !s.ok()) return s;
-  for (const v1::ModuleInfo& info : resp.modules()) shapes_.Remember(info);
+  for (const v1::ModuleInfo& info : resp.modules()) shapes_->Remember(info);
   return std::vector<v1::ModuleInfo>(resp.modules().begin(), resp.modules().end());
 }
 
@@ -418,22 +418,33 @@ absl::StatusOr<ForwardResult> Client::Forward(const std::string& module_id, cons
 absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
                                                    const HostTensor& input, bool training,
                                                    const std::string& context_id, bool* answered) {
+  // The input's and the outputs' dtypes: one for all, or the exact wire's (host_tensor.h), which
+  // needs the module's spec (known from CreateModule or ListModules, else asked for once).
+  const WireForm& form = options_.wire_dtype;
+  WireDType in_dtype = form.dtype;
+  const WireDType out_dtype = form.dtype;
+  if (form.exact) {
+    const std::optional<ModuleShape> known = Shape(module_id);
+    in_dtype = ExactInputDType(input, known && known->fp8_input);
+    if (in_dtype == WireDType::kFp8E4M3) ++exact_fp8_inputs_;
+  }
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       !input.shape.empty() && input.shape.back() > 0) {
     // The module's shape from the cache; asked of the server (ListModules) only when the input
     // alone is large enough, so that small calls never wait on a lookup.
     const int64_t min_bytes = int64_t(options_.shared_memory_min_kib) << 10;
-    std::optional<ModuleShape> shape = shapes_.Find(module_id);
-    if (!shape && input.numel() * wire::ElementSize(options_.wire_dtype) >= min_bytes) {
+    std::optional<ModuleShape> shape = shapes_->Find(module_id);
+    if (!shape && input.numel() * wire::ElementSize(in_dtype) >= min_bytes) {
       shape = Shape(module_id);
     }
     if (shape) {
       const int64_t rows = input.numel() / input.shape.back();
       const int64_t output = rows * shape->out, ln = shape->layernorm_output ? rows * shape->in : 0;
-      const int64_t bytes = (input.numel() + output + ln) * wire::ElementSize(options_.wire_dtype);
+      const int64_t bytes = input.numel() * wire::ElementSize(in_dtype) +
+                            (output + ln) * wire::ElementSize(out_dtype);
       if (bytes >= min_bytes) {
-        if (auto shared =
-                ForwardShared(module_id, input, training, context_id, output, ln, answered)) {
+        if (auto shared = ForwardShared(module_id, input, in_dtype, out_dtype, training, context_id,
+                                        output, ln, answered)) {
           return *std::move(shared);
         }
       }
@@ -441,10 +452,10 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
   }
   v1::ForwardRequest req;
   req.set_module_id(module_id);
-  *req.mutable_input() = ToWire(input, options_.wire_dtype);
+  *req.mutable_input() = ToWire(input, in_dtype);
   req.set_training(training);
   req.set_context_id(context_id);
-  req.set_output_dtype(ToProto(options_.wire_dtype));
+  req.set_output_dtype(ToProto(out_dtype));
   const int64_t request_bytes = int64_t(req.input().data().size());
   int64_t response_bytes = -1;
   if (options_.chunking == ClientOptions::Chunking::kAuto && !UseChunked(request_bytes, -1) &&
@@ -452,7 +463,7 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     if (std::optional<ModuleShape> shape = Shape(module_id)) {
       const int64_t rows = input.numel() / input.shape.back();
       response_bytes = rows * (shape->out + (shape->layernorm_output ? shape->in : 0)) *
-                       wire::ElementSize(options_.wire_dtype);
+                       wire::ElementSize(out_dtype);
     }
   }
   v1::ForwardResponse resp;
@@ -477,7 +488,7 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
   }
   *answered = true;
   if (training && !resp.context_id().empty()) {
-    shapes_.NoteContext(resp.context_id(), module_id, input.numel());
+    shapes_->NoteContext(resp.context_id(), module_id, input.numel());
   }
   auto output = FromWire(resp.output(), output_bytes);
   if (!output.ok()) return output.status();
@@ -494,21 +505,23 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
 absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
                                             const HostTensor& grad_output,
                                             BackwardOptions options) {
+  // Gradients keep one dtype both ways (F32 under the exact wire: a Linear's dbias, for one, sums
+  // the unquantized grad_output).
+  const WireDType dtype = options_.wire_dtype.dtype;
   v1::BackwardRequest req;
   req.set_context_id(context_id);
   req.set_retain(options.retain);
   req.set_skip_grad_input(options.skip_grad_input);
-  req.set_grad_input_dtype(ToProto(options_.wire_dtype));
+  req.set_grad_input_dtype(ToProto(dtype));
   const std::string module_id = ModuleOfContext(context_id);  // its route
-  const int64_t grad_input_elements = shapes_.TakeContext(context_id, options.retain);
+  const int64_t grad_input_elements = shapes_->TakeContext(context_id, options.retain);
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       (grad_input_elements >= 0 || options.skip_grad_input)) {
     const int64_t grad_input = options.skip_grad_input ? 0 : grad_input_elements;
     const int64_t elements =
         grad_output.numel() + grad_input +
         (options.grad_layernorm_output ? options.grad_layernorm_output->numel() : 0);
-    if (elements * wire::ElementSize(options_.wire_dtype) >= int64_t(options_.shared_memory_min_kib)
-                                                                 << 10) {
+    if (elements * wire::ElementSize(dtype) >= int64_t(options_.shared_memory_min_kib) << 10) {
       const HostTensor* gln =
           options.grad_layernorm_output ? &*options.grad_layernorm_output : nullptr;
       if (auto shared = BackwardShared(module_id, req, grad_output, gln, grad_input)) {
@@ -516,17 +529,16 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
       }
     }
   }
-  *req.mutable_grad_output() = ToWire(grad_output, options_.wire_dtype);
+  *req.mutable_grad_output() = ToWire(grad_output, dtype);
   if (options.grad_layernorm_output) {
-    *req.mutable_grad_layernorm_output() =
-        ToWire(*options.grad_layernorm_output, options_.wire_dtype);
+    *req.mutable_grad_layernorm_output() = ToWire(*options.grad_layernorm_output, dtype);
   }
   const int64_t request_bytes =
       int64_t(req.grad_output().data().size() + req.grad_layernorm_output().data().size());
   const int64_t response_bytes = options.skip_grad_input ? 0
                                  : grad_input_elements < 0
                                      ? -1
-                                     : grad_input_elements * wire::ElementSize(options_.wire_dtype);
+                                     : grad_input_elements * wire::ElementSize(dtype);
   v1::BackwardResponse resp;
   wire::ReceivedMessage received;
   if (UseChunked(request_bytes, response_bytes)) {
@@ -550,6 +562,7 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
 std::unique_ptr<TrainStream> Client::OpenTrainStream(const std::string& route) {
   std::unique_ptr<TrainStream> t(new TrainStream());
   t->wire_dtype_ = options_.wire_dtype;
+  t->shapes_ = shapes_;
   if (!options_.token.empty()) t->ctx_.AddMetadata("authorization", "Bearer " + options_.token);
   if (RoutableValue(route)) t->ctx_.AddMetadata(kRouteHeader, route);
   // One request id for the stream: the server logs each of its messages under it.
@@ -565,7 +578,7 @@ absl::Status Client::ReleaseContext(const std::string& context_id) {
   PrepareContext(&ctx, "ReleaseContext", ModuleOfContext(context_id));
   v1::ReleaseContextRequest req;
   req.set_context_id(context_id);
-  (void)shapes_.TakeContext(context_id, /*keep=*/false);
+  (void)shapes_->TakeContext(context_id, /*keep=*/false);
   v1::ReleaseContextResponse resp;
   return FromGrpc("ReleaseContext", stub_->ReleaseContext(&ctx, req, &resp));
 }
@@ -618,7 +631,7 @@ absl::StatusOr<v1::ForwardResponse> Client::ForwardRaw(const v1::ForwardRequest&
   if (!resp.context_id().empty()) {
     int64_t elements = 1;
     for (int64_t d : req.input().shape()) elements *= d;
-    shapes_.NoteContext(resp.context_id(), req.module_id(), elements);
+    shapes_->NoteContext(resp.context_id(), req.module_id(), elements);
   }
   return resp;
 }
@@ -628,7 +641,7 @@ absl::StatusOr<v1::BackwardResponse> Client::BackwardRaw(const v1::BackwardReque
   PrepareContext(&ctx, "Backward", ModuleOfContext(req.context_id()));
   v1::BackwardResponse resp;
   if (auto s = FromGrpc("Backward", stub_->Backward(&ctx, req, &resp)); !s.ok()) return s;
-  (void)shapes_.TakeContext(req.context_id(), /*keep=*/req.retain());
+  (void)shapes_->TakeContext(req.context_id(), /*keep=*/req.retain());
   return resp;
 }
 
@@ -725,11 +738,12 @@ int64_t Client::shared_memory_calls() const { return shared_memory_calls_.load()
 bool Client::shared_memory_off() const { return shm_->off(); }
 
 std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
-    const std::string& module_id, const HostTensor& input, bool training,
-    const std::string& context_id, int64_t output_elements, int64_t layernorm_elements,
-    bool* answered) {
-  const uint64_t element = uint64_t(wire::ElementSize(options_.wire_dtype));
-  const uint64_t in = uint64_t(input.numel()) * element, out = uint64_t(output_elements) * element,
+    const std::string& module_id, const HostTensor& input, WireDType in_dtype, WireDType out_dtype,
+    bool training, const std::string& context_id, int64_t output_elements,
+    int64_t layernorm_elements, bool* answered) {
+  const uint64_t element = uint64_t(wire::ElementSize(out_dtype));
+  const uint64_t in = uint64_t(input.numel()) * uint64_t(wire::ElementSize(in_dtype)),
+                 out = uint64_t(output_elements) * element,
                  ln = uint64_t(layernorm_elements) * element;
   internal::SharedMemoryPool::Lease lease = shm_->Acquire(Aligned(in) + Aligned(out) + ln);
   if (!lease) return std::nullopt;
@@ -738,8 +752,8 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
   req.set_module_id(module_id);
   req.set_training(training);
   req.set_context_id(context_id);
-  req.set_output_dtype(ToProto(options_.wire_dtype));
-  auto written = WriteShared(region, 0, input, options_.wire_dtype);
+  req.set_output_dtype(ToProto(out_dtype));
+  auto written = WriteShared(region, 0, input, in_dtype);
   if (!written.ok()) return absl::StatusOr<ForwardResult>(written.status());
   *req.mutable_input() = *std::move(written);
   *req.mutable_output_shared_memory() = SharedRef(region.name(), Aligned(in), out);
@@ -756,7 +770,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
   *answered = true;
   ++shared_memory_calls_;
   if (training && !resp.context_id().empty()) {
-    shapes_.NoteContext(resp.context_id(), module_id, input.numel());
+    shapes_->NoteContext(resp.context_id(), module_id, input.numel());
   }
   auto output = ReadShared(region, resp.output());
   if (!output.ok()) return absl::StatusOr<ForwardResult>(output.status());
@@ -773,7 +787,8 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
 std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
     const std::string& route, const v1::BackwardRequest& header, const HostTensor& grad_output,
     const HostTensor* grad_layernorm_output, int64_t grad_input_elements) {
-  const uint64_t element = uint64_t(wire::ElementSize(options_.wire_dtype));
+  const WireDType dtype = options_.wire_dtype.dtype;
+  const uint64_t element = uint64_t(wire::ElementSize(dtype));
   const uint64_t go = uint64_t(grad_output.numel()) * element,
                  gln =
                      grad_layernorm_output ? uint64_t(grad_layernorm_output->numel()) * element : 0,
@@ -783,11 +798,11 @@ std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
   if (!lease) return std::nullopt;
   SharedRegion& region = lease.region();
   v1::BackwardRequest req = header;
-  auto written = WriteShared(region, 0, grad_output, options_.wire_dtype);
+  auto written = WriteShared(region, 0, grad_output, dtype);
   if (!written.ok()) return absl::StatusOr<HostTensor>(written.status());
   *req.mutable_grad_output() = *std::move(written);
   if (grad_layernorm_output != nullptr) {
-    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, options_.wire_dtype);
+    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, dtype);
     if (!ln.ok()) return absl::StatusOr<HostTensor>(ln.status());
     *req.mutable_grad_layernorm_output() = *std::move(ln);
   }
@@ -820,10 +835,10 @@ bool Client::UseChunked(int64_t request_bytes, int64_t response_bytes) const {
 }
 
 std::optional<ModuleShape> Client::Shape(const std::string& module_id) {
-  if (std::optional<ModuleShape> known = shapes_.Find(module_id)) return known;
+  if (std::optional<ModuleShape> known = shapes_->Find(module_id)) return known;
   // Fills the cache, asking the module's server; a failure only means the size stays unknown.
   (void)ListModules(module_id);
-  return shapes_.Find(module_id);
+  return shapes_->Find(module_id);
 }
 
 void Client::StartChunked(grpc::ClientContext* ctx, const char* method, const std::string& route) {

@@ -1,5 +1,7 @@
 #include "gradwire/client/host_tensor.h"
 
+#include <cmath>
+
 #include "gradwire/wire/tensor.h"
 
 namespace gradwire::client {
@@ -22,6 +24,18 @@ HostTensor HostTensor::Zeros(std::vector<int64_t> shape) {
   t.shape = std::move(shape);
   t.data.assign(size_t(t.numel()), 0.0f);
   return t;
+}
+
+const char* WireFormName(const WireForm& form) {
+  return form.exact ? "exact" : wire::DTypeName(form.dtype);
+}
+
+WireDType ExactInputDType(const HostTensor& input, bool fp8_input) {
+  if (!fp8_input || input.numel() == 0) return WireDType::kF32;
+  // NaN propagates through the amax, and an infinity is its own: both stay F32, so the server
+  // sees the values themselves and answers as it does on the F32 wire.
+  const float amax = wire::AbsMax(input.data.data(), input.numel());
+  return std::isfinite(amax) ? WireDType::kFp8E4M3 : WireDType::kF32;
 }
 
 v1::Tensor ToWire(const HostTensor& t, WireDType dtype) {

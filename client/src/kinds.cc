@@ -51,6 +51,14 @@ std::vector<std::pair<std::string, int64_t>> KindWidths(const v1::ModuleSpec& sp
   return widths;
 }
 
+bool ExactWireTakesFp8(const v1::ModuleSpec& spec) {
+  const v1::KindDescription* d = DescribeKind(spec.kind());
+  const v1::ScalingRecipe scaling = spec.recipe().scaling();
+  return d != nullptr && d->fp8_input() &&
+         (scaling == v1::CURRENT || scaling == v1::SCALING_RECIPE_UNSPECIFIED) &&
+         spec.recipe().margin() == 0;
+}
+
 std::vector<std::string> KindCliNames() {
   std::vector<std::string> names;
   for (v1::ModuleKind kind : ModuleKinds()) names.push_back(DescribeKind(kind)->cli_name());

@@ -23,9 +23,14 @@ bool TrainStream::SendForward(uint64_t request_id, const std::string& module_id,
   req.set_request_id(request_id);
   v1::ForwardRequest* f = req.mutable_forward();
   f->set_module_id(module_id);
-  *f->mutable_input() = ToWire(input, wire_dtype_);
+  WireDType in_dtype = wire_dtype_.dtype;
+  if (wire_dtype_.exact) {
+    const std::optional<ModuleShape> known = shapes_ ? shapes_->Find(module_id) : std::nullopt;
+    in_dtype = ExactInputDType(input, known && known->fp8_input);
+  }
+  *f->mutable_input() = ToWire(input, in_dtype);
   f->set_training(training);
-  f->set_output_dtype(ToProto(wire_dtype_));
+  f->set_output_dtype(ToProto(wire_dtype_.dtype));
   return Send(req);
 }
 
@@ -35,10 +40,10 @@ bool TrainStream::SendBackward(uint64_t request_id, const std::string& context_i
   req.set_request_id(request_id);
   v1::BackwardRequest* b = req.mutable_backward();
   b->set_context_id(context_id);
-  *b->mutable_grad_output() = ToWire(grad_output, wire_dtype_);
+  *b->mutable_grad_output() = ToWire(grad_output, wire_dtype_.dtype);
   b->set_retain(options.retain);
   b->set_skip_grad_input(options.skip_grad_input);
-  b->set_grad_input_dtype(ToProto(wire_dtype_));
+  b->set_grad_input_dtype(ToProto(wire_dtype_.dtype));
   return Send(req);
 }
 

@@ -298,12 +298,16 @@ class CpuBackend final : public ReferenceBackend {
     out.format = format;
     out.rows = rows;
     out.cols = cols;
-    {
-      kernels::cpu::Scratch values = kernels::cpu::TakeScratch(size_t(rows * cols) * 4);
-      kernels::cpu::DecodeCodes(host_codes, rows * cols, format, values.floats());
-      out.scalars = CastScalars(1.0f / scale_inv, scale_inv,
-                                kernels::cpu::AbsMax(values.floats(), rows * cols) * scale_inv);
+    // The largest |value| without decoding: a code's low seven bits order as its magnitude
+    // (E4M3's NaN code and E5M2's infinity and NaN codes above every finite one), so the largest
+    // of them decodes to the AbsMax of the decoded values, NaN and infinity included.
+    uint8_t top = 0;
+    for (int64_t i = 0, n = rows * cols; i < n; ++i) {
+      const uint8_t magnitude = host_codes[i] & 0x7F;
+      top = magnitude > top ? magnitude : top;
     }
+    out.scalars =
+        CastScalars(1.0f / scale_inv, scale_inv, kernels::DecodeTable(format)[top] * scale_inv);
     if (usage.rowwise) {
       out.rowwise = at::empty({rows, cols}, Bytes());
       std::memcpy(out.rowwise.data_ptr<uint8_t>(), host_codes, size_t(rows * cols));

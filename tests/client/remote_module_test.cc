@@ -154,6 +154,46 @@ TEST_F(RemoteModuleTest, LargeTensorsUseSharedMemoryWithTheWiresBits) {
   EXPECT_EQ(LiveContexts(), 0);
 }
 
+// The exact wire is the default: a Linear's float32 or bfloat16 input crosses as the server's own
+// E4M3 cast of it, a LayerNormMLP's as float32, and everything comes back as on the F32 wire, bit
+// for bit (outputs, input gradients, weight gradients).
+TEST_F(RemoteModuleTest, TheDefaultExactWireGivesTheF32WiresBits) {
+  ASSERT_TRUE(client_->options().wire_dtype.exact);
+  client::ClientOptions f32;
+  f32.server = server_.address();
+  f32.wire_dtype = client::WireDType::kF32;
+  auto f32_client = std::make_shared<client::Client>(f32);
+  struct Case {
+    v1::ModuleSpec spec;
+    torch::Dtype dtype;
+    bool fp8_input;
+  };
+  const Case cases[] = {{LinearSpec(48, 24, 41), torch::kFloat, true},
+                        {LinearSpec(48, 24, 42), torch::kBFloat16, true},
+                        {MlpSpec(48, 64, 48, 43), torch::kFloat, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.spec.DebugString());
+    RemoteModule exact(client_, c.spec);
+    RemoteModule wire(f32_client, c.spec);
+    const int64_t fp8_before = client_->exact_fp8_inputs();
+    const torch::Tensor x = torch::randn({9, 48}).to(c.dtype);
+    const torch::Tensor xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
+    const torch::Tensor ya = exact(xa), yb = wire(xb);
+    EXPECT_EQ(ya.scalar_type(), c.dtype);
+    EXPECT_TRUE(torch::equal(ya, yb));
+    const torch::Tensor dy = torch::randn_like(ya);
+    (ya * dy).sum().backward();
+    (yb * dy).sum().backward();
+    EXPECT_TRUE(torch::equal(xa.grad(), xb.grad()));
+    const NamedTensors ga = exact->get_gradients(), gb = wire->get_gradients();
+    ASSERT_EQ(ga.size(), gb.size());
+    for (const auto& item : ga)
+      EXPECT_TRUE(torch::equal(item.value(), gb[item.key()])) << item.key();
+    EXPECT_EQ(client_->exact_fp8_inputs() - fp8_before, c.fp8_input ? 1 : 0);
+  }
+  EXPECT_EQ(f32_client->exact_fp8_inputs(), 0);
+}
+
 TEST_F(RemoteModuleTest, TwoLayerModelTrainsWithApplyGradients) {
   RemoteModule first(client_, LinearSpec(8, 32, 21));
   RemoteModule second(client_, LinearSpec(32, 1, 22));

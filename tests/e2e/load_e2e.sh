@@ -28,8 +28,11 @@ for stage in ("latency", "forward", "backward"):
     assert s["count"] == 40, (stage, s)
     assert 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"] <= s["p999_ms"] <= s["max_ms"], (stage, s)
 assert remote["requests_per_s"] > 0 and remote["payload_bytes_per_s"] > 0
-# f32 on the wire: forward 8x64 in + 8x32 out, backward 8x32 in + 8x64 out, 4 bytes each.
-assert abs(remote["payload_bytes_per_s"] / remote["requests_per_s"] - 4 * 8 * (64 + 32) * 2) < 1e-6 * remote["payload_bytes_per_s"], remote
+# The exact wire (the default): the Linear's input 8x64 as E4M3 codes, 1 byte each; its output
+# 8x32, then grad_output 8x32 and grad_input 8x64 as f32, 4 bytes each.
+assert r["wire_dtype"] == "exact", r["wire_dtype"]
+step_bytes = 8 * 64 + 4 * 8 * (32 + 32 + 64)
+assert abs(remote["payload_bytes_per_s"] / remote["requests_per_s"] - step_bytes) < 1e-6 * remote["payload_bytes_per_s"], remote
 assert remote["server_compute_ms_mean"] > 0
 assert modes["in-process"]["ok"] == 40 and modes["empty-rpc"]["ok"] == 40
 ratio = r["ratios"][0]

@@ -210,7 +210,11 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
       round.Arm(kClients);
       for (int i = 0; i < kClients; ++i) {
         threads.emplace_back([&, i] {
-          auto c = batched.Connect();
+          // F32: training forwards that bring a Linear's FP8 input codes (the exact wire's form
+          // for CURRENT) run one by one, not in batches (docs/wire.md).
+          client::ClientOptions f32;
+          f32.wire_dtype = client::WireDType::kF32;
+          auto c = batched.Connect(f32);
           fwd[size_t(i)] = c->Forward(mb, xs[size_t(i)], true);
           if (fwd[size_t(i)].ok())
             bwd[size_t(i)] = c->Backward(fwd[size_t(i)]->context_id, gs[size_t(i)]);

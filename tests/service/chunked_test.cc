@@ -172,6 +172,9 @@ class ChunkedServiceTest : public ::testing::TestWithParam<testing::Transport> {
     // The wire's paths under test: over TCP on this host the client would otherwise pass these
     // tensors through shared memory (shared_memory_test covers that).
     o.shared_memory = client::ClientOptions::SharedMemory::kOff;
+    // F32: the sizes these tests pick are float32's (the exact wire, the default, would send a
+    // Linear's input as E4M3 codes, a quarter of them).
+    o.wire_dtype = client::WireDType::kF32;
     return server_.Connect(std::move(o));
   }
 

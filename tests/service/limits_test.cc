@@ -223,6 +223,9 @@ TEST(LimitsTest, QueuedCallsPerModule) {
   client::ClientOptions chunked_options;
   chunked_options.server = server.address();
   chunked_options.chunking = client::ClientOptions::Chunking::kAlways;
+  // F32: under the exact wire this new client would first ask for the module's spec
+  // (ListModules), which queues behind the held device like any other call.
+  chunked_options.wire_dtype = client::WireDType::kF32;
   auto chunked = server.Connect(chunked_options);
   auto refused_chunked = chunked->Forward(m, Random({4, 16}), true);
   EXPECT_EQ(refused_chunked.status().code(), absl::StatusCode::kResourceExhausted)

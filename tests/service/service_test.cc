@@ -20,6 +20,7 @@
 #include "server/core/executor.h"
 #include "server/core/kind_description.h"
 #include "server/core/module_host.h"
+#include "server/core/module_kind.h"
 #include "server/core/tensor_calls.h"
 #include "server/rpc/spec_convert.h"
 #include "specs.h"
@@ -520,6 +521,8 @@ TEST(KindDescriptionsTest, TheContractDescribesTheServersKinds) {
     const v1::KindDescription* d = client::DescribeKind(wire);
     ASSERT_NE(d, nullptr);
     EXPECT_EQ(d->class_name(), kind->name());
+    // The exact wire sends FP8 input codes only to a kind that takes them as they arrive.
+    EXPECT_EQ(d->fp8_input(), core::FindKindBySpecName(kind->spec_name())->UsesFp8Input());
     EXPECT_EQ(client::KindByName(d->cli_name()), wire);
     EXPECT_EQ(client::KindByName(kind->spec_name()), wire);
     const std::set<std::string> fields(d->spec_fields().begin(), d->spec_fields().end());

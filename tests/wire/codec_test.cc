@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -114,6 +115,36 @@ TEST(WireCodec, Fp8TensorEncodingUsesItsOwnAmax) {
     float amax_back = 0;
     for (float v : back) amax_back = std::max(amax_back, std::fabs(v));
     EXPECT_NEAR(amax_back, kernels::Amax(x.data(), n), 1e-5 * kernels::Amax(x.data(), n));
+  }
+}
+
+// The codec encodes FP8 with the CPU kernels' encoder: the reference cast's codes on values over
+// every binade, both signs, past the format's range and below its subnormals, with infinities and
+// NaNs, at any alignment.
+TEST(WireCodec, Fp8ElementsAreTheReferenceCastsCodes) {
+  const int64_t n = 20000;
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE(seed);
+  std::vector<float> x = Random(n, 1.0f, seed);
+  std::mt19937 rng(seed + 1);
+  std::uniform_int_distribution<int> exponent(-40, 40);
+  for (float& v : x) v = std::ldexp(v, exponent(rng));
+  x[5] = std::numeric_limits<float>::infinity();
+  x[6] = -std::numeric_limits<float>::infinity();
+  x[7] = std::numeric_limits<float>::quiet_NaN();
+  x[8] = -0.0f;
+  x[9] = std::numeric_limits<float>::denorm_min();
+  for (DType d : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    const auto format =
+        d == DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
+    for (float scale : {1.0f, 3.0e-3f, 448.0f / 7.3f}) {
+      std::string bytes(size_t(n + 3), '\0');
+      EncodeElements(x.data(), n, d, scale, bytes.data() + 3);
+      std::vector<uint8_t> want(static_cast<size_t>(n));
+      kernels::QuantizeFp8(x.data(), 1, n, scale, format, want.data(), nullptr, nullptr);
+      EXPECT_EQ(std::memcmp(bytes.data() + 3, want.data(), size_t(n)), 0)
+          << DTypeName(d) << " scale " << scale;
+    }
   }
 }
 

@@ -259,10 +259,16 @@ class Client:
             on the Train stream. Past it the call raises ``GradwireError`` with code
             ``DEADLINE_EXCEEDED`` naming the call (a Train-stream request also replaces the
             stream).
-        wire_dtype: how activations and gradients travel: "f32", "bf16", "f16" (halve the
-            bytes), or "fp8" (a quarter: E4M3 activations and E5M2 gradients, each tensor with
-            a current-scaling scale of its own; the server uses FP8 input codes as they are).
-            With "f32", a bfloat16 or float16 input travels in its own dtype (it loses nothing).
+        wire_dtype: how activations and gradients travel. "exact" (the default) changes no
+            result: every tensor travels as "f32" does, except a forward's input to a module
+            that casts it to E4M3 first under current scaling with margin 0 (a Linear under
+            CURRENT), which travels as the server's own cast of it, codes and scale_inv bit for
+            bit (a quarter of the bytes; an input that is not all finite travels as itself).
+            The results are "f32"'s, bit for bit. "f32": every tensor as float32. Lossy, one
+            dtype both ways: "bf16", "f16" (halve the bytes), or "fp8" (a quarter: E4M3
+            activations and E5M2 gradients, each tensor with a current-scaling scale of its
+            own; the server uses FP8 input codes as they are). With "exact" and "f32", a
+            bfloat16 or float16 tensor travels in its own dtype (it loses nothing).
         max_message_mib: largest message sent or received.
         token: bearer token for a server that requires tokens (default: the ``GRADWIRE_TOKEN``
             environment variable, if set).
@@ -290,7 +296,7 @@ class Client:
     """
 
     def __init__(self, server: str = "127.0.0.1:50051", timeout: float = 30.0,
-                 wire_dtype: str = "f32", max_message_mib: int = 64,
+                 wire_dtype: str = "exact", max_message_mib: int = 64,
                  token: Optional[str] = None, chunk_kib: int = 4096, chunking: str = "auto",
                  tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
@@ -735,10 +741,29 @@ class Client:
         ``context_id``: the id a training forward's context takes (32 random hex digits;
         empty: the server draws one)."""
         dtype = self.activation_dtype if dtype is None else dtype
-        header, data = wire.encode(x, dtype)
+        header, data = self._encode_input(module_id, x, dtype)
         return Outgoing(service_pb2.ForwardRequest(
             module_id=module_id, input=header, training=training, output_dtype=dtype,
             context_id=context_id), {_FORWARD_INPUT: data})
+
+    def exact_fp8_input(self, module_id: str) -> bool:
+        """Whether this client's forwards send ``module_id``'s input as E4M3 codes: the wire is
+        "exact" and the module's spec allows it (``gradwire.kinds.exact_fp8_input``; the spec is
+        asked of the server once when this client has not seen the module)."""
+        if self.wire_dtype != "exact":
+            return False
+        spec = self._spec(module_id)
+        return spec is not None and kinds.exact_fp8_input(spec)
+
+    def _encode_input(self, module_id: str, x: torch.Tensor, dtype: int) -> wire.Encoded:
+        """A forward's input as it travels when the output travels as ``dtype``: under the
+        exact wire, the server's own E4M3 cast of it when the module takes that (and ``dtype``
+        is a full-precision one: F32, or the caller's BF16 / F16); else ``x`` as ``dtype``."""
+        if dtype in (wire.F32, wire.BF16, wire.F16) and self.exact_fp8_input(module_id):
+            encoded = wire.encode_exact_input(x)
+            if encoded is not None:
+                return encoded
+        return wire.encode(x, dtype)
 
     def backward_request(self, context_id: str, grad_output: torch.Tensor,
                          skip_grad_input: bool = False, retain: bool = False,
@@ -783,9 +808,9 @@ class Client:
 
     def wire_dtypes_for(self, dtype: torch.dtype) -> Tuple[int, int]:
         """(activation, gradient) wire dtypes for a tensor of ``dtype``: this client's, except
-        that with "f32" a bfloat16 or float16 tensor travels as itself (halving the bytes and
-        losing nothing)."""
-        if self.wire_dtype == "f32" and dtype in (torch.bfloat16, torch.float16):
+        that with "exact" and "f32" a bfloat16 or float16 tensor travels as itself (halving the
+        bytes and losing nothing)."""
+        if self.wire_dtype in ("exact", "f32") and dtype in (torch.bfloat16, torch.float16):
             d = wire.BF16 if dtype == torch.bfloat16 else wire.F16
             return d, d
         return self.activation_dtype, self.gradient_dtype
@@ -964,12 +989,17 @@ class Client:
         dtype = self.activation_dtype if dtype is None else dtype
         size = wire.element_size(dtype)
         rows = x.numel() // x.shape[-1]
-        in_bytes = x.numel() * size
+        # The input's bytes as it will travel (E4M3 under the exact wire for a module that takes
+        # it, as its encoding below says for sure), to decide before encoding anything.
+        in_bytes = x.numel() * (1 if dtype in (wire.F32, wire.BF16, wire.F16)
+                                and self.exact_fp8_input(module_id) else size)
         out_bytes = rows * spec.out_features * size
         ln = _returns_layernorm(spec)
         ln_bytes = rows * spec.in_features * size if ln else 0
         if in_bytes + out_bytes + ln_bytes < self._shm_min:
             return None
+        encoded = self._encode_input(module_id, x, dtype)
+        in_bytes = encoded.data.nbytes
         at_out = self._aligned(in_bytes)
         at_ln = at_out + self._aligned(out_bytes)
         region = self._shm.acquire(at_ln + ln_bytes)
@@ -978,7 +1008,7 @@ class Client:
         try:
             req = service_pb2.ForwardRequest(module_id=module_id, training=training,
                                              output_dtype=dtype, context_id=context_id)
-            req.input.CopyFrom(region.write(0, x, dtype))
+            req.input.CopyFrom(region.write_encoded(0, encoded))
             req.output_shared_memory.CopyFrom(region.ref(at_out, out_bytes))
             if ln:
                 req.layernorm_output_shared_memory.CopyFrom(region.ref(at_ln, ln_bytes))
@@ -1083,7 +1113,8 @@ class Client:
         rows = x.numel() // max(1, x.shape[-1]) if x.dim() > 0 else 0
         req = service_pb2.ForwardRequest(module_id=module_id, training=training,
                                          output_dtype=self.activation_dtype)
-        req.input.CopyFrom(region.write(offset, x, self.activation_dtype))
+        req.input.CopyFrom(region.write_encoded(
+            offset, self._encode_input(module_id, x, self.activation_dtype)))
         at = offset + req.input.shared_memory.byte_size
         out_bytes = rows * spec.out_features * size
         req.output_shared_memory.CopyFrom(region.ref(at, out_bytes))

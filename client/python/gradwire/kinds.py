@@ -58,3 +58,15 @@ def widths(spec: module_pb2.ModuleSpec) -> List[Tuple[str, int]]:
     ("ffn_features", 4096), ("out_features", 1024)]`` for a LayerNormMLP."""
     d = describe(spec.kind)
     return [] if d is None else [(f, getattr(spec, f)) for f in d.widths]
+
+
+def exact_fp8_input(spec: module_pb2.ModuleSpec) -> bool:
+    """Whether the exact wire sends a forward's input to a module of ``spec`` as E4M3 codes: its
+    kind takes FP8 input codes as they arrive (``KindDescription.fp8_input``: a Linear) and its
+    recipe is CURRENT (or unspecified) with margin 0, so that the client's current-scaling cast is
+    the server's, bit for bit. DELAYED (the server's history sets the scale), BLOCK and MXFP8 (a
+    scale per block) and a margin keep the input as it is."""
+    d = describe(spec.kind)
+    return (d is not None and d.fp8_input
+            and spec.recipe.scaling in (module_pb2.SCALING_RECIPE_UNSPECIFIED, module_pb2.CURRENT)
+            and spec.recipe.margin == 0)

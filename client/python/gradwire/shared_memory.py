@@ -56,7 +56,11 @@ class _RegionIO:
     def write(self, offset: int, t: torch.Tensor, dtype: int) -> tensor_pb2.Tensor:
         """Encodes ``t`` as proto dtype ``dtype`` at ``offset``; returns the request tensor that
         references it."""
-        msg, data = wire.encode(t, dtype)
+        return self.write_encoded(offset, wire.encode(t, dtype))
+
+    def write_encoded(self, offset: int, encoded: "wire.Encoded") -> tensor_pb2.Tensor:
+        """``write`` of a tensor already encoded (``wire.encode``, ``wire.encode_exact_input``)."""
+        msg, data = encoded
         n = data.nbytes
         if offset < 0 or offset + n > self.size:
             raise ValueError(f"{n} bytes at offset {offset} do not fit the {self.size}-byte "
@@ -66,7 +70,11 @@ class _RegionIO:
         return msg
 
     def ref(self, offset: int, byte_size: int) -> tensor_pb2.SharedMemoryRef:
-        """Bytes [offset, offset + byte_size) of this region: where a result should go."""
+        """Bytes [offset, offset + byte_size) of this region: where a result should go. A range
+        outside the region raises ValueError before anything is sent."""
+        if offset < 0 or byte_size < 0 or offset + byte_size > self.size:
+            raise ValueError(f"{byte_size} bytes at offset {offset} do not fit the {self.size}-byte "
+                             f"region {self.name}")
         return tensor_pb2.SharedMemoryRef(region=self.name, offset=offset, byte_size=byte_size)
 
     def read(self, header: tensor_pb2.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ reference rounding of ``kernels::EncodeFp8``. ``tests/test_fp8_wire.py`` checks 
 against a running server.
 """
 
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -21,8 +21,12 @@ FP8_E4M3 = tensor_pb2.FP8_E4M3
 FP8_E5M2 = tensor_pb2.FP8_E5M2
 
 # Wire dtype name -> (proto enum of activations, proto enum of gradients). "fp8" sends
-# activations as E4M3 and gradients as E5M2, as the server's FP8 recipe casts them.
+# activations as E4M3 and gradients as E5M2, as the server's FP8 recipe casts them. "exact" (the
+# clients' default) is F32, except that a forward's input to a module that casts it to E4M3 first
+# under current scaling with margin 0 (``gradwire.kinds.exact_fp8_input``) crosses as that cast,
+# codes and scale_inv bit for bit (``encode_exact_input``): the F32 wire's results, bit for bit.
 WIRE_DTYPES: Dict[str, Tuple[int, int]] = {
+    "exact": (F32, F32),
     "f32": (F32, F32),
     "bf16": (BF16, BF16),
     "f16": (F16, F16),
@@ -154,6 +158,25 @@ def encode(t: torch.Tensor, dtype: int = F32) -> Encoded:
         t = t.to(device="cpu", dtype=torch.float32).to(torch_dtype)
     c = t.to("cpu").contiguous()
     return Encoded(tensor_pb2.Tensor(dtype=dtype, shape=list(c.shape)), _bytes_of(c))
+
+
+def encode_exact_input(t: torch.Tensor) -> Optional[Encoded]:
+    """``t`` as the E4M3 codes and scale_inv the server's current-scaling cast (margin 0) makes of
+    it, bit for bit: what the exact wire sends a Linear under CURRENT scaling in place of its
+    input. None when a value is not finite (NaN, an infinity) or ``t`` is empty: the input then
+    crosses as itself, and the server answers as it does to it on the F32 wire."""
+    t = t.detach()
+    if t.numel() == 0:
+        return None
+    x = t.to(device="cpu", dtype=torch.float32).contiguous()
+    amax = x.abs().max()
+    if not bool(torch.isfinite(amax)):
+        return None
+    scale = fp8_scale(amax, FP8_E4M3)
+    codes = fp8_encode(x * scale, FP8_E4M3)
+    scale_inv = float(torch.tensor(1.0, dtype=torch.float32) / scale)
+    return Encoded(tensor_pb2.Tensor(dtype=FP8_E4M3, shape=list(x.shape), scale_inv=scale_inv),
+                   _bytes_of(codes))
 
 
 def to_wire(t: torch.Tensor, dtype: int = F32) -> tensor_pb2.Tensor:

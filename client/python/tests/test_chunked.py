@@ -43,7 +43,8 @@ def test_chunked_forward_backward_match_unary(small_chunk_server, wire_dtype):
 
 
 def test_auto_picks_chunks_for_large_tensors(small_chunk_server):
-    c = gradwire.Client(small_chunk_server, chunk_kib=64, shared_memory="off")
+    # f32: the sizes below are float32's (the exact wire would send the input as E4M3 codes).
+    c = gradwire.Client(small_chunk_server, chunk_kib=64, shared_memory="off", wire_dtype="f32")
     try:
         narrow, wide = _linear(c, 64, 32), _linear(c, 16, 4096)
         c.forward(narrow, torch.randn(4, 64), False)

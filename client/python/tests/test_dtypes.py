@@ -31,15 +31,20 @@ def sent(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("form", ["exact", "f32"])
 @pytest.mark.parametrize("dtype, code", [(torch.bfloat16, wire.BF16), (torch.float16, wire.F16)])
-def test_16_bit_inputs_travel_as_such(client, sent, dtype, code):
+def test_16_bit_inputs_travel_as_such(server, sent, form, dtype, code):
+    """Under "f32" and "exact" a 16-bit tensor travels in its own dtype; "exact" sends a Linear's
+    input as the server's E4M3 cast of it instead (the output still comes back in 16 bits)."""
+    client = gradwire.Client(server, wire_dtype=form)
     m = gradwire.RemoteLinear(client, 16, 8, seed=3)
     x = torch.randn(4, 16).to(dtype).requires_grad_()
     y = m(x)
     assert y.dtype == dtype
     y.float().sum().backward()
     assert x.grad.dtype == dtype and x.grad.abs().sum() > 0
-    assert sent == [("forward", code, code), ("backward", code, code)]
+    sent_input = wire.FP8_E4M3 if form == "exact" else code
+    assert sent == [("forward", sent_input, code), ("backward", code, code)]
     # The server got exactly x and rounded its float32 output once, to dtype.
     with torch.no_grad():
         assert torch.equal(m.eval()(x), m(x.float()).to(dtype))
@@ -53,20 +58,30 @@ def test_a_narrower_client_wire_dtype_wins(server, sent):
         assert sent[0] == ("forward", wire.FP8_E4M3, wire.FP8_E4M3)
 
 
-def test_float32_and_float64_travel_as_f32(client, sent):
+@pytest.mark.parametrize("form", ["exact", "f32"])
+def test_float32_and_float64_travel_as_f32(server, sent, form):
+    """Their outputs come back as F32; "exact" sends a Linear's input as its E4M3 cast, a
+    LayerNormLinear's as F32."""
+    client = gradwire.Client(server, wire_dtype=form)
     m = gradwire.RemoteLinear(client, 16, 8)
     assert m(torch.randn(2, 16, dtype=torch.float64)).dtype == torch.float64
     assert m(torch.randn(2, 16)).dtype == torch.float32
-    assert [s[1] for s in sent] == [wire.F32, wire.F32]
+    ln = gradwire.RemoteLayerNormLinear(client, 16, 8)
+    assert ln(torch.randn(2, 16)).dtype == torch.float32
+    linear_input = wire.FP8_E4M3 if form == "exact" else wire.F32
+    assert [s[1:] for s in sent] == [(linear_input, wire.F32)] * 2 + [(wire.F32, wire.F32)]
 
 
-def test_autocast_casts_the_input(client, sent):
+@pytest.mark.parametrize("form", ["exact", "f32"])
+def test_autocast_casts_the_input(server, sent, form):
+    client = gradwire.Client(server, wire_dtype=form)
     m = gradwire.RemoteLinear(client, 16, 8)
     x = torch.randn(4, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
     assert y.dtype == torch.bfloat16
-    assert sent[0] == ("forward", wire.BF16, wire.BF16)
+    sent_input = wire.FP8_E4M3 if form == "exact" else wire.BF16
+    assert sent[0] == ("forward", sent_input, wire.BF16)
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32  # through autocast's own cast
 

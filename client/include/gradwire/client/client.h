@@ -143,6 +143,9 @@ class Client {
   // client has stopped asking for it (the server cannot give it a region it can open).
   int64_t shared_memory_calls() const;
   bool shared_memory_off() const;
+  // Forwards whose input crossed as its FP8 cast under the exact wire (Forward, not the Train
+  // stream; tests, benchmarks).
+  int64_t exact_fp8_inputs() const { return exact_fp8_inputs_.load(); }
   // ReleaseContext calls sent for training forwards that ended without their answer (tests).
   int64_t unanswered_releases() const;
 
@@ -170,12 +173,10 @@ class Client {
   absl::StatusOr<v1::SetWeightsResponse> SetWeightsChunked(v1::SetWeightsRequest& req);
   // Through a shared-memory region when the tensors are large enough and the pool lends one:
   // the result, or nullopt for the wire (no region, or the server had closed the one lent).
-  std::optional<absl::StatusOr<ForwardResult>> ForwardShared(const std::string& module_id,
-                                                             const HostTensor& input, bool training,
-                                                             const std::string& context_id,
-                                                             int64_t output_elements,
-                                                             int64_t layernorm_elements,
-                                                             bool* answered);
+  std::optional<absl::StatusOr<ForwardResult>> ForwardShared(
+      const std::string& module_id, const HostTensor& input, WireDType in_dtype,
+      WireDType out_dtype, bool training, const std::string& context_id, int64_t output_elements,
+      int64_t layernorm_elements, bool* answered);
   std::optional<absl::StatusOr<HostTensor>> BackwardShared(const std::string& route,
                                                            const v1::BackwardRequest& header,
                                                            const HostTensor& grad_output,
@@ -183,9 +184,11 @@ class Client {
                                                            int64_t grad_input_elements);
 
   ClientOptions options_;
-  ShapeCache shapes_;
+  // Shared with the Train streams it opens (the exact wire reads a module's spec there too).
+  std::shared_ptr<ShapeCache> shapes_ = std::make_shared<ShapeCache>();
   std::atomic<int64_t> chunked_calls_{0};
   std::atomic<int64_t> shared_memory_calls_{0};
+  std::atomic<int64_t> exact_fp8_inputs_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
   // After the stub: the keep-alive thread and the shared-memory regions use it until they go.

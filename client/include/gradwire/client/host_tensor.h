@@ -16,12 +16,39 @@
 
 namespace gradwire::client {
 
-// How float tensors travel to the server. The FP8 kinds are cast with a current-scaling scale of
-// their own (amax of the tensor maps to the format's largest value), sent with its scale_inv; the
-// server uses FP8 input codes as they are. Activations are usually E4M3, gradients E5M2.
-// The wire codec's element types (gradwire/wire/codec.h), which the server decodes alike.
+struct HostTensor;
+
+// The wire codec's element types (gradwire/wire/codec.h), which the server decodes alike. The FP8
+// kinds are cast with a current-scaling scale of their own (amax of the tensor maps to the
+// format's largest value), sent with its scale_inv; the server uses FP8 input codes as they are.
 using WireDType = wire::DType;
 using wire::ToProto;
+
+// How a client's activations and gradients cross (docs/wire.md).
+//
+// The exact wire (the default: WireForm{} or kExactWire) changes no result: every tensor crosses
+// as F32, except a forward's input to a module that casts it to FP8 first and takes FP8 input
+// codes in its place (KindDescription.fp8_input: a Linear) under CURRENT scaling with margin 0.
+// That input crosses as the server's own cast of it, E4M3 codes and scale_inv bit for bit, a
+// quarter of the bytes; an input that is not all finite crosses as F32 (the server's answer to it
+// is the F32 wire's). Outputs and gradients stay F32 both ways. The results are the F32 wire's,
+// bit for bit.
+//
+// A WireForm made from a WireDType (`options.wire_dtype = WireDType::kBF16`) sends every
+// activation and gradient, both ways, in that dtype; BF16, F16 and FP8 lose precision.
+struct WireForm {
+  constexpr WireForm() = default;
+  constexpr WireForm(WireDType d) : exact(false), dtype(d) {}  // NOLINT: one dtype both ways
+  bool exact = true;
+  WireDType dtype = WireDType::kF32;  // every tensor's dtype; F32 under the exact wire
+};
+inline constexpr WireForm kExactWire{};
+// "exact", or the dtype's name ("F32", "BF16", ...).
+const char* WireFormName(const WireForm& form);
+// The dtype the exact wire sends a forward's `input` in, for a module that takes E4M3 input codes
+// under current scaling with margin 0 (`fp8_input`, ExactWireTakesFp8(spec)): kFp8E4M3 when the
+// module does and every value is finite, else kF32.
+WireDType ExactInputDType(const HostTensor& input, bool fp8_input);
 
 // A float32 host tensor, row-major.
 struct HostTensor {

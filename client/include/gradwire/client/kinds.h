@@ -27,6 +27,12 @@ bool KindReads(v1::ModuleKind kind, absl::string_view field);
 // The widths of `spec`'s module in order, by field name: {{"in_features", 1024},
 // {"ffn_features", 4096}, {"out_features", 1024}} for a LayerNormMLP. Empty for an unknown kind.
 std::vector<std::pair<std::string, int64_t>> KindWidths(const v1::ModuleSpec& spec);
+// Whether the exact wire (host_tensor.h: WireForm) sends a forward's input to a module of `spec` as
+// E4M3 codes: its kind takes FP8 input codes (KindDescription.fp8_input) and its recipe is CURRENT
+// (or unspecified) with margin 0, so that a client's current-scaling cast is the server's, bit for
+// bit. DELAYED (a scale from the server's history), BLOCK and MXFP8 (a scale per block) and a
+// margin keep the input F32.
+bool ExactWireTakesFp8(const v1::ModuleSpec& spec);
 // The --kind values ("linear", "layernorm-linear", "layernorm-mlp"), and them joined by ", ".
 std::vector<std::string> KindCliNames();
 std::string KindNames();

@@ -11,8 +11,11 @@ namespace gradwire::client {
 struct ClientOptions {
   std::string server = "127.0.0.1:50051";    // host:port of gradwire-server
   std::chrono::milliseconds timeout{30000};  // deadline of each call
-  WireDType wire_dtype = WireDType::kF32;    // dtype of activations and gradients both ways
-  int max_message_mib = 64;                  // largest message sent or received
+  // How activations and gradients cross (host_tensor.h, docs/wire.md): the exact wire by default
+  // (F32 results bit for bit, a Linear's input as its FP8 cast); a WireDType sends every tensor in
+  // it both ways (`wire_dtype = WireDType::kBF16`; BF16, F16 and FP8 are lossy).
+  WireForm wire_dtype = kExactWire;
+  int max_message_mib = 64;  // largest message sent or received
   // TLS: a PEM CA bundle that signed the server's certificate turns TLS on; a PEM client
   // certificate and key answer a server that requires mutual TLS. Empty: plaintext.
   std::string tls_ca_file;

@@ -1,6 +1,7 @@
 // What a client remembers to predict a response's size before it asks, so that it can pick the
 // unary or the chunked call: each module's widths (from CreateModule and ListModules) and each
-// training context's input size (= its grad_input's). Thread-safe.
+// training context's input size (= its grad_input's), and whether the exact wire sends a module's
+// input as FP8. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@ struct ModuleShape {
   int64_t in = 0, out = 0, ffn = 0;
   bool layernorm_output = false;  // forward also returns the LayerNorm output
   bool gated = false;             // SWIGLU / GEGLU: fc1 is twice as wide
+  bool fp8_input = false;         // the exact wire sends its input as E4M3 (ExactWireTakesFp8)
 };
 
 class ShapeCache {

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "gradwire/client/host_tensor.h"
+#include "gradwire/client/shape_cache.h"
 #include "gradwire/v1/service.grpc.pb.h"
 
 namespace gradwire::client {
@@ -44,7 +45,10 @@ class TrainStream {
  private:
   friend class Client;
   TrainStream() = default;
-  WireDType wire_dtype_ = WireDType::kF32;
+  WireForm wire_dtype_;
+  // The client's: under the exact wire, a forward's input to a module it knows to take FP8 codes
+  // crosses as E4M3 (a module it has not seen yet: F32).
+  std::shared_ptr<const ShapeCache> shapes_;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::TrainRequest, v1::TrainResponse>> stream_;
   bool writes_done_ = false;

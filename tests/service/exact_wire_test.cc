@@ -1,0 +1,238 @@
+// The exact wire (client/host_tensor.h: WireForm), the clients' default: a forward's input to a
+// module that casts it to E4M3 first under current scaling with margin 0 crosses as that cast;
+// everything else crosses as F32. Every kind and recipe gives the F32 wire's results bit for bit
+// (outputs, input gradients, weight gradients, the weights after optimizer steps), and only a
+// Linear under CURRENT with margin 0 gets FP8 input.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gradwire/client/client.h"
+#include "gradwire/client/kinds.h"
+#include "gradwire/client/recipes.h"
+#include "specs.h"
+#include "test_server.h"
+
+namespace gradwire {
+namespace {
+
+using client::HostTensor;
+using client::WireDType;
+using testing::Random;
+
+// Bit for bit (-0 and +0 told apart).
+void ExpectSameBits(const HostTensor& a, const HostTensor& b, const std::string& what) {
+  ASSERT_EQ(a.shape, b.shape) << what;
+  ASSERT_EQ(a.data.size(), b.data.size()) << what;
+  ASSERT_FALSE(a.data.empty()) << what;
+  size_t differ = 0;
+  for (size_t i = 0; i < a.data.size(); ++i) {
+    differ += std::memcmp(&a.data[i], &b.data[i], sizeof(float)) != 0;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << a.data.size() << " differ";
+}
+
+void ExpectSameTensors(const client::NamedTensors& a, const client::NamedTensors& b,
+                       const std::string& what) {
+  ASSERT_EQ(a.tensors.size(), b.tensors.size()) << what;
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    EXPECT_EQ(a.tensors[i].first, b.tensors[i].first);
+    ExpectSameBits(a.tensors[i].second, b.tensors[i].second, what + " " + a.tensors[i].first);
+  }
+}
+
+struct Case {
+  const char* name;
+  v1::ModuleSpec spec;
+  bool fp8_input;  // whether the exact wire sends its input as E4M3
+};
+
+v1::ModuleSpec WithRecipe(v1::ModuleSpec spec, v1::ScalingRecipe scaling, int margin = 0) {
+  spec.mutable_recipe()->set_scaling(scaling);
+  spec.mutable_recipe()->set_margin(margin);
+  return spec;
+}
+
+std::vector<Case> Cases() {
+  const v1::ModuleSpec linear = testing::LinearSpec(96, 40, /*bias=*/true, 11);
+  const v1::ModuleSpec linear_nobias = testing::LinearSpec(96, 40, /*bias=*/false, 12);
+  const v1::ModuleSpec ln_linear = testing::LayerNormLinearSpec(96, 40, /*bias=*/true, 13);
+  v1::ModuleSpec ln_linear_out = ln_linear;
+  ln_linear_out.set_return_layernorm_output(true);
+  const v1::ModuleSpec mlp = testing::LayerNormMlpSpec(96, 64, v1::GELU, /*bias=*/true, 14);
+  const v1::ModuleSpec swiglu = testing::LayerNormMlpSpec(96, 64, v1::SWIGLU, false, 15);
+  std::vector<Case> cases = {
+      {"LinearCurrent", WithRecipe(linear, v1::CURRENT), true},
+      {"LinearUnspecifiedRecipe", WithRecipe(linear_nobias, v1::SCALING_RECIPE_UNSPECIFIED), true},
+      {"LinearCurrentMargin", WithRecipe(linear, v1::CURRENT, 2), false},
+      {"LinearDelayed", WithRecipe(linear, v1::DELAYED), false},
+      {"LinearBlock", WithRecipe(linear, v1::BLOCK), false},
+      {"LinearMxfp8", WithRecipe(linear_nobias, v1::MXFP8), false},
+  };
+  for (v1::ScalingRecipe r : {v1::CURRENT, v1::DELAYED, v1::BLOCK, v1::MXFP8}) {
+    cases.push_back({"LayerNormLinear", WithRecipe(ln_linear, r), false});
+    cases.push_back({"LayerNormLinearWithOutput", WithRecipe(ln_linear_out, r), false});
+    cases.push_back({"LayerNormMlp", WithRecipe(mlp, r), false});
+    cases.push_back({"LayerNormMlpSwiglu", WithRecipe(swiglu, r), false});
+  }
+  return cases;
+}
+
+class ExactWireTest : public ::testing::TestWithParam<client::ClientOptions::SharedMemory> {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.ok());
+    client::ClientOptions exact;
+    exact.shared_memory = GetParam();
+    exact.shared_memory_min_kib = 4;      // these small tensors pass through regions too (auto)
+    EXPECT_TRUE(exact.wire_dtype.exact);  // the default
+    client::ClientOptions f32 = exact;
+    f32.wire_dtype = WireDType::kF32;
+    exact_ = server_.Connect(exact);
+    f32_ = server_.Connect(f32);
+  }
+
+  // Two modules of `spec` (the same seed: the same weights), one driven through each client:
+  // training steps with fresh inputs (forward, backward, optimizer step), then an inference
+  // forward. Everything that comes back, and the weights at the end, must match bit for bit.
+  void RunBoth(const Case& c) {
+    SCOPED_TRACE(c.name + std::string(" ") + client::RecipeName(c.spec.recipe().scaling()) +
+                 " margin " + std::to_string(c.spec.recipe().margin()));
+    EXPECT_EQ(client::ExactWireTakesFp8(c.spec), c.fp8_input);
+    auto a = exact_->CreateModule(c.spec);
+    auto b = f32_->CreateModule(c.spec);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+    const std::string ma = a->module_id(), mb = b->module_id();
+    const int64_t in = c.spec.in_features(), out = c.spec.out_features();
+    const int64_t fp8_before = exact_->exact_fp8_inputs();
+    constexpr int kSteps = 3;
+    for (int step = 0; step < kSteps; ++step) {
+      const int64_t rows = 7 + 9 * step;
+      const HostTensor x = Random({rows, in});
+      auto fa = exact_->Forward(ma, x, true);
+      auto fb = f32_->Forward(mb, x, true);
+      ASSERT_TRUE(fa.ok()) << fa.status();
+      ASSERT_TRUE(fb.ok()) << fb.status();
+      ExpectSameBits(fa->output, fb->output, "output");
+      if (c.spec.return_layernorm_output()) {
+        ASSERT_TRUE(fa->layernorm_output.has_value() && fb->layernorm_output.has_value());
+        ExpectSameBits(*fa->layernorm_output, *fb->layernorm_output, "layernorm_output");
+      }
+      const HostTensor dy = Random({rows, out});
+      client::BackwardOptions bo;
+      if (c.spec.return_layernorm_output()) bo.grad_layernorm_output = Random({rows, in});
+      auto ga = exact_->Backward(fa->context_id, dy, bo);
+      auto gb = f32_->Backward(fb->context_id, dy, bo);
+      ASSERT_TRUE(ga.ok()) << ga.status();
+      ASSERT_TRUE(gb.ok()) << gb.status();
+      ExpectSameBits(*ga, *gb, "grad_input");
+      auto da = exact_->GetGradients(ma);
+      auto db = f32_->GetGradients(mb);
+      ASSERT_TRUE(da.ok() && db.ok());
+      ExpectSameTensors(*da, *db, "gradients");
+      ASSERT_TRUE(exact_->ApplyGradients(ma).ok());
+      ASSERT_TRUE(f32_->ApplyGradients(mb).ok());
+    }
+    const HostTensor x = Random({5, in});
+    auto ia = exact_->Forward(ma, x, false);
+    auto ib = f32_->Forward(mb, x, false);
+    ASSERT_TRUE(ia.ok() && ib.ok());
+    ExpectSameBits(ia->output, ib->output, "inference output");
+    auto wa = exact_->GetWeights(ma);
+    auto wb = f32_->GetWeights(mb);
+    ASSERT_TRUE(wa.ok() && wb.ok());
+    ExpectSameTensors(*wa, *wb, "weights");
+    // The input crossed as E4M3 on every forward exactly where the rule says.
+    EXPECT_EQ(exact_->exact_fp8_inputs() - fp8_before, c.fp8_input ? kSteps + 1 : 0);
+    EXPECT_EQ(f32_->exact_fp8_inputs(), 0);
+    ASSERT_TRUE(exact_->DeleteModule(ma).ok());
+    ASSERT_TRUE(f32_->DeleteModule(mb).ok());
+  }
+
+  testing::TestServer server_;
+  std::unique_ptr<client::Client> exact_, f32_;
+};
+
+TEST_P(ExactWireTest, EveryKindAndRecipeGivesTheF32WiresBits) {
+  for (const Case& c : Cases()) RunBoth(c);
+  if (GetParam() == client::ClientOptions::SharedMemory::kAuto && !exact_->shared_memory_off()) {
+    EXPECT_GT(exact_->shared_memory_calls(), 0);
+  }
+}
+
+// An input with a NaN or an infinity crosses as F32 (its FP8 cast would hide an infinity): the
+// server refuses it as it refuses it from the F32 wire, with the same words.
+TEST_P(ExactWireTest, ANonFiniteInputCrossesAsF32AndIsRefusedAlike) {
+  const v1::ModuleSpec spec = testing::LinearSpec(32, 16, true, 3);
+  const std::string ma = exact_->CreateModule(spec)->module_id();
+  const std::string mb = f32_->CreateModule(spec)->module_id();
+  for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    HostTensor x = Random({4, 32});
+    x.data[37] = bad;
+    EXPECT_EQ(client::ExactInputDType(x, true), WireDType::kF32);
+    const int64_t fp8_before = exact_->exact_fp8_inputs();
+    auto fa = exact_->Forward(ma, x, true);
+    auto fb = f32_->Forward(mb, x, true);
+    ASSERT_FALSE(fa.ok());
+    ASSERT_FALSE(fb.ok());
+    EXPECT_EQ(fa.status().code(), fb.status().code());
+    EXPECT_EQ(testing::WithoutRequestId(fa.status().message()),
+              testing::WithoutRequestId(fb.status().message()));
+    EXPECT_EQ(exact_->exact_fp8_inputs(), fp8_before);
+  }
+  // A finite one after them goes as E4M3 again.
+  const HostTensor x = Random({4, 32});
+  EXPECT_EQ(client::ExactInputDType(x, true), WireDType::kFp8E4M3);
+  EXPECT_EQ(client::ExactInputDType(x, false), WireDType::kF32);
+  auto fa = exact_->Forward(ma, x, false);
+  auto fb = f32_->Forward(mb, x, false);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  ExpectSameBits(fa->output, fb->output, "output");
+}
+
+// The Train stream takes the same form: a module the client created sends its input as E4M3 there
+// too, with the F32 stream's results.
+TEST_P(ExactWireTest, TheTrainStreamGivesTheF32WiresBits) {
+  const v1::ModuleSpec spec = testing::LinearSpec(64, 24, true, 9);
+  const std::string ma = exact_->CreateModule(spec)->module_id();
+  const std::string mb = f32_->CreateModule(spec)->module_id();
+  auto sa = exact_->OpenTrainStream();
+  auto sb = f32_->OpenTrainStream();
+  const HostTensor x = Random({12, 64}), dy = Random({12, 24});
+  ASSERT_TRUE(sa->SendForward(1, ma, x, true));
+  ASSERT_TRUE(sb->SendForward(1, mb, x, true));
+  auto ra = sa->Read();
+  auto rb = sb->Read();
+  ASSERT_TRUE(ra && rb);
+  ASSERT_EQ(ra->code(), 0) << ra->message();
+  ASSERT_EQ(rb->code(), 0) << rb->message();
+  ExpectSameBits(*client::FromWire(ra->forward().output()),
+                 *client::FromWire(rb->forward().output()), "output");
+  ASSERT_TRUE(sa->SendBackward(2, ra->forward().context_id(), dy));
+  ASSERT_TRUE(sb->SendBackward(2, rb->forward().context_id(), dy));
+  ra = sa->Read();
+  rb = sb->Read();
+  ASSERT_TRUE(ra && rb);
+  ASSERT_EQ(ra->code(), 0) << ra->message();
+  ExpectSameBits(*client::FromWire(ra->backward().grad_input()),
+                 *client::FromWire(rb->backward().grad_input()), "grad_input");
+  EXPECT_TRUE(sa->Finish().ok());
+  EXPECT_TRUE(sb->Finish().ok());
+  ExpectSameTensors(*exact_->GetGradients(ma), *f32_->GetGradients(mb), "gradients");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    SharedMemory, ExactWireTest,
+    ::testing::Values(client::ClientOptions::SharedMemory::kOff,
+                      client::ClientOptions::SharedMemory::kAuto),
+    [](const ::testing::TestParamInfo<client::ClientOptions::SharedMemory>& p) {
+      return std::string(p.param == client::ClientOptions::SharedMemory::kOff ? "Wire"
+                                                                              : "SharedMemoryAuto");
+    });
+
+}  // namespace
+}  // namespace gradwire
