@@ -23,9 +23,9 @@ root=$(pwd)
 
 # The gradwire wire forms, each a value of gradwire-load --wire-dtype and of the Python
 # Client(wire_dtype=...): a new form joins the benchmark and the check as one more word here (or
-# in --forms; bf16 is optional). A form that must change no result is also checked against f32's
-# bits (EQUALS_F32 in tests/bench/link_check.py, which names "exact").
-default_forms="f32 fp8"
+# in --forms; bf16 is optional). "exact" (the clients' default, docs/wire.md) must change no
+# result, so it is also checked against f32's bits (EQUALS_F32 in tests/bench/link_check.py).
+default_forms="exact f32 fp8"
 mode=bench
 out_json=docs/perf/link.json
 secs=3
