@@ -15,9 +15,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/core/checkpoint.h"
-#include "server/core/context_store.h"
-#include "server/core/executor.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/contexts/context_store.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/device/backend.h"
 #include "server/metrics.h"

@@ -9,7 +9,7 @@
 #include "gradwire/kernels/random.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
-#include "server/core/module_kind.h"
+#include "server/core/kinds/module_kind.h"
 #include "server/device/backend.h"
 
 namespace gradwire::load {

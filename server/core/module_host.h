@@ -21,9 +21,9 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/context_store.h"
+#include "server/core/contexts/context_store.h"
 #include "server/core/host_types.h"
-#include "server/core/kind_description.h"
+#include "server/core/kinds/kind_description.h"
 #include "server/core/module_spec.h"
 
 namespace gradwire::core {

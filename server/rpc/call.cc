@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/status_macros.h"
-#include "server/core/checkpoint.h"
-#include "server/core/executor.h"
-#include "server/core/kind_description.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/rpc/scheduling/executor.h"
+#include "server/core/kinds/kind_description.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/boundary.h"

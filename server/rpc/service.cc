@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/tensor.h"
 #include "server/common/status_macros.h"
-#include "server/core/checkpoint.h"
+#include "server/core/checkpoints/checkpoint.h"
 #include "server/rpc/boundary.h"
 #include "server/rpc/chunked.h"
 #include "server/rpc/service_util.h"

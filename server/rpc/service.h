@@ -21,8 +21,8 @@
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "gradwire/wire/zero_copy.h"
-#include "server/core/batcher.h"
-#include "server/core/executor.h"
+#include "server/rpc/scheduling/batcher.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/call.h"

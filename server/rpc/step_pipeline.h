@@ -6,7 +6,7 @@
 //
 //   queue    With batching on, a job that others can share a core call with (forwards of one
 //            module, training or not, one input dtype; backwards of one module's contexts) waits
-//            in the batch former (server/core/batcher.h) with the jobs of its key. Any other job
+//            in the batch former (server/rpc/scheduling/batcher.h) with the jobs of its key. Any other job
 //            goes to the device executor alone.
 //   prepare  Its own checks, shared-memory staging and cancellation (steps.cc).
 //   compute  One core call for the prepared jobs of a batch (the step runner's one path). A job
@@ -22,7 +22,7 @@
 
 #include "absl/status/status.h"
 #include "gradwire/v1/service.pb.h"
-#include "server/core/batcher.h"
+#include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/call.h"
 
 namespace gradwire::wire {

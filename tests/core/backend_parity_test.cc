@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "queued_reads_backend.h"
-#include "server/core/fp8_ops.h"
+#include "server/core/kinds/fp8_ops.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 #include "server/device/backend.h"

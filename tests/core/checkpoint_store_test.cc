@@ -1,4 +1,4 @@
-// The checkpoint directory's epochs and claims (server/core/checkpoint.h), two "servers" in one
+// The checkpoint directory's epochs and claims (server/core/checkpoints/checkpoint.h), two "servers" in one
 // process: each a ModuleHost with a Checkpointer on the same directory.
 #include <gtest/gtest.h>
 
@@ -9,8 +9,8 @@
 #include <string>
 #include <thread>
 
-#include "server/core/checkpoint.h"
-#include "server/core/context_store.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/contexts/context_store.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"

@@ -1,6 +1,6 @@
 // The CUDA kernels composed into an FP8 Linear step exactly as the GPU benchmark composes them
 // (current scaling, E4M3 forward, E5M2 gradients, TN GEMMs on rowwise/columnwise copies), against
-// the server's own Linear module (server/core/linear.cc) on the same fresh random inputs: the
+// the server's own Linear module (server/core/kinds/linear.cc) on the same fresh random inputs: the
 // casts bit for bit, the GEMM outputs within an fp32 accumulation-order bound of the module's.
 // This checks the operand layouts and scale wiring, not just each kernel. Skipped, visibly,
 // without a CUDA device.
@@ -13,7 +13,7 @@
 #include "gradwire/kernels/cuda/cast.h"
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/dtype.h"
-#include "server/core/linear.h"
+#include "server/core/kinds/linear.h"
 #include "server/device/quantizer.h"
 #include "test_util.h"
 #include "tests/kernels/cuda_test_util.h"

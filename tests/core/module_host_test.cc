@@ -10,8 +10,8 @@
 #include <filesystem>
 #include <functional>
 
-#include "server/core/checkpoint.h"
-#include "server/core/linear.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/kinds/linear.h"
 #include "server/core/tensor_calls.h"
 #include "server/device/reference_backend.h"
 #include "test_util.h"

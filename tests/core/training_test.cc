@@ -4,9 +4,9 @@
 #include <cfloat>
 #include <cmath>
 
-#include "server/core/linear.h"
+#include "server/core/kinds/linear.h"
 #include "server/core/module_host.h"
-#include "server/core/optimizer.h"
+#include "server/core/host/optimizer.h"
 #include "server/device/recipe.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"

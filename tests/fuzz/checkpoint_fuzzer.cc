@@ -15,7 +15,7 @@
 #include <fstream>
 #include <string>
 
-#include "server/core/checkpoint.h"
+#include "server/core/checkpoints/checkpoint.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 

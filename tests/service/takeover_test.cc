@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
-#include "server/core/checkpoint.h"
-#include "server/core/context_store.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/contexts/context_store.h"
 #include "specs.h"
 #include "test_server.h"
 

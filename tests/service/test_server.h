@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
-#include "server/core/executor.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/service.h"
 #include "server/server.h"
