@@ -361,7 +361,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
         service.batching.yield ? "yielding to other clients' waiting work between requests"
                                : "each batch run whole",
         device.rfind("cpu", 0) != 0 ? "one GEMM per request on this backend"
-        : core::GetCpuGemm() == core::CpuGemm::kOrdered
+        : device::GetCpuGemm() == device::CpuGemm::kOrdered
             ? "one GEMM per batch"
             : "one GEMM per request: --cpu-gemm ordered makes it one per batch");
   }
@@ -482,19 +482,19 @@ std::shared_ptr<grpc::Channel> Server::InProcessChannel(const grpc::ChannelArgum
   return grpc_->InProcessChannel(args);
 }
 
-absl::StatusOr<core::BackendPtr> ResolveDevice(const std::string& requested) {
-  if (requested == "cpu") return core::MakeCpuBackend();
+absl::StatusOr<device::BackendPtr> ResolveDevice(const std::string& requested) {
+  if (requested == "cpu") return device::MakeCpuBackend();
   if (requested != "auto" && requested != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", rpc::Escaped(requested, 64), ": want cpu, cuda or auto"));
   }
-  auto cuda = core::MakeCudaBackend(0);
+  auto cuda = device::MakeCudaBackend(0);
   if (cuda.ok()) return *cuda;
   if (requested == "cuda") {
     return absl::FailedPreconditionError(absl::StrCat("--device cuda: ", cuda.status().message()));
   }
   spdlog::info("--device auto: {}; using the CPU backend", std::string(cuda.status().message()));
-  return core::MakeCpuBackend();
+  return device::MakeCpuBackend();
 }
 
 bool IsLoopback(const std::string& listen) {

@@ -31,7 +31,7 @@ struct ServerOptions {
   // host:port to serve on; port 0 picks a free one (Server::address() says which).
   std::string listen = "127.0.0.1:50051";
   // The device the modules compute on (ResolveDevice); required.
-  core::BackendPtr backend;
+  device::BackendPtr backend;
   // Saved-context budgets: device bytes, host offload bytes, TTL, per-client bytes.
   core::ContextLimits context_limits;
   // The service: limits, quotas, chunk sizes, shared memory, test seams and the per-RPC hook.
@@ -132,7 +132,7 @@ class Server {
 
 // Resolves a --device value (cpu, cuda, auto) into a backend. auto: the CUDA backend when it can
 // run here (else the CPU, logging why); cuda: FAILED_PRECONDITION saying why it cannot run.
-absl::StatusOr<core::BackendPtr> ResolveDevice(const std::string& requested);
+absl::StatusOr<device::BackendPtr> ResolveDevice(const std::string& requested);
 
 // Whether host:port names this machine's loopback interface only.
 bool IsLoopback(const std::string& listen);

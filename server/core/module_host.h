@@ -26,10 +26,15 @@
 #include "server/core/kinds/kind_description.h"
 #include "server/core/module_spec.h"
 
-namespace gradwire::core {
-
+namespace gradwire::device {
 class Backend;
 using BackendPtr = std::shared_ptr<const Backend>;
+}  // namespace gradwire::device
+
+namespace gradwire::core {
+
+using device::Backend;
+using device::BackendPtr;
 class ModuleRegistry;
 class ParameterStore;
 class StateIO;

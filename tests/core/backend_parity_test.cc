@@ -44,6 +44,17 @@
 namespace gradwire::core {
 namespace {
 
+using device::AllOps;
+using device::CpuGemm;
+using device::Describe;
+using device::GetCpuGemm;
+using device::MakeCudaBackend;
+using device::Op;
+using device::OpInfo;
+using device::OpName;
+using device::ScalingState;
+using device::SetCpuGemm;
+
 using gradwire::testing::MakeModuleSpec;
 using gradwire::testing::RandN;
 using kernels::Activation;

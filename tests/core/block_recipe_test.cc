@@ -22,6 +22,8 @@
 namespace gradwire::core {
 namespace {
 
+using device::ReferenceBackend;
+
 using gradwire::testing::Act64;
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;

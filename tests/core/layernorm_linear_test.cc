@@ -13,6 +13,10 @@
 namespace gradwire::core {
 namespace {
 
+using device::Dequantize;
+using device::Quantize;
+using device::RunLayerNorm;
+
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
 using gradwire::testing::D;

@@ -11,6 +11,9 @@
 namespace gradwire::core {
 namespace {
 
+using device::Dequantize;
+using device::Quantize;
+
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;
 using gradwire::testing::GemmParams;

@@ -19,6 +19,10 @@
 namespace gradwire::core {
 namespace {
 
+using device::Quantize;
+using device::ReferenceBackend;
+using device::ScalingState;
+
 using gradwire::testing::DelayedRecipe;
 using gradwire::testing::MakeLinearSpec;
 using gradwire::testing::MakeModuleSpec;

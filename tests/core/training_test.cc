@@ -14,6 +14,8 @@
 namespace gradwire::core {
 namespace {
 
+using device::ScalingState;
+
 using gradwire::testing::DelayedRecipe;
 using gradwire::testing::MakeLinearSpec;
 using gradwire::testing::MakeModuleSpec;

@@ -22,10 +22,10 @@
 namespace {
 
 namespace fs = std::filesystem;
-using gradwire::core::AmaxAlgo;
 using gradwire::core::ModuleHost;
 using gradwire::core::ModuleKind;
-using gradwire::core::ScalingMode;
+using gradwire::device::AmaxAlgo;
+using gradwire::device::ScalingMode;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "checkpoint_fuzzer invariant broken: %s\n", what.c_str());

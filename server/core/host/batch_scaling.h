@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "server/core/kinds/device_names.h"
 #include "server/core/kinds/module_kind.h"
 #include "server/device/device_scaling.h"
 #include "server/device/quantizer.h"

@@ -17,10 +17,11 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/kinds/gradients.h"
-#include "server/core/host_types.h"
-#include "server/core/kinds/module_kind.h"
 #include "server/core/host/optimizer.h"
+#include "server/core/host_types.h"
+#include "server/core/kinds/device_names.h"
+#include "server/core/kinds/gradients.h"
+#include "server/core/kinds/module_kind.h"
 #include "server/device/backend.h"
 #include "server/device/device_scaling.h"
 

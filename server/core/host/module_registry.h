@@ -19,9 +19,13 @@
 #include "server/core/host_types.h"
 #include "server/core/module_spec.h"
 
+namespace gradwire::device {
+class Backend;
+}  // namespace gradwire::device
+
 namespace gradwire::core {
 
-class Backend;
+using device::Backend;
 struct Module;
 
 class ModuleRegistry {

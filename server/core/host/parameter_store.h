@@ -11,9 +11,13 @@
 #include "gradwire/wire/codec.h"
 #include "server/core/host_types.h"
 
+namespace gradwire::device {
+class Backend;
+}  // namespace gradwire::device
+
 namespace gradwire::core {
 
-class Backend;
+using device::Backend;
 class ModuleRegistry;
 
 class ParameterStore {

@@ -21,9 +21,13 @@
 #include "server/core/contexts/context_store.h"
 #include "server/core/host_types.h"
 
+namespace gradwire::device {
+class Backend;
+}  // namespace gradwire::device
+
 namespace gradwire::core {
 
-class Backend;
+using device::Backend;
 class ModuleRegistry;
 
 class StepRunner {

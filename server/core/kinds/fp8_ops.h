@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/core/kinds/device_names.h"
 #include "server/core/kinds/saved_tensors.h"
 #include "server/device/backend.h"
 #include "server/device/fp8_tensor.h"

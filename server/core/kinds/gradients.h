@@ -17,9 +17,10 @@
 #include <optional>
 #include <vector>
 
+#include "server/core/kinds/device_names.h"
+#include "server/core/kinds/params.h"
 #include "server/device/backend.h"
 #include "server/device/fp8_tensor.h"
-#include "server/core/kinds/params.h"
 
 namespace gradwire::core {
 

@@ -24,13 +24,14 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/device/backend.h"
+#include "server/core/kinds/device_names.h"
 #include "server/core/kinds/fp8_ops.h"
 #include "server/core/kinds/gradients.h"
 #include "server/core/kinds/kind_description.h"
-#include "server/core/module_spec.h"
 #include "server/core/kinds/params.h"
 #include "server/core/kinds/saved_tensors.h"
+#include "server/core/module_spec.h"
+#include "server/device/backend.h"
 
 namespace gradwire::core {
 

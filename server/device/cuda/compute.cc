@@ -21,7 +21,7 @@
 #include "server/common/status_macros.h"
 #include "server/device/cuda/cuda_backend.h"
 
-namespace gradwire::core::cuda_backend {
+namespace gradwire::device::cuda_backend {
 
 absl::StatusOr<Fp8Tensor> CudaBackend::Cast(const at::Tensor& x, const QuantizerConfig& config,
                                             CastUsage usage) const {
@@ -470,4 +470,4 @@ void CudaBackend::Copy2D(const at::Tensor& from, int64_t from_ld, at::Tensor& to
       size_t(cols) * 4, size_t(rows), cudaMemcpyDeviceToDevice, kStream));
 }
 
-}  // namespace gradwire::core::cuda_backend
+}  // namespace gradwire::device::cuda_backend
