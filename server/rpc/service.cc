@@ -36,7 +36,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
     : host_(host),
       options_(std::move(options)),
       shared_memory_(options_.shared_memory),
-      staging_(shared_memory_, options_.limits.max_tensor_elements),
+      request_tensors_(shared_memory_, options_.limits.max_tensor_elements),
       instance_id_(core::RandomId128()),
       quotas_(options_.limits, options_.quotas),
       train_{this, [this](const Caller& caller,

@@ -339,8 +339,8 @@ absl::StatusOr<CudaBackend::PendingCast> CudaBackend::BeginCast(const char* what
     GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(s, given.data_ptr<float>(), sizeof(float),
                                         cudaMemcpyDeviceToDevice, kStream));
   } else if (!c.o.current) {
-    // A host value (a replay's, or a given one): pageable host to device, copied to staging
-    // before the call returns, so `given` may go away (no synchronisation).
+    // A host value (a replay's, or a given one): pageable host to device, which the driver copies
+    // out before the call returns, so `given` may go away (no synchronisation).
     const float given = config.scale_of.has_value() ? config.scale_of->scale() : config.scale;
     GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(s, &given, sizeof(float), cudaMemcpyHostToDevice, kStream));
   }
