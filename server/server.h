@@ -61,7 +61,7 @@ struct ServerOptions {
   // save); 0: only then.
   double checkpoint_check_every_s = 1;
   // With checkpoint_shared: seconds a server taking a module over waits for its live holder to
-  // pick up a hand-over request (Checkpointer::SetHandOverWait); 0: never asks.
+  // pick up a hand-over request (HandOver::SetWait); 0: never asks.
   double checkpoint_handover_wait_s = 2;
   // Prometheus endpoint, HOST:PORT (a bare PORT binds 127.0.0.1; port 0 picks one); empty: off.
   std::string metrics_listen;

@@ -168,7 +168,8 @@ absl::Status CallEnv::ExplainLostContext(const Caller& caller, absl::Status stat
   if (status.code() != absl::StatusCode::kNotFound || caller.route.empty() ||
       options_.checkpointer == nullptr ||
       status.message().find(" is not a live context") == absl::string_view::npos ||
-      !options_.checkpointer->TookOver(caller.route) || !CheckModule(caller, caller.route).ok()) {
+      !options_.checkpointer->claims().TookOver(caller.route) ||
+      !CheckModule(caller, caller.route).ok()) {
     return status;
   }
   return absl::NotFoundError(absl::StrCat(

@@ -136,9 +136,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // (their claims superseded), with their contexts; the janitor calls it. Returns how many.
   int LetGoOfMovedModules();
   // With a shared checkpoint directory: queues the hand-overs other servers asked this one for
-  // (Checkpointer::HandOverRequests) behind the work already queued on the device executor, where
-  // each saves its module, drops it and releases its claim; the hand-over watcher calls it.
-  // Returns how many it queued.
+  // (HandOver::Requests, core/checkpoints/handover.h) behind the work already queued on the device
+  // executor, where each saves its module, drops it and releases its claim; the hand-over watcher
+  // calls it. Returns how many it queued.
   int HandOverRequested();
 
  private:

@@ -51,9 +51,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   gradwire::core::Checkpointer checkpointer(Dir(), 0);
-  const std::string path = checkpointer.LegacyPathOf("m1");
+  const std::string path = checkpointer.layout().LegacyPathOf("m1");
   // The file is read in the flat layout (as epoch 0); the last run's take-over claim goes.
-  fs::remove_all(checkpointer.FolderOf("m1"));
+  fs::remove_all(checkpointer.layout().FolderOf("m1"));
   {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(data), std::streamsize(size));

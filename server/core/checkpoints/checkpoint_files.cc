@@ -117,6 +117,34 @@ absl::StatusOr<at::Tensor> FromSt(const StTensor& t) {
 
 }  // namespace
 
+std::string Layout::FolderOf(const std::string& module_id) const {
+  return (fs::path(dir_) / module_id).string();
+}
+
+std::string Layout::StatePathOf(const std::string& module_id, int64_t epoch) const {
+  return (fs::path(dir_) / module_id / absl::StrCat("state.", epoch, kSuffix)).string();
+}
+
+std::string Layout::ClaimPathOf(const std::string& module_id, int64_t epoch) const {
+  return (fs::path(dir_) / module_id / absl::StrCat("claim.", epoch)).string();
+}
+
+std::string Layout::LegacyPathOf(const std::string& module_id) const {
+  return (fs::path(dir_) / (module_id + kSuffix)).string();
+}
+
+std::string Layout::ServersDir() const { return (fs::path(dir_) / kServersDir).string(); }
+
+std::string Layout::ServerFolder(const std::string& server) const {
+  return (fs::path(ServersDir()) / server).string();
+}
+
+std::string Layout::AlivePathOf(const std::string& server) const {
+  return (fs::path(ServerFolder(server)) / kAliveFile).string();
+}
+
+std::string Layout::LockPath() const { return (fs::path(dir_) / kLockFile).string(); }
+
 bool EndsWith(const std::string& s, const char* suffix) {
   const size_t n = strlen(suffix);
   return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;

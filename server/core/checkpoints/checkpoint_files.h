@@ -1,25 +1,21 @@
-// The files of a checkpoint directory (checkpoint.h describes the layout): the names, a module
-// folder's scan, claim files, and a module's state file (safetensors, its spec and scaling state as
-// JSON metadata). Free functions over paths; Checkpointer (checkpoint.h) decides what to read and
-// write, and when.
+// The files of a checkpoint directory (checkpoint.h describes them; layout.h names them): a
+// module folder's scan, claim files, and a module's state file (safetensors, its spec
+// and scaling state as JSON metadata). Names and formats only: the claims (claims.h), heartbeats
+// (heartbeat.h), hand-overs (handover.h) and Checkpointer's saves and restores (checkpoint.h)
+// decide what to read and write, and when.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/core/checkpoints/layout.h"
 #include "server/core/module_state.h"
 
 namespace gradwire::core::checkpoint_files {
-
-inline constexpr char kSuffix[] = ".gradwire.safetensors";
-inline constexpr char kLockFile[] = ".gradwire-lock";
-// DIR/.servers/<token>/: a shared server's heartbeat and the hand-over requests addressed to it.
-inline constexpr char kServersDir[] = ".servers";
-inline constexpr char kAliveFile[] = "alive";
-inline constexpr int kFormatVersion = 1;
 
 bool EndsWith(const std::string& s, const char* suffix);
 // A module id that can name a folder: not empty, no separators, not hidden.

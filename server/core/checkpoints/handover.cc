@@ -1,5 +1,5 @@
-// Checkpointer: heartbeats and the hand-over between live servers (checkpoint.h says how they
-// work together; the files are checkpoint_files.h's).
+#include "server/core/checkpoints/handover.h"
+
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -18,7 +19,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "server/core/checkpoints/checkpoint.h"
 #include "server/core/checkpoints/checkpoint_files.h"
 
 namespace gradwire::core {
@@ -26,7 +26,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using checkpoint_files::Claim;
-using checkpoint_files::kAliveFile;
 using checkpoint_files::ReadClaim;
 using checkpoint_files::ReadToken;
 using checkpoint_files::WallSeconds;
@@ -40,21 +39,12 @@ struct Request {
 
 }  // namespace
 
-void Checkpointer::Heartbeat() const {
-  const std::string alive = (fs::path(ServerFolder(server_)) / kAliveFile).string();
-  if (::utimensat(AT_FDCWD, alive.c_str(), nullptr, 0) == 0) return;
-  std::error_code ec;  // gone: made again (a server starting beside this one took it for stale)
-  fs::create_directories(ServerFolder(server_), ec);
-  const int fd = ::open(alive.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-  if (fd >= 0) ::close(fd);
-}
-
-std::vector<std::string> Checkpointer::HandOverRequests() {
+std::vector<std::string> HandOver::Requests() {
   std::vector<std::string> picked;
-  if (!shared_) return picked;
+  if (!heartbeat_.started()) return picked;
   const double now = WallSeconds();
   std::error_code ec;
-  fs::directory_iterator it(ServerFolder(server_), ec), end;
+  fs::directory_iterator it(layout_.ServerFolder(heartbeat_.server()), ec), end;
   for (; !ec && it != end; it.increment(ec)) {
     const std::string id = it->path().filename().string();
     std::error_code type_ec;
@@ -86,88 +76,58 @@ std::vector<std::string> Checkpointer::HandOverRequests() {
       ::rmdir(it->path().c_str());  // empty: every taker is done with it
       continue;
     }
-    bool take = false;
-    int64_t epoch = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto held = held_.find(id);
-      if (held != held_.end() && !held->second.handing_over) {
-        epoch = held->second.epoch;
-        for (const Request& q : requests) take = take || q.epoch == epoch;
-        held->second.handing_over = take;
-      }
-    }
-    if (!take) continue;  // not held here under the epoch asked about: left to its takers
+    std::vector<int64_t> asked;
+    for (const Request& q : requests) asked.push_back(q.epoch);
+    const std::optional<int64_t> epoch = claims_.PickUp(id, asked);
+    if (!epoch) continue;  // not held here under the epoch asked about: left to its takers
     // Picked up: each taker asking about this epoch reads its request's removal as that.
     for (const Request& q : requests) {
-      if (q.epoch == epoch) ::unlink(q.path.c_str());
+      if (q.epoch == *epoch) ::unlink(q.path.c_str());
     }
     picked.push_back(id);
   }
   return picked;
 }
 
-void Checkpointer::Release(const std::string& module_id) {
-  Held held;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = held_.find(module_id);
-    // Only the holding that was picked up: a take-over of the module here since is a new one.
-    if (it == held_.end() || !it->second.handing_over) return;
-    held = it->second;
-    held_.erase(it);
-  }
+void HandOver::Release(const std::string& module_id) {
+  // Only the holding that was picked up: a take-over of the module here since is a new one.
+  const std::optional<ClaimBook::Holding> held = claims_.EndPickedUp(module_id);
+  if (!held) return;
   // Removed even when the hand-over's save failed, so that the taker does not wait: it then reads
   // the last state saved, and may claim this epoch again (under a token of its own, which keeps
   // this server fenced).
-  const std::string claim = ClaimPathOf(module_id, held.epoch);
-  if (ReadToken(claim) == held.token) ::unlink(claim.c_str());
+  const std::string claim = layout_.ClaimPathOf(module_id, held->epoch);
+  if (ReadToken(claim) == held->token) ::unlink(claim.c_str());
 }
 
-void Checkpointer::Leave() {
-  if (!shared_) return;
-  std::map<std::string, Held> held;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    held.swap(held_);
-  }
+void HandOver::Leave() {
+  if (!heartbeat_.started()) return;
+  const std::map<std::string, ClaimBook::Holding> held = claims_.EndAll();
   // The claims of the modules saved under them go (a taker waiting on one goes on with that
   // state; the state file keeps the epoch from being claimed again), then its folder.
   struct stat st;
   for (const auto& [id, h] : held) {
-    const std::string claim = ClaimPathOf(id, h.epoch);
-    if (::stat(StatePathOf(id, h.epoch).c_str(), &st) == 0 && ReadToken(claim) == h.token) {
+    const std::string claim = layout_.ClaimPathOf(id, h.epoch);
+    if (::stat(layout_.StatePathOf(id, h.epoch).c_str(), &st) == 0 && ReadToken(claim) == h.token) {
       ::unlink(claim.c_str());
     }
   }
-  std::error_code ec;
-  fs::remove_all(ServerFolder(server_), ec);
+  heartbeat_.Stop();
 }
 
-// The age of a server's heartbeat in seconds; a negative value when it has none (it stopped, or
-// was never here).
-double Checkpointer::HeartbeatAge(const std::string& server) const {
-  struct stat st;
-  const std::string alive = (fs::path(ServerFolder(server)) / kAliveFile).string();
-  if (::stat(alive.c_str(), &st) != 0) return -1;
-  return std::max(0.0, WallSeconds() - (double(st.st_mtim.tv_sec) + 1e-9 * st.st_mtim.tv_nsec));
-}
-
-void Checkpointer::AskHolder(const std::string& module_id, int64_t epoch) const {
-  const std::string claim_path = ClaimPathOf(module_id, epoch);
+void HandOver::Ask(const std::string& module_id, int64_t epoch) const {
+  const std::string claim_path = layout_.ClaimPathOf(module_id, epoch);
   const Claim claim = ReadClaim(claim_path);
-  if (claim.server.empty() || claim.server == server_ ||
+  const std::string& server = heartbeat_.server();
+  if (claim.server.empty() || claim.server == server ||
       claim.server.find('/') != std::string::npos || claim.server[0] == '.') {
     return;
   }
-  const auto alive = [&] {
-    const double age = HeartbeatAge(claim.server);
-    return age >= 0 && age <= kAliveWithinS;
-  };
+  const auto alive = [&] { return heartbeat_.Alive(claim.server); };
   if (!alive()) return;  // gone: killed (its heartbeat stopped), or stopped (its folder went)
-  const std::string folder = (fs::path(ServerFolder(claim.server)) / module_id).string();
+  const std::string folder = (fs::path(layout_.ServerFolder(claim.server)) / module_id).string();
   if (::mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) return;
-  const std::string request = (fs::path(folder) / server_).string();
+  const std::string request = (fs::path(folder) / server).string();
   {
     const int fd = ::open(request.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return;
@@ -189,13 +149,13 @@ void Checkpointer::AskHolder(const std::string& module_id, int64_t epoch) const 
   while (!picked) {
     if (::stat(request.c_str(), &st) != 0 || ::stat(claim_path.c_str(), &st) != 0) {
       picked = true;
-    } else if (seconds() >= handover_wait_s_ || !alive()) {
+    } else if (seconds() >= wait_s_ || !alive()) {
       if (::unlink(request.c_str()) == 0) {  // else the holder picked it up just now
         ::rmdir(folder.c_str());
         spdlog::warn(
             "module {}: its holder (server {}) did not pick up a hand-over request within {:.1f} "
             "s (--checkpoint-handover-wait {} s){}; taking it over from its last checkpoint",
-            module_id, claim.server, seconds(), handover_wait_s_,
+            module_id, claim.server, seconds(), wait_s_,
             alive() ? "" : ", and its heartbeat stopped");
         return;
       }
@@ -205,7 +165,7 @@ void Checkpointer::AskHolder(const std::string& module_id, int64_t epoch) const 
     }
   }
   while (::stat(claim_path.c_str(), &st) == 0) {
-    if (seconds() >= handover_wait_s_ + kReleaseWithinS || !alive()) {
+    if (seconds() >= wait_s_ + kReleaseWithinS || !alive()) {
       spdlog::warn(
           "module {}: its holder (server {}) picked up a hand-over request but did not release "
           "the module within {:.1f} s{}; taking it over from its last checkpoint",
