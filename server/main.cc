@@ -177,17 +177,17 @@ int main(int argc, char** argv) {
     spdlog::error("{}", bad);
     return 2;
   }
-  gradwire::core::SetCpuThreads(config.cpu_threads, config.cpu_gemm_threads == "blas");
-  gradwire::core::SetCpuGemm(config.cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
-                                                          : gradwire::core::CpuGemm::kBlas);
-  if (std::string bad = gradwire::core::SetCpuIsa(config.cpu_isa); !bad.empty()) {
+  gradwire::device::SetCpuThreads(config.cpu_threads, config.cpu_gemm_threads == "blas");
+  gradwire::device::SetCpuGemm(config.cpu_gemm == "ordered" ? gradwire::device::CpuGemm::kOrdered
+                                                            : gradwire::device::CpuGemm::kBlas);
+  if (std::string bad = gradwire::device::SetCpuIsa(config.cpu_isa); !bad.empty()) {
     spdlog::error("--cpu-isa {}: {}", config.cpu_isa, bad);
     return 2;
   }
   if (config.heap_retain && !gradwire::core::RetainLargeBlocks()) {
     spdlog::warn("--heap-retain: this C library has no mallopt; large blocks stay mmapped");
   }
-  gradwire::core::SetCudaStaging(int64_t(config.cuda_staging_mib) << 20);
+  gradwire::device::SetCudaStaging(int64_t(config.cuda_staging_mib) << 20);
   auto backend = gradwire::server::ResolveDevice(config.device);
   if (!backend.ok()) {
     spdlog::error("{}", std::string(backend.status().message()));

@@ -220,7 +220,7 @@ std::vector<MetricFamily> Metrics::State(const core::ModuleHost& host, int64_t e
                        double(stats.workspace_builds)));
   out.push_back(Single("gradwire_workspace_hits_total", kCounter, "Weight-workspace cache hits.",
                        double(stats.workspace_hits)));
-  const core::GemmCounters gemm = core::GemmTotals();
+  const device::GemmCounters gemm = device::GemmTotals();
   out.push_back(Single("gradwire_gemm_flops_total", kCounter,
                        "Floating-point operations of FP8 GEMMs.", gemm.flops));
   out.push_back(Single("gradwire_gemm_seconds_total", kCounter,

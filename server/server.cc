@@ -257,20 +257,20 @@ class Server::Janitor {
 };
 
 // With a shared checkpoint directory: the hand-overs other servers ask this one for, picked up
-// every 50 ms (one directory listing), and this server's heartbeat every kHeartbeatEveryS, on a
+// every 50 ms (one directory listing), and this server's heartbeat every Heartbeat::kEveryS, on a
 // thread of their own (the janitor's sweep can take long: it reads every held module's claim).
 class Server::HandOverWatcher {
  public:
   HandOverWatcher(core::Checkpointer& checkpointer, rpc::GradwireService& service) {
     using Clock = std::chrono::steady_clock;
     const auto every = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(core::Checkpointer::kHeartbeatEveryS));
+        std::chrono::duration<double>(core::Heartbeat::kEveryS));
     ticker_.Start(std::chrono::milliseconds(50),
                   [&checkpointer, &service, every, beat = Clock::now()]() mutable {
                     try {
                       service.HandOverRequested();
                       if (Clock::now() - beat >= every) {
-                        checkpointer.Heartbeat();
+                        checkpointer.heartbeat().Beat();
                         beat = Clock::now();
                       }
                     } catch (const std::exception& e) {  // the storage's trouble: tried again
@@ -296,7 +296,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     if (absl::Status prepared = s->checkpointer_->Prepare(o.checkpoint_shared); !prepared.ok()) {
       return prepared;
     }
-    s->checkpointer_->SetHandOverWait(o.checkpoint_handover_wait_s);
+    s->checkpointer_->handover().SetWait(o.checkpoint_handover_wait_s);
     if (o.checkpoint_shared) {
       // Servers sharing the directory each take a module over on the first call about it (the
       // proxy sends that call where the module's id hashes); restoring all here would take every
@@ -361,7 +361,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
         service.batching.yield ? "yielding to other clients' waiting work between requests"
                                : "each batch run whole",
         device.rfind("cpu", 0) != 0 ? "one GEMM per request on this backend"
-        : core::GetCpuGemm() == core::CpuGemm::kOrdered
+        : device::GetCpuGemm() == device::CpuGemm::kOrdered
             ? "one GEMM per batch"
             : "one GEMM per request: --cpu-gemm ordered makes it one per batch");
   }
@@ -457,7 +457,8 @@ absl::StatusOr<int64_t> Server::Shutdown(std::chrono::system_clock::time_point d
   int64_t saved = 0;
   if (checkpointer_) {
     absl::StatusOr<int64_t> all = checkpointer_->SaveAll(*host_);
-    checkpointer_->Leave();  // takers go on at once, from these saves, and ask this server nothing
+    checkpointer_->handover()
+        .Leave();  // takers go on at once, from these saves, and ask this server nothing
     if (!all.ok()) {
       return absl::Status(all.status().code(),
                           absl::StrCat("final checkpoint failed: ", all.status().message()));
@@ -482,19 +483,19 @@ std::shared_ptr<grpc::Channel> Server::InProcessChannel(const grpc::ChannelArgum
   return grpc_->InProcessChannel(args);
 }
 
-absl::StatusOr<core::BackendPtr> ResolveDevice(const std::string& requested) {
-  if (requested == "cpu") return core::MakeCpuBackend();
+absl::StatusOr<device::BackendPtr> ResolveDevice(const std::string& requested) {
+  if (requested == "cpu") return device::MakeCpuBackend();
   if (requested != "auto" && requested != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", rpc::Escaped(requested, 64), ": want cpu, cuda or auto"));
   }
-  auto cuda = core::MakeCudaBackend(0);
+  auto cuda = device::MakeCudaBackend(0);
   if (cuda.ok()) return *cuda;
   if (requested == "cuda") {
     return absl::FailedPreconditionError(absl::StrCat("--device cuda: ", cuda.status().message()));
   }
   spdlog::info("--device auto: {}; using the CPU backend", std::string(cuda.status().message()));
-  return core::MakeCpuBackend();
+  return device::MakeCpuBackend();
 }
 
 bool IsLoopback(const std::string& listen) {

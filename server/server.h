@@ -15,9 +15,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/core/checkpoint.h"
-#include "server/core/context_store.h"
-#include "server/core/executor.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/contexts/context_store.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/device/backend.h"
 #include "server/metrics.h"
@@ -31,7 +31,7 @@ struct ServerOptions {
   // host:port to serve on; port 0 picks a free one (Server::address() says which).
   std::string listen = "127.0.0.1:50051";
   // The device the modules compute on (ResolveDevice); required.
-  core::BackendPtr backend;
+  device::BackendPtr backend;
   // Saved-context budgets: device bytes, host offload bytes, TTL, per-client bytes.
   core::ContextLimits context_limits;
   // The service: limits, quotas, chunk sizes, shared memory, test seams and the per-RPC hook.
@@ -61,7 +61,7 @@ struct ServerOptions {
   // save); 0: only then.
   double checkpoint_check_every_s = 1;
   // With checkpoint_shared: seconds a server taking a module over waits for its live holder to
-  // pick up a hand-over request (Checkpointer::SetHandOverWait); 0: never asks.
+  // pick up a hand-over request (HandOver::SetWait); 0: never asks.
   double checkpoint_handover_wait_s = 2;
   // Prometheus endpoint, HOST:PORT (a bare PORT binds 127.0.0.1; port 0 picks one); empty: off.
   std::string metrics_listen;
@@ -132,7 +132,7 @@ class Server {
 
 // Resolves a --device value (cpu, cuda, auto) into a backend. auto: the CUDA backend when it can
 // run here (else the CPU, logging why); cuda: FAILED_PRECONDITION saying why it cannot run.
-absl::StatusOr<core::BackendPtr> ResolveDevice(const std::string& requested);
+absl::StatusOr<device::BackendPtr> ResolveDevice(const std::string& requested);
 
 // Whether host:port names this machine's loopback interface only.
 bool IsLoopback(const std::string& listen);

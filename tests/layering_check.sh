@@ -11,7 +11,20 @@
 #                       spec fields it reads (core::ModuleKindOps), so a new kind needs no case
 #                       outside server/core
 #   wire codec          gradwire/wire/codec.h and its .cc: no libtorch, no protobuf, no gRPC
-#   server/core         no gRPC and no generated protocol code: the core is transport-free
+#   server/core         no gRPC and no generated protocol code: the core is transport-free; and
+#                       nothing of server/rpc (the scheduling in server/rpc/scheduling is rpc's)
+#   server/core/kinds   a kind and its FP8 math reach nothing of the host (server/core/host/,
+#                       module_host.h, host_types.h, module_state.h, tensor_calls.h), of contexts
+#                       or checkpoints, nor of server/rpc, not even through the headers they
+#                       include: of the core they see only kinds/ and the spec (module_spec.h,
+#                       optimizer_config.h)
+#   server/core/contexts
+#                       the context store holds what kinds save; nothing of the host, of
+#                       checkpoints or of server/rpc, even through its headers
+#   server/rpc/scheduling
+#                       the executor and the batch former order and group jobs: nothing of
+#                       server/core, server/device, kernels/, libtorch or gRPC, even through
+#                       their headers
 #   server/device       the device layer below the modules: nothing of server/core, server/rpc,
 #                       gRPC or the generated messages
 #   server/             nothing from client/: the server and the clients share only proto/,
@@ -64,6 +77,20 @@ mapfile -t core < <(find server/core -name '*.h' -o -name '*.cc')
 check "server/core must be transport-free (no gRPC, no generated messages)" \
   '#include [<"](grpc|grpcpp|gradwire/v1/|gradwire/wire/tensor.h|gradwire/wire/chunking.h)' \
   "${core[@]}"
+check "server/core must not use server/rpc (scheduling included: it serves rpc)" \
+  '#include "server/rpc/' "${core[@]}"
+mapfile -t kinds < <(find server/core/kinds -name '*.h' -o -name '*.cc')
+closure "server/core/kinds must not reach the host, contexts, checkpoints or server/rpc" \
+  '^server/(core/(host|contexts|checkpoints)/|core/(module_host|host_types|module_state|tensor_calls|heap_trim)\.h|rpc/)' \
+  "${kinds[@]}"
+mapfile -t contexts < <(find server/core/contexts -name '*.h' -o -name '*.cc')
+closure "server/core/contexts must not reach the host, checkpoints or server/rpc" \
+  '^server/(core/(host|checkpoints)/|core/(module_host|host_types|module_state|tensor_calls)\.h|rpc/)' \
+  "${contexts[@]}"
+mapfile -t scheduling < <(find server/rpc/scheduling -name '*.h' -o -name '*.cc')
+closure "server/rpc/scheduling must not reach server/core, server/device, kernels/, libtorch or gRPC" \
+  '^(server/(core|device)/|gradwire/kernels/|ATen/|torch/|c10/|grpc|grpcpp/|gradwire/v1/)' \
+  "${scheduling[@]}"
 mapfile -t device < <(find server/device -name '*.h' -o -name '*.cc')
 check "server/device is below the modules: nothing of server/core, server/rpc, gRPC or messages" \
   '#include [<"](grpc|grpcpp|gradwire/v1/|server/core/|server/rpc/)' "${device[@]}"
@@ -81,5 +108,5 @@ check "storage/ must stay torch-, protobuf- and gRPC-free" \
 mapfile -t client < <(find client -name '*.h' -o -name '*.cc' | grep -v '^client/load/inprocess\.cc$')
 check "client/ must not use server/ (only the load tester's in-process baseline may)" \
   '#include "server/' "${client[@]}"
-[ "$status" -eq 0 ] && echo "layering: server, server/rpc (libtorch-free through every header it includes), server/core, server/device, client, storage and the wire codec keep their rules; no kind switch outside server/core"
+[ "$status" -eq 0 ] && echo "layering: server, server/rpc (libtorch-free through every header it includes), server/rpc/scheduling, server/core (kinds below the host, contexts below the host), server/device, client, storage and the wire codec keep their rules; no kind switch outside server/core"
 exit "$status"

@@ -9,7 +9,7 @@
 #include "gradwire/kernels/random.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
-#include "server/core/module_kind.h"
+#include "server/core/kinds/module_kind.h"
 #include "server/device/backend.h"
 
 namespace gradwire::load {
@@ -32,9 +32,9 @@ class HostBaseline final : public InProcess {
  public:
   absl::Status Init(const v1::ModuleSpec& p, const std::string& flow, int64_t rows, int workers,
                     uint64_t seed, const std::string& device) {
-    core::BackendPtr backend = core::MakeCpuBackend();
+    device::BackendPtr backend = device::MakeCpuBackend();
     if (device == "cuda") {
-      auto cuda = core::MakeCudaBackend(0);
+      auto cuda = device::MakeCudaBackend(0);
       if (!cuda.ok()) return cuda.status();
       backend = *cuda;
     } else if (device != "cpu") {
@@ -52,16 +52,16 @@ class HostBaseline final : public InProcess {
     spec.bias = p.bias();
     switch (p.recipe().scaling()) {
       case v1::DELAYED:
-        spec.recipe.mode = core::ScalingMode::kDelayed;
+        spec.recipe.mode = device::ScalingMode::kDelayed;
         break;
       case v1::BLOCK:
-        spec.recipe.mode = core::ScalingMode::kBlock;
+        spec.recipe.mode = device::ScalingMode::kBlock;
         break;
       case v1::MXFP8:
-        spec.recipe.mode = core::ScalingMode::kMxfp8;
+        spec.recipe.mode = device::ScalingMode::kMxfp8;
         break;
       default:
-        spec.recipe.mode = core::ScalingMode::kCurrent;
+        spec.recipe.mode = device::ScalingMode::kCurrent;
     }
     spec.seed = p.seed();
     auto info = host_->Create(spec);
@@ -130,9 +130,9 @@ absl::StatusOr<std::unique_ptr<InProcess>> InProcess::Make(const v1::ModuleSpec&
 bool UseServerHeapPolicy() { return core::RetainLargeBlocks(); }
 
 void SetBaselineCpuThreads(int threads, bool gemm_on_blas) {
-  core::SetCpuThreads(threads, gemm_on_blas);
+  device::SetCpuThreads(threads, gemm_on_blas);
 }
 
-void SetBaselineCudaStaging(int mib) { core::SetCudaStaging(int64_t(mib) << 20); }
+void SetBaselineCudaStaging(int mib) { device::SetCudaStaging(int64_t(mib) << 20); }
 
 }  // namespace gradwire::load

@@ -32,9 +32,9 @@ struct HeapTrimResult {
 // C library has no mallopt (nothing changed).
 bool RetainLargeBlocks();
 
-// Host memory for a large buffer that is reused (staging, scratch): 2 MiB aligned and advised as
-// transparent huge pages from 4 MiB up, so its first touch faults once per 2 MiB instead of once
-// per 4 KiB; free with FreeHostBuffer. Null when out of memory.
+// Host memory for a large buffer that is reused (gather buffers, scratch): 2 MiB aligned and
+// advised as transparent huge pages from 4 MiB up, so its first touch faults once per 2 MiB instead
+// of once per 4 KiB; free with FreeHostBuffer. Null when out of memory.
 void* AllocateHostBuffer(size_t bytes);
 void FreeHostBuffer(void* p);
 

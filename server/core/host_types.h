@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/context_store.h"
+#include "server/core/contexts/context_store.h"
 #include "server/core/module_spec.h"
 
 namespace gradwire::core {

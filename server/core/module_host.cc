@@ -1,11 +1,12 @@
 #include "server/core/module_host.h"
 
 #include "server/common/status_macros.h"
-#include "server/core/module_registry.h"
+#include "server/core/host/module_registry.h"
+#include "server/core/host/parameter_store.h"
+#include "server/core/host/state_io.h"
+#include "server/core/host/step_runner.h"
+#include "server/core/kinds/device_names.h"
 #include "server/core/module_state.h"
-#include "server/core/parameter_store.h"
-#include "server/core/state_io.h"
-#include "server/core/step_runner.h"
 #include "server/device/backend.h"
 
 namespace gradwire::core {

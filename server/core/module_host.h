@@ -21,15 +21,20 @@
 
 #include "absl/status/statusor.h"
 #include "gradwire/wire/codec.h"
-#include "server/core/context_store.h"
+#include "server/core/contexts/context_store.h"
 #include "server/core/host_types.h"
-#include "server/core/kind_description.h"
+#include "server/core/kinds/kind_description.h"
 #include "server/core/module_spec.h"
+
+namespace gradwire::device {
+class Backend;
+using BackendPtr = std::shared_ptr<const Backend>;
+}  // namespace gradwire::device
 
 namespace gradwire::core {
 
-class Backend;
-using BackendPtr = std::shared_ptr<const Backend>;
+using device::Backend;
+using device::BackendPtr;
 class ModuleRegistry;
 class ParameterStore;
 class StateIO;

@@ -12,6 +12,12 @@
 
 namespace gradwire::core {
 
+using device::AmaxAlgo;
+using device::BlockScaled;
+using device::RecipeConfig;
+using device::ScalingMode;
+using device::ScalingModeName;
+
 enum class ModuleKind { kLinear, kLayerNormLinear, kLayerNormMlp };
 // LayerNormMLP's activation (the kernels define the functions; the spec names them).
 using Activation = kernels::Activation;

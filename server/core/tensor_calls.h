@@ -11,9 +11,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/device/backend.h"
+#include "server/core/kinds/device_names.h"
 #include "server/core/module_host.h"
 #include "server/core/module_state.h"
+#include "server/device/backend.h"
 
 namespace gradwire::core {
 

@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 at::Tensor Backend::Empty(at::IntArrayRef shape) const {
   return at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
@@ -22,7 +22,7 @@ at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
   return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
 }
 
-bool Backend::Supports(Op op) const { return !core::Describe(op).has_default; }
+bool Backend::Supports(Op op) const { return !device::Describe(op).has_default; }
 
 at::Tensor Backend::FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
                                 const at::Tensor& bias) const {
@@ -152,4 +152,4 @@ int64_t CudaStaging() {
   return v;
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -30,7 +30,7 @@
 #include "server/device/quantizer.h"
 #include "server/device/scaling_state.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 struct LayerNormParams {
   at::Tensor gamma;  // float32 [K]
@@ -247,4 +247,4 @@ bool CudaBackendBuilt();
 void SetCudaStaging(int64_t chunk_bytes);
 int64_t CudaStaging();
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

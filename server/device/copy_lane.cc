@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <utility>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 CopyLane::CopyLane(LaneOps ops, StagedCopier* staged, size_t staged_min_bytes,
                    size_t landing_max_bytes, size_t landing_grain)
@@ -122,4 +122,4 @@ void CopyLane::Download(void* host, const void* src, size_t n) {
   }
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -31,7 +31,7 @@
 
 #include "server/device/staged_copy.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 struct LaneOps {
   // On the copy queue, in order: host (pageable) to device, device to host (pageable). to_host
@@ -102,4 +102,4 @@ class CopyLane {
   int next_ = 0;  // the landing the next upload uses
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

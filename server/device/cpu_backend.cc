@@ -28,7 +28,7 @@
 #include "server/device/reference_backend.h"
 #include "server/device/reference_ops.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 // A weight's GEMM operand packed once per weight version from its dequantized values (the
 // block-scaled recipes: every value is an FP8 value times a power-of-two block scale within the
@@ -651,4 +651,4 @@ BackendPtr MakeCpuBackend() {
   return cpu;
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -14,7 +14,7 @@
 
 #include <string>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 enum class CpuGemm { kBlas, kOrdered };
 
@@ -26,4 +26,4 @@ CpuGemm GetCpuGemm();
 // changed then).
 std::string SetCpuIsa(const std::string& name);
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -1,7 +1,7 @@
 // Builds without the CUDA backend (GRADWIRE_CUDA off): MakeCudaBackend says why.
 #include "server/device/backend.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 bool CudaBackendBuilt() { return false; }
 
@@ -12,4 +12,4 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
       "toolkit)");
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 DeviceScaling::DeviceScaling(const Backend& backend, std::vector<kernels::Fp8Format> formats,
                              const RecipeConfig& config)
@@ -84,4 +84,4 @@ void DeviceScaling::Set(size_t role, const std::deque<float>& history, float sca
   filled_[role] = kept;
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -16,7 +16,7 @@
 #include "server/device/backend.h"
 #include "server/device/recipe.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 class DeviceScaling {
  public:
@@ -56,4 +56,4 @@ class DeviceScaling {
   std::vector<int64_t> filled_;  // per role: history entries written so far (host bookkeeping)
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <utility>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 struct CastScalars::Pending {
   std::mutex mu;
@@ -35,4 +35,4 @@ const std::array<float, 3>& CastScalars::Values() const {
   return pending_->v;  // never written again
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -18,7 +18,7 @@ namespace gradwire::kernels::cpu {
 class GemmPanels;
 }
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 // A weight's GEMM operand packed from its dequantized values (the CPU backend's, for the
 // block-scaled recipes; defined there).
@@ -104,4 +104,4 @@ struct Fp8Tensor {
   }
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -2,7 +2,7 @@
 
 #include <atomic>
 
-namespace gradwire::core {
+namespace gradwire::device {
 namespace {
 
 std::atomic<double> g_gemm_flops{0};
@@ -23,4 +23,4 @@ void CountGemm(double flops, double seconds) {
   Add(g_gemm_seconds, seconds);
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -2,7 +2,7 @@
 // as achieved FLOP/s. Plain counters, no libtorch.
 #pragma once
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 struct GemmCounters {
   double flops = 0;    // 2 * m * n * k per GEMM
@@ -12,4 +12,4 @@ GemmCounters GemmTotals();
 // Adds one GEMM's work to the totals.
 void CountGemm(double flops, double seconds);
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 const std::vector<OpInfo>& AllOps() {
   using G = OpGroup;
@@ -63,4 +63,4 @@ const char* OpGroupName(OpGroup group) {
   return "?";
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -7,7 +7,7 @@
 
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 enum class Op {
   // Transfers: between the host, the wire and the device.
@@ -61,4 +61,4 @@ const OpInfo& Describe(Op op);
 const char* OpName(Op op);
 const char* OpGroupName(OpGroup group);
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

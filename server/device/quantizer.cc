@@ -11,7 +11,7 @@
 #include "gradwire/kernels/ref/block_scaling.h"
 #include "gradwire/kernels/ref/cast.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 float HostScale(const QuantizerConfig& config) {
   if (config.scale_of.has_value()) return config.scale_of->scale();
@@ -196,4 +196,4 @@ void DequantizeInto(const Fp8Tensor& t, bool rowwise, float* out) {
                             t.format, out);
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

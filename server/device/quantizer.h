@@ -15,7 +15,7 @@
 #include "server/device/fp8_tensor.h"
 #include "server/device/recipe.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 // Delayed scaling across a batch of training forwards (CastRows): each request is a step of its
 // role's amax history, so request g casts with the scale the steps of requests 0 .. g-1 left.
@@ -128,4 +128,4 @@ at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise);
 // The same into `out` (rows * cols floats, host memory).
 void DequantizeInto(const Fp8Tensor& t, bool rowwise, float* out);
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

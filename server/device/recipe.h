@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 // The values are stored in checkpoints: append only.
 enum class ScalingMode {
@@ -43,4 +43,4 @@ struct RecipeConfig {
   AmaxAlgo algo = AmaxAlgo::kMax;  // delayed: which remembered amax sets the scale
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -8,7 +8,7 @@
 #include "gradwire/kernels/ref/cast.h"
 #include "server/device/reference_ops.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 at::Device ReferenceBackend::device() const { return at::kCPU; }
 
@@ -26,18 +26,18 @@ absl::StatusOr<Fp8Tensor> ReferenceBackend::Cast(const at::Tensor& x, const Quan
 Fp8Tensor ReferenceBackend::FromCodes(const uint8_t* host_codes, int64_t rows, int64_t cols,
                                       kernels::Fp8Format format, float scale_inv,
                                       CastUsage usage) const {
-  return core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
+  return device::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
 }
 
 at::Tensor ReferenceBackend::Dequantize(const Fp8Tensor& t, bool rowwise) const {
-  return core::Dequantize(t, rowwise);
+  return device::Dequantize(t, rowwise);
 }
 
 at::Tensor ReferenceBackend::FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                                       Fp8Tensor* codes, CastUsage usage) const {
   if (wire::IsFp8(v.dtype) && codes != nullptr) {
-    *codes = core::FromCodes(static_cast<const uint8_t*>(v.data), rows, cols, Fp8FormatOf(v.dtype),
-                             v.scale_inv, usage);
+    *codes = device::FromCodes(static_cast<const uint8_t*>(v.data), rows, cols,
+                               Fp8FormatOf(v.dtype), v.scale_inv, usage);
   }
   // An aligned f32 request is borrowed: no copy on the hot path.
   at::Tensor out = BorrowF32(v, rows, cols);
@@ -108,7 +108,7 @@ void ReferenceBackend::Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor
 }
 
 void ReferenceBackend::AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const {
-  core::AccumulateBiasGrad(g, acc);
+  device::AccumulateBiasGrad(g, acc);
 }
 
 float ReferenceBackend::AbsMax(const at::Tensor& x) const {
@@ -128,4 +128,4 @@ BackendPtr MakeReferenceBackend() {
   return reference;
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

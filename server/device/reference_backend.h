@@ -13,7 +13,7 @@
 
 #include "server/device/backend.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 class ReferenceBackend : public Backend {
  public:
@@ -61,4 +61,4 @@ class ReferenceBackend : public Backend {
   void Synchronize() const override {}
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

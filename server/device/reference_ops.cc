@@ -13,7 +13,7 @@
 #include "gradwire/kernels/ref/layernorm.h"
 #include "server/device/quantizer.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 namespace {
 
 at::TensorOptions Float32() { return at::TensorOptions().dtype(at::kFloat); }
@@ -159,4 +159,4 @@ wire::EncodedTensor EncodedFor(wire::DType dtype, std::vector<int64_t> shape, in
   return out;
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -16,7 +16,7 @@
 #include "server/device/fp8_tensor.h"
 #include "server/device/gemm_counters.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]); x and w rowwise. fp32 out.
 at::Tensor Fp8Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias);
@@ -48,4 +48,4 @@ wire::EncodedTensor EncodedFor(wire::DType dtype, std::vector<int64_t> shape, in
 // A bfloat16 host tensor's bytes as a BF16 wire tensor, copied as they are.
 wire::EncodedTensor Bf16AsItIs(const at::Tensor& x, std::vector<int64_t> shape);
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

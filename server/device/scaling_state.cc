@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 ScalingState::ScalingState(kernels::Fp8Format format, const RecipeConfig& config)
     : format_(format), config_(config) {}
@@ -46,4 +46,4 @@ void ScalingState::Set(std::deque<float> history, float scale) {
   recorded_ = false;
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -9,7 +9,7 @@
 #include "server/device/quantizer.h"
 #include "server/device/recipe.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 // The scaling state of one tensor role (e.g. "fc1 input") of one module.
 //
@@ -47,4 +47,4 @@ class ScalingState {
   float scale_ = 1.0f;
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

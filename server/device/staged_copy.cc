@@ -7,7 +7,7 @@
 
 #include "gradwire/kernels/cpu/parallel.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 void ParallelMemcpy(void* dst, const void* src, size_t n) {
   if (n == 0) return;
@@ -75,4 +75,4 @@ void StagedCopier::ToHost(void* host, const void* device, size_t bytes) {
   }
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

@@ -15,7 +15,7 @@
 #include <mutex>
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::device {
 
 struct StagingOps {
   // Enqueue (asynchronously, in order) a copy of n bytes from a pinned slot to device memory, and
@@ -57,4 +57,4 @@ class StagedCopier {
 // memcpy of n bytes split over the CPU backend's thread pool (one piece when n is small).
 void ParallelMemcpy(void* dst, const void* src, size_t n);
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

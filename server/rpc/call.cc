@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/status_macros.h"
-#include "server/core/checkpoint.h"
-#include "server/core/executor.h"
-#include "server/core/kind_description.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/rpc/scheduling/executor.h"
+#include "server/core/kinds/kind_description.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/boundary.h"
@@ -168,7 +168,8 @@ absl::Status CallEnv::ExplainLostContext(const Caller& caller, absl::Status stat
   if (status.code() != absl::StatusCode::kNotFound || caller.route.empty() ||
       options_.checkpointer == nullptr ||
       status.message().find(" is not a live context") == absl::string_view::npos ||
-      !options_.checkpointer->TookOver(caller.route) || !CheckModule(caller, caller.route).ok()) {
+      !options_.checkpointer->claims().TookOver(caller.route) ||
+      !CheckModule(caller, caller.route).ok()) {
     return status;
   }
   return absl::NotFoundError(absl::StrCat(

@@ -42,7 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/core/context_store.h"
+#include "server/core/contexts/context_store.h"
 #include "server/rpc/options.h"
 #include "server/rpc/quota_book.h"
 #include "server/rpc/request_id.h"

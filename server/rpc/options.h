@@ -9,7 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "server/core/batcher.h"
+#include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/request_id.h"
 #include "server/rpc/shared_memory.h"
 

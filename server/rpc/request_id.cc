@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/context_store.h"
+#include "server/core/contexts/context_store.h"
 
 namespace gradwire::rpc {
 namespace {

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gradwire/wire/tensor.h"
 #include "server/common/status_macros.h"
-#include "server/core/checkpoint.h"
+#include "server/core/checkpoints/checkpoint.h"
 #include "server/rpc/boundary.h"
 #include "server/rpc/chunked.h"
 #include "server/rpc/service_util.h"
@@ -36,7 +36,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
     : host_(host),
       options_(std::move(options)),
       shared_memory_(options_.shared_memory),
-      staging_(shared_memory_, options_.limits.max_tensor_elements),
+      request_tensors_(shared_memory_, options_.limits.max_tensor_elements),
       instance_id_(core::RandomId128()),
       quotas_(options_.limits, options_.quotas),
       train_{this, [this](const Caller& caller,
@@ -66,7 +66,7 @@ void GradwireService::Persist(const std::string& module_id) {
 
 absl::Status GradwireService::CheckStillHeld(const std::string& module_id) {
   if (!options_.checkpointer) return absl::OkStatus();
-  absl::Status s = options_.checkpointer->CheckHeld(module_id);
+  absl::Status s = options_.checkpointer->claims().CheckHeld(module_id);
   if (!core::Checkpointer::IsMoved(s)) return absl::OkStatus();
   LetGo(module_id, s);
   return s;
@@ -80,7 +80,7 @@ std::optional<int64_t> GradwireService::DropMoved(const std::string& module_id) 
 }
 
 void GradwireService::LetGo(const std::string& module_id, const absl::Status& why) {
-  options_.checkpointer->Forget(module_id);
+  options_.checkpointer->claims().Forget(module_id);
   const std::optional<int64_t> contexts = DropMoved(module_id);
   if (!contexts) return;
   spdlog::warn("let go of module {} and its {} live contexts: {}", module_id, *contexts,
@@ -90,7 +90,7 @@ void GradwireService::LetGo(const std::string& module_id, const absl::Status& wh
 int GradwireService::LetGoOfMovedModules() {
   if (!options_.checkpointer || !options_.checkpointer->shared()) return 0;
   int n = 0;
-  for (const auto& [id, why] : options_.checkpointer->Lost()) {
+  for (const auto& [id, why] : options_.checkpointer->claims().Lost()) {
     LetGo(id, why);
     ++n;
   }
@@ -99,7 +99,7 @@ int GradwireService::LetGoOfMovedModules() {
 
 int GradwireService::HandOverRequested() {
   if (!options_.checkpointer || !options_.checkpointer->shared()) return 0;
-  const std::vector<std::string> ids = options_.checkpointer->HandOverRequests();
+  const std::vector<std::string> ids = options_.checkpointer->handover().Requests();
   for (const std::string& id : ids) env_.executor().Submit([this, id] { HandOver(id); });
   return int(ids.size());
 }
@@ -118,7 +118,8 @@ void GradwireService::HandOver(const std::string& module_id) {
   } catch (const std::exception& e) {
     spdlog::error("handing module {} over: dropping it here failed: {}", module_id, e.what());
   }
-  options_.checkpointer->Release(module_id);  // whatever happened: the taker must not wait on
+  options_.checkpointer->handover().Release(
+      module_id);  // whatever happened: the taker must not wait on
   if (!saved.ok()) {
     spdlog::error(
         "handed module {} over without saving it ({}): the server taking it over reads its last "
@@ -192,7 +193,7 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
         if (options_.checkpointer) {
           // Its checkpoint folder and first claim: no other server sharing the directory has or
           // makes a module of this id.
-          if (absl::Status claimed = options_.checkpointer->ClaimNew(info->module_id);
+          if (absl::Status claimed = options_.checkpointer->claims().ClaimNew(info->module_id);
               !claimed.ok()) {
             (void)host_.Delete(info->module_id);
             quotas_.ReturnParameters(caller.client, bytes);

@@ -5,7 +5,8 @@
 // The service keeps the methods and is given its collaborators:
 //   CallEnv        the lifecycle's steps that are the service's, as the call objects see them
 //   QuotaBook      per-client and per-module counts under their own lock (quota_book.h)
-//   ShmStaging     shared-memory tensors in and out (shared_memory.h)
+//   RequestTensors a request's tensors gathered, results delivered, shared memory or not
+//                  (shared_memory.h)
 //   RequestChecks  what a request may ask for, before anything runs (request_checks.h)
 //   spec_convert   the module spec between the wire and the core (spec_convert.h)
 // and the call shapes: unary (call.h), chunked (chunked.h) and the Train stream
@@ -21,8 +22,8 @@
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "gradwire/wire/zero_copy.h"
-#include "server/core/batcher.h"
-#include "server/core/executor.h"
+#include "server/rpc/scheduling/batcher.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/call.h"
@@ -135,9 +136,9 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   // (their claims superseded), with their contexts; the janitor calls it. Returns how many.
   int LetGoOfMovedModules();
   // With a shared checkpoint directory: queues the hand-overs other servers asked this one for
-  // (Checkpointer::HandOverRequests) behind the work already queued on the device executor, where
-  // each saves its module, drops it and releases its claim; the hand-over watcher calls it.
-  // Returns how many it queued.
+  // (HandOver::Requests, core/checkpoints/handover.h) behind the work already queued on the device
+  // executor, where each saves its module, drops it and releases its claim; the hand-over watcher
+  // calls it. Returns how many it queued.
   int HandOverRequested();
 
  private:
@@ -179,13 +180,13 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   template <typename Step>
   Unary* StepCall(Ctx* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp);
 
-  // A job's two halves around the compute: everything up to it (checks, staging) into `p`, and
-  // everything after it (delivery, the response) from the compute's result.
+  // A job's two halves around the compute: everything up to it (checks, gathering the tensors) into
+  // `p`, and everything after it (delivery, the response) from the compute's result.
   struct PreparedForward {
     core::WireForwardRequest f;
-    // The input's bytes, when they lie in shared memory (a staging buffer returns to the pool of
+    // The input's bytes, when they lie in shared memory (a gather buffer returns to the pool of
     // the thread that frees it: the pipeline frees it on the executor, after the compute).
-    std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();
+    std::unique_ptr<GatherBuffer> gathered = std::make_unique<GatherBuffer>();
     double transfer = 0;  // seconds spent moving tensors (not the server's compute)
     std::chrono::steady_clock::time_point start;
   };
@@ -201,8 +202,8 @@ class GradwireService final : public ServiceBase, private StepPipeline {
     std::string admitted_module;
     core::WireBackwardRequest in;
     // The gradients' bytes, when they lie in shared memory (freed on the executor).
-    std::unique_ptr<StagingBuffer> staged = std::make_unique<StagingBuffer>();
-    std::unique_ptr<StagingBuffer> staged_ln = std::make_unique<StagingBuffer>();
+    std::unique_ptr<GatherBuffer> gathered = std::make_unique<GatherBuffer>();
+    std::unique_ptr<GatherBuffer> gathered_ln = std::make_unique<GatherBuffer>();
     double transfer = 0;  // seconds spent moving tensors (not the server's compute)
     std::chrono::steady_clock::time_point start;
   };
@@ -239,7 +240,7 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   core::ModuleHost& host_;
   const ServiceOptions options_;
   SharedMemoryRegistry shared_memory_;  // closes every region when the service goes
-  const ShmStaging staging_;
+  const RequestTensors request_tensors_;
   const std::string instance_id_;  // GetServerInfo: new in every process
   QuotaBook quotas_;
   const TrainBodies train_;

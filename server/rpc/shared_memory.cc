@@ -485,7 +485,7 @@ absl::Status SharedMemoryRegistry::Write(const std::string& owner, const v1::Sha
   return absl::OkStatus();
 }
 
-StagingBuffer::~StagingBuffer() {
+GatherBuffer::~GatherBuffer() {
   std::vector<Buffer>& pool = Pool();
   if (!buffer_.bytes || buffer_.capacity > kMaxRetained) return;  // freed by its deleter
   pool.push_back(std::move(buffer_));
@@ -496,7 +496,7 @@ StagingBuffer::~StagingBuffer() {
   }
 }
 
-char* StagingBuffer::Get(size_t n) {
+char* GatherBuffer::Get(size_t n) {
   if (buffer_.capacity < n) {
     std::vector<Buffer>& pool = Pool();
     auto fits =
@@ -513,22 +513,21 @@ char* StagingBuffer::Get(size_t n) {
   return buffer_.bytes.get();
 }
 
-void StagingBuffer::Free::operator()(char* p) const { core::FreeHostBuffer(p); }
+void GatherBuffer::Free::operator()(char* p) const { core::FreeHostBuffer(p); }
 
-std::vector<StagingBuffer::Buffer>& StagingBuffer::Pool() {
+std::vector<GatherBuffer::Buffer>& GatherBuffer::Pool() {
   thread_local std::vector<Buffer> pool;
   return pool;
 }
 
-absl::StatusOr<wire::TensorView> ShmStaging::Stage(const std::string& owner, const v1::Tensor& t,
-                                                   absl::string_view field, StagingBuffer* staged,
-                                                   const wire::ReceivedMessage* raw,
-                                                   int raw_field) const {
+absl::StatusOr<wire::TensorView> RequestTensors::Gather(
+    const std::string& owner, const v1::Tensor& t, absl::string_view field, GatherBuffer* gathered,
+    const wire::ReceivedMessage* raw, int raw_field) const {
   if (!t.has_shared_memory() && raw != nullptr && raw->pieces(raw_field).size() > 1) {
     // The bytes arrived in several slices: gathered once into a reused buffer (the copy an f32
     // tensor needs anyway to be contiguous), not joined into a fresh one.
     const size_t n = raw->size(raw_field);
-    char* at = staged->Get(n);
+    char* at = gathered->Get(n);
     size_t offset = 0;
     for (absl::string_view piece : raw->pieces(raw_field)) {
       std::memcpy(at + offset, piece.data(), piece.size());
@@ -550,7 +549,7 @@ absl::StatusOr<wire::TensorView> ShmStaging::Stage(const std::string& owner, con
         absl::StrJoin(t.shape(), ", "), "] of ", v1::DType_Name(t.dtype()), " needs ", bytes));
   }
   GW_RETURN_IF_ERROR(CheckElements(field, ShapeElements(t), max_tensor_elements_));
-  char* bytes_at = staged->Get(size_t(bytes));
+  char* bytes_at = gathered->Get(size_t(bytes));
   GW_RETURN_IF_ERROR(
       registry_.Read(owner, t.shared_memory(), absl::StrCat(field, ".shared_memory"), bytes_at));
   // The view checks the header as for any tensor; the shared-memory reference is what it was.
@@ -561,9 +560,9 @@ absl::StatusOr<wire::TensorView> ShmStaging::Stage(const std::string& owner, con
   return wire::ViewOf(header, absl::string_view(bytes_at, size_t(bytes)), field);
 }
 
-absl::Status ShmStaging::Deliver(const std::string& owner, bool has_ref,
-                                 const v1::SharedMemoryRef& ref, absl::string_view field,
-                                 wire::EncodedTensor&& e, v1::Tensor* out) const {
+absl::Status RequestTensors::Deliver(const std::string& owner, bool has_ref,
+                                     const v1::SharedMemoryRef& ref, absl::string_view field,
+                                     wire::EncodedTensor&& e, v1::Tensor* out) const {
   if (!has_ref) {
     wire::ToMessage(std::move(e), out);
     return absl::OkStatus();

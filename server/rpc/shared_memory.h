@@ -15,8 +15,8 @@
 // and are closed on unregister and when the registry is destroyed (server shutdown). A region in
 // use by a call stays open until that call is done with it.
 //
-// ShmStaging is what a Forward or Backward uses of it: a request's tensor staged (read from its
-// region into a reused buffer, or its bytes gathered there when they arrived in several slices)
+// RequestTensors is what a Forward or Backward uses of it: a request's tensor gathered (read from
+// its region into a reused buffer, or its bytes joined there when they arrived in several slices)
 // and a result delivered (into the response, or into the region the request names).
 #pragma once
 
@@ -143,13 +143,13 @@ class SharedMemoryRegistry {
 // transparent huge pages when large (core/heap_trim.h). In a fresh buffer a large tensor
 // pays a page fault per 4 KiB page, several times the cost of the copy itself. Each thread keeps
 // at most two buffers of at most kMaxRetained bytes.
-class StagingBuffer {
+class GatherBuffer {
  public:
   static constexpr size_t kMaxRetained = size_t(512) << 20;
-  StagingBuffer() = default;
-  ~StagingBuffer();
-  StagingBuffer(const StagingBuffer&) = delete;
-  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  GatherBuffer() = default;
+  ~GatherBuffer();
+  GatherBuffer(const GatherBuffer&) = delete;
+  GatherBuffer& operator=(const GatherBuffer&) = delete;
 
   // `n` bytes, valid while this lives; their contents are whatever was there.
   char* Get(size_t n);
@@ -168,20 +168,20 @@ class StagingBuffer {
 
 // A request's tensors in and its results out, for the calls that may reference shared memory.
 // `owner` is whose regions the caller sees (SharedMemoryRegistry).
-class ShmStaging {
+class RequestTensors {
  public:
   // `registry` must outlive this; tensors read from a region are bounded by
   // `max_tensor_elements` (--max-tensor-elements; 0: unlimited) before anything is read.
-  ShmStaging(const SharedMemoryRegistry& registry, int64_t max_tensor_elements)
+  RequestTensors(const SharedMemoryRegistry& registry, int64_t max_tensor_elements)
       : registry_(registry), max_tensor_elements_(max_tensor_elements) {}
 
   // A checked view of tensor `t` (named `field` in errors): of its own bytes (from `raw`'s field
-  // `raw_field` when the request was received raw, gathered into `staged` when they span several
-  // slices), or of the bytes its shared-memory reference names, read into `staged` after the
+  // `raw_field` when the request was received raw, joined in `gathered` when they span several
+  // slices), or of the bytes its shared-memory reference names, read into `gathered` after the
   // header was checked.
-  absl::StatusOr<wire::TensorView> Stage(const std::string& owner, const v1::Tensor& t,
-                                         absl::string_view field, StagingBuffer* staged,
-                                         const wire::ReceivedMessage* raw, int raw_field) const;
+  absl::StatusOr<wire::TensorView> Gather(const std::string& owner, const v1::Tensor& t,
+                                          absl::string_view field, GatherBuffer* gathered,
+                                          const wire::ReceivedMessage* raw, int raw_field) const;
   // Moves an encoded result into `out`: into the response, or with `has_ref`, into the region
   // `ref` names, `out` then carrying the header and where the bytes went.
   absl::Status Deliver(const std::string& owner, bool has_ref, const v1::SharedMemoryRef& ref,

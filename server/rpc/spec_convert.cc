@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/core/kind_description.h"
+#include "server/core/kinds/kind_description.h"
 
 namespace gradwire::rpc {
 namespace {

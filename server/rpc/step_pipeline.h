@@ -6,10 +6,11 @@
 //
 //   queue    With batching on, a job that others can share a core call with (forwards of one
 //            module, training or not, one input dtype; backwards of one module's contexts) waits
-//            in the batch former (server/core/batcher.h) with the jobs of its key. Any other job
-//            goes to the device executor alone.
-//   prepare  Its own checks, shared-memory staging and cancellation (steps.cc).
-//   compute  One core call for the prepared jobs of a batch (the step runner's one path). A job
+//            in the batch former (server/rpc/scheduling/batcher.h) with the jobs of its key. Any
+//            other job goes to the device executor alone.
+//   prepare  Its own checks, the request's tensors gathered (shared memory or not) and cancellation
+//   (steps.cc). compute  One core call for the prepared jobs of a batch (the step runner's one
+//   path). A job
 //            alone is a batch of one: the same steps, the same code.
 //   finish   Delivery (encoding, shared-memory writes), then the job's `done`. A job alone
 //            finishes on the device executor; the jobs of a batch on the control thread, so that
@@ -22,7 +23,7 @@
 
 #include "absl/status/status.h"
 #include "gradwire/v1/service.pb.h"
-#include "server/core/batcher.h"
+#include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/call.h"
 
 namespace gradwire::wire {

@@ -1,8 +1,8 @@
 // The one pipeline of forwards and backwards (step_pipeline.h): every call shape's job is queued
-// (the batch former or the device executor), prepared (checks, staging: everything up to the
-// compute), computed with its batch as one core call (a job alone is a batch of one) and finished
-// (delivery, the response). The unary calls, the chunked calls and the Train stream differ only in
-// how they hand a job over and what its end does. Also ReleaseContext.
+// (the batch former or the device executor), prepared (checks, gathering the tensors: everything up
+// to the compute), computed with its batch as one core call (a job alone is a batch of one) and
+// finished (delivery, the response). The unary calls, the chunked calls and the Train stream differ
+// only in how they hand a job over and what its end does. Also ReleaseContext.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -76,8 +76,8 @@ absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::For
   core::WireForwardRequest& f = p->f;
   {
     TransferTimer timer(p->transfer);
-    GW_ASSIGN_OR_RETURN(f.input,
-                        staging_.Stage(owner, req.input(), "input", p->staged.get(), raw, 2));
+    GW_ASSIGN_OR_RETURN(
+        f.input, request_tensors_.Gather(owner, req.input(), "input", p->gathered.get(), raw, 2));
   }
   GW_RETURN_IF_ERROR(checks_.CheckForward(caller, req));
   f.training = req.training();
@@ -93,14 +93,14 @@ absl::Status GradwireService::PrepareForward(const Caller& caller, const v1::For
     const uint64_t rows = uint64_t(f.input.numel() / std::max<int64_t>(1, f.input.shape.back()));
     const uint64_t element = uint64_t(wire::ElementSize(output_dtype));
     if (req.has_output_shared_memory()) {
-      GW_RETURN_IF_ERROR(staging_.CheckRoom(owner, req.output_shared_memory(),
-                                            "output_shared_memory",
-                                            rows * uint64_t(spec.out_features) * element));
+      GW_RETURN_IF_ERROR(request_tensors_.CheckRoom(owner, req.output_shared_memory(),
+                                                    "output_shared_memory",
+                                                    rows * uint64_t(spec.out_features) * element));
     }
     if (req.has_layernorm_output_shared_memory()) {
-      GW_RETURN_IF_ERROR(staging_.CheckRoom(owner, req.layernorm_output_shared_memory(),
-                                            "layernorm_output_shared_memory",
-                                            rows * uint64_t(spec.in_features) * element));
+      GW_RETURN_IF_ERROR(request_tensors_.CheckRoom(owner, req.layernorm_output_shared_memory(),
+                                                    "layernorm_output_shared_memory",
+                                                    rows * uint64_t(spec.in_features) * element));
     }
   }
   f.client = caller.client;
@@ -128,14 +128,14 @@ absl::Status GradwireService::FinishForward(const Caller& caller, const v1::Forw
   absl::Status delivered;
   {
     TransferTimer timer(p.transfer);
-    delivered =
-        staging_.Deliver(owner, req.has_output_shared_memory(), req.output_shared_memory(),
-                         "output_shared_memory", std::move(out.output), resp->mutable_output());
+    delivered = request_tensors_.Deliver(owner, req.has_output_shared_memory(),
+                                         req.output_shared_memory(), "output_shared_memory",
+                                         std::move(out.output), resp->mutable_output());
     if (delivered.ok() && out.has_layernorm_output) {
-      delivered =
-          staging_.Deliver(owner, req.has_layernorm_output_shared_memory(),
-                           req.layernorm_output_shared_memory(), "layernorm_output_shared_memory",
-                           std::move(out.layernorm_output), resp->mutable_layernorm_output());
+      delivered = request_tensors_.Deliver(
+          owner, req.has_layernorm_output_shared_memory(), req.layernorm_output_shared_memory(),
+          "layernorm_output_shared_memory", std::move(out.layernorm_output),
+          resp->mutable_layernorm_output());
     }
   }
   if (!delivered.ok()) {  // a region its owner shrank meanwhile: nobody will get the context
@@ -164,15 +164,17 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
   const int64_t limit = options_.limits.max_tensor_elements;
   {
     TransferTimer timer(p->transfer);
-    GW_ASSIGN_OR_RETURN(in.grad_output, staging_.Stage(owner, req.grad_output(), "grad_output",
-                                                       p->staged.get(), raw, 2));
+    GW_ASSIGN_OR_RETURN(in.grad_output,
+                        request_tensors_.Gather(owner, req.grad_output(), "grad_output",
+                                                p->gathered.get(), raw, 2));
   }
   GW_RETURN_IF_ERROR(CheckElements("grad_output", in.grad_output.numel(), limit));
   if (req.has_grad_layernorm_output()) {
     TransferTimer timer(p->transfer);
-    GW_ASSIGN_OR_RETURN(in.grad_layernorm_output,
-                        staging_.Stage(owner, req.grad_layernorm_output(), "grad_layernorm_output",
-                                       p->staged_ln.get(), raw, 6));
+    GW_ASSIGN_OR_RETURN(
+        in.grad_layernorm_output,
+        request_tensors_.Gather(owner, req.grad_layernorm_output(), "grad_layernorm_output",
+                                p->gathered_ln.get(), raw, 6));
     GW_RETURN_IF_ERROR(
         CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(), limit));
   }
@@ -186,7 +188,7 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
     GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, host_.Spec(module_id));
     const uint64_t rows =
         uint64_t(in.grad_output.numel() / std::max<int64_t>(1, spec.out_features));
-    GW_RETURN_IF_ERROR(staging_.CheckRoom(
+    GW_RETURN_IF_ERROR(request_tensors_.CheckRoom(
         owner, req.grad_input_shared_memory(), "grad_input_shared_memory",
         rows * uint64_t(spec.in_features) * uint64_t(wire::ElementSize(in.grad_input_dtype))));
   }
@@ -203,7 +205,7 @@ absl::Status GradwireService::FinishBackward(
   std::optional<wire::EncodedTensor>& grad_input = *computed;
   if (grad_input) {
     TransferTimer timer(p.transfer);
-    absl::Status delivered = staging_.Deliver(
+    absl::Status delivered = request_tensors_.Deliver(
         RegionOwner(caller), req.has_grad_input_shared_memory(), req.grad_input_shared_memory(),
         "grad_input_shared_memory", std::move(*grad_input), resp->mutable_grad_input());
     if (!delivered.ok()) {
@@ -273,8 +275,8 @@ struct GradwireService::ForwardStep {
     }
     return outs;
   }
-  // The input was read: its staging goes now, on the executor.
-  static void DropStaging(Prepared& p) { p.staged.reset(); }
+  // The input was read: its gather buffer goes now, on the executor.
+  static void DropGathered(Prepared& p) { p.gathered.reset(); }
   static absl::Status Finish(GradwireService& s, const Caller& caller, const Request& req,
                              Response* resp, const CallBase& call, Prepared& p, Output out) {
     return s.FinishForward(caller, req, resp, call, p, std::move(out));
@@ -317,10 +319,10 @@ struct GradwireService::BackwardStep {
     }
     return s.host_.BackwardBatch(contexts, reqs, together);
   }
-  // The gradients were read: their staging goes now, on the executor.
-  static void DropStaging(Prepared& p) {
-    p.staged.reset();
-    p.staged_ln.reset();
+  // The gradients were read: their gather buffers go now, on the executor.
+  static void DropGathered(Prepared& p) {
+    p.gathered.reset();
+    p.gathered_ln.reset();
   }
   static absl::Status Finish(GradwireService& s, const Caller& caller, const Request& req,
                              Response* resp, const CallBase&, Prepared& p, Output out) {
@@ -426,7 +428,7 @@ void GradwireService::Compute(const std::vector<std::shared_ptr<Job<Step>>>& rea
     for (const auto& job : ready) End(job, failed);
     return;
   }
-  for (const auto& job : ready) Step::DropStaging(job->prepared);
+  for (const auto& job : ready) Step::DropGathered(job->prepared);
   if (together.requests > 0 && options_.on_batch) {
     options_.on_batch(Step::kMethod, together.requests, together.rows);
   }

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/executor.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/rpc/status_map.h"
 
 namespace gradwire::rpc {

@@ -28,8 +28,8 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using gradwire::core::Backend;
-using gradwire::core::Fp8Tensor;
+using gradwire::device::Backend;
+using gradwire::device::Fp8Tensor;
 
 double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -83,14 +83,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--json", json_path, "write the table as JSON");
   CLI11_PARSE(app, argc, argv);
-  gradwire::core::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::core::CpuGemm::kOrdered
-                                                   : gradwire::core::CpuGemm::kBlas);
+  gradwire::device::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::device::CpuGemm::kOrdered
+                                                     : gradwire::device::CpuGemm::kBlas);
   gradwire::core::RetainLargeBlocks();
-  gradwire::core::SetCpuThreads(0);
-  gradwire::core::SetCudaStaging(int64_t(cuda_staging_mib) << 20);
-  gradwire::core::BackendPtr backend = gradwire::core::MakeCpuBackend();
+  gradwire::device::SetCpuThreads(0);
+  gradwire::device::SetCudaStaging(int64_t(cuda_staging_mib) << 20);
+  gradwire::device::BackendPtr backend = gradwire::device::MakeCpuBackend();
   if (device == "cuda") {
-    auto cuda = gradwire::core::MakeCudaBackend(0);
+    auto cuda = gradwire::device::MakeCudaBackend(0);
     if (!cuda.ok()) {
       std::fprintf(stderr, "step_breakdown: %s\n", cuda.status().ToString().c_str());
       return 1;
@@ -164,10 +164,10 @@ int main(int argc, char** argv) {
     std::sort(bwd_t.begin(), bwd_t.end());
     // The GEMMs alone, on operands cast as the module casts them (the weight with what
     // PrepareWeight attaches, as the workspace holds it).
-    const gradwire::core::QuantizerConfig e4m3{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f,
-                                               nullptr, nullptr};
-    const gradwire::core::QuantizerConfig e5m2{gradwire::kernels::Fp8Format::kE5M2, 0, 0.0f,
-                                               nullptr, nullptr};
+    const gradwire::device::QuantizerConfig e4m3{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f,
+                                                 nullptr, nullptr};
+    const gradwire::device::QuantizerConfig e5m2{gradwire::kernels::Fp8Format::kE5M2, 0, 0.0f,
+                                                 nullptr, nullptr};
     Fp8Tensor xq = *b.Cast(b.ToDevice(x), e4m3, {true, true});
     Fp8Tensor wq = *b.Cast(b.ToDevice(RandN(out, in)), e4m3, {true, true});
     b.PrepareWeight(wq);
@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
     const at::Tensor bias = b.ToDevice(at::randn({out}, at::kFloat));
     at::Tensor acc = b.ToDevice(at::zeros({out, in}, at::kFloat));
     const at::Tensor y_dev = b.ToDevice(RandN(rows, out)), dx_dev = b.ToDevice(RandN(rows, in));
-    const gradwire::core::CastUsage rowwise{true, false};
+    const gradwire::device::CastUsage rowwise{true, false};
     Row row{
         rows,     fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0, 0, 0, 0, 0, fwd_waits,
         bwd_waits};

@@ -166,7 +166,7 @@ CopyFigures MeasureCopies(int64_t bytes, int rounds) {
   const int64_t chunk = 4 << 20;
   // What the server does with a request's F32 input: a checked view, which the CPU backend
   // borrows without a copy.
-  const core::BackendPtr backend = core::MakeCpuBackend();
+  const device::BackendPtr backend = device::MakeCpuBackend();
   auto decode = [&](const v1::Tensor& m) {
     const wire::TensorView v = *wire::ViewOf(m, "input");
     return backend->FromWire(v, v.shape[0], v.shape[1], nullptr, {});
@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
   const int max_message_mib = int(std::max<int64_t>(64, max_mib * 2 + 16));
   server::ServerOptions options;
   options.listen = "127.0.0.1:0";
-  options.backend = core::MakeCpuBackend();
+  options.backend = device::MakeCpuBackend();
   options.heap_trim_every_s = 0;
   options.max_message_mib = max_message_mib;
   options.service.version = "bench";

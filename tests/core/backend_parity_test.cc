@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "queued_reads_backend.h"
-#include "server/core/fp8_ops.h"
+#include "server/core/kinds/fp8_ops.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 #include "server/device/backend.h"
@@ -43,6 +43,17 @@
 
 namespace gradwire::core {
 namespace {
+
+using device::AllOps;
+using device::CpuGemm;
+using device::Describe;
+using device::GetCpuGemm;
+using device::MakeCudaBackend;
+using device::Op;
+using device::OpInfo;
+using device::OpName;
+using device::ScalingState;
+using device::SetCpuGemm;
 
 using gradwire::testing::MakeModuleSpec;
 using gradwire::testing::RandN;

@@ -66,24 +66,24 @@ WireInput Encode(const at::Tensor& x, DType dtype, DType output_dtype) {
 struct Case {
   const char* backend;  // "reference", "cpu-blas", "cpu-ordered", "cuda"
   ModuleKind kind;
-  core::ScalingMode mode;
+  device::ScalingMode mode;
   DType dtype;
-  bool delayed() const { return mode == core::ScalingMode::kDelayed; }
+  bool delayed() const { return mode == device::ScalingMode::kDelayed; }
 };
 
 // Every recipe: per tensor (current, delayed) and block-scaled (BLOCK, MXFP8), whose requests'
 // row counts (1 to 300) are mostly not multiples of the blocks' 128 or 32.
-const core::ScalingMode kModes[] = {core::ScalingMode::kCurrent, core::ScalingMode::kDelayed,
-                                    core::ScalingMode::kBlock, core::ScalingMode::kMxfp8};
+const device::ScalingMode kModes[] = {device::ScalingMode::kCurrent, device::ScalingMode::kDelayed,
+                                      device::ScalingMode::kBlock, device::ScalingMode::kMxfp8};
 
 std::string Name(const Case& c) {
   return std::string(c.backend) + " " + core::ModuleKindName(c.kind) + " " +
-         core::ScalingModeName(c.mode) + " " + wire::DTypeName(c.dtype);
+         device::ScalingModeName(c.mode) + " " + wire::DTypeName(c.dtype);
 }
 
 // Whether this machine runs the CUDA backend (a GPU and a libtorch with CUDA; not in CI).
 bool HaveCuda() {
-  static const bool have = core::MakeCudaBackend(0).ok();
+  static const bool have = device::MakeCudaBackend(0).ok();
   return have;
 }
 
@@ -97,9 +97,9 @@ std::vector<Case> Cases(std::initializer_list<DType> dtypes, bool cuda = false) 
   for (const char* backend : backends) {
     for (ModuleKind kind :
          {ModuleKind::kLinear, ModuleKind::kLayerNormLinear, ModuleKind::kLayerNormMlp}) {
-      for (core::ScalingMode mode : kModes) {
+      for (device::ScalingMode mode : kModes) {
         // The CUDA backend refuses the block-scaled recipes (docs/block-scaling.md).
-        if (core::BlockScaled(mode) && std::string(backend) == "cuda") continue;
+        if (device::BlockScaled(mode) && std::string(backend) == "cuda") continue;
         for (DType dtype : dtypes) out.push_back({backend, kind, mode, dtype});
       }
     }
@@ -107,24 +107,24 @@ std::vector<Case> Cases(std::initializer_list<DType> dtypes, bool cuda = false) 
   return out;
 }
 
-core::BackendPtr BackendFor(const std::string& name) {
-  if (name == "reference") return core::MakeReferenceBackend();
-  if (name == "cuda") return *core::MakeCudaBackend(0);
-  core::SetCpuGemm(name == "cpu-ordered" ? core::CpuGemm::kOrdered : core::CpuGemm::kBlas);
-  return core::MakeCpuBackend();
+device::BackendPtr BackendFor(const std::string& name) {
+  if (name == "reference") return device::MakeReferenceBackend();
+  if (name == "cuda") return *device::MakeCudaBackend(0);
+  device::SetCpuGemm(name == "cpu-ordered" ? device::CpuGemm::kOrdered : device::CpuGemm::kBlas);
+  return device::MakeCpuBackend();
 }
 
 core::ModuleSpec SpecFor(const Case& c, uint64_t seed) {
   core::ModuleSpec spec = MakeModuleSpec(c.kind, 40, 24, 56, seed);
   if (c.kind != ModuleKind::kLinear) spec.return_layernorm_output = seed % 2 == 0;
-  if (c.delayed()) spec.recipe = DelayedRecipe(core::AmaxAlgo::kMax, 4);
+  if (c.delayed()) spec.recipe = DelayedRecipe(device::AmaxAlgo::kMax, 4);
   spec.recipe.mode = c.mode;
   return spec;
 }
 
 class ForwardBatchTest : public ::testing::Test {
  protected:
-  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kOrdered); }
+  void TearDown() override { device::SetCpuGemm(device::CpuGemm::kOrdered); }
 };
 
 TEST_F(ForwardBatchTest, EveryRequestGetsTheBitsItGetsAlone) {
@@ -347,7 +347,7 @@ TEST_F(ForwardBatchTest, AnUnknownModuleFailsEveryRequest) {
 TEST_F(ForwardBatchTest, TheScalingStateDoesNotMove) {
   core::ModuleHost host(core::ContextLimits{}, nullptr, BackendFor("cpu-ordered"));
   core::ModuleSpec spec = MakeLinearSpec(16, 8, 3);
-  spec.recipe = DelayedRecipe(core::AmaxAlgo::kMostRecent, 8);
+  spec.recipe = DelayedRecipe(device::AmaxAlgo::kMostRecent, 8);
   auto info = host.Create(spec);
   ASSERT_TRUE(info.ok());
   auto f = core::TensorForward(host, info->module_id, RandN({4, 16}), true);
@@ -512,7 +512,7 @@ TEST(ForwardBatchWaits, ABatchWaitsOnlyForItsResultsCopies) {
 }
 
 // The reference backend whose ToWire throws once, on demand, as a device error would.
-class ToWireFailsOnce final : public core::ReferenceBackend {
+class ToWireFailsOnce final : public device::ReferenceBackend {
  public:
   wire::EncodedTensor ToWire(const at::Tensor& x, DType dtype,
                              std::vector<int64_t> shape) const override {
@@ -520,7 +520,7 @@ class ToWireFailsOnce final : public core::ReferenceBackend {
       armed = false;
       throw std::runtime_error("the device went away");
     }
-    return core::ReferenceBackend::ToWire(x, dtype, std::move(shape));
+    return device::ReferenceBackend::ToWire(x, dtype, std::move(shape));
   }
   mutable bool armed = false;
 };
@@ -623,7 +623,7 @@ TEST_F(BackwardBatchTest, ABadOrNonFiniteRequestGetsItsOwnAnswerAndTheOthersAreT
   for (bool delayed : {false, true}) {
     SCOPED_TRACE(delayed ? "delayed" : "current");
     core::ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormMlp, 40, 24, 56, 9);
-    if (delayed) spec.recipe = DelayedRecipe(core::AmaxAlgo::kMax, 4);
+    if (delayed) spec.recipe = DelayedRecipe(device::AmaxAlgo::kMax, 4);
     Pair p(spec, "cpu-ordered");
     std::vector<std::string> ids_a, ids_b;
     std::vector<Grad> grads;
@@ -668,7 +668,7 @@ TEST_F(BackwardBatchTest, MixedRequestsKeepTheSequencesOrder) {
   for (const char* backend : {"reference", "cpu-ordered"}) {
     SCOPED_TRACE(backend);
     core::ModuleSpec spec = MakeModuleSpec(ModuleKind::kLayerNormLinear, 40, 24, 56, 5);
-    spec.recipe = DelayedRecipe(core::AmaxAlgo::kMostRecent, 2);
+    spec.recipe = DelayedRecipe(device::AmaxAlgo::kMostRecent, 2);
     Pair p(spec, backend);
     std::vector<std::string> ids_a, ids_b;
     std::vector<Grad> grads;

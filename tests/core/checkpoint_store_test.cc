@@ -1,16 +1,20 @@
-// The checkpoint directory's epochs and claims (server/core/checkpoint.h), two "servers" in one
-// process: each a ModuleHost with a Checkpointer on the same directory.
+// The checkpoint directory's epochs and claims (server/core/checkpoints/checkpoint.h), two
+// "servers" in one process: each a ModuleHost with a Checkpointer on the same directory; and the
+// claim book on its own (claims.h).
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 
-#include "server/core/checkpoint.h"
-#include "server/core/context_store.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/checkpoints/claims.h"
+#include "server/core/checkpoints/layout.h"
+#include "server/core/contexts/context_store.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
@@ -50,21 +54,21 @@ TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
   Checkpointer first(dir, 1), second(dir, 1);
   ASSERT_TRUE(first.Prepare(/*shared=*/true).ok());
   ASSERT_TRUE(second.Prepare(/*shared=*/true).ok());
-  second.SetHandOverWait(0);  // fencing, not a hand-over: the holder is not asked
+  second.handover().SetWait(0);  // fencing, not a hand-over: the holder is not asked
   ModuleHost a, b;
   auto info = a.Create(MakeLinearSpec(8, 4));
   ASSERT_TRUE(info.ok());
   const std::string id = info->module_id;
-  ASSERT_TRUE(first.ClaimNew(id).ok());
-  EXPECT_EQ(first.EpochOf(id), 1);
+  ASSERT_TRUE(first.claims().ClaimNew(id).ok());
+  EXPECT_EQ(first.claims().EpochOf(id), 1);
   Step(a, id);
   ASSERT_TRUE(first.Save(a, id).ok());
-  EXPECT_TRUE(fs::exists(first.StatePathOf(id, 1)));
+  EXPECT_TRUE(fs::exists(first.layout().StatePathOf(id, 1)));
 
   // The id is taken for every server on the directory.
-  EXPECT_EQ(second.ClaimNew(id).code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_TRUE(fs::is_directory(second.FolderOf(id)));
-  EXPECT_FALSE(fs::exists(second.FolderOf(RandomId128())));
+  EXPECT_EQ(second.claims().ClaimNew(id).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(fs::is_directory(second.layout().FolderOf(id)));
+  EXPECT_FALSE(fs::exists(second.layout().FolderOf(RandomId128())));
   EXPECT_EQ(second.Take(b, RandomId128()).status().code(), absl::StatusCode::kNotFound);
 
   auto took = second.Take(b, id);
@@ -72,42 +76,42 @@ TEST(CheckpointStoreTest, ATakeOverReadsTheNewestStateAndFencesTheOldHolder) {
   EXPECT_EQ(took->epoch, 2);
   EXPECT_EQ(took->from_epoch, 1);
   EXPECT_TRUE(SameWeights(a, b, id));
-  const auto lost = first.Lost();
+  const auto lost = first.claims().Lost();
   ASSERT_EQ(lost.size(), 1u);
   EXPECT_EQ(lost[0].first, id);
   EXPECT_TRUE(Checkpointer::IsMoved(lost[0].second)) << lost[0].second;
-  EXPECT_TRUE(second.Lost().empty());
+  EXPECT_TRUE(second.claims().Lost().empty());
 
   // The old holder trains on in memory: it cannot save, and writes nothing.
   Step(a, id);
   const absl::Status refused = first.Save(a, id);
   EXPECT_TRUE(Checkpointer::IsMoved(refused)) << refused;
-  EXPECT_TRUE(Checkpointer::IsMoved(first.CheckHeld(id)));
+  EXPECT_TRUE(Checkpointer::IsMoved(first.claims().CheckHeld(id)));
   EXPECT_EQ(*first.SaveAll(a), 0);  // skipped, not an error
   // The new holder's first save supersedes the state it read.
   Step(b, id);
   ASSERT_TRUE(second.Save(b, id).ok());
-  EXPECT_FALSE(fs::exists(first.StatePathOf(id, 1)));
-  EXPECT_TRUE(fs::exists(second.StatePathOf(id, 2)));
-  EXPECT_FALSE(fs::exists(first.ClaimPathOf(id, 1)));
+  EXPECT_FALSE(fs::exists(first.layout().StatePathOf(id, 1)));
+  EXPECT_TRUE(fs::exists(second.layout().StatePathOf(id, 2)));
+  EXPECT_FALSE(fs::exists(first.layout().ClaimPathOf(id, 1)));
 
   // A third takes over from the newest (the second's), not the first's newer in-memory state.
   ModuleHost c;
   Checkpointer third(dir, 1);
   ASSERT_TRUE(third.Prepare(true).ok());
-  third.SetHandOverWait(0);
+  third.handover().SetWait(0);
   ASSERT_TRUE(third.Take(c, id).ok());
   EXPECT_TRUE(SameWeights(b, c, id));
   EXPECT_FALSE(SameWeights(a, c, id));
-  EXPECT_EQ(third.EpochOf(id), 3);
-  EXPECT_TRUE(Checkpointer::IsMoved(second.CheckHeld(id)));
+  EXPECT_EQ(third.claims().EpochOf(id), 3);
+  EXPECT_TRUE(Checkpointer::IsMoved(second.claims().CheckHeld(id)));
 
   // Removed by its holder: every earlier holder stays fenced, and nothing is left to take over.
   ASSERT_TRUE(third.Remove(id).ok());
-  EXPECT_FALSE(fs::exists(third.FolderOf(id)));
-  EXPECT_TRUE(Checkpointer::IsMoved(second.CheckHeld(id)));
+  EXPECT_FALSE(fs::exists(third.layout().FolderOf(id)));
+  EXPECT_TRUE(Checkpointer::IsMoved(second.claims().CheckHeld(id)));
   EXPECT_FALSE(second.Save(b, id).ok());
-  EXPECT_FALSE(fs::exists(third.FolderOf(id)));
+  EXPECT_FALSE(fs::exists(third.layout().FolderOf(id)));
   ModuleHost d;
   EXPECT_EQ(third.Take(d, id).status().code(), absl::StatusCode::kNotFound);
   fs::remove_all(dir);
@@ -125,7 +129,7 @@ TEST(CheckpointStoreTest, ALiveHolderHandsOverAndASilentOrGoneOneIsFenced) {
   auto info = a.Create(MakeLinearSpec(8, 4));
   ASSERT_TRUE(info.ok());
   const std::string id = info->module_id;
-  ASSERT_TRUE(first.ClaimNew(id).ok());
+  ASSERT_TRUE(first.claims().ClaimNew(id).ok());
   Step(a, id);
   ASSERT_TRUE(first.Save(a, id).ok());
   Step(a, id);  // two steps the checkpoint does not have
@@ -139,20 +143,20 @@ TEST(CheckpointStoreTest, ALiveHolderHandsOverAndASilentOrGoneOneIsFenced) {
   std::thread holder([&] {
     const auto until = Clock::now() + std::chrono::seconds(20);
     while (!handed && Clock::now() < until) {
-      first.Heartbeat();
-      for (const std::string& asked : first.HandOverRequests()) {
+      first.heartbeat().Beat();
+      for (const std::string& asked : first.handover().Requests()) {
         EXPECT_EQ(asked, id);
-        EXPECT_TRUE(first.HandOverRequests().empty()) << "a request is picked up once";
+        EXPECT_TRUE(first.handover().Requests().empty()) << "a request is picked up once";
         EXPECT_TRUE(first.Save(a, asked).ok());
         EXPECT_TRUE(a.Delete(asked, /*moved=*/true).ok());
-        first.Release(asked);
+        first.handover().Release(asked);
         handed = true;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   });
-  second.SetHandOverWait(10);
-  first.Heartbeat();  // alive, however slowly this machine ran the steps
+  second.handover().SetWait(10);
+  first.heartbeat().Beat();  // alive, however slowly this machine ran the steps
   auto took = second.Take(b, id);
   holder.join();
   ASSERT_TRUE(handed);
@@ -165,28 +169,82 @@ TEST(CheckpointStoreTest, ALiveHolderHandsOverAndASilentOrGoneOneIsFenced) {
   for (size_t i = 0; i < w->tensors.size(); ++i) {
     EXPECT_TRUE(w->tensors[i].second.equal(newest->tensors[i].second));
   }
-  EXPECT_EQ(first.EpochOf(id), 0);
-  EXPECT_FALSE(fs::exists(first.ClaimPathOf(id, 1)));
-  EXPECT_TRUE(second.CheckHeld(id).ok());
+  EXPECT_EQ(first.claims().EpochOf(id), 0);
+  EXPECT_FALSE(fs::exists(first.layout().ClaimPathOf(id, 1)));
+  EXPECT_TRUE(second.claims().CheckHeld(id).ok());
 
   // A holder alive but silent: after the wait the taker fences it, and takes the module over from
   // its last checkpoint. Its request does not stay behind.
   Step(b, id);  // not saved: lost, as with a failure
-  third.SetHandOverWait(0.2);
+  third.handover().SetWait(0.2);
   auto fenced = third.Take(c, id);
   ASSERT_TRUE(fenced.ok()) << fenced.status();
   EXPECT_EQ(fenced->epoch, 3);
   EXPECT_EQ(fenced->weight_version, 4u);
-  EXPECT_TRUE(Checkpointer::IsMoved(second.CheckHeld(id)));
-  EXPECT_TRUE(second.HandOverRequests().empty());
+  EXPECT_TRUE(Checkpointer::IsMoved(second.claims().CheckHeld(id)));
+  EXPECT_TRUE(second.handover().Requests().empty());
 
   // A holder that left (a clean stop) is not asked: no wait, however long the taker would wait.
-  third.Leave();
-  fourth.SetHandOverWait(30);
+  third.handover().Leave();
+  fourth.handover().SetWait(30);
   const auto start = Clock::now();
   ASSERT_TRUE(fourth.Take(d, id).ok());
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
-  EXPECT_EQ(fourth.EpochOf(id), 4);
+  EXPECT_EQ(fourth.claims().EpochOf(id), 4);
+  fs::remove_all(dir);
+}
+
+// The claim book alone, two of them on one directory: a holding is picked up for a hand-over
+// only under the epoch asked about, and once; ending it ends that holding only; a later claim by
+// another book fences this one.
+TEST(ClaimBookTest, AHoldingIsPickedUpOnceAndALaterClaimFencesIt) {
+  const std::string dir = FreshDir("claims");
+  fs::create_directories(dir);
+  const checkpoint_files::Layout layout(dir);
+  ClaimBook mine(layout, RandomId128()), theirs(layout, RandomId128());
+  const std::string id = RandomId128();
+  ASSERT_TRUE(mine.ClaimNew(id).ok());
+  EXPECT_EQ(theirs.ClaimNew(id).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(mine.EpochOf(id), 1);
+  EXPECT_FALSE(mine.TookOver(id));
+  EXPECT_TRUE(mine.CheckHeld(id).ok());
+  EXPECT_EQ(theirs.CheckHeld(id).code(), absl::StatusCode::kFailedPrecondition);
+
+  EXPECT_FALSE(mine.PickUp(id, {2, 3}).has_value()) << "not held under the epochs asked about";
+  EXPECT_FALSE(mine.EndPickedUp(id).has_value()) << "nothing was picked up";
+  EXPECT_EQ(mine.PickUp(id, {3, 1}), std::optional<int64_t>(1));
+  EXPECT_FALSE(mine.PickUp(id, {1}).has_value()) << "a holding is picked up once";
+  const std::optional<ClaimBook::Holding> ended = mine.EndPickedUp(id);
+  ASSERT_TRUE(ended.has_value());
+  EXPECT_EQ(ended->epoch, 1);
+  EXPECT_EQ(mine.EpochOf(id), 0);
+  EXPECT_FALSE(mine.EndPickedUp(id).has_value());
+
+  // Taken over again here: a new holding, which a stale EndPickedUp leaves alone.
+  absl::StatusOr<std::string> token = mine.ClaimNext(id, 2, {1});
+  ASSERT_TRUE(token.ok()) << token.status();
+  mine.Hold(id, 2, *token);
+  EXPECT_TRUE(mine.TookOver(id));
+  EXPECT_FALSE(mine.EndPickedUp(id).has_value());
+  EXPECT_EQ(mine.EpochOf(id), 2);
+  EXPECT_TRUE(mine.CheckHeld(id).ok());
+  EXPECT_FALSE(fs::exists(layout.ClaimPathOf(id, 1)));
+  EXPECT_TRUE(mine.Lost().empty());
+
+  // The other book claims the next epoch: this one is fenced, and says so in Lost.
+  EXPECT_EQ(theirs.ClaimNext(id, 2, {}).status().code(), absl::StatusCode::kAborted)
+      << "an epoch is claimed once";
+  absl::StatusOr<std::string> later = theirs.ClaimNext(id, 3, {2});
+  ASSERT_TRUE(later.ok()) << later.status();
+  theirs.Hold(id, 3, *later);
+  EXPECT_TRUE(IsModuleMoved(mine.CheckHeld(id))) << mine.CheckHeld(id);
+  const auto lost = mine.Lost();
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].first, id);
+  EXPECT_TRUE(theirs.CheckHeld(id).ok());
+  mine.Forget(id);
+  EXPECT_EQ(mine.EpochOf(id), 0);
+  EXPECT_TRUE(mine.Lost().empty());
   fs::remove_all(dir);
 }
 
@@ -201,10 +259,10 @@ TEST(CheckpointStoreTest, AFlatCheckpointReadsAsEpochZeroAndTheFirstSaveReplaces
     // Written as a server before epochs wrote it: one file, DIR/<id>.gradwire.safetensors.
     Checkpointer writer(dir, 1);
     ASSERT_TRUE(writer.Prepare().ok());
-    ASSERT_TRUE(writer.ClaimNew(id).ok());
+    ASSERT_TRUE(writer.claims().ClaimNew(id).ok());
     ASSERT_TRUE(writer.Save(a, id).ok());
-    fs::rename(writer.StatePathOf(id, 1), writer.LegacyPathOf(id));
-    fs::remove_all(writer.FolderOf(id));
+    fs::rename(writer.layout().StatePathOf(id, 1), writer.layout().LegacyPathOf(id));
+    fs::remove_all(writer.layout().FolderOf(id));
   }
   Checkpointer reader(dir, 1);
   ASSERT_TRUE(reader.Prepare().ok());
@@ -212,10 +270,10 @@ TEST(CheckpointStoreTest, AFlatCheckpointReadsAsEpochZeroAndTheFirstSaveReplaces
   ASSERT_EQ(*reader.RestoreAll(b), 1);
   EXPECT_TRUE(SameWeights(a, b, id));
   EXPECT_EQ(b.Info(id)->tenant, "alice");
-  EXPECT_EQ(reader.EpochOf(id), 1);
+  EXPECT_EQ(reader.claims().EpochOf(id), 1);
   ASSERT_TRUE(reader.Save(b, id).ok());
-  EXPECT_FALSE(fs::exists(reader.LegacyPathOf(id)));
-  EXPECT_TRUE(fs::exists(reader.StatePathOf(id, 1)));
+  EXPECT_FALSE(fs::exists(reader.layout().LegacyPathOf(id)));
+  EXPECT_TRUE(fs::exists(reader.layout().StatePathOf(id, 1)));
   fs::remove_all(dir);
 }
 
@@ -242,7 +300,7 @@ TEST(CheckpointStoreTest, AnIdThatCannotNameAFolderIsRefused) {
   ASSERT_TRUE(store.Prepare(true).ok());
   ModuleHost host;
   for (const std::string id : {"", ".", "..", "a/b", ".hidden"}) {
-    EXPECT_EQ(store.ClaimNew(id).code(), absl::StatusCode::kInvalidArgument) << id;
+    EXPECT_EQ(store.claims().ClaimNew(id).code(), absl::StatusCode::kInvalidArgument) << id;
     EXPECT_EQ(store.Take(host, id).status().code(), absl::StatusCode::kInvalidArgument) << id;
   }
   // Nothing was made for them: the directory holds only the server's own dot-files.

@@ -1,7 +1,7 @@
 // The context store on its own: ids, byte accounting, states, and the memory budgets: offload to
 // host memory and back, eviction past the host budget and the TTL, oversized contexts, and
 // backwards racing evictions.
-#include "server/core/context_store.h"
+#include "server/core/contexts/context_store.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

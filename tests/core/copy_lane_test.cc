@@ -18,7 +18,7 @@
 #include <stdexcept>
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::device {
 namespace {
 
 using Bytes = std::vector<unsigned char>;
@@ -403,4 +403,4 @@ TEST(CopyLane, NeedsEveryOperation) {
 }
 
 }  // namespace
-}  // namespace gradwire::core
+}  // namespace gradwire::device

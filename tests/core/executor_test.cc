@@ -1,7 +1,7 @@
 // The device executor's scheduling: submission order within a client, weighted fair shares of
 // run time between clients, no credit for idle time, no state kept for clients gone idle, and a
 // shared task charged by shares; and the batch former in front of it.
-#include "server/core/executor.h"
+#include "server/rpc/scheduling/executor.h"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/core/batcher.h"
+#include "server/rpc/scheduling/batcher.h"
 
 namespace gradwire::core {
 namespace {

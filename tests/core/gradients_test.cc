@@ -1,6 +1,6 @@
-// How a backward's gradients reach the accumulators (server/core/gradients.h): the bounds that let
+// How a backward's gradients reach the accumulators (server/core/kinds/gradients.h): the bounds that let
 // most commits skip every check, the checked path, and all-or-nothing on overflow.
-#include "server/core/gradients.h"
+#include "server/core/kinds/gradients.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "server/core/fp8_ops.h"
+#include "server/core/kinds/fp8_ops.h"
 #include "test_util.h"
 
 namespace gradwire::core {

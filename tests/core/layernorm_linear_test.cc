@@ -1,6 +1,6 @@
 // LayerNormLinear (LayerNorm, then an FP8 Linear) against float64 references, forward and
 // backward.
-#include "server/core/layernorm_linear.h"
+#include "server/core/kinds/layernorm_linear.h"
 
 #include <gtest/gtest.h>
 
@@ -12,6 +12,10 @@
 
 namespace gradwire::core {
 namespace {
+
+using device::Dequantize;
+using device::Quantize;
+using device::RunLayerNorm;
 
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;

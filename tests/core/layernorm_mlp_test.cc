@@ -1,6 +1,6 @@
 // LayerNormMLP (LayerNorm, FC1, activation, FC2) against float64 autograd, forward and
 // backward; selective recompute (checkpoint) and inference against training.
-#include "server/core/layernorm_mlp.h"
+#include "server/core/kinds/layernorm_mlp.h"
 
 #include <gtest/gtest.h>
 

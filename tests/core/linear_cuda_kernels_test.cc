@@ -1,6 +1,6 @@
 // The CUDA kernels composed into an FP8 Linear step exactly as the GPU benchmark composes them
 // (current scaling, E4M3 forward, E5M2 gradients, TN GEMMs on rowwise/columnwise copies), against
-// the server's own Linear module (server/core/linear.cc) on the same fresh random inputs: the
+// the server's own Linear module (server/core/kinds/linear.cc) on the same fresh random inputs: the
 // casts bit for bit, the GEMM outputs within an fp32 accumulation-order bound of the module's.
 // This checks the operand layouts and scale wiring, not just each kernel. Skipped, visibly,
 // without a CUDA device.
@@ -13,7 +13,7 @@
 #include "gradwire/kernels/cuda/cast.h"
 #include "gradwire/kernels/cuda/gemm_lt.h"
 #include "gradwire/kernels/dtype.h"
-#include "server/core/linear.h"
+#include "server/core/kinds/linear.h"
 #include "server/device/quantizer.h"
 #include "test_util.h"
 #include "tests/kernels/cuda_test_util.h"
@@ -107,8 +107,8 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   const core::ModuleSpec spec = GemmSpec(core::ModuleKind::kLinear, w, bias);
   auto fwd = core::LinearForward(MakeFwdArgs(spec, x, GemmParams(w, bias), /*training=*/true));
   ASSERT_TRUE(fwd.ok()) << fwd.status();
-  const core::Fp8Tensor& wq = fwd->workspace->weights[0];
-  const core::Fp8Tensor& xq = SavedAs<core::LinearSaved>(*fwd).input;  // columnwise only
+  const device::Fp8Tensor& wq = fwd->workspace->weights[0];
+  const device::Fp8Tensor& xq = SavedAs<core::LinearSaved>(*fwd).input;  // columnwise only
   at::Tensor weight_grad = at::randn({N, K}), bias_grad = at::randn({N});
   const std::vector<float> weight_grad0 = Floats(weight_grad);
   const std::vector<float> bias_grad0 = Floats(bias_grad);
@@ -147,10 +147,10 @@ TEST(CudaLinear, StepMatchesTheCoreModule) {
   EXPECT_EQ(Bits(cg.amax.Scalar()), Bits(AmaxOf(bwd->amaxes, core::kGradOutputRole)));
 
   // GEMMs against the module's outputs.
-  const at::Tensor xd = core::Dequantize(xq, false).t().to(at::kDouble);  // [M, K]
-  const at::Tensor wd = core::Dequantize(wq, true).to(at::kDouble);       // [N, K]
-  const at::Tensor gq =
-      core::Dequantize(*core::Quantize(dy, kE5M2, {true, false}), true).to(at::kDouble);  // [M, N]
+  const at::Tensor xd = device::Dequantize(xq, false).t().to(at::kDouble);  // [M, K]
+  const at::Tensor wd = device::Dequantize(wq, true).to(at::kDouble);       // [N, K]
+  const at::Tensor gq = device::Dequantize(*device::Quantize(dy, kE5M2, {true, false}), true)
+                            .to(at::kDouble);  // [M, N]
   EXPECT_TRUE(CloseToModule(y.Download(), fwd->output,
                             at::matmul(xd.abs(), wd.abs().t()) + bias.abs().to(at::kDouble), K));
   EXPECT_TRUE(CloseToModule(dx.Download(), bwd->grad_input, at::matmul(gq.abs(), wd.abs()), N));

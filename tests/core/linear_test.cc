@@ -1,6 +1,6 @@
 // FP8 Linear forward/backward against float64 references: tight against the product of the
 // dequantized FP8 operands, and within TE's FP8 tolerances against the unquantized product.
-#include "server/core/linear.h"
+#include "server/core/kinds/linear.h"
 
 #include <gtest/gtest.h>
 
@@ -10,6 +10,9 @@
 
 namespace gradwire::core {
 namespace {
+
+using device::Dequantize;
+using device::Quantize;
 
 using gradwire::testing::AllClose;
 using gradwire::testing::AllCloseToSum;

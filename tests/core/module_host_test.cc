@@ -10,14 +10,18 @@
 #include <filesystem>
 #include <functional>
 
-#include "server/core/checkpoint.h"
-#include "server/core/linear.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/kinds/linear.h"
 #include "server/core/tensor_calls.h"
 #include "server/device/reference_backend.h"
 #include "test_util.h"
 
 namespace gradwire::core {
 namespace {
+
+using device::Quantize;
+using device::ReferenceBackend;
+using device::ScalingState;
 
 using gradwire::testing::DelayedRecipe;
 using gradwire::testing::MakeLinearSpec;
@@ -580,7 +584,7 @@ TEST(ModuleHostTenantTest, OwnershipCoversModulesContextsAndCheckpoints) {
   const std::string dir = ::testing::TempDir() + "/tenant-checkpoints-" + mine->module_id;
   Checkpointer checkpointer(dir, 0);
   ASSERT_TRUE(checkpointer.Prepare().ok());
-  ASSERT_TRUE(checkpointer.ClaimNew(mine->module_id).ok());
+  ASSERT_TRUE(checkpointer.claims().ClaimNew(mine->module_id).ok());
   ASSERT_TRUE(checkpointer.Save(host, mine->module_id).ok());
   ModuleHost restored;
   ASSERT_EQ(*checkpointer.RestoreAll(restored), 1);
@@ -642,7 +646,7 @@ TEST(ModuleHostLeaseTest, OnlyCallsThatSucceedRenewAModule) {
   }));
   // A checkpoint's export, and a take-over refused because the module is here.
   EXPECT_FALSE(renews([&](const std::string& id, const std::string&) {
-    ASSERT_TRUE(checkpointer.ClaimNew(id).ok());
+    ASSERT_TRUE(checkpointer.claims().ClaimNew(id).ok());
     ASSERT_TRUE(checkpointer.Save(host, id).ok());
     EXPECT_EQ(checkpointer.Take(host, id).status().code(), absl::StatusCode::kAlreadyExists);
   }));

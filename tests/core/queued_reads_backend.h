@@ -22,14 +22,14 @@ namespace gradwire::testing {
 // (right for codes made by Cast, which is where a module's GEMM operands come from); a kernel
 // that reached for a lazy value would throw, so no read is hidden from the count. libtorch's own
 // reads (a refused call's scan) are not counted, as on the GPU.
-class QueuedReadsBackend final : public core::ReferenceBackend {
+class QueuedReadsBackend final : public device::ReferenceBackend {
  public:
-  absl::StatusOr<core::Fp8Tensor> Cast(const at::Tensor& x, const core::QuantizerConfig& config,
-                                       core::CastUsage usage) const override {
-    absl::StatusOr<core::Fp8Tensor> t;
+  absl::StatusOr<device::Fp8Tensor> Cast(const at::Tensor& x, const device::QuantizerConfig& config,
+                                         device::CastUsage usage) const override {
+    absl::StatusOr<device::Fp8Tensor> t;
     {
       const Kernel k(this);
-      t = core::ReferenceBackend::Cast(x, config, usage);
+      t = device::ReferenceBackend::Cast(x, config, usage);
     }
     if (!t.ok()) return t;
     const std::array<float, 3> v = {t->scale(), t->scale_inv(), t->amax()};
@@ -39,42 +39,42 @@ class QueuedReadsBackend final : public core::ReferenceBackend {
     t->scalars = Later(v);
     return t;
   }
-  at::Tensor Dequantize(const core::Fp8Tensor& t, bool rowwise) const override {
+  at::Tensor Dequantize(const device::Fp8Tensor& t, bool rowwise) const override {
     const Kernel k(this);
-    return core::ReferenceBackend::Dequantize(Resolved(t), rowwise);
+    return device::ReferenceBackend::Dequantize(Resolved(t), rowwise);
   }
-  at::Tensor Fprop(const core::Fp8Tensor& x, const core::Fp8Tensor& w,
+  at::Tensor Fprop(const device::Fp8Tensor& x, const device::Fp8Tensor& w,
                    const at::Tensor& bias) const override {
     const Kernel k(this);
-    return core::ReferenceBackend::Fprop(Resolved(x), Resolved(w), bias);
+    return device::ReferenceBackend::Fprop(Resolved(x), Resolved(w), bias);
   }
-  at::Tensor Dgrad(const core::Fp8Tensor& dy, const core::Fp8Tensor& w) const override {
+  at::Tensor Dgrad(const device::Fp8Tensor& dy, const device::Fp8Tensor& w) const override {
     const Kernel k(this);
-    return core::ReferenceBackend::Dgrad(Resolved(dy), Resolved(w));
+    return device::ReferenceBackend::Dgrad(Resolved(dy), Resolved(w));
   }
-  void Wgrad(const core::Fp8Tensor& dy, const core::Fp8Tensor& x, at::Tensor& acc,
+  void Wgrad(const device::Fp8Tensor& dy, const device::Fp8Tensor& x, at::Tensor& acc,
              bool accumulate) const override {
     const Kernel k(this);
-    core::ReferenceBackend::Wgrad(Resolved(dy), Resolved(x), acc, accumulate);
+    device::ReferenceBackend::Wgrad(Resolved(dy), Resolved(x), acc, accumulate);
   }
-  bool Supports(core::Op op) const override {
-    return op == core::Op::kAbsMaxLater || ReferenceBackend::Supports(op);
+  bool Supports(device::Op op) const override {
+    return op == device::Op::kAbsMaxLater || ReferenceBackend::Supports(op);
   }
-  core::CastScalars AbsMaxLater(const at::Tensor& x) const override {
-    return Later({1.0f, 1.0f, core::ReferenceBackend::AbsMax(x)});
+  device::CastScalars AbsMaxLater(const at::Tensor& x) const override {
+    return Later({1.0f, 1.0f, device::ReferenceBackend::AbsMax(x)});
   }
   float AbsMax(const at::Tensor& x) const override {
     Wait();
-    return core::ReferenceBackend::AbsMax(x);
+    return device::ReferenceBackend::AbsMax(x);
   }
   float AddAbsMax(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) const override {
     Wait();
-    return core::ReferenceBackend::AddAbsMax(a, b, out);
+    return device::ReferenceBackend::AddAbsMax(a, b, out);
   }
   wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
                              std::vector<int64_t> shape) const override {
     Wait();
-    return core::ReferenceBackend::ToWire(x, dtype, std::move(shape));
+    return device::ReferenceBackend::ToWire(x, dtype, std::move(shape));
   }
   int64_t HostWaits() const override { return waits_; }
 
@@ -85,20 +85,20 @@ class QueuedReadsBackend final : public core::ReferenceBackend {
     const QueuedReadsBackend* b;
   };
   // t with its scalars as host values, found by its codes (as a GPU kernel finds them by pointer).
-  core::Fp8Tensor Resolved(const core::Fp8Tensor& t) const {
-    core::Fp8Tensor c = t;
+  device::Fp8Tensor Resolved(const device::Fp8Tensor& t) const {
+    device::Fp8Tensor c = t;
     for (const at::Tensor* codes : {&t.rowwise, &t.columnwise}) {
       if (!codes->defined()) continue;
       auto it = values_.find(codes->data_ptr());
       if (it == values_.end()) continue;
-      c.scalars = core::CastScalars(it->second[0], it->second[1], it->second[2]);
+      c.scalars = device::CastScalars(it->second[0], it->second[1], it->second[2]);
       break;
     }
     return c;
   }
-  core::CastScalars Later(std::array<float, 3> v) const {
+  device::CastScalars Later(std::array<float, 3> v) const {
     const int64_t mark = ++queued_;
-    return core::CastScalars([this, v, mark] {
+    return device::CastScalars([this, v, mark] {
       if (inside_ > 0) throw std::logic_error("a kernel read a cast's scalars from the host");
       if (done_ < mark) Wait();
       return v;

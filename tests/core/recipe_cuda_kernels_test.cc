@@ -18,22 +18,22 @@ using testing::Bits;
 using testing::DeviceBuffer;
 using testing::FreshSeed;
 
-void RunRecipe(core::AmaxAlgo algo, int64_t history_len, int margin, Fp8Format format) {
+void RunRecipe(device::AmaxAlgo algo, int64_t history_len, int margin, Fp8Format format) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE("seed " + std::to_string(seed) + " history " + std::to_string(history_len));
   std::mt19937_64 rng(seed);
   std::lognormal_distribution<float> amax_dist(0.0f, 3.0f);
   const int64_t n = 5;
-  const core::RecipeConfig config = gradwire::testing::DelayedRecipe(algo, history_len, margin);
-  std::vector<core::ScalingState> states(static_cast<size_t>(n),
-                                         core::ScalingState(format, config));
+  const device::RecipeConfig config = gradwire::testing::DelayedRecipe(algo, history_len, margin);
+  std::vector<device::ScalingState> states(static_cast<size_t>(n),
+                                           device::ScalingState(format, config));
   DeviceBuffer<float> history(std::vector<float>(static_cast<size_t>(n * history_len), 0.0f));
   DeviceBuffer<float> scale(std::vector<float>(static_cast<size_t>(n), 1.0f)),
       scale_inv(static_cast<size_t>(n));
   DeviceBuffer<float> pending(static_cast<size_t>(n));
   DeviceBuffer<uint8_t> recorded(static_cast<size_t>(n));
   const kernels::cuda::AmaxAlgo dalgo =
-      algo == core::AmaxAlgo::kMax ? AmaxAlgo::kMax : AmaxAlgo::kMostRecent;
+      algo == device::AmaxAlgo::kMax ? AmaxAlgo::kMax : AmaxAlgo::kMostRecent;
   for (int step = 0; step < 3 * history_len + 7; ++step) {
     std::vector<float> p(static_cast<size_t>(n));
     std::vector<uint8_t> rec(static_cast<size_t>(n));
@@ -51,7 +51,7 @@ void RunRecipe(core::AmaxAlgo algo, int64_t history_len, int margin, Fp8Format f
     const std::vector<float> h = history.Download(), sc = scale.Download(),
                              si = scale_inv.Download();
     for (int64_t i = 0; i < n; ++i) {
-      const core::ScalingState& st = states[size_t(i)];
+      const device::ScalingState& st = states[size_t(i)];
       ASSERT_EQ(Bits(sc[size_t(i)]), Bits(st.scale())) << "step " << step << " tensor " << i;
       ASSERT_EQ(Bits(si[size_t(i)]), Bits(1.0f / st.scale())) << "step " << step;
       for (int64_t j = 0; j < history_len; ++j) {
@@ -66,8 +66,8 @@ void RunRecipe(core::AmaxAlgo algo, int64_t history_len, int margin, Fp8Format f
 TEST(CudaRecipe, DelayedScalingRollMatchesScalingState) {
   GW_REQUIRE_CUDA_DEVICE();
   for (int64_t len : {1, 4, 37, 1024}) {
-    RunRecipe(core::AmaxAlgo::kMax, len, 0, Fp8Format::kE4M3);
-    RunRecipe(core::AmaxAlgo::kMostRecent, len, 2, Fp8Format::kE5M2);
+    RunRecipe(device::AmaxAlgo::kMax, len, 0, Fp8Format::kE4M3);
+    RunRecipe(device::AmaxAlgo::kMostRecent, len, 2, Fp8Format::kE5M2);
   }
 }
 

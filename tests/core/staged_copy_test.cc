@@ -15,7 +15,7 @@
 #include <stdexcept>
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::device {
 namespace {
 
 class FakeStream {
@@ -167,4 +167,4 @@ TEST(StagedCopy, ParallelMemcpyCopiesLargeAndSmall) {
 }
 
 }  // namespace
-}  // namespace gradwire::core
+}  // namespace gradwire::device

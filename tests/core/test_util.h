@@ -12,8 +12,8 @@
 
 #include "gradwire/kernels/activation.h"
 #include "server/device/backend.h"
-#include "server/core/gradients.h"
-#include "server/core/module_kind.h"
+#include "server/core/kinds/gradients.h"
+#include "server/core/kinds/module_kind.h"
 #include "server/core/module_spec.h"
 #include "server/device/quantizer.h"
 #include "server/device/recipe.h"
@@ -21,8 +21,8 @@
 namespace gradwire::testing {
 
 // Current-scaling casts of the HYBRID recipe.
-inline const core::QuantizerConfig kE4M3{kernels::Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr};
-inline const core::QuantizerConfig kE5M2{kernels::Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
+inline const device::QuantizerConfig kE4M3{kernels::Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr};
+inline const device::QuantizerConfig kE5M2{kernels::Fp8Format::kE5M2, 0, 0.0f, nullptr, nullptr};
 
 inline at::Generator& Gen() {
   static at::Generator gen = [] {
@@ -104,9 +104,9 @@ inline at::Tensor Act64(kernels::Activation act, const at::Tensor& in, int64_t w
 
 // Random LayerNorm parameters of width k: gamma near 1 (near 0 when zero_centered, whose scale
 // is 1 + gamma), beta near 0.
-inline core::LayerNormParams RandomLn(int64_t k, bool zero_centered) {
-  return core::LayerNormParams{RandN({k}, 0.3) + (zero_centered ? 0.0 : 1.0), RandN({k}, 0.3),
-                               1e-5f, zero_centered};
+inline device::LayerNormParams RandomLn(int64_t k, bool zero_centered) {
+  return device::LayerNormParams{RandN({k}, 0.3) + (zero_centered ? 0.0 : 1.0), RandN({k}, 0.3),
+                                 1e-5f, zero_centered};
 }
 
 // A module of `kind` with these widths and seed, every other field at its default. ffn is
@@ -128,9 +128,10 @@ inline core::ModuleSpec MakeLinearSpec(int64_t in, int64_t out, uint64_t seed = 
 }
 
 // The delayed-scaling recipe: history_len amaxes remembered, `algo` picks the scale's amax.
-inline core::RecipeConfig DelayedRecipe(core::AmaxAlgo algo, int64_t history_len, int margin = 0) {
-  core::RecipeConfig config;
-  config.mode = core::ScalingMode::kDelayed;
+inline device::RecipeConfig DelayedRecipe(device::AmaxAlgo algo, int64_t history_len,
+                                          int margin = 0) {
+  device::RecipeConfig config;
+  config.mode = device::ScalingMode::kDelayed;
   config.algo = algo;
   config.history_len = history_len;
   config.margin = margin;
@@ -139,8 +140,8 @@ inline core::RecipeConfig DelayedRecipe(core::AmaxAlgo algo, int64_t history_len
 
 // Current-scaling quantizers for every role of `kind`, in its Roles() order: E4M3 casts forward,
 // E5M2 casts of the gradients (the HYBRID recipe).
-inline std::vector<core::QuantizerConfig> CurrentScaling(core::ModuleKind kind) {
-  std::vector<core::QuantizerConfig> q;
+inline std::vector<device::QuantizerConfig> CurrentScaling(core::ModuleKind kind) {
+  std::vector<device::QuantizerConfig> q;
   for (const core::RoleDef& r : core::FindKind(kind)->Roles())
     q.push_back({r.format, 0, 0.0f, nullptr, nullptr});
   return q;
@@ -149,7 +150,7 @@ inline std::vector<core::QuantizerConfig> CurrentScaling(core::ModuleKind kind) 
 // The parameters of a layer with one GEMM: weight [N, K], bias [N] (undefined: none) and, for
 // LayerNormLinear, the LayerNorm's gamma and beta.
 inline core::ParamTable GemmParams(const at::Tensor& weight, const at::Tensor& bias,
-                                   const core::LayerNormParams* ln = nullptr) {
+                                   const device::LayerNormParams* ln = nullptr) {
   core::ParamTable t;
   t[core::Param::kWeight] = weight;
   t[core::Param::kBias] = bias;
@@ -210,7 +211,7 @@ inline core::DirectGradients Into(const at::Tensor& weight_grad, const at::Tenso
   t[core::Param::kBias] = bias_grad;
   t[core::Param::kLayerNormWeight] = gamma_grad;
   t[core::Param::kLayerNormBias] = beta_grad;
-  return core::DirectGradients(*core::MakeReferenceBackend(), std::move(t));
+  return core::DirectGradients(*device::MakeReferenceBackend(), std::move(t));
 }
 
 // The matching backward: the gradients cast with current scaling, every parameter gradient into

@@ -4,15 +4,17 @@
 #include <cfloat>
 #include <cmath>
 
-#include "server/core/linear.h"
+#include "server/core/kinds/linear.h"
 #include "server/core/module_host.h"
-#include "server/core/optimizer.h"
+#include "server/core/host/optimizer.h"
 #include "server/device/recipe.h"
 #include "server/core/tensor_calls.h"
 #include "test_util.h"
 
 namespace gradwire::core {
 namespace {
+
+using device::ScalingState;
 
 using gradwire::testing::DelayedRecipe;
 using gradwire::testing::MakeLinearSpec;

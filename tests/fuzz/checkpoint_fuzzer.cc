@@ -15,17 +15,17 @@
 #include <fstream>
 #include <string>
 
-#include "server/core/checkpoint.h"
+#include "server/core/checkpoints/checkpoint.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-using gradwire::core::AmaxAlgo;
 using gradwire::core::ModuleHost;
 using gradwire::core::ModuleKind;
-using gradwire::core::ScalingMode;
+using gradwire::device::AmaxAlgo;
+using gradwire::device::ScalingMode;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "checkpoint_fuzzer invariant broken: %s\n", what.c_str());
@@ -51,9 +51,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   gradwire::core::Checkpointer checkpointer(Dir(), 0);
-  const std::string path = checkpointer.LegacyPathOf("m1");
+  const std::string path = checkpointer.layout().LegacyPathOf("m1");
   // The file is read in the flat layout (as epoch 0); the last run's take-over claim goes.
-  fs::remove_all(checkpointer.FolderOf("m1"));
+  fs::remove_all(checkpointer.layout().FolderOf("m1"));
   {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(data), std::streamsize(size));

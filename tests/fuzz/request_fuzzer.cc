@@ -82,7 +82,7 @@ struct Fixture {
     Add(s);
     s.kind = ModuleKind::kLayerNormLinear;
     s.return_layernorm_output = true;
-    s.recipe.mode = gradwire::core::ScalingMode::kDelayed;
+    s.recipe.mode = gradwire::device::ScalingMode::kDelayed;
     Add(s);
     s.kind = ModuleKind::kLayerNormMlp;
     s.return_layernorm_output = false;

@@ -67,10 +67,10 @@ std::string CreateModule(client::Client& c, v1::ModuleKind kind, uint64_t seed,
   return info.ok() ? info->module_id() : std::string();
 }
 
-class BatchServiceTest : public ::testing::TestWithParam<core::CpuGemm> {
+class BatchServiceTest : public ::testing::TestWithParam<device::CpuGemm> {
  protected:
-  void SetUp() override { core::SetCpuGemm(GetParam()); }
-  void TearDown() override { core::SetCpuGemm(core::CpuGemm::kOrdered); }
+  void SetUp() override { device::SetCpuGemm(GetParam()); }
+  void TearDown() override { device::SetCpuGemm(device::CpuGemm::kOrdered); }
 };
 
 TEST_P(BatchServiceTest, ConcurrentForwardsGetTheBitsOfAServerWithoutBatching) {
@@ -614,10 +614,10 @@ TEST_P(BatchServiceTest, BadRequestsGetTheirErrorsWithBatchingOn) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Gemms, BatchServiceTest,
-                         ::testing::Values(core::CpuGemm::kBlas, core::CpuGemm::kOrdered),
-                         [](const ::testing::TestParamInfo<core::CpuGemm>& info) {
-                           return std::string(info.param == core::CpuGemm::kBlas ? "Blas"
-                                                                                 : "Ordered");
+                         ::testing::Values(device::CpuGemm::kBlas, device::CpuGemm::kOrdered),
+                         [](const ::testing::TestParamInfo<device::CpuGemm>& info) {
+                           return std::string(info.param == device::CpuGemm::kBlas ? "Blas"
+                                                                                   : "Ordered");
                          });
 
 }  // namespace

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
-#include "server/core/checkpoint.h"
-#include "server/core/context_store.h"
+#include "server/core/checkpoints/checkpoint.h"
+#include "server/core/contexts/context_store.h"
 #include "specs.h"
 #include "test_server.h"
 
@@ -109,7 +109,7 @@ TEST_F(TakeOverTest, CallsArrivingDuringATakeOverWaitForItAndRunInOrder) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(failures.load(), 0);
   ASSERT_EQ(b.host().List().size(), 1u);
-  EXPECT_EQ(b.server().checkpointer()->EpochOf(id_), 2);
+  EXPECT_EQ(b.server().checkpointer()->claims().EpochOf(id_), 2);
   auto c = b.Connect();
   ExpectWeights(*c);  // backwards accumulate; the weights are the checkpoint's
   // A lost it (and, checking claims only at steps, still has it in memory): a step there is
@@ -162,7 +162,7 @@ TEST_F(TakeOverTest, CallsQueuedWhenTheModuleMovedAreToldItMoved) {
   EXPECT_TRUE(core::Checkpointer::IsMoved(forward)) << forward;
   EXPECT_TRUE(core::Checkpointer::IsMoved(step)) << step;
   EXPECT_FALSE(a_->host().Has(id_));  // neither took it back
-  EXPECT_EQ(b.server().checkpointer()->EpochOf(id_), 2);
+  EXPECT_EQ(b.server().checkpointer()->claims().EpochOf(id_), 2);
 }
 
 // A live holder asked to hand a module over saves what it did since its last checkpoint, drops
@@ -199,9 +199,9 @@ TEST(HandOverTest, ALiveHolderHandsOverTheStepsItDidSinceItsLastSave) {
     EXPECT_EQ(after->tensors[i].second.data, before->tensors[i].second.data);
   }
   EXPECT_FALSE(a.host().Has(id));
-  EXPECT_EQ(a.server().checkpointer()->EpochOf(id), 0);
-  EXPECT_EQ(b.server().checkpointer()->EpochOf(id), 2);
-  EXPECT_TRUE(b.server().checkpointer()->CheckHeld(id).ok());
+  EXPECT_EQ(a.server().checkpointer()->claims().EpochOf(id), 0);
+  EXPECT_EQ(b.server().checkpointer()->claims().EpochOf(id), 2);
+  EXPECT_TRUE(b.server().checkpointer()->claims().CheckHeld(id).ok());
   auto lost = on_a->Backward(open->context_id, Random({4, kOut}));
   EXPECT_EQ(lost.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(lost.status().message().find("moved to another server"), std::string::npos)
@@ -237,8 +237,8 @@ TEST_F(TakeOverTest, TwoServersTakingOneModuleOverAtOnceLeaveOneHolder) {
     EXPECT_TRUE(code == absl::StatusCode::kOk || code == absl::StatusCode::kAborted)
         << absl::StatusCodeToString(code);
   }
-  const bool b_holds = b.server().checkpointer()->CheckHeld(id_).ok();
-  const bool c_holds = c.server().checkpointer()->CheckHeld(id_).ok();
+  const bool b_holds = b.server().checkpointer()->claims().CheckHeld(id_).ok();
+  const bool c_holds = c.server().checkpointer()->claims().CheckHeld(id_).ok();
   EXPECT_NE(b_holds, c_holds) << "exactly one server holds the module";
   testing::TestServer& holder = b_holds ? b : c;
   auto on_holder = holder.Connect();

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
-#include "server/core/executor.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/service.h"
 #include "server/server.h"
@@ -55,12 +55,12 @@ inline bool WaitFor(const std::function<bool()>& done, int ms = 10000) {
 // backend (scripts/device/stage2.sh does on a GPU machine); unset or "cpu", the CPU backend.
 // A device asked for that cannot run aborts the suite with the reason, rather than testing the
 // CPU instead.
-inline core::BackendPtr TestBackend() {
+inline device::BackendPtr TestBackend() {
   const char* env = std::getenv("GRADWIRE_TEST_DEVICE");
   const std::string device = env ? env : "cpu";
-  if (device == "cpu" || device.empty()) return core::MakeCpuBackend();
+  if (device == "cpu" || device.empty()) return device::MakeCpuBackend();
   if (device == "cuda") {
-    auto b = core::MakeCudaBackend(0);
+    auto b = device::MakeCudaBackend(0);
     if (b.ok()) return *b;
     std::fprintf(stderr, "GRADWIRE_TEST_DEVICE=cuda: %s\n",
                  std::string(b.status().message()).c_str());

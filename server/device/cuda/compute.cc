@@ -21,7 +21,7 @@
 #include "server/common/status_macros.h"
 #include "server/device/cuda/cuda_backend.h"
 
-namespace gradwire::core::cuda_backend {
+namespace gradwire::device::cuda_backend {
 
 absl::StatusOr<Fp8Tensor> CudaBackend::Cast(const at::Tensor& x, const QuantizerConfig& config,
                                             CastUsage usage) const {
@@ -339,8 +339,8 @@ absl::StatusOr<CudaBackend::PendingCast> CudaBackend::BeginCast(const char* what
     GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(s, given.data_ptr<float>(), sizeof(float),
                                         cudaMemcpyDeviceToDevice, kStream));
   } else if (!c.o.current) {
-    // A host value (a replay's, or a given one): pageable host to device, copied to staging
-    // before the call returns, so `given` may go away (no synchronisation).
+    // A host value (a replay's, or a given one): pageable host to device, which the driver copies
+    // out before the call returns, so `given` may go away (no synchronisation).
     const float given = config.scale_of.has_value() ? config.scale_of->scale() : config.scale;
     GRADWIRE_CUDA_CHECK(cudaMemcpyAsync(s, &given, sizeof(float), cudaMemcpyHostToDevice, kStream));
   }
@@ -470,4 +470,4 @@ void CudaBackend::Copy2D(const at::Tensor& from, int64_t from_ld, at::Tensor& to
       size_t(cols) * 4, size_t(rows), cudaMemcpyDeviceToDevice, kStream));
 }
 
-}  // namespace gradwire::core::cuda_backend
+}  // namespace gradwire::device::cuda_backend

@@ -18,7 +18,7 @@
 #include "server/device/cuda/cuda_backend.h"
 #include "server/device/staged_copy.h"
 
-namespace gradwire::core {
+namespace gradwire::device {
 namespace cuda_backend {
 
 // Two pinned slots and their events for StagedCopier, the copies on the copy stream. Wire
@@ -177,7 +177,7 @@ Fp8Tensor CudaBackend::FromCodes(const uint8_t* host_codes, int64_t rows, int64_
                                  CastUsage usage) const {
   Use();
   // The host reference makes the transpose and the amax; the codes then move as they are.
-  Fp8Tensor out = core::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
+  Fp8Tensor out = device::FromCodes(host_codes, rows, cols, format, scale_inv, usage);
   if (out.has_rowwise()) out.rowwise = Upload(out.rowwise);
   if (out.has_columnwise()) out.columnwise = Upload(out.columnwise);
   // scale_inv crosses from pinned memory without a wait (the pinned block is kept until the
@@ -365,4 +365,4 @@ absl::StatusOr<BackendPtr> MakeCudaBackend(int device) {
   }
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::device

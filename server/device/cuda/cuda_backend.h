@@ -43,7 +43,7 @@
 #include "server/device/backend.h"
 #include "server/device/copy_lane.h"
 
-namespace gradwire::core::cuda_backend {
+namespace gradwire::device::cuda_backend {
 
 namespace gwc = kernels::cuda;
 
@@ -253,4 +253,4 @@ class CudaBackend final : public Backend {
   std::shared_ptr<StreamWaits> waits_ = std::make_shared<StreamWaits>();
 };
 
-}  // namespace gradwire::core::cuda_backend
+}  // namespace gradwire::device::cuda_backend
