@@ -20,7 +20,7 @@
 #include "server/rpc/scheduling/executor.h"
 #include "server/core/kinds/kind_description.h"
 #include "server/core/module_host.h"
-#include "server/core/module_kind.h"
+#include "server/core/kinds/module_kind.h"
 #include "server/core/tensor_calls.h"
 #include "server/rpc/spec_convert.h"
 #include "specs.h"
