@@ -183,7 +183,8 @@ TEST_P(BatchServiceTest, ARequestPastItsDeadlineInsideABatchFailsAloneAndTheOthe
 
 TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
   // Current or block scaling, so no request's numbers depend on the order the batch put it in:
-  // each output and each context's grad_input must be a plain server's bits.
+  // each output and each context's grad_input must be a plain server's bits. Clients on the exact
+  // wire (the default: a Linear's input under CURRENT arrives as its FP8 codes) and on F32.
   GatherRound round;
   TestServer batched([&](rpc::ServiceOptions& o) {
     o.batching.max_rows = 512;
@@ -193,50 +194,51 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
   TestServer plain;
   auto b = batched.Connect();
   auto p = plain.Connect();
-  for (v1::ScalingRecipe recipe : kRecipes)
-    for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_MLP}) {
-      SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe));
-      const std::string mb = CreateModule(*b, kind, 3, recipe),
-                        mp = CreateModule(*p, kind, 3, recipe);
-      constexpr int kClients = 12;
-      std::vector<client::HostTensor> xs, gs;
-      for (int i = 0; i < kClients; ++i) {
-        xs.push_back(Random({1 + i % 4, kIn}));
-        gs.push_back(Random({1 + i % 4, kOut}));
+  for (const client::WireForm form :
+       {client::kExactWire, client::WireForm(client::WireDType::kF32)})
+    for (v1::ScalingRecipe recipe : kRecipes)
+      for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_MLP}) {
+        SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe) + " " +
+                     client::WireFormName(form));
+        const std::string mb = CreateModule(*b, kind, 3, recipe),
+                          mp = CreateModule(*p, kind, 3, recipe);
+        constexpr int kClients = 12;
+        std::vector<client::HostTensor> xs, gs;
+        for (int i = 0; i < kClients; ++i) {
+          xs.push_back(Random({1 + i % 4, kIn}));
+          gs.push_back(Random({1 + i % 4, kOut}));
+        }
+        std::vector<absl::StatusOr<client::ForwardResult>> fwd(kClients, absl::UnknownError(""));
+        std::vector<absl::StatusOr<client::HostTensor>> bwd(kClients, absl::UnknownError(""));
+        std::vector<std::thread> threads;
+        round.Arm(kClients);
+        for (int i = 0; i < kClients; ++i) {
+          threads.emplace_back([&, i] {
+            client::ClientOptions options;
+            options.wire_dtype = form;
+            auto c = batched.Connect(options);
+            fwd[size_t(i)] = c->Forward(mb, xs[size_t(i)], true);
+            if (fwd[size_t(i)].ok())
+              bwd[size_t(i)] = c->Backward(fwd[size_t(i)]->context_id, gs[size_t(i)]);
+          });
+        }
+        for (auto& t : threads) t.join();
+        int in_batches = 0;
+        for (int i = 0; i < kClients; ++i) {
+          ASSERT_TRUE(fwd[size_t(i)].ok()) << fwd[size_t(i)].status();
+          ASSERT_TRUE(bwd[size_t(i)].ok()) << bwd[size_t(i)].status();
+          if (fwd[size_t(i)]->batch_requests > 1) ++in_batches;
+          auto f = p->Forward(mp, xs[size_t(i)], true);
+          ASSERT_TRUE(f.ok());
+          EXPECT_EQ(fwd[size_t(i)]->output.data, f->output.data) << "request " << i;
+          auto g = p->Backward(f->context_id, gs[size_t(i)]);
+          ASSERT_TRUE(g.ok());
+          EXPECT_EQ(bwd[size_t(i)]->data, g->data) << "grad_input of request " << i;
+        }
+        // All forwards were queued together: most ran in batches.
+        EXPECT_GT(in_batches, kClients / 2);
+        EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
       }
-      std::vector<absl::StatusOr<client::ForwardResult>> fwd(kClients, absl::UnknownError(""));
-      std::vector<absl::StatusOr<client::HostTensor>> bwd(kClients, absl::UnknownError(""));
-      std::vector<std::thread> threads;
-      round.Arm(kClients);
-      for (int i = 0; i < kClients; ++i) {
-        threads.emplace_back([&, i] {
-          // F32: training forwards that bring a Linear's FP8 input codes (the exact wire's form
-          // for CURRENT) run one by one, not in batches (docs/wire.md).
-          client::ClientOptions f32;
-          f32.wire_dtype = client::WireDType::kF32;
-          auto c = batched.Connect(f32);
-          fwd[size_t(i)] = c->Forward(mb, xs[size_t(i)], true);
-          if (fwd[size_t(i)].ok())
-            bwd[size_t(i)] = c->Backward(fwd[size_t(i)]->context_id, gs[size_t(i)]);
-        });
-      }
-      for (auto& t : threads) t.join();
-      int in_batches = 0;
-      for (int i = 0; i < kClients; ++i) {
-        ASSERT_TRUE(fwd[size_t(i)].ok()) << fwd[size_t(i)].status();
-        ASSERT_TRUE(bwd[size_t(i)].ok()) << bwd[size_t(i)].status();
-        if (fwd[size_t(i)]->batch_requests > 1) ++in_batches;
-        auto f = p->Forward(mp, xs[size_t(i)], true);
-        ASSERT_TRUE(f.ok());
-        EXPECT_EQ(fwd[size_t(i)]->output.data, f->output.data) << "request " << i;
-        auto g = p->Backward(f->context_id, gs[size_t(i)]);
-        ASSERT_TRUE(g.ok());
-        EXPECT_EQ(bwd[size_t(i)]->data, g->data) << "grad_input of request " << i;
-      }
-      // All forwards were queued together: most ran in batches.
-      EXPECT_GT(in_batches, kClients / 2);
-      EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
-    }
 }
 
 TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {

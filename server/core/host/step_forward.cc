@@ -255,10 +255,10 @@ std::vector<absl::StatusOr<WireForwardOutput>> StepRunner::Forward(
   }
   if (members.empty()) return results;
   // Together when they are all training or all inference and reach the kind the same way (FP8
-  // codes, bf16 or fp32 values); training takes values. Otherwise each runs alone, in order.
+  // codes, bf16 or fp32 values). Otherwise each runs alone, in order.
   const size_t first = members[0];
   const bool training = reqs[first]->training;
-  bool together = members.size() > 1 && !(training && run.Codes(first));
+  bool together = members.size() > 1;
   for (size_t i : members) {
     together = together && reqs[i]->training == training && run.Codes(i) == run.Codes(first) &&
                run.Bf16(i) == run.Bf16(first);

@@ -36,6 +36,15 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
   Fp8Tensor x;
   if (codes != nullptr) {
     x = *codes;
+    // Codes that arrived cast are this forward's input casts: a batch's steps record one per
+    // request, as CastRows records the casts it makes.
+    if (const auto& steps = args.quantizers[kInputRole].steps) {
+      if (x.grouped()) {
+        for (const Fp8Tensor& g : x.groups) steps->Stepped(g.scalars);
+      } else {
+        steps->Stepped(x.scalars);
+      }
+    }
   } else {
     GW_ASSIGN_OR_RETURN(x, CastRows(b, args.input, args.quantizers[kInputRole],
                                     {/*rowwise=*/true, /*columnwise=*/args.training}));
