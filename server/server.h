@@ -17,11 +17,11 @@
 #include "absl/status/statusor.h"
 #include "server/core/checkpoints/checkpoint.h"
 #include "server/core/contexts/context_store.h"
-#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/device/backend.h"
 #include "server/metrics.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/rpc/service.h"
 
 namespace gradwire::server {

@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "gradwire/kernels/random.h"
 #include "server/core/heap_trim.h"
-#include "server/core/module_host.h"
 #include "server/core/kinds/module_kind.h"
+#include "server/core/module_host.h"
 #include "server/device/backend.h"
 
 namespace gradwire::load {

@@ -9,11 +9,11 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/status_macros.h"
 #include "server/core/checkpoints/checkpoint.h"
-#include "server/rpc/scheduling/executor.h"
 #include "server/core/kinds/kind_description.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/boundary.h"
+#include "server/rpc/scheduling/executor.h"
 
 namespace gradwire::rpc {
 namespace {

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/request_id.h"
+#include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/shared_memory.h"
 
 namespace gradwire::core {

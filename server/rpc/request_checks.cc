@@ -6,8 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gradwire/wire/tensor.h"
-#include "server/core/kinds/kind_description.h"
 #include "server/common/status_macros.h"
+#include "server/core/kinds/kind_description.h"
 #include "server/rpc/boundary.h"
 
 namespace gradwire::rpc {

@@ -22,8 +22,6 @@
 
 #include "gradwire/v1/service.grpc.pb.h"
 #include "gradwire/wire/zero_copy.h"
-#include "server/rpc/scheduling/batcher.h"
-#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/call.h"
@@ -31,6 +29,8 @@
 #include "server/rpc/quota_book.h"
 #include "server/rpc/request_checks.h"
 #include "server/rpc/request_id.h"
+#include "server/rpc/scheduling/batcher.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/rpc/shared_memory.h"
 #include "server/rpc/step_pipeline.h"
 #include "server/rpc/train_stream.h"

@@ -19,8 +19,8 @@
 #include "absl/strings/str_join.h"
 #include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
-#include "server/core/heap_trim.h"
 #include "server/common/status_macros.h"
+#include "server/core/heap_trim.h"
 #include "server/rpc/boundary.h"
 #include "spdlog/spdlog.h"
 

@@ -23,8 +23,8 @@
 
 #include "absl/status/status.h"
 #include "gradwire/v1/service.pb.h"
-#include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/call.h"
+#include "server/rpc/scheduling/batcher.h"
 
 namespace gradwire::wire {
 class ReceivedMessage;

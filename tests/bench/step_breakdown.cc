@@ -19,11 +19,11 @@
 
 #include "CLI/CLI.hpp"
 #include "gradwire/wire/codec.h"
-#include "server/device/backend.h"
-#include "server/device/cpu_gemm.h"
 #include "server/core/heap_trim.h"
 #include "server/core/module_host.h"
 #include "server/core/tensor_calls.h"
+#include "server/device/backend.h"
+#include "server/device/cpu_gemm.h"
 
 namespace {
 

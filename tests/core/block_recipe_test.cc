@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "gradwire/kernels/ref/block_scaling.h"
+#include "server/core/contexts/offload.h"
 #include "server/core/kinds/layernorm_linear.h"
 #include "server/core/kinds/layernorm_mlp.h"
 #include "server/core/kinds/linear.h"
 #include "server/core/module_host.h"
-#include "server/core/contexts/offload.h"
 #include "server/core/tensor_calls.h"
 #include "server/device/reference_backend.h"
 #include "test_util.h"

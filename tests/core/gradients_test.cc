@@ -1,5 +1,5 @@
-// How a backward's gradients reach the accumulators (server/core/kinds/gradients.h): the bounds that let
-// most commits skip every check, the checked path, and all-or-nothing on overflow.
+// How a backward's gradients reach the accumulators (server/core/kinds/gradients.h): the bounds
+// that let most commits skip every check, the checked path, and all-or-nothing on overflow.
 #include "server/core/kinds/gradients.h"
 
 #include <ATen/ATen.h>

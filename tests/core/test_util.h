@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "gradwire/kernels/activation.h"
-#include "server/device/backend.h"
 #include "server/core/kinds/gradients.h"
 #include "server/core/kinds/module_kind.h"
 #include "server/core/module_spec.h"
+#include "server/device/backend.h"
 #include "server/device/quantizer.h"
 #include "server/device/recipe.h"
 

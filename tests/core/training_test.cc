@@ -4,11 +4,11 @@
 #include <cfloat>
 #include <cmath>
 
+#include "server/core/host/optimizer.h"
 #include "server/core/kinds/linear.h"
 #include "server/core/module_host.h"
-#include "server/core/host/optimizer.h"
-#include "server/device/recipe.h"
 #include "server/core/tensor_calls.h"
+#include "server/device/recipe.h"
 #include "test_util.h"
 
 namespace gradwire::core {

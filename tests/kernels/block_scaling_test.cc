@@ -268,9 +268,14 @@ std::vector<Case> Cases() {
     // sizes below, at and past a block, primes, size 1.
     for (const auto& b :
          std::vector<std::pair<int64_t, int64_t>>{{1, 128}, {128, 128}, {1, 32}, {32, 1}, {3, 5}}) {
-      for (const auto& s : std::vector<std::pair<int64_t, int64_t>>{
-               {1, 1}, {1, 127}, {2, 128}, {5, 300}, {131, 129}, {33, 31}, {128, 256},
-               {300, 1100}}) {
+      for (const auto& s : std::vector<std::pair<int64_t, int64_t>>{{1, 1},
+                                                                    {1, 127},
+                                                                    {2, 128},
+                                                                    {5, 300},
+                                                                    {131, 129},
+                                                                    {33, 31},
+                                                                    {128, 256},
+                                                                    {300, 1100}}) {
         cases.push_back({f, b.first, b.second, s.first, s.second});
       }
     }

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "gradwire/client/client.h"
-#include "server/rpc/scheduling/executor.h"
 #include "server/core/module_host.h"
+#include "server/rpc/scheduling/executor.h"
 #include "server/rpc/service.h"
 #include "server/server.h"
 
