@@ -7,11 +7,18 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
+#include "gradwire/storage/safetensors_file.h"
 #include "server/core/checkpoints/checkpoint.h"
+#include "server/core/checkpoints/checkpoint_files.h"
 #include "server/core/checkpoints/claims.h"
 #include "server/core/checkpoints/layout.h"
 #include "server/core/contexts/context_store.h"
@@ -307,6 +314,58 @@ TEST(CheckpointStoreTest, AnIdThatCannotNameAFolderIsRefused) {
   for (const auto& entry : fs::directory_iterator(dir)) {
     EXPECT_EQ(entry.path().filename().string()[0], '.') << entry.path();
   }
+  fs::remove_all(dir);
+}
+
+// A state file's numbers are read strictly: a number outside its field's type (a float seed of
+// 3e20 for a uint64, 1e300 for a float, a fraction for a count, a number for a flag) makes the
+// file DATA_LOSS, never a converted value.
+TEST(CheckpointStoreTest, NumbersOutsideTheirFieldsMakeTheFileDataLoss) {
+  const std::string dir = FreshDir("numbers");
+  ModuleHost host;
+  auto info = host.Create(MakeLinearSpec(8, 4), "alice");
+  ASSERT_TRUE(info.ok());
+  const std::string id = info->module_id;
+  Checkpointer store(dir, 1);
+  ASSERT_TRUE(store.Prepare().ok());
+  ASSERT_TRUE(store.claims().ClaimNew(id).ok());
+  ASSERT_TRUE(store.Save(host, id).ok());
+  const std::string path = store.layout().StatePathOf(id, 1);
+  std::map<std::string, std::string> metadata;
+  auto tensors = storage::ReadSafetensorsFile(path, &metadata);
+  ASSERT_TRUE(tensors.ok()) << tensors.status();
+  ASSERT_TRUE(checkpoint_files::ReadState(path).ok());
+  const nlohmann::json spec = nlohmann::json::parse(metadata.at("spec"));
+  const nlohmann::json scaling = nlohmann::json::parse(metadata.at("scaling"));
+  ASSERT_FALSE(scaling.empty());
+
+  using Edit = std::function<void(nlohmann::json&, nlohmann::json&)>;
+  const std::vector<std::pair<std::string, Edit>> edits = {
+      {"seed 3e20", [](auto& s, auto&) { s["seed"] = 3.18447e20; }},
+      {"seed -1", [](auto& s, auto&) { s["seed"] = -1; }},
+      {"in_features 1.5", [](auto& s, auto&) { s["in_features"] = 1.5; }},
+      {"kind 2^40", [](auto& s, auto&) { s["kind"] = int64_t(1) << 40; }},
+      {"margin 1e10", [](auto& s, auto&) { s["recipe"]["margin"] = 1e10; }},
+      {"eps 1e300", [](auto& s, auto&) { s["layernorm_eps"] = 1e300; }},
+      {"lr \"x\"", [](auto& s, auto&) { s["optimizer"]["sgd"]["learning_rate"] = "x"; }},
+      {"bias 1", [](auto& s, auto&) { s["bias"] = 1; }},
+      {"scale 1e300", [](auto&, auto& r) { r[0]["scale"] = 1e300; }},
+      {"history [1e300]", [](auto&, auto& r) { r[0]["history"] = {1e300}; }},
+      {"history 2", [](auto&, auto& r) { r[0]["history"] = 2; }},
+  };
+  for (const auto& [what, edit] : edits) {
+    nlohmann::json s = spec, r = scaling;
+    edit(s, r);
+    std::map<std::string, std::string> changed = metadata;
+    changed["spec"] = s.dump();
+    changed["scaling"] = r.dump();
+    ASSERT_TRUE(storage::WriteSafetensorsFile(path, *tensors, changed).ok());
+    EXPECT_EQ(checkpoint_files::ReadState(path).status().code(), absl::StatusCode::kDataLoss)
+        << what;
+  }
+  // The file as saved still reads: the edits, not the rewrite, were refused.
+  ASSERT_TRUE(storage::WriteSafetensorsFile(path, *tensors, metadata).ok());
+  EXPECT_TRUE(checkpoint_files::ReadState(path).ok());
   fs::remove_all(dir);
 }
 

@@ -102,6 +102,17 @@ write("checkpoint_fuzzer", "regression_activation_out_of_range", checkpoint(
      ("fc1_bias", [3]), ("fc2_weight", [2, 3]), ("fc2_bias", [2])],
     roles=("fc1_input", "fc1_weight")))
 
+# Regression: numbers out of their field's range must be refused, not converted (a float seed of
+# 3e20 into a uint64, a float field of 1e300, a remembered amax of 1e300).
+_wide = spec(0, 4, 3)
+_wide["seed"] = 3.18447e20
+write("checkpoint_fuzzer", "regression_seed_out_of_range", checkpoint(
+    _wide, [("weight", [3, 4]), ("bias", [3])]))
+_wide = spec(0, 4, 3)
+_wide["layernorm_eps"] = 1e300
+write("checkpoint_fuzzer", "regression_float_out_of_range", checkpoint(
+    _wide, [("weight", [3, 4]), ("bias", [3])]))
+
 # request_fuzzer: mode byte, selector byte, then a serialized request (or a raw tensor).
 def encode(message, text):
     return subprocess.run(

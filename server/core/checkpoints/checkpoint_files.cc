@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 #include <system_error>
 
@@ -61,37 +64,77 @@ json SpecToJson(const ModuleSpec& s) {
               {"name", s.name}};
 }
 
+// Strict readers for the metadata's numbers. A checkpoint is read back from disk, so a number may
+// be anything: an integer field takes only an integer in its type's range, a float field only a
+// number a float holds (or an infinity or NaN, which validation judges). A plain conversion of an
+// out-of-range number would be undefined behaviour, not an error.
+template <typename T>
+T Integer(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u <= uint64_t(std::numeric_limits<T>::max())) return T(u);
+  } else if (v.is_number_integer()) {
+    const int64_t i = v.get<int64_t>();
+    if (i >= int64_t(std::numeric_limits<T>::min()) &&
+        (i < 0 || uint64_t(i) <= uint64_t(std::numeric_limits<T>::max()))) {
+      return T(i);
+    }
+  } else {
+    throw std::invalid_argument(absl::StrCat(key, " is not an integer"));
+  }
+  throw std::out_of_range(absl::StrCat(key, " is out of range"));
+}
+
+float Real(const json& v, const char* key) {
+  if (!v.is_number()) throw std::invalid_argument(absl::StrCat(key, " is not a number"));
+  const double d = v.get<double>();
+  if (std::isfinite(d) && std::fabs(d) > double(std::numeric_limits<float>::max())) {
+    throw std::out_of_range(absl::StrCat(key, " is out of range"));
+  }
+  return float(d);
+}
+float RealAt(const json& j, const char* key) { return Real(j.at(key), key); }
+
+bool Flag(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (!v.is_boolean()) throw std::invalid_argument(absl::StrCat(key, " is not a boolean"));
+  return v.get<bool>();
+}
+
 ModuleSpec SpecFromJson(const json& j) {
   ModuleSpec s;
-  s.kind = ModuleKind(j.at("kind").get<int>());
-  s.in_features = j.at("in_features");
-  s.out_features = j.at("out_features");
-  s.ffn_features = j.at("ffn_features");
-  s.bias = j.at("bias");
-  s.activation = kernels::Activation(j.at("activation").get<int>());
-  s.layernorm_eps = j.at("layernorm_eps");
-  s.zero_centered_gamma = j.at("zero_centered_gamma");
-  s.return_layernorm_output = j.at("return_layernorm_output");
-  s.checkpoint = j.at("checkpoint");
+  s.kind = ModuleKind(Integer<int>(j, "kind"));
+  s.in_features = Integer<int64_t>(j, "in_features");
+  s.out_features = Integer<int64_t>(j, "out_features");
+  s.ffn_features = Integer<int64_t>(j, "ffn_features");
+  s.bias = Flag(j, "bias");
+  s.activation = kernels::Activation(Integer<int>(j, "activation"));
+  s.layernorm_eps = RealAt(j, "layernorm_eps");
+  s.zero_centered_gamma = Flag(j, "zero_centered_gamma");
+  s.return_layernorm_output = Flag(j, "return_layernorm_output");
+  s.checkpoint = Flag(j, "checkpoint");
   const json& r = j.at("recipe");
-  s.recipe.mode = ScalingMode(r.at("mode").get<int>());
-  s.recipe.margin = r.at("margin");
-  s.recipe.history_len = r.at("history_len");
-  s.recipe.algo = AmaxAlgo(r.at("algo").get<int>());
+  s.recipe.mode = ScalingMode(Integer<int>(r, "mode"));
+  s.recipe.margin = Integer<int>(r, "margin");
+  s.recipe.history_len = Integer<int64_t>(r, "history_len");
+  s.recipe.algo = AmaxAlgo(Integer<int>(r, "algo"));
   const json& o = j.at("optimizer");
-  s.optimizer.kind = OptimizerConfig::Kind(o.at("kind").get<int>());
-  s.optimizer.sgd.learning_rate = o.at("sgd").at("learning_rate");
-  s.optimizer.sgd.momentum = o.at("sgd").at("momentum");
-  s.optimizer.sgd.weight_decay = o.at("sgd").at("weight_decay");
-  s.optimizer.sgd.nesterov = o.at("sgd").at("nesterov");
-  s.optimizer.adamw.learning_rate = o.at("adamw").at("learning_rate");
-  s.optimizer.adamw.beta1 = o.at("adamw").at("beta1");
-  s.optimizer.adamw.beta2 = o.at("adamw").at("beta2");
-  s.optimizer.adamw.eps = o.at("adamw").at("eps");
-  s.optimizer.adamw.weight_decay = o.at("adamw").at("weight_decay");
-  s.max_staleness = j.at("max_staleness");
-  s.seed = j.at("seed");
-  s.name = j.at("name");
+  s.optimizer.kind = OptimizerConfig::Kind(Integer<int>(o, "kind"));
+  const json& sgd = o.at("sgd");
+  s.optimizer.sgd.learning_rate = RealAt(sgd, "learning_rate");
+  s.optimizer.sgd.momentum = RealAt(sgd, "momentum");
+  s.optimizer.sgd.weight_decay = RealAt(sgd, "weight_decay");
+  s.optimizer.sgd.nesterov = Flag(sgd, "nesterov");
+  const json& adamw = o.at("adamw");
+  s.optimizer.adamw.learning_rate = RealAt(adamw, "learning_rate");
+  s.optimizer.adamw.beta1 = RealAt(adamw, "beta1");
+  s.optimizer.adamw.beta2 = RealAt(adamw, "beta2");
+  s.optimizer.adamw.eps = RealAt(adamw, "eps");
+  s.optimizer.adamw.weight_decay = RealAt(adamw, "weight_decay");
+  s.max_staleness = Integer<int64_t>(j, "max_staleness");
+  s.seed = Integer<uint64_t>(j, "seed");
+  s.name = j.at("name").get<std::string>();
   return s;
 }
 
@@ -249,9 +292,11 @@ absl::StatusOr<ModuleState> ReadState(const std::string& path) {
     state.optimizer_steps = std::stoll(metadata.at("optimizer_steps"));
     state.spec = SpecFromJson(json::parse(metadata.at("spec")));
     for (const json& r : json::parse(metadata.at("scaling"))) {
-      const std::vector<float> history = r.at("history");
-      state.scaling.push_back(
-          {r.at("role"), r.at("scale"), std::deque<float>(history.begin(), history.end())});
+      std::deque<float> history;
+      const json& remembered = r.at("history");
+      if (!remembered.is_array()) throw std::invalid_argument("history is not an array");
+      for (const json& h : remembered) history.push_back(Real(h, "history"));
+      state.scaling.push_back({r.at("role").get<std::string>(), RealAt(r, "scale"), history});
     }
   } catch (const std::exception& e) {
     return absl::DataLossError(absl::StrCat(path, ": bad checkpoint metadata: ", e.what()));
