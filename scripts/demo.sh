@@ -4,7 +4,7 @@
 #   extra arguments go to `gradwire demo` (e.g. --steps 500 --json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
+./scripts/install-deps.sh build  # the build's packages only: the demo runs no test tools
 # Only what the demo runs: the server and the CLI (the tests build with scripts/test.sh).
 ./scripts/build.sh gradwire-server gradwire
 build_dir=${BUILD_DIR:-build}

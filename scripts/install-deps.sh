@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages gradwire needs to build and test. Idempotent: installs only
 # what is missing, and touches apt not at all when nothing is.
+#   scripts/install-deps.sh [build|all]
+# build: what building the server and the clients needs (scripts/demo.sh); all (the default,
+# scripts/test.sh): that and the tools the test suites, fuzzers and benchmarks run.
 set -euo pipefail
+which=${1:-all}
+case "$which" in
+  build | all) ;;
+  *) echo "usage: scripts/install-deps.sh [build|all]" >&2; exit 2 ;;
+esac
 packages=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libtorch-dev libopenblas0-pthread libspdlog-dev libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev openssl
-  # Metrics (prometheus-cpp: core and pull), and Prometheus itself with promtool for the
-  # observability tests (tests/observability). On a machine with systemd the prometheus package
-  # also enables its own service on :9090; the tests run a Prometheus of their own.
-  prometheus-cpp-dev prometheus
+  # Metrics (prometheus-cpp: core and pull).
+  prometheus-cpp-dev
+)
+if [ "$which" = all ]; then
+  packages+=(
+  # Prometheus itself, with promtool, for the observability tests (tests/observability). On a
+  # machine with systemd the package also enables its own service on :9090; the tests run a
+  # Prometheus of their own.
+  prometheus
   python3-torch python3-grpcio python3-protobuf python3-numpy python3-sklearn python3-matplotlib
   python3-pytest python3-venv python3-pip python3-setuptools
   yamllint python3-yaml docker-compose gnuplot-nox
@@ -18,10 +31,9 @@ packages=(
   haproxy
   # Fuzzing (scripts/fuzz.sh): clang and its runtimes, libFuzzer among them.
   clang libclang-rt-14-dev
-)
-# kubectl for the deploy/ checks: Debian's kubernetes-client, unless a kubectl is installed already
-# (another kubectl package owns the same path).
-command -v kubectl >/dev/null || packages+=(kubernetes-client)
+  )
+  command -v kubectl >/dev/null || packages+=(kubernetes-client)
+fi
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
@@ -29,7 +41,7 @@ for p in "${packages[@]}"; do
   fi
 done
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#packages[@]} packages present"
+  echo "install-deps: all ${#packages[@]} packages present ($which)"
   exit 0
 fi
 sudo=""

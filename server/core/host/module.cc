@@ -76,9 +76,9 @@ absl::Status CheckViewExactShape(const char* field, const wire::TensorView& v,
   return absl::OkStatus();
 }
 
-GradAccumulator* Module::Accumulator(Param id) {
-  for (Parameter& p : params) {
-    if (p.id == id) return &p.grad;
+GradAccumulator* ModuleGradients::Accumulator(Param id) {
+  for (Entry& e : list) {
+    if (e.id == id) return &e.grad;
   }
   throw std::logic_error(absl::StrCat("the kind gave a gradient of ", ParamName(id),
                                       ", which this module does not have"));
@@ -99,7 +99,7 @@ absl::StatusOr<ModulePtr> NewModule(const ModuleSpec& spec, const Backend& backe
   m->backend = &backend;
   uint64_t stream = 0;  // one random stream per parameter, in order
   for (const ParamDef& d : m->kind->Params(spec)) {
-    Module::Parameter p;
+    ModuleWeights::Weight p;
     p.id = d.param;
     p.name = ParamName(d.param);
     p.value = at::empty(d.shape, Float32());
@@ -118,12 +118,15 @@ absl::StatusOr<ModulePtr> NewModule(const ModuleSpec& spec, const Backend& backe
         break;
     }
     ++stream;
-    p.grad.grad = backend.Zeros(d.shape);
-    m->params.push_back(std::move(p));
+    ModuleGradients::Entry g;
+    g.id = d.param;
+    g.grad.grad = backend.Zeros(d.shape);
+    m->weights.list.push_back(std::move(p));
+    m->gradients.list.push_back(std::move(g));
   }
   std::vector<kernels::Fp8Format> formats;
   for (const RoleDef& r : m->kind->Roles()) formats.push_back(r.format);
-  m->scaling.emplace(backend, std::move(formats), spec.recipe);
+  m->steps.scaling.emplace(backend, std::move(formats), spec.recipe);
   return m;
 }
 

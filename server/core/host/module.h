@@ -1,8 +1,13 @@
-// One hosted module as the host's parts share it: its spec and kind, fp32 master weights on the
-// host and their device copies, gradient accumulators and optimizer slots, the FP8 scaling state of
-// its roles and the cached weight workspace. Its own lock guards all that changes. Internal to
-// server/core (libtorch): the registry hands it out, the step runner, parameter store and state
-// I/O work on it.
+// One hosted module as the host's parts share it, in the parts that own each piece of its state:
+//  - ModuleWeights, the fp32 master weights and their version: the state I/O sets them, the
+//    parameter store's optimizer steps them, the step runner reads their device copies;
+//  - ModuleGradients, the gradient accumulators and the optimizer's slots and step count: the
+//    parameter store's (the step runner only adds backwards to the accumulators);
+//  - ModuleSteps, the FP8 scaling state of its roles and the cached weight workspace: the step
+//    runner's (the state I/O reads and restores the scaling state for checkpoints);
+// and, fixed at creation, its spec, kind, tenant and backend, with the registry's last-use clock.
+// The module's lock guards the three parts. Internal to server/core (libtorch): the registry hands
+// modules out, the step runner, parameter store and state I/O work on them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,64 +32,90 @@
 
 namespace gradwire::core {
 
-struct Module {
-  struct Parameter {
+// The fp32 master weights on the host, their device copies, and the weight version.
+class ModuleWeights {
+ public:
+  struct Weight {
     Param id;
-    const char* name;      // ParamName(id)
-    at::Tensor value;      // fp32 master copy, on the host
-    at::Tensor device;     // value on the backend's device, as of device_version (CPU: value)
-    GradAccumulator grad;  // fp32 on the device, accumulated by backwards
-    OptimizerSlots slots;
+    const char* name;   // ParamName(id)
+    at::Tensor value;   // fp32 master copy, on the host
+    at::Tensor device;  // value on the backend's device, as of the last SyncDevice (CPU: value)
   };
-
-  ModuleSpec spec;
-  const ModuleKindOps* kind = nullptr;   // FindKind(spec.kind), never null
-  std::string tenant;                    // set before the module is shared, then constant
-  mutable std::mutex mu;                 // guards everything below
-  std::vector<Parameter> params;         // kind->Params(spec) order
-  std::optional<DeviceScaling> scaling;  // kind->Roles()' scaling, on the backend's device
+  std::vector<Weight> list;  // kind->Params(spec) order
   uint64_t version = 1;
-  int64_t optimizer_steps = 0;
-  int64_t accumulated_backwards = 0;
-  WorkspacePtr workspace;  // the cached FP8 weights (latest version built)
-  // When a call last named it (ModuleRegistry::Find), on the registry's clock.
-  mutable std::atomic<int64_t> last_used_ns{0};
-  const Backend* backend = nullptr;
-  uint64_t device_version = ~uint64_t(0);  // the version the device copies hold
 
-  // Brings the device copies of the parameters to the current version (a no-op on the CPU,
-  // where they are the master copies themselves).
-  void SyncDevice() {
-    if (device_version == version) return;
-    for (Parameter& p : params) p.device = backend->ToDevice(p.value);
-    device_version = version;
+  // Brings the device copies to the current version (a no-op on the CPU, where they are the
+  // master copies themselves).
+  void SyncDevice(const Backend& backend) {
+    if (device_version_ == version) return;
+    for (Weight& w : list) w.device = backend.ToDevice(w.value);
+    device_version_ = version;
   }
-
-  // The parameter called `name` at the boundary, or null.
-  Parameter* Find(const std::string& name) {
-    for (Parameter& p : params) {
-      if (name == p.name) return &p;
+  // The weight called `name` at the boundary, or null.
+  Weight* Find(const std::string& name) {
+    for (Weight& w : list) {
+      if (name == w.name) return &w;
     }
     return nullptr;
   }
   std::vector<std::string> Names() const {
     std::vector<std::string> names;
-    for (const Parameter& p : params) names.emplace_back(p.name);
+    for (const Weight& w : list) names.emplace_back(w.name);
     return names;
   }
   // The device copies by handle (call SyncDevice first).
   ParamTable DeviceTable() const {
     ParamTable table;
-    for (const Parameter& p : params) table[p.id] = p.device;
+    for (const Weight& w : list) table[w.id] = w.device;
     return table;
   }
+
+ private:
+  uint64_t device_version_ = ~uint64_t(0);  // the version the device copies hold
+};
+
+// What backwards leave for the optimizer, and what the optimizer keeps between its steps: one
+// entry per weight, in ModuleWeights' order.
+class ModuleGradients {
+ public:
+  struct Entry {
+    Param id;
+    GradAccumulator grad;  // fp32 on the device, accumulated by backwards
+    OptimizerSlots slots;
+  };
+  std::vector<Entry> list;
+  int64_t accumulated_backwards = 0;  // since the last step or zeroing
+  int64_t optimizer_steps = 0;
+
+  // The accumulator of a gradient the kind hands over (DeferredGradients::Commit); a logic_error
+  // for a parameter this module does not have.
+  GradAccumulator* Accumulator(Param id);
+  void Zero(Entry& e) {
+    e.grad.grad.zero_();
+    e.grad.bound = 0;
+  }
+  // Zeroes every accumulator and the backward count (after an optimizer step, or a failed commit
+  // that may have added part of a backward).
+  void ZeroAll() {
+    for (Entry& e : list) Zero(e);
+    accumulated_backwards = 0;
+  }
+};
+
+// The FP8 side of the module's steps: its roles' scaling state on the backend's device and the
+// weight workspace (the cached FP8 weights of the latest version built).
+class ModuleSteps {
+ public:
+  std::optional<DeviceScaling> scaling;  // kind->Roles()' scaling
+  WorkspacePtr workspace;
+
   // One quantizer per role. A weight role's scale is 0, which makes the cast take its scale from
   // the weight's own amax (with the recipe's margin) under either recipe: the weights are cast
   // once per weight version (the workspace), and a delayed scale would be whatever the history
   // held when the version was first used, 1.0 for a new or imported module.
   // Under delayed scaling the other roles' casts read their scale where it lives, on the device.
-  std::vector<QuantizerConfig> Quantizers() const {
-    const std::vector<RoleDef>& roles = kind->Roles();
+  std::vector<QuantizerConfig> Quantizers(const ModuleSpec& spec, const ModuleKindOps& kind) const {
+    const std::vector<RoleDef>& roles = kind.Roles();
     std::vector<QuantizerConfig> q(roles.size());
     for (size_t i = 0; i < roles.size(); ++i) {
       q[i].format = roles[i].format;
@@ -97,29 +128,35 @@ struct Module {
     }
     return q;
   }
-  // The accumulator of a gradient the kind hands over (DeferredGradients::Commit); a logic_error
-  // for a parameter this module does not have.
-  GradAccumulator* Accumulator(Param id);
-  // Zeroes every accumulator (after a failed commit, which may have added part of a backward).
-  void ResetGrads() {
-    for (Parameter& p : params) ZeroGrad(p);
-    accumulated_backwards = 0;
-  }
-  void ZeroGrad(Parameter& p) {
-    p.grad.grad.zero_();
-    p.grad.bound = 0;
-  }
   // Ends a step of the given roles: records their amaxes and rolls their histories.
   void EndStep(const std::vector<RoleAmax>& amaxes) { scaling->Step(amaxes); }
   // The roles' scaling state by name, read back to the host.
-  std::vector<RoleScaling> ReadScaling() const {
+  std::vector<RoleScaling> ReadScaling(const ModuleKindOps& kind) const {
     std::vector<RoleScaling> out;
     std::vector<DeviceScaling::HostView> views = scaling->Read();
     for (size_t i = 0; i < views.size(); ++i) {
-      out.push_back({kind->Roles()[i].name, views[i].scale, std::move(views[i].history)});
+      out.push_back({kind.Roles()[i].name, views[i].scale, std::move(views[i].history)});
     }
     return out;
   }
+};
+
+struct Module {
+  ModuleSpec spec;
+  const ModuleKindOps* kind = nullptr;  // FindKind(spec.kind), never null
+  std::string tenant;                   // set before the module is shared, then constant
+  const Backend* backend = nullptr;
+  // When a call last named it (ModuleRegistry::Find), on the registry's clock.
+  mutable std::atomic<int64_t> last_used_ns{0};
+
+  mutable std::mutex mu;  // guards the parts below
+  ModuleWeights weights;
+  ModuleGradients gradients;
+  ModuleSteps steps;
+
+  void SyncDevice() { weights.SyncDevice(*backend); }
+  std::vector<QuantizerConfig> Quantizers() const { return steps.Quantizers(spec, *kind); }
+  std::vector<RoleScaling> ReadScaling() const { return steps.ReadScaling(*kind); }
 };
 
 using ModulePtr = std::shared_ptr<Module>;

@@ -102,8 +102,13 @@ std::vector<std::string> ModuleRegistry::ExpireIdle(double ttl_s, const Busy& bu
 }
 
 ModuleInfo ModuleRegistry::InfoLocked(const std::string& id, const Module& m) const {
-  return ModuleInfo{
-      id, m.tenant, m.spec, m.version, contexts_.live_contexts(id), m.optimizer_steps, m.Names()};
+  return ModuleInfo{id,
+                    m.tenant,
+                    m.spec,
+                    m.weights.version,
+                    contexts_.live_contexts(id),
+                    m.gradients.optimizer_steps,
+                    m.weights.Names()};
 }
 
 absl::StatusOr<ModuleInfo> ModuleRegistry::Info(const std::string& module_id) const {

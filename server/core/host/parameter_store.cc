@@ -21,13 +21,16 @@ absl::StatusOr<uint64_t> ParameterStore::ApplyGradients(const std::string& modul
   const float lr = learning_rate > 0.0f ? learning_rate : m->spec.optimizer.learning_rate();
   // The step runs on copies, which replace the parameters and optimizer state only when every
   // value came out finite: a step that would overflow changes nothing.
-  const int64_t step = m->optimizer_steps + 1;
+  ModuleGradients& grads = m->gradients;
+  const int64_t step = grads.optimizer_steps + 1;
   std::vector<at::Tensor> values;
   std::vector<OptimizerSlots> slots;
-  for (Module::Parameter& p : m->params) {
+  for (size_t i = 0; i < m->weights.list.size(); ++i) {
+    const ModuleWeights::Weight& p = m->weights.list[i];
+    const ModuleGradients::Entry& g = grads.list[i];
     values.push_back(p.value.clone());
-    slots.push_back(p.slots.Clone());
-    OptimizerStep(m->spec.optimizer, lr, step, values.back(), backend_.ToHost(p.grad.grad),
+    slots.push_back(g.slots.Clone());
+    OptimizerStep(m->spec.optimizer, lr, step, values.back(), backend_.ToHost(g.grad.grad),
                   slots.back());
     if (!AllFinite(values.back()) || !slots.back().AllFinite()) {
       return absl::OutOfRangeError(absl::StrCat(
@@ -36,15 +39,14 @@ absl::StatusOr<uint64_t> ParameterStore::ApplyGradients(const std::string& modul
           "GetGradients(zero) to drop them"));
     }
   }
-  for (size_t i = 0; i < m->params.size(); ++i) {
-    m->params[i].value.copy_(values[i]);  // in place: the device copy may alias it
-    m->params[i].slots = std::move(slots[i]);
-    m->ZeroGrad(m->params[i]);
+  for (size_t i = 0; i < m->weights.list.size(); ++i) {
+    m->weights.list[i].value.copy_(values[i]);  // in place: the device copy may alias it
+    grads.list[i].slots = std::move(slots[i]);
   }
-  m->optimizer_steps = step;
-  m->accumulated_backwards = 0;
+  grads.ZeroAll();
+  grads.optimizer_steps = step;
   modules_.Renew(*m);
-  return ++m->version;
+  return ++m->weights.version;
 }
 
 absl::StatusOr<EncodedParameters> ParameterStore::GetGradients(const std::string& module_id,
@@ -54,13 +56,15 @@ absl::StatusOr<EncodedParameters> ParameterStore::GetGradients(const std::string
   EncodedParameters out;
   {
     std::lock_guard<std::mutex> lock(m->mu);
-    for (Module::Parameter& p : m->params) {
-      copies.emplace_back(p.name, p.grad.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
-      if (zero) m->ZeroGrad(p);
+    ModuleGradients& grads = m->gradients;
+    for (size_t i = 0; i < grads.list.size(); ++i) {
+      copies.emplace_back(m->weights.list[i].name,
+                          grads.list[i].grad.grad.to(at::kCPU, at::kFloat, false, /*copy=*/true));
+      if (zero) grads.Zero(grads.list[i]);
     }
-    out.weight_version = m->version;
-    out.accumulated_backwards = m->accumulated_backwards;
-    if (zero) m->accumulated_backwards = 0;
+    out.weight_version = m->weights.version;
+    out.accumulated_backwards = grads.accumulated_backwards;
+    if (zero) grads.accumulated_backwards = 0;
   }
   for (const auto& [name, t] : copies) out.tensors.emplace_back(name, EncodeHost(t, dtype));
   modules_.Renew(*m);

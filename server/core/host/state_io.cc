@@ -22,8 +22,9 @@ absl::StatusOr<EncodedParameters> StateIO::GetWeights(const std::string& module_
   EncodedParameters out;
   {
     std::lock_guard<std::mutex> lock(m->mu);
-    for (const Module::Parameter& p : m->params) copies.emplace_back(p.name, p.value.clone());
-    out.weight_version = m->version;
+    for (const ModuleWeights::Weight& w : m->weights.list)
+      copies.emplace_back(w.name, w.value.clone());
+    out.weight_version = m->weights.version;
   }
   for (const auto& [name, t] : copies) out.tensors.emplace_back(name, EncodeHost(t, dtype));
   modules_.Renew(*m);
@@ -34,7 +35,7 @@ absl::StatusOr<uint64_t> StateIO::SetWeights(const std::string& module_id,
                                              const NamedViews& params) {
   GW_ASSIGN_OR_RETURN(auto m, modules_.Find(module_id));
   if (params.empty()) return absl::InvalidArgumentError("parameters is empty: nothing to set");
-  const std::vector<std::string> names = m->Names();
+  const std::vector<std::string> names = m->weights.Names();  // fixed at creation
   std::vector<std::pair<size_t, at::Tensor>> checked;
   std::set<std::string> seen;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -50,7 +51,7 @@ absl::StatusOr<uint64_t> StateIO::SetWeights(const std::string& module_id,
     if (!seen.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": given twice"));
     }
-    const at::IntArrayRef expected = m->params[index].value.sizes();
+    const at::IntArrayRef expected = m->weights.list[index].value.sizes();
     if (at::IntArrayRef(v.shape) != expected) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".shape must be ", ShapeString(expected), ", got ", ShapeString(v.shape)));
@@ -61,9 +62,9 @@ absl::StatusOr<uint64_t> StateIO::SetWeights(const std::string& module_id,
     checked.emplace_back(index, std::move(t));
   }
   std::lock_guard<std::mutex> lock(m->mu);
-  for (const auto& [index, t] : checked) m->params[index].value.copy_(t);
+  for (const auto& [index, t] : checked) m->weights.list[index].value.copy_(t);
   modules_.Renew(*m);
-  return ++m->version;
+  return ++m->weights.version;
 }
 
 absl::StatusOr<std::vector<RoleScaling>> StateIO::Scaling(const std::string& module_id) const {
@@ -79,15 +80,17 @@ absl::Status StateIO::Export(const std::string& module_id, ModuleState* out) con
   state.module_id = module_id;
   state.tenant = m->tenant;
   state.spec = m->spec;
-  state.weight_version = m->version;
-  state.optimizer_steps = m->optimizer_steps;
-  for (const Module::Parameter& p : m->params) {
-    state.parameters.emplace_back(p.name, p.value.clone());
-    if (p.slots.first.defined()) {
-      state.optimizer_slots.emplace_back(std::string(p.name) + ".first", p.slots.first.clone());
+  state.weight_version = m->weights.version;
+  state.optimizer_steps = m->gradients.optimizer_steps;
+  for (size_t i = 0; i < m->weights.list.size(); ++i) {
+    const ModuleWeights::Weight& w = m->weights.list[i];
+    const OptimizerSlots& slots = m->gradients.list[i].slots;
+    state.parameters.emplace_back(w.name, w.value.clone());
+    if (slots.first.defined()) {
+      state.optimizer_slots.emplace_back(std::string(w.name) + ".first", slots.first.clone());
     }
-    if (p.slots.second.defined()) {
-      state.optimizer_slots.emplace_back(std::string(p.name) + ".second", p.slots.second.clone());
+    if (slots.second.defined()) {
+      state.optimizer_slots.emplace_back(std::string(w.name) + ".second", slots.second.clone());
     }
   }
   state.scaling = m->ReadScaling();
@@ -105,15 +108,16 @@ absl::Status StateIO::Import(const ModuleState& state) {
     }
     return nullptr;
   };
-  for (Module::Parameter& p : m->params) {
+  for (size_t i = 0; i < m->weights.list.size(); ++i) {
+    ModuleWeights::Weight& p = m->weights.list[i];
+    OptimizerSlots& slots = m->gradients.list[i].slots;
     const at::Tensor* value = find(state.parameters, p.name);
     if (!value) {
       return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, " is missing"));
     }
     GW_RETURN_IF_ERROR(CheckExactShape(p.name, *value, p.value.sizes()));
     p.value.copy_(*value);
-    for (auto [suffix, slot] :
-         {std::pair{".first", &p.slots.first}, {".second", &p.slots.second}}) {
+    for (auto [suffix, slot] : {std::pair{".first", &slots.first}, {".second", &slots.second}}) {
       if (const at::Tensor* t = find(state.optimizer_slots, std::string(p.name) + suffix)) {
         GW_RETURN_IF_ERROR(
             CheckExactShape((std::string(p.name) + suffix).c_str(), *t, p.value.sizes()));
@@ -127,12 +131,13 @@ absl::Status StateIO::Import(const ModuleState& state) {
                                                      " has scale ", r.scale,
                                                      ": it must be finite and > 0"));
     }
-    for (size_t i = 0; i < m->scaling->roles(); ++i) {
-      if (m->kind->Roles()[i].name == r.role) m->scaling->Set(i, r.history, r.scale);
+    DeviceScaling& scaling = *m->steps.scaling;
+    for (size_t i = 0; i < scaling.roles(); ++i) {
+      if (m->kind->Roles()[i].name == r.role) scaling.Set(i, r.history, r.scale);
     }
   }
-  m->version = state.weight_version;
-  m->optimizer_steps = state.optimizer_steps;
+  m->weights.version = state.weight_version;
+  m->gradients.optimizer_steps = state.optimizer_steps;
   return modules_.Insert(state.module_id, std::move(m));
 }
 

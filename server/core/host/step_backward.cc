@@ -175,11 +175,12 @@ void StepRunner::BackwardRun::Run(const std::vector<size_t>& which, BatchRan* ra
         // A context past the module's staleness bound is refused (it changes nothing).
         for (size_t j = 0; j < members.size();) {
           const uint64_t made = members[j].lease.weight_version;
-          if (m->spec.max_staleness >= 0 && m->version - made > uint64_t(m->spec.max_staleness)) {
+          if (m->spec.max_staleness >= 0 &&
+              m->weights.version - made > uint64_t(m->spec.max_staleness)) {
             Refuse(members[j],
                    absl::FailedPreconditionError(absl::StrCat(
                        "context_id ", ids_[members[j].index], " was made under weight version ",
-                       made, "; the module is at version ", m->version,
+                       made, "; the module is at version ", m->weights.version,
                        " and allows max_staleness ", m->spec.max_staleness)));
             members.erase(members.begin() + std::ptrdiff_t(j));
           } else {
@@ -290,7 +291,7 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
       if (with_ln) args.grad_layernorm_output = at::cat(grads_ln, 0);
       args.saved = stacked.get();
       args.row_groups = groups;
-      steps = BatchQuantizers(roles, *m.scaling, m.spec.recipe.mode == ScalingMode::kDelayed,
+      steps = BatchQuantizers(roles, *m.steps.scaling, m.spec.recipe.mode == ScalingMode::kDelayed,
                               /*training=*/true, groups, args.quantizers);
     }
     m.SyncDevice();
@@ -383,14 +384,14 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
     }
     std::optional<Param> overflowed;
     try {
-      overflowed = grads.Commit([&](Param id) { return m.Accumulator(id); }, j);
+      overflowed = grads.Commit([&](Param id) { return m.gradients.Accumulator(id); }, j);
       // The step's roll runs on the device and can fail as the sums can: with them.
-      if (!overflowed.has_value()) m.EndStep(step);
+      if (!overflowed.has_value()) m.steps.EndStep(step);
     } catch (const std::exception& e) {
       // Only a device or library failure gets here (a refused sum returns, changing nothing);
       // the accumulators may then hold part of this request's sums, so they are zeroed. It
       // fails with its context kept, and the rest run alone.
-      m.ResetGrads();
+      m.gradients.ZeroAll();
       Refuse(one,
              absl::InternalError(absl::StrCat(
                  "backward failed while accumulating gradients (they were reset): ", e.what())));
@@ -400,7 +401,7 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
       if (!alone) return j;
       return refuse(absl::StrCat("accumulated ", ParamName(*overflowed), " gradient"));
     }
-    ++m.accumulated_backwards;
+    ++m.gradients.accumulated_backwards;
     one.consumed = true;
     one.grad_input = std::move(encoded[j]);
     row += (*groups)[j];

@@ -101,18 +101,18 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
     for (size_t i : members) {
       args.bf16_output = args.bf16_output && reqs_[i]->output_dtype == wire::DType::kBF16;
     }
-    args.params = m.DeviceTable();
+    args.params = m.weights.DeviceTable();
     args.quantizers = m.Quantizers();
     const std::vector<RoleDef>& roles = m.kind->Roles();
     // A group of several: each request's casts are its own, stepped in order on a copy of the
     // scaling state.
     std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
     if (!alone) {
-      steps = BatchQuantizers(roles, *m.scaling, m.spec.recipe.mode == ScalingMode::kDelayed,
+      steps = BatchQuantizers(roles, *m.steps.scaling, m.spec.recipe.mode == ScalingMode::kDelayed,
                               training, groups, args.quantizers);
     }
-    args.weight_version = m.version;
-    args.workspace = m.workspace;
+    args.weight_version = m.weights.version;
+    args.workspace = m.steps.workspace;
     args.training = training;
     absl::StatusOr<KindForwardResult> done = m.kind->Forward(args);
     if (!done.ok()) {
@@ -194,17 +194,18 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
     }
     // The call runs: the scaling steps (inference leaves the scaling state alone: evaluation
     // traffic must not move training scales), the workspace, the contexts.
-    for (size_t j = 0; training && j < n; ++j) m.EndStep(step_amaxes[j]);
+    for (size_t j = 0; training && j < n; ++j) m.steps.EndStep(step_amaxes[j]);
     if (r.workspace_built) runner_.workspace_builds_.fetch_add(1);
     runner_.workspace_hits_.fetch_add(int64_t(n) - (r.workspace_built ? 1 : 0));
-    m.workspace = std::move(r.workspace);
-    version = m.version;
+    m.steps.workspace = std::move(r.workspace);
+    version = m.weights.version;
     try {
       for (size_t j = 0; training && j < n; ++j) {
         const WireForwardRequest& req = *reqs_[members[j]];
         saved[j]->input_shape = req.input.shape;
-        absl::StatusOr<std::string> id = contexts.Put(module_id_, m.version, std::move(saved[j]),
-                                                      m.tenant, req.client, req.context_id);
+        absl::StatusOr<std::string> id =
+            contexts.Put(module_id_, m.weights.version, std::move(saved[j]), m.tenant, req.client,
+                         req.context_id);
         if (id.ok()) {
           context_ids[j] = *std::move(id);
         } else {
