@@ -119,12 +119,20 @@ void DecodeRowScaled(const uint8_t* codes, const float* table, const float* scal
   for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * scale[i];
 }
 
-// out[c * ld_out + r] = in[r * ld_in + c] for a tile of rows x cols (each at most kTile).
+// out[c * ld_out + r] = in[r * ld_in + c] for a tile of rows x cols (each at most kTile). The
+// tile's rows are first copied side by side: read down a column in place, rows whose stride is a
+// multiple of 1 KiB (every wide layer's) fall into a few sets of L1 and evict each other.
 void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols, uint8_t* out,
                    int64_t ld_out) {
+  alignas(64) uint8_t packed[kTile * kTile];
+  if (ld_in != kTile) {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(packed + r * kTile, in + r * ld_in, size_t(cols));
+    in = packed;
+  }
   for (int64_t c = 0; c < cols; ++c) {
     uint8_t* o = out + c * ld_out;
-    for (int64_t r = 0; r < rows; ++r) o[r] = in[r * ld_in + c];
+    for (int64_t r = 0; r < rows; ++r) o[r] = in[r * kTile + c];
   }
 }
 

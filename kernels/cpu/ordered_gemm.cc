@@ -138,6 +138,24 @@ void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int6
   }
 }
 
+void PackPanelsFromBlockCodes(const uint8_t* codes, Fp8Format format, const float* grid,
+                              BlockShape block, int64_t grid_ld, int64_t n, int64_t k,
+                              uint16_t* out) {
+  const float* table = DecodeTable(format);
+  auto pow2 = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
+  if (pow2(block.rows) && pow2(block.cols)) {  // every recipe's blocks: shifts, no division
+    const int rs = __builtin_ctzll(uint64_t(block.rows)),
+              cs = __builtin_ctzll(uint64_t(block.cols));
+    Pack(n, k, out, [&](int64_t j, int64_t d) {
+      return UpperHalf(table[codes[j * k + d]] * grid[(j >> rs) * grid_ld + (d >> cs)]);
+    });
+  } else {
+    Pack(n, k, out, [&](int64_t j, int64_t d) {
+      return UpperHalf(table[codes[j * k + d]] * grid[(j / block.rows) * grid_ld + d / block.cols]);
+    });
+  }
+}
+
 GemmPanels::GemmPanels(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major)
     : n_(n), k_(k), data_(nullptr) {
   data_ = static_cast<uint16_t*>(AllocateHostBuffer(PanelBytes(n, k)));

@@ -314,13 +314,36 @@ struct Kernel {
                     float* out) {
     const int64_t kb = k1 - k0, pairs = Pairs(kb);
     const float* table = g.a_codes != nullptr ? DecodeTable(g.a_format) : nullptr;
+    // Block-scaled codes: the scale of each k of the block row being packed (rebuilt when the
+    // row enters another block row), so that no k divides.
+    const bool blocked = table != nullptr && g.a_block_scale != nullptr;
+    Scratch kscale_lease;
+    float* kscale = nullptr;
+    int64_t built = -1;
+    if (blocked) {
+      kscale_lease = TakeScratch(size_t(kb) * sizeof(float));
+      kscale = kscale_lease.floats();
+    }
     for (int64_t i = c0; i < c1; i += kRows) {
       const int64_t rows = std::min<int64_t>(kRows, c1 - i);
       float* tile = out + PackedSlots(i - c0, kb);
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* codes = table != nullptr ? g.a_codes + (i + r) * g.lda + k0 : nullptr;
         const float* values = table == nullptr ? g.a + (i + r) * g.lda + k0 : nullptr;
-        auto value = [&](int64_t k) { return codes != nullptr ? table[codes[k]] : values[k]; };
+        if (blocked && (i + r) / g.a_block.rows != built) {
+          built = (i + r) / g.a_block.rows;
+          const float* grid = g.a_block_scale + built * g.a_block_ld;
+          for (int64_t k = k0; k < k1;) {
+            const int64_t bj = k / g.a_block.cols;
+            const int64_t end = std::min(k1, (bj + 1) * g.a_block.cols);
+            std::fill(kscale + (k - k0), kscale + (end - k0), grid[bj]);
+            k = end;
+          }
+        }
+        auto value = [&](int64_t k) {
+          if (codes == nullptr) return values[k];
+          return blocked ? table[codes[k]] * kscale[k] : table[codes[k]];
+        };
         if constexpr (Isa::kDot) {
           // A decoded FP8 value is exact in bf16: its upper half (OrderedGemmUsing checks a
           // float A before it takes this copy).

@@ -35,10 +35,13 @@ namespace gradwire::device {
 // exponent range of docs/block-scaling.md, so it is exact in bf16 and the packing keeps it).
 class ValuePanels {
  public:
-  // b [n, k] row-major.
-  ValuePanels(const float* b, int64_t n, int64_t k)
+  // One copy of a block-scaled tensor stored [n, k], decoded and scaled as it is packed.
+  ValuePanels(const Fp8Tensor& t, bool rowwise, int64_t n, int64_t k)
       : data_(kernels::cpu::PanelBytes(n, k) / sizeof(uint16_t) + 1), n_(n), k_(k) {
-    kernels::cpu::PackPanels(b, n, k, k, /*n_major=*/true, data_.data());
+    const at::Tensor& grid = rowwise ? t.rowwise_scale_inv : t.columnwise_scale_inv;
+    kernels::cpu::PackPanelsFromBlockCodes(
+        (rowwise ? t.rowwise : t.columnwise).data_ptr<uint8_t>(), t.format, grid.data_ptr<float>(),
+        rowwise ? t.rowwise_block : t.columnwise_block, grid.size(1), n, k, data_.data());
   }
   kernels::cpu::PanelsView view() const { return {n_, k_, data_.data()}; }
 
@@ -115,15 +118,32 @@ Panels PackValuesNow(const float* values, int64_t n, int64_t k) {
   return p;
 }
 
+// Packs B [n, k] from one copy of a block-scaled tensor stored [n, k] (its rowwise copy, or its
+// columnwise one), decoded and scaled as it is packed.
+Panels PackBlockCodesNow(const Fp8Tensor& t, bool rowwise, int64_t n, int64_t k) {
+  if (!t.block_scaled) {
+    const kernels::cpu::Scratch values = DequantizeToScratch(t, rowwise);
+    return PackValuesNow(values.floats(), n, k);
+  }
+  const at::Tensor& grid = rowwise ? t.rowwise_scale_inv : t.columnwise_scale_inv;
+  Panels p;
+  p.lease = kernels::cpu::TakeScratch(kernels::cpu::PanelBytes(n, k));
+  auto* out = static_cast<uint16_t*>(p.lease.data());
+  kernels::cpu::PackPanelsFromBlockCodes(
+      (rowwise ? t.rowwise : t.columnwise).data_ptr<uint8_t>(), t.format, grid.data_ptr<float>(),
+      rowwise ? t.rowwise_block : t.columnwise_block, grid.size(1), n, k, out);
+  p.view = {n, k, out};
+  return p;
+}
+
 // A block-scaled weight as the forward's B (W [N, K], its rowwise copy) or the input gradient's
 // (W^T [K, N], its columnwise copy): the workspace's panels, else packed now.
 Panels BlockWeightPanels(const Fp8Tensor& w, bool fprop) {
   const std::shared_ptr<const ValuePanels>& kept =
       fprop ? w.fprop_value_panels : w.dgrad_value_panels;
   if (kept) return {kept->view(), {}};
-  const kernels::cpu::Scratch values = DequantizeToScratch(w, fprop);
-  return fprop ? PackValuesNow(values.floats(), w.rows, w.cols)
-               : PackValuesNow(values.floats(), w.cols, w.rows);
+  return fprop ? PackBlockCodesNow(w, true, w.rows, w.cols)
+               : PackBlockCodesNow(w, false, w.cols, w.rows);
 }
 
 // The rowwise copies of a (possibly row-grouped) block-scaled tensor, dequantized and stacked by
@@ -136,6 +156,60 @@ kernels::cpu::Scratch StackDequantized(const Fp8Tensor& t) {
     DequantizeBlocksInto(g, true, out.floats() + row * t.cols);
     row += g.rows;
   }
+  return out;
+}
+
+// A block-scaled A operand as its codes and scale grid, which the GEMM decodes and scales as it
+// packs them (no dequantized copy is written): one copy of a tensor (rowwise; or columnwise, a
+// weight gradient's dY^T), or a batch's groups stacked by rows with their grids, when their
+// blocks are one row high (every activation's and gradient's are: 1 x 128, 1 x 32). `codes` is
+// null when the operand cannot be given so (groups blocked across rows); the caller then
+// dequantizes it.
+struct BlockedOperand {
+  const uint8_t* codes = nullptr;
+  const float* grid = nullptr;
+  kernels::BlockShape block;
+  int64_t grid_ld = 0;
+  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
+  kernels::cpu::Scratch stacked_codes, stacked_grid;  // a batch's groups, stacked
+};
+BlockedOperand BlockedA(const Fp8Tensor& t, bool rowwise) {
+  BlockedOperand out;
+  if (!t.grouped()) {
+    if (!t.block_scaled) return out;
+    const at::Tensor& grid = rowwise ? t.rowwise_scale_inv : t.columnwise_scale_inv;
+    out.codes = (rowwise ? t.rowwise : t.columnwise).data_ptr<uint8_t>();
+    out.grid = grid.data_ptr<float>();
+    out.block = rowwise ? t.rowwise_block : t.columnwise_block;
+    out.grid_ld = grid.size(1);
+    out.format = t.format;
+    return out;
+  }
+  if (!rowwise) return out;
+  const kernels::BlockShape block = t.groups[0].rowwise_block;
+  for (const Fp8Tensor& g : t.groups) {
+    if (!g.block_scaled || g.rowwise_block.rows != 1 || g.rowwise_block.cols != block.cols ||
+        g.format != t.groups[0].format) {
+      return out;
+    }
+  }
+  const int64_t grid_cols = kernels::BlockGridCols(t.cols, block);
+  out.stacked_codes = kernels::cpu::TakeScratch(size_t(t.rows * t.cols));
+  out.stacked_grid = kernels::cpu::TakeScratch(size_t(t.rows * grid_cols) * sizeof(float));
+  auto* codes = static_cast<uint8_t*>(out.stacked_codes.data());
+  float* grid = out.stacked_grid.floats();
+  int64_t row = 0;
+  for (const Fp8Tensor& g : t.groups) {
+    std::memcpy(codes + row * t.cols, g.rowwise.data_ptr<uint8_t>(), size_t(g.rows * g.cols));
+    std::memcpy(grid + row * grid_cols, g.rowwise_scale_inv.data_ptr<float>(),
+                size_t(g.rows * grid_cols) * sizeof(float));
+    row += g.rows;
+  }
+  out.codes = codes;
+  out.grid = grid;
+  out.block = block;
+  out.grid_ld = grid_cols;
+  out.format = t.groups[0].format;
   return out;
 }
 
@@ -161,11 +235,19 @@ std::atomic<CpuGemm> g_cpu_gemm{CpuGemm::kOrdered};
 void Ordered(int64_t m, float scale, const uint8_t* a_codes, kernels::Fp8Format a_format,
              const kernels::cpu::PanelsView& b, const float* bias, float* c,
              const float* row_scale = nullptr, bool accumulate = false,
-             const float* a_decoded = nullptr) {
+             const float* a_decoded = nullptr, const BlockedOperand* a_blocked = nullptr) {
   kernels::cpu::OrderedGemmArgs g;
   g.m = m;
   g.a = a_decoded;
   g.a_codes = a_decoded != nullptr ? nullptr : a_codes;
+  if (a_blocked != nullptr && a_blocked->codes != nullptr) {
+    g.a = nullptr;
+    g.a_codes = a_blocked->codes;
+    g.a_block_scale = a_blocked->grid;
+    g.a_block = a_blocked->block;
+    g.a_block_ld = a_blocked->grid_ld;
+    g.a_format = a_blocked->format;
+  }
   g.a_format = a_format;
   g.lda = b.k;
   g.b = b;
@@ -384,12 +466,10 @@ class CpuBackend final : public ReferenceBackend {
     if (GetCpuGemm() != CpuGemm::kOrdered) return;
     if (w.block_scaled) {  // panels of the dequantized values
       if (w.has_rowwise()) {
-        const kernels::cpu::Scratch v = DequantizeToScratch(w, true);
-        w.fprop_value_panels = std::make_shared<const ValuePanels>(v.floats(), w.rows, w.cols);
+        w.fprop_value_panels = std::make_shared<const ValuePanels>(w, true, w.rows, w.cols);
       }
       if (w.has_columnwise()) {
-        const kernels::cpu::Scratch v = DequantizeToScratch(w, false);
-        w.dgrad_value_panels = std::make_shared<const ValuePanels>(v.floats(), w.cols, w.rows);
+        w.dgrad_value_panels = std::make_shared<const ValuePanels>(w, false, w.cols, w.rows);
       }
       return;
     }
@@ -545,11 +625,12 @@ class CpuBackend final : public ReferenceBackend {
     if (dy.block_scaled || x.block_scaled) {
       if (GetCpuGemm() != CpuGemm::kOrdered) return ReferenceBackend::Wgrad(dy, x, acc, accumulate);
       GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
-      const kernels::cpu::Scratch a = DequantizeToScratch(dy, false);  // dY^T [N, M]
-      const kernels::cpu::Scratch xt = DequantizeToScratch(x, false);  // X^T [K, M]
-      const Panels b = PackValuesNow(xt.floats(), x.cols, x.rows);
+      const BlockedOperand blocked = BlockedA(dy, false);  // dY^T [N, M]
+      const kernels::cpu::Scratch a =
+          blocked.codes ? kernels::cpu::Scratch() : DequantizeToScratch(dy, false);
+      const Panels b = PackBlockCodesNow(x, false, x.cols, x.rows);  // X^T [K, M]
       Ordered(dy.cols, 1.0f, nullptr, dy.format, b.view, nullptr, acc.data_ptr<float>(), nullptr,
-              accumulate, a.floats());
+              accumulate, a.floats(), &blocked);
       return;
     }
     GemmTimer timer(2.0 * double(dy.cols) * double(x.cols) * double(dy.rows));
@@ -574,11 +655,12 @@ class CpuBackend final : public ReferenceBackend {
     }
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Panels b = BlockWeightPanels(w, /*fprop=*/true);
-    const kernels::cpu::Scratch a = StackDequantized(x);
+    const BlockedOperand blocked = BlockedA(x, true);
+    const kernels::cpu::Scratch a = blocked.codes ? kernels::cpu::Scratch() : StackDequantized(x);
     at::Tensor y = Empty({x.rows, w.rows});
     Ordered(x.rows, 1.0f, nullptr, x.format, b.view,
             bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), nullptr, false,
-            a.floats());
+            a.floats(), &blocked);
     return y;
   }
   at::Tensor BlockDgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const {
@@ -587,10 +669,11 @@ class CpuBackend final : public ReferenceBackend {
     }
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Panels b = BlockWeightPanels(w, /*fprop=*/false);
-    const kernels::cpu::Scratch a = StackDequantized(dy);
+    const BlockedOperand blocked = BlockedA(dy, true);
+    const kernels::cpu::Scratch a = blocked.codes ? kernels::cpu::Scratch() : StackDequantized(dy);
     at::Tensor dx = Empty({dy.rows, w.cols});
     Ordered(dy.rows, 1.0f, nullptr, dy.format, b.view, nullptr, dx.data_ptr<float>(), nullptr,
-            false, a.floats());
+            false, a.floats(), &blocked);
     return dx;
   }
 

@@ -172,6 +172,64 @@ TEST(OrderedGemmTest, EveryCopyComputesTheReferenceBitsOnEveryShape) {
   }
 }
 
+// Block-scaled codes for A (a_block_scale): each code decoded and times its block's power of two
+// as the GEMM packs it gives the bits of A's dequantized values handed over as floats, for every
+// copy, for blocks one row high (activations, gradients) and square ones (weights), partial edge
+// blocks, and a depth the GEMM walks in blocks of k.
+TEST(OrderedGemmTest, BlockScaledCodesGiveTheBitsOfTheirDequantizedValues) {
+  struct Case {
+    int64_t m, n, k;
+    BlockShape block;
+  };
+  const int threads_before = cpu::Threads();
+  for (const Case& c : {Case{37, 45, 300, {1, 32}}, Case{70, 33, 1030, {1, 128}},
+                        Case{130, 20, 260, {128, 128}}, Case{9, 17, 61, {3, 5}}}) {
+    Problem p(c.m, c.n, c.k, Fp8Format::kE4M3, Fp8Format::kE4M3);
+    const int64_t grid_rows = BlockGridRows(c.m, c.block), grid_cols = BlockGridCols(c.k, c.block);
+    std::vector<float> grid(size_t(grid_rows * grid_cols));
+    std::uniform_int_distribution<int> exponent(-12, 12);
+    for (float& s : grid) s = std::ldexp(1.0f, exponent(Rng()));
+    std::vector<float> values(size_t(c.m * c.k));
+    for (int64_t i = 0; i < c.m; ++i) {
+      for (int64_t d = 0; d < c.k; ++d) {
+        values[size_t(i * c.k + d)] =
+            p.a[size_t(i * c.k + d)] *
+            grid[size_t((i / c.block.rows) * grid_cols + d / c.block.cols)];
+      }
+    }
+    auto run = [&](OrderedGemmCopy copy, bool blocked) {
+      std::vector<float> out(size_t(c.m * c.n));
+      OrderedGemmArgs g;
+      g.m = c.m;
+      g.lda = c.k;
+      if (blocked) {
+        g.a_codes = p.a_codes.data();
+        g.a_format = p.fa;
+        g.a_block_scale = grid.data();
+        g.a_block = c.block;
+        g.a_block_ld = grid_cols;
+      } else {
+        g.a = values.data();
+      }
+      g.b = p.B();
+      g.c = out.data();
+      g.ldc = c.n;
+      cpu::OrderedGemmUsing(copy, g);
+      return out;
+    };
+    const std::vector<float> want = run(OrderedGemmCopy::kBaseline, false);
+    for (OrderedGemmCopy copy : Copies()) {
+      for (int threads : {1, 3}) {
+        cpu::SetThreads(threads);
+        EXPECT_TRUE(SameBits(run(copy, true), want))
+            << cpu::OrderedGemmCopyName(copy) << " " << c.m << "x" << c.n << "x" << c.k << " block "
+            << c.block.rows << "x" << c.block.cols << " threads " << threads;
+      }
+    }
+  }
+  cpu::SetThreads(threads_before);
+}
+
 TEST(OrderedGemmTest, ARowsResultDoesNotDependOnTheRowsStackedWithIt) {
   // Groups of 1..300 rows, computed stacked in one call and each alone: the same bits, on one
   // thread and on several (the split over the pool changes with the number of rows).
@@ -392,6 +450,33 @@ TEST(OrderedGemmTest, PackingFromCodesInEitherLayoutGivesThePanelsOfTheDecodedVa
                                   k, n_major);
       EXPECT_EQ(std::memcmp(owned.view().data, want.data(), want.size() * sizeof(uint16_t)), 0);
     }
+  }
+}
+
+// Packing B from block-scaled codes (each code decoded and times its block's power of two) gives
+// the panels of the dequantized values, for power-of-two blocks (shifts) and others (division),
+// partial edge blocks included.
+TEST(OrderedGemmTest, PackingFromBlockCodesGivesThePanelsOfTheDequantizedValues) {
+  for (const BlockShape block : {BlockShape{1, 32}, BlockShape{128, 128}, BlockShape{3, 5}}) {
+    const int64_t n = 150, k = 301;
+    float unused = 1;
+    const std::vector<uint8_t> codes = RandomCodes(n * k, Fp8Format::kE4M3, 1.0f, &unused);
+    const int64_t grid_cols = BlockGridCols(k, block);
+    std::vector<float> grid(size_t(BlockGridRows(n, block) * grid_cols));
+    std::uniform_int_distribution<int> exponent(-20, 20);
+    for (float& s : grid) s = std::ldexp(1.0f, exponent(Rng()));
+    std::vector<float> values = Decode(codes, Fp8Format::kE4M3);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < k; ++d) {
+        values[size_t(j * k + d)] *= grid[size_t((j / block.rows) * grid_cols + d / block.cols)];
+      }
+    }
+    const size_t words = cpu::PanelBytes(n, k) / sizeof(uint16_t);
+    std::vector<uint16_t> want(words, 0xFFFF), got(words, 0xFFFF);
+    cpu::PackPanels(values.data(), n, k, k, /*n_major=*/true, want.data());
+    cpu::PackPanelsFromBlockCodes(codes.data(), Fp8Format::kE4M3, grid.data(), block, grid_cols, n,
+                                  k, got.data());
+    EXPECT_EQ(got, want) << "block " << block.rows << "x" << block.cols;
   }
 }
 

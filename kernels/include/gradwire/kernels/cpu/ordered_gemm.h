@@ -35,6 +35,7 @@
 #include <string>
 
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/block_scaling.h"
 
 namespace gradwire::kernels::cpu {
 
@@ -68,6 +69,13 @@ void PackPanels(const float* b, int64_t n, int64_t k, int64_t ld, bool n_major, 
 void PackPanelsFromCodes(const uint8_t* codes, Fp8Format format, int64_t n, int64_t k, bool n_major,
                          uint16_t* out);
 
+// The same from block-scaled FP8 codes stored [n, k] (ref/block_scaling.h): code (j, d) times
+// grid[(j / block.rows) * grid_ld + d / block.cols], the value DequantizeBlocks gives it, packed
+// without a dequantized copy. The block casts' scales keep every such value exact in bf16.
+void PackPanelsFromBlockCodes(const uint8_t* codes, Fp8Format format, const float* grid,
+                              BlockShape block, int64_t grid_ld, int64_t n, int64_t k,
+                              uint16_t* out);
+
 // Owning panels, for a weight workspace: built once per weight version, read by every GEMM of
 // that version.
 class GemmPanels {
@@ -91,6 +99,14 @@ struct OrderedGemmArgs {
   // GEMM packs them, so the decoded operand is never written out whole; `a` is then ignored.
   const uint8_t* a_codes = nullptr;
   Fp8Format a_format = Fp8Format::kE4M3;
+  // With a_codes, when set: A's codes are block-scaled (ref/block_scaling.h), and code (i, k)
+  // stands for its decoded value times a_block_scale[(i / a_block.rows) * a_block_ld +
+  // k / a_block.cols], the value DequantizeBlocks gives it, computed as the GEMM packs it. The
+  // scales are the block casts' powers of two, whose exponent range keeps every such value exact
+  // in bf16.
+  const float* a_block_scale = nullptr;
+  BlockShape a_block;
+  int64_t a_block_ld = 0;
   PanelsView b;        // B [n, k], packed
   float scale = 1.0f;  // applied once to each sum
   // When set: row i's sums take row_scale[i] instead of `scale` ([m]; rows of A that came from
