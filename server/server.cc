@@ -317,11 +317,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   // The device is shared between clients by the same weights as context memory: with tokens a
   // client is its tenant, named "tenant NAME" by the service (rpc::Caller::client).
-  core::DeviceExecutor::Weights executor_weights;
+  scheduling::DeviceExecutor::Weights executor_weights;
   for (const auto& [tenant, weight] : o.context_limits.tenant_weights) {
     executor_weights.emplace("tenant " + tenant, weight);
   }
-  s->executor_ = std::make_unique<core::DeviceExecutor>(device, std::move(executor_weights));
+  s->executor_ = std::make_unique<scheduling::DeviceExecutor>(device, std::move(executor_weights));
 
   rpc::ServiceOptions service = o.service;
   service.device = device;

@@ -102,7 +102,7 @@ class Server {
   std::shared_ptr<grpc::Channel> InProcessChannel(const grpc::ChannelArguments& args) const;
 
   core::ModuleHost& host() { return *host_; }
-  core::DeviceExecutor& executor() { return *executor_; }
+  scheduling::DeviceExecutor& executor() { return *executor_; }
   rpc::GradwireService& service() { return *service_; }
   // Null without --checkpoint-dir.
   core::Checkpointer* checkpointer() { return checkpointer_.get(); }
@@ -117,7 +117,7 @@ class Server {
   ServerOptions options_;
   std::unique_ptr<core::ModuleHost> host_;
   std::unique_ptr<core::Checkpointer> checkpointer_;
-  std::unique_ptr<core::DeviceExecutor> executor_;
+  std::unique_ptr<scheduling::DeviceExecutor> executor_;
   Metrics metrics_;
   std::unique_ptr<rpc::GradwireService> service_;
   std::unique_ptr<MetricsEndpoint> endpoint_;

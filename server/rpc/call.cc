@@ -30,13 +30,13 @@ std::string PeerHost(const std::string& peer) {
 
 }  // namespace
 
-CallEnv::CallEnv(core::ModuleHost& host, core::DeviceExecutor& executor,
+CallEnv::CallEnv(core::ModuleHost& host, scheduling::DeviceExecutor& executor,
                  const ServiceOptions& options, QuotaBook& quotas)
     : host_(host),
       executor_(executor),
       options_(options),
       quotas_(quotas),
-      control_(std::make_unique<core::DeviceExecutor>("control")) {}
+      control_(std::make_unique<scheduling::DeviceExecutor>("control")) {}
 
 CallEnv::~CallEnv() { control_.reset(); }
 

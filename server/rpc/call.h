@@ -79,7 +79,7 @@ inline constexpr char kRouteHeader[] = "gradwire-route";
 class CallEnv {
  public:
   // `host`, `executor`, `options` and `quotas` must outlive the environment.
-  CallEnv(core::ModuleHost& host, core::DeviceExecutor& executor, const ServiceOptions& options,
+  CallEnv(core::ModuleHost& host, scheduling::DeviceExecutor& executor, const ServiceOptions& options,
           QuotaBook& quotas);
   // Joins the control thread: work still running there finishes against a live service.
   ~CallEnv();
@@ -89,10 +89,10 @@ class CallEnv {
   const ServiceOptions& options() const { return options_; }
   QuotaBook& quotas() { return quotas_; }
   // Where compute runs (one per device).
-  core::DeviceExecutor& executor() { return executor_; }
+  scheduling::DeviceExecutor& executor() { return executor_; }
   // Where host-only work runs (module creation, shared-memory registration), so that it never
   // holds the device executor while other clients wait.
-  core::DeviceExecutor& control() { return *control_; }
+  scheduling::DeviceExecutor& control() { return *control_; }
 
   // Step 1: who `ctx` is; UNAUTHENTICATED when tokens are on and it has none that is valid.
   absl::StatusOr<Caller> Authenticate(const grpc::CallbackServerContext* ctx) const;
@@ -164,12 +164,12 @@ class CallEnv {
 
  private:
   core::ModuleHost& host_;
-  core::DeviceExecutor& executor_;
+  scheduling::DeviceExecutor& executor_;
   const ServiceOptions& options_;
   QuotaBook& quotas_;
   std::mutex takeover_mu_;                  // guards waiting_for_
   std::map<std::string, int> waiting_for_;  // calls waiting for a take-over, by module
-  std::unique_ptr<core::DeviceExecutor> control_;
+  std::unique_ptr<scheduling::DeviceExecutor> control_;
 };
 
 // The part of a call that does not depend on its gRPC shape.

@@ -94,7 +94,7 @@ struct ServiceOptions {
   // created would then be known to nobody. It is released and the call answers CANCELLED.
   std::chrono::milliseconds delivery_slack{10};
   // Dynamic batching of unary forwards and backwards (docs/batching.md); off unless max_rows > 1.
-  core::BatchOptions batching;
+  scheduling::BatchOptions batching;
   // Called for every batch that ran as one backend call, with its method ("Forward",
   // "Backward"), requests and rows (metrics); may be empty.
   std::function<void(const char* method, int64_t requests, int64_t rows)> on_batch;

@@ -31,7 +31,7 @@ void ToMessages(core::EncodedParameters&& params,
 
 }  // namespace
 
-GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& executor,
+GradwireService::GradwireService(core::ModuleHost& host, scheduling::DeviceExecutor& executor,
                                  ServiceOptions options)
     : host_(host),
       options_(std::move(options)),
@@ -44,7 +44,7 @@ GradwireService::GradwireService(core::ModuleHost& host, core::DeviceExecutor& e
       checks_(host_, env_, options_.limits),
       env_(host, executor, options_, quotas_) {
   if (options_.batching.enabled()) {
-    batcher_ = std::make_unique<core::BatchFormer>(executor, options_.batching);
+    batcher_ = std::make_unique<scheduling::BatchFormer>(executor, options_.batching);
   }
   // Modules already here (restored from checkpoints) count for their tenants.
   for (const core::ModuleInfo& info : host_.List()) env_.CountExisting(info);

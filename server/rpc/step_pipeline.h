@@ -56,8 +56,8 @@ struct StepEntry {
 
 class StepPipeline {
  public:
-  // A stream's jobs, which must run in the order they came (core::BatchFormer::Order).
-  using Order = core::BatchFormer::Order;
+  // A stream's jobs, which must run in the order they came (scheduling::BatchFormer::Order).
+  using Order = scheduling::BatchFormer::Order;
 
   // The entry of `job` for `call` (authenticated; alive while it holds a reference). `order`,
   // when given, must outlive the admission (submit runs inside AdmitAndRun).

@@ -16,7 +16,7 @@
 
 #include "server/rpc/scheduling/batcher.h"
 
-namespace gradwire::core {
+namespace gradwire::scheduling {
 namespace {
 
 // Records which client's task ran, in order, on a clock of its own that a task advances by its
@@ -171,9 +171,9 @@ TEST(ExecutorTest, TheStateKeptForIdleClientsIsBounded) {
 }
 
 }  // namespace
-}  // namespace gradwire::core
+}  // namespace gradwire::scheduling
 
-namespace gradwire::core {
+namespace gradwire::scheduling {
 namespace {
 
 TEST(ExecutorTest, ASharedTaskIsChargedToItsClientsByTheirShares) {
@@ -418,4 +418,4 @@ TEST(BatchFormerTest, WithoutYieldABatchRunsWhole) {
 }
 
 }  // namespace
-}  // namespace gradwire::core
+}  // namespace gradwire::scheduling

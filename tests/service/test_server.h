@@ -168,7 +168,7 @@ class TestServer {
     return c;
   }
   core::ModuleHost& host() { return server_->host(); }
-  core::DeviceExecutor& executor() { return server_->executor(); }
+  scheduling::DeviceExecutor& executor() { return server_->executor(); }
   rpc::GradwireService& service() { return server_->service(); }
   server::Server& server() { return *server_; }
 

@@ -6,7 +6,7 @@
 
 #include "server/rpc/scheduling/executor.h"
 
-namespace gradwire::core {
+namespace gradwire::scheduling {
 
 BatchFormer::BatchFormer(DeviceExecutor& executor, BatchOptions options, Observer observer)
     : executor_(executor),
@@ -178,4 +178,4 @@ void BatchFormer::Launch(DeviceExecutor& executor, const std::shared_ptr<State>&
   });
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::scheduling

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::scheduling {
 
 class DeviceExecutor;
 
@@ -135,4 +135,4 @@ class BatchFormer {
   const std::shared_ptr<State> state_;
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::scheduling

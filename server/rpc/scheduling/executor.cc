@@ -7,7 +7,7 @@
 #include <exception>
 #include <iterator>
 
-namespace gradwire::core {
+namespace gradwire::scheduling {
 
 DeviceExecutor::DeviceExecutor(std::string name, Weights weights, Clock clock)
     : name_(std::move(name)),
@@ -147,4 +147,4 @@ void DeviceExecutor::Run() {
   }
 }
 
-}  // namespace gradwire::core
+}  // namespace gradwire::scheduling

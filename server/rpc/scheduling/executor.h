@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-namespace gradwire::core {
+namespace gradwire::scheduling {
 
 class DeviceExecutor {
  public:
@@ -93,4 +93,4 @@ class DeviceExecutor {
   std::thread worker_;
 };
 
-}  // namespace gradwire::core
+}  // namespace gradwire::scheduling
