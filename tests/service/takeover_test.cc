@@ -222,20 +222,23 @@ TEST_F(TakeOverTest, TwoServersTakingOneModuleOverAtOnceLeaveOneHolder) {
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int i = 0; i < 4; ++i) clients.push_back((i % 2 ? c : b).Connect());
   std::atomic<int> ready{0};
-  std::vector<absl::StatusCode> codes(clients.size());
+  std::vector<absl::Status> codes(clients.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < clients.size(); ++i) {
     threads.emplace_back([&, i] {
       ++ready;
       while (ready.load() < int(clients.size())) std::this_thread::yield();
-      codes[i] = clients[i]->GetWeights(id_).status().code();
+      codes[i] = clients[i]->GetWeights(id_).status();
     });
   }
   for (auto& t : threads) t.join();
-  for (absl::StatusCode code : codes) {
-    // A server that claimed the same epoch a moment after the other is told to retry.
-    EXPECT_TRUE(code == absl::StatusCode::kOk || code == absl::StatusCode::kAborted)
-        << absl::StatusCodeToString(code);
+  for (const absl::Status& status : codes) {
+    // A server that claimed the same epoch a moment after the other is told to retry; a call
+    // admitted on a server that then handed the module to the other is told it moved (also a
+    // retry). Nothing else.
+    EXPECT_TRUE(status.ok() || status.code() == absl::StatusCode::kAborted ||
+                core::IsModuleMoved(status))
+        << status;
   }
   const bool b_holds = b.server().checkpointer()->claims().CheckHeld(id_).ok();
   const bool c_holds = c.server().checkpointer()->claims().CheckHeld(id_).ok();
