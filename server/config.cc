@@ -300,6 +300,15 @@ void AddFlags(CLI::App& app, ServerConfig& config, std::string& config_file, boo
                  "gives the same bits; a copy this CPU lacks is refused at start")
       ->check(CLI::IsMember({"auto", "avx512bf16", "avx512", "avx2", "baseline"}))
       ->capture_default_str();
+  app.add_option("--default-recipe", config.default_recipe,
+                 "the FP8 recipe of a module created without one: block (a power-of-two scale "
+                 "per 1x128 block of activations and gradients, 128x128 of weights: one outlier "
+                 "costs only its own block), mxfp8, current or delayed (one scale per tensor). A "
+                 "module that asks for a margin gets current when this is block or mxfp8; "
+                 "--device cuda, which has no block-scaled GEMM yet, uses current for them. "
+                 "Restored modules keep the recipe they were saved with (docs/block-scaling.md)")
+      ->check(CLI::IsMember({"block", "mxfp8", "current", "delayed"}))
+      ->capture_default_str();
   app.add_option("--max-batch-rows", config.max_batch_rows,
                  "dynamic batching: forwards of one module, and backwards of one module's "
                  "contexts, waiting for the device run as one backend call over up to this many "
@@ -429,6 +438,7 @@ std::string RenderConfig(const ServerConfig& f) {
   out << "cpu-gemm = " << quote(f.cpu_gemm) << "\n";
   out << "cpu-isa = " << quote(f.cpu_isa) << "\n";
   out << "cuda-staging-mib = " << f.cuda_staging_mib << "\n";
+  out << "default-recipe = " << quote(f.default_recipe) << "\n";
   out << "max-batch-rows = " << f.max_batch_rows << "\n";
   out << "batch-delay-us = " << f.batch_delay_us << "\n";
   out << "batch-yield = " << (f.batch_yield ? "true" : "false") << "\n";

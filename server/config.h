@@ -61,13 +61,14 @@ struct ServerConfig {
   // The FP8 GEMM's copy: "auto" (the widest this CPU has) or one named in
   // kernels/cpu/ordered_gemm.h ("avx512bf16", "avx512", "avx2", "baseline"); same bits either way.
   std::string cpu_isa = "auto";
-  int64_t max_batch_rows = 256;  // dynamic batching (forwards, backwards); <= 1: off
-  int64_t batch_delay_us = 0;    // the longest a batch waits for company
-  bool batch_yield = false;      // a running batch yields to other clients' work
-  int chunk_kib = 4096;          // chunks of the chunked calls, sent and accepted
-  int max_stream_mib = 4096;     // most tensor bytes one chunked request may carry
-  std::string tokens_file;       // "TENANT TOKEN" lines: bearer tokens required
-  std::string port_file;         // written with the bound host:port once serving
+  std::string default_recipe = "block";  // of a module created without a recipe
+  int64_t max_batch_rows = 256;          // dynamic batching (forwards, backwards); <= 1: off
+  int64_t batch_delay_us = 0;            // the longest a batch waits for company
+  bool batch_yield = false;              // a running batch yields to other clients' work
+  int chunk_kib = 4096;                  // chunks of the chunked calls, sent and accepted
+  int max_stream_mib = 4096;             // most tensor bytes one chunked request may carry
+  std::string tokens_file;               // "TENANT TOKEN" lines: bearer tokens required
+  std::string port_file;                 // written with the bound host:port once serving
   // Shared-memory tensors for clients on this host: off by default.
   std::string shared_memory = "auto";  // auto | off: CreateSharedMemory for same-host clients
   bool allow_shared_memory = false;

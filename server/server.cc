@@ -324,6 +324,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   s->executor_ = std::make_unique<scheduling::DeviceExecutor>(device, std::move(executor_weights));
 
   rpc::ServiceOptions service = o.service;
+  if (core::BlockScaled(service.default_recipe) && device == "cuda") {
+    // The CUDA backend refuses the block-scaled recipes at creation (docs/cuda.md).
+    spdlog::info(
+        "--default-recipe {}: the CUDA backend has no block-scaled GEMM yet; modules "
+        "created without a recipe get current",
+        core::ScalingModeName(service.default_recipe));
+    service.default_recipe = core::ScalingMode::kCurrent;
+  }
+  spdlog::info("modules created without a recipe get {} (--default-recipe)",
+               core::ScalingModeName(service.default_recipe));
   service.device = device;
   service.device_name = description;
   service.checkpointer = s->checkpointer_.get();

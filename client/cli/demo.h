@@ -19,10 +19,11 @@
 namespace gradwire::cli {
 
 struct DemoOptions {
-  std::string model = "linear";    // "linear" or "mlp"
-  std::string recipe = "current";  // FP8 scaling: "current", "delayed", "block" or "mxfp8"
-  int64_t steps = 200;             // training steps (forward + backward + optimizer step)
-  int64_t batch = 64;              // samples per step
+  std::string model = "linear";  // "linear" or "mlp"
+  // FP8 scaling: "current", "delayed", "block" or "mxfp8"; empty: the server's default
+  std::string recipe;
+  int64_t steps = 200;  // training steps (forward + backward + optimizer step)
+  int64_t batch = 64;   // samples per step
   int64_t in_features = 16;
   int64_t hidden = 64;  // hidden width (the MLP's ffn_features)
   int64_t out_features = 4;

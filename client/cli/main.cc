@@ -116,8 +116,9 @@ int RunDemo(gradwire::client::Cluster& cluster, const gradwire::cli::DemoOptions
   }
   std::string servers;
   for (size_t i = 0; i < cluster.size(); ++i) servers += (i ? ", " : "") + cluster.address(i);
+  const std::string recipe = options.recipe.empty() ? "the server's default" : options.recipe;
   std::fprintf(stderr, "demo: %s, FP8 %s scaling, on %s (%s), batch %lld, SGD lr %g, %lld steps\n",
-               model, options.recipe.c_str(), servers.c_str(), info->device().c_str(),
+               model, recipe.c_str(), servers.c_str(), info->device().c_str(),
                static_cast<long long>(options.batch), options.learning_rate,
                static_cast<long long>(options.steps));
   auto result = gradwire::cli::RunDemo(cluster, options, stderr);
@@ -229,9 +230,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"linear", "mlp"}))
       ->capture_default_str();
   demo->add_option("--recipe", demo_options.recipe,
-                   "FP8 scaling recipe of the modules: " + gradwire::client::RecipeNamesJoined())
-      ->check(CLI::IsMember(gradwire::client::RecipeNames()))
-      ->capture_default_str();
+                   "FP8 scaling recipe of the modules: " + gradwire::client::RecipeNamesJoined() +
+                       " (default: the server's --default-recipe)")
+      ->check(CLI::IsMember(gradwire::client::RecipeNames()));
   demo->add_option("--steps", demo_options.steps, "training steps")
       ->check(CLI::Range(int64_t(1), int64_t(1000000)))
       ->capture_default_str();

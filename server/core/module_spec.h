@@ -16,6 +16,7 @@ using device::AmaxAlgo;
 using device::BlockScaled;
 using device::RecipeConfig;
 using device::ScalingMode;
+using device::ScalingModeByName;
 using device::ScalingModeName;
 
 enum class ModuleKind { kLinear, kLayerNormLinear, kLayerNormMlp };

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "server/core/module_spec.h"
 #include "server/rpc/request_id.h"
 #include "server/rpc/scheduling/batcher.h"
 #include "server/rpc/shared_memory.h"
@@ -93,6 +94,9 @@ struct ServiceOptions {
   // its response would likely reach the client after the client gave up, and the context it
   // created would then be known to nobody. It is released and the call answers CANCELLED.
   std::chrono::milliseconds delivery_slack{10};
+  // The recipe of a module created without one (SCALING_RECIPE_UNSPECIFIED): the server's
+  // --default-recipe (spec_convert.h says what a margin changes). Restored modules keep theirs.
+  core::ScalingMode default_recipe = core::ScalingMode::kCurrent;
   // Dynamic batching of unary forwards and backwards (docs/batching.md); off unless max_rows > 1.
   scheduling::BatchOptions batching;
   // Called for every batch that ran as one backend call, with its method ("Forward",

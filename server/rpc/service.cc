@@ -180,7 +180,8 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
               "id routes"));
         }
         GW_RETURN_IF_ERROR(CallEnv::CheckRoute(caller, req->module_id()));
-        GW_ASSIGN_OR_RETURN(core::ModuleSpec spec, SpecFromProto(req->spec()));
+        GW_ASSIGN_OR_RETURN(core::ModuleSpec spec,
+                            SpecFromProto(req->spec(), options_.default_recipe));
         GW_RETURN_IF_ERROR(core::ValidateModuleSpec(spec));
         // The parameter quota is reserved before anything is allocated, and returned on failure.
         const int64_t bytes = core::ParameterCount(spec) * int64_t(sizeof(float));

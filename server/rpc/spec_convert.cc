@@ -67,9 +67,10 @@ v1::ScalingRecipe ScalingModeToProto(core::ScalingMode mode) {
   }
 }
 
-absl::Status RecipeFromProto(const v1::Fp8Recipe& r, core::RecipeConfig* recipe) {
-  // Values outside the contract are refused; unset ones are the defaults (current scaling, the
-  // history's max).
+absl::Status RecipeFromProto(const v1::Fp8Recipe& r, core::ScalingMode default_recipe,
+                             core::RecipeConfig* recipe) {
+  // Values outside the contract are refused; unset ones are the defaults (the server's recipe,
+  // the history's max).
   if (!v1::ScalingRecipe_IsValid(r.scaling())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spec.recipe.scaling must be CURRENT, DELAYED, BLOCK or MXFP8, got ", int(r.scaling())));
@@ -80,6 +81,11 @@ absl::Status RecipeFromProto(const v1::Fp8Recipe& r, core::RecipeConfig* recipe)
                      int(r.amax_compute_algo())));
   }
   recipe->mode = ScalingModeFromProto(r.scaling());
+  if (r.scaling() == v1::SCALING_RECIPE_UNSPECIFIED) {
+    recipe->mode = core::BlockScaled(default_recipe) && r.margin() != 0
+                       ? core::ScalingMode::kCurrent
+                       : default_recipe;
+  }
   recipe->algo =
       r.amax_compute_algo() == v1::MOST_RECENT ? core::AmaxAlgo::kMostRecent : core::AmaxAlgo::kMax;
   recipe->margin = r.margin();
@@ -124,7 +130,8 @@ void OptimizerToProto(const core::OptimizerConfig& o, v1::OptimizerConfig* out) 
 
 }  // namespace
 
-absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
+absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p,
+                                               core::ScalingMode default_recipe) {
   core::ModuleSpec spec;
   const core::KindDescription* kind = core::DescribeKindBySpecName(v1::ModuleKind_Name(p.kind()));
   if (kind == nullptr) {
@@ -136,7 +143,9 @@ absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p) {
   absl::StatusOr<core::Activation> activation = ActivationFromProto(p.activation());
   if (!activation.ok()) return activation.status();
   spec.activation = *activation;
-  if (absl::Status s = RecipeFromProto(p.recipe(), &spec.recipe); !s.ok()) return s;
+  if (absl::Status s = RecipeFromProto(p.recipe(), default_recipe, &spec.recipe); !s.ok()) {
+    return s;
+  }
   OptimizerFromProto(p.optimizer(), &spec.optimizer);
   spec.in_features = p.in_features();
   spec.out_features = p.out_features();

@@ -15,8 +15,11 @@ namespace gradwire::rpc {
 // The core spec of a CreateModule request; INVALID_ARGUMENT naming the field for an enum value
 // outside the contract. Zero means the default where the contract says so (layernorm_eps,
 // amax_history_len, the AdamW betas and eps). The core validates the rest
-// (core::ValidateModuleSpec).
-absl::StatusOr<core::ModuleSpec> SpecFromProto(const v1::ModuleSpec& p);
+// (core::ValidateModuleSpec). An unset recipe (SCALING_RECIPE_UNSPECIFIED) is `default_recipe`,
+// the server's --default-recipe, except that a block-scaled default with a margin set is CURRENT:
+// a margin asks for per-tensor scaling.
+absl::StatusOr<core::ModuleSpec> SpecFromProto(
+    const v1::ModuleSpec& p, core::ScalingMode default_recipe = core::ScalingMode::kCurrent);
 // The wire spec of a module: the fields its kind reads, the recipe and the optimizer.
 v1::ModuleSpec SpecToProto(const core::ModuleSpec& s);
 // The contract's name of a kind (MODULE_KIND_UNSPECIFIED for none).

@@ -512,6 +512,41 @@ INSTANTIATE_TEST_SUITE_P(Transports, ServiceTest,
 // Module kinds are described once, in the wire contract (module.proto: a KindDescription on each
 // ModuleKind value), and every client reads that table; the server's own descriptions of its kinds
 // must say the same: names, the spec fields each reads, and its widths in DescribeModule's order.
+// A module created without a recipe gets the server's --default-recipe; a margin with a
+// block-scaled default asks for per-tensor scaling (CURRENT); a recipe asked for is kept.
+TEST(DefaultRecipeTest, AnUnsetRecipeIsTheServersDefault) {
+  const std::pair<core::ScalingMode, v1::ScalingRecipe> defaults[] = {
+      {core::ScalingMode::kBlock, v1::BLOCK},
+      {core::ScalingMode::kMxfp8, v1::MXFP8},
+      {core::ScalingMode::kCurrent, v1::CURRENT}};
+  for (const auto& [mode, wire] : defaults) {
+    testing::TestServer server([mode = mode](rpc::ServiceOptions& o) { o.default_recipe = mode; });
+    auto client = server.Connect();
+    v1::ModuleSpec spec;
+    spec.set_kind(v1::LINEAR);
+    spec.set_in_features(40);
+    spec.set_out_features(8);
+    auto unset = client->CreateModule(spec);
+    ASSERT_TRUE(unset.ok()) << unset.status();
+    EXPECT_EQ(unset->spec().recipe().scaling(), wire) << core::ScalingModeName(mode);
+    // It computes under that recipe: a training step runs.
+    auto fwd = client->Forward(unset->module_id(), testing::Random({5, 40}), true);
+    ASSERT_TRUE(fwd.ok()) << fwd.status();
+    ASSERT_TRUE(client->Backward(fwd->context_id, testing::Random({5, 8})).ok());
+
+    spec.mutable_recipe()->set_margin(1);
+    auto margin = client->CreateModule(spec);
+    ASSERT_TRUE(margin.ok()) << margin.status();
+    EXPECT_EQ(margin->spec().recipe().scaling(), v1::CURRENT) << core::ScalingModeName(mode);
+
+    spec.mutable_recipe()->set_margin(0);
+    spec.mutable_recipe()->set_scaling(v1::DELAYED);
+    auto asked = client->CreateModule(spec);
+    ASSERT_TRUE(asked.ok()) << asked.status();
+    EXPECT_EQ(asked->spec().recipe().scaling(), v1::DELAYED) << core::ScalingModeName(mode);
+  }
+}
+
 TEST(KindDescriptionsTest, TheContractDescribesTheServersKinds) {
   ASSERT_EQ(client::ModuleKinds().size(), core::KindDescriptions().size());
   for (const core::KindDescription* kind : core::KindDescriptions()) {

@@ -1457,15 +1457,16 @@ _RECIPES = {"current": module_pb2.CURRENT, "delayed": module_pb2.DELAYED,
             "block": module_pb2.BLOCK, "mxfp8": module_pb2.MXFP8}
 
 
-def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: str, seed: int,
+def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: Optional[str],
+          seed: int,
           name: str, max_staleness: int,
           optimizer: Optional[module_pb2.OptimizerConfig], labels: Optional[Dict[str, str]] = None,
           **extra) -> module_pb2.ModuleSpec:
     """The spec of a module of ``kind``; ``labels``: the class's argument names of spec fields,
     for its errors."""
-    if recipe not in _RECIPES:
+    if recipe is not None and recipe not in _RECIPES:
         raise ValueError(
-            f"recipe must be 'current', 'delayed', 'block' or 'mxfp8', got {recipe!r}")
+            f"recipe must be 'current', 'delayed', 'block', 'mxfp8' or None, got {recipe!r}")
     sizes = {"in_features": in_features, "out_features": out_features}
     sizes.update({k: v for k, v in extra.items() if k.endswith("_features")})
     labels = labels or {}
@@ -1482,7 +1483,8 @@ def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: st
     spec = module_pb2.ModuleSpec(kind=kind, in_features=in_features, out_features=out_features,
                                  bias=bias, seed=seed, name=name, max_staleness=max_staleness,
                                  **extra)
-    spec.recipe.scaling = _RECIPES[recipe]
+    if recipe is not None:  # None: unset, the server's --default-recipe
+        spec.recipe.scaling = _RECIPES[recipe]
     if optimizer is not None:
         spec.optimizer.CopyFrom(optimizer)
     return spec
@@ -1492,7 +1494,8 @@ _COMMON_ARGS = """
         recipe: FP8 scaling, "current" (per tensor, per call), "delayed" (amax history),
             "block" (a power-of-two scale per 1x128 block, 128x128 for weights) or "mxfp8"
             (per 32 elements along each GEMM's reduction): with a block recipe one outlier
-            costs only its own block.
+            costs only its own block. None (default): the server's ``--default-recipe``
+            (block on a CPU server, current on a CUDA one); ``.spec.recipe`` says which.
         seed: seed of the deterministic initialisation (same seed, same weights everywhere).
         name: a label ListModules shows.
         optimizer: "local" (default: a torch optimizer over ``parameters()`` trains it; its
@@ -1524,7 +1527,7 @@ class RemoteLinear(RemoteModule):
         bias: whether there is a bias.""" + _COMMON_ARGS
 
     def __init__(self, client: Union[Client, Cluster], in_features: int, out_features: int,
-                 bias: bool = True, *, recipe: str = "current", seed: int = 0, name: str = "",
+                 bias: bool = True, *, recipe: Optional[str] = None, seed: int = 0, name: str = "",
                  optimizer: str = "local", lr: Optional[float] = None,
                  momentum: Optional[float] = None, nesterov: Optional[bool] = None,
                  weight_decay: Optional[float] = None,
@@ -1554,7 +1557,7 @@ class RemoteLayerNormLinear(RemoteModule):
 
     def __init__(self, client: Union[Client, Cluster], in_features: int, out_features: int,
                  bias: bool = True, *, layernorm_eps: float = 1e-5,
-                 zero_centered_gamma: bool = False, recipe: str = "current", seed: int = 0,
+                 zero_centered_gamma: bool = False, recipe: Optional[str] = None, seed: int = 0,
                  name: str = "", optimizer: str = "local", lr: Optional[float] = None,
                  momentum: Optional[float] = None, nesterov: Optional[bool] = None,
                  weight_decay: Optional[float] = None,
@@ -1594,7 +1597,7 @@ class RemoteLayerNormMLP(RemoteModule):
     def __init__(self, client: Union[Client, Cluster], hidden_size: int, ffn_hidden_size: int,
                  out_features: Optional[int] = None, bias: bool = True, *,
                  activation: str = "gelu", checkpoint: bool = False, layernorm_eps: float = 1e-5,
-                 zero_centered_gamma: bool = False, recipe: str = "current", seed: int = 0,
+                 zero_centered_gamma: bool = False, recipe: Optional[str] = None, seed: int = 0,
                  name: str = "", optimizer: str = "local", lr: Optional[float] = None,
                  momentum: Optional[float] = None, nesterov: Optional[bool] = None,
                  weight_decay: Optional[float] = None,

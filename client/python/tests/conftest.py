@@ -101,7 +101,15 @@ def _start_server(*extra, env=None):
 
 @pytest.fixture(scope="session")
 def server():
-    """A real gradwire-server on a free loopback port for the whole session."""
+    """A real gradwire-server on a free loopback port for the whole session. Its modules created
+    without a recipe are CURRENT (--default-recipe current), the recipe the wire and dtype tests
+    were written for; ``default_server`` keeps the server's own default (BLOCK)."""
+    yield from _start_server("--default-recipe", "current")
+
+
+@pytest.fixture(scope="session")
+def default_server():
+    """A real gradwire-server with every default of its own."""
     yield from _start_server()
 
 
@@ -118,8 +126,9 @@ def token_server():
 
 @pytest.fixture(scope="session")
 def second_server():
-    """Another gradwire-server, for the several-servers tests."""
-    yield from _start_server()
+    """Another gradwire-server, for the several-servers tests: as ``server`` (its modules'
+    results must not depend on which of the two a module landed on)."""
+    yield from _start_server("--default-recipe", "current")
 
 
 @pytest.fixture

@@ -33,8 +33,32 @@ def test_a_block_recipe_keeps_the_other_rows_of_an_outlier(client, recipe, value
 
 
 def test_an_unknown_recipe_is_refused_before_any_call(client):
-    with pytest.raises(ValueError, match="'block' or 'mxfp8'"):
+    with pytest.raises(ValueError, match="'block', 'mxfp8' or None"):
         gradwire.RemoteLinear(client, 4, 2, recipe="blocks")
+
+
+def test_a_module_without_a_recipe_gets_the_servers_default(default_server):
+    """Against a server with its own defaults (--default-recipe block): a module created without a
+    recipe is BLOCK, its spec says so, an outlier keeps to its row, and the exact wire sends its
+    input as F32 (a block cast needs the values); a margin asks for CURRENT."""
+    c = gradwire.Client(default_server)
+    try:
+        m = gradwire.RemoteLinear(c, 64, 8, seed=3)
+        assert m.spec.recipe.scaling == module_pb2.BLOCK
+        assert not c.exact_fp8_input(m.module_id)
+        x = torch.randn(5, 64)
+        dirty = x.clone()
+        dirty[0, 7] = 3e6
+        with torch.no_grad():
+            assert torch.equal(m(x)[1:], m(dirty)[1:])
+        spec = module_pb2.ModuleSpec(kind=module_pb2.LINEAR, in_features=8, out_features=4)
+        spec.recipe.margin = 1
+        assert c.create_module(spec).spec.recipe.scaling == module_pb2.CURRENT
+        explicit = gradwire.RemoteLinear(c, 64, 8, recipe="current", seed=3)
+        assert explicit.spec.recipe.scaling == module_pb2.CURRENT
+        assert c.exact_fp8_input(explicit.module_id)
+    finally:
+        c.close()
 
 
 # FP8 training under every recipe ends within 5% of the same model trained in float32 from the

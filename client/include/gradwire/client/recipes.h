@@ -14,8 +14,9 @@ namespace gradwire::client {
 // The recipe called `name`: its lowercase name ("mxfp8") or its enum name ("MXFP8"); nullopt for
 // anything else (SCALING_RECIPE_UNSPECIFIED included).
 std::optional<v1::ScalingRecipe> RecipeByName(absl::string_view name);
-// The lowercase name of `recipe`; "current" for SCALING_RECIPE_UNSPECIFIED (what the server
-// treats it as), the enum's number for a value this contract does not name.
+// The lowercase name of `recipe`; "current" for SCALING_RECIPE_UNSPECIFIED (a server names the
+// recipe a module got, so only an older server, which took an unset recipe as CURRENT, returns
+// it), the enum's number for a value this contract does not name.
 std::string RecipeName(v1::ScalingRecipe recipe);
 // Every recipe's lowercase name, in enum order, and them joined by ", ".
 std::vector<std::string> RecipeNames();
