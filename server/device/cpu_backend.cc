@@ -24,6 +24,7 @@
 #include "gradwire/kernels/cpu/scratch.h"
 #include "gradwire/kernels/ref/cast.h"
 #include "server/device/backend.h"
+#include "server/device/cpu_block_operands.h"
 #include "server/device/cpu_gemm.h"
 #include "server/device/reference_backend.h"
 #include "server/device/reference_ops.h"
@@ -156,60 +157,6 @@ kernels::cpu::Scratch StackDequantized(const Fp8Tensor& t) {
     DequantizeBlocksInto(g, true, out.floats() + row * t.cols);
     row += g.rows;
   }
-  return out;
-}
-
-// A block-scaled A operand as its codes and scale grid, which the GEMM decodes and scales as it
-// packs them (no dequantized copy is written): one copy of a tensor (rowwise; or columnwise, a
-// weight gradient's dY^T), or a batch's groups stacked by rows with their grids, when their
-// blocks are one row high (every activation's and gradient's are: 1 x 128, 1 x 32). `codes` is
-// null when the operand cannot be given so (groups blocked across rows); the caller then
-// dequantizes it.
-struct BlockedOperand {
-  const uint8_t* codes = nullptr;
-  const float* grid = nullptr;
-  kernels::BlockShape block;
-  int64_t grid_ld = 0;
-  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
-  kernels::cpu::Scratch stacked_codes, stacked_grid;  // a batch's groups, stacked
-};
-BlockedOperand BlockedA(const Fp8Tensor& t, bool rowwise) {
-  BlockedOperand out;
-  if (!t.grouped()) {
-    if (!t.block_scaled) return out;
-    const at::Tensor& grid = rowwise ? t.rowwise_scale_inv : t.columnwise_scale_inv;
-    out.codes = (rowwise ? t.rowwise : t.columnwise).data_ptr<uint8_t>();
-    out.grid = grid.data_ptr<float>();
-    out.block = rowwise ? t.rowwise_block : t.columnwise_block;
-    out.grid_ld = grid.size(1);
-    out.format = t.format;
-    return out;
-  }
-  if (!rowwise) return out;
-  const kernels::BlockShape block = t.groups[0].rowwise_block;
-  for (const Fp8Tensor& g : t.groups) {
-    if (!g.block_scaled || g.rowwise_block.rows != 1 || g.rowwise_block.cols != block.cols ||
-        g.format != t.groups[0].format) {
-      return out;
-    }
-  }
-  const int64_t grid_cols = kernels::BlockGridCols(t.cols, block);
-  out.stacked_codes = kernels::cpu::TakeScratch(size_t(t.rows * t.cols));
-  out.stacked_grid = kernels::cpu::TakeScratch(size_t(t.rows * grid_cols) * sizeof(float));
-  auto* codes = static_cast<uint8_t*>(out.stacked_codes.data());
-  float* grid = out.stacked_grid.floats();
-  int64_t row = 0;
-  for (const Fp8Tensor& g : t.groups) {
-    std::memcpy(codes + row * t.cols, g.rowwise.data_ptr<uint8_t>(), size_t(g.rows * g.cols));
-    std::memcpy(grid + row * grid_cols, g.rowwise_scale_inv.data_ptr<float>(),
-                size_t(g.rows * grid_cols) * sizeof(float));
-    row += g.rows;
-  }
-  out.codes = codes;
-  out.grid = grid;
-  out.block = block;
-  out.grid_ld = grid_cols;
-  out.format = t.groups[0].format;
   return out;
 }
 
