@@ -110,7 +110,7 @@ gradwire::server::ServerOptions ToServerOptions(const ServerConfig& c) {
   s.version = GRADWIRE_VERSION;
   s.stream_read_ahead = c.stream_read_ahead;
   // The config's check admits only the four names.
-  gradwire::core::ScalingModeByName(c.default_recipe.c_str(), &s.default_recipe);
+  gradwire::core::ScalingModeByName(c.default_recipe, &s.default_recipe);
   s.batching.max_rows = c.max_batch_rows;
   s.batching.delay = std::chrono::microseconds(c.batch_delay_us);
   s.batching.yield = c.batch_yield;

@@ -118,8 +118,8 @@ int RunDemo(gradwire::client::Cluster& cluster, const gradwire::cli::DemoOptions
   for (size_t i = 0; i < cluster.size(); ++i) servers += (i ? ", " : "") + cluster.address(i);
   const std::string recipe =
       options.recipe.empty() ? "the server's default recipe" : options.recipe + " scaling";
-  std::fprintf(stderr, "demo: %s, FP8 (%s), on %s (%s), batch %lld, SGD lr %g, %lld steps\n",
-               model, recipe.c_str(), servers.c_str(), info->device().c_str(),
+  std::fprintf(stderr, "demo: %s, FP8 (%s), on %s (%s), batch %lld, SGD lr %g, %lld steps\n", model,
+               recipe.c_str(), servers.c_str(), info->device().c_str(),
                static_cast<long long>(options.batch), options.learning_rate,
                static_cast<long long>(options.steps));
   auto result = gradwire::cli::RunDemo(cluster, options, stderr);

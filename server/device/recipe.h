@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace gradwire::device {
 
@@ -36,13 +37,10 @@ inline const char* ScalingModeName(ScalingMode mode) {
   return "unknown";
 }
 // The mode of a name ScalingModeName gives; false for any other.
-inline bool ScalingModeByName(const char* name, ScalingMode* mode) {
+inline bool ScalingModeByName(std::string_view name, ScalingMode* mode) {
   for (ScalingMode m :
        {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kBlock, ScalingMode::kMxfp8}) {
-    const char* n = ScalingModeName(m);
-    int i = 0;
-    while (n[i] != 0 && n[i] == name[i]) ++i;
-    if (n[i] == 0 && name[i] == 0) {
+    if (name == ScalingModeName(m)) {
       *mode = m;
       return true;
     }

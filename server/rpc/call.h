@@ -79,8 +79,8 @@ inline constexpr char kRouteHeader[] = "gradwire-route";
 class CallEnv {
  public:
   // `host`, `executor`, `options` and `quotas` must outlive the environment.
-  CallEnv(core::ModuleHost& host, scheduling::DeviceExecutor& executor, const ServiceOptions& options,
-          QuotaBook& quotas);
+  CallEnv(core::ModuleHost& host, scheduling::DeviceExecutor& executor,
+          const ServiceOptions& options, QuotaBook& quotas);
   // Joins the control thread: work still running there finishes against a live service.
   ~CallEnv();
   CallEnv(const CallEnv&) = delete;

@@ -62,7 +62,8 @@ using ServiceBase = service_base::All;
 class GradwireService final : public ServiceBase, private StepPipeline {
  public:
   // `host` and `executor` must outlive the service.
-  GradwireService(core::ModuleHost& host, scheduling::DeviceExecutor& executor, ServiceOptions options);
+  GradwireService(core::ModuleHost& host, scheduling::DeviceExecutor& executor,
+                  ServiceOptions options);
   ~GradwireService() override;
 
   using Ctx = grpc::CallbackServerContext;
@@ -166,7 +167,8 @@ class GradwireService final : public ServiceBase, private StepPipeline {
   void RunJob(const std::shared_ptr<Job<Step>>& job, absl::Status started);
   // A batch the batch former runs: each member prepared, one compute, each finished.
   template <typename Step>
-  void RunBatch(std::vector<scheduling::BatchFormer::Member>& members, scheduling::BatchFormer::Run& run);
+  void RunBatch(std::vector<scheduling::BatchFormer::Member>& members,
+                scheduling::BatchFormer::Run& run);
   template <typename Step>
   void Compute(const std::vector<std::shared_ptr<Job<Step>>>& ready, bool alone);
   template <typename Step>

@@ -43,8 +43,8 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 // waiting for the compute. With yielding on, it stops after the member it is on when another
 // client's work waits, and gives the members not started back to the batch former.
 template <typename Slot>
-std::vector<std::shared_ptr<Slot>> PrepareMembers(std::vector<scheduling::BatchFormer::Member>& members,
-                                                  scheduling::BatchFormer::Run& run) {
+std::vector<std::shared_ptr<Slot>> PrepareMembers(
+    std::vector<scheduling::BatchFormer::Member>& members, scheduling::BatchFormer::Run& run) {
   std::vector<std::shared_ptr<Slot>> ready;
   ready.reserve(members.size());
   for (size_t i = 0; i < members.size(); ++i) {
@@ -371,9 +371,8 @@ void GradwireService::Submit(const std::shared_ptr<Job<Step>>& job, std::functio
   job->batched = true;
   batcher_->Add(
       key, {caller.client, rows, job},
-      [this](std::vector<scheduling::BatchFormer::Member>& members, scheduling::BatchFormer::Run& run) {
-        RunBatch<Step>(members, run);
-      },
+      [this](std::vector<scheduling::BatchFormer::Member>& members,
+             scheduling::BatchFormer::Run& run) { RunBatch<Step>(members, run); },
       order);
 }
 
