@@ -37,7 +37,46 @@ absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field) 
     }
     numel *= d;
   }
-  return numel * element_size;
+  if (!t.has_block_scales()) {
+    if (t.has_columnwise_scales()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       ".columnwise_scales needs block_scales: a columnwise copy is of a "
+                       "block-scaled tensor"));
+    }
+    return numel * element_size;
+  }
+  if (!IsFp8(*dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".block_scales: only FP8 tensors have scales, this one is ", DTypeName(*dtype)));
+  }
+  if (t.scale_inv() != 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " has both scale_inv (", t.scale_inv(),
+                                                   ") and block_scales; send one of them"));
+  }
+  const int64_t cols = t.shape(t.shape_size() - 1), rows = numel / cols;
+  auto check = [&](const v1::BlockScales& b, const char* name, int64_t r, int64_t c) {
+    if (b.block_rows() < 1 || b.block_cols() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name,
+                                                     ": a block is at least 1 x 1, got ",
+                                                     b.block_rows(), " x ", b.block_cols()));
+    }
+    const int64_t grid_rows = (r - 1) / b.block_rows() + 1,
+                  grid_cols = (c - 1) / b.block_cols() + 1;
+    if (int64_t(b.scale_inv().size()) != grid_rows * grid_cols * 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".", name, ".scale_inv has ", b.scale_inv().size(), " bytes; ", b.block_rows(),
+          " x ", b.block_cols(), " blocks of a ", r, " x ", c, " matrix need ",
+          grid_rows * grid_cols, " float32 scales (", grid_rows * grid_cols * 4, " bytes)"));
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = check(t.block_scales(), "block_scales", rows, cols); !s.ok()) return s;
+  if (!t.has_columnwise_scales()) return numel;
+  if (absl::Status s = check(t.columnwise_scales(), "columnwise_scales", cols, rows); !s.ok()) {
+    return s;
+  }
+  return 2 * numel;  // the codes, then their transpose's
 }
 
 namespace {

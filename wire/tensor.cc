@@ -1,6 +1,7 @@
 #include "gradwire/wire/tensor.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -12,6 +13,29 @@ namespace {
 std::string ProtoName(v1::DType dtype) {
   const std::string& name = v1::DType_Name(dtype);
   return name.empty() ? std::to_string(int(dtype)) : name;
+}
+
+#define GW_WIRE_RETURN_IF_ERROR(expr) \
+  do {                                \
+    absl::Status _s = (expr);         \
+    if (!_s.ok()) return _s;          \
+  } while (false)
+
+// The scales of `b` (sizes checked by DataBytes) copied out, each finite and > 0.
+absl::Status ScalesOf(const v1::BlockScales& b, absl::string_view field, const char* name,
+                      BlockScales* out) {
+  out->block_rows = b.block_rows();
+  out->block_cols = b.block_cols();
+  out->scale_inv.resize(b.scale_inv().size() / sizeof(float));
+  std::memcpy(out->scale_inv.data(), b.scale_inv().data(), out->scale_inv.size() * sizeof(float));
+  for (size_t i = 0; i < out->scale_inv.size(); ++i) {
+    const float s = out->scale_inv[i];
+    if (!(std::isfinite(s) && s > 0.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".", name, ".scale_inv[", i, "] must be finite and > 0, got ", s));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -81,7 +105,14 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view data,
         "] of ", v1::DType_Name(t.dtype()), " needs ", *expected));
   }
   view.dtype = *FromProto(t.dtype(), field);  // DataBytes accepted it
-  if (IsFp8(view.dtype)) {
+  if (t.has_block_scales()) {  // DataBytes checked the block shapes and the grids' sizes
+    GW_WIRE_RETURN_IF_ERROR(ScalesOf(t.block_scales(), field, "block_scales", &view.blocks));
+    if (t.has_columnwise_scales()) {
+      GW_WIRE_RETURN_IF_ERROR(
+          ScalesOf(t.columnwise_scales(), field, "columnwise_scales", &view.columnwise));
+    }
+    view.scale_inv = 1.0f;
+  } else if (IsFp8(view.dtype)) {
     if (!(std::isfinite(t.scale_inv()) && t.scale_inv() > 0.0f)) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".scale_inv must be finite and > 0 for FP8 data, got ", t.scale_inv()));
@@ -96,30 +127,35 @@ void ToMessage(EncodedTensor&& e, v1::Tensor* out) {
   out->set_dtype(ToProto(e.dtype));
   out->mutable_shape()->Assign(e.shape.begin(), e.shape.end());
   out->set_data(std::move(e.bytes));
-  if (IsFp8(e.dtype)) {
+  out->clear_block_scales();
+  out->clear_columnwise_scales();
+  if (IsFp8(e.dtype) && e.blocks.present()) {
+    out->clear_scale_inv();
+    ToMessage(e.blocks, out->mutable_block_scales());
+    if (e.columnwise.present()) ToMessage(e.columnwise, out->mutable_columnwise_scales());
+  } else if (IsFp8(e.dtype)) {
     out->set_scale_inv(e.scale_inv);
   } else {
     out->clear_scale_inv();
   }
 }
 
+void ToMessage(const BlockScales& b, v1::BlockScales* out) {
+  out->set_block_rows(b.block_rows);
+  out->set_block_cols(b.block_cols);
+  out->set_scale_inv(b.scale_inv.data(), b.scale_inv.size() * sizeof(float));
+}
+
 void EncodeToMessage(const float* x, const std::vector<int64_t>& shape, DType dtype,
-                     v1::Tensor* out) {
-  int64_t n = shape.empty() ? 0 : 1;
-  for (int64_t d : shape) n *= d;
-  EncodedTensor e;
-  e.dtype = dtype;
-  e.shape = shape;
-  e.bytes.resize(size_t(n * ElementSize(dtype)));
-  e.scale_inv = EncodeTensor(x, n, dtype, e.bytes.data());
-  ToMessage(std::move(e), out);
+                     v1::Tensor* out, Fp8Scaling scaling, float known_amax) {
+  ToMessage(Encode(x, shape, dtype, scaling, known_amax), out);
 }
 
 absl::StatusOr<std::vector<float>> DecodeMessage(const v1::Tensor& t, absl::string_view field) {
   absl::StatusOr<TensorView> view = ViewOf(t, field);
   if (!view.ok()) return view.status();
   std::vector<float> out(size_t(view->numel()));
-  DecodeElements(view->dtype, view->data, view->numel(), view->scale_inv, out.data());
+  DecodeView(*view, out.data());
   return out;
 }
 

@@ -96,9 +96,10 @@ class RemoteOps {
  public:
   // Worker w calls module_ids[w % size], every call routed by its module (gradwire-route).
   // `fp8_input`: the modules' spec lets the exact wire send their input as E4M3
-  // (gradwire::client::ExactWireTakesFp8).
+  // (gradwire::client::ExactWireTakesFp8); `block`: their FP8 tensors' row blocks
+  // (RecipeBlockLength).
   RemoteOps(Client& client, const Options& o, const std::vector<std::string>& module_ids,
-            int64_t in, int64_t out, int workers, bool fp8_input)
+            int64_t in, int64_t out, int workers, bool fp8_input, int64_t block)
       : client_(client), flow_(o.flow) {
     using gradwire::client::WireDType;
     // Activations (input, output) and gradients (grad_output, grad_input); "fp8" is E4M3 for
@@ -116,14 +117,18 @@ class RemoteOps {
       f.set_training(o.flow == "step" || o.flow == "stream");
       f.set_output_dtype(gradwire::client::ToProto(dtype));
       HostTensor x = Random(o.rows, in, o.run.seed, 2 * uint64_t(w));
-      const WireDType in_dtype =
-          o.wire == "exact" ? gradwire::client::ExactInputDType(x, fp8_input) : dtype;
-      *f.mutable_input() = ToWire(x, in_dtype);
+      // As the client library forms them (host_tensor.h: InputForm, GradientForm).
+      const gradwire::client::WireForm form =
+          o.wire == "exact" ? gradwire::client::kExactWire : gradwire::client::WireForm(dtype);
+      *f.mutable_input() =
+          ToWire(x, gradwire::client::InputForm(form, x, true, fp8_input, block, f.training()));
       fwd_.push_back(std::move(f));
       v1::BackwardRequest b;
       b.set_grad_input_dtype(gradwire::client::ToProto(grad_dtype));
-      *b.mutable_grad_output() =
-          ToWire(Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1), grad_dtype);
+      const gradwire::client::WireForm grad_form =
+          o.wire == "exact" ? gradwire::client::kExactWire : gradwire::client::WireForm(grad_dtype);
+      *b.mutable_grad_output() = ToWire(Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1),
+                                        gradwire::client::GradientForm(grad_form, block));
       bwd_.push_back(std::move(b));
     }
   }
@@ -674,7 +679,8 @@ int main(int argc, char** argv) {
     for (int round = 0; round < o.rounds && rc == 0; ++round) {
       const int workers = concurrency;
       RemoteOps remote(client, o, module_ids, spec.in_features(), spec.out_features(), workers,
-                       gradwire::client::ExactWireTakesFp8(spec));
+                       gradwire::client::ExactWireTakesFp8(spec),
+                       gradwire::client::RecipeBlockLength(spec));
       bool shared = false;
       if (o.flow != "empty" &&
           (o.shared_memory == "on" ||
@@ -718,7 +724,7 @@ int main(int argc, char** argv) {
         Options empty = o;
         empty.flow = "empty";
         RemoteOps ping(client, empty, module_ids, spec.in_features(), spec.out_features(), workers,
-                       false);
+                       false, 0);
         run_one("empty-rpc", concurrency, [&](int w) { return ping.Run(w); });
       }
     }

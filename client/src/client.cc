@@ -420,13 +420,15 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
                                                    const std::string& context_id, bool* answered) {
   // The input's and the outputs' dtypes: one for all, or the exact wire's (host_tensor.h), which
   // needs the module's spec (known from CreateModule or ListModules, else asked for once).
+  // An FP8 form scales as the module's recipe does (row blocks under BLOCK and MXFP8).
   const WireForm& form = options_.wire_dtype;
-  WireDType in_dtype = form.dtype;
+  TensorForm in_form{form.dtype, {}};
   const WireDType out_dtype = form.dtype;
-  if (form.exact) {
+  if (form.exact || wire::IsFp8(form.dtype)) {
     const std::optional<ModuleShape> known = Shape(module_id);
-    in_dtype = ExactInputDType(input, known && known->fp8_input);
-    if (in_dtype == WireDType::kFp8E4M3) ++exact_fp8_inputs_;
+    in_form = InputForm(form, input, known.has_value(), known && known->fp8_input,
+                        known ? known->fp8_block : 0, training);
+    if (form.exact && wire::IsFp8(in_form.dtype)) ++exact_fp8_inputs_;
   }
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       !input.shape.empty() && input.shape.back() > 0) {
@@ -434,16 +436,16 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
     // alone is large enough, so that small calls never wait on a lookup.
     const int64_t min_bytes = int64_t(options_.shared_memory_min_kib) << 10;
     std::optional<ModuleShape> shape = shapes_->Find(module_id);
-    if (!shape && input.numel() * wire::ElementSize(in_dtype) >= min_bytes) {
+    if (!shape && in_form.Bytes(input.numel()) >= min_bytes) {
       shape = Shape(module_id);
     }
     if (shape) {
       const int64_t rows = input.numel() / input.shape.back();
       const int64_t output = rows * shape->out, ln = shape->layernorm_output ? rows * shape->in : 0;
-      const int64_t bytes = input.numel() * wire::ElementSize(in_dtype) +
-                            (output + ln) * wire::ElementSize(out_dtype);
+      const int64_t bytes =
+          in_form.Bytes(input.numel()) + (output + ln) * wire::ElementSize(out_dtype);
       if (bytes >= min_bytes) {
-        if (auto shared = ForwardShared(module_id, input, in_dtype, out_dtype, training, context_id,
+        if (auto shared = ForwardShared(module_id, input, in_form, out_dtype, training, context_id,
                                         output, ln, answered)) {
           return *std::move(shared);
         }
@@ -452,7 +454,7 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
   }
   v1::ForwardRequest req;
   req.set_module_id(module_id);
-  *req.mutable_input() = ToWire(input, in_dtype);
+  *req.mutable_input() = ToWire(input, in_form);
   req.set_training(training);
   req.set_context_id(context_id);
   req.set_output_dtype(ToProto(out_dtype));
@@ -510,10 +512,14 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   const WireDType dtype = options_.wire_dtype.dtype;
   v1::BackwardRequest req;
   req.set_context_id(context_id);
+  const std::string module_id = ModuleOfContext(context_id);  // its route
+  // FP8 gradients scale as the module's recipe does (row blocks under BLOCK and MXFP8).
+  const std::optional<ModuleShape> known =
+      wire::IsFp8(dtype) ? shapes_->Find(module_id) : std::nullopt;
+  const TensorForm grad_form = GradientForm(options_.wire_dtype, known ? known->fp8_block : 0);
   req.set_retain(options.retain);
   req.set_skip_grad_input(options.skip_grad_input);
   req.set_grad_input_dtype(ToProto(dtype));
-  const std::string module_id = ModuleOfContext(context_id);  // its route
   const int64_t grad_input_elements = shapes_->TakeContext(context_id, options.retain);
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       (grad_input_elements >= 0 || options.skip_grad_input)) {
@@ -524,14 +530,14 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
     if (elements * wire::ElementSize(dtype) >= int64_t(options_.shared_memory_min_kib) << 10) {
       const HostTensor* gln =
           options.grad_layernorm_output ? &*options.grad_layernorm_output : nullptr;
-      if (auto shared = BackwardShared(module_id, req, grad_output, gln, grad_input)) {
+      if (auto shared = BackwardShared(module_id, req, grad_output, gln, grad_input, grad_form)) {
         return *std::move(shared);
       }
     }
   }
-  *req.mutable_grad_output() = ToWire(grad_output, dtype);
+  *req.mutable_grad_output() = ToWire(grad_output, grad_form);
   if (options.grad_layernorm_output) {
-    *req.mutable_grad_layernorm_output() = ToWire(*options.grad_layernorm_output, dtype);
+    *req.mutable_grad_layernorm_output() = ToWire(*options.grad_layernorm_output, grad_form);
   }
   const int64_t request_bytes =
       int64_t(req.grad_output().data().size() + req.grad_layernorm_output().data().size());
@@ -738,11 +744,11 @@ int64_t Client::shared_memory_calls() const { return shared_memory_calls_.load()
 bool Client::shared_memory_off() const { return shm_->off(); }
 
 std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
-    const std::string& module_id, const HostTensor& input, WireDType in_dtype, WireDType out_dtype,
-    bool training, const std::string& context_id, int64_t output_elements,
+    const std::string& module_id, const HostTensor& input, const TensorForm& in_form,
+    WireDType out_dtype, bool training, const std::string& context_id, int64_t output_elements,
     int64_t layernorm_elements, bool* answered) {
   const uint64_t element = uint64_t(wire::ElementSize(out_dtype));
-  const uint64_t in = uint64_t(input.numel()) * uint64_t(wire::ElementSize(in_dtype)),
+  const uint64_t in = uint64_t(in_form.Bytes(input.numel())),
                  out = uint64_t(output_elements) * element,
                  ln = uint64_t(layernorm_elements) * element;
   internal::SharedMemoryPool::Lease lease = shm_->Acquire(Aligned(in) + Aligned(out) + ln);
@@ -753,7 +759,7 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
   req.set_training(training);
   req.set_context_id(context_id);
   req.set_output_dtype(ToProto(out_dtype));
-  auto written = WriteShared(region, 0, input, in_dtype);
+  auto written = WriteShared(region, 0, input, in_form.dtype, in_form.scaling);
   if (!written.ok()) return absl::StatusOr<ForwardResult>(written.status());
   *req.mutable_input() = *std::move(written);
   *req.mutable_output_shared_memory() = SharedRef(region.name(), Aligned(in), out);
@@ -786,23 +792,24 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
 
 std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
     const std::string& route, const v1::BackwardRequest& header, const HostTensor& grad_output,
-    const HostTensor* grad_layernorm_output, int64_t grad_input_elements) {
-  const WireDType dtype = options_.wire_dtype.dtype;
-  const uint64_t element = uint64_t(wire::ElementSize(dtype));
-  const uint64_t go = uint64_t(grad_output.numel()) * element,
-                 gln =
-                     grad_layernorm_output ? uint64_t(grad_layernorm_output->numel()) * element : 0,
-                 gi = uint64_t(grad_input_elements) * element;
+    const HostTensor* grad_layernorm_output, int64_t grad_input_elements,
+    const TensorForm& grad_form) {
+  const WireDType dtype = grad_form.dtype;
+  const uint64_t go = uint64_t(grad_form.Bytes(grad_output.numel())),
+                 gln = grad_layernorm_output
+                           ? uint64_t(grad_form.Bytes(grad_layernorm_output->numel()))
+                           : 0,
+                 gi = uint64_t(grad_input_elements) * uint64_t(wire::ElementSize(dtype));
   internal::SharedMemoryPool::Lease lease =
       shm_->Acquire(Aligned(go) + Aligned(gln) + std::max<uint64_t>(gi, 1));
   if (!lease) return std::nullopt;
   SharedRegion& region = lease.region();
   v1::BackwardRequest req = header;
-  auto written = WriteShared(region, 0, grad_output, dtype);
+  auto written = WriteShared(region, 0, grad_output, dtype, grad_form.scaling);
   if (!written.ok()) return absl::StatusOr<HostTensor>(written.status());
   *req.mutable_grad_output() = *std::move(written);
   if (grad_layernorm_output != nullptr) {
-    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, dtype);
+    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, dtype, grad_form.scaling);
     if (!ln.ok()) return absl::StatusOr<HostTensor>(ln.status());
     *req.mutable_grad_layernorm_output() = *std::move(ln);
   }

@@ -30,17 +30,45 @@ const char* WireFormName(const WireForm& form) {
   return form.exact ? "exact" : wire::DTypeName(form.dtype);
 }
 
-WireDType ExactInputDType(const HostTensor& input, bool fp8_input) {
+WireDType ExactInputDType(const HostTensor& input, bool fp8_input, float* amax_out) {
+  if (amax_out != nullptr) *amax_out = -1.0f;
   if (!fp8_input || input.numel() == 0) return WireDType::kF32;
   // NaN propagates through the amax, and an infinity is its own: both stay F32, so the server
   // sees the values themselves and answers as it does on the F32 wire.
   const float amax = wire::AbsMax(input.data.data(), input.numel());
+  if (amax_out != nullptr) *amax_out = amax;
   return std::isfinite(amax) ? WireDType::kFp8E4M3 : WireDType::kF32;
 }
 
-v1::Tensor ToWire(const HostTensor& t, WireDType dtype) {
+TensorForm InputForm(const WireForm& form, const HostTensor& input, bool known, bool fp8_input,
+                     int64_t block, bool training) {
+  if (form.exact) {
+    TensorForm f;
+    f.dtype = ExactInputDType(input, known && fp8_input, &f.amax);
+    if (wire::IsFp8(f.dtype)) f.scaling = {block, training && block > 0};
+    return f;
+  }
+  TensorForm f{form.dtype, {}};
+  if (wire::IsFp8(f.dtype) && known) f.scaling = {block, false};
+  return f;
+}
+
+TensorForm GradientForm(const WireForm& form, int64_t block) {
+  if (form.exact) return {};
+  TensorForm f{form.dtype, {}};
+  if (wire::IsFp8(f.dtype)) f.scaling = {block, false};
+  return f;
+}
+
+v1::Tensor ToWire(const HostTensor& t, const TensorForm& form) {
   v1::Tensor out;
-  wire::EncodeToMessage(t.data.data(), t.shape, dtype, &out);
+  wire::EncodeToMessage(t.data.data(), t.shape, form.dtype, &out, form.scaling, form.amax);
+  return out;
+}
+
+v1::Tensor ToWire(const HostTensor& t, WireDType dtype, wire::Fp8Scaling scaling) {
+  v1::Tensor out;
+  wire::EncodeToMessage(t.data.data(), t.shape, dtype, &out, scaling);
   return out;
 }
 
@@ -52,7 +80,7 @@ absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t, absl::string_view data)
   HostTensor out;
   out.shape = view->shape;
   out.data.resize(size_t(view->numel()));
-  wire::DecodeElements(view->dtype, view->data, view->numel(), view->scale_inv, out.data.data());
+  wire::DecodeView(*view, out.data.data());
   return out;
 }
 

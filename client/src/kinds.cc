@@ -54,9 +54,21 @@ std::vector<std::pair<std::string, int64_t>> KindWidths(const v1::ModuleSpec& sp
 bool ExactWireTakesFp8(const v1::ModuleSpec& spec) {
   const v1::KindDescription* d = DescribeKind(spec.kind());
   const v1::ScalingRecipe scaling = spec.recipe().scaling();
-  return d != nullptr && d->fp8_input() &&
-         (scaling == v1::CURRENT || scaling == v1::SCALING_RECIPE_UNSPECIFIED) &&
+  if (d == nullptr || !d->fp8_input()) return false;
+  if (scaling == v1::BLOCK || scaling == v1::MXFP8) return true;
+  return (scaling == v1::CURRENT || scaling == v1::SCALING_RECIPE_UNSPECIFIED) &&
          spec.recipe().margin() == 0;
+}
+
+int64_t RecipeBlockLength(const v1::ModuleSpec& spec) {
+  switch (spec.recipe().scaling()) {
+    case v1::BLOCK:
+      return 128;
+    case v1::MXFP8:
+      return 32;
+    default:
+      return 0;
+  }
 }
 
 std::vector<std::string> KindCliNames() {

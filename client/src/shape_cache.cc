@@ -14,6 +14,7 @@ void ShapeCache::Remember(const v1::ModuleInfo& info) {
       KindReads(spec.kind(), "return_layernorm_output") && spec.return_layernorm_output();
   shape.gated = spec.activation() == v1::SWIGLU || spec.activation() == v1::GEGLU;
   shape.fp8_input = ExactWireTakesFp8(spec);
+  shape.fp8_block = RecipeBlockLength(spec);
   std::lock_guard<std::mutex> lock(mu_);
   modules_[info.module_id()] = shape;
 }

@@ -73,8 +73,10 @@ namespace {
 
 absl::StatusOr<v1::Tensor> WriteAt(char* base, size_t size, const std::string& what,
                                    const std::string& region, uint64_t offset, const HostTensor& t,
-                                   WireDType dtype) {
-  const uint64_t bytes = uint64_t(t.numel()) * uint64_t(wire::ElementSize(dtype));
+                                   WireDType dtype, wire::Fp8Scaling scaling) {
+  const bool blocked = wire::IsFp8(dtype) && scaling.block > 0;
+  const uint64_t bytes = blocked ? uint64_t(wire::Fp8Bytes(t.numel(), scaling))
+                                 : uint64_t(t.numel()) * uint64_t(wire::ElementSize(dtype));
   if (offset > size || bytes > size - offset) {
     return absl::InvalidArgumentError(absl::StrCat("a tensor of ", bytes, " bytes at offset ",
                                                    offset, " does not fit the ", size, "-byte ",
@@ -83,8 +85,18 @@ absl::StatusOr<v1::Tensor> WriteAt(char* base, size_t size, const std::string& w
   v1::Tensor out;
   out.set_dtype(wire::ToProto(dtype));
   out.mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-  const float scale_inv = wire::EncodeTensor(t.data.data(), t.numel(), dtype, base + offset);
-  if (wire::IsFp8(dtype)) out.set_scale_inv(scale_inv);
+  if (blocked) {
+    const int64_t cols = t.shape.empty() ? 0 : t.shape.back();
+    wire::BlockScales columnwise;
+    const wire::BlockScales rowwise =
+        wire::EncodeBlocks(t.data.data(), cols > 0 ? t.numel() / cols : 0, cols, dtype, scaling,
+                           base + offset, &columnwise);
+    wire::ToMessage(rowwise, out.mutable_block_scales());
+    if (columnwise.present()) wire::ToMessage(columnwise, out.mutable_columnwise_scales());
+  } else {
+    const float scale_inv = wire::EncodeTensor(t.data.data(), t.numel(), dtype, base + offset);
+    if (wire::IsFp8(dtype)) out.set_scale_inv(scale_inv);
+  }
   *out.mutable_shared_memory() = SharedRef(region, offset, bytes);
   return out;
 }
@@ -103,21 +115,26 @@ absl::StatusOr<HostTensor> ReadAt(const char* base, size_t size, const std::stri
         "the tensor's ", ref.byte_size(), " bytes at offset ", ref.offset(), " are not the ",
         *bytes, " its shape needs inside the ", size, "-byte ", what));
   }
-  absl::StatusOr<wire::DType> dtype = wire::FromProto(header.dtype(), "tensor.dtype");
-  if (!dtype.ok()) return dtype.status();
+  // The header's every other check is the wire's (dtype, scales), over the bytes in the buffer.
+  v1::Tensor inline_header = header;
+  inline_header.clear_shared_memory();
+  absl::StatusOr<wire::TensorView> view =
+      wire::ViewOf(inline_header, absl::string_view(base + ref.offset(), size_t(*bytes)), "tensor");
+  if (!view.ok()) return view.status();
   HostTensor out;
-  out.shape.assign(header.shape().begin(), header.shape().end());
+  out.shape = view->shape;
   out.data.resize(size_t(out.numel()));
-  wire::DecodeElements(*dtype, base + ref.offset(), out.numel(),
-                       wire::IsFp8(*dtype) ? header.scale_inv() : 1.0f, out.data.data());
+  wire::DecodeView(*view, out.data.data());
   return out;
 }
 
 }  // namespace
 
 absl::StatusOr<v1::Tensor> WriteShared(SharedMemoryBuffer& buffer, const std::string& region,
-                                       uint64_t offset, const HostTensor& t, WireDType dtype) {
-  return WriteAt(buffer.data(), buffer.size(), "buffer " + buffer.key(), region, offset, t, dtype);
+                                       uint64_t offset, const HostTensor& t, WireDType dtype,
+                                       wire::Fp8Scaling scaling) {
+  return WriteAt(buffer.data(), buffer.size(), "buffer " + buffer.key(), region, offset, t, dtype,
+                 scaling);
 }
 
 absl::StatusOr<HostTensor> ReadShared(const SharedMemoryBuffer& buffer, const v1::Tensor& header) {
@@ -125,9 +142,9 @@ absl::StatusOr<HostTensor> ReadShared(const SharedMemoryBuffer& buffer, const v1
 }
 
 absl::StatusOr<v1::Tensor> WriteShared(SharedRegion& region, uint64_t offset, const HostTensor& t,
-                                       WireDType dtype) {
+                                       WireDType dtype, wire::Fp8Scaling scaling) {
   return WriteAt(region.data(), region.size(), "region " + region.name(), region.name(), offset, t,
-                 dtype);
+                 dtype, scaling);
 }
 
 absl::StatusOr<HostTensor> ReadShared(const SharedRegion& region, const v1::Tensor& header) {

@@ -23,12 +23,12 @@ bool TrainStream::SendForward(uint64_t request_id, const std::string& module_id,
   req.set_request_id(request_id);
   v1::ForwardRequest* f = req.mutable_forward();
   f->set_module_id(module_id);
-  WireDType in_dtype = wire_dtype_.dtype;
-  if (wire_dtype_.exact) {
-    const std::optional<ModuleShape> known = shapes_ ? shapes_->Find(module_id) : std::nullopt;
-    in_dtype = ExactInputDType(input, known && known->fp8_input);
-  }
-  *f->mutable_input() = ToWire(input, in_dtype);
+  // As Client::Forward forms it, from the modules this client has seen.
+  const std::optional<ModuleShape> known = shapes_ ? shapes_->Find(module_id) : std::nullopt;
+  const TensorForm in_form =
+      InputForm(wire_dtype_, input, known.has_value(), known && known->fp8_input,
+                known ? known->fp8_block : 0, training);
+  *f->mutable_input() = ToWire(input, in_form);
   f->set_training(training);
   f->set_output_dtype(ToProto(wire_dtype_.dtype));
   return Send(req);
@@ -40,7 +40,12 @@ bool TrainStream::SendBackward(uint64_t request_id, const std::string& context_i
   req.set_request_id(request_id);
   v1::BackwardRequest* b = req.mutable_backward();
   b->set_context_id(context_id);
-  *b->mutable_grad_output() = ToWire(grad_output, wire_dtype_.dtype);
+  // FP8 gradients scale as the module's recipe does where the context's module is known.
+  const std::string module_id = shapes_ ? shapes_->ModuleOfContext(context_id) : std::string();
+  const std::optional<ModuleShape> known =
+      module_id.empty() ? std::nullopt : shapes_->Find(module_id);
+  *b->mutable_grad_output() =
+      ToWire(grad_output, GradientForm(wire_dtype_, known ? known->fp8_block : 0));
   b->set_retain(options.retain);
   b->set_skip_grad_input(options.skip_grad_input);
   b->set_grad_input_dtype(ToProto(wire_dtype_.dtype));

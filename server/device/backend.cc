@@ -93,6 +93,22 @@ at::Tensor Backend::FpropBf16(const Fp8Tensor& x, const Fp8Tensor& w,
   return NarrowBf16(Fprop(x, w, bias));
 }
 
+wire::EncodedTensor Backend::ToWireScaled(const at::Tensor& x, wire::DType dtype,
+                                          std::vector<int64_t> shape,
+                                          wire::Fp8Scaling scaling) const {
+  if (!wire::IsFp8(dtype) || scaling.block <= 0) return ToWire(x, dtype, std::move(shape));
+  const at::Tensor host = ToHost(x.to(at::kFloat)).contiguous();
+  return wire::Encode(host.data_ptr<float>(), std::move(shape), dtype, scaling);
+}
+
+at::Tensor HostFromBlockScaledWire(const wire::TensorView& v, int64_t rows, int64_t cols,
+                                   Fp8Tensor* codes, CastUsage usage) {
+  if (codes != nullptr) *codes = FromBlockCodes(v, rows, cols, usage);
+  at::Tensor out = at::empty({rows, cols}, at::TensorOptions().dtype(at::kFloat));
+  wire::DecodeView(v, out.data_ptr<float>());
+  return out;
+}
+
 at::Tensor Backend::FromWireBf16(const wire::TensorView& v, int64_t rows, int64_t cols) const {
   if (v.dtype != wire::DType::kBF16 || rows * cols != v.numel()) {
     throw std::logic_error("FromWireBf16: not a bf16 view of rows x cols");

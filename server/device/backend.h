@@ -96,6 +96,7 @@ class Backend {
   // bytes on the host backends (keep them alive while the result is used). For an FP8 view,
   // `codes` (when not null) also receives its codes as they came, with the copies `usage` asks
   // for, so a module can use them without re-quantizing.
+  // A block-scaled view's codes are FromBlockCodes' (only the copies that arrived).
   virtual at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                               Fp8Tensor* codes, CastUsage usage) const = 0;
   // x as float32 on this device: x itself when it is float32, a bfloat16 x widened (exactly).
@@ -114,6 +115,11 @@ class Backend {
   // encoded tensor reports (x's element count).
   virtual wire::EncodedTensor ToWire(const at::Tensor& x, wire::DType dtype,
                                      std::vector<int64_t> shape) const = 0;
+  // ToWire, except that FP8 under block scaling (scaling.block > 0) is encoded on the host with
+  // a power-of-two scale per 1 x block run of each row (wire::Encode), as the BLOCK and MXFP8
+  // recipes' FP8 outputs and gradients go.
+  wire::EncodedTensor ToWireScaled(const at::Tensor& x, wire::DType dtype,
+                                   std::vector<int64_t> shape, wire::Fp8Scaling scaling) const;
 
   // Decodes one stored copy back to fp32 (rowwise: [rows, cols]; else [cols, rows]).
   virtual at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) const = 0;
@@ -246,5 +252,10 @@ bool CudaBackendBuilt();
 // gives it until it is set, else 0.
 void SetCudaStaging(int64_t chunk_bytes);
 int64_t CudaStaging();
+
+// FromWire of a block-scaled FP8 view (v.blocks present) on the host: its decoded values as fp32
+// [rows, cols], and in `codes` (when not null) its codes as they came (FromBlockCodes).
+at::Tensor HostFromBlockScaledWire(const wire::TensorView& v, int64_t rows, int64_t cols,
+                                   Fp8Tensor* codes, CastUsage usage);
 
 }  // namespace gradwire::device

@@ -352,6 +352,7 @@ class CpuBackend final : public ReferenceBackend {
   // encode takes one scale from the whole tensor's amax, as the codec does.
   at::Tensor FromWire(const wire::TensorView& v, int64_t rows, int64_t cols, Fp8Tensor* codes,
                       CastUsage usage) const override {
+    if (v.blocks.present()) return HostFromBlockScaledWire(v, rows, cols, codes, usage);
     if (wire::IsFp8(v.dtype) && codes != nullptr) {
       *codes = FromCodes(static_cast<const uint8_t*>(v.data), rows, cols, Fp8FormatOf(v.dtype),
                          v.scale_inv, usage);

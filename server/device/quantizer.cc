@@ -177,6 +177,76 @@ Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::F
   return out;
 }
 
+Fp8Tensor FromBlockCodes(const wire::TensorView& v, int64_t rows, int64_t cols, CastUsage usage) {
+  if (!wire::IsFp8(v.dtype) || !v.blocks.present() || rows * cols != v.numel()) {
+    throw std::logic_error("FromBlockCodes: not a block-scaled FP8 view of rows x cols");
+  }
+  Fp8Tensor out;
+  out.format =
+      v.dtype == wire::DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
+  out.rows = rows;
+  out.cols = cols;
+  out.block_scaled = true;
+  const auto bytes = at::TensorOptions().dtype(at::kByte);
+  const auto floats = at::TensorOptions().dtype(at::kFloat);
+  auto grid = [&](const wire::BlockScales& b, int64_t r, int64_t c) {
+    const kernels::BlockShape shape{b.block_rows, b.block_cols};
+    at::Tensor t =
+        at::empty({kernels::BlockGridRows(r, shape), kernels::BlockGridCols(c, shape)}, floats);
+    std::memcpy(t.data_ptr<float>(), b.scale_inv.data(), b.scale_inv.size() * sizeof(float));
+    return t;
+  };
+  const auto* codes = static_cast<const uint8_t*>(v.data);
+  out.rowwise_block = {v.blocks.block_rows, v.blocks.block_cols};
+  out.rowwise_scale_inv = grid(v.blocks, rows, cols);
+  float max_scale_inv = 0.0f;
+  for (float s : v.blocks.scale_inv) max_scale_inv = std::max(max_scale_inv, s);
+  // The largest |decoded value|, NaN when a code is NaN: what a cast of those values measures.
+  const float* table = kernels::DecodeTable(out.format);
+  const float* scales = v.blocks.scale_inv.data();
+  const int64_t grid_cols = kernels::BlockGridCols(cols, out.rowwise_block);
+  float amax = 0.0f;
+  for (int64_t r = 0; r < rows && !std::isnan(amax); ++r) {
+    const float* row_scales = scales + (r / out.rowwise_block.rows) * grid_cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float a =
+          std::fabs(table[codes[r * cols + c]]) * row_scales[c / out.rowwise_block.cols];
+      if (std::isnan(a)) {
+        amax = a;
+        break;
+      }
+      amax = std::max(amax, a);
+    }
+  }
+  out.scalars = CastScalars(1.0f, 1.0f, amax);
+  if (usage.rowwise) {
+    out.rowwise = at::empty({rows, cols}, bytes);
+    std::memcpy(out.rowwise.data_ptr<uint8_t>(), codes, size_t(rows * cols));
+  }
+  if (usage.columnwise && v.columnwise.present()) {
+    out.columnwise_block = {v.columnwise.block_rows, v.columnwise.block_cols};
+    out.columnwise_scale_inv = grid(v.columnwise, cols, rows);
+    out.columnwise = at::empty({cols, rows}, bytes);
+    std::memcpy(out.columnwise.data_ptr<uint8_t>(), v.columnwise_codes(), size_t(rows * cols));
+    for (float s : v.columnwise.scale_inv) max_scale_inv = std::max(max_scale_inv, s);
+  }
+  out.max_scale_inv = max_scale_inv > 0.0f ? max_scale_inv : 1.0f;
+  return out;
+}
+
+bool CodesServeInput(const wire::TensorView& v, ScalingMode mode, bool training) {
+  if (!wire::IsFp8(v.dtype)) return false;
+  if (!BlockScaled(mode)) return !v.blocks.present();
+  if (!v.blocks.present() || v.dtype != wire::DType::kFp8E4M3) return false;
+  QuantizerConfig q;
+  SetBlockScaling(q, mode, /*weight=*/false);
+  auto is = [](const wire::BlockScales& b, kernels::BlockShape shape) {
+    return b.block_rows == shape.rows && b.block_cols == shape.cols && b.PowersOfTwoInRange();
+  };
+  if (!is(v.blocks, q.rowwise_block)) return false;
+  return !training || (v.columnwise.present() && is(v.columnwise, q.columnwise_block));
+}
+
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) {
   const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
   at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));

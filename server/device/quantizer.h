@@ -12,6 +12,7 @@
 #include "gradwire/kernels/fp8.h"
 #include "gradwire/kernels/ref/block_scaling.h"
 #include "gradwire/kernels/ref/cast.h"
+#include "gradwire/wire/codec.h"
 #include "server/device/fp8_tensor.h"
 #include "server/device/recipe.h"
 
@@ -106,6 +107,18 @@ absl::StatusOr<Fp8Tensor> QuantizeBlockScaled(const at::Tensor& x, const Quantiz
 // infinity, as a cast of such values would measure).
 Fp8Tensor FromCodes(const uint8_t* codes, int64_t rows, int64_t cols, kernels::Fp8Format format,
                     float scale_inv, CastUsage usage);
+
+// An FP8 tensor from block-scaled codes that arrived already cast (a wire view of rows x cols
+// with block scales): the rowwise copy with its blocks and scales, and the columnwise copy when
+// the view has one and `usage` asks for it (nothing is cast: a columnwise copy the view lacks
+// stays absent). amax is the largest |decoded value| (NaN when a code is NaN).
+Fp8Tensor FromBlockCodes(const wire::TensorView& v, int64_t rows, int64_t cols, CastUsage usage);
+
+// True when FP8 input codes as they arrived are exactly what a module under `mode` makes of its
+// input (the input role's cast), so that it may compute with them as they are: one scale under
+// the per-tensor recipes (CURRENT, DELAYED); under BLOCK and MXFP8, E4M3 with the role's block
+// shape and power-of-two scales in the block range, and in `training` the columnwise copy too.
+bool CodesServeInput(const wire::TensorView& v, ScalingMode mode, bool training);
 
 // The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
 // backward must use so its FP8 data is bit-identical to the forward's.

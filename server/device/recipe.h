@@ -22,6 +22,12 @@ inline bool BlockScaled(ScalingMode mode) {
   return mode == ScalingMode::kBlock || mode == ScalingMode::kMxfp8;
 }
 
+// The block length along a row of the block-scaled recipes' activations and gradients (BLOCK
+// 128, MXFP8 32), which their FP8 wire tensors use too; 0 for the per-tensor recipes.
+inline int64_t ActivationBlockLength(ScalingMode mode) {
+  return mode == ScalingMode::kBlock ? 128 : mode == ScalingMode::kMxfp8 ? 32 : 0;
+}
+
 // "current", "delayed", "block", "mxfp8": what logs, GetState and the CLI call it.
 inline const char* ScalingModeName(ScalingMode mode) {
   switch (mode) {

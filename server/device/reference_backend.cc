@@ -35,6 +35,7 @@ at::Tensor ReferenceBackend::Dequantize(const Fp8Tensor& t, bool rowwise) const 
 
 at::Tensor ReferenceBackend::FromWire(const wire::TensorView& v, int64_t rows, int64_t cols,
                                       Fp8Tensor* codes, CastUsage usage) const {
+  if (v.blocks.present()) return HostFromBlockScaledWire(v, rows, cols, codes, usage);
   if (wire::IsFp8(v.dtype) && codes != nullptr) {
     *codes = device::FromCodes(static_cast<const uint8_t*>(v.data), rows, cols,
                                Fp8FormatOf(v.dtype), v.scale_inv, usage);

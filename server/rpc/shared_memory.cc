@@ -557,6 +557,8 @@ absl::StatusOr<wire::TensorView> RequestTensors::Gather(
   header.set_dtype(t.dtype());
   *header.mutable_shape() = t.shape();
   header.set_scale_inv(t.scale_inv());
+  if (t.has_block_scales()) *header.mutable_block_scales() = t.block_scales();
+  if (t.has_columnwise_scales()) *header.mutable_columnwise_scales() = t.columnwise_scales();
   return wire::ViewOf(header, absl::string_view(bytes_at, size_t(bytes)), field);
 }
 

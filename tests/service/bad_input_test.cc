@@ -429,6 +429,49 @@ std::vector<Case> Cases() {
       return t;
     });
   }
+  // --- Forward: FP8 block scales.
+  auto blocked = [](bool columnwise) {
+    return client::ToWire(Random({2, kIn}), WireDType::kFp8E4M3, {8, columnwise});
+  };
+  fwd_input("ForwardBlockScalesBesideScaleInv", "has both scale_inv", "lin", [blocked] {
+    v1::Tensor t = blocked(false);
+    t.set_scale_inv(1.0f);
+    return t;
+  });
+  fwd_input("ForwardBlockScalesShortGrid", "input.block_scales.scale_inv has 12 bytes", "lin",
+            [blocked] {
+              v1::Tensor t = blocked(false);
+              t.mutable_block_scales()->mutable_scale_inv()->resize(12);
+              return t;
+            });
+  fwd_input("ForwardBlockScalesZeroBlock", "a block is at least 1 x 1", "lin", [blocked] {
+    v1::Tensor t = blocked(true);
+    t.mutable_columnwise_scales()->set_block_rows(0);
+    return t;
+  });
+  fwd_input("ForwardBlockScalesNaNScale", "input.block_scales.scale_inv[3] must be finite", "lin",
+            [blocked] {
+              v1::Tensor t = blocked(false);
+              const float nan = kNaN;
+              t.mutable_block_scales()->mutable_scale_inv()->replace(
+                  12, 4, reinterpret_cast<const char*>(&nan), 4);
+              return t;
+            });
+  fwd_input("ForwardBlockScalesOnF32", "only FP8 tensors have scales", "lin", [blocked] {
+    v1::Tensor t = Wire({2, kIn});
+    *t.mutable_block_scales() = blocked(false).block_scales();
+    return t;
+  });
+  fwd_input("ForwardColumnwiseWithoutItsCodes", "input.data has 32 bytes", "lin", [blocked] {
+    v1::Tensor t = blocked(true);
+    t.mutable_data()->resize(2 * kIn);
+    return t;
+  });
+  fwd_input("ForwardBlockScaledNaNCode", "input must be finite", "lin", [blocked] {
+    v1::Tensor t = blocked(false);
+    (*t.mutable_data())[5] = '\x7f';  // E4M3's NaN
+    return t;
+  });
   fwd("ForwardBadOutputDType", kInvalid, "output_dtype must be", "lin", [](Env& e) {
     v1::ForwardRequest r = e.ForwardReq("lin", Wire({2, kIn}));
     r.set_output_dtype(static_cast<v1::DType>(77));
@@ -495,6 +538,13 @@ std::vector<Case> Cases() {
       Prep::kContext, [](Env& e, const std::string& ctx) {
         v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}, WireDType::kFp8E5M2));
         r.mutable_grad_output()->set_scale_inv(0.0f);
+        return r;
+      });
+  bwd("BackwardBlockScalesShortGrid", kInvalid, "grad_output.block_scales.scale_inv has 4 bytes",
+      "lin", Prep::kContext, [](Env& e, const std::string& ctx) {
+        v1::BackwardRequest r =
+            e.BackwardReq(ctx, client::ToWire(Random({2, kOut}), WireDType::kFp8E5M2, {4, false}));
+        r.mutable_grad_output()->mutable_block_scales()->mutable_scale_inv()->resize(4);
         return r;
       });
   bwd("BackwardNaNGradOutput", kInvalid, "grad_output must be finite", "lin", Prep::kContext,

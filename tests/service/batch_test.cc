@@ -184,7 +184,9 @@ TEST_P(BatchServiceTest, ARequestPastItsDeadlineInsideABatchFailsAloneAndTheOthe
 TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
   // Current or block scaling, so no request's numbers depend on the order the batch put it in:
   // each output and each context's grad_input must be a plain server's bits. Clients on the exact
-  // wire (the default: a Linear's input under CURRENT arrives as its FP8 codes) and on F32.
+  // wire (the default: a Linear's input arrives as its FP8 codes, under BLOCK and MXFP8 with
+  // their row blocks and columnwise copy), on F32, and on the FP8 wire (block-scaled both ways
+  // under BLOCK and MXFP8: each request's results carry their own blocks).
   GatherRound round;
   TestServer batched([&](rpc::ServiceOptions& o) {
     o.batching.max_rows = 512;
@@ -193,13 +195,15 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
   });
   TestServer plain;
   auto b = batched.Connect();
-  auto p = plain.Connect();
-  for (const client::WireForm form :
-       {client::kExactWire, client::WireForm(client::WireDType::kF32)})
+  for (const client::WireForm form : {client::kExactWire, client::WireForm(client::WireDType::kF32),
+                                      client::WireForm(client::WireDType::kFp8E4M3)})
     for (v1::ScalingRecipe recipe : kRecipes)
       for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_MLP}) {
         SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe) + " " +
                      client::WireFormName(form));
+        client::ClientOptions same_form;  // the plain server's client sends alike
+        same_form.wire_dtype = form;
+        auto p = plain.Connect(same_form);
         const std::string mb = CreateModule(*b, kind, 3, recipe),
                           mp = CreateModule(*p, kind, 3, recipe);
         constexpr int kClients = 12;

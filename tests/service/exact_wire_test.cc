@@ -1,10 +1,14 @@
 // The exact wire (client/host_tensor.h: WireForm), the clients' default: a forward's input to a
-// module that casts it to E4M3 first under current scaling with margin 0 crosses as that cast;
-// everything else crosses as F32. Every kind and recipe gives the F32 wire's results bit for bit
-// (outputs, input gradients, weight gradients, the weights after optimizer steps), and only a
-// Linear under CURRENT with margin 0 gets FP8 input.
+// module that casts it to E4M3 first under current scaling with margin 0, BLOCK or MXFP8 crosses
+// as that cast (under the block recipes with the recipe's row blocks and, in training, the
+// columnwise copy); everything else crosses as F32. Every kind and recipe gives the F32 wire's
+// results bit for bit (outputs, input gradients, weight gradients, the weights after optimizer
+// steps), and only a Linear under those recipes gets FP8 input. The lossy FP8 wire under the
+// block recipes carries block scales both ways.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -59,6 +63,7 @@ v1::ModuleSpec WithRecipe(v1::ModuleSpec spec, v1::ScalingRecipe scaling, int ma
 std::vector<Case> Cases() {
   const v1::ModuleSpec linear = testing::LinearSpec(96, 40, /*bias=*/true, 11);
   const v1::ModuleSpec linear_nobias = testing::LinearSpec(96, 40, /*bias=*/false, 12);
+  const v1::ModuleSpec linear_wide = testing::LinearSpec(300, 40, /*bias=*/true, 16);
   const v1::ModuleSpec ln_linear = testing::LayerNormLinearSpec(96, 40, /*bias=*/true, 13);
   v1::ModuleSpec ln_linear_out = ln_linear;
   ln_linear_out.set_return_layernorm_output(true);
@@ -69,8 +74,11 @@ std::vector<Case> Cases() {
       {"LinearUnspecifiedRecipe", WithRecipe(linear_nobias, v1::SCALING_RECIPE_UNSPECIFIED), true},
       {"LinearCurrentMargin", WithRecipe(linear, v1::CURRENT, 2), false},
       {"LinearDelayed", WithRecipe(linear, v1::DELAYED), false},
-      {"LinearBlock", WithRecipe(linear, v1::BLOCK), false},
-      {"LinearMxfp8", WithRecipe(linear_nobias, v1::MXFP8), false},
+      {"LinearBlock", WithRecipe(linear, v1::BLOCK), true},
+      {"LinearMxfp8", WithRecipe(linear_nobias, v1::MXFP8), true},
+      // Rows of two full blocks and a partial one (128 + 128 + 44; MXFP8 9 x 32 + 12).
+      {"LinearBlockWide", WithRecipe(linear_wide, v1::BLOCK), true},
+      {"LinearMxfp8Wide", WithRecipe(linear_wide, v1::MXFP8), true},
   };
   for (v1::ScalingRecipe r : {v1::CURRENT, v1::DELAYED, v1::BLOCK, v1::MXFP8}) {
     cases.push_back({"LayerNormLinear", WithRecipe(ln_linear, r), false});
@@ -223,6 +231,71 @@ TEST_P(ExactWireTest, TheTrainStreamGivesTheF32WiresBits) {
   EXPECT_TRUE(sa->Finish().ok());
   EXPECT_TRUE(sb->Finish().ok());
   ExpectSameTensors(*exact_->GetGradients(ma), *f32_->GetGradients(mb), "gradients");
+}
+
+// The FP8 wire under BLOCK and MXFP8 scales each tensor by the recipe's row blocks both ways
+// (docs/wire.md, "Block scales"): one outlier of 3e6 in row 0 leaves the other rows' outputs
+// as close to the F32 wire's as a clean batch's are, where one scale for the tensor (CURRENT)
+// loses them; the results come back with their blocks (seen on the Train stream's messages).
+TEST_P(ExactWireTest, TheFp8WireKeepsAnOutlierToItsRowUnderBlockRecipes) {
+  client::ClientOptions options;
+  options.wire_dtype = WireDType::kFp8E4M3;
+  options.shared_memory = GetParam();
+  options.shared_memory_min_kib = 4;
+  auto fp8 = server_.Connect(options);
+  const HostTensor x = Random({32, 256});
+  HostTensor outlier = x;
+  outlier.data[3] = 3e6f;
+  for (v1::ScalingRecipe recipe : {v1::BLOCK, v1::MXFP8, v1::CURRENT}) {
+    SCOPED_TRACE(client::RecipeName(recipe));
+    const v1::ModuleSpec spec = WithRecipe(testing::LinearSpec(256, 128, true, 21), recipe);
+    const std::string m8 = fp8->CreateModule(spec)->module_id();
+    const std::string mf = f32_->CreateModule(spec)->module_id();
+    // The worst relative error of rows 1..31 of the FP8 wire's output against the F32 wire's.
+    auto rows_error = [&](const HostTensor& in) {
+      auto a = fp8->Forward(m8, in, false);
+      auto b = f32_->Forward(mf, in, false);
+      EXPECT_TRUE(a.ok() && b.ok());
+      if (!a.ok() || !b.ok()) return 0.0;
+      double worst = 0.0;
+      for (int64_t r = 1; r < 32; ++r) {
+        double diff = 0.0, ref = 0.0;
+        for (int64_t c = 0; c < 128; ++c) {
+          const size_t i = size_t(r * 128 + c);
+          diff = std::max(diff, std::fabs(double(a->output.data[i]) - double(b->output.data[i])));
+          ref = std::max(ref, std::fabs(double(b->output.data[i])));
+        }
+        worst = std::max(worst, diff / ref);
+      }
+      return worst;
+    };
+    const double clean = rows_error(x), with_outlier = rows_error(outlier);
+    EXPECT_GT(clean, 0.0);  // the FP8 wire rounds
+    EXPECT_LT(clean, 0.2);
+    if (recipe == v1::CURRENT) {
+      EXPECT_GT(with_outlier, 0.5) << "one scale for the tensor: the other rows are lost";
+      continue;
+    }
+    EXPECT_LE(with_outlier, 1.5 * clean) << "clean " << clean;
+    // The results' form, on the stream's messages.
+    const int64_t block = recipe == v1::BLOCK ? 128 : 32;
+    auto stream = fp8->OpenTrainStream();
+    ASSERT_TRUE(stream->SendForward(1, m8, outlier, true));
+    auto r = stream->Read();
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->code(), 0) << r->message();
+    const v1::Tensor& y = r->forward().output();
+    EXPECT_EQ(y.dtype(), v1::FP8_E4M3);
+    EXPECT_EQ(y.scale_inv(), 0.0f);
+    EXPECT_EQ(y.block_scales().block_rows(), 1);
+    EXPECT_EQ(y.block_scales().block_cols(), block);
+    ASSERT_TRUE(stream->SendBackward(2, r->forward().context_id(), Random({32, 128})));
+    r = stream->Read();
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->code(), 0) << r->message();
+    EXPECT_EQ(r->backward().grad_input().block_scales().block_cols(), block);
+    EXPECT_TRUE(stream->Finish().ok());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

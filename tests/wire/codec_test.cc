@@ -15,7 +15,9 @@
 
 #include "gradwire/kernels/dtype.h"
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/block_scaling.h"
 #include "gradwire/kernels/ref/cast.h"
+#include "gradwire/wire/chunking.h"
 #include "gradwire/wire/tensor.h"
 
 namespace gradwire::wire {
@@ -216,6 +218,134 @@ TEST(WireTensor, MessagesRoundTrip) {
   for (size_t i = 0; i < x.size(); ++i) {
     EXPECT_NEAR((*qb)[i], x[i], 0.125 * std::fabs(x[i]) + 1e-3) << i;  // E5M2: 2 mantissa bits
   }
+}
+
+// Block-scaled FP8 (docs/wire.md, "Block scales"): the codes and scales are the reference block
+// cast's, both copies; the message carries them and decodes to the codes times their block's
+// scale; every malformed field is refused, named.
+TEST(WireTensor, BlockScaledTensorsAreTheReferenceCastBothWays) {
+  const int64_t rows = 37, cols = 300;  // partial blocks at both edges
+  std::vector<float> x = Random(rows * cols, 3.0f, 17);
+  x[5 * cols + 7] = 3e6f;  // an outlier costs only its own block
+  x[9 * cols + 200] = NAN;
+  x[11 * cols + 3] = -INFINITY;
+  for (int64_t c = 0; c < 128; ++c) x[20 * cols + c] = 0.0f;  // a block of zeros
+  for (DType dtype : {DType::kFp8E4M3, DType::kFp8E5M2}) {
+    const kernels::Fp8Format format =
+        dtype == DType::kFp8E4M3 ? kernels::Fp8Format::kE4M3 : kernels::Fp8Format::kE5M2;
+    for (int64_t block : {128, 32}) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + " block " + std::to_string(block));
+      v1::Tensor m;
+      EncodeToMessage(x.data(), {rows, cols}, dtype, &m, {block, /*columnwise=*/true});
+      EXPECT_EQ(m.scale_inv(), 0.0f);
+      ASSERT_EQ(m.data().size(), size_t(2 * rows * cols));
+      // The reference: rowwise 1 x block, and x blocked block x 1, transposed.
+      const int64_t gc = (cols + block - 1) / block, gr = (rows + block - 1) / block;
+      std::vector<uint8_t> codes(size_t(rows * cols)), codes_t(size_t(rows * cols));
+      std::vector<float> scales(size_t(rows * gc)), scales_t(size_t(cols * gr));
+      kernels::QuantizeBlocks(x.data(), rows, cols, {1, block}, format, codes.data(), scales.data(),
+                              nullptr, nullptr);
+      kernels::QuantizeBlocks(x.data(), rows, cols, {block, 1}, format, nullptr, nullptr,
+                              codes_t.data(), scales_t.data());
+      EXPECT_EQ(std::memcmp(m.data().data(), codes.data(), codes.size()), 0);
+      EXPECT_EQ(std::memcmp(m.data().data() + rows * cols, codes_t.data(), codes_t.size()), 0);
+      ASSERT_EQ(m.block_scales().block_rows(), 1);
+      ASSERT_EQ(m.block_scales().block_cols(), block);
+      ASSERT_EQ(m.block_scales().scale_inv().size(), scales.size() * 4);
+      EXPECT_EQ(std::memcmp(m.block_scales().scale_inv().data(), scales.data(), scales.size() * 4),
+                0);
+      ASSERT_EQ(m.columnwise_scales().block_rows(), 1);
+      ASSERT_EQ(m.columnwise_scales().block_cols(), block);
+      ASSERT_EQ(m.columnwise_scales().scale_inv().size(), scales_t.size() * 4);
+      EXPECT_EQ(std::memcmp(m.columnwise_scales().scale_inv().data(), scales_t.data(),
+                            scales_t.size() * 4),
+                0);
+      auto view = ViewOf(m, "input");
+      ASSERT_TRUE(view.ok()) << view.status();
+      EXPECT_EQ(view->bytes(), 2 * rows * cols);
+      EXPECT_TRUE(view->blocks.PowersOfTwoInRange());
+      EXPECT_TRUE(view->columnwise.PowersOfTwoInRange());
+      auto decoded = DecodeMessage(m, "input");
+      ASSERT_TRUE(decoded.ok());
+      std::vector<float> want(size_t(rows * cols));
+      kernels::DequantizeBlocks(codes.data(), rows, cols, {1, block}, scales.data(), format,
+                                want.data());
+      size_t differ = 0;
+      for (size_t i = 0; i < want.size(); ++i) differ += Bits(want[i]) != Bits((*decoded)[i]);
+      EXPECT_EQ(differ, 0u);
+      // Rows other than the outlier's keep their precision.
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = x[6 * cols + c];
+        EXPECT_NEAR((*decoded)[size_t(6 * cols + c)], v, std::fabs(v) * 0.13f + 1e-6f) << c;
+      }
+      // Without the columnwise copy: the codes alone.
+      v1::Tensor one;
+      EncodeToMessage(x.data(), {rows, cols}, dtype, &one, {block, false});
+      EXPECT_EQ(one.data().size(), size_t(rows * cols));
+      EXPECT_FALSE(one.has_columnwise_scales());
+      auto again = DecodeMessage(one, "input");
+      ASSERT_TRUE(again.ok());
+      differ = 0;
+      for (size_t i = 0; i < want.size(); ++i) differ += Bits(want[i]) != Bits((*again)[i]);
+      EXPECT_EQ(differ, 0u);
+    }
+  }
+}
+
+TEST(WireTensor, MalformedBlockScalesAreRefusedAndNamed) {
+  const std::vector<float> x = Random(4 * 40, 1.0f, 5);
+  v1::Tensor good;
+  EncodeToMessage(x.data(), {4, 40}, DType::kFp8E4M3, &good, {32, true});
+  ASSERT_TRUE(ViewOf(good, "input").ok());
+  auto refused = [](const v1::Tensor& t, const std::string& words) {
+    auto v = ViewOf(t, "input");
+    ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_NE(v.status().message().find(words), absl::string_view::npos) << v.status();
+  };
+  v1::Tensor both = good;
+  both.set_scale_inv(1.0f);
+  refused(both, "both scale_inv");
+  v1::Tensor not_fp8 = good;
+  not_fp8.set_dtype(v1::BF16);
+  not_fp8.set_data(std::string(4 * 40 * 2, '\0'));
+  refused(not_fp8, "only FP8 tensors have scales");
+  v1::Tensor zero_block = good;
+  zero_block.mutable_block_scales()->set_block_cols(0);
+  refused(zero_block, "at least 1 x 1");
+  v1::Tensor short_grid = good;
+  short_grid.mutable_block_scales()->mutable_scale_inv()->resize(4);
+  refused(short_grid, "input.block_scales.scale_inv has 4 bytes");
+  v1::Tensor bad_scale = good;
+  const float nan = NAN;
+  bad_scale.mutable_block_scales()->mutable_scale_inv()->replace(
+      4, 4, reinterpret_cast<const char*>(&nan), 4);
+  refused(bad_scale, "input.block_scales.scale_inv[1] must be finite and > 0");
+  v1::Tensor negative = good;
+  const float minus = -0.5f;
+  negative.mutable_columnwise_scales()->mutable_scale_inv()->replace(
+      0, 4, reinterpret_cast<const char*>(&minus), 4);
+  refused(negative, "input.columnwise_scales.scale_inv[0]");
+  v1::Tensor lone_columnwise = good;
+  lone_columnwise.clear_block_scales();
+  lone_columnwise.set_scale_inv(1.0f);
+  refused(lone_columnwise, "columnwise_scales needs block_scales");
+  v1::Tensor one_copy_of_data = good;
+  one_copy_of_data.mutable_data()->resize(4 * 40);
+  refused(one_copy_of_data, "input.data has 160 bytes");
+  EXPECT_EQ(*DataBytes(good, "input"), 2 * 4 * 40);
+  // Scales that are not powers of two in the block range are accepted, but are not a recipe's.
+  v1::Tensor odd = good;
+  const float third = 1.0f / 3.0f;
+  odd.mutable_block_scales()->mutable_scale_inv()->replace(
+      0, 4, reinterpret_cast<const char*>(&third), 4);
+  auto v = ViewOf(odd, "input");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_FALSE(v->blocks.PowersOfTwoInRange());
+  EXPECT_TRUE(v->columnwise.PowersOfTwoInRange());
+  BlockScales wide{1, 32, {std::ldexp(1.0f, 51)}};
+  EXPECT_FALSE(wide.PowersOfTwoInRange());
+  wide.scale_inv = {std::ldexp(1.0f, 50), std::ldexp(1.0f, -50)};
+  EXPECT_TRUE(wide.PowersOfTwoInRange());
 }
 
 }  // namespace

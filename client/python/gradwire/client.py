@@ -261,14 +261,17 @@ class Client:
             stream).
         wire_dtype: how activations and gradients travel. "exact" (the default) changes no
             result: every tensor travels as "f32" does, except a forward's input to a module
-            that casts it to E4M3 first under current scaling with margin 0 (a Linear under
-            CURRENT), which travels as the server's own cast of it, codes and scale_inv bit for
-            bit (a quarter of the bytes; an input that is not all finite travels as itself).
-            The results are "f32"'s, bit for bit. "f32": every tensor as float32. Lossy, one
-            dtype both ways: "bf16", "f16" (halve the bytes), or "fp8" (a quarter: E4M3
-            activations and E5M2 gradients, each tensor with a current-scaling scale of its
-            own; the server uses FP8 input codes as they are). With "exact" and "f32", a
-            bfloat16 or float16 tensor travels in its own dtype (it loses nothing).
+            that casts it to E4M3 first in a way the client repeats bit for bit (a Linear under
+            CURRENT with margin 0, BLOCK or MXFP8), which travels as the server's own cast of
+            it: codes and scale_inv under CURRENT (a quarter of the bytes), codes and block
+            scales under BLOCK and MXFP8, with the columnwise copy in a training forward (half
+            the bytes; a quarter in inference). An input that is not all finite travels as
+            itself. The results are "f32"'s, bit for bit. "f32": every tensor as float32.
+            Lossy, one dtype both ways: "bf16", "f16" (halve the bytes), or "fp8" (a quarter:
+            E4M3 activations and E5M2 gradients, each tensor with a current-scaling scale of its
+            own, or for a module under BLOCK or MXFP8 with block scales of 1 x 128 / 1 x 32
+            along each row; the server uses FP8 input codes as they are). With "exact" and
+            "f32", a bfloat16 or float16 tensor travels in its own dtype (it loses nothing).
         max_message_mib: largest message sent or received.
         token: bearer token for a server that requires tokens (default: the ``GRADWIRE_TOKEN``
             environment variable, if set).
@@ -741,7 +744,7 @@ class Client:
         ``context_id``: the id a training forward's context takes (32 random hex digits;
         empty: the server draws one)."""
         dtype = self.activation_dtype if dtype is None else dtype
-        header, data = self._encode_input(module_id, x, dtype)
+        header, data = self._encode_input(module_id, x, dtype, training)
         return Outgoing(service_pb2.ForwardRequest(
             module_id=module_id, input=header, training=training, output_dtype=dtype,
             context_id=context_id), {_FORWARD_INPUT: data})
@@ -749,36 +752,72 @@ class Client:
     def exact_fp8_input(self, module_id: str) -> bool:
         """Whether this client's forwards send ``module_id``'s input as E4M3 codes: the wire is
         "exact" and the module's spec allows it (``gradwire.kinds.exact_fp8_input``; the spec is
-        asked of the server once when this client has not seen the module)."""
+        asked of the server once when this client has not seen the module). Under BLOCK and
+        MXFP8 the codes come with block scales (``fp8_block``)."""
         if self.wire_dtype != "exact":
             return False
         spec = self._spec(module_id)
         return spec is not None and kinds.exact_fp8_input(spec)
 
-    def _encode_input(self, module_id: str, x: torch.Tensor, dtype: int) -> wire.Encoded:
+    def fp8_block(self, module_id: Optional[str]) -> int:
+        """The block length FP8 tensors to and from ``module_id`` are scaled in: 128 under the
+        BLOCK recipe, 32 under MXFP8 (``gradwire.kinds.block_size``), 0 (one scale per tensor)
+        under the others and for a module whose spec the client cannot learn."""
+        if not module_id:
+            return 0
+        spec = self._spec(module_id)
+        return kinds.block_size(spec) if spec is not None else 0
+
+    def _encode_input(self, module_id: str, x: torch.Tensor, dtype: int,
+                      training: bool) -> wire.Encoded:
         """A forward's input as it travels when the output travels as ``dtype``: under the
         exact wire, the server's own E4M3 cast of it when the module takes that (and ``dtype``
-        is a full-precision one: F32, or the caller's BF16 / F16); else ``x`` as ``dtype``."""
+        is a full-precision one: F32, or the caller's BF16 / F16): one scale under CURRENT, block
+        scales under BLOCK and MXFP8, with the columnwise copy in ``training``; else ``x`` as
+        ``dtype`` (FP8 with the module's block scales under BLOCK and MXFP8)."""
+        if dtype in (wire.F32, wire.BF16, wire.F16):
+            if self.exact_fp8_input(module_id):
+                block = self.fp8_block(module_id)
+                encoded = (wire.encode_exact_block_input(x, block, training) if block
+                           else wire.encode_exact_input(x))
+                if encoded is not None:
+                    return encoded
+            return wire.encode(x, dtype)
+        return wire.encode(x, dtype, self._wire_block(module_id, dtype))
+
+    def _wire_block(self, module_id: Optional[str], dtype: int) -> int:
+        """The block length a tensor sent as ``dtype`` to ``module_id`` takes: the module's
+        (``fp8_block``) for an FP8 dtype, else 0."""
+        return self.fp8_block(module_id) if dtype in (wire.FP8_E4M3, wire.FP8_E5M2) else 0
+
+    def _input_bytes(self, module_id: str, x: torch.Tensor, dtype: int, training: bool) -> int:
+        """The bytes of codes or values ``_encode_input`` makes of ``x``, without encoding it
+        (a non-finite input, which travels as itself, is counted as codes)."""
         if dtype in (wire.F32, wire.BF16, wire.F16) and self.exact_fp8_input(module_id):
-            encoded = wire.encode_exact_input(x)
-            if encoded is not None:
-                return encoded
-        return wire.encode(x, dtype)
+            # E4M3 codes; under BLOCK and MXFP8 a training forward's columnwise copy too.
+            return x.numel() * (2 if training and self.fp8_block(module_id) else 1)
+        return x.numel() * wire.element_size(dtype)
 
     def backward_request(self, context_id: str, grad_output: torch.Tensor,
                          skip_grad_input: bool = False, retain: bool = False,
                          grad_layernorm_output: Optional[torch.Tensor] = None,
-                         dtype: Optional[int] = None) -> Outgoing:
+                         dtype: Optional[int] = None,
+                         module_id: Optional[str] = None) -> Outgoing:
         """The BackwardRequest of ``grad_output``: it travels, and grad_input comes back, as
         ``dtype`` (default: this client's gradient wire dtype). An ``Outgoing``, as
-        ``forward_request`` makes."""
+        ``forward_request`` makes. ``module_id``: the context's module (default: the one this
+        client's forward made the context for), whose recipe says whether FP8 gradients carry
+        block scales."""
         dtype = self.gradient_dtype if dtype is None else dtype
-        header, data = wire.encode(grad_output, dtype)
+        if module_id is None:
+            module_id = self._context_modules.get(context_id)
+        block = self._wire_block(module_id, dtype)
+        header, data = wire.encode(grad_output, dtype, block)
         req = Outgoing(service_pb2.BackwardRequest(
             context_id=context_id, grad_output=header, retain=retain,
             skip_grad_input=skip_grad_input, grad_input_dtype=dtype), {_GRAD_OUTPUT: data})
         if grad_layernorm_output is not None:
-            header, data = wire.encode(grad_layernorm_output, dtype)
+            header, data = wire.encode(grad_layernorm_output, dtype, block)
             req.message.grad_layernorm_output.CopyFrom(header)
             req.data[_GRAD_LAYERNORM_OUTPUT] = data
         return req
@@ -946,7 +985,7 @@ class Client:
             if done:
                 return grad_input
         req = self.backward_request(context_id, grad_output, skip_grad_input, retain,
-                                    grad_layernorm_output, dtype)
+                                    grad_layernorm_output, dtype, module_id)
         sent = req.nbytes
         try:
             if self._use_chunked(sent, 0 if skip_grad_input else sent):
@@ -990,15 +1029,15 @@ class Client:
         size = wire.element_size(dtype)
         rows = x.numel() // x.shape[-1]
         # The input's bytes as it will travel (E4M3 under the exact wire for a module that takes
-        # it, as its encoding below says for sure), to decide before encoding anything.
-        in_bytes = x.numel() * (1 if dtype in (wire.F32, wire.BF16, wire.F16)
-                                and self.exact_fp8_input(module_id) else size)
+        # it, with the columnwise copy of a training forward under BLOCK and MXFP8, as its
+        # encoding below says for sure), to decide before encoding anything.
+        in_bytes = self._input_bytes(module_id, x, dtype, training)
         out_bytes = rows * spec.out_features * size
         ln = _returns_layernorm(spec)
         ln_bytes = rows * spec.in_features * size if ln else 0
         if in_bytes + out_bytes + ln_bytes < self._shm_min:
             return None
-        encoded = self._encode_input(module_id, x, dtype)
+        encoded = self._encode_input(module_id, x, dtype, training)
         in_bytes = encoded.data.nbytes
         at_out = self._aligned(in_bytes)
         at_ln = at_out + self._aligned(out_bytes)
@@ -1038,6 +1077,7 @@ class Client:
         context one of this client's forwards made."""
         dtype = self.gradient_dtype if dtype is None else dtype
         size = wire.element_size(dtype)
+        block = self._wire_block(module_id, dtype)
         go_bytes = grad_output.numel() * size
         gln_bytes = grad_layernorm_output.numel() * size \
             if grad_layernorm_output is not None else 0
@@ -1053,10 +1093,10 @@ class Client:
             req = service_pb2.BackwardRequest(context_id=context_id, retain=retain,
                                               skip_grad_input=skip_grad_input,
                                               grad_input_dtype=dtype)
-            req.grad_output.CopyFrom(region.write(0, grad_output, dtype))
+            req.grad_output.CopyFrom(region.write(0, grad_output, dtype, block))
             if grad_layernorm_output is not None:
                 req.grad_layernorm_output.CopyFrom(
-                    region.write(at_gln, grad_layernorm_output, dtype))
+                    region.write(at_gln, grad_layernorm_output, dtype, block))
             if gi_bytes:
                 req.grad_input_shared_memory.CopyFrom(region.ref(at_gi, gi_bytes))
             try:
@@ -1114,7 +1154,7 @@ class Client:
         req = service_pb2.ForwardRequest(module_id=module_id, training=training,
                                          output_dtype=self.activation_dtype)
         req.input.CopyFrom(region.write_encoded(
-            offset, self._encode_input(module_id, x, self.activation_dtype)))
+            offset, self._encode_input(module_id, x, self.activation_dtype, training)))
         at = offset + req.input.shared_memory.byte_size
         out_bytes = rows * spec.out_features * size
         req.output_shared_memory.CopyFrom(region.ref(at, out_bytes))
@@ -1137,11 +1177,13 @@ class Client:
         req = service_pb2.BackwardRequest(context_id=context_id, retain=retain,
                                           skip_grad_input=skip_grad_input,
                                           grad_input_dtype=self.gradient_dtype)
-        req.grad_output.CopyFrom(region.write(offset, grad_output, self.gradient_dtype))
+        module_id = self._context_modules.get(context_id)
+        req.grad_output.CopyFrom(region.write(
+            offset, grad_output, self.gradient_dtype,
+            self._wire_block(module_id, self.gradient_dtype)))
         if not skip_grad_input:
             at = offset + req.grad_output.shared_memory.byte_size
             req.grad_input_shared_memory.CopyFrom(region.ref(at, region.size - at))
-        module_id = self._context_modules.get(context_id)
         try:
             resp = self._call("Backward", req, context_id, route=module_id)
         except GradwireError as e:
@@ -1342,10 +1384,8 @@ def _assemble(method: str, parts: Iterable[Received], response_type) -> Received
             header = response_type()
             header.CopyFrom(msg.header)
             for path, t in _slots(header):
-                n = 1
-                for d in t.shape:
-                    n *= d
-                size = n * wire.element_size(t.dtype)
+                # numel elements; for FP8 with a columnwise copy, twice that.
+                size = wire.data_bytes(t)
                 sizes.append(size)
                 paths.append(path + (tensor_messages.DATA,))
                 # Not zero-filled: every byte is written by a chunk before it is read.

@@ -60,13 +60,23 @@ def widths(spec: module_pb2.ModuleSpec) -> List[Tuple[str, int]]:
     return [] if d is None else [(f, getattr(spec, f)) for f in d.widths]
 
 
+def block_size(spec: module_pb2.ModuleSpec) -> int:
+    """The block length of the module's recipe along a row of an activation or a gradient: 128
+    under BLOCK, 32 under MXFP8, 0 under the per-tensor recipes (CURRENT, DELAYED, unspecified).
+    An FP8 tensor to or from such a module crosses with block scales of 1 x that length."""
+    return {module_pb2.BLOCK: 128, module_pb2.MXFP8: 32}.get(spec.recipe.scaling, 0)
+
+
 def exact_fp8_input(spec: module_pb2.ModuleSpec) -> bool:
     """Whether the exact wire sends a forward's input to a module of ``spec`` as E4M3 codes: its
     kind takes FP8 input codes as they arrive (``KindDescription.fp8_input``: a Linear) and its
-    recipe is CURRENT (or unspecified) with margin 0, so that the client's current-scaling cast is
-    the server's, bit for bit. DELAYED (the server's history sets the scale), BLOCK and MXFP8 (a
-    scale per block) and a margin keep the input as it is."""
+    recipe's cast of the input is one the client makes bit for bit: CURRENT (or unspecified)
+    with margin 0 (one scale, ``wire.encode_exact_input``), BLOCK or MXFP8 (a power-of-two scale
+    per 1 x ``block_size`` block of a row, and in training the columnwise copy too:
+    ``wire.encode_exact_block_input``). DELAYED (the server's history sets the scale) and a
+    margin keep the input as it is."""
     d = describe(spec.kind)
-    return (d is not None and d.fp8_input
-            and spec.recipe.scaling in (module_pb2.SCALING_RECIPE_UNSPECIFIED, module_pb2.CURRENT)
-            and spec.recipe.margin == 0)
+    if d is None or not d.fp8_input or spec.recipe.margin != 0:
+        return False
+    return spec.recipe.scaling in (module_pb2.SCALING_RECIPE_UNSPECIFIED, module_pb2.CURRENT,
+                                   module_pb2.BLOCK, module_pb2.MXFP8)

@@ -53,13 +53,18 @@ class _RegionIO:
     def buffer(self) -> memoryview:
         raise NotImplementedError
 
-    def write(self, offset: int, t: torch.Tensor, dtype: int) -> tensor_pb2.Tensor:
-        """Encodes ``t`` as proto dtype ``dtype`` at ``offset``; returns the request tensor that
+    def write(self, offset: int, t: torch.Tensor, dtype: int,
+              block: int = 0) -> tensor_pb2.Tensor:
+        """Encodes ``t`` as proto dtype ``dtype`` at ``offset`` (FP8 with block scales of
+        1 x ``block`` when ``block`` > 0, ``wire.encode``); returns the request tensor that
         references it."""
-        return self.write_encoded(offset, wire.encode(t, dtype))
+        return self.write_encoded(offset, wire.encode(t, dtype, block))
 
     def write_encoded(self, offset: int, encoded: "wire.Encoded") -> tensor_pb2.Tensor:
-        """``write`` of a tensor already encoded (``wire.encode``, ``wire.encode_exact_input``)."""
+        """``write`` of a tensor already encoded (``wire.encode``, ``wire.encode_exact_input``,
+        ``wire.encode_exact_block_input``). The region gets its bytes (for a block-scaled FP8
+        tensor the codes, both copies with a columnwise one, which ``byte_size`` counts); the
+        returned header keeps dtype, shape and scales (scale_inv, or the block scales)."""
         msg, data = encoded
         n = data.nbytes
         if offset < 0 or offset + n > self.size:

@@ -221,8 +221,10 @@ class TrainStream:
                  dtype: Optional[int] = None) -> Future:
         """Future of grad_input (None with skip_grad_input). ``retain`` keeps the context for
         another backward."""
+        # The context's module: this stream's (a routed one), else the one the client's forward
+        # made the context for (its recipe says whether FP8 gradients carry block scales).
         req = self.client.backward_request(context_id, grad_output, skip_grad_input, retain,
-                                           dtype=dtype)
+                                           dtype=dtype, module_id=self.route)
 
         def decode(resp) -> Optional[torch.Tensor]:
             b = resp.field("backward")

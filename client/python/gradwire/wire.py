@@ -2,11 +2,14 @@
 
 The encoders and decoders here round exactly as the server's wire codec does
 (``gradwire/wire/codec.h``): 16-bit floats by round to nearest even, FP8 with a current-scaling
-scale of the tensor's own (its amax maps to the format's largest value, margin 0) and the
-reference rounding of ``kernels::EncodeFp8``. ``tests/test_fp8_wire.py`` checks that bit for bit
-against a running server.
+scale of the tensor's own (its amax maps to the format's largest value, margin 0) or with block
+scales (a power-of-two scale for each run of ``block`` elements of a row, as the BLOCK and MXFP8
+recipes cast: docs/block-scaling.md, "Exact definitions"), and the reference rounding of
+``kernels::EncodeFp8``. ``tests/test_fp8_wire.py`` checks that bit for bit against a running
+server, ``tests/test_block_wire.py`` against a float64 model of the block definition.
 """
 
+import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -21,10 +24,12 @@ FP8_E4M3 = tensor_pb2.FP8_E4M3
 FP8_E5M2 = tensor_pb2.FP8_E5M2
 
 # Wire dtype name -> (proto enum of activations, proto enum of gradients). "fp8" sends
-# activations as E4M3 and gradients as E5M2, as the server's FP8 recipe casts them. "exact" (the
-# clients' default) is F32, except that a forward's input to a module that casts it to E4M3 first
-# under current scaling with margin 0 (``gradwire.kinds.exact_fp8_input``) crosses as that cast,
-# codes and scale_inv bit for bit (``encode_exact_input``): the F32 wire's results, bit for bit.
+# activations as E4M3 and gradients as E5M2, as the server's FP8 recipe casts them (with block
+# scales of the recipe's block length for a module under BLOCK or MXFP8). "exact" (the clients'
+# default) is F32, except that a forward's input to a module that casts it to E4M3 first in a way
+# the client can repeat (``gradwire.kinds.exact_fp8_input``) crosses as that cast, codes and
+# scales bit for bit (``encode_exact_input``, ``encode_exact_block_input``): the F32 wire's
+# results, bit for bit.
 WIRE_DTYPES: Dict[str, Tuple[int, int]] = {
     "exact": (F32, F32),
     "f32": (F32, F32),
@@ -44,6 +49,9 @@ _FP8 = {
 }
 _NAN_CODE = 0x7F
 _FLT_MAX = 3.4028234663852886e38
+# The block recipes' scale exponents: 2^e with e in [-50, 50] (docs/block-scaling.md).
+BLOCK_EXPONENT_MIN = -50
+BLOCK_EXPONENT_MAX = 50
 
 
 def element_size(dtype: int) -> int:
@@ -54,6 +62,11 @@ def element_size(dtype: int) -> int:
 def _pow2(k: torch.Tensor) -> torch.Tensor:
     """2**k as float32, exactly, for integer k in the normal range (built from its bits)."""
     return ((k + 127).to(torch.int32) << 23).view(torch.float32)
+
+
+def _pow2_double(k: torch.Tensor) -> torch.Tensor:
+    """2**k as float64, exactly, for integer k in [-1022, 1023] (built from its bits)."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
 def fp8_scale(amax: torch.Tensor, dtype: int) -> torch.Tensor:
@@ -118,12 +131,92 @@ def fp8_decode(codes: torch.Tensor, dtype: int) -> torch.Tensor:
     return (sign * value).float()
 
 
+def block_scale_exponents(amax: torch.Tensor, dtype: int) -> torch.Tensor:
+    """The scale exponent e (int64) of each block of this amax (the largest |value| of the
+    block's finite elements): the smallest integer with amax <= fp8_max * 2^e, clamped to
+    [-50, 50]; 0 for an amax of 0 (and NaN), 50 for an infinite one. Exact: amax and
+    fp8_max * 2^e compare in float64, where both are exact."""
+    a = amax.to(torch.float64)
+    fmax = _FP8[dtype][4]
+    positive = a > 0
+    finite = torch.isfinite(a)
+    ordinary = positive & finite
+    # a = m 2^k with m in [0.5, 1): k less fp8_max's own k is e or e - 1; the comparisons settle
+    # it (each fp8_max * 2^e is exact in float64).
+    safe = torch.where(ordinary, a, torch.ones_like(a))
+    e = torch.frexp(safe)[1].to(torch.int64) - math.frexp(fmax)[1]
+    e = e + (safe > _pow2_double(e) * fmax).to(torch.int64)
+    e = e - (safe <= _pow2_double(e - 1) * fmax).to(torch.int64)
+    e = torch.clamp(e, BLOCK_EXPONENT_MIN, BLOCK_EXPONENT_MAX)
+    e = torch.where(ordinary, e, torch.zeros_like(e))
+    return torch.where(positive & ~finite, torch.full_like(e, BLOCK_EXPONENT_MAX), e)
+
+
+def encode_row_blocks(x: torch.Tensor, dtype: int, block: int) -> Tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """The block cast of the matrix ``x`` [rows, cols] (float32) with blocks of 1 x ``block``
+    along each row: (codes, uint8 [rows, cols]; scale_inv, float32 [rows, ceil(cols / block)]).
+    Per block: amax of its finite elements, e from ``block_scale_exponents``, scale_inv = 2^e,
+    codes = ``fp8_encode(x * 2^-e)`` (the product in float32); the last block of a row holds what
+    is left of it, scaled from its own elements."""
+    if block < 1:
+        raise ValueError(f"block length must be >= 1, got {block}")
+    x = x.to(device="cpu", dtype=torch.float32)
+    rows, cols = x.shape
+    grid = -(-cols // block)
+    pad = grid * block - cols
+    # Padding with zeros changes no amax (the padded codes are dropped).
+    xp = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
+    xb = xp.view(rows, grid, block)
+    a = xb.abs()
+    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=torch.float32))
+    e = block_scale_exponents(a.amax(dim=2), dtype)
+    codes = fp8_encode(xb * _pow2(-e).unsqueeze(2), dtype).view(rows, grid * block)
+    if pad:
+        codes = codes[:, :cols].contiguous()
+    return codes, _pow2(e)
+
+
+def _scales_bytes(scale_inv: torch.Tensor) -> bytes:
+    return scale_inv.contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def encode_blocks(t: torch.Tensor, dtype: int, block: int,
+                  columnwise: bool = False) -> "Encoded":
+    """``t`` (at least one dimension) as FP8 ``dtype`` with block scales of 1 x ``block`` over
+    the matrix [rows, cols] it reads as (cols its last dimension): ``encode_row_blocks``. With
+    ``columnwise``, the data also holds the codes of the transpose [cols, rows] cast the same way
+    (the columnwise copy: ``block`` x 1 blocks of ``t``), and the header its scales."""
+    if dtype not in _FP8:
+        raise ValueError(f"block scales are for FP8 dtypes only, not {dtype}")
+    x = t.detach().to(device="cpu", dtype=torch.float32)
+    if x.dim() == 0:
+        raise ValueError("a block-scaled tensor needs at least one dimension")
+    shape = list(x.shape)
+    cols = shape[-1]
+    rows = x.numel() // cols if cols else math.prod(shape[:-1])
+    m = x.reshape(rows, cols)
+    codes, scale_inv = encode_row_blocks(m, dtype, block)
+    header = tensor_pb2.Tensor(dtype=dtype, shape=shape)
+    header.block_scales.CopyFrom(tensor_pb2.BlockScales(
+        block_rows=1, block_cols=block, scale_inv=_scales_bytes(scale_inv)))
+    if not columnwise:
+        return Encoded(header, _bytes_of(codes))
+    codes_t, scale_inv_t = encode_row_blocks(m.t(), dtype, block)
+    header.columnwise_scales.CopyFrom(tensor_pb2.BlockScales(
+        block_rows=1, block_cols=block, scale_inv=_scales_bytes(scale_inv_t)))
+    both = torch.cat([codes.reshape(-1), codes_t.reshape(-1)])
+    return Encoded(header, _bytes_of(both))
+
+
 class Encoded(NamedTuple):
-    """A tensor ready for the wire: ``header`` (a Tensor message with dtype, shape and scale_inv,
-    its ``data`` left empty) and ``data``, its bytes: a memoryview of the encoded tensor's own
-    memory, which the view keeps alive. For an F32 tensor that is already contiguous float32 on
-    the CPU, or a BF16/F16 one already in that dtype, that memory is the caller's tensor itself:
-    nothing is copied, so the tensor must not change until the request is serialized."""
+    """A tensor ready for the wire: ``header`` (a Tensor message with dtype, shape and scales:
+    scale_inv or block scales, its ``data`` left empty) and ``data``, its bytes (for a
+    block-scaled FP8 tensor with a columnwise copy, both copies' codes): a memoryview of the
+    encoded tensor's own memory, which the view keeps alive. For an F32 tensor that is already
+    contiguous float32 on the CPU, or a BF16/F16 one already in that dtype, that memory is the
+    caller's tensor itself: nothing is copied, so the tensor must not change until the request
+    is serialized."""
 
     header: tensor_pb2.Tensor
     data: memoryview
@@ -137,13 +230,16 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).numpy()).cast("B")
 
 
-def encode(t: torch.Tensor, dtype: int = F32) -> Encoded:
+def encode(t: torch.Tensor, dtype: int = F32, block: int = 0) -> Encoded:
     """``t`` as a wire tensor of proto dtype ``dtype`` (F32, BF16, F16, FP8_E4M3 or FP8_E5M2;
-    FP8 carries the scale_inv of its own current-scaling scale), its bytes apart from the
-    message (see ``Encoded``)."""
+    FP8 carries the scale_inv of its own current-scaling scale, or with ``block`` > 0 block
+    scales of 1 x ``block`` along each row, ``encode_blocks``, where ``t`` has a dimension and an
+    element), its bytes apart from the message (see ``Encoded``)."""
     if dtype not in _ELEMENT_SIZE:
         raise ValueError(f"unknown wire dtype {dtype}")
     t = t.detach()
+    if dtype in _FP8 and block > 0 and t.dim() > 0 and t.numel() > 0:
+        return encode_blocks(t, dtype, block)
     if dtype in _FP8:
         x = t.to(device="cpu", dtype=torch.float32).contiguous()
         scale = fp8_scale(x.abs().max() if x.numel() else torch.tensor(0.0), dtype)
@@ -179,10 +275,26 @@ def encode_exact_input(t: torch.Tensor) -> Optional[Encoded]:
                    _bytes_of(codes))
 
 
-def to_wire(t: torch.Tensor, dtype: int = F32) -> tensor_pb2.Tensor:
+def encode_exact_block_input(t: torch.Tensor, block: int,
+                             columnwise: bool) -> Optional[Encoded]:
+    """``t`` as the E4M3 codes and block scales the server's BLOCK (``block`` 128) or MXFP8
+    (32) cast makes of a Linear's input, bit for bit: 1 x ``block`` blocks along each row, and
+    with ``columnwise`` (a training forward) the columnwise copy its weight gradient takes. What
+    the exact wire sends such a Linear in place of its input. None when a value is not finite
+    (NaN, an infinity), ``t`` is empty or has no dimension: the input then crosses as itself."""
+    t = t.detach()
+    if t.numel() == 0 or t.dim() == 0:
+        return None
+    x = t.to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(x).all()):
+        return None
+    return encode_blocks(x, FP8_E4M3, block, columnwise)
+
+
+def to_wire(t: torch.Tensor, dtype: int = F32, block: int = 0) -> tensor_pb2.Tensor:
     """A CPU copy of ``t`` as a whole wire tensor message of proto dtype ``dtype`` (the bytes
     copied into it; ``encode`` keeps them apart)."""
-    header, data = encode(t, dtype)
+    header, data = encode(t, dtype, block)
     header.data = data.tobytes()
     return header
 
@@ -216,25 +328,108 @@ def _lookup(table: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return out
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _matrix(shape) -> Tuple[int, int]:
+    """(rows, cols) of the matrix a tensor of ``shape`` reads as for its block scales: cols its
+    last dimension, rows the product of the others."""
+    if not shape:
+        raise ValueError("a block-scaled tensor needs at least one dimension")
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, shape[-1]
+
+
+def _block_grid(scales: tensor_pb2.BlockScales, rows: int, cols: int,
+                what: str) -> np.ndarray:
+    """The scale grid [ceil(rows / block_rows), ceil(cols / block_cols)] of ``scales``
+    (float32), checked: blocks of at least 1 x 1, one finite scale > 0 per block."""
+    br, bc = scales.block_rows, scales.block_cols
+    if br < 1 or bc < 1:
+        raise ValueError(f"{what}: blocks of {br} x {bc} elements; block_rows and block_cols "
+                         "must be >= 1")
+    grid = (-(-rows // br), -(-cols // bc))
+    want = 4 * grid[0] * grid[1]
+    if len(scales.scale_inv) != want:
+        raise ValueError(f"{what}: {len(scales.scale_inv)} bytes of scale_inv; blocks of "
+                         f"{br} x {bc} over [{rows}, {cols}] make a grid [{grid[0]}, {grid[1]}] "
+                         f"of float32, {want} bytes")
+    s = np.frombuffer(scales.scale_inv, dtype="<f4").astype(np.float32).reshape(grid)
+    if s.size and not bool(np.all(np.isfinite(s) & (s > 0))):
+        raise ValueError(f"{what}: every scale_inv must be finite and > 0")
+    return s
+
+
+def data_bytes(header: tensor_pb2.Tensor) -> int:
+    """The bytes a wire tensor's data holds: numel elements of its dtype, and for a block-scaled
+    FP8 tensor with a columnwise copy, numel more (0 for an unknown dtype)."""
+    n = _numel(header.shape) * element_size(header.dtype)
+    if header.dtype in _FP8 and header.HasField("columnwise_scales"):
+        n *= 2
+    return n
+
+
+def _scaled_blocks(values: np.ndarray, scales: np.ndarray, br: int, bc: int) -> None:
+    """Multiplies ``values`` [rows, cols] (float32) in place by the scale of each element's
+    block: one float32 multiply per element, the exact product rounded once."""
+    rows, cols = values.shape
+    if br > 1:
+        scales = scales[np.arange(rows) // br]
+    full = cols // bc
+    if full:
+        # The whole blocks of each row, [rows, full, bc], as a view of ``values`` (a reshape of
+        # the first full * bc columns would be a copy when a partial block follows them).
+        step = values.strides[1]
+        head = np.lib.stride_tricks.as_strided(values, shape=(rows, full, bc),
+                                               strides=(values.strides[0], bc * step, step))
+        head *= scales[:, :full, None]
+    if full * bc < cols:
+        values[:, full * bc:] *= scales[:, full:full + 1]
+
+
 def decode(header: tensor_pb2.Tensor, data, owned: bool = False) -> torch.Tensor:
-    """A float32 CPU tensor from a wire tensor: ``header`` gives dtype, shape and scale_inv,
+    """A float32 CPU tensor from a wire tensor: ``header`` gives dtype, shape and scales,
     ``data`` (any buffer: a view of the received message, say) the bytes.
 
     The bytes are read where they lie: 16-bit and FP8 values are converted straight out of them
     into the result. An F32 result is the bytes themselves only when ``owned`` (``data`` is
     writable and nothing else refers to it); otherwise it is one copy of them, because received
     bytes are immutable and the caller may write into the result (autograd accumulates
-    gradients in place)."""
+    gradients in place).
+
+    A block-scaled FP8 tensor (``block_scales``) decodes each code times its block's scale_inv;
+    the columnwise copy that may follow its codes (``columnwise_scales``) is checked for size and
+    otherwise ignored: the tensor's values are those of the first copy. Malformed scales raise
+    ValueError."""
     shape = list(header.shape)
     size = element_size(header.dtype)
     if size == 0:
         raise ValueError(f"unknown wire dtype {header.dtype}")
-    n = 1
-    for d in shape:
-        n *= d
+    blocks = header.HasField("block_scales")
+    columnwise = header.HasField("columnwise_scales")
+    if (blocks or columnwise) and header.dtype not in _FP8:
+        raise ValueError(f"wire tensor of dtype {header.dtype} has block scales: they are for FP8 "
+                         "dtypes only")
+    if columnwise and not blocks:
+        raise ValueError("wire tensor has columnwise_scales without block_scales")
+    n = _numel(shape)
     nbytes = memoryview(data).nbytes
-    if nbytes != n * size:
-        raise ValueError(f"wire tensor has {nbytes} bytes; its shape {shape} needs {n * size}")
+    want = data_bytes(header)
+    if nbytes != want:
+        copies = " (its codes and those of the columnwise copy)" if columnwise else ""
+        raise ValueError(f"wire tensor has {nbytes} bytes; its shape {shape} needs {want}"
+                         f"{copies}")
+    if blocks:
+        rows, cols = _matrix(shape)
+        scales = _block_grid(header.block_scales, rows, cols, "block_scales")
+        if columnwise:
+            _block_grid(header.columnwise_scales, cols, rows, "columnwise_scales")
     if n == 0:
         return torch.zeros(shape, dtype=torch.float32)
     if header.dtype == F32:
@@ -248,11 +443,16 @@ def decode(header: tensor_pb2.Tensor, data, owned: bool = False) -> torch.Tensor
     if header.dtype == F16:
         codes = np.frombuffer(data, dtype="<u2")
         return torch.from_numpy(_lookup(_table(F16).numpy(), codes)).reshape(shape)
+    codes = np.frombuffer(data, dtype=np.uint8, count=n)
+    if blocks:
+        values = _lookup(_table(header.dtype).numpy(), codes).reshape(rows, cols)
+        _scaled_blocks(values, scales, header.block_scales.block_rows,
+                       header.block_scales.block_cols)
+        return torch.from_numpy(values).reshape(shape)
     # One float32 multiply per code, as the server decodes (the exact product rounded once):
     # the 256 products are the table.
     scale_inv = torch.tensor(header.scale_inv, dtype=torch.float32)
     table = (_table(header.dtype) * scale_inv).numpy()
-    codes = np.frombuffer(data, dtype=np.uint8)
     return torch.from_numpy(_lookup(table, codes)).reshape(shape)
 
 

@@ -8,7 +8,7 @@ import torch
 
 import gradwire
 from gradwire import wire
-from gradwire.v1 import service_pb2
+from gradwire.v1 import module_pb2, service_pb2
 
 FORMATS = [wire.FP8_E4M3, wire.FP8_E5M2]
 
@@ -93,6 +93,97 @@ def test_fp8_wire_trains(server):
         ga, gb = a.weight.grad, b.weight.grad
         assert gb.abs().sum() > 0
         assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-5 * gb.abs().max().item())
+    finally:
+        fp8.close()
+        f32.close()
+
+
+def worst_row_error(y, ref, rows):
+    """The largest, over ``rows``, of a row's largest |y - ref| over its largest |ref|."""
+    errors = [((y[r] - ref[r]).abs().max() / ref[r].abs().max()).item() for r in rows]
+    return max(errors)
+
+
+@pytest.mark.parametrize("recipe,block", [(module_pb2.BLOCK, 128), (module_pb2.MXFP8, 32)],
+                         ids=["block", "mxfp8"])
+def test_fp8_wire_block_scales_keep_an_outlier_to_its_row(server, recipe, block):
+    """wire_dtype="fp8" to a module under a block recipe: its input and output gradient cross as
+    E4M3 / E5M2 with block scales of 1 x the recipe's block length, and the server answers the
+    output and grad_input in the same form. One outlier of 3e6 in row 0 (of the input, then of
+    the output gradient) leaves rows 1..31 as close to the F32 wire's result as a clean batch's
+    rows are: with one scale per tensor they would round to zero."""
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    fp8 = gradwire.Client(server, wire_dtype="fp8")
+    f32 = gradwire.Client(server, wire_dtype="f32")
+    try:
+        spec = module_pb2.ModuleSpec(kind=module_pb2.LINEAR, in_features=256, out_features=128,
+                                     bias=True, seed=int.from_bytes(os.urandom(2), "little"))
+        spec.recipe.scaling = recipe
+        m = f32.create_module(spec).module_id
+        assert fp8.fp8_block(m) == block
+        x = torch.randn(32, 256)
+        dirty = x.clone()
+        dirty[0, 7] = 3e6
+        rest = range(1, 32)
+
+        # The forms on the wire, both ways.
+        req = fp8.forward_request(m, dirty, False)
+        assert req.message.input.dtype == wire.FP8_E4M3
+        assert (req.message.input.block_scales.block_rows,
+                req.message.input.block_scales.block_cols) == (1, block)
+        assert not req.message.input.HasField("columnwise_scales")
+        resp = fp8._call("Forward", req.to_message(), m)
+        assert resp.output.dtype == wire.FP8_E4M3 and resp.output.scale_inv == 0
+        assert resp.output.block_scales.block_cols == block
+        assert len(resp.output.block_scales.scale_inv) == 4 * 32 * (-(-128 // block))
+
+        # Forward: inference and training alike.
+        def forward(c, t, training):
+            y, ctx, _ = c.forward(m, t, training)
+            if ctx:
+                c.release_context(ctx)
+            return y
+
+        for training in (False, True):
+            clean = forward(fp8, x, training)
+            ref = forward(f32, x, training)
+            y = forward(fp8, dirty, training)
+            ref_dirty = forward(f32, dirty, training)
+            assert torch.equal(ref_dirty[1:], ref[1:])  # the server's own rows are apart
+            clean_error = worst_row_error(clean, ref, rest)
+            assert 0 < clean_error < 0.1
+            assert worst_row_error(y, ref_dirty, rest) <= 1.5 * clean_error
+
+        # Backward: an outlier in the output gradient's row 0.
+        _, ctx_fp8, _ = fp8.forward(m, x, True)
+        _, ctx_f32, _ = f32.forward(m, x, True)
+        dy = torch.randn(32, 128)
+        dirty_dy = dy.clone()
+        dirty_dy[0, 5] = 3e6
+        bwd = fp8.backward_request(ctx_fp8, dirty_dy, retain=True)
+        assert bwd.message.grad_output.dtype == wire.FP8_E5M2
+        assert bwd.message.grad_output.block_scales.block_cols == block
+        answer = fp8._call("Backward", bwd.to_message(), ctx_fp8)
+        assert answer.grad_input.dtype == wire.FP8_E5M2
+        assert answer.grad_input.block_scales.block_cols == block
+        clean = fp8.backward(ctx_fp8, dy, retain=True)
+        ref = f32.backward(ctx_f32, dy, retain=True)
+        g = fp8.backward(ctx_fp8, dirty_dy)
+        ref_dirty = f32.backward(ctx_f32, dirty_dy)
+        clean_error = worst_row_error(clean, ref, rest)
+        assert 0 < clean_error < 0.5
+        assert worst_row_error(g, ref_dirty, rest) <= 1.5 * clean_error
+        # With one scale per tensor (a CURRENT module of the same weights), the outlier's scale
+        # takes the other rows: what the block scales spare them.
+        per_tensor = module_pb2.ModuleSpec()
+        per_tensor.CopyFrom(spec)
+        per_tensor.recipe.scaling = module_pb2.CURRENT
+        c = f32.create_module(per_tensor).module_id
+        f32.set_weights(c, f32.get_weights(m))
+        y = fp8.forward(c, dirty, False)[0]
+        assert worst_row_error(y, forward(f32, dirty, False), rest) > 0.5
+        f32.delete_module(m)
+        f32.delete_module(c)
     finally:
         fp8.close()
         f32.close()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gradwire
+from gradwire import wire
 from gradwire.v1 import module_pb2
 
 
@@ -40,13 +41,16 @@ def test_an_unknown_recipe_is_refused_before_any_call(client):
 def test_a_module_without_a_recipe_gets_the_servers_default(default_server):
     """Against a server with its own defaults (--default-recipe block): a module created without a
     recipe is BLOCK, its spec says so, an outlier keeps to its row, and the exact wire sends its
-    input as F32 (a block cast needs the values); a margin asks for CURRENT."""
+    input as the BLOCK cast (E4M3 with 1 x 128 block scales, read from the spec the server
+    returned, not the one asked for); a margin asks for CURRENT."""
     c = gradwire.Client(default_server)
     try:
         m = gradwire.RemoteLinear(c, 64, 8, seed=3)
         assert m.spec.recipe.scaling == module_pb2.BLOCK
-        assert not c.exact_fp8_input(m.module_id)
+        assert c.exact_fp8_input(m.module_id) and c.fp8_block(m.module_id) == 128
         x = torch.randn(5, 64)
+        sent = c.forward_request(m.module_id, x, False).message.input
+        assert sent.dtype == wire.FP8_E4M3 and sent.block_scales.block_cols == 128
         dirty = x.clone()
         dirty[0, 7] = 3e6
         with torch.no_grad():

@@ -57,7 +57,7 @@ absl::StatusOr<uint64_t> StateIO::SetWeights(const std::string& module_id,
           field, ".shape must be ", ShapeString(expected), ", got ", ShapeString(v.shape)));
     }
     at::Tensor t = at::empty(v.shape, at::TensorOptions().dtype(at::kFloat));
-    wire::DecodeElements(v.dtype, v.data, v.numel(), v.scale_inv, t.data_ptr<float>());
+    wire::DecodeView(v, t.data_ptr<float>());
     GW_RETURN_IF_ERROR(CheckFinite(field, t));
     checked.emplace_back(index, std::move(t));
   }

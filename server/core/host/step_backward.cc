@@ -328,8 +328,11 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
       }
       at = 0;
       for (size_t j = 0; j < n; ++j) {
-        encoded[j] = b.ToWire(rows_of(grad_input, j, at), reqs_[members[j].index]->grad_input_dtype,
-                              members[j].lease.saved->input_shape);
+        // FP8 under a block-scaled recipe: its gradients' row blocks (1 x 128, 1 x 32).
+        encoded[j] =
+            b.ToWireScaled(rows_of(grad_input, j, at), reqs_[members[j].index]->grad_input_dtype,
+                           members[j].lease.saved->input_shape,
+                           {device::ActivationBlockLength(m.spec.recipe.mode), false});
         at += (*groups)[j];
       }
     }

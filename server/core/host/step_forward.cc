@@ -22,13 +22,18 @@ class StepRunner::ForwardRun {
   using Result = absl::StatusOr<WireForwardOutput>;
   ForwardRun(StepRunner& runner, const std::string& module_id, ModulePtr m,
              const std::vector<const WireForwardRequest*>& reqs, std::vector<Result>& results)
-      : runner_(runner), module_id_(module_id), m_(std::move(m)), reqs_(reqs), results_(results) {}
-
-  // FP8 input reaches the kind as its codes when it UsesFp8Input; bf16 input stays bf16 for a
-  // kind whose casts read it; anything else arrives as fp32 values.
-  bool Codes(size_t i) const {
-    return wire::IsFp8(reqs_[i]->input.dtype) && m_->kind->UsesFp8Input();
+      : runner_(runner), module_id_(module_id), m_(std::move(m)), reqs_(reqs), results_(results) {
+    codes_.reserve(reqs_.size());
+    for (const WireForwardRequest* r : reqs_) {
+      codes_.push_back(m_->kind->UsesFp8Input() &&
+                       device::CodesServeInput(r->input, m_->spec.recipe.mode, r->training));
+    }
   }
+
+  // FP8 input reaches the kind as its codes when it UsesFp8Input and they are what its input
+  // cast would make under the module's recipe (CodesServeInput); other FP8 input is decoded and
+  // cast. bf16 input stays bf16 for a kind whose casts read it; anything else arrives as fp32.
+  bool Codes(size_t i) const { return codes_[i] != 0; }
   bool Bf16(size_t i) const {
     return reqs_[i]->input.dtype == wire::DType::kBF16 && m_->kind->UsesBf16Input();
   }
@@ -47,6 +52,7 @@ class StepRunner::ForwardRun {
   const ModulePtr m_;
   const std::vector<const WireForwardRequest*>& reqs_;
   std::vector<Result>& results_;
+  std::vector<char> codes_;  // Codes(i), per request
 };
 
 bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
@@ -125,6 +131,8 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
     // a value back: on a GPU the first copy back is then the call's only wait besides the other
     // results' copies, and brings every amax read below with it. Nothing has changed yet: a
     // refusal below drops these bytes.
+    // FP8 results of a block-scaled recipe carry its activations' row blocks (1 x 128, 1 x 32).
+    const wire::Fp8Scaling wire_scaling{device::ActivationBlockLength(m.spec.recipe.mode), false};
     try {
       int64_t row = 0;
       for (size_t j = 0; j < n; ++j) {
@@ -133,12 +141,12 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
         WireForwardOutput& out = encoded[j];
         std::vector<int64_t> out_shape = req.input.shape;
         out_shape.back() = m.spec.out_features;
-        out.output = b.ToWire(alone ? r.output : r.output.narrow(0, row, rows), req.output_dtype,
-                              std::move(out_shape));
+        out.output = b.ToWireScaled(alone ? r.output : r.output.narrow(0, row, rows),
+                                    req.output_dtype, std::move(out_shape), wire_scaling);
         if (r.layernorm_output.defined()) {
           out.layernorm_output =
-              b.ToWire(alone ? r.layernorm_output : r.layernorm_output.narrow(0, row, rows),
-                       req.output_dtype, req.input.shape);
+              b.ToWireScaled(alone ? r.layernorm_output : r.layernorm_output.narrow(0, row, rows),
+                             req.output_dtype, req.input.shape, wire_scaling);
           out.has_layernorm_output = true;
         }
         row += rows;

@@ -18,12 +18,17 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
   if (weight.size(1) != args.input.size(1)) {
     return absl::InternalError("LinearForward: K mismatch");
   }
-  // FP8 input codes carry one scale for the tensor: a block-scaled recipe casts their decoded
-  // values (args.input) with its own blocks instead.
-  const Fp8Tensor* codes = args.quantizers[kInputRole].block_scaled ? nullptr : args.input_fp8;
-  if (codes != nullptr &&
-      (codes->rows != args.input.size(0) || codes->cols != args.input.size(1))) {
-    return absl::InternalError("Forward: FP8 input codes do not match the input's shape");
+  // FP8 input codes come only where they are what this module's input cast would make
+  // (device::CodesServeInput): one scale for a per-tensor recipe; the recipe's blocks, both
+  // copies in training, for a block-scaled one.
+  const Fp8Tensor* codes = args.input_fp8;
+  if (codes != nullptr) {
+    const Fp8Tensor& first = codes->grouped() ? codes->groups[0] : *codes;  // a batch's: alike
+    if (codes->rows != args.input.size(0) || codes->cols != args.input.size(1) ||
+        first.block_scaled != args.quantizers[kInputRole].block_scaled ||
+        (args.training && first.block_scaled && !first.has_columnwise())) {
+      return absl::InternalError("Forward: FP8 input codes do not serve this module's input cast");
+    }
   }
   const Backend& b = BackendOr(args.backend);
   KindForwardResult result;

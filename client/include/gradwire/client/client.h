@@ -174,14 +174,15 @@ class Client {
   // Through a shared-memory region when the tensors are large enough and the pool lends one:
   // the result, or nullopt for the wire (no region, or the server had closed the one lent).
   std::optional<absl::StatusOr<ForwardResult>> ForwardShared(
-      const std::string& module_id, const HostTensor& input, WireDType in_dtype,
+      const std::string& module_id, const HostTensor& input, const TensorForm& in_form,
       WireDType out_dtype, bool training, const std::string& context_id, int64_t output_elements,
       int64_t layernorm_elements, bool* answered);
   std::optional<absl::StatusOr<HostTensor>> BackwardShared(const std::string& route,
                                                            const v1::BackwardRequest& header,
                                                            const HostTensor& grad_output,
                                                            const HostTensor* grad_layernorm_output,
-                                                           int64_t grad_input_elements);
+                                                           int64_t grad_input_elements,
+                                                           const TensorForm& grad_form);
 
   ClientOptions options_;
   // Shared with the Train streams it opens (the exact wire reads a module's spec there too).

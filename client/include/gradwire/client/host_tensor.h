@@ -45,10 +45,32 @@ struct WireForm {
 inline constexpr WireForm kExactWire{};
 // "exact", or the dtype's name ("F32", "BF16", ...).
 const char* WireFormName(const WireForm& form);
-// The dtype the exact wire sends a forward's `input` in, for a module that takes E4M3 input codes
-// under current scaling with margin 0 (`fp8_input`, ExactWireTakesFp8(spec)): kFp8E4M3 when the
-// module does and every value is finite, else kF32.
-WireDType ExactInputDType(const HostTensor& input, bool fp8_input);
+// The dtype the exact wire sends a forward's `input` in, for a module whose input cast the client
+// can make (`fp8_input`, ExactWireTakesFp8(spec)): kFp8E4M3 when the module does and every value
+// is finite, else kF32.
+// `amax`, when given, receives the input's AbsMax where it was measured (else -1).
+WireDType ExactInputDType(const HostTensor& input, bool fp8_input, float* amax = nullptr);
+
+// How one tensor crosses: its dtype and, for FP8, its scaling (one scale, or row blocks).
+struct TensorForm {
+  WireDType dtype = WireDType::kF32;
+  wire::Fp8Scaling scaling;
+  float amax = -1.0f;  // the tensor's AbsMax when measured already (else -1): not measured twice
+  // Bytes of n elements in this form.
+  int64_t Bytes(int64_t n) const {
+    return wire::IsFp8(dtype) ? wire::Fp8Bytes(n, scaling) : n * wire::ElementSize(dtype);
+  }
+};
+// The form of a forward's input under `form`, to a module that the client knows (`known`, with
+// `fp8_input` and `block` as ExactWireTakesFp8 and RecipeBlockLength of its spec) or not:
+// - exact: E4M3 where ExactInputDType says so, scaled as the module's input cast is (row blocks
+//   of `block` under BLOCK and MXFP8 and, in `training`, their columnwise copy too), else F32;
+// - one dtype: that dtype; FP8 with row blocks of `block` (no columnwise copy).
+TensorForm InputForm(const WireForm& form, const HostTensor& input, bool known, bool fp8_input,
+                     int64_t block, bool training);
+// The form of a gradient (grad_output, grad_layernorm_output) and of results under `form`: F32
+// under the exact wire; else the form's dtype, FP8 with row blocks of `block`.
+TensorForm GradientForm(const WireForm& form, int64_t block);
 
 // A float32 host tensor, row-major.
 struct HostTensor {
@@ -59,8 +81,10 @@ struct HostTensor {
   static HostTensor Zeros(std::vector<int64_t> shape);
 };
 
-// HostTensor -> wire tensor in `dtype`.
-v1::Tensor ToWire(const HostTensor& t, WireDType dtype);
+// HostTensor -> wire tensor in `dtype` (FP8 scaled as `scaling` says).
+v1::Tensor ToWire(const HostTensor& t, WireDType dtype, wire::Fp8Scaling scaling = {});
+// HostTensor -> wire tensor in `form` (the input it was formed for: its amax, if it has one).
+v1::Tensor ToWire(const HostTensor& t, const TensorForm& form);
 // Wire tensor (any dtype, FP8 included) -> HostTensor; INVALID_ARGUMENT when malformed.
 absl::StatusOr<HostTensor> FromWire(const v1::Tensor& t);
 // The same for a tensor whose bytes arrived apart from its message (gradwire/wire/zero_copy.h).

@@ -29,10 +29,13 @@ bool KindReads(v1::ModuleKind kind, absl::string_view field);
 std::vector<std::pair<std::string, int64_t>> KindWidths(const v1::ModuleSpec& spec);
 // Whether the exact wire (host_tensor.h: WireForm) sends a forward's input to a module of `spec` as
 // E4M3 codes: its kind takes FP8 input codes (KindDescription.fp8_input) and its recipe is CURRENT
-// (or unspecified) with margin 0, so that a client's current-scaling cast is the server's, bit for
-// bit. DELAYED (a scale from the server's history), BLOCK and MXFP8 (a scale per block) and a
-// margin keep the input F32.
+// (or unspecified) with margin 0, BLOCK or MXFP8, where a client's cast is the server's, bit for
+// bit (under BLOCK and MXFP8 with the recipe's blocks, RecipeBlockLength). DELAYED (a scale from
+// the server's history) and a margin keep the input F32.
 bool ExactWireTakesFp8(const v1::ModuleSpec& spec);
+// The row block length of `spec`'s recipe, which its FP8 wire tensors use both ways: 128 under
+// BLOCK, 32 under MXFP8; 0 (one scale per tensor) under the others.
+int64_t RecipeBlockLength(const v1::ModuleSpec& spec);
 // The --kind values ("linear", "layernorm-linear", "layernorm-mlp"), and them joined by ", ".
 std::vector<std::string> KindCliNames();
 std::string KindNames();

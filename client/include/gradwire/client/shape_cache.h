@@ -21,6 +21,7 @@ struct ModuleShape {
   bool layernorm_output = false;  // forward also returns the LayerNorm output
   bool gated = false;             // SWIGLU / GEGLU: fc1 is twice as wide
   bool fp8_input = false;         // the exact wire sends its input as E4M3 (ExactWireTakesFp8)
+  int64_t fp8_block = 0;          // its FP8 tensors' row blocks (RecipeBlockLength; 0: none)
 };
 
 class ShapeCache {

@@ -76,11 +76,13 @@ class SharedMemoryBuffer {
   size_t size_ = 0;
 };
 
-// Encodes `t` as `dtype` into `buffer` at `offset` (FP8 with a current scaling of its own) and
-// returns the request tensor that references it in `region` (the name `buffer` was registered
-// under, starting at the object's byte 0). INVALID_ARGUMENT when it does not fit.
+// Encodes `t` as `dtype` into `buffer` at `offset` (FP8 with a current scaling of its own, or
+// block scales under `scaling`: both copies' codes in the buffer, the scales in the returned
+// header) and returns the request tensor that references it in `region` (the name `buffer` was
+// registered under, starting at the object's byte 0). INVALID_ARGUMENT when it does not fit.
 absl::StatusOr<v1::Tensor> WriteShared(SharedMemoryBuffer& buffer, const std::string& region,
-                                       uint64_t offset, const HostTensor& t, WireDType dtype);
+                                       uint64_t offset, const HostTensor& t, WireDType dtype,
+                                       wire::Fp8Scaling scaling = {});
 
 // A result the server wrote into `buffer` (registered from the object's byte 0): `header` is the
 // response's tensor (dtype, shape, scale_inv, where); decoded to float32. INVALID_ARGUMENT when
@@ -90,7 +92,7 @@ absl::StatusOr<HostTensor> ReadShared(const SharedMemoryBuffer& buffer, const v1
 // The same for a SharedRegion (its name is the region); ReadShared also decodes a result the
 // server sent inline.
 absl::StatusOr<v1::Tensor> WriteShared(SharedRegion& region, uint64_t offset, const HostTensor& t,
-                                       WireDType dtype);
+                                       WireDType dtype, wire::Fp8Scaling scaling = {});
 absl::StatusOr<HostTensor> ReadShared(const SharedRegion& region, const v1::Tensor& header);
 
 // Where a result should go: bytes [offset, offset + byte_size) of `region`.

@@ -223,7 +223,7 @@ class GradwireServicer(object):
     def ForwardChunked(self, request_iterator, context):
         """Chunked variants of Forward, Backward, GetWeights and SetWeights, for tensors larger than one
         message should carry (the server's --chunk-kib, 4096 KiB by default). A chunked message is a
-        header -- the unary message with every tensor's dtype, shape and scale_inv set and its data
+        header -- the unary message with every tensor's dtype, shape and scales set and its data
         left empty -- followed by the tensors' bytes in TensorChunks: tensors in the order their
         message lists them (see TensorChunk), each tensor's bytes in order, no chunk larger than the
         receiver's chunk limit. A missing, repeated, out-of-order or oversize chunk answers

@@ -13,17 +13,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gradwire/v1/tensor.proto\x12\x0bgradwire.v1\"\x90\x01\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.gradwire.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tscale_inv\x18\x04 \x01(\x02\x12\x33\n\rshared_memory\x18\x05 \x01(\x0b\x32\x1c.gradwire.v1.SharedMemoryRef\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04*V\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x07\n\x03\x46\x31\x36\x10\x03\x12\x0c\n\x08\x46P8_E4M3\x10\x04\x12\x0c\n\x08\x46P8_E5M2\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gradwire/v1/tensor.proto\x12\x0bgradwire.v1\"\xf5\x01\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.gradwire.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tscale_inv\x18\x04 \x01(\x02\x12\x33\n\rshared_memory\x18\x05 \x01(\x0b\x32\x1c.gradwire.v1.SharedMemoryRef\x12.\n\x0c\x62lock_scales\x18\x06 \x01(\x0b\x32\x18.gradwire.v1.BlockScales\x12\x33\n\x11\x63olumnwise_scales\x18\x07 \x01(\x0b\x32\x18.gradwire.v1.BlockScales\"H\n\x0b\x42lockScales\x12\x12\n\nblock_rows\x18\x01 \x01(\x03\x12\x12\n\nblock_cols\x18\x02 \x01(\x03\x12\x11\n\tscale_inv\x18\x03 \x01(\x0c\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04*V\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x07\n\x03\x46\x31\x36\x10\x03\x12\x0c\n\x08\x46P8_E4M3\x10\x04\x12\x0c\n\x08\x46P8_E5M2\x10\x05\x62\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradwire.v1.tensor_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  _DTYPE._serialized_start=258
-  _DTYPE._serialized_end=344
+  _DTYPE._serialized_start=433
+  _DTYPE._serialized_end=519
   _TENSOR._serialized_start=42
-  _TENSOR._serialized_end=186
-  _SHAREDMEMORYREF._serialized_start=188
-  _SHAREDMEMORYREF._serialized_end=256
+  _TENSOR._serialized_end=287
+  _BLOCKSCALES._serialized_start=289
+  _BLOCKSCALES._serialized_end=361
+  _SHAREDMEMORYREF._serialized_start=363
+  _SHAREDMEMORYREF._serialized_end=431
 # @@protoc_insertion_point(module_scope)

@@ -19,8 +19,11 @@ namespace gradwire::wire {
 // Most elements one tensor may have (also bounds the byte arithmetic).
 inline constexpr int64_t kMaxTensorElements = int64_t(1) << 31;
 
-// The data bytes `t`'s dtype and shape call for; INVALID_ARGUMENT naming `field` when the dtype
-// is unknown or the shape is empty, has a dimension < 1 or more than kMaxTensorElements elements.
+// The data bytes `t`'s dtype and shape call for (twice the codes for an FP8 tensor with a
+// columnwise copy); INVALID_ARGUMENT naming `field` when the dtype is unknown or the shape is
+// empty, has a dimension < 1 or more than kMaxTensorElements elements, or when block scales are
+// malformed: on a tensor that is not FP8, beside a scale_inv, a block under 1 x 1, a grid of the
+// wrong size, a columnwise copy without block scales.
 absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field);
 
 // A tensor of a message in chunk order, with the field name errors use.

@@ -21,7 +21,8 @@ absl::StatusOr<DType> OutputDType(v1::DType dtype, absl::string_view field);
 
 // A view of a received tensor after every check its fields allow, each naming `field`: a known
 // dtype, a shape of dimensions >= 1 within kMaxTensorElements, exactly the bytes they call for,
-// and for FP8 a finite scale_inv > 0. The view borrows `t`'s bytes.
+// and for FP8 a finite scale_inv > 0 or block scales (DataBytes) each finite and > 0. The view
+// borrows `t`'s data bytes and copies its block scales.
 absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view field);
 // The same for a tensor whose bytes arrived apart from its message (zero_copy.h): `t` gives the
 // dtype, shape and scale_inv, `data` the bytes (borrowed).
@@ -30,9 +31,12 @@ absl::StatusOr<TensorView> ViewOf(const v1::Tensor& t, absl::string_view data,
 
 // Moves an encoded tensor into `out` (its bytes are not copied).
 void ToMessage(EncodedTensor&& e, v1::Tensor* out);
-// Encodes float32 values of `shape` as `dtype` into `out` (FP8 with a scale of their own).
+// Block scales into their message.
+void ToMessage(const BlockScales& b, v1::BlockScales* out);
+// Encodes float32 values of `shape` as `dtype` into `out` (FP8 with a scale of their own, or
+// block scales of their own under `scaling`; `known_amax` as wire::Encode's).
 void EncodeToMessage(const float* x, const std::vector<int64_t>& shape, DType dtype,
-                     v1::Tensor* out);
+                     v1::Tensor* out, Fp8Scaling scaling = {}, float known_amax = -1.0f);
 // Decodes a received tensor (checked as ViewOf does) to float32 values in row-major order.
 absl::StatusOr<std::vector<float>> DecodeMessage(const v1::Tensor& t, absl::string_view field);
 
