@@ -64,8 +64,9 @@ v1::ModuleSpec BaseSpec(const DemoOptions& o, uint64_t seed, const char* name) {
   v1::ModuleSpec spec;
   spec.set_bias(true);
   // Unset (the server's --default-recipe) unless the demo was given one.
-  spec.mutable_recipe()->set_scaling(
-      client::RecipeByName(o.recipe).value_or(v1::SCALING_RECIPE_UNSPECIFIED));
+  if (std::optional<v1::Fp8Recipe> recipe = client::RecipeSpecByName(o.recipe)) {
+    *spec.mutable_recipe() = *recipe;
+  }
   spec.mutable_optimizer()->mutable_sgd()->set_learning_rate(o.learning_rate);
   spec.set_seed(seed);
   spec.set_name(name);
@@ -171,7 +172,7 @@ class RemoteMlp final : public RemoteModel {
 
 absl::StatusOr<std::unique_ptr<DemoModel>> MakeRemoteModel(client::Cluster& client,
                                                            const DemoOptions& o) {
-  if (!o.recipe.empty() && !client::RecipeByName(o.recipe)) {
+  if (!o.recipe.empty() && !client::RecipeSpecByName(o.recipe)) {
     return absl::InvalidArgumentError(
         absl::StrCat("recipe must be one of ", client::RecipeNamesJoined(), ", got ", o.recipe));
   }

@@ -67,17 +67,16 @@ int RunInfo(Client& client, bool json) {
                           {"context_bytes", info->context_bytes()}};
     out["module_list"] = nlohmann::json::array();
     for (const auto& m : *modules) {
-      out["module_list"].push_back(
-          {{"module_id", m.module_id()},
-           {"name", m.spec().name()},
-           {"kind", gradwire::v1::ModuleKind_Name(m.spec().kind())},
-           {"description", Describe(m)},
-           {"in_features", m.spec().in_features()},
-           {"out_features", m.spec().out_features()},
-           {"bias", m.spec().bias()},
-           {"recipe", gradwire::client::RecipeName(m.spec().recipe().scaling())},
-           {"weight_version", m.weight_version()},
-           {"live_contexts", m.live_contexts()}});
+      out["module_list"].push_back({{"module_id", m.module_id()},
+                                    {"name", m.spec().name()},
+                                    {"kind", gradwire::v1::ModuleKind_Name(m.spec().kind())},
+                                    {"description", Describe(m)},
+                                    {"in_features", m.spec().in_features()},
+                                    {"out_features", m.spec().out_features()},
+                                    {"bias", m.spec().bias()},
+                                    {"recipe", gradwire::client::RecipeName(m.spec().recipe())},
+                                    {"weight_version", m.weight_version()},
+                                    {"live_contexts", m.live_contexts()}});
     }
     std::cout << out.dump() << "\n";
     return 0;
@@ -93,8 +92,7 @@ int RunInfo(Client& client, bool json) {
     std::printf("  %s  %s  v%llu  %lld contexts  %s scaling  %s\n", m.module_id().c_str(),
                 Describe(m).c_str(), static_cast<unsigned long long>(m.weight_version()),
                 static_cast<long long>(m.live_contexts()),
-                gradwire::client::RecipeName(m.spec().recipe().scaling()).c_str(),
-                m.spec().name().c_str());
+                gradwire::client::RecipeName(m.spec().recipe()).c_str(), m.spec().name().c_str());
   }
   return 0;
 }

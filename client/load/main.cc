@@ -489,7 +489,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--recipe", o.recipe,
                  "FP8 scaling: " + gradwire::client::RecipeNamesJoined() +
-                     " (block, mxfp8: a scale per block, docs/block-scaling.md)")
+                     " (block, mxfp8: a scale per block, docs/block-scaling.md; block-hybrid: "
+                     "block with E5M2 gradients)")
       ->check(CLI::IsMember(gradwire::client::RecipeNames()))
       ->capture_default_str();
   app.add_option("--rows", o.rows, "rows (tokens) per request")
@@ -626,8 +627,11 @@ int main(int argc, char** argv) {
     if (gradwire::client::KindReads(spec.kind(), "ffn_features"))
       spec.set_ffn_features(o.ffn_features);
     spec.set_bias(o.bias);
-    spec.mutable_recipe()->set_scaling(
-        gradwire::client::RecipeByName(o.recipe).value_or(v1::CURRENT));
+    if (auto recipe = gradwire::client::RecipeSpecByName(o.recipe)) {
+      *spec.mutable_recipe() = *recipe;
+    } else {
+      spec.mutable_recipe()->set_scaling(v1::CURRENT);
+    }
     spec.set_seed(o.run.seed);
     spec.set_name("gradwire-load");
     if (o.flow != "empty" || o.baselines) {

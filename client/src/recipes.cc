@@ -24,6 +24,30 @@ std::string RecipeName(v1::ScalingRecipe recipe) {
   return absl::AsciiStrToLower(v1::ScalingRecipe_Name(recipe));
 }
 
+namespace {
+constexpr absl::string_view kBlockHybrid = "block-hybrid";
+}  // namespace
+
+std::string RecipeName(const v1::Fp8Recipe& recipe) {
+  if (recipe.scaling() == v1::BLOCK && recipe.format() == v1::HYBRID) {
+    return std::string(kBlockHybrid);
+  }
+  return RecipeName(recipe.scaling());
+}
+
+std::optional<v1::Fp8Recipe> RecipeSpecByName(absl::string_view name) {
+  v1::Fp8Recipe recipe;
+  if (name == kBlockHybrid) {
+    recipe.set_scaling(v1::BLOCK);
+    recipe.set_format(v1::HYBRID);
+    return recipe;
+  }
+  const std::optional<v1::ScalingRecipe> scaling = RecipeByName(name);
+  if (!scaling) return std::nullopt;
+  recipe.set_scaling(*scaling);
+  return recipe;
+}
+
 std::vector<std::string> RecipeNames() {
   std::vector<std::string> out;
   const google::protobuf::EnumDescriptor* d = v1::ScalingRecipe_descriptor();
@@ -31,6 +55,7 @@ std::vector<std::string> RecipeNames() {
     const auto r = static_cast<v1::ScalingRecipe>(d->value(i)->number());
     if (r != v1::SCALING_RECIPE_UNSPECIFIED) out.push_back(RecipeName(r));
   }
+  out.emplace_back(kBlockHybrid);
   return out;
 }
 

@@ -14,6 +14,7 @@ namespace gradwire::core {
 
 using device::AmaxAlgo;
 using device::BlockScaled;
+using device::Hybrid;
 using device::RecipeConfig;
 using device::ScalingMode;
 using device::ScalingModeByName;

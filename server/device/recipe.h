@@ -59,6 +59,15 @@ struct RecipeConfig {
   int margin = 0;                  // headroom in powers of two (per-tensor recipes; 0 for blocks)
   int64_t history_len = 1024;      // delayed: amaxes remembered
   AmaxAlgo algo = AmaxAlgo::kMax;  // delayed: which remembered amax sets the scale
+  // BLOCK only: its gradients (the grad_output roles) in E5M2 (HYBRID) instead of E4M3. The
+  // per-tensor recipes are always HYBRID and MXFP8 always E4M3 (Hybrid below).
+  bool block_hybrid = false;
 };
+
+// Whether a recipe casts its gradients to E5M2 (the HYBRID formats) and everything else to E4M3;
+// else it is E4M3 throughout.
+inline bool Hybrid(const RecipeConfig& r) {
+  return !BlockScaled(r.mode) || (r.mode == ScalingMode::kBlock && r.block_hybrid);
+}
 
 }  // namespace gradwire::device

@@ -204,10 +204,11 @@ GradwireService::Unary* GradwireService::CreateModule(Ctx* ctx, const v1::Create
         quotas_.KeepParameters(info->module_id, caller.client, bytes);
         InfoToProto(*info, resp->mutable_module());
         Persist(info->module_id);
-        spdlog::info("created {} \"{}\" ({} scaling) as module {}{}{}", core::DescribeModule(spec),
-                     Escaped(spec.name, kMaxNameLength), core::ScalingModeName(spec.recipe.mode),
-                     info->module_id, caller.isolated ? " of tenant " : "",
-                     Escaped(caller.tenant, kMaxNameLength));
+        spdlog::info("created {} \"{}\" ({} scaling{}) as module {}{}{}",
+                     core::DescribeModule(spec), Escaped(spec.name, kMaxNameLength),
+                     core::ScalingModeName(spec.recipe.mode),
+                     spec.recipe.block_hybrid ? ", E5M2 gradients" : "", info->module_id,
+                     caller.isolated ? " of tenant " : "", Escaped(caller.tenant, kMaxNameLength));
         return absl::OkStatus();
       },
       {}, {}, req, nullptr, CallBase::RunOn::kControl);

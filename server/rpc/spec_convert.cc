@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/core/kinds/kind_description.h"
@@ -86,6 +87,22 @@ absl::Status RecipeFromProto(const v1::Fp8Recipe& r, core::ScalingMode default_r
                        ? core::ScalingMode::kCurrent
                        : default_recipe;
   }
+  if (!v1::Fp8Format_IsValid(r.format())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.recipe.format must be E4M3_ONLY or HYBRID (or unset), got ", int(r.format())));
+  }
+  // The formats: HYBRID is the per-tensor recipes' only one, E4M3_ONLY MXFP8's; BLOCK takes
+  // either (E4M3_ONLY unless asked).
+  const bool per_tensor = !core::BlockScaled(recipe->mode);
+  if ((r.format() == v1::E4M3_ONLY && per_tensor) ||
+      (r.format() == v1::HYBRID && recipe->mode == core::ScalingMode::kMxfp8)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.recipe.format ", v1::Fp8Format_Name(r.format()), " is not one of ",
+        absl::AsciiStrToUpper(core::ScalingModeName(recipe->mode)), "'s: it takes only ",
+        per_tensor ? "HYBRID (E5M2 gradients)" : "E4M3_ONLY (E4M3 throughout)",
+        "; BLOCK takes either"));
+  }
+  recipe->block_hybrid = recipe->mode == core::ScalingMode::kBlock && r.format() == v1::HYBRID;
   recipe->algo =
       r.amax_compute_algo() == v1::MOST_RECENT ? core::AmaxAlgo::kMostRecent : core::AmaxAlgo::kMax;
   recipe->margin = r.margin();
@@ -181,6 +198,7 @@ v1::ModuleSpec SpecToProto(const core::ModuleSpec& s) {
   r->set_margin(s.recipe.margin);
   r->set_amax_history_len(int32_t(s.recipe.history_len));
   r->set_amax_compute_algo(s.recipe.algo == core::AmaxAlgo::kMax ? v1::MAX : v1::MOST_RECENT);
+  r->set_format(core::Hybrid(s.recipe) ? v1::HYBRID : v1::E4M3_ONLY);
   p.set_seed(s.seed);
   p.set_name(s.name);
   if (reads.ffn) {

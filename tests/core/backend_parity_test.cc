@@ -1298,6 +1298,16 @@ TEST_P(BlockRecipeOps, CastsDequantizeAndGemmsAreTheReferenceBits) {
         ref.Wgrad(rdy, rx, want, accumulate);
         EXPECT_TRUE(bits(b.ToHost(got), want)) << "wgrad" << (accumulate ? ", accumulating" : "");
       }
+      // HYBRID (BLOCK's choice): the gradients in E5M2, through the same GEMMs.
+      QuantizerConfig qg = qa;
+      qg.format = kernels::Fp8Format::kE5M2;
+      const Fp8Tensor rdy5 = CastOn(ref, dy, qg), bdy5 = CastOn(b, dy, qg);
+      ExpectSameBlockCast(CastOn(b, dy, qg), rdy5, b);
+      EXPECT_TRUE(bits(b.ToHost(b.Dgrad(bdy5, bw)), ref.Dgrad(rdy5, rw))) << "dgrad, E5M2 dy";
+      at::Tensor got5 = b.ToDevice(at::zeros({n, k})), want5 = at::zeros({n, k});
+      b.Wgrad(bdy5, bx, got5, false);
+      ref.Wgrad(rdy5, rx, want5, false);
+      EXPECT_TRUE(bits(b.ToHost(got5), want5)) << "wgrad, E5M2 dy";
     }
   }
   SetCpuGemm(CpuGemm::kOrdered);

@@ -39,11 +39,14 @@ using gradwire::testing::RandomLn;
 using kernels::Activation;
 using kernels::BlockShape;
 
-std::vector<QuantizerConfig> BlockScaling(ModuleKind kind, ScalingMode mode) {
+// The roles' casts as a module makes them (ModuleSteps::Quantizers): E4M3 throughout, or under
+// HYBRID the gradient roles in E5M2.
+std::vector<QuantizerConfig> BlockScaling(ModuleKind kind, ScalingMode mode, bool hybrid = false) {
   std::vector<QuantizerConfig> q;
   for (const RoleDef& r : FindKind(kind)->Roles()) {
     QuantizerConfig c;
     SetBlockScaling(c, mode, r.weight);
+    if (hybrid) c.format = r.format;
     q.push_back(c);
   }
   return q;
@@ -59,18 +62,19 @@ Blocks BlocksOf(ScalingMode mode) {
   return {{1, 32}, {32, 1}, {1, 32}, {32, 1}};
 }
 
-// t cast to E4M3 with `block` and dequantized, as float64.
-at::Tensor Deq(const at::Tensor& t, BlockShape block) {
+// t cast to `format` (E4M3 unless said) with `block` and dequantized, as float64.
+at::Tensor Deq(const at::Tensor& t, BlockShape block,
+               kernels::Fp8Format format = kernels::Fp8Format::kE4M3) {
   const at::Tensor c = t.to(at::kFloat).contiguous();
   const int64_t rows = c.size(0), cols = c.size(1);
   std::vector<uint8_t> codes(size_t(rows * cols));
   std::vector<float> scales(
       size_t(kernels::BlockGridRows(rows, block) * kernels::BlockGridCols(cols, block)));
-  kernels::QuantizeBlocks(c.data_ptr<float>(), rows, cols, block, kernels::Fp8Format::kE4M3,
-                          codes.data(), scales.data(), nullptr, nullptr);
+  kernels::QuantizeBlocks(c.data_ptr<float>(), rows, cols, block, format, codes.data(),
+                          scales.data(), nullptr, nullptr);
   at::Tensor out = at::empty({rows, cols}, at::kFloat);
-  kernels::DequantizeBlocks(codes.data(), rows, cols, block, scales.data(),
-                            kernels::Fp8Format::kE4M3, out.data_ptr<float>());
+  kernels::DequantizeBlocks(codes.data(), rows, cols, block, scales.data(), format,
+                            out.data_ptr<float>());
   return out.to(at::kDouble);
 }
 
@@ -87,6 +91,7 @@ double SumTol(int64_t k) { return double(k + 2) * std::ldexp(1.0, -24); }
 struct LinearCase {
   ScalingMode mode;
   int64_t m, k, n;
+  bool hybrid = false;  // BLOCK's HYBRID: dy in E5M2
 };
 
 class BlockLinearTest : public ::testing::TestWithParam<LinearCase> {};
@@ -98,8 +103,10 @@ TEST_P(BlockLinearTest, ForwardAndBackwardAreTheGemmsOfTheBlockCastOperands) {
                    b = RandN({c.n}, 0.5), dy = MixedRows(c.m, c.n);
   ModuleSpec spec = GemmSpec(ModuleKind::kLinear, w, b);
   spec.recipe.mode = c.mode;
+  spec.recipe.block_hybrid = c.hybrid;
+  const kernels::Fp8Format grad = c.hybrid ? kernels::Fp8Format::kE5M2 : kernels::Fp8Format::kE4M3;
   KindForwardArgs args = MakeFwdArgs(spec, x, GemmParams(w, b), /*training=*/true);
-  args.quantizers = BlockScaling(ModuleKind::kLinear, c.mode);
+  args.quantizers = BlockScaling(ModuleKind::kLinear, c.mode, c.hybrid);
   auto fwd = LinearForward(args);
   ASSERT_TRUE(fwd.ok()) << fwd.status();
 
@@ -113,15 +120,17 @@ TEST_P(BlockLinearTest, ForwardAndBackwardAreTheGemmsOfTheBlockCastOperands) {
   const at::Tensor wg = at::zeros({c.n, c.k}), bg = at::zeros({c.n});
   DirectGradients grads = Into(wg, bg);
   KindBackwardArgs bargs = MakeBwdArgs(spec, dy, fwd->saved.get(), &grads);
-  bargs.quantizers = BlockScaling(ModuleKind::kLinear, c.mode);
+  bargs.quantizers = BlockScaling(ModuleKind::kLinear, c.mode, c.hybrid);
   auto bwd = LinearBackward(bargs);
   ASSERT_TRUE(bwd.ok()) << bwd.status();
-  const at::Tensor dyd = Deq(dy, blk.act_row), wcd = Deq(w, blk.w_col);
+  const at::Tensor dyd = Deq(dy, blk.act_row, grad), wcd = Deq(w, blk.w_col);
   EXPECT_TRUE(
       AllCloseToSum(bwd->grad_input, dyd.mm(wcd), dyd.abs().mm(wcd.abs()), SumTol(c.n), 1e-30));
-  const at::Tensor dyc = Deq(dy, blk.act_col), xc = Deq(x, blk.act_col);
+  const at::Tensor dyc = Deq(dy, blk.act_col, grad), xc = Deq(x, blk.act_col);
   EXPECT_TRUE(AllCloseToSum(wg, dyc.t().mm(xc), dyc.abs().t().mm(xc.abs()), SumTol(c.m), 1e-30));
-  EXPECT_TRUE(AllCloseToSum(wg, D(dy).t().mm(D(x)), D(dy).abs().t().mm(D(x).abs()), 0.125, 0));
+  // An E4M3 and an E4M3 (2^-4 each) or E5M2 (2^-3) rounding per term.
+  EXPECT_TRUE(AllCloseToSum(wg, D(dy).t().mm(D(x)), D(dy).abs().t().mm(D(x).abs()),
+                            c.hybrid ? 0.1875 : 0.125, 0));
   // From the unquantized dy, summed in fp32.
   EXPECT_TRUE(AllCloseToSum(bg, D(dy).sum(0), D(dy).abs().sum(0), SumTol(c.m), 1e-30));
 }
@@ -133,6 +142,7 @@ std::vector<LinearCase> LinearCases() {
     for (const auto& [m, k, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
              {1, 1, 1}, {7, 300, 40}, {130, 200, 136}, {33, 31, 129}}) {
       out.push_back({mode, m, k, n});
+      if (mode == ScalingMode::kBlock) out.push_back({mode, m, k, n, /*hybrid=*/true});
     }
   }
   return out;
@@ -141,8 +151,9 @@ std::vector<LinearCase> LinearCases() {
 INSTANTIATE_TEST_SUITE_P(Shapes, BlockLinearTest, ::testing::ValuesIn(LinearCases()),
                          [](const auto& info) {
                            const LinearCase& c = info.param;
-                           return std::string(ScalingModeName(c.mode)) + "_" + std::to_string(c.m) +
-                                  "x" + std::to_string(c.k) + "x" + std::to_string(c.n);
+                           return std::string(ScalingModeName(c.mode)) +
+                                  (c.hybrid ? "_hybrid_" : "_") + std::to_string(c.m) + "x" +
+                                  std::to_string(c.k) + "x" + std::to_string(c.n);
                          });
 
 class BlockLayerNormKindsTest : public ::testing::TestWithParam<ScalingMode> {};
@@ -402,11 +413,14 @@ TEST(BlockRecipeOutlier, OneOutlierCostsOnlyItsOwnRow) {
 // A module's state (what a checkpoint stores) keeps its recipe: restored, the module is the
 // same recipe and computes the same bits.
 TEST(BlockRecipeState, ARestoredModuleKeepsItsRecipe) {
-  for (ScalingMode mode : {ScalingMode::kBlock, ScalingMode::kMxfp8}) {
-    SCOPED_TRACE(ScalingModeName(mode));
+  for (auto [mode, hybrid] :
+       {std::pair{ScalingMode::kBlock, false}, std::pair{ScalingMode::kBlock, true},
+        std::pair{ScalingMode::kMxfp8, false}}) {
+    SCOPED_TRACE(std::string(ScalingModeName(mode)) + (hybrid ? " hybrid" : ""));
     ModuleHost host(ContextLimits{}, nullptr, MakeCpuBackend());
     ModuleSpec spec = gradwire::testing::MakeModuleSpec(ModuleKind::kLayerNormMlp, 40, 24, 56, 5);
     spec.recipe.mode = mode;
+    spec.recipe.block_hybrid = hybrid;
     auto info = host.Create(spec);
     ASSERT_TRUE(info.ok()) << info.status();
     auto state = host.ExportState(info->module_id);
@@ -419,6 +433,7 @@ TEST(BlockRecipeState, ARestoredModuleKeepsItsRecipe) {
     auto again = other.ExportState(state->module_id);
     ASSERT_TRUE(again.ok());
     EXPECT_EQ(again->spec.recipe.mode, mode);
+    EXPECT_EQ(again->spec.recipe.block_hybrid, hybrid);
     const at::Tensor x = MixedRows(9, 40);
     auto a = TensorForward(host, info->module_id, x, false);
     auto b = TensorForward(other, state->module_id, x, false);

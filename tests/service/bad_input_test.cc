@@ -663,6 +663,21 @@ std::vector<Case> Cases() {
            s->mutable_recipe()->set_scaling(v1::MXFP8);
            s->mutable_recipe()->set_margin(3);
          });
+  create("CreateMxfp8Hybrid", "spec.recipe.format HYBRID is not one of MXFP8's",
+         [](v1::ModuleSpec* s) {
+           s->mutable_recipe()->set_scaling(v1::MXFP8);
+           s->mutable_recipe()->set_format(v1::HYBRID);
+         });
+  create("CreateCurrentE4m3Only", "spec.recipe.format E4M3_ONLY is not one of CURRENT's",
+         [](v1::ModuleSpec* s) {
+           s->mutable_recipe()->set_scaling(v1::CURRENT);
+           s->mutable_recipe()->set_format(v1::E4M3_ONLY);
+         });
+  create("CreateFormatOutOfEnum", "spec.recipe.format must be E4M3_ONLY or HYBRID",
+         [](v1::ModuleSpec* s) {
+           s->mutable_recipe()->set_scaling(v1::BLOCK);
+           s->mutable_recipe()->set_format(static_cast<v1::Fp8Format>(7));
+         });
   create("CreateAmaxAlgoOutOfEnum", "spec.recipe.amax_compute_algo must be MAX or MOST_RECENT",
          [](v1::ModuleSpec* s) {
            s->mutable_recipe()->set_amax_compute_algo(static_cast<v1::AmaxComputeAlgo>(5));

@@ -1,6 +1,6 @@
 // Convergence parity: the demo's remote LayerNormMLP trained in FP8 (every recipe: current,
-// delayed, block, mxfp8) ends within 5% of the same model trained locally in float32 (ATen
-// autograd) from the same initial weights, on the same data with the same SGD.
+// delayed, block, block-hybrid, mxfp8) ends within 5% of the same model trained locally in
+// float32 (ATen autograd) from the same initial weights, on the same data with the same SGD.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -103,7 +103,7 @@ TEST_P(DemoParityTest, Fp8LayerNormMlpEndsWithinFivePercentOfFloat32) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, DemoParityTest,
-                         ::testing::Values("current", "delayed", "block", "mxfp8"));
+                         ::testing::Values("current", "delayed", "block", "block-hybrid", "mxfp8"));
 
 }  // namespace
 }  // namespace gradwire

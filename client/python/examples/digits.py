@@ -122,7 +122,7 @@ def main():
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--recipe", choices=["current", "delayed", "block", "mxfp8"],
+    parser.add_argument("--recipe", choices=["current", "delayed", "block", "block-hybrid", "mxfp8"],
                         default="current")
     parser.add_argument("--wire-dtype", choices=["f32", "bf16", "f16", "fp8"], default="f32")
     parser.add_argument("--plot", default="digits-loss.png", help="PNG of the loss curves")

@@ -1452,9 +1452,13 @@ def _restore(cls: type, server: str, state: Dict[str, Any]) -> RemoteModule:
     return cls._rebuild(client, state)
 
 
-# The FP8 scaling recipes by name (docs/block-scaling.md for the block-scaled two).
-_RECIPES = {"current": module_pb2.CURRENT, "delayed": module_pb2.DELAYED,
-            "block": module_pb2.BLOCK, "mxfp8": module_pb2.MXFP8}
+# The FP8 scaling recipes by name (docs/block-scaling.md for the block-scaled ones): the
+# scaling, and the formats (unset: the recipe's own; "block-hybrid" is BLOCK with E5M2 gradients).
+_RECIPES = {"current": (module_pb2.CURRENT, module_pb2.FP8_FORMAT_UNSPECIFIED),
+            "delayed": (module_pb2.DELAYED, module_pb2.FP8_FORMAT_UNSPECIFIED),
+            "block": (module_pb2.BLOCK, module_pb2.FP8_FORMAT_UNSPECIFIED),
+            "block-hybrid": (module_pb2.BLOCK, module_pb2.HYBRID),
+            "mxfp8": (module_pb2.MXFP8, module_pb2.FP8_FORMAT_UNSPECIFIED)}
 
 
 def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: Optional[str],
@@ -1466,7 +1470,8 @@ def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: Op
     for its errors."""
     if recipe is not None and recipe not in _RECIPES:
         raise ValueError(
-            f"recipe must be 'current', 'delayed', 'block', 'mxfp8' or None, got {recipe!r}")
+            "recipe must be 'current', 'delayed', 'block', 'block-hybrid', 'mxfp8' or None, "
+            f"got {recipe!r}")
     sizes = {"in_features": in_features, "out_features": out_features}
     sizes.update({k: v for k, v in extra.items() if k.endswith("_features")})
     labels = labels or {}
@@ -1484,7 +1489,7 @@ def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: Op
                                  bias=bias, seed=seed, name=name, max_staleness=max_staleness,
                                  **extra)
     if recipe is not None:  # None: unset, the server's --default-recipe
-        spec.recipe.scaling = _RECIPES[recipe]
+        spec.recipe.scaling, spec.recipe.format = _RECIPES[recipe]
     if optimizer is not None:
         spec.optimizer.CopyFrom(optimizer)
     return spec
@@ -1492,8 +1497,9 @@ def _spec(kind: int, in_features: int, out_features: int, bias: bool, recipe: Op
 
 _COMMON_ARGS = """
         recipe: FP8 scaling, "current" (per tensor, per call), "delayed" (amax history),
-            "block" (a power-of-two scale per 1x128 block, 128x128 for weights) or "mxfp8"
-            (per 32 elements along each GEMM's reduction): with a block recipe one outlier
+            "block" (a power-of-two scale per 1x128 block, 128x128 for weights; E4M3
+            throughout), "block-hybrid" (the same with E5M2 gradients) or "mxfp8" (per 32
+            elements along each GEMM's reduction): with a block recipe one outlier
             costs only its own block. None (default): the server's ``--default-recipe``
             (block on a CPU server, current on a CUDA one); ``.spec.recipe`` says which.
         seed: seed of the deterministic initialisation (same seed, same weights everywhere).

@@ -33,8 +33,26 @@ def test_a_block_recipe_keeps_the_other_rows_of_an_outlier(client, recipe, value
     assert (clean_y - other).norm() <= 0.1 * other.norm()
 
 
+def test_block_hybrid_is_block_with_e5m2_gradients(client):
+    m = gradwire.RemoteLinear(client, 64, 8, recipe="block-hybrid", seed=3)
+    assert m.spec.recipe.scaling == module_pb2.BLOCK
+    assert m.spec.recipe.format == module_pb2.HYBRID
+    plain = gradwire.RemoteLinear(client, 64, 8, recipe="block", seed=3)
+    assert plain.spec.recipe.format == module_pb2.E4M3_ONLY
+    x = torch.randn(16, 64)
+    x[0, 0] = 3e6
+    dy = torch.randn(16, 8)
+    for module in (m, plain):
+        x.grad = None
+        y = module(x.detach().requires_grad_(True))
+        y.backward(dy)
+    # The same forward (E4M3 both), gradients cast differently (E5M2 against E4M3).
+    with torch.no_grad():
+        assert torch.equal(m(x), plain(x))
+
+
 def test_an_unknown_recipe_is_refused_before_any_call(client):
-    with pytest.raises(ValueError, match="'block', 'mxfp8' or None"):
+    with pytest.raises(ValueError, match="'block', 'block-hybrid', 'mxfp8' or None"):
         gradwire.RemoteLinear(client, 4, 2, recipe="blocks")
 
 
@@ -68,7 +86,7 @@ def test_a_module_without_a_recipe_gets_the_servers_default(default_server):
 # FP8 training under every recipe ends within 5% of the same model trained in float32 from the
 # same weights and data: the two examples that train a float32 twin beside the remote model,
 # shortened.
-RECIPES = ["current", "delayed", "block", "mxfp8"]
+RECIPES = ["current", "delayed", "block", "block-hybrid", "mxfp8"]
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 

@@ -45,7 +45,8 @@ json SpecToJson(const ModuleSpec& s) {
                {{"mode", int(s.recipe.mode)},
                 {"margin", s.recipe.margin},
                 {"history_len", s.recipe.history_len},
-                {"algo", int(s.recipe.algo)}}},
+                {"algo", int(s.recipe.algo)},
+                {"block_hybrid", s.recipe.block_hybrid}}},
               {"optimizer",
                {{"kind", int(s.optimizer.kind)},
                 {"sgd",
@@ -119,6 +120,8 @@ ModuleSpec SpecFromJson(const json& j) {
   s.recipe.margin = Integer<int>(r, "margin");
   s.recipe.history_len = Integer<int64_t>(r, "history_len");
   s.recipe.algo = AmaxAlgo(Integer<int>(r, "algo"));
+  // Files written before the formats were a setting: E4M3 throughout under BLOCK.
+  s.recipe.block_hybrid = r.contains("block_hybrid") && Flag(r, "block_hybrid");
   const json& o = j.at("optimizer");
   s.optimizer.kind = OptimizerConfig::Kind(Integer<int>(o, "kind"));
   const json& sgd = o.at("sgd");

@@ -120,8 +120,12 @@ class ModuleSteps {
     for (size_t i = 0; i < roles.size(); ++i) {
       q[i].format = roles[i].format;
       q[i].margin = spec.recipe.margin;
-      // Block-scaled: every role E4M3, its blocks by whether it is a weight.
-      if (BlockScaled(spec.recipe.mode)) SetBlockScaling(q[i], spec.recipe.mode, roles[i].weight);
+      // Block-scaled: every role E4M3 (the gradients E5M2 under HYBRID), its blocks by whether
+      // it is a weight.
+      if (BlockScaled(spec.recipe.mode)) {
+        SetBlockScaling(q[i], spec.recipe.mode, roles[i].weight);
+        if (Hybrid(spec.recipe)) q[i].format = roles[i].format;
+      }
       if (spec.recipe.mode == ScalingMode::kDelayed && !roles[i].weight) {
         q[i].scale_device = scaling->Scale(i);
       }

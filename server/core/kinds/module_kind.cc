@@ -51,6 +51,12 @@ absl::Status ValidateCommon(const ModuleSpec& s) {
         absl::AsciiStrToUpper(ScalingModeName(s.recipe.mode)),
         " (each block's scale is the power of two that fits it), got ", s.recipe.margin));
   }
+  // E5M2 gradients are a choice only under BLOCK (the others' formats are fixed).
+  if (s.recipe.block_hybrid && s.recipe.mode != ScalingMode::kBlock) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.recipe.format HYBRID is a choice of BLOCK only, not of ",
+                     absl::AsciiStrToUpper(ScalingModeName(s.recipe.mode))));
+  }
   GW_RETURN_IF_ERROR(
       CheckSpecRange("spec.recipe.amax_history_len", s.recipe.history_len, 1, kMaxHistory));
   if (s.optimizer.kind == OptimizerConfig::Kind::kSgd) {
