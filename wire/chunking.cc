@@ -56,10 +56,12 @@ absl::StatusOr<int64_t> DataBytes(const v1::Tensor& t, absl::string_view field) 
   }
   const int64_t cols = t.shape(t.shape_size() - 1), rows = numel / cols;
   auto check = [&](const v1::BlockScales& b, const char* name, int64_t r, int64_t c) {
-    if (b.block_rows() < 1 || b.block_cols() < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".", name,
-                                                     ": a block is at least 1 x 1, got ",
-                                                     b.block_rows(), " x ", b.block_cols()));
+    // At most kMaxTensorElements a side, so that no grid arithmetic (rows + block - 1) overflows.
+    if (b.block_rows() < 1 || b.block_cols() < 1 || b.block_rows() > kMaxTensorElements ||
+        b.block_cols() > kMaxTensorElements) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".", name, ": a block is at least 1 x 1 and at most ",
+                       kMaxTensorElements, " a side, got ", b.block_rows(), " x ", b.block_cols()));
     }
     const int64_t grid_rows = (r - 1) / b.block_rows() + 1,
                   grid_cols = (c - 1) / b.block_cols() + 1;

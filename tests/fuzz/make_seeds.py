@@ -138,6 +138,23 @@ write("request_fuzzer", "forward_bf16_ln", bytes([0, 1]) + encode(
 write("request_fuzzer", "forward_fp8", bytes([0, 2]) + encode(
     "ForwardRequest", "input { %s } output_dtype: FP8_E4M3"
     % tensor_text("FP8_E4M3", [2, 8], raw8, 0.03125)))
+# Block scales (docs/wire.md): [2, 8] codes in 1 x 8 blocks (a grid of 2), then the columnwise
+# copy's [8, 2] codes in 1 x 2 blocks (a grid of 8); and a block-scaled E5M2 gradient.
+def octal(raw):
+    return "".join("\\%03o" % b for b in raw)
+
+
+raw16x2 = bytes(random.Random(20261207).randrange(256) for _ in range(32))  # apart from rng
+write("request_fuzzer", "forward_fp8_blocks", bytes([0, 2]) + encode(
+    "ForwardRequest", "input { dtype: FP8_E4M3 shape: 2 shape: 8 data: \"%s\" "
+    "block_scales { block_rows: 1 block_cols: 8 scale_inv: \"%s\" } "
+    "columnwise_scales { block_rows: 1 block_cols: 2 scale_inv: \"%s\" } } training: true "
+    "output_dtype: FP8_E4M3" % (octal(raw16x2), octal(struct.pack("<2f", 0.25, 8.0)),
+                                octal(struct.pack("<8f", *[2.0 ** -k for k in range(8)])))))
+write("request_fuzzer", "backward_fp8_blocks", bytes([1, 0x10]) + encode(
+    "BackwardRequest", "grad_output { dtype: FP8_E5M2 shape: 2 shape: 4 data: \"%s\" "
+    "block_scales { block_rows: 1 block_cols: 4 scale_inv: \"%s\" } } grad_input_dtype: FP8_E5M2"
+    % (octal(raw8[:8]), octal(struct.pack("<2f", 1.0, 0.5)))))
 write("request_fuzzer", "backward_f32", bytes([1, 0x10]) + encode(
     "BackwardRequest", "grad_output { %s } retain: false" % tensor_text("F32", [2, 4], floats(8))))
 write("request_fuzzer", "backward_ln_grad", bytes([1, 0x01]) + encode(

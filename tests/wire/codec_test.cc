@@ -312,6 +312,9 @@ TEST(WireTensor, MalformedBlockScalesAreRefusedAndNamed) {
   v1::Tensor zero_block = good;
   zero_block.mutable_block_scales()->set_block_cols(0);
   refused(zero_block, "at least 1 x 1");
+  v1::Tensor huge_block = good;  // no grid arithmetic may overflow
+  huge_block.mutable_block_scales()->set_block_cols(std::numeric_limits<int64_t>::max());
+  refused(huge_block, "at most 2147483648 a side");
   v1::Tensor short_grid = good;
   short_grid.mutable_block_scales()->mutable_scale_inv()->resize(4);
   refused(short_grid, "input.block_scales.scale_inv has 4 bytes");
