@@ -82,9 +82,9 @@ def fp8_scale(amax: torch.Tensor, dtype: int) -> torch.Tensor:
     return scale
 
 
-def fp8_encode(y: torch.Tensor, dtype: int) -> torch.Tensor:
-    """FP8 codes (uint8) of already scaled float32 values: round half to even, finite overflow
-    and infinities saturate to the largest finite code, NaN to the NaN code."""
+def _fp8_encode_reference(y: torch.Tensor, dtype: int) -> torch.Tensor:
+    """``fp8_encode`` computed step by step in torch (any device): the definition the code tables
+    of the CPU encoders are made from."""
     mbits, bias, min_exp, max_code, fmax = _FP8[dtype]
     y = y.to(torch.float32).contiguous()
     bits = y.view(torch.int32)
@@ -106,6 +106,95 @@ def fp8_encode(y: torch.Tensor, dtype: int) -> torch.Tensor:
     code = torch.where(big, torch.full_like(code, max_code), code)
     code = torch.where(torch.isnan(y), torch.full_like(code, _NAN_CODE), code)
     return (code | sign).to(torch.uint8)
+
+
+# The CPU encoders look each code up in a table of 2^17 codes per format, indexed by a float32's
+# high 16 bits and one bit more: whether its low 16 bits are not all zero. That pair settles the
+# code: the bit of half a quantum lies at bit 16 of the float32 or above (bit 19 for an E4M3
+# normal, 20 for E5M2, higher for their subnormals), so the low 16 bits only tell an exact tie
+# from a value past it (and a NaN from an infinity). Each table holds the reference's code of
+# one float32 of each index, the low 16 bits 0 or 1.
+_CODE_TABLES: Dict[int, np.ndarray] = {}
+# Elements per tile of the CPU encoders: few enough that their temporaries stay small (in the
+# CPU's caches), enough that the per-tile Python overhead stays small too.
+_TILE = 1 << 18
+_INF_BITS = 0x7F800000
+
+
+def _code_table(dtype: int) -> np.ndarray:
+    table = _CODE_TABLES.get(dtype)
+    if table is None:
+        index = np.arange(1 << 17, dtype=np.uint32)
+        bits = ((index >> 1) << 16) | (index & 1)
+        table = _fp8_encode_reference(torch.from_numpy(bits.view(np.float32)), dtype).numpy()
+        _CODE_TABLES[dtype] = table
+    return table
+
+
+def _codes_into(y: np.ndarray, out: np.ndarray, table: np.ndarray, scratch: np.ndarray) -> None:
+    """``out`` (uint8, ``y``'s shape) = the codes of the float32 array ``y`` (C-contiguous) from
+    ``table``; ``scratch`` holds at least ``y.size`` uint32."""
+    b = y.view(np.uint32)
+    v = scratch[:b.size].reshape(b.shape)
+    np.bitwise_and(b, 0x7FFF, out=v)
+    np.add(v, 0x7FFF, out=v)  # bit 15 set: the low 15 bits are not all zero
+    np.bitwise_or(v, b, out=v)  # bit 15 set: the low 16 bits are not all zero
+    np.right_shift(v, 15, out=v)
+    if out.flags.c_contiguous:
+        np.take(table, v, out=out, mode="clip")
+    else:
+        out[...] = np.take(table, v, mode="clip")
+
+
+def _encode_flat(x: np.ndarray, dtype: int, scale=None) -> np.ndarray:
+    """The codes (uint8) of the flat float32 array ``x``, each first multiplied in float32 by
+    ``scale`` (a float32) when one is given, tile by tile."""
+    table = _code_table(dtype)
+    n = x.shape[0]
+    out = np.empty(n, dtype=np.uint8)
+    size = min(n, _TILE)
+    scratch = np.empty(size, dtype=np.uint32)
+    y = np.empty(size, dtype=np.float32) if scale is not None else None
+    for start in range(0, n, _TILE):
+        stop = min(n, start + _TILE)
+        part = x[start:stop]
+        if scale is not None:
+            part = np.multiply(part, scale, out=y[:stop - start])
+        _codes_into(part, out[start:stop], table, scratch)
+    return out
+
+
+def _amax_bits(x: np.ndarray) -> int:
+    """The float32 bits of max |value| over the flat float32 array ``x`` (not empty): above those
+    of infinity where a value is NaN, infinity's where one is infinite and none is NaN (the
+    bits of non-negative floats order as their values, NaNs above infinity)."""
+    bits = x.view(np.uint32)
+    n = bits.shape[0]
+    buf = np.empty(min(n, _TILE), dtype=np.uint32)
+    best = 0
+    for start in range(0, n, _TILE):
+        stop = min(n, start + _TILE)
+        part = np.bitwise_and(bits[start:stop], 0x7FFFFFFF, out=buf[:stop - start])
+        best = max(best, int(part.max()))
+    return best
+
+
+def _amax_tensor(x: np.ndarray) -> torch.Tensor:
+    """max |value| of the flat float32 array ``x`` as a 0-dim float32 tensor, as
+    ``x.abs().max()`` gives it (NaN where a value is NaN; 0 for an empty ``x``)."""
+    bits = _amax_bits(x) if x.shape[0] else 0
+    return torch.from_numpy(np.array([bits], dtype=np.uint32).view(np.float32)).reshape(())
+
+
+def fp8_encode(y: torch.Tensor, dtype: int) -> torch.Tensor:
+    """FP8 codes (uint8) of already scaled float32 values: round half to even, finite overflow
+    and infinities saturate to the largest finite code, NaN to the NaN code."""
+    y = y.detach().to(torch.float32)
+    if y.device.type != "cpu":
+        return _fp8_encode_reference(y, dtype)
+    y = y.contiguous()
+    codes = _encode_flat(y.numpy().reshape(-1), dtype)
+    return torch.from_numpy(codes).reshape(y.shape)
 
 
 def fp8_decode(codes: torch.Tensor, dtype: int) -> torch.Tensor:
@@ -152,6 +241,141 @@ def block_scale_exponents(amax: torch.Tensor, dtype: int) -> torch.Tensor:
     return torch.where(positive & ~finite, torch.full_like(e, BLOCK_EXPONENT_MAX), e)
 
 
+def _block_exponents(amax_bits: np.ndarray, dtype: int) -> np.ndarray:
+    """``block_scale_exponents`` (int32) of finite amaxes given by their float32 bits. With
+    fp8_max = 1.m_f 2^k_f and amax = 1.m 2^k (normal), e is k - k_f, plus 1 where m > m_f: the
+    exponent field of amax's bits plus (2^23 - 1 - m_f's field) less that of fp8_max's. A
+    subnormal amax gives far below -50, as its exponent is."""
+    fbits = int(np.float32(_FP8[dtype][4]).view(np.uint32))
+    a = amax_bits.astype(np.int64)
+    e = ((a + (0x7FFFFF - (fbits & 0x7FFFFF))) >> 23) - (fbits >> 23)
+    np.clip(e, BLOCK_EXPONENT_MIN, BLOCK_EXPONENT_MAX, out=e)
+    e[a == 0] = 0
+    return e.astype(np.int32)
+
+
+def _pow2_np(e: np.ndarray) -> np.ndarray:
+    """2**e as float32, exactly, for an int array e in the normal range."""
+    return ((e.astype(np.int32) + 127) << 23).astype(np.uint32).view(np.float32)
+
+
+def _whole_blocks_of_rows(a: np.ndarray, block: int) -> np.ndarray:
+    """The whole runs of ``block`` elements of each row of the 2-D ``a``: a view [rows, n,
+    block]."""
+    rows, cols = a.shape
+    return np.lib.stride_tricks.as_strided(
+        a, shape=(rows, cols // block, block),
+        strides=(a.strides[0], block * a.strides[1], a.strides[1]))
+
+
+def _whole_blocks_of_cols(a: np.ndarray, block: int) -> np.ndarray:
+    """The whole runs of ``block`` rows of the 2-D ``a``: a view [n, block, cols]."""
+    rows, cols = a.shape
+    return np.lib.stride_tricks.as_strided(
+        a, shape=(rows // block, block, cols),
+        strides=(block * a.strides[0], a.strides[0], a.strides[1]))
+
+
+def _row_amax(u: np.ndarray, block: int) -> np.ndarray:
+    """The largest of each 1 x ``block`` run of each row of ``u`` (uint32 below 2^31, 2-D), the
+    last run of a row what is left of it: int64 [rows, ceil(cols / block)]."""
+    rows, cols = u.shape
+    full = cols // block
+    out = np.empty((rows, -(-cols // block)), dtype=np.int64)
+    if full:
+        whole = torch.from_numpy(_whole_blocks_of_rows(u, block).view(np.int32))
+        out[:, :full] = whole.amax(dim=2).numpy()
+    if full * block < cols:
+        out[:, full] = u[:, full * block:].max(axis=1)
+    return out
+
+
+def _col_amax(u: np.ndarray, block: int) -> np.ndarray:
+    """The largest of each ``block`` x 1 run of each column of ``u`` (2-D), the last run what is
+    left of the column: int64 [ceil(rows / block), cols]."""
+    rows, cols = u.shape
+    full = rows // block
+    out = np.empty((-(-rows // block), cols), dtype=np.int64)
+    if full:
+        out[:full] = _whole_blocks_of_cols(u, block).max(axis=1)
+    if full * block < rows:
+        out[full] = u[full * block:].max(axis=0)
+    return out
+
+
+def _block_cast(x: np.ndarray, dtype: int, block: int, columnwise: bool,
+                exact: bool) -> Optional[Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+    """The block cast of the C-contiguous float32 matrix ``x`` [rows, cols] (``encode_row_blocks``)
+    and with ``columnwise`` that of its transpose, tile by tile: (data, uint8: the codes [rows,
+    cols], then with ``columnwise`` those of the transpose [cols, rows]; the scale exponents
+    [rows, ceil(cols / block)], int32; with ``columnwise`` the transpose's [ceil(rows / block),
+    cols], transposed, else None). With ``exact``, None as soon as a value is not finite."""
+    rows, cols = x.shape
+    n = rows * cols
+    data = np.empty(2 * n if columnwise else n, dtype=np.uint8)
+    codes = data[:n].reshape(rows, cols)
+    codes_t = data[n:].reshape(cols, rows) if columnwise else None
+    e_rows = np.zeros((rows, -(-cols // block)), dtype=np.int32)
+    e_cols = np.zeros((-(-rows // block), cols), dtype=np.int32) if columnwise else None
+    if n == 0:
+        return data, e_rows, e_cols
+    table = _code_table(dtype)
+    # Tiles of whole blocks: a width of whole rows' blocks (or the rows themselves), and with
+    # the columnwise copy a height of whole blocks of rows.
+    unit = block if columnwise else 1
+    width = min(cols, max(block, _TILE // unit // block * block))
+    height = min(rows, max(unit, _TILE // width // unit * unit))
+    size = width * height
+    u_buf = np.empty(size, dtype=np.uint32)
+    y_buf = np.empty(size, dtype=np.float32)
+    c_buf = np.empty(size, dtype=np.uint8)
+    scratch = np.empty(size, dtype=np.uint32)
+    bits = x.view(np.uint32)
+    for r0 in range(0, rows, height):
+        r1 = min(rows, r0 + height)
+        for c0 in range(0, cols, width):
+            c1 = min(cols, c0 + width)
+            shape = (r1 - r0, c1 - c0)
+            count = shape[0] * shape[1]
+            xt = x[r0:r1, c0:c1]
+            u = np.bitwise_and(bits[r0:r1, c0:c1], 0x7FFFFFFF, out=u_buf[:count].reshape(shape))
+            y = y_buf[:count].reshape(shape)
+            c = c_buf[:count].reshape(shape)
+            amax = _row_amax(u, block)
+            if int(amax.max()) >= _INF_BITS:
+                if exact:
+                    return None
+                # The amax of a block is over its finite values only.
+                u = np.where(u >= _INF_BITS, np.uint32(0), u)
+                amax = _row_amax(u, block)
+            e = _block_exponents(amax, dtype)
+            g0 = c0 // block
+            e_rows[r0:r1, g0:g0 + e.shape[1]] = e
+            scale = _pow2_np(-e)
+            full = shape[1] // block
+            if full:
+                np.multiply(_whole_blocks_of_rows(xt, block), scale[:, :full, None],
+                            out=_whole_blocks_of_rows(y, block))
+            if full * block < shape[1]:
+                np.multiply(xt[:, full * block:], scale[:, full:], out=y[:, full * block:])
+            _codes_into(y, codes[r0:r1, c0:c1], table, scratch)
+            if not columnwise:
+                continue
+            e = _block_exponents(_col_amax(u, block), dtype)
+            g0 = r0 // block
+            e_cols[g0:g0 + e.shape[0], c0:c1] = e
+            scale = _pow2_np(-e)
+            full = shape[0] // block
+            if full:
+                np.multiply(_whole_blocks_of_cols(xt, block), scale[:full, None, :],
+                            out=_whole_blocks_of_cols(y, block))
+            if full * block < shape[0]:
+                np.multiply(xt[full * block:], scale[full:], out=y[full * block:])
+            _codes_into(y, c, table, scratch)
+            codes_t[c0:c1, r0:r1] = c.T
+    return data, e_rows, e_cols
+
+
 def encode_row_blocks(x: torch.Tensor, dtype: int, block: int) -> Tuple[torch.Tensor,
                                                                          torch.Tensor]:
     """The block cast of the matrix ``x`` [rows, cols] (float32) with blocks of 1 x ``block``
@@ -161,24 +385,14 @@ def encode_row_blocks(x: torch.Tensor, dtype: int, block: int) -> Tuple[torch.Te
     is left of it, scaled from its own elements."""
     if block < 1:
         raise ValueError(f"block length must be >= 1, got {block}")
-    x = x.to(device="cpu", dtype=torch.float32)
+    x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
     rows, cols = x.shape
-    grid = -(-cols // block)
-    pad = grid * block - cols
-    # Padding with zeros changes no amax (the padded codes are dropped).
-    xp = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
-    xb = xp.view(rows, grid, block)
-    a = xb.abs()
-    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=torch.float32))
-    e = block_scale_exponents(a.amax(dim=2), dtype)
-    codes = fp8_encode(xb * _pow2(-e).unsqueeze(2), dtype).view(rows, grid * block)
-    if pad:
-        codes = codes[:, :cols].contiguous()
-    return codes, _pow2(e)
+    data, e_rows, _ = _block_cast(x.numpy(), dtype, block, False, False)
+    return torch.from_numpy(data.reshape(rows, cols)), torch.from_numpy(_pow2_np(e_rows))
 
 
-def _scales_bytes(scale_inv: torch.Tensor) -> bytes:
-    return scale_inv.contiguous().numpy().astype("<f4", copy=False).tobytes()
+def _scales_bytes(scale_inv: np.ndarray) -> bytes:
+    return np.ascontiguousarray(scale_inv).astype("<f4", copy=False).tobytes()
 
 
 def encode_blocks(t: torch.Tensor, dtype: int, block: int,
@@ -187,26 +401,36 @@ def encode_blocks(t: torch.Tensor, dtype: int, block: int,
     the matrix [rows, cols] it reads as (cols its last dimension): ``encode_row_blocks``. With
     ``columnwise``, the data also holds the codes of the transpose [cols, rows] cast the same way
     (the columnwise copy: ``block`` x 1 blocks of ``t``), and the header its scales."""
+    return _encode_blocks(t, dtype, block, columnwise, False)
+
+
+def _encode_blocks(t: torch.Tensor, dtype: int, block: int, columnwise: bool,
+                   exact: bool) -> Optional["Encoded"]:
+    """``encode_blocks``; with ``exact``, None where a value is not finite."""
     if dtype not in _FP8:
         raise ValueError(f"block scales are for FP8 dtypes only, not {dtype}")
     x = t.detach().to(device="cpu", dtype=torch.float32)
     if x.dim() == 0:
         raise ValueError("a block-scaled tensor needs at least one dimension")
+    if block < 1:
+        if exact and not bool(torch.isfinite(x).all()):
+            return None
+        raise ValueError(f"block length must be >= 1, got {block}")
     shape = list(x.shape)
     cols = shape[-1]
     rows = x.numel() // cols if cols else math.prod(shape[:-1])
-    m = x.reshape(rows, cols)
-    codes, scale_inv = encode_row_blocks(m, dtype, block)
+    m = x.reshape(rows, cols).contiguous().numpy()
+    cast = _block_cast(m, dtype, block, columnwise, exact)
+    if cast is None:
+        return None
+    data, e_rows, e_cols = cast
     header = tensor_pb2.Tensor(dtype=dtype, shape=shape)
     header.block_scales.CopyFrom(tensor_pb2.BlockScales(
-        block_rows=1, block_cols=block, scale_inv=_scales_bytes(scale_inv)))
-    if not columnwise:
-        return Encoded(header, _bytes_of(codes))
-    codes_t, scale_inv_t = encode_row_blocks(m.t(), dtype, block)
-    header.columnwise_scales.CopyFrom(tensor_pb2.BlockScales(
-        block_rows=1, block_cols=block, scale_inv=_scales_bytes(scale_inv_t)))
-    both = torch.cat([codes.reshape(-1), codes_t.reshape(-1)])
-    return Encoded(header, _bytes_of(both))
+        block_rows=1, block_cols=block, scale_inv=_scales_bytes(_pow2_np(e_rows))))
+    if columnwise:
+        header.columnwise_scales.CopyFrom(tensor_pb2.BlockScales(
+            block_rows=1, block_cols=block, scale_inv=_scales_bytes(_pow2_np(e_cols.T))))
+    return Encoded(header, memoryview(data).cast("B"))
 
 
 class Encoded(NamedTuple):
@@ -242,11 +466,12 @@ def encode(t: torch.Tensor, dtype: int = F32, block: int = 0) -> Encoded:
         return encode_blocks(t, dtype, block)
     if dtype in _FP8:
         x = t.to(device="cpu", dtype=torch.float32).contiguous()
-        scale = fp8_scale(x.abs().max() if x.numel() else torch.tensor(0.0), dtype)
-        codes = fp8_encode(x * scale, dtype)
+        flat = x.numpy().reshape(-1)
+        scale = fp8_scale(_amax_tensor(flat), dtype)
+        codes = _encode_flat(flat, dtype, scale.numpy())
         scale_inv = float(torch.tensor(1.0, dtype=torch.float32) / scale)
         return Encoded(tensor_pb2.Tensor(dtype=dtype, shape=list(x.shape), scale_inv=scale_inv),
-                       _bytes_of(codes))
+                       memoryview(codes).cast("B"))
     torch_dtype = _TORCH_DTYPES[dtype]
     if t.dtype != torch_dtype:
         # Through float32, as the server rounds: a float64 tensor is rounded once to float32
@@ -265,14 +490,15 @@ def encode_exact_input(t: torch.Tensor) -> Optional[Encoded]:
     if t.numel() == 0:
         return None
     x = t.to(device="cpu", dtype=torch.float32).contiguous()
-    amax = x.abs().max()
+    flat = x.numpy().reshape(-1)
+    amax = _amax_tensor(flat)
     if not bool(torch.isfinite(amax)):
         return None
     scale = fp8_scale(amax, FP8_E4M3)
-    codes = fp8_encode(x * scale, FP8_E4M3)
+    codes = _encode_flat(flat, FP8_E4M3, scale.numpy())
     scale_inv = float(torch.tensor(1.0, dtype=torch.float32) / scale)
     return Encoded(tensor_pb2.Tensor(dtype=FP8_E4M3, shape=list(x.shape), scale_inv=scale_inv),
-                   _bytes_of(codes))
+                   memoryview(codes).cast("B"))
 
 
 def encode_exact_block_input(t: torch.Tensor, block: int,
@@ -285,10 +511,7 @@ def encode_exact_block_input(t: torch.Tensor, block: int,
     t = t.detach()
     if t.numel() == 0 or t.dim() == 0:
         return None
-    x = t.to(device="cpu", dtype=torch.float32)
-    if not bool(torch.isfinite(x).all()):
-        return None
-    return encode_blocks(x, FP8_E4M3, block, columnwise)
+    return _encode_blocks(t, FP8_E4M3, block, columnwise, True)
 
 
 def to_wire(t: torch.Tensor, dtype: int = F32, block: int = 0) -> tensor_pb2.Tensor:
