@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "gradwire/kernels/cpu/loops.h"
 #include "gradwire/kernels/ref/block_scaling.h"
@@ -202,21 +203,32 @@ Fp8Tensor FromBlockCodes(const wire::TensorView& v, int64_t rows, int64_t cols, 
   float max_scale_inv = 0.0f;
   for (float s : v.blocks.scale_inv) max_scale_inv = std::max(max_scale_inv, s);
   // The largest |decoded value|, NaN when a code is NaN: what a cast of those values measures.
+  // Per block, without decoding: a code's low seven bits order as its magnitude (E4M3's NaN and
+  // E5M2's infinities and NaNs above every finite code), so the block's largest of them, decoded
+  // and times the block's scale, is its largest |value|.
   const float* table = kernels::DecodeTable(out.format);
-  const float* scales = v.blocks.scale_inv.data();
-  const int64_t grid_cols = kernels::BlockGridCols(cols, out.rowwise_block);
-  float amax = 0.0f;
-  for (int64_t r = 0; r < rows && !std::isnan(amax); ++r) {
-    const float* row_scales = scales + (r / out.rowwise_block.rows) * grid_cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float a =
-          std::fabs(table[codes[r * cols + c]]) * row_scales[c / out.rowwise_block.cols];
-      if (std::isnan(a)) {
-        amax = a;
-        break;
+  const kernels::BlockShape block = out.rowwise_block;
+  const int64_t grid_cols = kernels::BlockGridCols(cols, block);
+  std::vector<uint8_t> top(size_t(kernels::BlockGridRows(rows, block) * grid_cols), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* row_top = top.data() + (r / block.rows) * grid_cols;
+    const uint8_t* row = codes + r * cols;
+    for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block.cols, ++j) {
+      uint8_t m = row_top[j];
+      for (int64_t c = c0, c1 = std::min(cols, c0 + block.cols); c < c1; ++c) {
+        m = std::max<uint8_t>(m, row[c] & 0x7F);
       }
-      amax = std::max(amax, a);
+      row_top[j] = m;
     }
+  }
+  float amax = 0.0f;
+  for (size_t i = 0; i < top.size(); ++i) {
+    const float a = table[top[i]] * v.blocks.scale_inv[i];
+    if (std::isnan(a)) {
+      amax = a;
+      break;
+    }
+    amax = std::max(amax, a);
   }
   out.scalars = CastScalars(1.0f, 1.0f, amax);
   if (usage.rowwise) {

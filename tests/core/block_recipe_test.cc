@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -439,6 +440,52 @@ TEST(BlockRecipeState, ARestoredModuleKeepsItsRecipe) {
     auto b = TensorForward(other, state->module_id, x, false);
     ASSERT_TRUE(a.ok() && b.ok());
     EXPECT_TRUE(at::equal(a->output, b->output));
+  }
+}
+
+// Block codes that arrived on the wire (FromBlockCodes): the copies as they came, and the amax
+// of their decoded values, NaN when a code is NaN.
+TEST(BlockRecipeWire, CodesFromTheWireKeepTheirCopiesAndMeasureTheirAmax) {
+  const int64_t rows = 37, cols = 300;
+  at::Tensor x = MixedRows(rows, cols);
+  x[4][7] = 3e6;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  for (int64_t block : {128, 32}) {
+    SCOPED_TRACE(block);
+    wire::EncodedTensor e = wire::Encode(xf.data_ptr<float>(), {rows, cols}, wire::DType::kFp8E4M3,
+                                         {block, /*columnwise=*/true});
+    wire::TensorView v;
+    v.dtype = e.dtype;
+    v.shape = e.shape;
+    v.data = e.bytes.data();
+    v.blocks = e.blocks;
+    v.columnwise = e.columnwise;
+    at::Tensor decoded = at::empty({rows, cols}, at::kFloat);
+    wire::DecodeView(v, decoded.data_ptr<float>());
+    const Fp8Tensor t = device::FromBlockCodes(v, rows, cols, {true, true});
+    EXPECT_EQ(t.amax(), decoded.abs().max().item<float>());
+    ASSERT_TRUE(t.has_rowwise() && t.has_columnwise());
+    EXPECT_EQ(std::memcmp(t.rowwise.data_ptr<uint8_t>(), e.bytes.data(), size_t(rows * cols)), 0);
+    EXPECT_EQ(std::memcmp(t.columnwise.data_ptr<uint8_t>(), e.bytes.data() + rows * cols,
+                          size_t(rows * cols)),
+              0);
+    EXPECT_EQ(t.rowwise_block.cols, block);
+    EXPECT_EQ(t.columnwise_block.cols, block);
+    EXPECT_TRUE(t.rowwise_scale_inv.equal(
+        at::from_blob(e.blocks.scale_inv.data(), t.rowwise_scale_inv.sizes(), at::kFloat)));
+    EXPECT_TRUE(device::CodesServeInput(v, block == 128 ? ScalingMode::kBlock : ScalingMode::kMxfp8,
+                                        /*training=*/true));
+    EXPECT_FALSE(device::CodesServeInput(v,
+                                         block == 128 ? ScalingMode::kMxfp8 : ScalingMode::kBlock,
+                                         /*training=*/false));
+    EXPECT_FALSE(device::CodesServeInput(v, ScalingMode::kCurrent, false));
+    v.columnwise = {};
+    EXPECT_FALSE(device::FromBlockCodes(v, rows, cols, {true, true}).has_columnwise());
+    EXPECT_FALSE(device::CodesServeInput(v,
+                                         block == 128 ? ScalingMode::kBlock : ScalingMode::kMxfp8,
+                                         /*training=*/true));  // training needs both copies
+    e.bytes[size_t(20 * cols + 5)] = char(0x7F);               // E4M3's NaN
+    EXPECT_TRUE(std::isnan(device::FromBlockCodes(v, rows, cols, {true, false}).amax()));
   }
 }
 
