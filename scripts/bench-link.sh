@@ -128,9 +128,11 @@ metrics_port=9464
 start_ns_server() {  # gradwire-server in the namespace: on its veth address and its loopback
   # 0.0.0.0 inside the namespace is its loopback and its end of the veth, nothing else: a
   # network of this script only, hence --insecure (no TLS, no tokens).
+  # The log is emptied before the launch, so a restart never reads the last server's lines.
+  : >"$tmp/server.log"
   # shellcheck disable=SC2086
   ip netns exec "$ns" "$server_bin" --listen "0.0.0.0:$server_port" --insecure --device cpu \
-    --metrics-listen "127.0.0.1:$metrics_port" ${BENCH_SERVER_FLAGS:-} >"$tmp/server.log" 2>&1 &
+    --metrics-listen "127.0.0.1:$metrics_port" ${BENCH_SERVER_FLAGS:-} >>"$tmp/server.log" 2>&1 &
   server_ns_pid=$!
   pids+=("$server_ns_pid")
   for _ in $(seq 300); do

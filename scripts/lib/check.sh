@@ -31,11 +31,15 @@ check() {  # check NAME CONDITION-COMMAND...
 }
 
 # Starts gradwire-server with the given flags, waits for its "listening on" line, sets $addr.
+# The log is emptied here, before the launch: the child's own `>` truncation happens whenever the
+# forked shell gets to it, and until then a restart would read the previous server's "listening
+# on" line.
 start_server() {
+  : >"$tmp/server.log"
   # shellcheck disable=SC2154  # $server_bin: set by the script that sources this
-  "$server_bin" "$@" >"$tmp/server.log" 2>&1 &
+  "$server_bin" "$@" >>"$tmp/server.log" 2>&1 &
   server_pid=$!
-  for _ in $(seq 1 100); do
+  for _ in $(seq 1 300); do
     if grep -q 'listening on' "$tmp/server.log"; then break; fi
     if ! kill -0 "$server_pid" 2>/dev/null; then break; fi
     sleep 0.1
