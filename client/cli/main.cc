@@ -247,8 +247,9 @@ int main(int argc, char** argv) {
   demo->add_option("--seed", demo_options.seed, "seed of data, task and weights")
       ->capture_default_str();
   demo->add_option("--wire-dtype", wire,
-                   "how activations and gradients cross: exact (F32 results bit for bit, a "
-                   "Linear's input as the server's own FP8 cast of it), or one dtype both ways "
+                   "how activations and gradients cross: exact (F32 results bit for bit; a "
+                   "Linear's input and grad_output as the server's own FP8 casts of them), or "
+                   "one dtype both ways "
                    "(f32; bf16 and f16 round)")
       ->check(CLI::IsMember({"exact", "f32", "bf16", "f16"}))
       ->capture_default_str();

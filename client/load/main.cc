@@ -45,7 +45,7 @@ struct Options {
   std::string kind = "linear";   // linear | layernorm-linear | layernorm-mlp
   int64_t in_features = 1024, out_features = 1024, ffn_features = 4096;
   bool bias = true;
-  std::string recipe = "current";
+  std::string recipe;  // empty: the server's --default-recipe
   int64_t rows = 1;
   std::string wire = "exact";
   RunConfig run;
@@ -96,15 +96,17 @@ class RemoteOps {
  public:
   // Worker w calls module_ids[w % size], every call routed by its module (gradwire-route).
   // `fp8_input`: the modules' spec lets the exact wire send their input as E4M3
-  // (gradwire::client::ExactWireTakesFp8); `block`: their FP8 tensors' row blocks
-  // (RecipeBlockLength).
+  // (gradwire::client::ExactWireTakesFp8); `fp8_grad`: the exact wire's grad_output form
+  // (ExactWireGradForm), with column sums for a module with a `bias`; `block`: their FP8 tensors'
+  // row blocks (RecipeBlockLength).
   RemoteOps(Client& client, const Options& o, const std::vector<std::string>& module_ids,
-            int64_t in, int64_t out, int workers, bool fp8_input, int64_t block)
+            int64_t in, int64_t out, int workers, bool fp8_input,
+            gradwire::client::ExactGradForm fp8_grad, bool bias, int64_t block)
       : client_(client), flow_(o.flow) {
     using gradwire::client::WireDType;
     // Activations (input, output) and gradients (grad_output, grad_input); "fp8" is E4M3 for
     // activations and E5M2 for gradients; "exact" (host_tensor.h: WireForm) is F32 but for an
-    // input the module casts to E4M3 first, which crosses as that cast.
+    // input and a grad_output the module casts to FP8 first, which cross as those casts.
     const WireDType dtype = o.wire == "bf16"                      ? WireDType::kBF16
                             : o.wire == "f16"                     ? WireDType::kF16
                             : o.wire == "e4m3" || o.wire == "fp8" ? WireDType::kFp8E4M3
@@ -127,8 +129,11 @@ class RemoteOps {
       b.set_grad_input_dtype(gradwire::client::ToProto(grad_dtype));
       const gradwire::client::WireForm grad_form =
           o.wire == "exact" ? gradwire::client::kExactWire : gradwire::client::WireForm(grad_dtype);
-      *b.mutable_grad_output() = ToWire(Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1),
-                                        gradwire::client::GradientForm(grad_form, block));
+      const HostTensor dy = Random(o.rows, out, o.run.seed, 2 * uint64_t(w) + 1);
+      const gradwire::client::TensorForm dy_form =
+          gradwire::client::GradOutputForm(grad_form, dy, fp8_grad, bias, block);
+      *b.mutable_grad_output() = ToWire(dy, dy_form);
+      gradwire::client::SetColumnSums(dy_form, &b);
       bwd_.push_back(std::move(b));
     }
   }
@@ -488,17 +493,17 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--recipe", o.recipe,
-                 "FP8 scaling: " + gradwire::client::RecipeNamesJoined() +
+                 "FP8 scaling of the modules it creates: " + gradwire::client::RecipeNamesJoined() +
                      " (block, mxfp8: a scale per block, docs/block-scaling.md; block-hybrid: "
-                     "block with E5M2 gradients)")
-      ->check(CLI::IsMember(gradwire::client::RecipeNames()))
-      ->capture_default_str();
+                     "block with E5M2 gradients); default: the server's --default-recipe")
+      ->check(CLI::IsMember(gradwire::client::RecipeNames()));
   app.add_option("--rows", o.rows, "rows (tokens) per request")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--wire-dtype", o.wire,
-                 "how activations and gradients cross: exact (F32 results bit for bit; a "
-                 "Linear's input under current scaling as the server's own E4M3 cast of it), or "
+                 "how activations and gradients cross: exact (F32 results bit for bit; under "
+                 "current scaling with margin 0, block and mxfp8, a Linear's input and every "
+                 "kind's grad_output as the server's own FP8 casts of them), or "
                  "one dtype for all: f32, bf16, f16, e4m3, e5m2, fp8 (activations E4M3 and "
                  "gradients E5M2, a quarter of F32's bytes; lossy)")
       ->check(CLI::IsMember({"exact", "f32", "bf16", "f16", "fp8", "e4m3", "e5m2"}))
@@ -598,6 +603,7 @@ int main(int argc, char** argv) {
 
   // The module: an existing one (its spec from the server) or a new one.
   v1::ModuleSpec spec;
+  bool row_order_bias_sums = false;  // ModuleInfo's: the exact wire's grad_output form needs it
   std::string module_id = o.module_id;
   std::vector<std::string> module_ids;  // the workers' modules
   bool created = false;
@@ -612,6 +618,7 @@ int main(int argc, char** argv) {
     for (const auto& m : *modules) {
       if (m.module_id() == module_id) {
         spec = m.spec();
+        row_order_bias_sums = m.row_order_bias_sums();
         found = true;
       }
     }
@@ -627,10 +634,9 @@ int main(int argc, char** argv) {
     if (gradwire::client::KindReads(spec.kind(), "ffn_features"))
       spec.set_ffn_features(o.ffn_features);
     spec.set_bias(o.bias);
+    // Unset: the server's --default-recipe, read back from the module it made (below).
     if (auto recipe = gradwire::client::RecipeSpecByName(o.recipe)) {
       *spec.mutable_recipe() = *recipe;
-    } else {
-      spec.mutable_recipe()->set_scaling(v1::CURRENT);
     }
     spec.set_seed(o.run.seed);
     spec.set_name("gradwire-load");
@@ -644,6 +650,9 @@ int main(int argc, char** argv) {
           return 1;
         }
         module_ids.push_back(info->module_id());
+        row_order_bias_sums = info->row_order_bias_sums();
+        // The spec as the server made it (its recipe above all): the wire forms follow it.
+        if (i + 1 == o.modules) spec = info->spec();
       }
       module_id = module_ids[0];
       created = true;
@@ -684,6 +693,7 @@ int main(int argc, char** argv) {
       const int workers = concurrency;
       RemoteOps remote(client, o, module_ids, spec.in_features(), spec.out_features(), workers,
                        gradwire::client::ExactWireTakesFp8(spec),
+                       gradwire::client::ExactWireGradForm(spec, row_order_bias_sums), spec.bias(),
                        gradwire::client::RecipeBlockLength(spec));
       bool shared = false;
       if (o.flow != "empty" &&
@@ -728,7 +738,7 @@ int main(int argc, char** argv) {
         Options empty = o;
         empty.flow = "empty";
         RemoteOps ping(client, empty, module_ids, spec.in_features(), spec.out_features(), workers,
-                       false, 0);
+                       false, gradwire::client::ExactGradForm::kNone, false, 0);
         run_one("empty-rpc", concurrency, [&](int w) { return ping.Run(w); });
       }
     }

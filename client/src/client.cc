@@ -507,16 +507,24 @@ absl::StatusOr<ForwardResult> Client::ForwardNamed(const std::string& module_id,
 absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
                                             const HostTensor& grad_output,
                                             BackwardOptions options) {
-  // Gradients keep one dtype both ways (F32 under the exact wire: a Linear's dbias, for one, sums
-  // the unquantized grad_output).
-  const WireDType dtype = options_.wire_dtype.dtype;
+  // Gradients keep one dtype both ways; under the exact wire F32 (grad_layernorm_output and
+  // grad_input), and grad_output as the module's own cast of it with its column sums where the
+  // client can make them (GradOutputForm).
+  const WireForm& form = options_.wire_dtype;
+  const WireDType dtype = form.dtype;
   v1::BackwardRequest req;
   req.set_context_id(context_id);
   const std::string module_id = ModuleOfContext(context_id);  // its route
   // FP8 gradients scale as the module's recipe does (row blocks under BLOCK and MXFP8).
   const std::optional<ModuleShape> known =
-      wire::IsFp8(dtype) ? shapes_->Find(module_id) : std::nullopt;
-  const TensorForm grad_form = GradientForm(options_.wire_dtype, known ? known->fp8_block : 0);
+      wire::IsFp8(dtype) || form.exact ? shapes_->Find(module_id) : std::nullopt;
+  const int64_t block = known ? known->fp8_block : 0;
+  const TensorForm grad_form = GradientForm(form, block);
+  const TensorForm out_form =
+      GradOutputForm(form, grad_output, known ? known->fp8_grad : ExactGradForm::kNone,
+                     known && known->bias, block);
+  if (form.exact && wire::IsFp8(out_form.dtype)) ++exact_fp8_gradients_;
+  SetColumnSums(out_form, &req);
   req.set_retain(options.retain);
   req.set_skip_grad_input(options.skip_grad_input);
   req.set_grad_input_dtype(ToProto(dtype));
@@ -524,18 +532,20 @@ absl::StatusOr<HostTensor> Client::Backward(const std::string& context_id,
   if (options_.shared_memory == ClientOptions::SharedMemory::kAuto && !shm_->off() &&
       (grad_input_elements >= 0 || options.skip_grad_input)) {
     const int64_t grad_input = options.skip_grad_input ? 0 : grad_input_elements;
-    const int64_t elements =
-        grad_output.numel() + grad_input +
-        (options.grad_layernorm_output ? options.grad_layernorm_output->numel() : 0);
-    if (elements * wire::ElementSize(dtype) >= int64_t(options_.shared_memory_min_kib) << 10) {
+    const int64_t bytes =
+        out_form.Bytes(grad_output.numel()) + grad_input * wire::ElementSize(dtype) +
+        (options.grad_layernorm_output ? grad_form.Bytes(options.grad_layernorm_output->numel())
+                                       : 0);
+    if (bytes >= int64_t(options_.shared_memory_min_kib) << 10) {
       const HostTensor* gln =
           options.grad_layernorm_output ? &*options.grad_layernorm_output : nullptr;
-      if (auto shared = BackwardShared(module_id, req, grad_output, gln, grad_input, grad_form)) {
+      if (auto shared =
+              BackwardShared(module_id, req, grad_output, gln, grad_input, out_form, grad_form)) {
         return *std::move(shared);
       }
     }
   }
-  *req.mutable_grad_output() = ToWire(grad_output, grad_form);
+  *req.mutable_grad_output() = ToWire(grad_output, out_form);
   if (options.grad_layernorm_output) {
     *req.mutable_grad_layernorm_output() = ToWire(*options.grad_layernorm_output, grad_form);
   }
@@ -793,11 +803,11 @@ std::optional<absl::StatusOr<ForwardResult>> Client::ForwardShared(
 std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
     const std::string& route, const v1::BackwardRequest& header, const HostTensor& grad_output,
     const HostTensor* grad_layernorm_output, int64_t grad_input_elements,
-    const TensorForm& grad_form) {
-  const WireDType dtype = grad_form.dtype;
-  const uint64_t go = uint64_t(grad_form.Bytes(grad_output.numel())),
+    const TensorForm& out_form, const TensorForm& ln_form) {
+  const WireDType dtype = ln_form.dtype;  // grad_input's too
+  const uint64_t go = uint64_t(out_form.Bytes(grad_output.numel())),
                  gln = grad_layernorm_output
-                           ? uint64_t(grad_form.Bytes(grad_layernorm_output->numel()))
+                           ? uint64_t(ln_form.Bytes(grad_layernorm_output->numel()))
                            : 0,
                  gi = uint64_t(grad_input_elements) * uint64_t(wire::ElementSize(dtype));
   internal::SharedMemoryPool::Lease lease =
@@ -805,11 +815,11 @@ std::optional<absl::StatusOr<HostTensor>> Client::BackwardShared(
   if (!lease) return std::nullopt;
   SharedRegion& region = lease.region();
   v1::BackwardRequest req = header;
-  auto written = WriteShared(region, 0, grad_output, dtype, grad_form.scaling);
+  auto written = WriteShared(region, 0, grad_output, out_form.dtype, out_form.scaling);
   if (!written.ok()) return absl::StatusOr<HostTensor>(written.status());
   *req.mutable_grad_output() = *std::move(written);
   if (grad_layernorm_output != nullptr) {
-    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, dtype, grad_form.scaling);
+    auto ln = WriteShared(region, Aligned(go), *grad_layernorm_output, dtype, ln_form.scaling);
     if (!ln.ok()) return absl::StatusOr<HostTensor>(ln.status());
     *req.mutable_grad_layernorm_output() = *std::move(ln);
   }

@@ -1,7 +1,9 @@
 #include "gradwire/client/host_tensor.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "gradwire/v1/service.pb.h"
 #include "gradwire/wire/tensor.h"
 
 namespace gradwire::client {
@@ -58,6 +60,45 @@ TensorForm GradientForm(const WireForm& form, int64_t block) {
   TensorForm f{form.dtype, {}};
   if (wire::IsFp8(f.dtype)) f.scaling = {block, false};
   return f;
+}
+
+TensorForm GradOutputForm(const WireForm& form, const HostTensor& grad, ExactGradForm exact,
+                          bool column_sums, int64_t block) {
+  if (!form.exact) return GradientForm(form, block);
+  TensorForm f;
+  if (exact == ExactGradForm::kNone || grad.numel() == 0) return f;
+  // A NaN or an infinity stays F32, so the server sees the values themselves and answers as it
+  // does on the F32 wire.
+  const float amax = wire::AbsMax(grad.data.data(), grad.numel());
+  if (!std::isfinite(amax)) return f;
+  if (column_sums) {
+    f.column_sums = ColumnSums(grad);
+    for (float s : f.column_sums) {
+      if (!std::isfinite(s)) return TensorForm{};  // overflow: the F32 wire's answer
+    }
+  }
+  f.amax = amax;
+  f.dtype = exact == ExactGradForm::kE4M3 ? WireDType::kFp8E4M3 : WireDType::kFp8E5M2;
+  f.scaling = {block, block > 0};
+  return f;
+}
+
+std::vector<float> ColumnSums(const HostTensor& t) {
+  const int64_t cols = t.shape.empty() ? 0 : t.shape.back();
+  std::vector<float> sums(size_t(std::max<int64_t>(cols, 0)), 0.0f);
+  if (cols <= 0) return sums;
+  const int64_t rows = t.numel() / cols;
+  const float* x = t.data.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * cols;
+    for (int64_t c = 0; c < cols; ++c) sums[size_t(c)] += row[c];
+  }
+  return sums;
+}
+
+void SetColumnSums(const TensorForm& form, v1::BackwardRequest* req) {
+  req->clear_grad_output_column_sums();
+  req->mutable_grad_output_column_sums()->Add(form.column_sums.begin(), form.column_sums.end());
 }
 
 v1::Tensor ToWire(const HostTensor& t, const TensorForm& form) {

@@ -60,6 +60,23 @@ bool ExactWireTakesFp8(const v1::ModuleSpec& spec) {
          spec.recipe().margin() == 0;
 }
 
+ExactGradForm ExactWireGradForm(const v1::ModuleSpec& spec, bool row_order_bias_sums) {
+  const v1::KindDescription* d = DescribeKind(spec.kind());
+  if (d == nullptr || !d->fp8_grad_output()) return ExactGradForm::kNone;
+  if (spec.bias() && !row_order_bias_sums) return ExactGradForm::kNone;
+  switch (spec.recipe().scaling()) {
+    case v1::BLOCK:
+      return spec.recipe().format() == v1::HYBRID ? ExactGradForm::kE5M2 : ExactGradForm::kE4M3;
+    case v1::MXFP8:
+      return ExactGradForm::kE4M3;
+    case v1::CURRENT:
+    case v1::SCALING_RECIPE_UNSPECIFIED:
+      return spec.recipe().margin() == 0 ? ExactGradForm::kE5M2 : ExactGradForm::kNone;
+    default:
+      return ExactGradForm::kNone;
+  }
+}
+
 int64_t RecipeBlockLength(const v1::ModuleSpec& spec) {
   switch (spec.recipe().scaling()) {
     case v1::BLOCK:

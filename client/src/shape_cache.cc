@@ -15,6 +15,8 @@ void ShapeCache::Remember(const v1::ModuleInfo& info) {
   shape.gated = spec.activation() == v1::SWIGLU || spec.activation() == v1::GEGLU;
   shape.fp8_input = ExactWireTakesFp8(spec);
   shape.fp8_block = RecipeBlockLength(spec);
+  shape.fp8_grad = ExactWireGradForm(spec, info.row_order_bias_sums());
+  shape.bias = spec.bias();
   std::lock_guard<std::mutex> lock(mu_);
   modules_[info.module_id()] = shape;
 }

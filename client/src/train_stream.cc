@@ -31,6 +31,10 @@ bool TrainStream::SendForward(uint64_t request_id, const std::string& module_id,
   *f->mutable_input() = ToWire(input, in_form);
   f->set_training(training);
   f->set_output_dtype(ToProto(wire_dtype_.dtype));
+  if (training && shapes_) {
+    std::lock_guard<std::mutex> lock(forwards_mu_);
+    forwards_[request_id] = {module_id, input.numel()};
+  }
   return Send(req);
 }
 
@@ -44,8 +48,11 @@ bool TrainStream::SendBackward(uint64_t request_id, const std::string& context_i
   const std::string module_id = shapes_ ? shapes_->ModuleOfContext(context_id) : std::string();
   const std::optional<ModuleShape> known =
       module_id.empty() ? std::nullopt : shapes_->Find(module_id);
-  *b->mutable_grad_output() =
-      ToWire(grad_output, GradientForm(wire_dtype_, known ? known->fp8_block : 0));
+  const TensorForm out_form =
+      GradOutputForm(wire_dtype_, grad_output, known ? known->fp8_grad : ExactGradForm::kNone,
+                     known && known->bias, known ? known->fp8_block : 0);
+  *b->mutable_grad_output() = ToWire(grad_output, out_form);
+  SetColumnSums(out_form, b);
   b->set_retain(options.retain);
   b->set_skip_grad_input(options.skip_grad_input);
   b->set_grad_input_dtype(ToProto(wire_dtype_.dtype));
@@ -55,6 +62,20 @@ bool TrainStream::SendBackward(uint64_t request_id, const std::string& context_i
 std::optional<v1::TrainResponse> TrainStream::Read() {
   v1::TrainResponse resp;
   if (!stream_->Read(&resp)) return std::nullopt;
+  std::pair<std::string, int64_t> sent;
+  {
+    std::lock_guard<std::mutex> lock(forwards_mu_);
+    auto it = forwards_.find(resp.request_id());
+    if (it != forwards_.end()) {
+      sent = std::move(it->second);
+      forwards_.erase(it);
+    }
+  }
+  // A training forward's context: its backward (here or through the client) knows its module.
+  if (!sent.first.empty() && resp.code() == 0 && resp.has_forward() &&
+      !resp.forward().context_id().empty()) {
+    shapes_->NoteContext(resp.forward().context_id(), sent.first, sent.second);
+  }
   return resp;
 }
 

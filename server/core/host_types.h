@@ -39,6 +39,7 @@ struct ModuleInfo {
   int64_t live_contexts = 0;
   int64_t optimizer_steps = 0;
   std::vector<std::string> parameter_names;
+  bool row_order_bias_sums = false;  // Backend::SumsColumnsInRowOrder
 };
 
 // Forward and Backward take the input as it arrived, as a view of its bytes, and return outputs
@@ -68,6 +69,9 @@ struct WireBackwardRequest {
   bool retain = false;
   bool skip_grad_input = false;
   wire::DType grad_input_dtype = wire::DType::kF32;
+  // BackwardRequest.grad_output_column_sums: empty, or out_features of them (checked against the
+  // module by the backward).
+  std::vector<float> grad_output_column_sums;
 };
 
 using NamedViews = std::vector<std::pair<std::string, wire::TensorView>>;

@@ -61,6 +61,10 @@ class Backend {
   virtual at::Device device() const = 0;
   // One line for logs: the device and what computes on it.
   virtual std::string Describe() const = 0;
+  // True when AccumulateBiasGrad sums each column in float32 in row order from 0, then adds the
+  // sum (the CPU and reference backends): a client can then make a bias gradient bit for bit
+  // (BackwardRequest.grad_output_column_sums, ModuleInfo.row_order_bias_sums).
+  virtual bool SumsColumnsInRowOrder() const { return false; }
 
   // True when this backend runs `op` its own way; false when it runs Backend's default for it
   // (ops.h: the ops with has_default). Every backend runs every op, so an op without a default is

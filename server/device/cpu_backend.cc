@@ -246,6 +246,7 @@ at::TensorOptions Bytes() { return at::TensorOptions().dtype(at::kByte); }
 class CpuBackend final : public ReferenceBackend {
  public:
   const char* name() const override { return "cpu"; }
+  bool SumsColumnsInRowOrder() const override { return true; }  // kernels::cpu::AddColumnSums
 
   // Its own Widen and NarrowBf16 (the wire codec's, threaded), PrepareWeight (the GEMM panels),
   // and on the row-invariant GEMM one GEMM for a whole batch (FpropGroups, DgradGroups).

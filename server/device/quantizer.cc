@@ -259,6 +259,18 @@ bool CodesServeInput(const wire::TensorView& v, ScalingMode mode, bool training)
   return !training || (v.columnwise.present() && is(v.columnwise, q.columnwise_block));
 }
 
+bool CodesServeGradient(const wire::TensorView& v, const QuantizerConfig& q) {
+  const wire::DType format =
+      q.format == kernels::Fp8Format::kE4M3 ? wire::DType::kFp8E4M3 : wire::DType::kFp8E5M2;
+  if (v.dtype != format) return false;
+  if (!q.block_scaled) return !v.blocks.present();
+  auto is = [](const wire::BlockScales& b, kernels::BlockShape shape) {
+    return b.present() && b.block_rows == shape.rows && b.block_cols == shape.cols &&
+           b.PowersOfTwoInRange();
+  };
+  return is(v.blocks, q.rowwise_block) && is(v.columnwise, q.columnwise_block);
+}
+
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) {
   const at::Tensor& codes = rowwise ? t.rowwise : t.columnwise;
   at::Tensor out = at::empty(codes.sizes(), at::TensorOptions().dtype(at::kFloat));

@@ -119,6 +119,11 @@ Fp8Tensor FromBlockCodes(const wire::TensorView& v, int64_t rows, int64_t cols, 
 // the per-tensor recipes (CURRENT, DELAYED); under BLOCK and MXFP8, E4M3 with the role's block
 // shape and power-of-two scales in the block range, and in `training` the columnwise copy too.
 bool CodesServeInput(const wire::TensorView& v, ScalingMode mode, bool training);
+// The same for a gradient's cast `q` (RoleQuantizer: format and blocks; its scale is not read): FP8
+// of q's format; per tensor, one scale; block-scaled, q's row blocks with power-of-two scales in
+// the block range and the columnwise copy in q's columnwise blocks (a backward's weight gradient
+// always reads it).
+bool CodesServeGradient(const wire::TensorView& v, const QuantizerConfig& q);
 
 // The quantizer that repeats `cast` exactly (same format, same scale): what a recompute in
 // backward must use so its FP8 data is bit-identical to the forward's.

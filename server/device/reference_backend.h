@@ -18,6 +18,7 @@ namespace gradwire::device {
 class ReferenceBackend : public Backend {
  public:
   const char* name() const override { return "reference"; }
+  bool SumsColumnsInRowOrder() const override { return true; }  // kernels::ColumnSums
   at::Device device() const override;
   std::string Describe() const override {
     return "host CPU, reference FP8 kernels (single-threaded)";

@@ -224,6 +224,7 @@ void InfoToProto(const core::ModuleInfo& info, v1::ModuleInfo* out) {
   out->set_optimizer_steps(info.optimizer_steps);
   for (const std::string& name : info.parameter_names) out->add_parameter_names(name);
   out->set_description(core::DescribeModule(info.spec));
+  out->set_row_order_bias_sums(info.row_order_bias_sums);
 }
 
 }  // namespace gradwire::rpc

@@ -178,6 +178,8 @@ absl::Status GradwireService::PrepareBackward(const Caller& caller, const v1::Ba
     GW_RETURN_IF_ERROR(
         CheckElements("grad_layernorm_output", in.grad_layernorm_output.numel(), limit));
   }
+  in.grad_output_column_sums.assign(req.grad_output_column_sums().begin(),
+                                    req.grad_output_column_sums().end());
   in.retain = req.retain();
   in.skip_grad_input = req.skip_grad_input();
   if (req.has_grad_input_shared_memory() && !in.skip_grad_input) {
@@ -295,14 +297,18 @@ struct GradwireService::BackwardStep {
     return r.has_grad_output() ? &r.grad_output() : nullptr;
   }
   // Backwards of one module's contexts share a batch, keyed also by what the kind computes
-  // (grad_input or not, a LayerNorm output's gradient or not): a batch is one kind call. The
+  // (grad_input or not, a LayerNorm output's gradient or not) and by how grad_output comes (FP8
+  // or not, with column sums or not): a batch is one kind call. The
   // module is the one the call's admission found: a context of another tenant, or none, runs
   // alone and fails.
   static std::string Key(const Request& r, const std::string& module) {
     if (!r.has_grad_output() || r.grad_output().shape().empty()) return {};
     if (module.empty()) return {};
+    const v1::DType dtype = r.grad_output().dtype();
     return absl::StrCat(module, "/backward/", int(r.skip_grad_input()),
-                        int(r.has_grad_layernorm_output()));
+                        int(r.has_grad_layernorm_output()),
+                        int(dtype == v1::FP8_E4M3 || dtype == v1::FP8_E5M2),
+                        int(r.grad_output_column_sums_size() > 0));
   }
   static constexpr auto kPrepare = &GradwireService::PrepareBackward;
   // The context's module as the admission found it: its preparation looks nothing up again.

@@ -43,7 +43,8 @@ cat "$tmp/kinds.txt"
 check "info: a LayerNormMLP" grep -q " LayerNormMLP 64 -> 128 -> 32, gelu, bias  v" "$tmp/kinds.txt"
 check "info: a LayerNormLinear" grep -q " LayerNormLinear 64 -> 32, bias  v" "$tmp/kinds.txt"
 check "info: a Linear" grep -q " Linear 64 -> 32, bias  v" "$tmp/kinds.txt"
-check "info: each module's recipe" grep -q " Linear 64 -> 32, bias  v.* current scaling" "$tmp/kinds.txt"
+# gradwire-load without --recipe: the server's --default-recipe (block).
+check "info: each module's recipe" grep -q " Linear 64 -> 32, bias  v.* block scaling" "$tmp/kinds.txt"
 check "info: an MXFP8 module" grep -q " Linear 48 -> 16, bias  v.* mxfp8 scaling" "$tmp/kinds.txt"
 "$cli_bin" info --server "$addr" --json >"$tmp/kinds.json"
 check "info --json: kind and description" \

@@ -187,3 +187,16 @@ write("zero_copy_fuzzer", "chunk_part", bytes([3 | 2 << 2]) + encode(
 write("zero_copy_fuzzer", "shared_memory_ref", bytes([0 | 1 << 2]) + encode(
     "ForwardRequest", "module_id: \"m\" input { dtype: F32 shape: 4 "
     "shared_memory { region: \"r\" offset: 8 byte_size: 16 } }"))
+
+# A backward whose grad_output is an FP8 cast with the bias gradient beside it
+# (grad_output_column_sums): per tensor, and in row blocks with the columnwise copy.
+write("request_fuzzer", "backward_fp8_sums", bytes([1, 0x10]) + encode(
+    "BackwardRequest", "grad_output { dtype: FP8_E5M2 shape: 2 shape: 4 data: \"%s\" "
+    "scale_inv: 0.5 } grad_output_column_sums: [0.5, -1.25, 3.0, 0.0]" % octal(raw8[:8])))
+write("request_fuzzer", "backward_fp8_blocks_sums", bytes([1, 0x10]) + encode(
+    "BackwardRequest", "grad_output { dtype: FP8_E4M3 shape: 2 shape: 4 data: \"%s\" "
+    "block_scales { block_rows: 1 block_cols: 4 scale_inv: \"%s\" } "
+    "columnwise_scales { block_rows: 1 block_cols: 2 scale_inv: \"%s\" } } "
+    "grad_output_column_sums: [1.0, 2.0, -0.75, 4.5]"
+    % (octal(raw8[:8] + raw8[8:16]), octal(struct.pack("<2f", 1.0, 0.5)),
+       octal(struct.pack("<4f", 0.25, 0.5, 1.0, 2.0)))))

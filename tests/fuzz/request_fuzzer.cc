@@ -260,6 +260,8 @@ void RunBackward(Fixture& f, v1::BackwardRequest req, uint8_t selector) {
     if (status.ok()) {
       in.retain = req.retain();
       in.skip_grad_input = req.skip_grad_input();
+      in.grad_output_column_sums.assign(req.grad_output_column_sums().begin(),
+                                        req.grad_output_column_sums().end());
       auto back = f.host.Backward(req.context_id(), in);
       status = back.status();
       if (back.ok() && !in.skip_grad_input) {

@@ -66,7 +66,7 @@ struct Env {
   std::unique_ptr<rpc::Authenticator> auth;
   std::unique_ptr<testing::TestServer> plain, isolated;
   std::unique_ptr<client::Client> c, alice, bob;
-  std::map<std::string, std::string> id;  // "lin", "lnl", "lnr", "mlp", "alice", "bob"
+  std::map<std::string, std::string> id;  // "lin", "nob", "lnl", "lnr", "mlp", "alice", "bob"
 
   Env() {
     auto a = rpc::Authenticator::FromEntries({{"alice", kAliceToken}, {"bob", kBobToken}});
@@ -89,6 +89,9 @@ struct Env {
     id["lin"] = Create(*c, s);
     id["alice"] = Create(*alice, s);
     id["bob"] = Create(*bob, s);
+    s.set_bias(false);
+    id["nob"] = Create(*c, s);
+    s.set_bias(true);
     s.set_kind(v1::LAYERNORM_LINEAR);
     id["lnl"] = Create(*c, s);
     s.set_return_layernorm_output(true);
@@ -547,6 +550,33 @@ std::vector<Case> Cases() {
         r.mutable_grad_output()->mutable_block_scales()->mutable_scale_inv()->resize(4);
         return r;
       });
+  // --- Backward: a bias gradient sent beside an FP8 grad_output (grad_output_column_sums).
+  auto with_sums = [](Env& e, const std::string& ctx, WireDType dtype, int count) {
+    v1::BackwardRequest r = e.BackwardReq(ctx, Wire({2, kOut}, dtype));
+    for (int i = 0; i < count; ++i) r.add_grad_output_column_sums(0.25f * float(i + 1));
+    return r;
+  };
+  bwd("BackwardColumnSumsBesideF32", kInvalid,
+      "grad_output_column_sums comes only with an FP8 grad_output; this one is F32", "lin",
+      Prep::kContext, [with_sums](Env& e, const std::string& ctx) {
+        return with_sums(e, ctx, WireDType::kF32, kOut);
+      });
+  bwd("BackwardColumnSumsWrongCount", kInvalid,
+      "grad_output_column_sums holds 3 values; the module's out_features is 8", "lin",
+      Prep::kContext, [with_sums](Env& e, const std::string& ctx) {
+        return with_sums(e, ctx, WireDType::kFp8E5M2, 3);
+      });
+  bwd("BackwardColumnSumsWithoutBias", kInvalid,
+      "grad_output_column_sums is a bias gradient, and this module has no bias", "nob",
+      Prep::kContext, [with_sums](Env& e, const std::string& ctx) {
+        return with_sums(e, ctx, WireDType::kFp8E5M2, kOut);
+      });
+  bwd("BackwardColumnSumsNaN", kInvalid, "grad_output_column_sums[5] must be finite, got nan",
+      "lin", Prep::kContext, [with_sums](Env& e, const std::string& ctx) {
+        v1::BackwardRequest r = with_sums(e, ctx, WireDType::kFp8E5M2, kOut);
+        r.set_grad_output_column_sums(5, kNaN);
+        return r;
+      });
   bwd("BackwardNaNGradOutput", kInvalid, "grad_output must be finite", "lin", Prep::kContext,
       [](Env& e, const std::string& ctx) { return e.BackwardReq(ctx, WireWith(kNaN, 2, kOut)); });
   bwd("BackwardInfGradOutputMlp", kInvalid, "grad_output must be finite", "mlp", Prep::kContext,
@@ -959,7 +989,7 @@ TEST(BadInputMemoryTest, RepeatedBadInputsDoNotGrowMemory) {
   EXPECT_EQ(e.plain->host().Stats().live_contexts, 0);
   EXPECT_EQ(e.plain->host().Stats().context_bytes, 0);
   EXPECT_EQ(e.isolated->host().Stats().live_contexts, 0);
-  EXPECT_EQ(e.plain->host().Stats().modules, 4);
+  EXPECT_EQ(e.plain->host().Stats().modules, 5);  // lin, nob, lnl, lnr, mlp
   // 20 rounds of ~80 requests: a leak of even 2 KiB per request would show as 3 MiB; allow 48.
   if (kSanitized) {
     std::printf("RSS bound not checked in a sanitizer build (%lld -> %lld KiB)\n",

@@ -248,7 +248,9 @@ TEST_P(BatchServiceTest, ConcurrentTrainingForwardsKeepTheirOwnContexts) {
 TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
   // A forward holds the executor until every backward waits in the one open batch of their
   // module (the former counts them), so the batch runs them all. Current or block scaling: each
-  // grad_input is a plain server's bits in any order.
+  // grad_input is a plain server's bits in any order. The backwards come from the client that made
+  // the contexts (the exact wire: each grad_output as its FP8 cast, with its column sums) or from
+  // fresh clients that do not know them (F32).
   constexpr int kClients = 8;
   std::atomic<bool> hold{false}, held{false};
   std::atomic<rpc::GradwireService*> service{nullptr};
@@ -271,53 +273,62 @@ TEST_P(BatchServiceTest, QueuedBackwardsOfOneModuleRunAsOneBatch) {
   ASSERT_TRUE(batched.ok() && plain.ok());
   auto b = batched.Connect();
   auto p = plain.Connect();
-  for (v1::ScalingRecipe recipe : kRecipes)
-    for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
-      SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe));
-      const std::string mb = CreateModule(*b, kind, 4, recipe),
-                        mp = CreateModule(*p, kind, 4, recipe);
-      std::vector<std::string> cb, cp;
-      std::vector<client::HostTensor> gs;
-      for (int i = 0; i < kClients; ++i) {
-        const client::HostTensor x = Random({1 + i % 3, kIn});
-        auto fb = b->Forward(mb, x, true);
-        auto fp = p->Forward(mp, x, true);
-        ASSERT_TRUE(fb.ok() && fp.ok()) << fb.status() << fp.status();
-        cb.push_back(fb->context_id);
-        cp.push_back(fp->context_id);
-        client::HostTensor g = Random({1 + i % 3, kOut});
-        for (float& v : g.data) v *= std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
-        gs.push_back(std::move(g));
+  for (bool fp8_grads : {true, false})
+    for (v1::ScalingRecipe recipe : kRecipes)
+      for (v1::ModuleKind kind : {v1::LINEAR, v1::LAYERNORM_LINEAR, v1::LAYERNORM_MLP}) {
+        SCOPED_TRACE(v1::ModuleKind_Name(kind) + " " + v1::ScalingRecipe_Name(recipe) +
+                     (fp8_grads ? " FP8 grad_output" : " F32 grad_output"));
+        const std::string mb = CreateModule(*b, kind, 4, recipe),
+                          mp = CreateModule(*p, kind, 4, recipe);
+        std::vector<std::string> cb, cp;
+        std::vector<client::HostTensor> gs;
+        for (int i = 0; i < kClients; ++i) {
+          const client::HostTensor x = Random({1 + i % 3, kIn});
+          auto fb = b->Forward(mb, x, true);
+          auto fp = p->Forward(mp, x, true);
+          ASSERT_TRUE(fb.ok() && fp.ok()) << fb.status() << fp.status();
+          cb.push_back(fb->context_id);
+          cp.push_back(fp->context_id);
+          client::HostTensor g = Random({1 + i % 3, kOut});
+          for (float& v : g.data) v *= std::pow(4.0f, float(i % 5) - 2.0f);  // each its own amax
+          gs.push_back(std::move(g));
+        }
+        const int64_t before = batched.host().Stats().batched_backwards;
+        const int64_t fp8_before = b->exact_fp8_gradients();
+        hold = true;
+        held = false;
+        std::thread blocker([&] { EXPECT_TRUE(b->Forward(mb, Random({2, kIn}), false).ok()); });
+        ASSERT_TRUE(WaitFor([&] { return held.load(); }));
+        std::vector<absl::StatusOr<client::HostTensor>> got(kClients,
+                                                            absl::UnknownError("not run"));
+        std::vector<std::thread> threads;
+        for (int i = 0; i < kClients; ++i) {
+          threads.emplace_back([&, i] {
+            if (fp8_grads) {
+              got[size_t(i)] = b->Backward(cb[size_t(i)], gs[size_t(i)]);
+            } else {
+              auto c = batched.Connect();
+              got[size_t(i)] = c->Backward(cb[size_t(i)], gs[size_t(i)]);
+            }
+          });
+        }
+        for (auto& t : threads) t.join();
+        blocker.join();
+        EXPECT_EQ(batched.host().Stats().batched_backwards - before, kClients);
+        EXPECT_EQ(b->exact_fp8_gradients() - fp8_before, fp8_grads ? kClients : 0);
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          ASSERT_FALSE(observed.empty());
+          EXPECT_EQ(observed.back(), (std::pair<std::string, int64_t>("Backward", kClients)));
+        }
+        for (int i = 0; i < kClients; ++i) {
+          ASSERT_TRUE(got[size_t(i)].ok()) << got[size_t(i)].status();
+          auto alone = p->Backward(cp[size_t(i)], gs[size_t(i)]);
+          ASSERT_TRUE(alone.ok());
+          EXPECT_EQ(got[size_t(i)]->data, alone->data) << "grad_input of request " << i;
+        }
+        EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
       }
-      const int64_t before = batched.host().Stats().batched_backwards;
-      hold = true;
-      held = false;
-      std::thread blocker([&] { EXPECT_TRUE(b->Forward(mb, Random({2, kIn}), false).ok()); });
-      ASSERT_TRUE(WaitFor([&] { return held.load(); }));
-      std::vector<absl::StatusOr<client::HostTensor>> got(kClients, absl::UnknownError("not run"));
-      std::vector<std::thread> threads;
-      for (int i = 0; i < kClients; ++i) {
-        threads.emplace_back([&, i] {
-          auto c = batched.Connect();
-          got[size_t(i)] = c->Backward(cb[size_t(i)], gs[size_t(i)]);
-        });
-      }
-      for (auto& t : threads) t.join();
-      blocker.join();
-      EXPECT_EQ(batched.host().Stats().batched_backwards - before, kClients);
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        ASSERT_FALSE(observed.empty());
-        EXPECT_EQ(observed.back(), (std::pair<std::string, int64_t>("Backward", kClients)));
-      }
-      for (int i = 0; i < kClients; ++i) {
-        ASSERT_TRUE(got[size_t(i)].ok()) << got[size_t(i)].status();
-        auto alone = p->Backward(cp[size_t(i)], gs[size_t(i)]);
-        ASSERT_TRUE(alone.ok());
-        EXPECT_EQ(got[size_t(i)]->data, alone->data) << "grad_input of request " << i;
-      }
-      EXPECT_EQ(batched.host().contexts().live_contexts(), 0);
-    }
 }
 
 TEST_P(BatchServiceTest, TwoBusyTenantsWithYieldGetAPlainServersBits) {

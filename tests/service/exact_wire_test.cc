@@ -1,10 +1,12 @@
 // The exact wire (client/host_tensor.h: WireForm), the clients' default: a forward's input to a
 // module that casts it to E4M3 first under current scaling with margin 0, BLOCK or MXFP8 crosses
 // as that cast (under the block recipes with the recipe's row blocks and, in training, the
-// columnwise copy); everything else crosses as F32. Every kind and recipe gives the F32 wire's
-// results bit for bit (outputs, input gradients, weight gradients, the weights after optimizer
-// steps), and only a Linear under those recipes gets FP8 input. The lossy FP8 wire under the
-// block recipes carries block scales both ways.
+// columnwise copy), and so does a backward's grad_output to every kind under those recipes (E5M2
+// under current scaling, with the columnwise copy under the block recipes), with the bias
+// gradient beside it; everything else crosses as F32. Every kind and recipe gives the F32 wire's
+// results bit for bit (outputs, input gradients, weight and bias gradients, the weights after
+// optimizer steps), and only a Linear under those recipes gets FP8 input. The lossy FP8 wire
+// under the block recipes carries block scales both ways.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -52,11 +54,19 @@ struct Case {
   const char* name;
   v1::ModuleSpec spec;
   bool fp8_input;  // whether the exact wire sends its input as E4M3
+  bool fp8_grad;   // whether it sends grad_output as its FP8 cast
 };
 
 v1::ModuleSpec WithRecipe(v1::ModuleSpec spec, v1::ScalingRecipe scaling, int margin = 0) {
   spec.mutable_recipe()->set_scaling(scaling);
   spec.mutable_recipe()->set_margin(margin);
+  return spec;
+}
+
+// BLOCK with E5M2 gradients.
+v1::ModuleSpec BlockHybrid(v1::ModuleSpec spec) {
+  spec = WithRecipe(std::move(spec), v1::BLOCK);
+  spec.mutable_recipe()->set_format(v1::HYBRID);
   return spec;
 }
 
@@ -69,22 +79,30 @@ std::vector<Case> Cases() {
   ln_linear_out.set_return_layernorm_output(true);
   const v1::ModuleSpec mlp = testing::LayerNormMlpSpec(96, 64, v1::GELU, /*bias=*/true, 14);
   const v1::ModuleSpec swiglu = testing::LayerNormMlpSpec(96, 64, v1::SWIGLU, false, 15);
+  // A module 300 wide out: gradient rows of two full blocks and a partial one.
+  const v1::ModuleSpec linear_wide_out = testing::LinearSpec(40, 300, /*bias=*/true, 17);
   std::vector<Case> cases = {
-      {"LinearCurrent", WithRecipe(linear, v1::CURRENT), true},
-      {"LinearUnspecifiedRecipe", WithRecipe(linear_nobias, v1::SCALING_RECIPE_UNSPECIFIED), true},
-      {"LinearCurrentMargin", WithRecipe(linear, v1::CURRENT, 2), false},
-      {"LinearDelayed", WithRecipe(linear, v1::DELAYED), false},
-      {"LinearBlock", WithRecipe(linear, v1::BLOCK), true},
-      {"LinearMxfp8", WithRecipe(linear_nobias, v1::MXFP8), true},
+      {"LinearCurrent", WithRecipe(linear, v1::CURRENT), true, true},
+      {"LinearUnspecifiedRecipe", WithRecipe(linear_nobias, v1::SCALING_RECIPE_UNSPECIFIED), true,
+       true},
+      {"LinearCurrentMargin", WithRecipe(linear, v1::CURRENT, 2), false, false},
+      {"LinearDelayed", WithRecipe(linear, v1::DELAYED), false, false},
+      {"LinearBlock", WithRecipe(linear, v1::BLOCK), true, true},
+      {"LinearBlockHybrid", BlockHybrid(linear), true, true},
+      {"LinearMxfp8", WithRecipe(linear_nobias, v1::MXFP8), true, true},
       // Rows of two full blocks and a partial one (128 + 128 + 44; MXFP8 9 x 32 + 12).
-      {"LinearBlockWide", WithRecipe(linear_wide, v1::BLOCK), true},
-      {"LinearMxfp8Wide", WithRecipe(linear_wide, v1::MXFP8), true},
+      {"LinearBlockWide", WithRecipe(linear_wide, v1::BLOCK), true, true},
+      {"LinearMxfp8Wide", WithRecipe(linear_wide, v1::MXFP8), true, true},
+      {"LinearBlockWideOut", WithRecipe(linear_wide_out, v1::BLOCK), true, true},
+      {"LinearMxfp8WideOut", WithRecipe(linear_wide_out, v1::MXFP8), true, true},
+      {"LayerNormMlpBlockHybrid", BlockHybrid(mlp), false, true},
   };
   for (v1::ScalingRecipe r : {v1::CURRENT, v1::DELAYED, v1::BLOCK, v1::MXFP8}) {
-    cases.push_back({"LayerNormLinear", WithRecipe(ln_linear, r), false});
-    cases.push_back({"LayerNormLinearWithOutput", WithRecipe(ln_linear_out, r), false});
-    cases.push_back({"LayerNormMlp", WithRecipe(mlp, r), false});
-    cases.push_back({"LayerNormMlpSwiglu", WithRecipe(swiglu, r), false});
+    const bool grad = r != v1::DELAYED;
+    cases.push_back({"LayerNormLinear", WithRecipe(ln_linear, r), false, grad});
+    cases.push_back({"LayerNormLinearWithOutput", WithRecipe(ln_linear_out, r), false, grad});
+    cases.push_back({"LayerNormMlp", WithRecipe(mlp, r), false, grad});
+    cases.push_back({"LayerNormMlpSwiglu", WithRecipe(swiglu, r), false, grad});
   }
   return cases;
 }
@@ -110,12 +128,15 @@ class ExactWireTest : public ::testing::TestWithParam<client::ClientOptions::Sha
     SCOPED_TRACE(c.name + std::string(" ") + client::RecipeName(c.spec.recipe().scaling()) +
                  " margin " + std::to_string(c.spec.recipe().margin()));
     EXPECT_EQ(client::ExactWireTakesFp8(c.spec), c.fp8_input);
+    // This server sums bias gradients in row order (the CPU backend), as the client does.
+    EXPECT_EQ(client::ExactWireGradForm(c.spec, true) != client::ExactGradForm::kNone, c.fp8_grad);
     auto a = exact_->CreateModule(c.spec);
     auto b = f32_->CreateModule(c.spec);
     ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
     const std::string ma = a->module_id(), mb = b->module_id();
     const int64_t in = c.spec.in_features(), out = c.spec.out_features();
     const int64_t fp8_before = exact_->exact_fp8_inputs();
+    const int64_t grad_before = exact_->exact_fp8_gradients();
     constexpr int kSteps = 3;
     for (int step = 0; step < kSteps; ++step) {
       const int64_t rows = 7 + 9 * step;
@@ -156,6 +177,9 @@ class ExactWireTest : public ::testing::TestWithParam<client::ClientOptions::Sha
     // The input crossed as E4M3 on every forward exactly where the rule says.
     EXPECT_EQ(exact_->exact_fp8_inputs() - fp8_before, c.fp8_input ? kSteps + 1 : 0);
     EXPECT_EQ(f32_->exact_fp8_inputs(), 0);
+    // And grad_output as its FP8 cast on every backward exactly where the rule says.
+    EXPECT_EQ(exact_->exact_fp8_gradients() - grad_before, c.fp8_grad ? kSteps : 0);
+    EXPECT_EQ(f32_->exact_fp8_gradients(), 0);
     ASSERT_TRUE(exact_->DeleteModule(ma).ok());
     ASSERT_TRUE(f32_->DeleteModule(mb).ok());
   }
@@ -200,6 +224,58 @@ TEST_P(ExactWireTest, ANonFiniteInputCrossesAsF32AndIsRefusedAlike) {
   auto fb = f32_->Forward(mb, x, false);
   ASSERT_TRUE(fa.ok() && fb.ok());
   ExpectSameBits(fa->output, fb->output, "output");
+}
+
+// A grad_output with a NaN or an infinity, or whose column sums overflow float32, crosses as F32:
+// the server answers it as it answers the F32 wire, with the same words, and the context stays
+// for a finite gradient after it, which goes as its FP8 cast again.
+TEST_P(ExactWireTest, ANonFiniteGradOutputCrossesAsF32AndIsAnsweredAlike) {
+  const v1::ModuleSpec spec = WithRecipe(testing::LinearSpec(32, 16, true, 4), v1::BLOCK);
+  const std::string ma = exact_->CreateModule(spec)->module_id();
+  const std::string mb = f32_->CreateModule(spec)->module_id();
+  const HostTensor x = Random({4, 32});
+  auto fa = exact_->Forward(ma, x, true);
+  auto fb = f32_->Forward(mb, x, true);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  client::BackwardOptions keep;
+  keep.retain = true;
+  HostTensor overflow = Random({4, 16});
+  overflow.data[3] = overflow.data[16 + 3] = 3e38f;  // finite; column 3 sums to inf
+  for (float bad :
+       {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 0.0f}) {
+    HostTensor dy = overflow;
+    if (bad != 0.0f) {
+      dy = Random({4, 16});
+      dy.data[21] = bad;
+    }
+    const client::TensorForm form = client::GradOutputForm(
+        client::kExactWire, dy, client::ExactGradForm::kE4M3, /*column_sums=*/true, 128);
+    EXPECT_EQ(form.dtype, WireDType::kF32);
+    EXPECT_TRUE(form.column_sums.empty());
+    const int64_t before = exact_->exact_fp8_gradients();
+    auto ga = exact_->Backward(fa->context_id, dy, keep);
+    auto gb = f32_->Backward(fb->context_id, dy, keep);
+    ASSERT_FALSE(ga.ok());
+    ASSERT_FALSE(gb.ok());
+    EXPECT_EQ(ga.status().code(), gb.status().code());
+    // The same words, each naming its own context.
+    auto words = [](const absl::Status& s, const std::string& context) {
+      std::string m = testing::WithoutRequestId(s.message());
+      if (const size_t at = m.find(context); at != std::string::npos) {
+        m.replace(at, context.size(), "CONTEXT");
+      }
+      return m;
+    };
+    EXPECT_EQ(words(ga.status(), fa->context_id), words(gb.status(), fb->context_id));
+    EXPECT_EQ(exact_->exact_fp8_gradients(), before);
+  }
+  const HostTensor dy = Random({4, 16});
+  auto ga = exact_->Backward(fa->context_id, dy);
+  auto gb = f32_->Backward(fb->context_id, dy);
+  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  ExpectSameBits(*ga, *gb, "grad_input");
+  ExpectSameTensors(*exact_->GetGradients(ma), *f32_->GetGradients(mb), "gradients");
+  EXPECT_EQ(exact_->exact_fp8_gradients(), 1);
 }
 
 // The Train stream takes the same form: a module the client created sends its input as E4M3 there

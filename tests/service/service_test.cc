@@ -558,6 +558,9 @@ TEST(KindDescriptionsTest, TheContractDescribesTheServersKinds) {
     EXPECT_EQ(d->class_name(), kind->name());
     // The exact wire sends FP8 input codes only to a kind that takes them as they arrive.
     EXPECT_EQ(d->fp8_input(), core::FindKindBySpecName(kind->spec_name())->UsesFp8Input());
+    // And FP8 grad_output codes (with column sums) only to one whose backward takes them.
+    EXPECT_EQ(d->fp8_grad_output(),
+              core::FindKindBySpecName(kind->spec_name())->Fp8GradOutputRole().has_value());
     EXPECT_EQ(client::KindByName(d->cli_name()), wire);
     EXPECT_EQ(client::KindByName(kind->spec_name()), wire);
     const std::set<std::string> fields(d->spec_fields().begin(), d->spec_fields().end());

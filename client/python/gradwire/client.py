@@ -26,7 +26,8 @@ import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import (TYPE_CHECKING, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple,
+                    Union)
 
 import grpc
 import numpy as np
@@ -40,6 +41,17 @@ if TYPE_CHECKING:
     from gradwire.train_stream import TrainStream
 
 ForwardResult = Tuple[torch.Tensor, str, Optional[torch.Tensor]]
+
+
+class _GradOutput(NamedTuple):
+    """A backward's grad_output encoded for the wire (``Client._grad_output_form``): its
+    ``encoded`` tensor, the ``column_sums`` that go beside it (float32, or None) and whether it is
+    the exact wire's FP8 cast (``exact``)."""
+
+    encoded: wire.Encoded
+    column_sums: Optional[np.ndarray]
+    exact: bool
+
 
 log = logging.getLogger("gradwire")
 
@@ -265,8 +277,13 @@ class Client:
             CURRENT with margin 0, BLOCK or MXFP8), which travels as the server's own cast of
             it: codes and scale_inv under CURRENT (a quarter of the bytes), codes and block
             scales under BLOCK and MXFP8, with the columnwise copy in a training forward (half
-            the bytes; a quarter in inference). An input that is not all finite travels as
-            itself. The results are "f32"'s, bit for bit. "f32": every tensor as float32.
+            the bytes; a quarter in inference); and a backward's grad_output, for every kind,
+            as the module's own FP8 cast of it (E5M2 under CURRENT; E4M3, or E5M2 under the
+            HYBRID format, with block scales and the columnwise copy under BLOCK; E4M3 so under
+            MXFP8) with its column sums for a module with a bias, where the server sums bias
+            gradients in row order (``exact_grad_output``). A tensor that is not all finite (or
+            a gradient whose column sum overflows) travels as itself. The results are "f32"'s,
+            bit for bit. "f32": every tensor as float32.
             Lossy, one dtype both ways: "bf16", "f16" (halve the bytes), or "fp8" (a quarter:
             E4M3 activations and E5M2 gradients, each tensor with a current-scaling scale of its
             own, or for a module under BLOCK or MXFP8 with block scales of 1 x 128 / 1 x 32
@@ -329,6 +346,12 @@ class Client:
         self.chunking = chunking
         self.chunked_calls = 0
         self._modules: Dict[str, module_pb2.ModuleSpec] = {}  # to predict response sizes
+        # ModuleInfo.row_order_bias_sums by module, beside its spec: whether the exact wire may
+        # send grad_output of a module with a bias as its FP8 cast with column sums.
+        self._row_order_bias_sums: Dict[str, bool] = {}
+        # Backwards whose grad_output crossed as its FP8 cast under the exact wire (unary,
+        # chunked, shared memory and the Train stream; tests, benchmarks).
+        self.exact_fp8_gradients = 0
         self.server = server
         self.timeout = float(timeout)
         self.wire_dtype = wire_dtype
@@ -648,6 +671,12 @@ class Client:
                 pass
         return self._modules.get(module_id)
 
+    def _remember(self, info: module_pb2.ModuleInfo) -> None:
+        """Keeps what the client needs of a module's ModuleInfo: its spec, and whether its
+        server sums bias-gradient columns in row order (``row_order_bias_sums``)."""
+        self._modules[info.module_id] = info.spec
+        self._row_order_bias_sums[info.module_id] = info.row_order_bias_sums
+
     def _seen(self, module_id: str, weight_version: int) -> None:
         if weight_version:
             self.weight_versions[module_id] = int(weight_version)
@@ -672,7 +701,7 @@ class Client:
         info = self._call("CreateModule",
                           service_pb2.CreateModuleRequest(spec=spec, module_id=module_id),
                           module_pb2.ModuleKind.Name(spec.kind), route=module_id).module
-        self._modules[info.module_id] = info.spec
+        self._remember(info)
         self._seen(info.module_id, info.weight_version)
         self.hold(info.module_id)
         log.debug("created module %s on %s", info.module_id, self.server)
@@ -705,7 +734,7 @@ class Client:
         """The modules on the server this client may see (its tenant's, with tokens)."""
         modules = list(self._call("ListModules", service_pb2.ListModulesRequest()).modules)
         for m in modules:
-            self._modules[m.module_id] = m.spec
+            self._remember(m)
         return modules
 
     def module_info(self, module_id: str) -> module_pb2.ModuleInfo:
@@ -714,7 +743,7 @@ class Client:
         modules = list(self._call("ListModules", service_pb2.ListModulesRequest(),
                                   route=module_id).modules)
         for m in modules:
-            self._modules[m.module_id] = m.spec
+            self._remember(m)
         for m in modules:
             if m.module_id == module_id:
                 return m
@@ -727,6 +756,7 @@ class Client:
         self._call("DeleteModule", service_pb2.DeleteModuleRequest(module_id=module_id),
                    module_id, route=module_id)
         self._modules.pop(module_id, None)
+        self._row_order_bias_sums.pop(module_id, None)
         self.weight_versions.pop(module_id, None)
         self._disown(module_id)
         self.release(module_id)
@@ -798,26 +828,71 @@ class Client:
             return x.numel() * (2 if training and self.fp8_block(module_id) else 1)
         return x.numel() * wire.element_size(dtype)
 
+    def exact_grad_output(self, module_id: Optional[str]) -> Optional[int]:
+        """The FP8 dtype (``wire.FP8_E4M3`` or ``wire.FP8_E5M2``) in which this client's
+        backwards send ``module_id``'s grad_output, or None (as the gradient dtype): the wire is
+        "exact" and the module's spec and server allow it (``gradwire.kinds.exact_grad_output``:
+        a module with a bias only from a server with ``ModuleInfo.row_order_bias_sums``; the spec
+        is asked of the server once when this client has not seen the module). Under BLOCK and
+        MXFP8 the codes come with block scales (``fp8_block``) and the columnwise copy; with a
+        bias, the column sums go beside them."""
+        if self.wire_dtype != "exact" or not module_id:
+            return None
+        spec = self._spec(module_id)
+        if spec is None:
+            return None
+        return kinds.exact_grad_output(spec, self._row_order_bias_sums.get(module_id, False))
+
+    def _grad_output_form(self, module_id: Optional[str], grad_output: torch.Tensor,
+                          dtype: int) -> _GradOutput:
+        """A backward's grad_output as it travels when grad_input comes back as ``dtype``:
+        under the exact wire, the module's own FP8 cast of it with its column sums (a module
+        with a bias) where the module takes that (``exact_grad_output``) and ``dtype`` is a
+        full-precision one (F32, or the caller's BF16 / F16, whose values are cast as float32);
+        else ``grad_output`` as ``dtype`` (FP8 with the module's block scales under BLOCK and
+        MXFP8). A grad_output that is not all finite, or whose column sums overflow, travels as
+        itself: the server answers it as on the F32 wire."""
+        if dtype in (wire.F32, wire.BF16, wire.F16):
+            form = self.exact_grad_output(module_id)
+            spec = self._modules.get(module_id) if form is not None else None
+            if spec is not None and grad_output.dim() > 0 and \
+                    grad_output.shape[-1] == spec.out_features:
+                exact = wire.encode_exact_gradient(grad_output, form, kinds.block_size(spec),
+                                                   spec.bias)
+                if exact is not None:
+                    return _GradOutput(exact.encoded, exact.column_sums, True)
+            return _GradOutput(wire.encode(grad_output, dtype), None, False)
+        return _GradOutput(wire.encode(grad_output, dtype, self._wire_block(module_id, dtype)),
+                           None, False)
+
     def backward_request(self, context_id: str, grad_output: torch.Tensor,
                          skip_grad_input: bool = False, retain: bool = False,
                          grad_layernorm_output: Optional[torch.Tensor] = None,
                          dtype: Optional[int] = None,
-                         module_id: Optional[str] = None) -> Outgoing:
+                         module_id: Optional[str] = None, *,
+                         _form: Optional[_GradOutput] = None) -> Outgoing:
         """The BackwardRequest of ``grad_output``: it travels, and grad_input comes back, as
-        ``dtype`` (default: this client's gradient wire dtype). An ``Outgoing``, as
-        ``forward_request`` makes. ``module_id``: the context's module (default: the one this
-        client's forward made the context for), whose recipe says whether FP8 gradients carry
-        block scales."""
+        ``dtype`` (default: this client's gradient wire dtype), except that under the exact
+        wire grad_output travels as the module's FP8 cast of it where the module takes that,
+        with its column sums for a module with a bias (``exact_grad_output``). An
+        ``Outgoing``, as ``forward_request`` makes. ``module_id``: the context's module
+        (default: the one this client's forward made the context for), whose recipe says
+        whether FP8 gradients carry block scales. ``_form``: grad_output already encoded
+        (``_grad_output_form``)."""
         dtype = self.gradient_dtype if dtype is None else dtype
         if module_id is None:
             module_id = self._context_modules.get(context_id)
-        block = self._wire_block(module_id, dtype)
-        header, data = wire.encode(grad_output, dtype, block)
+        form = _form if _form is not None else self._grad_output_form(module_id, grad_output,
+                                                                       dtype)
+        header, data = form.encoded
         req = Outgoing(service_pb2.BackwardRequest(
             context_id=context_id, grad_output=header, retain=retain,
             skip_grad_input=skip_grad_input, grad_input_dtype=dtype), {_GRAD_OUTPUT: data})
+        if form.column_sums is not None:
+            req.message.grad_output_column_sums.extend(form.column_sums.tolist())
         if grad_layernorm_output is not None:
-            header, data = wire.encode(grad_layernorm_output, dtype, block)
+            header, data = wire.encode(grad_layernorm_output, dtype,
+                                       self._wire_block(module_id, dtype))
             req.message.grad_layernorm_output.CopyFrom(header)
             req.data[_GRAD_LAYERNORM_OUTPUT] = data
         return req
@@ -978,17 +1053,26 @@ class Client:
                      skip_grad_input: bool, retain: bool,
                      grad_layernorm_output: Optional[torch.Tensor],
                      dtype: Optional[int]) -> Optional[torch.Tensor]:
+        dtype = self.gradient_dtype if dtype is None else dtype
+        # Encoded once, for shared memory or the wire.
+        form = self._grad_output_form(module_id, grad_output, dtype)
+        if form.exact:
+            self.exact_fp8_gradients += 1
         if not self._shm.off and module_id is not None:
             done, grad_input = self._backward_shared_auto(
-                context_id, module_id, grad_output, skip_grad_input, retain,
+                context_id, module_id, form, grad_output, skip_grad_input, retain,
                 grad_layernorm_output, dtype)
             if done:
                 return grad_input
         req = self.backward_request(context_id, grad_output, skip_grad_input, retain,
-                                    grad_layernorm_output, dtype, module_id)
+                                    grad_layernorm_output, dtype, module_id, _form=form)
         sent = req.nbytes
+        # grad_input's bytes where the module is known (grad_output's own may be FP8 codes);
+        # else as many as the request's.
+        back = 0 if skip_grad_input else self._grad_input_bytes(
+            module_id, grad_output, wire.element_size(dtype))
         try:
-            if self._use_chunked(sent, 0 if skip_grad_input else sent):
+            if self._use_chunked(sent, sent if back is None else back):
                 resp = self._chunked("BackwardChunked", req, service_pb2.BackwardRequestPart,
                                      service_pb2.BackwardResponse, route=module_id)
             else:
@@ -1068,17 +1152,17 @@ class Client:
         self._note_context(resp.context_id, module_id)
         return out, resp.context_id, ln_out
 
-    def _backward_shared_auto(self, context_id: str, module_id: str, grad_output: torch.Tensor,
-                              skip_grad_input: bool, retain: bool,
+    def _backward_shared_auto(self, context_id: str, module_id: str, form: _GradOutput,
+                              grad_output: torch.Tensor, skip_grad_input: bool, retain: bool,
                               grad_layernorm_output: Optional[torch.Tensor],
-                              dtype: Optional[int]) -> Tuple[bool, Optional[torch.Tensor]]:
+                              dtype: int) -> Tuple[bool, Optional[torch.Tensor]]:
         """``backward`` through the pool: (True, grad_input), or (False, None) for the wire.
-        grad_input has grad_output's rows and the module's in_features: its size is known for a
-        context one of this client's forwards made."""
-        dtype = self.gradient_dtype if dtype is None else dtype
+        ``form``: grad_output encoded (``_grad_output_form``). grad_input has grad_output's rows
+        and the module's in_features: its size is known for a context one of this client's
+        forwards made."""
         size = wire.element_size(dtype)
         block = self._wire_block(module_id, dtype)
-        go_bytes = grad_output.numel() * size
+        go_bytes = form.encoded.data.nbytes
         gln_bytes = grad_layernorm_output.numel() * size \
             if grad_layernorm_output is not None else 0
         gi_bytes = 0 if skip_grad_input else self._grad_input_bytes(module_id, grad_output, size)
@@ -1093,7 +1177,9 @@ class Client:
             req = service_pb2.BackwardRequest(context_id=context_id, retain=retain,
                                               skip_grad_input=skip_grad_input,
                                               grad_input_dtype=dtype)
-            req.grad_output.CopyFrom(region.write(0, grad_output, dtype, block))
+            req.grad_output.CopyFrom(region.write_encoded(0, form.encoded))
+            if form.column_sums is not None:
+                req.grad_output_column_sums.extend(form.column_sums.tolist())
             if grad_layernorm_output is not None:
                 req.grad_layernorm_output.CopyFrom(
                     region.write(at_gln, grad_layernorm_output, dtype, block))
@@ -1178,9 +1264,13 @@ class Client:
                                           skip_grad_input=skip_grad_input,
                                           grad_input_dtype=self.gradient_dtype)
         module_id = self._context_modules.get(context_id)
-        req.grad_output.CopyFrom(region.write(
-            offset, grad_output, self.gradient_dtype,
-            self._wire_block(module_id, self.gradient_dtype)))
+        # Under the exact wire, the module's FP8 cast of it where it takes that.
+        form = self._grad_output_form(module_id, grad_output, self.gradient_dtype)
+        if form.exact:
+            self.exact_fp8_gradients += 1
+        req.grad_output.CopyFrom(region.write_encoded(offset, form.encoded))
+        if form.column_sums is not None:
+            req.grad_output_column_sums.extend(form.column_sums.tolist())
         if not skip_grad_input:
             at = offset + req.grad_output.shared_memory.byte_size
             req.grad_input_shared_memory.CopyFrom(region.ref(at, region.size - at))

@@ -9,7 +9,7 @@ a client.
 
 from typing import List, Optional, Tuple
 
-from gradwire.v1 import module_pb2
+from gradwire.v1 import module_pb2, tensor_pb2
 
 
 def describe(kind: int) -> Optional[module_pb2.KindDescription]:
@@ -80,3 +80,31 @@ def exact_fp8_input(spec: module_pb2.ModuleSpec) -> bool:
         return False
     return spec.recipe.scaling in (module_pb2.SCALING_RECIPE_UNSPECIFIED, module_pb2.CURRENT,
                                    module_pb2.BLOCK, module_pb2.MXFP8)
+
+
+def exact_grad_output(spec: module_pb2.ModuleSpec, row_order_bias_sums: bool) -> Optional[int]:
+    """The FP8 dtype (``tensor_pb2.FP8_E4M3`` or ``FP8_E5M2``) in which the exact wire sends a
+    backward's grad_output to a module of ``spec``, or None (it stays F32): its kind casts
+    grad_output to FP8 before anything else reads it but for the bias gradient
+    (``KindDescription.fp8_grad_output``), and its recipe's cast is one the client makes bit for
+    bit: CURRENT (or unspecified) with margin 0 (E5M2, one scale), BLOCK (E4M3, or E5M2 under
+    the HYBRID format) or MXFP8 (E4M3), each with 1 x ``block_size`` blocks along a row and the
+    columnwise copy (``wire.encode_exact_gradient``). A module with a bias takes its bias
+    gradient from the column sums sent beside the codes, so only from a server that sums
+    columns as the client does: ``row_order_bias_sums`` (``ModuleInfo.row_order_bias_sums``).
+    DELAYED (the server's history sets the scale) and a margin keep grad_output F32."""
+    d = describe(spec.kind)
+    if d is None or not d.fp8_grad_output:
+        return None
+    if spec.bias and not row_order_bias_sums:
+        return None
+    scaling = spec.recipe.scaling
+    if scaling == module_pb2.BLOCK:
+        return tensor_pb2.FP8_E5M2 if spec.recipe.format == module_pb2.HYBRID \
+            else tensor_pb2.FP8_E4M3
+    if scaling == module_pb2.MXFP8:
+        return tensor_pb2.FP8_E4M3
+    if scaling in (module_pb2.SCALING_RECIPE_UNSPECIFIED, module_pb2.CURRENT) and \
+            spec.recipe.margin == 0:
+        return tensor_pb2.FP8_E5M2
+    return None

@@ -222,9 +222,16 @@ class TrainStream:
         """Future of grad_input (None with skip_grad_input). ``retain`` keeps the context for
         another backward."""
         # The context's module: this stream's (a routed one), else the one the client's forward
-        # made the context for (its recipe says whether FP8 gradients carry block scales).
-        req = self.client.backward_request(context_id, grad_output, skip_grad_input, retain,
-                                           dtype=dtype, module_id=self.route)
+        # made the context for (its recipe says whether FP8 gradients carry block scales, and
+        # whether the exact wire sends grad_output as the module's FP8 cast of it).
+        client = self.client
+        module_id = self.route or client._context_modules.get(context_id)
+        form = client._grad_output_form(
+            module_id, grad_output, client.gradient_dtype if dtype is None else dtype)
+        req = client.backward_request(context_id, grad_output, skip_grad_input, retain,
+                                      dtype=dtype, module_id=module_id, _form=form)
+        if form.exact:
+            client.exact_fp8_gradients += 1
 
         def decode(resp) -> Optional[torch.Tensor]:
             b = resp.field("backward")

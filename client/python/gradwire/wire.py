@@ -28,8 +28,10 @@ FP8_E5M2 = tensor_pb2.FP8_E5M2
 # scales of the recipe's block length for a module under BLOCK or MXFP8). "exact" (the clients'
 # default) is F32, except that a forward's input to a module that casts it to E4M3 first in a way
 # the client can repeat (``gradwire.kinds.exact_fp8_input``) crosses as that cast, codes and
-# scales bit for bit (``encode_exact_input``, ``encode_exact_block_input``): the F32 wire's
-# results, bit for bit.
+# scales bit for bit (``encode_exact_input``, ``encode_exact_block_input``), and so does a
+# backward's grad_output to a module that casts it to FP8 first (``gradwire.kinds.
+# exact_grad_output``), with its column sums for a module with a bias
+# (``encode_exact_gradient``): the F32 wire's results, bit for bit.
 WIRE_DTYPES: Dict[str, Tuple[int, int]] = {
     "exact": (F32, F32),
     "f32": (F32, F32),
@@ -486,6 +488,12 @@ def encode_exact_input(t: torch.Tensor) -> Optional[Encoded]:
     it, bit for bit: what the exact wire sends a Linear under CURRENT scaling in place of its
     input. None when a value is not finite (NaN, an infinity) or ``t`` is empty: the input then
     crosses as itself, and the server answers as it does to it on the F32 wire."""
+    return _encode_exact_per_tensor(t, FP8_E4M3)
+
+
+def _encode_exact_per_tensor(t: torch.Tensor, dtype: int) -> Optional[Encoded]:
+    """``t`` as FP8 ``dtype`` codes with one current-scaling scale (margin 0), or None where a
+    value is not finite or ``t`` is empty."""
     t = t.detach()
     if t.numel() == 0:
         return None
@@ -494,10 +502,10 @@ def encode_exact_input(t: torch.Tensor) -> Optional[Encoded]:
     amax = _amax_tensor(flat)
     if not bool(torch.isfinite(amax)):
         return None
-    scale = fp8_scale(amax, FP8_E4M3)
-    codes = _encode_flat(flat, FP8_E4M3, scale.numpy())
+    scale = fp8_scale(amax, dtype)
+    codes = _encode_flat(flat, dtype, scale.numpy())
     scale_inv = float(torch.tensor(1.0, dtype=torch.float32) / scale)
-    return Encoded(tensor_pb2.Tensor(dtype=FP8_E4M3, shape=list(x.shape), scale_inv=scale_inv),
+    return Encoded(tensor_pb2.Tensor(dtype=dtype, shape=list(x.shape), scale_inv=scale_inv),
                    memoryview(codes).cast("B"))
 
 
@@ -512,6 +520,94 @@ def encode_exact_block_input(t: torch.Tensor, block: int,
     if t.numel() == 0 or t.dim() == 0:
         return None
     return _encode_blocks(t, FP8_E4M3, block, columnwise, True)
+
+
+# Columns at and above which ``column_sums`` adds whole rows (one numpy add per row); below it,
+# a running sum down each column (``np.add.accumulate``), which is faster for narrow matrices.
+_ROW_ADD_MIN_COLS = 128
+
+
+def column_sums(t: torch.Tensor) -> np.ndarray:
+    """Each column's sum of ``t`` (the columns its last dimension, the rows every other one),
+    as float32 [cols]: summed in float32 in row order starting from 0.0, bit for bit
+    ``s = 0; for row in rows: s += row`` (each step one IEEE float32 addition). The bias gradient
+    as a server with ``ModuleInfo.row_order_bias_sums`` sums it; what the exact wire sends
+    beside an FP8 grad_output (``BackwardRequest.grad_output_column_sums``). A 16-bit ``t``
+    is summed as its float32 values (exact widenings). Not numpy's ``sum``/``add.reduce``,
+    whose order is not row order (pairwise along a contiguous axis)."""
+    x = t.detach().to(device="cpu", dtype=torch.float32)
+    if x.dim() == 0:
+        raise ValueError("column sums need a tensor with at least one dimension")
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    sums = np.zeros(cols, dtype=np.float32)
+    if rows == 0 or cols == 0:
+        return sums
+    m = x.contiguous().numpy().reshape(rows, cols)
+    # An overflow (or inf - inf) is the caller's to see in the sums, not a warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        _column_sums_into(m, sums)
+    return sums
+
+
+def _column_sums_into(m: np.ndarray, sums: np.ndarray) -> None:
+    """``column_sums`` of the C-contiguous float32 matrix ``m`` [rows, cols], added to ``sums``
+    (zeros, float32 [cols])."""
+    rows, cols = m.shape
+    if cols >= _ROW_ADD_MIN_COLS:
+        for r in range(rows):
+            np.add(sums, m[r], out=sums)
+        return
+    # Tiles of rows: the running sums of a tile whose first row has the sums so far added to it
+    # (0.0 + row 0 for the first: one float32 addition, as the loop's first step); the tile's
+    # last running sum carries on. add.accumulate along axis 0 is sequential by definition
+    # (out[i] = out[i - 1] + in[i]).
+    height = max(1, _TILE // cols)
+    buf = np.empty((min(height, rows), cols), dtype=np.float32)
+    for r0 in range(0, rows, height):
+        r1 = min(rows, r0 + height)
+        b = buf[:r1 - r0]
+        np.add(m[r0], sums, out=b[0])
+        b[1:] = m[r0 + 1:r1]
+        np.add.accumulate(b, axis=0, out=b)
+        sums[:] = b[-1]
+
+
+class ExactGradient(NamedTuple):
+    """A backward's grad_output as the exact wire sends it: ``encoded``, the FP8 cast the
+    module's backward would make of it, and ``column_sums`` (float32 [out_features], or None
+    for a module without bias), the bias gradient the server takes beside it."""
+
+    encoded: Encoded
+    column_sums: Optional[np.ndarray]
+
+
+def encode_exact_gradient(t: torch.Tensor, dtype: int, block: int,
+                          sums: bool) -> Optional[ExactGradient]:
+    """``t``, a backward's grad_output, as the FP8 ``dtype`` (``gradwire.kinds.
+    exact_grad_output``) codes and scales the module's own grad_output cast makes of it, bit for
+    bit: with ``block`` 0 one current-scaling scale (margin 0: CURRENT), else 1 x ``block``
+    blocks along each row with the columnwise copy (BLOCK 128, MXFP8 32); with ``sums`` (the
+    module has a bias) its ``column_sums`` too. None where a value is not finite (NaN, an
+    infinity), a column sum overflows, or ``t`` is empty or has no dimension: grad_output then
+    crosses as itself (F32), and the server answers as on the F32 wire."""
+    if dtype not in _FP8:
+        raise ValueError(f"an FP8 gradient is E4M3 or E5M2, not {dtype}")
+    t = t.detach()
+    if t.numel() == 0 or t.dim() == 0:
+        return None
+    x = t.to(device="cpu", dtype=torch.float32).contiguous()
+    column = None
+    if sums:
+        # Before the cast: a NaN or an infinity makes its column's sum NaN or infinite too.
+        column = column_sums(x)
+        if not bool(np.isfinite(column).all()):
+            return None
+    encoded = (_encode_blocks(x, dtype, block, True, True) if block > 0
+               else _encode_exact_per_tensor(x, dtype))
+    if encoded is None:
+        return None
+    return ExactGradient(encoded, column)
 
 
 def to_wire(t: torch.Tensor, dtype: int = F32, block: int = 0) -> tensor_pb2.Tensor:

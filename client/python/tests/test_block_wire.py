@@ -542,11 +542,19 @@ def test_the_exact_wire_sends_a_block_linears_input_as_its_cast(offline):
         y = x.clone()
         y[3, 3] = float("nan")
         assert c.forward_request(m, y, True).message.input.dtype == wire.F32
-        # Gradients cross as F32.
+        # grad_output crosses as the module's own E4M3 block cast with the columnwise copy
+        # (its spec has no bias: no column sums); grad_input comes back as F32.
         c._note_context("ctx-" + m, m)
-        bwd = c.backward_request("ctx-" + m, torch.randn(37, 48))
-        assert bwd.message.grad_output.dtype == wire.F32
-        assert not bwd.message.grad_output.HasField("block_scales")
+        dy = torch.randn(37, 48)
+        bwd = c.backward_request("ctx-" + m, dy)
+        g = bwd.message.grad_output
+        assert c.exact_grad_output(m) == wire.FP8_E4M3
+        assert g.dtype == wire.FP8_E4M3 and g.block_scales.block_cols == block
+        assert g.columnwise_scales.block_cols == block
+        assert bwd.nbytes == 2 * dy.numel() and not bwd.message.grad_output_column_sums
+        assert bwd.message.grad_input_dtype == wire.F32
+        want = wire.encode_blocks(dy, wire.FP8_E4M3, block, columnwise=True)
+        assert bytes(next(iter(bwd.data.values()))) == bytes(want.data)
     current = c.forward_request("current", x, True).message.input
     assert current.dtype == wire.FP8_E4M3 and current.scale_inv > 0
     assert not current.HasField("block_scales")

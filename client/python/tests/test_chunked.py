@@ -76,3 +76,19 @@ def test_chunk_larger_than_the_server_allows_is_refused(small_chunk_server):
         assert c.server_info().live_contexts == 0
     finally:
         c.close()
+
+
+def test_auto_chunks_a_backward_by_its_grad_input(small_chunk_server):
+    """Under the exact wire a backward's request may be small (grad_output as FP8 codes) and its
+    response large: grad_input, F32 [rows, in_features], 128 KiB here, takes the chunked call."""
+    c = gradwire.Client(small_chunk_server, chunk_kib=64, shared_memory="off")
+    try:
+        m = _linear(c, 4096, 16)
+        _, ctx, _ = c.forward(m, torch.randn(8, 4096), True)
+        assert c.exact_grad_output(m) is not None
+        calls = c.chunked_calls
+        g = c.backward(ctx, torch.randn(8, 16))
+        assert g.shape == (8, 4096) and c.chunked_calls == calls + 1
+        assert c.exact_fp8_gradients == 1
+    finally:
+        c.close()

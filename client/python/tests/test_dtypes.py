@@ -35,7 +35,9 @@ def sent(monkeypatch):
 @pytest.mark.parametrize("dtype, code", [(torch.bfloat16, wire.BF16), (torch.float16, wire.F16)])
 def test_16_bit_inputs_travel_as_such(server, sent, form, dtype, code):
     """Under "f32" and "exact" a 16-bit tensor travels in its own dtype; "exact" sends a Linear's
-    input as the server's E4M3 cast of it instead (the output still comes back in 16 bits)."""
+    input as the server's E4M3 cast of it instead, and grad_output as its E5M2 cast (CURRENT, the
+    fixture server's default) with its column sums (the output and grad_input still come back in
+    16 bits)."""
     client = gradwire.Client(server, wire_dtype=form)
     m = gradwire.RemoteLinear(client, 16, 8, seed=3)
     x = torch.randn(4, 16).to(dtype).requires_grad_()
@@ -44,7 +46,8 @@ def test_16_bit_inputs_travel_as_such(server, sent, form, dtype, code):
     y.float().sum().backward()
     assert x.grad.dtype == dtype and x.grad.abs().sum() > 0
     sent_input = wire.FP8_E4M3 if form == "exact" else code
-    assert sent == [("forward", sent_input, code), ("backward", code, code)]
+    sent_grad = wire.FP8_E5M2 if form == "exact" else code
+    assert sent == [("forward", sent_input, code), ("backward", sent_grad, code)]
     # The server got exactly x and rounded its float32 output once, to dtype.
     with torch.no_grad():
         assert torch.equal(m.eval()(x), m(x.float()).to(dtype))

@@ -61,6 +61,39 @@ def test_training_step_matches_the_wire(shm_server, wire_dtype, kind):
         c.close()
 
 
+@pytest.mark.parametrize("recipe", ["current", "block", "block-hybrid", "mxfp8"])
+def test_exact_backward_into_a_region_keeps_the_bits(shm_server, recipe):
+    """backward_shared under the exact wire: grad_output's FP8 cast (both copies under the block
+    recipes) in the client's region, its column sums in the request (the Linear has a bias):
+    the F32 wire's results, bit for bit."""
+    exact = gradwire.Client(shm_server)
+    f32 = gradwire.Client(shm_server, wire_dtype="f32")
+    try:
+        s = spec(module_pb2.LINEAR, 4)
+        s.bias = True
+        s.recipe.scaling, s.recipe.format = gradwire.modules._RECIPES[recipe]
+        a = exact.create_module(s).module_id
+        b = f32.create_module(s).module_id
+        x, dy = torch.randn(5, 48), torch.randn(5, 24) * 1e3
+        with SharedMemoryRegion(exact, 1 << 16) as region:
+            ya, ca, _ = exact.forward_shared(a, x, training=True, region=region)
+            yb, cb, _ = f32.forward(b, x, training=True)
+            assert torch.equal(ya.view(torch.int32), yb.view(torch.int32))
+            da = exact.backward_shared(ca, dy, region=region)
+            assert exact.exact_fp8_gradients == 1
+        db = f32.backward(cb, dy)
+        assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+        ga, gb = exact.get_gradients(a), f32.get_gradients(b)
+        assert ga.keys() == gb.keys() and "bias" in ga
+        for name in ga:
+            assert torch.equal(ga[name].view(torch.int32), gb[name].view(torch.int32)), name
+        exact.delete_module(a)
+        f32.delete_module(b)
+    finally:
+        exact.close()
+        f32.close()
+
+
 def test_limits_and_errors(shm_server):
     c = gradwire.Client(shm_server)
     try:

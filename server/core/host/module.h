@@ -102,6 +102,20 @@ class ModuleGradients {
   }
 };
 
+// The cast of `role` under `spec`'s recipe as far as the recipe alone says: its format, margin
+// and, under a block-scaled recipe, its blocks (every role E4M3 there, the gradients E5M2 under
+// HYBRID). No scale: ModuleSteps::Quantizers adds a delayed recipe's from the scaling state.
+inline QuantizerConfig RoleQuantizer(const ModuleSpec& spec, const RoleDef& role) {
+  QuantizerConfig q;
+  q.format = role.format;
+  q.margin = spec.recipe.margin;
+  if (BlockScaled(spec.recipe.mode)) {
+    SetBlockScaling(q, spec.recipe.mode, role.weight);
+    if (Hybrid(spec.recipe)) q.format = role.format;
+  }
+  return q;
+}
+
 // The FP8 side of the module's steps: its roles' scaling state on the backend's device and the
 // weight workspace (the cached FP8 weights of the latest version built).
 class ModuleSteps {
@@ -118,14 +132,7 @@ class ModuleSteps {
     const std::vector<RoleDef>& roles = kind.Roles();
     std::vector<QuantizerConfig> q(roles.size());
     for (size_t i = 0; i < roles.size(); ++i) {
-      q[i].format = roles[i].format;
-      q[i].margin = spec.recipe.margin;
-      // Block-scaled: every role E4M3 (the gradients E5M2 under HYBRID), its blocks by whether
-      // it is a weight.
-      if (BlockScaled(spec.recipe.mode)) {
-        SetBlockScaling(q[i], spec.recipe.mode, roles[i].weight);
-        if (Hybrid(spec.recipe)) q[i].format = roles[i].format;
-      }
+      q[i] = RoleQuantizer(spec, roles[i]);
       if (spec.recipe.mode == ScalingMode::kDelayed && !roles[i].weight) {
         q[i].scale_device = scaling->Scale(i);
       }

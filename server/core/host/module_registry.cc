@@ -108,7 +108,8 @@ ModuleInfo ModuleRegistry::InfoLocked(const std::string& id, const Module& m) co
                     m.weights.version,
                     contexts_.live_contexts(id),
                     m.gradients.optimizer_steps,
-                    m.weights.Names()};
+                    m.weights.Names(),
+                    backend_.SumsColumnsInRowOrder()};
 }
 
 absl::StatusOr<ModuleInfo> ModuleRegistry::Info(const std::string& module_id) const {

@@ -37,6 +37,11 @@ class StepRunner::BackwardRun {
     size_t index = 0;
     ContextStore::Lease lease;
     at::Tensor grad_output, grad_layernorm_output;  // on the device, 2-D
+    // grad_output's codes as they came, when they are its kind's grad_output cast
+    // (ModuleKindOps::Fp8GradOutputRole, device::CodesServeGradient); `grad_output` decodes them.
+    bool codes = false;
+    Fp8Tensor grad_codes;
+    at::Tensor sums;        // grad_output_column_sums as float32 [1, out_features]; undefined: none
     bool done = false;      // its context was finished (consumed, or given back and answered)
     bool consumed = false;  // ran in the group
     std::optional<wire::EncodedTensor> grad_input;  // its rows of the group's, encoded
@@ -83,6 +88,29 @@ absl::Status StepRunner::BackwardRun::Check(const Module& m, const Member& one) 
     GW_RETURN_IF_ERROR(
         CheckViewExactShape("grad_layernorm_output", req.grad_layernorm_output, input_shape));
   }
+  if (const size_t sums = req.grad_output_column_sums.size(); sums > 0) {
+    if (!wire::IsFp8(req.grad_output.dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grad_output_column_sums comes only with an FP8 grad_output; this one is ",
+                       wire::DTypeName(req.grad_output.dtype), ", whose columns the server sums"));
+    }
+    if (!m.spec.bias) {
+      return absl::InvalidArgumentError(
+          "grad_output_column_sums is a bias gradient, and this module has no bias");
+    }
+    if (int64_t(sums) != m.spec.out_features) {
+      return absl::InvalidArgumentError(absl::StrCat("grad_output_column_sums holds ", sums,
+                                                     " values; the module's ", "out_features is ",
+                                                     m.spec.out_features));
+    }
+    for (size_t i = 0; i < sums; ++i) {
+      if (!std::isfinite(req.grad_output_column_sums[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("grad_output_column_sums[", i,
+                                                       "] must be finite, got ",
+                                                       req.grad_output_column_sums[i]));
+      }
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -96,8 +124,9 @@ void StepRunner::BackwardRun::Run(const std::vector<size_t>& which, BatchRan* ra
   std::vector<size_t> alone;
   std::vector<Member> members;
   ModulePtr m;
-  bool skip = false, with_ln = false;  // the group's, from its first member
-  size_t committed = 0;                // members[0, committed) ran in the group
+  // The group's, from its first member.
+  bool skip = false, with_ln = false, with_sums = false;
+  size_t committed = 0;  // members[0, committed) ran in the group
   try {
     for (size_t pos = 0; pos < which.size(); ++pos) {
       const size_t i = which[pos];
@@ -110,7 +139,9 @@ void StepRunner::BackwardRun::Run(const std::vector<size_t>& which, BatchRan* ra
         results_[i] = absl::InvalidArgumentError("grad_output is required");
         continue;
       }
-      if (!members.empty() && (req.skip_grad_input != skip || has_ln != with_ln)) {
+      const bool has_sums = !req.grad_output_column_sums.empty();
+      if (!members.empty() &&
+          (req.skip_grad_input != skip || has_ln != with_ln || has_sums != with_sums)) {
         rest();  // the group ends
         break;
       }
@@ -151,21 +182,45 @@ void StepRunner::BackwardRun::Run(const std::vector<size_t>& which, BatchRan* ra
         members.pop_back();
         continue;
       }
+      // FP8 grad_output reaches the kind as its codes when they are what its grad_output cast
+      // would make (Fp8GradOutputRole, CodesServeGradient); a group's members all come so or
+      // all not (a group of one decides).
+      const std::optional<size_t> grad_role = mine->kind->Fp8GradOutputRole();
+      one.codes =
+          grad_role.has_value() &&
+          device::CodesServeGradient(req.grad_output,
+                                     RoleQuantizer(mine->spec, mine->kind->Roles().at(*grad_role)));
+      if (members.size() > 1 && one.codes != members[0].codes) {
+        GiveBack(one);
+        members.pop_back();
+        rest();
+        break;
+      }
       // The gradients cross to the device in their wire dtype. A bf16 grad_output stays bf16 for
       // a kind whose backward only casts it and sums its columns (UsesBf16GradOutput).
-      auto decode = [&](const wire::TensorView& v, bool keep_bf16) {
+      auto decode = [&](const wire::TensorView& v, bool keep_bf16, Fp8Tensor* codes) {
         const int64_t cols = std::max<int64_t>(1, v.shape.back());
-        const at::Tensor host = keep_bf16 ? b.FromWireBf16(v, v.numel() / cols, cols)
-                                          : b.FromWire(v, v.numel() / cols, cols, nullptr, {});
+        const at::Tensor host =
+            keep_bf16 ? b.FromWireBf16(v, v.numel() / cols, cols)
+                      : b.FromWire(v, v.numel() / cols, cols, codes, {true, codes != nullptr});
         return b.ToDevice(As2D(host.reshape(v.shape)));
       };
-      one.grad_output = decode(req.grad_output, req.grad_output.dtype == wire::DType::kBF16 &&
-                                                    mine->kind->UsesBf16GradOutput());
-      if (has_ln) one.grad_layernorm_output = decode(req.grad_layernorm_output, false);
+      one.grad_output =
+          decode(req.grad_output,
+                 req.grad_output.dtype == wire::DType::kBF16 && mine->kind->UsesBf16GradOutput(),
+                 one.codes ? &one.grad_codes : nullptr);
+      if (has_ln) one.grad_layernorm_output = decode(req.grad_layernorm_output, false, nullptr);
+      if (has_sums) {
+        const std::vector<float>& sums = req.grad_output_column_sums;
+        at::Tensor host = at::empty({1, int64_t(sums.size())}, at::TensorOptions(at::kFloat));
+        std::copy(sums.begin(), sums.end(), host.data_ptr<float>());
+        one.sums = b.ToDevice(host);
+      }
       if (members.size() == 1) {
         m = mine;
         skip = req.skip_grad_input;
         with_ln = has_ln;
+        with_sums = has_sums;
       }
     }
     if (!members.empty()) {
@@ -271,6 +326,18 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
     args.grads = &grads;
     args.quantizers = m.Quantizers();
     args.compute_grad_input = !skip;
+    Fp8Tensor grad_codes;  // the members' grad_output codes, stacked
+    if (members[0].codes) {
+      std::vector<Fp8Tensor> parts;
+      for (Member& one : members) parts.push_back(one.grad_codes);
+      grad_codes = alone ? std::move(parts[0]) : StackRows(std::move(parts));
+      args.grad_output_fp8 = &grad_codes;
+    }
+    if (members[0].sums.defined()) {
+      std::vector<at::Tensor> sums;
+      for (const Member& one : members) sums.push_back(one.sums);
+      args.grad_output_sums = alone ? sums[0] : at::cat(sums, 0);
+    }
     if (alone) {
       args.grad_output = members[0].grad_output;
       args.grad_layernorm_output = members[0].grad_layernorm_output;

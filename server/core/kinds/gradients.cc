@@ -60,6 +60,13 @@ void GradientSink::BiasGrad(Param p, const at::Tensor& g, const Fp8Tensor& cast)
   }
 }
 
+void GradientSink::BiasSums(Param p, const at::Tensor& sums, const Backend& b) {
+  for (int64_t j = 0; j < sums.size(0); ++j) {
+    const at::Tensor row = sums.narrow(0, j, 1);
+    CollectBias(p, row, b.AbsMaxLater(row), size_t(j));
+  }
+}
+
 void DirectGradients::CollectWgrad(Param p, const Fp8Tensor& dy, const Fp8Tensor& x, size_t) {
   backend_.Wgrad(dy, x, targets_[p], /*accumulate=*/true);
 }

@@ -38,6 +38,10 @@ class GradientSink {
   // The same for g the unquantized input of `cast` (its amax bounds g): row-grouped with it, one
   // contribution per group.
   void BiasGrad(Param p, const at::Tensor& g, const Fp8Tensor& cast);
+  // acc(p)[N] += row j of `sums` [groups, N] for request j of a batch (row 0 alone): column sums
+  // made elsewhere (BackwardRequest.grad_output_column_sums). Their bound is their own max,
+  // measured on `b`.
+  void BiasSums(Param p, const at::Tensor& sums, const Backend& b);
   // acc(p) += v, a gradient computed whole (LayerNorm's gamma and beta), for request `group` of
   // a batch (0 alone).
   void Add(Param p, const at::Tensor& v, size_t group = 0) { CollectAdd(p, v, group); }

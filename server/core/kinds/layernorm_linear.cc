@@ -159,12 +159,11 @@ absl::StatusOr<KindBackwardResult> LayerNormLinearBackward(const KindBackwardArg
                                                     {false, true}, /*keep_y=*/false, nullptr));
     ln_out = &recomputed;
   }
-  GW_ASSIGN_OR_RETURN(
-      Fp8Tensor dy, CastRows(b, args.grad_output, args.quantizers[kGradOutputRole], {true, true}));
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dy, GradOutputCast(b, args, kGradOutputRole, {true, true}));
   KindBackwardResult result;
   at::Tensor d_ln = DgradRows(b, dy, w);  // LayerNorm's parameters need it without grad_input too
   args.grads->Wgrad(Param::kWeight, dy, *ln_out);
-  if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
+  if (args.spec->bias) GradOutputBiasGrad(b, args, Param::kBias, dy);
   // Host values after the dgrad GEMM is queued (a GPU's cast is read back here).
   result.amaxes = {{kGradOutputRole, dy.scalars}};
   LayerNormTail(b, args, *saved, ln, std::move(d_ln), &result);
@@ -211,6 +210,7 @@ class LayerNormLinearKindOps final : public ModuleKindOps {
   }
   bool UsesBf16Input() const override { return true; }
   bool UsesBf16GradOutput() const override { return true; }
+  std::optional<size_t> Fp8GradOutputRole() const override { return kGradOutputRole; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LayerNormLinearForward(a);
   }

@@ -135,11 +135,10 @@ absl::StatusOr<KindBackwardResult> LayerNormMlpBackward(const KindBackwardArgs& 
   KindBackwardResult result;
   // FC2
   // A batch (row_groups): each request's rows cast on their own, each GEMM over all of them.
-  GW_ASSIGN_OR_RETURN(Fp8Tensor dy,
-                      CastRows(b, args.grad_output, args.quantizers[kFc2GradRole], {true, true}));
+  GW_ASSIGN_OR_RETURN(Fp8Tensor dy, GradOutputCast(b, args, kFc2GradRole, {true, true}));
   at::Tensor d_act = DgradRows(b, dy, w2);
   args.grads->Wgrad(Param::kFc2Weight, dy, *act_q);
-  if (args.spec->bias) args.grads->BiasGrad(Param::kFc2Bias, args.grad_output, dy);
+  if (args.spec->bias) GradOutputBiasGrad(b, args, Param::kFc2Bias, dy);
   // Activation
   // and FC1's gradient cast, one fused call where the backend has it; the fp32 gradient is
   // written only for FC1's bias gradient.
@@ -214,6 +213,7 @@ class LayerNormMlpKindOps final : public ModuleKindOps {
   }
   bool UsesBf16Input() const override { return true; }
   bool UsesBf16GradOutput() const override { return true; }
+  std::optional<size_t> Fp8GradOutputRole() const override { return kFc2GradRole; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LayerNormMlpForward(a);
   }

@@ -87,13 +87,14 @@ absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args) 
   }
   // A batch (row_groups): each request's rows cast on their own, one dgrad over all of them.
   GW_ASSIGN_OR_RETURN(Fp8Tensor dy,
-                      CastRows(b, args.grad_output, args.quantizers[kGradOutputRole],
-                               {/*rowwise=*/args.compute_grad_input, /*columnwise=*/true}));
+                      GradOutputCast(b, args, kGradOutputRole,
+                                     {/*rowwise=*/args.compute_grad_input, /*columnwise=*/true}));
   KindBackwardResult result;
   if (args.compute_grad_input) result.grad_input = DgradRows(b, dy, w);
   args.grads->Wgrad(Param::kWeight, dy, x);
-  // dbias from the unquantized gradient, as the fused cast does; |grad_output| <= its amax.
-  if (args.spec->bias) args.grads->BiasGrad(Param::kBias, args.grad_output, dy);
+  // dbias from the unquantized gradient, as the fused cast does (|grad_output| <= its amax), or
+  // as the request summed it.
+  if (args.spec->bias) GradOutputBiasGrad(b, args, Param::kBias, dy);
   // Host values last: a GPU's cast is read back here, after the dgrad GEMM is queued.
   result.amaxes = {{kGradOutputRole, dy.scalars}};
   if (args.compute_grad_input) result.grad_input_bound = [dy, w] { return DgradBound(dy, w); };
@@ -139,6 +140,7 @@ class LinearKindOps final : public ModuleKindOps {
   bool UsesFp8Input() const override { return true; }
   bool UsesBf16Input() const override { return true; }
   bool UsesBf16GradOutput() const override { return true; }
+  std::optional<size_t> Fp8GradOutputRole() const override { return kGradOutputRole; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LinearForward(a);
   }

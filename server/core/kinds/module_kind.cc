@@ -218,4 +218,32 @@ absl::Status ValidateModuleSpec(const ModuleSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<Fp8Tensor> GradOutputCast(const Backend& b, const KindBackwardArgs& args,
+                                         size_t role, CastUsage usage) {
+  const Fp8Tensor* codes = args.grad_output_fp8;
+  if (codes == nullptr) return CastRows(b, args.grad_output, args.quantizers.at(role), usage);
+  const QuantizerConfig& q = args.quantizers.at(role);
+  const Fp8Tensor& first = codes->grouped() ? codes->groups[0] : *codes;  // a batch's: alike
+  if (codes->rows != args.grad_output.size(0) || codes->cols != args.grad_output.size(1) ||
+      first.format != q.format || first.block_scaled != q.block_scaled ||
+      (first.block_scaled && !first.has_columnwise()) ||
+      (args.row_groups && (!codes->grouped() || codes->groups.size() != args.row_groups->size()))) {
+    return absl::InternalError("Backward: FP8 grad_output codes do not serve this module's cast");
+  }
+  if (const auto& steps = q.steps) {
+    if (codes->grouped()) {
+      for (const Fp8Tensor& g : codes->groups) steps->Stepped(g.scalars);
+    } else {
+      steps->Stepped(codes->scalars);
+    }
+  }
+  return *codes;
+}
+
+void GradOutputBiasGrad(const Backend& b, const KindBackwardArgs& args, Param p,
+                        const Fp8Tensor& dy) {
+  if (!args.grad_output_sums.defined()) return args.grads->BiasGrad(p, args.grad_output, dy);
+  args.grads->BiasSums(p, args.grad_output_sums, b);
+}
+
 }  // namespace gradwire::core

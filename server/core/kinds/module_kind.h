@@ -101,10 +101,17 @@ struct KindForwardResult {
 struct KindBackwardArgs {
   const Backend* backend = nullptr;  // null: the reference backend
   const ModuleSpec* spec = nullptr;
-  at::Tensor grad_output;               // float32 [M, out_features] (bfloat16: UsesBf16GradOutput)
-  at::Tensor grad_layernorm_output;     // float32 [M, in_features] or undefined
-  const SavedTensors* saved = nullptr;  // from the matching forward of this kind
-  GradientSink* grads = nullptr;        // every parameter gradient goes here
+  at::Tensor grad_output;            // float32 [M, out_features] (bfloat16: UsesBf16GradOutput)
+  at::Tensor grad_layernorm_output;  // float32 [M, in_features] or undefined
+  // grad_output's FP8 codes as they arrived, when they are what the kind's grad_output cast
+  // (Fp8GradOutputRole) would make (device::CodesServeGradient); `grad_output` is then their
+  // decoded copy. A batch's: one group per request.
+  const Fp8Tensor* grad_output_fp8 = nullptr;
+  // The bias gradient as the requests gave it (BackwardRequest.grad_output_column_sums): float32
+  // [requests, out_features], a row per request. Undefined: grad_output's columns are summed.
+  at::Tensor grad_output_sums;
+  const SavedTensors* saved = nullptr;      // from the matching forward of this kind
+  GradientSink* grads = nullptr;            // every parameter gradient goes here
   std::vector<QuantizerConfig> quantizers;  // one per role
   bool compute_grad_input = true;
   // A batch of backwards (docs/batching.md): the requests' rows, in order, which `saved` (from
@@ -137,6 +144,11 @@ class ModuleKindOps : public KindDescription {
   // True when the backward may take grad_output as bfloat16 as it arrived: it only casts it and
   // sums its columns (GradientSink::BiasGrad), both of which read bf16.
   virtual bool UsesBf16GradOutput() const { return false; }
+  // The role whose cast is the first thing the backward does to grad_output, when that cast and
+  // the bias gradient (its column sums) are all the backward reads of it (GradOutputCast,
+  // GradOutputBiasGrad): it then takes grad_output's FP8 codes as they arrive and column sums
+  // given with them. nullopt: it reads grad_output otherwise.
+  virtual std::optional<size_t> Fp8GradOutputRole() const { return std::nullopt; }
   virtual absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& args) const = 0;
   virtual absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& args) const = 0;
   // A batch of backwards: one saved state stacking `parts` (contexts of this kind and of one
@@ -149,6 +161,16 @@ class ModuleKindOps : public KindDescription {
     return nullptr;
   }
 };
+
+// A backward's first cast of grad_output, the cast of `role` (the kind's Fp8GradOutputRole): the
+// codes as they arrived (args.grad_output_fp8; a batch's recorded as one step per request, as
+// CastRows records the casts it makes) or CastRows of args.grad_output with `usage`.
+absl::StatusOr<Fp8Tensor> GradOutputCast(const Backend& b, const KindBackwardArgs& args,
+                                         size_t role, CastUsage usage);
+// The bias gradient of `p` that grad_output gives: the column sums the requests sent
+// (args.grad_output_sums), or grad_output's own, bounded by its cast `dy`.
+void GradOutputBiasGrad(const Backend& b, const KindBackwardArgs& args, Param p,
+                        const Fp8Tensor& dy);
 
 // The registry: the kind object of `kind`, or null for a value outside the enum (a spec read back
 // from a damaged checkpoint).

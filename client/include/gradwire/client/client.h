@@ -146,6 +146,9 @@ class Client {
   // Forwards whose input crossed as its FP8 cast under the exact wire (Forward, not the Train
   // stream; tests, benchmarks).
   int64_t exact_fp8_inputs() const { return exact_fp8_inputs_.load(); }
+  // Backwards whose grad_output crossed as its FP8 cast under the exact wire (Backward, not the
+  // Train stream; tests, benchmarks).
+  int64_t exact_fp8_gradients() const { return exact_fp8_gradients_.load(); }
   // ReleaseContext calls sent for training forwards that ended without their answer (tests).
   int64_t unanswered_releases() const;
 
@@ -177,12 +180,10 @@ class Client {
       const std::string& module_id, const HostTensor& input, const TensorForm& in_form,
       WireDType out_dtype, bool training, const std::string& context_id, int64_t output_elements,
       int64_t layernorm_elements, bool* answered);
-  std::optional<absl::StatusOr<HostTensor>> BackwardShared(const std::string& route,
-                                                           const v1::BackwardRequest& header,
-                                                           const HostTensor& grad_output,
-                                                           const HostTensor* grad_layernorm_output,
-                                                           int64_t grad_input_elements,
-                                                           const TensorForm& grad_form);
+  std::optional<absl::StatusOr<HostTensor>> BackwardShared(
+      const std::string& route, const v1::BackwardRequest& header, const HostTensor& grad_output,
+      const HostTensor* grad_layernorm_output, int64_t grad_input_elements,
+      const TensorForm& out_form, const TensorForm& ln_form);
 
   ClientOptions options_;
   // Shared with the Train streams it opens (the exact wire reads a module's spec there too).
@@ -190,6 +191,7 @@ class Client {
   std::atomic<int64_t> chunked_calls_{0};
   std::atomic<int64_t> shared_memory_calls_{0};
   std::atomic<int64_t> exact_fp8_inputs_{0};
+  std::atomic<int64_t> exact_fp8_gradients_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Gradwire::Stub> stub_;
   // After the stub: the keep-alive thread and the shared-memory regions use it until they go.

@@ -10,9 +10,14 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "gradwire/client/kinds.h"
 #include "gradwire/v1/tensor.pb.h"
 #include "gradwire/wire/codec.h"
 #include "gradwire/wire/tensor.h"
+
+namespace gradwire::v1 {
+class BackwardRequest;
+}  // namespace gradwire::v1
 
 namespace gradwire::client {
 
@@ -27,12 +32,18 @@ using wire::ToProto;
 // How a client's activations and gradients cross (docs/wire.md).
 //
 // The exact wire (the default: WireForm{} or kExactWire) changes no result: every tensor crosses
-// as F32, except a forward's input to a module that casts it to FP8 first and takes FP8 input
-// codes in its place (KindDescription.fp8_input: a Linear) under CURRENT scaling with margin 0.
-// That input crosses as the server's own cast of it, E4M3 codes and scale_inv bit for bit, a
-// quarter of the bytes; an input that is not all finite crosses as F32 (the server's answer to it
-// is the F32 wire's). Outputs and gradients stay F32 both ways. The results are the F32 wire's,
-// bit for bit.
+// as F32, except two that the server casts to FP8 first where the client can make that cast bit
+// for bit (CURRENT scaling with margin 0, BLOCK, MXFP8):
+// - a forward's input to a module that takes FP8 input codes (KindDescription.fp8_input: a
+//   Linear) crosses as the server's own cast of it (E4M3 codes and scales; under BLOCK and MXFP8
+//   in training with the columnwise copy too): a quarter to a half of the bytes;
+// - a backward's grad_output (every kind: KindDescription.fp8_grad_output) crosses as the
+//   server's cast of it (E5M2 under CURRENT, the recipe's format and blocks with the columnwise
+//   copy under BLOCK and MXFP8) with, for a module with a bias, the bias gradient beside it: its
+//   column sums, as a server with ModuleInfo.row_order_bias_sums sums them.
+// A tensor that is not all finite crosses as F32 (the server's answer to it is the F32 wire's).
+// Outputs, grad_input and grad_layernorm_output stay F32. The results are the F32 wire's, bit for
+// bit.
 //
 // A WireForm made from a WireDType (`options.wire_dtype = WireDType::kBF16`) sends every
 // activation and gradient, both ways, in that dtype; BF16, F16 and FP8 lose precision.
@@ -56,6 +67,10 @@ struct TensorForm {
   WireDType dtype = WireDType::kF32;
   wire::Fp8Scaling scaling;
   float amax = -1.0f;  // the tensor's AbsMax when measured already (else -1): not measured twice
+  // A backward's FP8 grad_output under the exact wire to a module with a bias: its column sums
+  // (ColumnSums), which go with it (BackwardRequest.grad_output_column_sums), the bias gradient
+  // the server would sum.
+  std::vector<float> column_sums;
   // Bytes of n elements in this form.
   int64_t Bytes(int64_t n) const {
     return wire::IsFp8(dtype) ? wire::Fp8Bytes(n, scaling) : n * wire::ElementSize(dtype);
@@ -71,6 +86,18 @@ TensorForm InputForm(const WireForm& form, const HostTensor& input, bool known, 
 // The form of a gradient (grad_output, grad_layernorm_output) and of results under `form`: F32
 // under the exact wire; else the form's dtype, FP8 with row blocks of `block`.
 TensorForm GradientForm(const WireForm& form, int64_t block);
+// The form of a backward's grad_output `grad` under `form`, to a module whose exact-wire form of it
+// is `exact` (ExactWireGradForm; kNone when the module is unknown), with column sums when
+// `column_sums` (the module has a bias) and row blocks of `block`: exact: that FP8 cast (under
+// BLOCK and MXFP8 with its columnwise copy) where every value and every column sum is finite
+// (else F32: the server's answer is the F32 wire's); one dtype: GradientForm's.
+TensorForm GradOutputForm(const WireForm& form, const HostTensor& grad, ExactGradForm exact,
+                          bool column_sums, int64_t block);
+// Each column's sum of `t` (its last dimension the columns), summed in float32 in row order from
+// 0: the bias gradient as a server with ModuleInfo.row_order_bias_sums sums it.
+std::vector<float> ColumnSums(const HostTensor& t);
+// Sets req's grad_output_column_sums to form.column_sums (none when it has none).
+void SetColumnSums(const TensorForm& form, v1::BackwardRequest* req);
 
 // A float32 host tensor, row-major.
 struct HostTensor {

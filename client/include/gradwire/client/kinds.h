@@ -33,6 +33,15 @@ std::vector<std::pair<std::string, int64_t>> KindWidths(const v1::ModuleSpec& sp
 // bit (under BLOCK and MXFP8 with the recipe's blocks, RecipeBlockLength). DELAYED (a scale from
 // the server's history) and a margin keep the input F32.
 bool ExactWireTakesFp8(const v1::ModuleSpec& spec);
+// The FP8 form in which the exact wire sends a backward's grad_output to a module of `spec`, where
+// a client's cast is the server's bit for bit: its kind takes FP8 grad_output codes
+// (KindDescription.fp8_grad_output) and its recipe is CURRENT (or unspecified) with margin 0 (E5M2,
+// one scale), BLOCK (E4M3, or E5M2 under HYBRID) or MXFP8 (E4M3), with the recipe's row blocks and
+// the columnwise copy. A module with a bias takes its bias gradient as the gradient's column sums
+// beside it, so only from a server that sums them as the client does
+// (ModuleInfo.row_order_bias_sums). kNone: grad_output stays F32.
+enum class ExactGradForm { kNone, kE4M3, kE5M2 };
+ExactGradForm ExactWireGradForm(const v1::ModuleSpec& spec, bool row_order_bias_sums);
 // The row block length of `spec`'s recipe, which its FP8 wire tensors use both ways: 128 under
 // BLOCK, 32 under MXFP8; 0 (one scale per tensor) under the others.
 int64_t RecipeBlockLength(const v1::ModuleSpec& spec);

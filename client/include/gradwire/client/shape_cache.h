@@ -11,6 +11,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "gradwire/client/kinds.h"
 #include "gradwire/v1/module.pb.h"
 
 namespace gradwire::client {
@@ -22,6 +23,10 @@ struct ModuleShape {
   bool gated = false;             // SWIGLU / GEGLU: fc1 is twice as wide
   bool fp8_input = false;         // the exact wire sends its input as E4M3 (ExactWireTakesFp8)
   int64_t fp8_block = 0;          // its FP8 tensors' row blocks (RecipeBlockLength; 0: none)
+  // The exact wire's grad_output form (ExactWireGradForm) and whether it carries column sums (the
+  // module has a bias).
+  ExactGradForm fp8_grad = ExactGradForm::kNone;
+  bool bias = false;
 };
 
 class ShapeCache {

@@ -5,8 +5,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "gradwire/client/host_tensor.h"
@@ -47,8 +50,14 @@ class TrainStream {
   TrainStream() = default;
   WireForm wire_dtype_;
   // The client's: under the exact wire, a forward's input to a module it knows to take FP8 codes
-  // crosses as E4M3 (a module it has not seen yet: F32).
-  std::shared_ptr<const ShapeCache> shapes_;
+  // crosses as E4M3 (a module it has not seen yet: F32), and a backward's grad_output as its FP8
+  // cast where the context's module is known: the client's own contexts, and those of training
+  // forwards sent here, noted as their answers are read.
+  std::shared_ptr<ShapeCache> shapes_;
+  // Training forwards sent with SendForward and not yet answered: request id -> their module and
+  // input elements (grad_input's).
+  std::mutex forwards_mu_;
+  std::unordered_map<uint64_t, std::pair<std::string, int64_t>> forwards_;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::TrainRequest, v1::TrainResponse>> stream_;
   bool writes_done_ = false;

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gradwire/v1/module.proto\x12\x0bgradwire.v1\x1a google/protobuf/descriptor.proto\"o\n\x0fKindDescription\x12\x12\n\nclass_name\x18\x01 \x01(\t\x12\x10\n\x08\x63li_name\x18\x02 \x01(\t\x12\x13\n\x0bspec_fields\x18\x03 \x03(\t\x12\x0e\n\x06widths\x18\x04 \x03(\t\x12\x11\n\tfp8_input\x18\x05 \x01(\x08\"\xc3\x01\n\tFp8Recipe\x12+\n\x07scaling\x18\x01 \x01(\x0e\x32\x1a.gradwire.v1.ScalingRecipe\x12\x0e\n\x06margin\x18\x02 \x01(\x05\x12\x18\n\x10\x61max_history_len\x18\x03 \x01(\x05\x12\x37\n\x11\x61max_compute_algo\x18\x04 \x01(\x0e\x32\x1c.gradwire.v1.AmaxComputeAlgo\x12&\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x16.gradwire.v1.Fp8Format\"\\\n\tSgdConfig\x12\x15\n\rlearning_rate\x18\x01 \x01(\x02\x12\x10\n\x08momentum\x18\x02 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x02\x12\x10\n\x08nesterov\x18\x04 \x01(\x08\"e\n\x0b\x41\x64\x61mWConfig\x12\x15\n\rlearning_rate\x18\x01 \x01(\x02\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x02\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x02\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x02\"k\n\x0fOptimizerConfig\x12%\n\x03sgd\x18\x01 \x01(\x0b\x32\x16.gradwire.v1.SgdConfigH\x00\x12)\n\x05\x61\x64\x61mw\x18\x02 \x01(\x0b\x32\x18.gradwire.v1.AdamWConfigH\x00\x42\x06\n\x04kind\"\xa4\x03\n\nModuleSpec\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.gradwire.v1.ModuleKind\x12\x13\n\x0bin_features\x18\x02 \x01(\x03\x12\x14\n\x0cout_features\x18\x03 \x01(\x03\x12\x0c\n\x04\x62ias\x18\x04 \x01(\x08\x12&\n\x06recipe\x18\x05 \x01(\x0b\x32\x16.gradwire.v1.Fp8Recipe\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x14\n\x0c\x66\x66n_features\x18\x08 \x01(\x03\x12+\n\nactivation\x18\t \x01(\x0e\x32\x17.gradwire.v1.Activation\x12\x15\n\rlayernorm_eps\x18\n \x01(\x02\x12\x1b\n\x13zero_centered_gamma\x18\x0b \x01(\x08\x12\x1f\n\x17return_layernorm_output\x18\x0c \x01(\x08\x12\x12\n\ncheckpoint\x18\r \x01(\x08\x12/\n\toptimizer\x18\x0e \x01(\x0b\x32\x1c.gradwire.v1.OptimizerConfig\x12\x15\n\rmax_staleness\x18\x0f \x01(\x03\"\xbc\x01\n\nModuleInfo\x12\x11\n\tmodule_id\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.gradwire.v1.ModuleSpec\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x15\n\rlive_contexts\x18\x04 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x05 \x01(\x03\x12\x17\n\x0fparameter_names\x18\x06 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t*\xd3\x03\n\nModuleKind\x12\x1b\n\x17MODULE_KIND_UNSPECIFIED\x10\x00\x12=\n\x06LINEAR\x10\x01\x1a\x31\xca\xf3\x18-\n\x06Linear\x12\x06linear\"\x0bin_features\"\x0cout_features(\x01\x12\xa3\x01\n\x10LAYERNORM_LINEAR\x10\x02\x1a\x8c\x01\xca\xf3\x18\x87\x01\n\x0fLayerNormLinear\x12\x10layernorm-linear\x1a\rlayernorm_eps\x1a\x13zero_centered_gamma\x1a\x17return_layernorm_output\x1a\ncheckpoint\"\x0bin_features\"\x0cout_features\x12\xc2\x01\n\rLAYERNORM_MLP\x10\x03\x1a\xae\x01\xca\xf3\x18\xa9\x01\n\x0cLayerNormMLP\x12\rlayernorm-mlp\x1a\x0c\x66\x66n_features\x1a\nactivation\x1a\rlayernorm_eps\x1a\x13zero_centered_gamma\x1a\x17return_layernorm_output\x1a\ncheckpoint\"\x0bin_features\"\x0c\x66\x66n_features\"\x0cout_features*S\n\nActivation\x12\x1a\n\x16\x41\x43TIVATION_UNSPECIFIED\x10\x00\x12\x08\n\x04GELU\x10\x01\x12\x08\n\x04RELU\x10\x02\x12\n\n\x06SWIGLU\x10\x03\x12\t\n\x05GEGLU\x10\x04*_\n\rScalingRecipe\x12\x1e\n\x1aSCALING_RECIPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43URRENT\x10\x01\x12\x0b\n\x07\x44\x45LAYED\x10\x02\x12\t\n\x05\x42LOCK\x10\x03\x12\t\n\x05MXFP8\x10\x04*N\n\x0f\x41maxComputeAlgo\x12!\n\x1d\x41MAX_COMPUTE_ALGO_UNSPECIFIED\x10\x00\x12\x07\n\x03MAX\x10\x01\x12\x0f\n\x0bMOST_RECENT\x10\x02*B\n\tFp8Format\x12\x1a\n\x16\x46P8_FORMAT_UNSPECIFIED\x10\x00\x12\r\n\tE4M3_ONLY\x10\x01\x12\n\n\x06HYBRID\x10\x02:[\n\x10kind_description\x12!.google.protobuf.EnumValueOptions\x18\xb9\x8e\x03 \x01(\x0b\x32\x1c.gradwire.v1.KindDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gradwire/v1/module.proto\x12\x0bgradwire.v1\x1a google/protobuf/descriptor.proto\"\x88\x01\n\x0fKindDescription\x12\x12\n\nclass_name\x18\x01 \x01(\t\x12\x10\n\x08\x63li_name\x18\x02 \x01(\t\x12\x13\n\x0bspec_fields\x18\x03 \x03(\t\x12\x0e\n\x06widths\x18\x04 \x03(\t\x12\x11\n\tfp8_input\x18\x05 \x01(\x08\x12\x17\n\x0f\x66p8_grad_output\x18\x06 \x01(\x08\"\xc3\x01\n\tFp8Recipe\x12+\n\x07scaling\x18\x01 \x01(\x0e\x32\x1a.gradwire.v1.ScalingRecipe\x12\x0e\n\x06margin\x18\x02 \x01(\x05\x12\x18\n\x10\x61max_history_len\x18\x03 \x01(\x05\x12\x37\n\x11\x61max_compute_algo\x18\x04 \x01(\x0e\x32\x1c.gradwire.v1.AmaxComputeAlgo\x12&\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x16.gradwire.v1.Fp8Format\"\\\n\tSgdConfig\x12\x15\n\rlearning_rate\x18\x01 \x01(\x02\x12\x10\n\x08momentum\x18\x02 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x02\x12\x10\n\x08nesterov\x18\x04 \x01(\x08\"e\n\x0b\x41\x64\x61mWConfig\x12\x15\n\rlearning_rate\x18\x01 \x01(\x02\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x02\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x02\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x02\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x02\"k\n\x0fOptimizerConfig\x12%\n\x03sgd\x18\x01 \x01(\x0b\x32\x16.gradwire.v1.SgdConfigH\x00\x12)\n\x05\x61\x64\x61mw\x18\x02 \x01(\x0b\x32\x18.gradwire.v1.AdamWConfigH\x00\x42\x06\n\x04kind\"\xa4\x03\n\nModuleSpec\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.gradwire.v1.ModuleKind\x12\x13\n\x0bin_features\x18\x02 \x01(\x03\x12\x14\n\x0cout_features\x18\x03 \x01(\x03\x12\x0c\n\x04\x62ias\x18\x04 \x01(\x08\x12&\n\x06recipe\x18\x05 \x01(\x0b\x32\x16.gradwire.v1.Fp8Recipe\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x14\n\x0c\x66\x66n_features\x18\x08 \x01(\x03\x12+\n\nactivation\x18\t \x01(\x0e\x32\x17.gradwire.v1.Activation\x12\x15\n\rlayernorm_eps\x18\n \x01(\x02\x12\x1b\n\x13zero_centered_gamma\x18\x0b \x01(\x08\x12\x1f\n\x17return_layernorm_output\x18\x0c \x01(\x08\x12\x12\n\ncheckpoint\x18\r \x01(\x08\x12/\n\toptimizer\x18\x0e \x01(\x0b\x32\x1c.gradwire.v1.OptimizerConfig\x12\x15\n\rmax_staleness\x18\x0f \x01(\x03\"\xd9\x01\n\nModuleInfo\x12\x11\n\tmodule_id\x18\x01 \x01(\t\x12%\n\x04spec\x18\x02 \x01(\x0b\x32\x17.gradwire.v1.ModuleSpec\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x15\n\rlive_contexts\x18\x04 \x01(\x03\x12\x17\n\x0foptimizer_steps\x18\x05 \x01(\x03\x12\x17\n\x0fparameter_names\x18\x06 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\x12\x1b\n\x13row_order_bias_sums\x18\x08 \x01(\x08*\xd9\x03\n\nModuleKind\x12\x1b\n\x17MODULE_KIND_UNSPECIFIED\x10\x00\x12?\n\x06LINEAR\x10\x01\x1a\x33\xca\xf3\x18/\n\x06Linear\x12\x06linear\"\x0bin_features\"\x0cout_features(\x01\x30\x01\x12\xa5\x01\n\x10LAYERNORM_LINEAR\x10\x02\x1a\x8e\x01\xca\xf3\x18\x89\x01\n\x0fLayerNormLinear\x12\x10layernorm-linear\x1a\rlayernorm_eps\x1a\x13zero_centered_gamma\x1a\x17return_layernorm_output\x1a\ncheckpoint\"\x0bin_features\"\x0cout_features0\x01\x12\xc4\x01\n\rLAYERNORM_MLP\x10\x03\x1a\xb0\x01\xca\xf3\x18\xab\x01\n\x0cLayerNormMLP\x12\rlayernorm-mlp\x1a\x0c\x66\x66n_features\x1a\nactivation\x1a\rlayernorm_eps\x1a\x13zero_centered_gamma\x1a\x17return_layernorm_output\x1a\ncheckpoint\"\x0bin_features\"\x0c\x66\x66n_features\"\x0cout_features0\x01*S\n\nActivation\x12\x1a\n\x16\x41\x43TIVATION_UNSPECIFIED\x10\x00\x12\x08\n\x04GELU\x10\x01\x12\x08\n\x04RELU\x10\x02\x12\n\n\x06SWIGLU\x10\x03\x12\t\n\x05GEGLU\x10\x04*_\n\rScalingRecipe\x12\x1e\n\x1aSCALING_RECIPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43URRENT\x10\x01\x12\x0b\n\x07\x44\x45LAYED\x10\x02\x12\t\n\x05\x42LOCK\x10\x03\x12\t\n\x05MXFP8\x10\x04*N\n\x0f\x41maxComputeAlgo\x12!\n\x1d\x41MAX_COMPUTE_ALGO_UNSPECIFIED\x10\x00\x12\x07\n\x03MAX\x10\x01\x12\x0f\n\x0bMOST_RECENT\x10\x02*B\n\tFp8Format\x12\x1a\n\x16\x46P8_FORMAT_UNSPECIFIED\x10\x00\x12\r\n\tE4M3_ONLY\x10\x01\x12\n\n\x06HYBRID\x10\x02:[\n\x10kind_description\x12!.google.protobuf.EnumValueOptions\x18\xb9\x8e\x03 \x01(\x0b\x32\x1c.gradwire.v1.KindDescriptionb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradwire.v1.module_pb2', globals())
@@ -23,33 +23,33 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   _MODULEKIND.values_by_name["LINEAR"]._options = None
-  _MODULEKIND.values_by_name["LINEAR"]._serialized_options = b'\312\363\030-\n\006Linear\022\006linear\"\013in_features\"\014out_features(\001'
+  _MODULEKIND.values_by_name["LINEAR"]._serialized_options = b'\312\363\030/\n\006Linear\022\006linear\"\013in_features\"\014out_features(\0010\001'
   _MODULEKIND.values_by_name["LAYERNORM_LINEAR"]._options = None
-  _MODULEKIND.values_by_name["LAYERNORM_LINEAR"]._serialized_options = b'\312\363\030\207\001\n\017LayerNormLinear\022\020layernorm-linear\032\rlayernorm_eps\032\023zero_centered_gamma\032\027return_layernorm_output\032\ncheckpoint\"\013in_features\"\014out_features'
+  _MODULEKIND.values_by_name["LAYERNORM_LINEAR"]._serialized_options = b'\312\363\030\211\001\n\017LayerNormLinear\022\020layernorm-linear\032\rlayernorm_eps\032\023zero_centered_gamma\032\027return_layernorm_output\032\ncheckpoint\"\013in_features\"\014out_features0\001'
   _MODULEKIND.values_by_name["LAYERNORM_MLP"]._options = None
-  _MODULEKIND.values_by_name["LAYERNORM_MLP"]._serialized_options = b'\312\363\030\251\001\n\014LayerNormMLP\022\rlayernorm-mlp\032\014ffn_features\032\nactivation\032\rlayernorm_eps\032\023zero_centered_gamma\032\027return_layernorm_output\032\ncheckpoint\"\013in_features\"\014ffn_features\"\014out_features'
-  _MODULEKIND._serialized_start=1307
-  _MODULEKIND._serialized_end=1774
-  _ACTIVATION._serialized_start=1776
-  _ACTIVATION._serialized_end=1859
-  _SCALINGRECIPE._serialized_start=1861
-  _SCALINGRECIPE._serialized_end=1956
-  _AMAXCOMPUTEALGO._serialized_start=1958
-  _AMAXCOMPUTEALGO._serialized_end=2036
-  _FP8FORMAT._serialized_start=2038
-  _FP8FORMAT._serialized_end=2104
-  _KINDDESCRIPTION._serialized_start=75
-  _KINDDESCRIPTION._serialized_end=186
-  _FP8RECIPE._serialized_start=189
-  _FP8RECIPE._serialized_end=384
-  _SGDCONFIG._serialized_start=386
-  _SGDCONFIG._serialized_end=478
-  _ADAMWCONFIG._serialized_start=480
-  _ADAMWCONFIG._serialized_end=581
-  _OPTIMIZERCONFIG._serialized_start=583
-  _OPTIMIZERCONFIG._serialized_end=690
-  _MODULESPEC._serialized_start=693
-  _MODULESPEC._serialized_end=1113
-  _MODULEINFO._serialized_start=1116
-  _MODULEINFO._serialized_end=1304
+  _MODULEKIND.values_by_name["LAYERNORM_MLP"]._serialized_options = b'\312\363\030\253\001\n\014LayerNormMLP\022\rlayernorm-mlp\032\014ffn_features\032\nactivation\032\rlayernorm_eps\032\023zero_centered_gamma\032\027return_layernorm_output\032\ncheckpoint\"\013in_features\"\014ffn_features\"\014out_features0\001'
+  _MODULEKIND._serialized_start=1362
+  _MODULEKIND._serialized_end=1835
+  _ACTIVATION._serialized_start=1837
+  _ACTIVATION._serialized_end=1920
+  _SCALINGRECIPE._serialized_start=1922
+  _SCALINGRECIPE._serialized_end=2017
+  _AMAXCOMPUTEALGO._serialized_start=2019
+  _AMAXCOMPUTEALGO._serialized_end=2097
+  _FP8FORMAT._serialized_start=2099
+  _FP8FORMAT._serialized_end=2165
+  _KINDDESCRIPTION._serialized_start=76
+  _KINDDESCRIPTION._serialized_end=212
+  _FP8RECIPE._serialized_start=215
+  _FP8RECIPE._serialized_end=410
+  _SGDCONFIG._serialized_start=412
+  _SGDCONFIG._serialized_end=504
+  _ADAMWCONFIG._serialized_start=506
+  _ADAMWCONFIG._serialized_end=607
+  _OPTIMIZERCONFIG._serialized_start=609
+  _OPTIMIZERCONFIG._serialized_end=716
+  _MODULESPEC._serialized_start=719
+  _MODULESPEC._serialized_end=1139
+  _MODULEINFO._serialized_start=1142
+  _MODULEINFO._serialized_end=1359
 # @@protoc_insertion_point(module_scope)
