@@ -319,6 +319,7 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
   std::vector<std::shared_ptr<RoleSteps>> steps(roles.size());
   KindBackwardArgs args;
   std::shared_ptr<SavedTensors> stacked;
+  Fp8Tensor grad_codes;  // the members' grad_output codes, stacked (args.grad_output_fp8)
   absl::StatusOr<KindBackwardResult> r = absl::InternalError("not run");
   try {
     args.backend = &b;
@@ -326,7 +327,6 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
     args.grads = &grads;
     args.quantizers = m.Quantizers();
     args.compute_grad_input = !skip;
-    Fp8Tensor grad_codes;  // the members' grad_output codes, stacked
     if (members[0].codes) {
       std::vector<Fp8Tensor> parts;
       for (Member& one : members) parts.push_back(one.grad_codes);
