@@ -5,10 +5,16 @@
 #include <cstring>
 #include <vector>
 
+#include "cast_isa.h"
 #include "gradwire/kernels/cpu/loops.h"
+#include "gradwire/kernels/cpu/ordered_gemm.h"
 #include "gradwire/kernels/cpu/parallel.h"
 #include "gradwire/kernels/cpu/scratch.h"
 #include "vector_clones.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace gradwire::kernels::cpu {
 namespace {
@@ -112,6 +118,23 @@ void EncodeRowScaledE5M2(const float* x, const float* scale, int64_t n, uint8_t*
   for (int64_t i = 0; i < n; ++i) out[i] = EncodeE5M2(x[i] * scale[i]);
 }
 
+void EncodeRowPlain(const float* x, int64_t n, float scale, Fp8Format format, uint8_t* out) {
+  if (format == Fp8Format::kE4M3) {
+    EncodeRowE4M3(x, n, scale, out);
+  } else {
+    EncodeRowE5M2(x, n, scale, out);
+  }
+}
+
+void EncodeRowScaled(const float* x, const float* scale, int64_t n, Fp8Format format,
+                     uint8_t* out) {
+  if (format == Fp8Format::kE4M3) {
+    EncodeRowScaledE4M3(x, scale, n, out);
+  } else {
+    EncodeRowScaledE5M2(x, scale, n, out);
+  }
+}
+
 // out[i] = table[codes[i]] * scale[i].
 GRADWIRE_VECTOR_CLONES
 void DecodeRowScaled(const uint8_t* codes, const float* table, const float* scale, int64_t n,
@@ -119,12 +142,66 @@ void DecodeRowScaled(const uint8_t* codes, const float* table, const float* scal
   for (int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * scale[i];
 }
 
-// out[c * ld_out + r] = in[r * ld_in + c] for a tile of rows x cols (each at most kTile). The
-// tile's rows are first copied side by side: read down a column in place, rows whose stride is a
-// multiple of 1 KiB (every wide layer's) fall into a few sets of L1 and evict each other.
+#if defined(__SSE2__)
+// out[c * 64 + r] = in[r * ld_in + c] for r, c < 16: four rounds of interleaving, each doubling
+// the width of the units that already sit in transposed order (bytes, pairs, quads, octets).
+inline void Transpose16(const uint8_t* in, int64_t ld_in, uint8_t* out) {
+  __m128i a[16], b[16];
+  for (int i = 0; i < 16; ++i) {
+    a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * ld_in));
+  }
+  // b[2k], b[2k + 1]: columns 0-7 and 8-15 of rows 2k and 2k + 1, as byte pairs.
+  for (int k = 0; k < 8; ++k) {
+    b[2 * k] = _mm_unpacklo_epi8(a[2 * k], a[2 * k + 1]);
+    b[2 * k + 1] = _mm_unpackhi_epi8(a[2 * k], a[2 * k + 1]);
+  }
+  // a[4k + q]: columns 4q to 4q + 3 of rows 4k to 4k + 3, as 4-byte quads.
+  for (int k = 0; k < 4; ++k) {
+    a[4 * k] = _mm_unpacklo_epi16(b[4 * k], b[4 * k + 2]);
+    a[4 * k + 1] = _mm_unpackhi_epi16(b[4 * k], b[4 * k + 2]);
+    a[4 * k + 2] = _mm_unpacklo_epi16(b[4 * k + 1], b[4 * k + 3]);
+    a[4 * k + 3] = _mm_unpackhi_epi16(b[4 * k + 1], b[4 * k + 3]);
+  }
+  // b[8g + m]: columns 2m and 2m + 1 of rows 8g to 8g + 7, as 8-byte octets.
+  for (int g = 0; g < 2; ++g) {
+    for (int j = 0; j < 4; ++j) {
+      b[8 * g + 2 * j] = _mm_unpacklo_epi32(a[8 * g + j], a[8 * g + 4 + j]);
+      b[8 * g + 2 * j + 1] = _mm_unpackhi_epi32(a[8 * g + j], a[8 * g + 4 + j]);
+    }
+  }
+  // Column 2m and 2m + 1, all 16 rows.
+  for (int m = 0; m < 8; ++m) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (2 * m) * kTile),
+                     _mm_unpacklo_epi64(b[m], b[8 + m]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (2 * m + 1) * kTile),
+                     _mm_unpackhi_epi64(b[m], b[8 + m]));
+  }
+}
+#endif
+
+// out[c * ld_out + r] = in[r * ld_in + c] for a tile of rows x cols (each at most kTile). A tile
+// of whole 16 x 16 blocks (every tile of a layer whose widths are multiples of 16) is transposed
+// in registers, a block at a time, into a packed tile whose rows are then stored whole: each
+// output row is written at once, where a byte-by-byte transpose writes lines that lie ld_out
+// apart (a multiple of 4 KiB for every wide layer, so all in one set of L1) a few bytes at a
+// time. Other tiles' rows are first copied side by side: read down a column in place, rows whose
+// stride is a multiple of 1 KiB fall into a few sets of L1 and evict each other.
 void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols, uint8_t* out,
                    int64_t ld_out) {
   alignas(64) uint8_t packed[kTile * kTile];
+#if defined(__SSE2__)
+  if (rows % 16 == 0 && cols % 16 == 0) {
+    for (int64_t bi = 0; bi < rows; bi += 16) {
+      for (int64_t bj = 0; bj < cols; bj += 16) {
+        Transpose16(in + bi * ld_in + bj, ld_in, packed + bj * kTile + bi);
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      std::memcpy(out + c * ld_out, packed + c * kTile, size_t(rows));
+    }
+    return;
+  }
+#endif
   if (ld_in != kTile) {
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(packed + r * kTile, in + r * ld_in, size_t(cols));
@@ -136,18 +213,87 @@ void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols,
   }
 }
 
+// The line-blocked cast's statistics of one block of a row (LineBlocks below), as bits of |x| in
+// one vectorisable pass: returns the largest finite |x|; raises *all to the largest |x| of every
+// element (NaN above +inf, as AbsMaxBits orders them) and, with colmax, colmax[i] to x[i]'s
+// finite |x|.
+GRADWIRE_VECTOR_CLONES
+uint32_t BlockStats(const float* x, int64_t n, uint32_t* all) {
+  // The finite |x| as a mask, not a selection: GCC vectorises the two reductions only so.
+  uint32_t fin = 0, any = *all;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu;
+    any = any < a ? a : any;
+    const uint32_t f = a & (0u - uint32_t(a < 0x7F800000u));
+    fin = fin < f ? f : fin;
+  }
+  *all = any;
+  return fin;
+}
+
+GRADWIRE_VECTOR_CLONES
+uint32_t BlockStatsColumns(const float* x, int64_t n, uint32_t* __restrict colmax, uint32_t* all) {
+  uint32_t fin = 0, any = *all;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu;
+    any = any < a ? a : any;
+    const uint32_t f = a & (0u - uint32_t(a < 0x7F800000u));
+    fin = fin < f ? f : fin;
+    colmax[i] = colmax[i] < f ? f : colmax[i];
+  }
+  *all = any;
+  return fin;
+}
+
+// The line-blocked cast's row and tile loops (cast_isa.h) on the loops above.
+uint32_t RowBlocksVectorised(const float* x, int64_t n, int64_t length, Fp8Format format,
+                             uint8_t* out, float* scale_inv, uint32_t* colmax, uint32_t all) {
+  for (int64_t b0 = 0, j = 0; b0 < n; b0 += length, ++j) {
+    const int64_t m = std::min(n, b0 + length) - b0;
+    const uint32_t fin = colmax != nullptr ? BlockStatsColumns(x + b0, m, colmax + b0, &all)
+                                           : BlockStats(x + b0, m, &all);
+    if (out == nullptr) continue;
+    const int e = isa::ScaleExponentOfBits(fin, format);
+    scale_inv[j] = isa::Pow2(e);
+    EncodeRowPlain(x + b0, m, isa::Pow2(-e), format, out + b0);
+  }
+  return all;
+}
+
+void TileScaledVectorised(const float* x, int64_t ld, int64_t rows, int64_t n, const float* scale,
+                          Fp8Format format, uint8_t* out, int64_t out_ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    EncodeRowScaled(x + r * ld, scale, n, format, out + r * out_ld);
+}
+
+// The element loops every cast below runs: the AVX-512F ones (cast_avx512.cc) where the CPU has
+// AVX-512F and the process runs a copy of the FP8 GEMM that uses it (so --cpu-isa narrows both
+// alike), else the compiler-vectorised ones above. The same codes either way.
+const isa::CastLoops& Loops() {
+  static const isa::CastLoops kVectorised{&EncodeRowPlain, &EncodeRowAmax, &EncodeRowScaled,
+                                          &RowBlocksVectorised, &TileScaledVectorised};
+#if defined(GRADWIRE_CPU_X86)
+  const OrderedGemmCopy copy = OrderedGemmActiveCopy();
+  if (copy == OrderedGemmCopy::kAvx512 || copy == OrderedGemmCopy::kAvx512Bf16) {
+    return *isa::Avx512CastLoops();
+  }
+#endif
+  return kVectorised;
+}
+
 }  // namespace
 
+int ScaleExponentOfBits(uint32_t amax_bits, Fp8Format format) {
+  return isa::ScaleExponentOfBits(amax_bits, format);
+}
+
 void EncodeFp8(const float* x, int64_t n, float scale, Fp8Format format, uint8_t* codes) {
-  if (format == Fp8Format::kE4M3) {
-    EncodeRowE4M3(x, n, scale, codes);
-  } else {
-    EncodeRowE5M2(x, n, scale, codes);
-  }
+  Loops().encode(x, n, scale, format, codes);
 }
 
 void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8Format format,
                  uint8_t* out, uint8_t* out_t, float* amax) {
+  const isa::CastLoops& loops = Loops();
   if (out == nullptr && out_t == nullptr) {
     if (amax != nullptr) *amax = AbsMax(x, rows * cols);
     return;
@@ -158,26 +304,22 @@ void QuantizeFp8(const float* x, int64_t rows, int64_t cols, float scale, Fp8For
       std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, cols * kTile));
   uint32_t part[kMaxThreads] = {};  // max |x| bits per range
   ParallelForRanges(row_tiles, grain, [&](int64_t range, int64_t t0, int64_t t1) {
-    alignas(64) uint8_t tile[kTile * kTile];
+    // A tile of rows is encoded whole rows at a time (long vector loops), in place when the
+    // rowwise copy is wanted, else into a strip of scratch; the transposed copy is then written
+    // from those codes while they are still in cache.
+    std::vector<uint8_t> strip(out == nullptr ? size_t(kTile * cols) : 0);
     uint32_t m = 0;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t * kTile, r1 = std::min(rows, r0 + kTile);
-      if (out_t == nullptr) {  // rowwise only: straight through, row by row
-        for (int64_t r = r0; r < r1; ++r) {
-          m = std::max(m, EncodeRowAmax(x + r * cols, cols, scale, format, out + r * cols));
-        }
-        continue;
+      uint8_t* dst = out != nullptr ? out + r0 * cols : strip.data();
+      for (int64_t r = r0; r < r1; ++r) {
+        m = std::max(m,
+                     loops.encode_amax(x + r * cols, cols, scale, format, dst + (r - r0) * cols));
       }
+      if (out_t == nullptr) continue;
       for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
         const int64_t w = std::min(cols, c0 + kTile) - c0;
-        // Rowwise codes land in place when wanted, else in the tile; the tile then feeds the
-        // transposed copy.
-        uint8_t* dst = out != nullptr ? out + r0 * cols + c0 : tile;
-        const int64_t ld = out != nullptr ? cols : kTile;
-        for (int64_t r = r0; r < r1; ++r) {
-          m = std::max(m, EncodeRowAmax(x + r * cols + c0, w, scale, format, dst + (r - r0) * ld));
-        }
-        TransposeTile(dst, ld, r1 - r0, w, out_t + c0 * rows + r0, rows);
+        TransposeTile(dst + c0, cols, r1 - r0, w, out_t + c0 * rows + r0, rows);
       }
     }
     part[range] = m;
@@ -206,6 +348,7 @@ void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* o
 
 void QuantizeBlocks(const float* x, int64_t rows, int64_t cols, BlockShape block, Fp8Format format,
                     uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t) {
+  const isa::CastLoops& loops = Loops();
   if (rows <= 0 || cols <= 0) return;
   const int64_t grid_rows = BlockGridRows(rows, block);
   const int64_t grid_cols = BlockGridCols(cols, block);
@@ -241,11 +384,7 @@ void QuantizeBlocks(const float* x, int64_t rows, int64_t cols, BlockShape block
       }
       if (codes == nullptr) continue;
       for (int64_t r = r0; r < r1; ++r) {
-        if (format == Fp8Format::kE4M3) {
-          EncodeRowScaledE4M3(x + r * cols, colscale.data(), cols, codes + r * cols);
-        } else {
-          EncodeRowScaledE5M2(x + r * cols, colscale.data(), cols, codes + r * cols);
-        }
+        loops.encode_scaled(x + r * cols, colscale.data(), cols, format, codes + r * cols);
       }
     }
   });
@@ -273,6 +412,67 @@ void DequantizeBlocks(const uint8_t* codes, int64_t rows, int64_t cols, BlockSha
       DecodeRowScaled(codes + r * cols, table, colscale.data(), cols, out + r * cols);
     }
   });
+}
+
+void QuantizeLineBlocks(const float* x, int64_t rows, int64_t cols, int64_t length,
+                        Fp8Format format, uint8_t* out, float* scale_inv, uint8_t* out_t,
+                        float* scale_inv_t, float* amax) {
+  const isa::CastLoops& loops = Loops();
+  if (rows <= 0 || cols <= 0 || length <= 0) {
+    if (amax != nullptr) *amax = 0.0f;
+    return;
+  }
+  const int64_t grid_cols = (cols + length - 1) / length;  // the rowwise copy's blocks per row
+  const int64_t strips = (rows + length - 1) / length;     // the columnwise copy's per column
+  // A unit of work: one strip of `length` rows (the columnwise copy's blocks) across a panel of
+  // columns, a whole number of rowwise blocks about 512 wide, so that the strip's values are
+  // read from memory once, for the statistics and the rowwise codes, and again from cache for
+  // the columnwise codes.
+  const int64_t panel = length * std::max<int64_t>(1, (512 + length - 1) / length);
+  const int64_t panels = (cols + panel - 1) / panel;
+  const int64_t units = strips * panels;
+  const int64_t unit_elems = std::min(rows, length) * std::min(cols, panel);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / unit_elems);
+  uint32_t part[kMaxThreads] = {};  // max |x| bits per range
+  ParallelForRanges(units, grain, [&](int64_t range, int64_t u0, int64_t u1) {
+    std::vector<uint32_t> colmax(out_t != nullptr ? size_t(panel) : 0);
+    std::vector<float> colscale(out_t != nullptr ? size_t(panel) : 0);
+    alignas(64) uint8_t tile[kTile * kTile];
+    uint32_t all = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t s = u / panels, p = u % panels;
+      const int64_t r0 = s * length, r1 = std::min(rows, r0 + length);
+      const int64_t c0 = p * panel, c1 = std::min(cols, c0 + panel);
+      if (out_t != nullptr) std::fill(colmax.begin(), colmax.end(), 0u);
+      for (int64_t r = r0; r < r1; ++r) {
+        all = loops.row_blocks(x + r * cols + c0, c1 - c0, length, format,
+                               out != nullptr ? out + r * cols + c0 : nullptr,
+                               out != nullptr ? scale_inv + r * grid_cols + c0 / length : nullptr,
+                               out_t != nullptr ? colmax.data() : nullptr, all);
+      }
+      if (out_t == nullptr) continue;
+      for (int64_t c = c0; c < c1; ++c) {
+        const int e = isa::ScaleExponentOfBits(colmax[size_t(c - c0)], format);
+        colscale[size_t(c - c0)] = isa::Pow2(-e);
+        scale_inv_t[c * strips + s] = isa::Pow2(e);
+      }
+      for (int64_t cc = c0; cc < c1; cc += kTile) {
+        const int64_t w = std::min(c1, cc + kTile) - cc;
+        for (int64_t rr = r0; rr < r1; rr += kTile) {
+          const int64_t h = std::min(r1, rr + kTile) - rr;
+          loops.tile_scaled(x + rr * cols + cc, cols, h, w, colscale.data() + (cc - c0), format,
+                            tile, kTile);
+          TransposeTile(tile, kTile, h, w, out_t + cc * rows + rr, rows);
+        }
+      }
+    }
+    part[range] = all;
+  });
+  if (amax != nullptr) {
+    uint32_t m = 0;
+    for (uint32_t v : part) m = std::max(m, v);
+    *amax = AbsMaxFromBits(m);
+  }
 }
 
 }  // namespace gradwire::kernels::cpu

@@ -290,7 +290,8 @@ class CpuBackend final : public ReferenceBackend {
     // The block-scaled recipes' cast: the reference's (kernels/ref/block_scaling.h) on the
     // threaded loops of kernels/cpu/cast.h, bit for bit; bfloat16 widens exactly first.
     if (config.block_scaled) {
-      static constexpr BlockCastLoops kLoops{&kernels::cpu::QuantizeBlocks, &kernels::cpu::AbsMax};
+      static constexpr BlockCastLoops kLoops{&kernels::cpu::QuantizeBlocks, &kernels::cpu::AbsMax,
+                                             &kernels::cpu::QuantizeLineBlocks};
       if (!bf16) return QuantizeBlockScaled(x, config, usage, kLoops);
       const kernels::cpu::Scratch wide = WidenBf16(x);
       const at::Tensor values =

@@ -58,6 +58,29 @@ Fp8Tensor QuantizeBlocked(const float* data, const QuantizerConfig& config, Cast
   const bool same = usage.rowwise && usage.columnwise && as_x.rows == config.rowwise_block.rows &&
                     as_x.cols == config.rowwise_block.cols;
   float max_scale_inv = 0.0f;
+  // Both copies (or the one wanted) blocked 1 x length along their own rows: one pass.
+  const int64_t length = usage.rowwise ? config.rowwise_block.cols : as_x.rows;
+  if (loops.line != nullptr && (!usage.rowwise || config.rowwise_block.rows == 1) &&
+      (!usage.columnwise || (as_x.cols == 1 && as_x.rows == length))) {
+    if (usage.rowwise) {
+      out.rowwise_scale_inv =
+          at::empty({out.rows, kernels::BlockGridCols(out.cols, config.rowwise_block)}, f32);
+    }
+    if (usage.columnwise) {
+      out.columnwise_scale_inv = at::empty({out.cols, kernels::BlockGridRows(out.rows, as_x)}, f32);
+    }
+    float amax = 0.0f;
+    loops.line(data, out.rows, out.cols, length, config.format,
+               usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr,
+               usage.rowwise ? out.rowwise_scale_inv.data_ptr<float>() : nullptr,
+               usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr,
+               usage.columnwise ? out.columnwise_scale_inv.data_ptr<float>() : nullptr, &amax);
+    if (usage.rowwise) max_scale_inv = MaxOf(out.rowwise_scale_inv);
+    if (usage.columnwise) max_scale_inv = std::max(max_scale_inv, MaxOf(out.columnwise_scale_inv));
+    out.max_scale_inv = max_scale_inv > 0.0f ? max_scale_inv : 1.0f;
+    out.scalars = CastScalars(1.0f, 1.0f, amax);
+    return out;
+  }
   if (usage.rowwise) {
     out.rowwise_scale_inv = at::empty({kernels::BlockGridRows(out.rows, config.rowwise_block),
                                        kernels::BlockGridCols(out.cols, config.rowwise_block)},

@@ -96,6 +96,12 @@ struct BlockCastLoops {
                    kernels::Fp8Format format, uint8_t* out, float* scale_inv, uint8_t* out_t,
                    float* scale_inv_t) = &kernels::QuantizeBlocks;
   float (*amax)(const float* x, int64_t n) = &kernels::Amax;
+  // Optional: the cast of activations and gradients in one pass, both copies blocked 1 x length
+  // along their own rows (kernels::cpu::QuantizeLineBlocks), giving what quantize and amax above
+  // give; run where the cast's blocks are those (QuantizeBlocked).
+  void (*line)(const float* x, int64_t rows, int64_t cols, int64_t length,
+               kernels::Fp8Format format, uint8_t* out, float* scale_inv, uint8_t* out_t,
+               float* scale_inv_t, float* amax) = nullptr;
 };
 // Quantize of a block-scaled `config` (BlockScaled), on `loops`; x as Quantize's.
 absl::StatusOr<Fp8Tensor> QuantizeBlockScaled(const at::Tensor& x, const QuantizerConfig& config,

@@ -24,6 +24,8 @@
 #include "server/core/tensor_calls.h"
 #include "server/device/backend.h"
 #include "server/device/cpu_gemm.h"
+#include "server/device/quantizer.h"
+#include "server/device/recipe.h"
 
 namespace {
 
@@ -81,8 +83,16 @@ int main(int argc, char** argv) {
                  "--device cuda: wire crossings through pinned staging, as the server's flag")
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
+  std::string recipe = "block";
+  app.add_option("--recipe", recipe,
+                 "the module's FP8 recipe (the server's --default-recipe is block): current, "
+                 "delayed, block or mxfp8")
+      ->check(CLI::IsMember({"current", "delayed", "block", "mxfp8"}))
+      ->capture_default_str();
   app.add_option("--json", json_path, "write the table as JSON");
   CLI11_PARSE(app, argc, argv);
+  gradwire::device::ScalingMode mode = gradwire::device::ScalingMode::kBlock;
+  gradwire::device::ScalingModeByName(recipe, &mode);
   gradwire::device::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::device::CpuGemm::kOrdered
                                                      : gradwire::device::CpuGemm::kBlas);
   gradwire::core::RetainLargeBlocks();
@@ -98,13 +108,14 @@ int main(int argc, char** argv) {
     backend = *cuda;
   }
   const Backend& b = *backend;
-  std::printf("%s\n\n", b.Describe().c_str());
-  std::printf("%8s | %10s %10s %10s | %10s %10s %10s | %9s %9s | %8s %8s %8s %8s\n", "rows",
-              "fwd ms", "bwd ms", "step ms", "fprop ms", "dgrad ms", "wgrad ms", "fwd/gemm",
-              "bwd/gemm", "x in ms", "y out ms", "dy in ms", "dx out ms");
+  std::printf("%s\nrecipe %s\n\n", b.Describe().c_str(), recipe.c_str());
+  std::printf("%8s | %10s %10s %10s | %10s %10s %10s | %9s %9s | %8s %8s %8s %8s | %8s %8s\n",
+              "rows", "fwd ms", "bwd ms", "step ms", "fprop ms", "dgrad ms", "wgrad ms", "fwd/gemm",
+              "bwd/gemm", "x in ms", "y out ms", "dy in ms", "dx out ms", "x cast", "dy cast");
   struct Row {
     int64_t rows;
-    double fwd, bwd, fprop, dgrad, wgrad, x_in, y_out, dy_in, dx_out;
+    double fwd = 0, bwd = 0, fprop = 0, dgrad = 0, wgrad = 0, x_in = 0, y_out = 0, dy_in = 0,
+           dx_out = 0, x_cast = 0, dy_cast = 0;
     int64_t fwd_waits = 0, bwd_waits = 0;  // Backend::HostWaits in one forward, one backward
   };
   std::vector<Row> results;
@@ -115,6 +126,7 @@ int main(int argc, char** argv) {
     spec.in_features = in;
     spec.out_features = out;
     spec.bias = true;
+    spec.recipe.mode = mode;
     auto info = host.Create(spec);
     if (!info.ok()) {
       std::fprintf(stderr, "%s\n", info.status().ToString().c_str());
@@ -164,21 +176,32 @@ int main(int argc, char** argv) {
     std::sort(bwd_t.begin(), bwd_t.end());
     // The GEMMs alone, on operands cast as the module casts them (the weight with what
     // PrepareWeight attaches, as the workspace holds it).
-    const gradwire::device::QuantizerConfig e4m3{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f,
-                                                 nullptr, nullptr};
-    const gradwire::device::QuantizerConfig e5m2{gradwire::kernels::Fp8Format::kE5M2, 0, 0.0f,
-                                                 nullptr, nullptr};
-    Fp8Tensor xq = *b.Cast(b.ToDevice(x), e4m3, {true, true});
-    Fp8Tensor wq = *b.Cast(b.ToDevice(RandN(out, in)), e4m3, {true, true});
+    // The module's own casts: its recipe's formats and blocks.
+    gradwire::device::QuantizerConfig xcfg{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f, nullptr,
+                                           nullptr};
+    gradwire::device::QuantizerConfig wcfg = xcfg, dycfg = xcfg;
+    if (gradwire::device::BlockScaled(mode)) {
+      gradwire::device::SetBlockScaling(xcfg, mode, false);
+      gradwire::device::SetBlockScaling(wcfg, mode, true);
+      gradwire::device::SetBlockScaling(dycfg, mode, false);
+    } else {
+      dycfg.format = gradwire::kernels::Fp8Format::kE5M2;
+    }
+    const at::Tensor x_dev = b.ToDevice(x), dy_dev = b.ToDevice(dy);
+    Fp8Tensor xq = *b.Cast(x_dev, xcfg, {true, true});
+    Fp8Tensor wq = *b.Cast(b.ToDevice(RandN(out, in)), wcfg, {true, true});
     b.PrepareWeight(wq);
-    Fp8Tensor dyq = *b.Cast(b.ToDevice(dy), e5m2, {true, true});
+    Fp8Tensor dyq = *b.Cast(dy_dev, dycfg, {true, true});
     const at::Tensor bias = b.ToDevice(at::randn({out}, at::kFloat));
     at::Tensor acc = b.ToDevice(at::zeros({out, in}, at::kFloat));
     const at::Tensor y_dev = b.ToDevice(RandN(rows, out)), dx_dev = b.ToDevice(RandN(rows, in));
     const gradwire::device::CastUsage rowwise{true, false};
-    Row row{
-        rows,     fwd_t[fwd_t.size() / 2], bwd_t[bwd_t.size() / 2], 0, 0, 0, 0, 0, 0, 0, fwd_waits,
-        bwd_waits};
+    Row row{};
+    row.rows = rows;
+    row.fwd = fwd_t[fwd_t.size() / 2];
+    row.bwd = bwd_t[bwd_t.size() / 2];
+    row.fwd_waits = fwd_waits;
+    row.bwd_waits = bwd_waits;
     row.fprop = Median(budget, [&] {
       (void)b.Fprop(xq, wq, bias);
       b.Synchronize();
@@ -206,13 +229,23 @@ int main(int argc, char** argv) {
     row.dx_out = Median(budget, [&] {
       (void)b.ToWire(dx_dev, gradwire::wire::DType::kF32, {rows, in});
     });
+    // A training forward's input cast and a backward's grad_output cast: both copies.
+    row.x_cast = Median(budget, [&] {
+      (void)b.Cast(x_dev, xcfg, {true, true});
+      b.Synchronize();
+    });
+    row.dy_cast = Median(budget, [&] {
+      (void)b.Cast(dy_dev, dycfg, {true, true});
+      b.Synchronize();
+    });
     results.push_back(row);
     std::printf(
         "%8lld | %10.3f %10.3f %10.3f | %10.3f %10.3f %10.3f | %9.2f %9.2f | %8.3f %8.3f %8.3f "
-        "%8.3f\n",
+        "%8.3f | %8.3f %8.3f\n",
         (long long)rows, row.fwd * 1e3, row.bwd * 1e3, (row.fwd + row.bwd) * 1e3, row.fprop * 1e3,
         row.dgrad * 1e3, row.wgrad * 1e3, row.fwd / row.fprop, row.bwd / (row.dgrad + row.wgrad),
-        row.x_in * 1e3, row.y_out * 1e3, row.dy_in * 1e3, row.dx_out * 1e3);
+        row.x_in * 1e3, row.y_out * 1e3, row.dy_in * 1e3, row.dx_out * 1e3, row.x_cast * 1e3,
+        row.dy_cast * 1e3);
     std::printf("%8s   host waits (Backend::HostWaits): forward %lld, backward %lld\n", "",
                 (long long)row.fwd_waits, (long long)row.bwd_waits);
   }
@@ -220,8 +253,8 @@ int main(int argc, char** argv) {
     std::ofstream f(json_path);
     f << "{\n  \"benchmark\": \"step_breakdown\",\n  \"device\": \"" << device
       << "\",\n  \"cuda_staging_mib\": " << cuda_staging_mib << ",\n  \"backend\": \""
-      << b.Describe() << "\",\n  \"cpu_gemm\": \"" << cpu_gemm << "\",\n  \"in\": " << in
-      << ", \"out\": " << out << ",\n  \"rows\": [\n";
+      << b.Describe() << "\",\n  \"recipe\": \"" << recipe << "\",\n  \"cpu_gemm\": \"" << cpu_gemm
+      << "\",\n  \"in\": " << in << ", \"out\": " << out << ",\n  \"rows\": [\n";
     for (size_t i = 0; i < results.size(); ++i) {
       const Row& r = results[i];
       f << "    {\"rows\": " << r.rows << ", \"forward_ms\": " << r.fwd * 1e3
@@ -231,6 +264,8 @@ int main(int argc, char** argv) {
         << ", \"output_to_wire_ms\": " << r.y_out * 1e3
         << ", \"grad_output_from_wire_ms\": " << r.dy_in * 1e3
         << ", \"grad_input_to_wire_ms\": " << r.dx_out * 1e3
+        << ", \"input_cast_ms\": " << r.x_cast * 1e3
+        << ", \"grad_output_cast_ms\": " << r.dy_cast * 1e3
         << ", \"backward_over_gemms\": " << r.bwd / (r.dgrad + r.wgrad)
         << ", \"host_waits_forward\": " << r.fwd_waits
         << ", \"host_waits_backward\": " << r.bwd_waits << "}"

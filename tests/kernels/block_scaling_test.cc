@@ -15,11 +15,13 @@
 #include <tuple>
 #include <vector>
 
+#include "cast_copies.h"
 #include "fp8_model.h"
 #include "gradwire/kernels/cpu/cast.h"
 #include "gradwire/kernels/cpu/ordered_gemm.h"
 #include "gradwire/kernels/cpu/parallel.h"
 #include "gradwire/kernels/fp8.h"
+#include "gradwire/kernels/ref/cast.h"
 #include "gradwire/kernels/ref/gemm.h"
 
 namespace gradwire::kernels {
@@ -261,6 +263,60 @@ TEST_P(BlockQuantizeTest, CpuLoopsAreTheReferenceBits) {
   cpu::SetThreads(threads_before);
 }
 
+// The one-pass cast of activations and gradients (cpu::QuantizeLineBlocks): its rowwise copy is
+// the reference's with blocks 1 x L, its columnwise copy the reference's transposed copy with
+// blocks L x 1, each alone or both, and its amax the reference's Amax; on one thread and on
+// three, on every cast copy. Values drawn blocked along rows and along columns.
+TEST_P(BlockQuantizeTest, LineBlocksAreTheReferenceBits) {
+  const Case p = GetParam();
+  if (p.block_rows != 1) GTEST_SKIP() << "a line block is 1 x L";
+  const int64_t length = p.block_cols;
+  const BlockShape row_block{1, length}, col_block{length, 1};
+  const size_t grid = size_t(BlockGridRows(p.rows, row_block) * BlockGridCols(p.cols, row_block));
+  const size_t grid_t = size_t(BlockGridRows(p.rows, col_block) * BlockGridCols(p.cols, col_block));
+  const int threads_before = cpu::Threads();
+  for (int threads : {1, 3}) {
+    cpu::SetThreads(threads);
+    for (bool along_rows : {true, false}) {
+      const std::vector<float> x = along_rows ? RandomBlocked(p.rows, p.cols, 1, length)
+                                              : RandomBlocked(p.rows, p.cols, length, 1);
+      std::vector<uint8_t> ref(x.size()), ref_t(x.size());
+      std::vector<float> s(grid), s_t(grid_t);
+      QuantizeBlocks(x.data(), p.rows, p.cols, row_block, p.format.format, ref.data(), s.data(),
+                     nullptr, nullptr);
+      QuantizeBlocks(x.data(), p.rows, p.cols, col_block, p.format.format, nullptr, nullptr,
+                     ref_t.data(), s_t.data());
+      const float ref_amax = Amax(x.data(), int64_t(x.size()));
+      ForEachCastCopy([&] {
+        for (int mask = 1; mask < 4; ++mask) {  // rowwise, columnwise, both
+          SCOPED_TRACE(::testing::Message() << threads << " threads, copies " << mask
+                                            << (along_rows ? ", row blocks" : ", column blocks"));
+          std::vector<uint8_t> got(x.size(), 0x5A), got_t(x.size(), 0xA5);
+          std::vector<float> g(grid, -3.0f), g_t(grid_t, -5.0f);
+          float amax = -1.0f;
+          cpu::QuantizeLineBlocks(x.data(), p.rows, p.cols, length, p.format.format,
+                                  mask & 1 ? got.data() : nullptr, mask & 1 ? g.data() : nullptr,
+                                  mask & 2 ? got_t.data() : nullptr,
+                                  mask & 2 ? g_t.data() : nullptr, &amax);
+          if (mask & 1) {
+            ASSERT_EQ(got, ref);
+            ASSERT_EQ(g, s);
+          }
+          if (mask & 2) {
+            ASSERT_EQ(got_t, ref_t);
+            ASSERT_EQ(g_t, s_t);
+          }
+          ASSERT_EQ(std::isnan(amax), std::isnan(ref_amax));
+          if (!std::isnan(ref_amax)) {
+            ASSERT_EQ(amax, ref_amax);
+          }
+        }
+      });
+    }
+  }
+  cpu::SetThreads(threads_before);
+}
+
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   for (const FormatModel& f : {kE4M3, kE5M2}) {
@@ -307,6 +363,9 @@ TEST_P(BlockScaleExponentTest, MatchesSearchOnBoundariesAndRandomAmax) {
     if (std::isinf(a)) continue;
     const int want = ModelExponent(f, double(a));
     ASSERT_EQ(BlockScaleExponent(a, f.format), want) << "amax " << a;
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    ASSERT_EQ(cpu::ScaleExponentOfBits(bits, f.format), want) << "amax " << a;
     if (a > 0 && want > kBlockScaleExponentMin && want < kBlockScaleExponentMax) {
       // Inside the range: nothing saturates and the scale is not larger than it needs to be.
       ASSERT_LE(double(a), std::ldexp(max, want)) << a;

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "cast_copies.h"
 #include "gradwire/kernels/cpu/cast.h"
 #include "gradwire/kernels/cpu/layernorm.h"
 #include "gradwire/kernels/cpu/loops.h"
@@ -59,21 +60,23 @@ TEST(CpuCastTest, EncodeMatchesTheReferenceOnEveryFloatOfTheFp8Range) {
   constexpr uint32_t kChunk = 1u << 20;
   std::vector<float> x(kChunk);
   std::vector<uint8_t> got(kChunk);
-  for (Fp8Format format : kFormats) {
-    int64_t mismatches = 0;
-    for (uint32_t base = uint32_t(127 - 26) << 23; base < uint32_t(127 + 18) << 23;
-         base += kChunk) {
-      for (uint32_t i = 0; i < kChunk; ++i) x[i] = FromBits((base + i) | ((i & 1u) << 31));
-      cpu::EncodeFp8(x.data(), kChunk, 1.0f, format, got.data());
-      for (uint32_t i = 0; i < kChunk; ++i) {
-        if (got[i] != EncodeFp8(x[i], format) && mismatches++ < 5) {
-          ADD_FAILURE() << Fp8FormatName(format) << " " << x[i] << ": got " << int(got[i])
-                        << ", reference " << int(EncodeFp8(x[i], format));
+  ForEachCastCopy([&] {
+    for (Fp8Format format : kFormats) {
+      int64_t mismatches = 0;
+      for (uint32_t base = uint32_t(127 - 26) << 23; base < uint32_t(127 + 18) << 23;
+           base += kChunk) {
+        for (uint32_t i = 0; i < kChunk; ++i) x[i] = FromBits((base + i) | ((i & 1u) << 31));
+        cpu::EncodeFp8(x.data(), kChunk, 1.0f, format, got.data());
+        for (uint32_t i = 0; i < kChunk; ++i) {
+          if (got[i] != EncodeFp8(x[i], format) && mismatches++ < 5) {
+            ADD_FAILURE() << Fp8FormatName(format) << " " << x[i] << ": got " << int(got[i])
+                          << ", reference " << int(EncodeFp8(x[i], format));
+          }
         }
       }
+      EXPECT_EQ(mismatches, 0) << Fp8FormatName(format);
     }
-    EXPECT_EQ(mismatches, 0) << Fp8FormatName(format);
-  }
+  });
 }
 
 // Random bit patterns of every kind (NaNs, infinities, float subnormals, huge values) and the
@@ -104,53 +107,62 @@ TEST(CpuCastTest, EncodeMatchesTheReferenceOnRandomBitPatternsAndEdges) {
   std::uniform_int_distribution<uint32_t> bits;
   for (int i = 0; i < 1 << 20; ++i) x.push_back(FromBits(bits(Rng())));
   std::vector<uint8_t> got(x.size());
-  for (Fp8Format format : kFormats) {
-    for (float scale : {1.0f, 0.37f, 1234.5f, 3.0e30f}) {
-      cpu::EncodeFp8(x.data(), int64_t(x.size()), scale, format, got.data());
-      for (size_t i = 0; i < x.size(); ++i) {
-        ASSERT_EQ(got[i], EncodeFp8(x[i] * scale, format))
-            << Fp8FormatName(format) << " x " << x[i] << " scale " << scale;
+  ForEachCastCopy([&] {
+    for (Fp8Format format : kFormats) {
+      for (float scale : {1.0f, 0.37f, 1234.5f, 3.0e30f}) {
+        cpu::EncodeFp8(x.data(), int64_t(x.size()), scale, format, got.data());
+        for (size_t i = 0; i < x.size(); ++i) {
+          ASSERT_EQ(got[i], EncodeFp8(x[i] * scale, format))
+              << Fp8FormatName(format) << " x " << x[i] << " scale " << scale;
+        }
       }
     }
-  }
+  });
 }
 
 class CpuQuantizeTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
 
 TEST_P(CpuQuantizeTest, CodesTransposeAndAmaxMatchTheReference) {
   const auto [rows, cols] = GetParam();
-  for (Fp8Format format : kFormats) {
-    for (int poison : {0, 1, 2}) {  // none, an inf, a NaN
-      std::vector<float> x = RandomNormal(rows * cols, 3.0f);
-      const size_t at = size_t(rows * cols) / 2;
-      if (poison == 1) x[at] = -INFINITY;
-      if (poison == 2) x[at] = NAN;
-      const float scale = 17.25f;
-      std::vector<uint8_t> want(x.size()), want_t(x.size());
-      float want_amax = -1.0f;
-      QuantizeFp8(x.data(), rows, cols, scale, format, want.data(), want_t.data(), &want_amax);
-      // Every combination of copies; outputs poisoned first.
-      for (int mask = 1; mask < 4; ++mask) {
-        std::vector<uint8_t> got(x.size(), 0xA5), got_t(x.size(), 0x5A);
-        float amax = -1.0f;
-        cpu::QuantizeFp8(x.data(), rows, cols, scale, format, mask & 1 ? got.data() : nullptr,
-                         mask & 2 ? got_t.data() : nullptr, &amax);
-        if (mask & 1) EXPECT_EQ(got, want) << rows << "x" << cols << " mask " << mask;
-        if (mask & 2) EXPECT_EQ(got_t, want_t) << rows << "x" << cols << " mask " << mask;
-        EXPECT_TRUE(SameBits(amax, want_amax)) << amax << " vs " << want_amax;
+  ForEachCastCopy([&, rows = rows, cols = cols] {
+    for (Fp8Format format : kFormats) {
+      for (int poison : {0, 1, 2}) {  // none, an inf, a NaN
+        std::vector<float> x = RandomNormal(rows * cols, 3.0f);
+        const size_t at = size_t(rows * cols) / 2;
+        if (poison == 1) x[at] = -INFINITY;
+        if (poison == 2) x[at] = NAN;
+        const float scale = 17.25f;
+        std::vector<uint8_t> want(x.size()), want_t(x.size());
+        float want_amax = -1.0f;
+        QuantizeFp8(x.data(), rows, cols, scale, format, want.data(), want_t.data(), &want_amax);
+        // Every combination of copies; outputs poisoned first.
+        for (int mask = 1; mask < 4; ++mask) {
+          std::vector<uint8_t> got(x.size(), 0xA5), got_t(x.size(), 0x5A);
+          float amax = -1.0f;
+          cpu::QuantizeFp8(x.data(), rows, cols, scale, format, mask & 1 ? got.data() : nullptr,
+                           mask & 2 ? got_t.data() : nullptr, &amax);
+          if (mask & 1) {
+            EXPECT_EQ(got, want) << rows << "x" << cols << " mask " << mask;
+          }
+          if (mask & 2) {
+            EXPECT_EQ(got_t, want_t) << rows << "x" << cols << " mask " << mask;
+          }
+          EXPECT_TRUE(SameBits(amax, want_amax)) << amax << " vs " << want_amax;
+        }
+        std::vector<uint8_t> transposed(x.size(), 0);
+        cpu::TransposeCodes(want.data(), rows, cols, transposed.data());
+        EXPECT_EQ(transposed, want_t);
       }
-      std::vector<uint8_t> transposed(x.size(), 0);
-      cpu::TransposeCodes(want.data(), rows, cols, transposed.data());
-      EXPECT_EQ(transposed, want_t);
     }
-  }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuQuantizeTest,
                          ::testing::Values(std::make_tuple(1, 1), std::make_tuple(1, 97),
                                            std::make_tuple(97, 1), std::make_tuple(63, 65),
                                            std::make_tuple(130, 7), std::make_tuple(257, 300),
-                                           std::make_tuple(1024, 512)));
+                                           std::make_tuple(1024, 512), std::make_tuple(48, 80),
+                                           std::make_tuple(200, 1024)));
 
 TEST(CpuLoopsTest, AbsMaxAndAddAbsMaxMatchTheReferenceWithNaNAndInf) {
   for (int64_t n : {0, 1, 7, 1000, 65536 + 13, 1 << 19}) {

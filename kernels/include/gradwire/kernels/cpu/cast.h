@@ -30,6 +30,18 @@ void TransposeCodes(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* o
 void QuantizeBlocks(const float* x, int64_t rows, int64_t cols, BlockShape block, Fp8Format format,
                     uint8_t* out, float* scale_inv, uint8_t* out_t, float* scale_inv_t);
 
+// The block-scaled cast of activations and gradients (BLOCK: length 128, MXFP8: 32) in one
+// threaded pass over x: the rowwise copy blocked 1 x length, and the columnwise copy [cols, rows]
+// blocked 1 x length along its own rows (x's length x 1 blocks, transposed), each bit for bit
+// kernels::QuantizeBlocks's with that block (scale_inv [rows, ceil(cols / length)], scale_inv_t
+// [cols, ceil(rows / length)]); either copy may be null. amax (when not null) receives Amax(x).
+void QuantizeLineBlocks(const float* x, int64_t rows, int64_t cols, int64_t length,
+                        Fp8Format format, uint8_t* out, float* scale_inv, uint8_t* out_t,
+                        float* scale_inv_t, float* amax);
+
+// kernels::BlockScaleExponent of a finite amax >= 0 given as its bits, without libm.
+int ScaleExponentOfBits(uint32_t amax_bits, Fp8Format format);
+
 // As kernels::DequantizeBlocks, bit for bit, threaded over rows.
 void DequantizeBlocks(const uint8_t* codes, int64_t rows, int64_t cols, BlockShape block,
                       const float* scale_inv, Fp8Format format, float* out);
