@@ -196,8 +196,12 @@ void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols,
         Transpose16(in + bi * ld_in + bj, ld_in, packed + bj * kTile + bi);
       }
     }
-    for (int64_t c = 0; c < cols; ++c) {
-      std::memcpy(out + c * ld_out, packed + c * kTile, size_t(rows));
+    if (rows == kTile) {  // a constant size: the copies are inlined
+      for (int64_t c = 0; c < cols; ++c) std::memcpy(out + c * ld_out, packed + c * kTile, kTile);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        std::memcpy(out + c * ld_out, packed + c * kTile, size_t(rows));
+      }
     }
     return;
   }
@@ -425,10 +429,12 @@ void QuantizeLineBlocks(const float* x, int64_t rows, int64_t cols, int64_t leng
   const int64_t grid_cols = (cols + length - 1) / length;  // the rowwise copy's blocks per row
   const int64_t strips = (rows + length - 1) / length;     // the columnwise copy's per column
   // A unit of work: one strip of `length` rows (the columnwise copy's blocks) across a panel of
-  // columns, a whole number of rowwise blocks about 512 wide, so that the strip's values are
-  // read from memory once, for the statistics and the rowwise codes, and again from cache for
-  // the columnwise codes.
-  const int64_t panel = length * std::max<int64_t>(1, (512 + length - 1) / length);
+  // columns, a whole number of rowwise blocks of at most 512 KiB of values, so that the strip's
+  // values are read from memory once, for the statistics and the rowwise codes, and again from
+  // cache for the columnwise codes. The whole width when it fits (a wide layer's 1024 or 4096
+  // columns under BLOCK and MXFP8): the strip is then one run of memory, read in order.
+  const int64_t fits = std::max<int64_t>(1, (int64_t(1) << 17) / (length * length));
+  const int64_t panel = std::min(length * fits, ((cols + length - 1) / length) * length);
   const int64_t panels = (cols + panel - 1) / panel;
   const int64_t units = strips * panels;
   const int64_t unit_elems = std::min(rows, length) * std::min(cols, panel);

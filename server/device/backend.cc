@@ -22,6 +22,15 @@ at::Tensor Backend::Zeros(at::IntArrayRef shape) const {
   return at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device()));
 }
 
+void Backend::FpropInto(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias,
+                        at::Tensor& y) const {
+  y.copy_(Fprop(x, w, bias));
+}
+
+void Backend::DgradInto(const Fp8Tensor& dy, const Fp8Tensor& w, at::Tensor& dx) const {
+  dx.copy_(Dgrad(dy, w));
+}
+
 bool Backend::Supports(Op op) const { return !device::Describe(op).has_default; }
 
 at::Tensor Backend::FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,

@@ -180,6 +180,15 @@ class Backend {
   virtual at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const = 0;
   virtual void Wgrad(const Fp8Tensor& dy, const Fp8Tensor& x, at::Tensor& acc,
                      bool accumulate) const = 0;
+  // Fprop and Dgrad into a destination the caller has ready (float32, contiguous, on this
+  // backend's device, of the output's shape): a response's bytes, which the GEMM then writes
+  // once, with no output of its own to copy from. The bits are Fprop's and Dgrad's. The
+  // defaults copy their results there; a backend whose GEMMs write in place says so
+  // (GemmsWriteInPlace), and only then does the step runner lend them a response's bytes.
+  virtual void FpropInto(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias,
+                         at::Tensor& y) const;
+  virtual void DgradInto(const Fp8Tensor& dy, const Fp8Tensor& w, at::Tensor& dx) const;
+  virtual bool GemmsWriteInPlace() const { return false; }
   // Fprop with its output in bfloat16 (what a bf16 response carries): NarrowBf16 of Fprop's
   // output, bit for bit. The default is exactly that, and every backend keeps it: a GEMM that
   // writes bf16 itself (cuBLASLt D in bf16) may pick another algorithm than the fp32 one, and a

@@ -249,12 +249,15 @@ class CpuBackend final : public ReferenceBackend {
   bool SumsColumnsInRowOrder() const override { return true; }  // kernels::cpu::AddColumnSums
 
   // Its own Widen and NarrowBf16 (the wire codec's, threaded), PrepareWeight (the GEMM panels),
-  // and on the row-invariant GEMM one GEMM for a whole batch (FpropGroups, DgradGroups).
+  // FpropInto and DgradInto (the GEMMs write a caller's destination in place), and on the
+  // row-invariant GEMM one GEMM for a whole batch (FpropGroups, DgradGroups).
   bool Supports(Op op) const override {
     switch (op) {
       case Op::kWiden:
       case Op::kNarrowBf16:
       case Op::kPrepareWeight:
+      case Op::kFpropInto:
+      case Op::kDgradInto:
         return true;
       case Op::kFpropGroups:
       case Op::kDgradGroups:
@@ -473,15 +476,23 @@ class CpuBackend final : public ReferenceBackend {
 
   // y = (x . w^T) * (scale_inv_x * scale_inv_w) (+ bias).
   at::Tensor Fprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const override {
-    if (x.block_scaled || w.block_scaled) return BlockFprop(x, w, bias);
-    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     at::Tensor y = Empty({x.rows, w.rows});
+    FpropInto(x, w, bias, y);
+    return y;
+  }
+  // Every GEMM below writes each output element without reading it first (BLAS with beta 0, or
+  // after FillRows), so a destination's earlier contents never matter.
+  void FpropInto(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias,
+                 at::Tensor& y) const override {
+    if (!IntoHostF32(y, x.rows, w.rows)) return Backend::FpropInto(x, w, bias, y);
+    if (x.block_scaled || w.block_scaled) return BlockFprop(x, w, bias, y);
+    GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const float* bias_data = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (GetCpuGemm() == CpuGemm::kOrdered) {  // the reference's arithmetic
       const Panels b = FpropPanels(w);
       Ordered(x.rows, x.scale_inv() * w.scale_inv(), x.rowwise.data_ptr<uint8_t>(), x.format,
               b.view, bias_data, y.data_ptr<float>());
-      return y;
+      return;
     }
     const kernels::cpu::Scratch a = Decode(x.rowwise, x.format);
     if (bias_data != nullptr)
@@ -490,7 +501,13 @@ class CpuBackend final : public ReferenceBackend {
     const kernels::cpu::Scratch b = Decode(rowwise ? w.rowwise : w.columnwise, w.format);
     Gemm(false, rowwise, x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.floats(),
          b.floats(), bias_data != nullptr ? 1.0f : 0.0f, y.data_ptr<float>());
-    return y;
+  }
+  bool GemmsWriteInPlace() const override { return true; }
+  // Whether t is a float32, contiguous host tensor of rows x cols: a destination the GEMMs here
+  // write in place.
+  static bool IntoHostF32(const at::Tensor& t, int64_t rows, int64_t cols) {
+    return t.defined() && t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+           t.dim() == 2 && t.size(0) == rows && t.size(1) == cols;
   }
   // A batch's rows in one GEMM: each group's codes decoded into its rows of one operand, each
   // row scaled by its group's scale_inv. Row-invariance makes every row the bits of its group's
@@ -498,7 +515,11 @@ class CpuBackend final : public ReferenceBackend {
   at::Tensor FpropGroups(const Fp8Tensor& x, const Fp8Tensor& w,
                          const at::Tensor& bias) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::FpropGroups(x, w, bias);
-    if (w.block_scaled) return BlockFprop(x, w, bias);
+    if (w.block_scaled) {
+      at::Tensor y = Empty({x.rows, w.rows});
+      BlockFprop(x, w, bias, y);
+      return y;
+    }
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Panels b = FpropPanels(w);
     const GroupedRows a = StackGroups(x, w.scale_inv());
@@ -539,14 +560,19 @@ class CpuBackend final : public ReferenceBackend {
     return out;
   }
   at::Tensor Dgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
-    if (dy.block_scaled || w.block_scaled) return BlockDgrad(dy, w);
-    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     at::Tensor dx = Empty({dy.rows, w.cols});
+    DgradInto(dy, w, dx);
+    return dx;
+  }
+  void DgradInto(const Fp8Tensor& dy, const Fp8Tensor& w, at::Tensor& dx) const override {
+    if (!IntoHostF32(dx, dy.rows, w.cols)) return Backend::DgradInto(dy, w, dx);
+    if (dy.block_scaled || w.block_scaled) return BlockDgrad(dy, w, dx);
+    GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     if (GetCpuGemm() == CpuGemm::kOrdered) {
       const Panels b = DgradPanels(w);
       Ordered(dy.rows, dy.scale_inv() * w.scale_inv(), dy.rowwise.data_ptr<uint8_t>(), dy.format,
               b.view, nullptr, dx.data_ptr<float>());
-      return dx;
+      return;
     }
     const kernels::cpu::Scratch a = Decode(dy.rowwise, dy.format);
     // W [N, K] rowwise when it has it, else W^T [K, N] as a transposed operand.
@@ -554,12 +580,15 @@ class CpuBackend final : public ReferenceBackend {
     const kernels::cpu::Scratch b = Decode(rowwise ? w.rowwise : w.columnwise, w.format);
     Gemm(false, !rowwise, dy.rows, w.cols, dy.cols, dy.scale_inv() * w.scale_inv(), a.floats(),
          b.floats(), 0.0f, dx.data_ptr<float>());
-    return dx;
   }
   // A batch of backwards in one input-gradient GEMM, as FpropGroups does.
   at::Tensor DgradGroups(const Fp8Tensor& dy, const Fp8Tensor& w) const override {
     if (GetCpuGemm() != CpuGemm::kOrdered) return Backend::DgradGroups(dy, w);
-    if (w.block_scaled) return BlockDgrad(dy, w);
+    if (w.block_scaled) {
+      at::Tensor dx = Empty({dy.rows, w.cols});
+      BlockDgrad(dy, w, dx);
+      return dx;
+    }
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Panels b = DgradPanels(w);
     const GroupedRows a = StackGroups(dy, w.scale_inv());
@@ -599,32 +628,33 @@ class CpuBackend final : public ReferenceBackend {
   // bf16) on the same row-invariant GEMM with scale 1, a batch's groups stacked into one A, so
   // every row is the bits of its group alone and of the reference. Under --cpu-gemm blas, the
   // reference's GEMM.
-  at::Tensor BlockFprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias) const {
+  // Into y [x.rows, w.rows] (host, float32, contiguous).
+  void BlockFprop(const Fp8Tensor& x, const Fp8Tensor& w, const at::Tensor& bias,
+                  at::Tensor& y) const {
     if (GetCpuGemm() != CpuGemm::kOrdered) {
-      return x.grouped() ? Backend::FpropGroups(x, w, bias) : ReferenceBackend::Fprop(x, w, bias);
+      y.copy_(x.grouped() ? Backend::FpropGroups(x, w, bias) : ReferenceBackend::Fprop(x, w, bias));
+      return;
     }
     GemmTimer timer(2.0 * double(x.rows) * double(w.rows) * double(x.cols));
     const Panels b = BlockWeightPanels(w, /*fprop=*/true);
     const BlockedOperand blocked = BlockedA(x, true);
     const kernels::cpu::Scratch a = blocked.codes ? kernels::cpu::Scratch() : StackDequantized(x);
-    at::Tensor y = Empty({x.rows, w.rows});
     Ordered(x.rows, 1.0f, nullptr, x.format, b.view,
             bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), nullptr, false,
             a.floats(), &blocked);
-    return y;
   }
-  at::Tensor BlockDgrad(const Fp8Tensor& dy, const Fp8Tensor& w) const {
+  // Into dx [dy.rows, w.cols] (host, float32, contiguous).
+  void BlockDgrad(const Fp8Tensor& dy, const Fp8Tensor& w, at::Tensor& dx) const {
     if (GetCpuGemm() != CpuGemm::kOrdered) {
-      return dy.grouped() ? Backend::DgradGroups(dy, w) : ReferenceBackend::Dgrad(dy, w);
+      dx.copy_(dy.grouped() ? Backend::DgradGroups(dy, w) : ReferenceBackend::Dgrad(dy, w));
+      return;
     }
     GemmTimer timer(2.0 * double(dy.rows) * double(w.cols) * double(dy.cols));
     const Panels b = BlockWeightPanels(w, /*fprop=*/false);
     const BlockedOperand blocked = BlockedA(dy, true);
     const kernels::cpu::Scratch a = blocked.codes ? kernels::cpu::Scratch() : StackDequantized(dy);
-    at::Tensor dx = Empty({dy.rows, w.cols});
     Ordered(dy.rows, 1.0f, nullptr, dy.format, b.view, nullptr, dx.data_ptr<float>(), nullptr,
             false, a.floats(), &blocked);
-    return dx;
   }
 
   void AccumulateBiasGrad(const at::Tensor& g, at::Tensor& acc) const override {

@@ -1,13 +1,16 @@
 // Where an in-process training step's time goes: the forward and the backward of a module through
 // ModuleHost as the service calls it (an F32 wire view in, F32 wire bytes out: decode onto the
 // device, casts, finite checks, gradient commit, context bookkeeping, encode), next to the pieces
-// alone on the same backend and shapes: the module's GEMMs (operands cast beforehand), the input
-// crossing onto the device (FromWire) and the output leaving it (ToWire). On the CPU a backward
-// should cost what its GEMMs cost (docs/performance.md: within 2x); on the GPU the table shows what
-// the host side of a step costs next to the GPU's work (docs/cuda.md). Every timed piece ends with
-// the backend's Synchronize. Prints a table; --json writes it with the machine's description.
+// alone on the same backend and shapes: the module's GEMMs (operands cast beforehand, with the
+// module's recipe), its two activation casts, the input crossing onto the device (FromWire) and
+// the output leaving it (ToWire). The step and its GEMMs run in turns, round by round, and the
+// step / GEMMs columns are the medians of the rounds' ratios, which a shared machine's slow and
+// fast stretches move less than either time. On the CPU a step should cost little more than its
+// GEMMs (docs/performance.md); on the GPU the table shows what the host side of a step costs
+// next to the GPU's work (docs/cuda.md). Every timed piece ends with the backend's Synchronize.
+// Prints a table; --json writes it with the machine's description.
 //   step_breakdown [--device cpu|cuda] [--rows 16,256,4096] [--in 1024] [--out 1024]
-//                  [--seconds 2] [--cpu-gemm blas|ordered] [--json PATH]
+//                  [--seconds 2] [--cpu-gemm blas|ordered] [--recipe block] [--json PATH]
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -116,6 +119,7 @@ int main(int argc, char** argv) {
     int64_t rows;
     double fwd = 0, bwd = 0, fprop = 0, dgrad = 0, wgrad = 0, x_in = 0, y_out = 0, dy_in = 0,
            dx_out = 0, x_cast = 0, dy_cast = 0;
+    double fwd_ratio = 0, bwd_ratio = 0;   // medians of the rounds' step / GEMMs
     int64_t fwd_waits = 0, bwd_waits = 0;  // Backend::HostWaits in one forward, one backward
   };
   std::vector<Row> results;
@@ -155,28 +159,8 @@ int main(int argc, char** argv) {
         std::abort();
       }
     };
-    forward();
-    backward();  // warm: workspace, scratch buffers
-    std::vector<double> fwd_t, bwd_t;
-    int64_t fwd_waits = 0, bwd_waits = 0;
-    const auto start = Clock::now();
-    while (fwd_t.size() < 5 || Seconds(start) < 2 * budget) {
-      auto t0 = Clock::now();
-      const int64_t w0 = b.HostWaits();
-      forward();
-      fwd_t.push_back(Seconds(t0));
-      const int64_t w1 = b.HostWaits();
-      t0 = Clock::now();
-      backward();
-      bwd_t.push_back(Seconds(t0));
-      fwd_waits = w1 - w0;
-      bwd_waits = b.HostWaits() - w1;
-    }
-    std::sort(fwd_t.begin(), fwd_t.end());
-    std::sort(bwd_t.begin(), bwd_t.end());
     // The GEMMs alone, on operands cast as the module casts them (the weight with what
-    // PrepareWeight attaches, as the workspace holds it).
-    // The module's own casts: its recipe's formats and blocks.
+    // PrepareWeight attaches, as the workspace holds it): its recipe's formats and blocks.
     gradwire::device::QuantizerConfig xcfg{gradwire::kernels::Fp8Format::kE4M3, 0, 0.0f, nullptr,
                                            nullptr};
     gradwire::device::QuantizerConfig wcfg = xcfg, dycfg = xcfg;
@@ -196,24 +180,55 @@ int main(int argc, char** argv) {
     at::Tensor acc = b.ToDevice(at::zeros({out, in}, at::kFloat));
     const at::Tensor y_dev = b.ToDevice(RandN(rows, out)), dx_dev = b.ToDevice(RandN(rows, in));
     const gradwire::device::CastUsage rowwise{true, false};
+    auto timed = [](auto&& fn) {
+      const auto t0 = Clock::now();
+      fn();
+      return Seconds(t0);
+    };
+    forward();
+    backward();  // warm: workspace, scratch buffers
+    // Each round runs the step and then its GEMMs alone, so that a slower or faster stretch of
+    // a shared machine moves both: the ratios are taken round by round.
+    std::vector<double> fwd_t, bwd_t, fprop_t, dgrad_t, wgrad_t, fwd_ratio, bwd_ratio;
+    int64_t fwd_waits = 0, bwd_waits = 0;
+    const auto start = Clock::now();
+    while (fwd_t.size() < 5 || Seconds(start) < 3 * budget) {
+      const int64_t w0 = b.HostWaits();
+      fwd_t.push_back(timed(forward));
+      const int64_t w1 = b.HostWaits();
+      bwd_t.push_back(timed(backward));
+      fwd_waits = w1 - w0;
+      bwd_waits = b.HostWaits() - w1;
+      fprop_t.push_back(timed([&] {
+        (void)b.Fprop(xq, wq, bias);
+        b.Synchronize();
+      }));
+      dgrad_t.push_back(timed([&] {
+        (void)b.Dgrad(dyq, wq);
+        b.Synchronize();
+      }));
+      wgrad_t.push_back(timed([&] {
+        b.Wgrad(dyq, xq, acc, true);
+        b.Synchronize();
+      }));
+      fwd_ratio.push_back(fwd_t.back() / fprop_t.back());
+      bwd_ratio.push_back(bwd_t.back() / (dgrad_t.back() + wgrad_t.back()));
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
     Row row{};
     row.rows = rows;
-    row.fwd = fwd_t[fwd_t.size() / 2];
-    row.bwd = bwd_t[bwd_t.size() / 2];
+    row.fwd = median(fwd_t);
+    row.bwd = median(bwd_t);
+    row.fprop = median(fprop_t);
+    row.dgrad = median(dgrad_t);
+    row.wgrad = median(wgrad_t);
+    row.fwd_ratio = median(fwd_ratio);
+    row.bwd_ratio = median(bwd_ratio);
     row.fwd_waits = fwd_waits;
     row.bwd_waits = bwd_waits;
-    row.fprop = Median(budget, [&] {
-      (void)b.Fprop(xq, wq, bias);
-      b.Synchronize();
-    });
-    row.dgrad = Median(budget, [&] {
-      (void)b.Dgrad(dyq, wq);
-      b.Synchronize();
-    });
-    row.wgrad = Median(budget, [&] {
-      b.Wgrad(dyq, xq, acc, true);
-      b.Synchronize();
-    });
     // The wire crossings alone: the request's F32 bytes onto the device, the F32 result back.
     row.x_in = Median(budget, [&] {
       (void)b.FromWire(F32View(x), rows, in, nullptr, rowwise);
@@ -243,9 +258,8 @@ int main(int argc, char** argv) {
         "%8lld | %10.3f %10.3f %10.3f | %10.3f %10.3f %10.3f | %9.2f %9.2f | %8.3f %8.3f %8.3f "
         "%8.3f | %8.3f %8.3f\n",
         (long long)rows, row.fwd * 1e3, row.bwd * 1e3, (row.fwd + row.bwd) * 1e3, row.fprop * 1e3,
-        row.dgrad * 1e3, row.wgrad * 1e3, row.fwd / row.fprop, row.bwd / (row.dgrad + row.wgrad),
-        row.x_in * 1e3, row.y_out * 1e3, row.dy_in * 1e3, row.dx_out * 1e3, row.x_cast * 1e3,
-        row.dy_cast * 1e3);
+        row.dgrad * 1e3, row.wgrad * 1e3, row.fwd_ratio, row.bwd_ratio, row.x_in * 1e3,
+        row.y_out * 1e3, row.dy_in * 1e3, row.dx_out * 1e3, row.x_cast * 1e3, row.dy_cast * 1e3);
     std::printf("%8s   host waits (Backend::HostWaits): forward %lld, backward %lld\n", "",
                 (long long)row.fwd_waits, (long long)row.bwd_waits);
   }
@@ -266,7 +280,8 @@ int main(int argc, char** argv) {
         << ", \"grad_input_to_wire_ms\": " << r.dx_out * 1e3
         << ", \"input_cast_ms\": " << r.x_cast * 1e3
         << ", \"grad_output_cast_ms\": " << r.dy_cast * 1e3
-        << ", \"backward_over_gemms\": " << r.bwd / (r.dgrad + r.wgrad)
+        << ", \"forward_over_fprop\": " << r.fwd_ratio
+        << ", \"backward_over_gemms\": " << r.bwd_ratio
         << ", \"host_waits_forward\": " << r.fwd_waits
         << ", \"host_waits_backward\": " << r.bwd_waits << "}"
         << (i + 1 < results.size() ? "," : "") << "\n";

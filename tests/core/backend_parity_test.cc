@@ -730,6 +730,32 @@ void CheckDgrad(const OpRow& r) {
   }
 }
 
+// Fprop and Dgrad into a destination filled with NaN first (a response's bytes): bit for bit the
+// backend's own Fprop and Dgrad, every element written.
+void CheckFpropInto(const OpRow& r) {
+  for (const Mnk& mnk : kGemmShapes) {
+    SCOPED_TRACE(MnkName(mnk));
+    const GemmCase c = MakeGemmCase(r, mnk);
+    for (bool with_bias : {false, true}) {
+      const at::Tensor bb = with_bias ? r.b.ToDevice(c.bias) : at::Tensor();
+      at::Tensor y = r.b.ToDevice(at::full({c.m, c.n}, std::nanf("")));
+      r.b.FpropInto(c.bx, c.bw, bb, y);
+      EXPECT_TRUE(r.b.ToHost(y).equal(r.b.ToHost(r.b.Fprop(c.bx, c.bw, bb))))
+          << (with_bias ? "with bias" : "without bias");
+    }
+  }
+}
+
+void CheckDgradInto(const OpRow& r) {
+  for (const Mnk& mnk : kGemmShapes) {
+    SCOPED_TRACE(MnkName(mnk));
+    const GemmCase c = MakeGemmCase(r, mnk);
+    at::Tensor dx = r.b.ToDevice(at::full({c.m, c.k}, std::nanf("")));
+    r.b.DgradInto(c.bdy, c.bw, dx);
+    EXPECT_TRUE(r.b.ToHost(dx).equal(r.b.ToHost(r.b.Dgrad(c.bdy, c.bw))));
+  }
+}
+
 // acc += dy^T x from a random start, or acc = dy^T x, with x cast E4M3; and both operands E5M2 (an
 // input that came as E5M2 codes: no FP8 tensor-core kernel takes that pair, so the CUDA backend
 // decodes both, exactly, and multiplies in float64).
@@ -992,9 +1018,11 @@ const std::map<Op, OpCheck>& OpChecks() {
       {Op::kActivationCast, CheckActivationCastForward},
       {Op::kDActivationCast, CheckDActivationCast},
       {Op::kFprop, CheckFprop},
+      {Op::kFpropInto, CheckFpropInto},
       {Op::kFpropBf16, CheckFpropBf16},
       {Op::kFpropGroups, CheckFpropGroups},
       {Op::kDgrad, CheckDgrad},
+      {Op::kDgradInto, CheckDgradInto},
       {Op::kDgradGroups, CheckDgradGroups},
       {Op::kWgrad, CheckWgrad},
       {Op::kAccumulateBiasGrad, CheckAccumulateBiasGrad},
@@ -1073,12 +1101,14 @@ TEST(OpTable, SupportsSaysWhichDefaultsEachBackendReplaces) {
   {
     const OrderedGemmScope ordered;
     EXPECT_EQ(own_defaulted(*MakeCpuBackend()),
-              V({"Widen", "NarrowBf16", "PrepareWeight", "FpropGroups", "DgradGroups"}));
+              V({"Widen", "NarrowBf16", "PrepareWeight", "FpropInto", "FpropGroups", "DgradInto",
+                 "DgradGroups"}));
   }
   {
     const CpuGemm before = GetCpuGemm();
     SetCpuGemm(CpuGemm::kBlas);
-    EXPECT_EQ(own_defaulted(*MakeCpuBackend()), V({"Widen", "NarrowBf16", "PrepareWeight"}));
+    EXPECT_EQ(own_defaulted(*MakeCpuBackend()),
+              V({"Widen", "NarrowBf16", "PrepareWeight", "FpropInto", "DgradInto"}));
     SetCpuGemm(before);
   }
   if (const BackendPtr& cuda = Get("cuda").backend) {
@@ -1139,6 +1169,84 @@ TEST(CpuOrderedGemm, FpropDgradAndWgradAreTheReferenceBits) {
         ref.Wgrad(rdy, rx, want, accumulate);
         EXPECT_TRUE(bits(got, want)) << "wgrad " << where << (accumulate ? ", accumulating" : "");
       }
+    }
+  }
+}
+
+// FpropInto and DgradInto (a response's bytes as the destination) give Fprop's and Dgrad's bits
+// whatever the destination held before, on both GEMM settings, per-tensor and block-scaled; a
+// destination the GEMM cannot write in place (a transposed view) gets them through a copy.
+TEST(CpuOrderedGemm, FpropAndDgradIntoADestinationAreTheirResultsBits) {
+  const CpuGemm before = GetCpuGemm();
+  const Backend& cpu = *MakeCpuBackend();
+  auto bits = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+    return ac.sizes() == bc.sizes() &&
+           std::memcmp(ac.data_ptr<float>(), bc.data_ptr<float>(), size_t(ac.numel()) * 4) == 0;
+  };
+  const int64_t m = 130, n = 257, k = 67;
+  const at::Tensor x = RandN({m, k}), w = RandN({n, k}, 0.1), dy = RandN({m, n}, 0.01),
+                   bias = RandN({n});
+  for (CpuGemm gemm : {CpuGemm::kOrdered, CpuGemm::kBlas}) {
+    SetCpuGemm(gemm);
+    for (bool block : {false, true}) {
+      QuantizerConfig qx{Fp8Format::kE4M3, 0, 0.0f, nullptr, nullptr}, qw = qx, qdy = qx;
+      if (block) {
+        device::SetBlockScaling(qx, ScalingMode::kBlock, false);
+        device::SetBlockScaling(qw, ScalingMode::kBlock, true);
+        device::SetBlockScaling(qdy, ScalingMode::kBlock, false);
+      } else {
+        qdy.format = Fp8Format::kE5M2;
+      }
+      const Fp8Tensor cx = *cpu.Cast(x, qx, {true, true}), cdy = *cpu.Cast(dy, qdy, {true, true});
+      Fp8Tensor cw = *cpu.Cast(w, qw, {true, true});
+      cpu.PrepareWeight(cw);
+      const std::string where = std::string(gemm == CpuGemm::kOrdered ? "ordered" : "blas") +
+                                (block ? ", block" : ", per tensor");
+      at::Tensor y = at::full({m, n}, std::nanf(""));
+      cpu.FpropInto(cx, cw, bias, y);
+      EXPECT_TRUE(bits(y, cpu.Fprop(cx, cw, bias))) << "fprop " << where;
+      at::Tensor y_nobias = at::full({m, n}, 7.0f);
+      cpu.FpropInto(cx, cw, at::Tensor(), y_nobias);
+      EXPECT_TRUE(bits(y_nobias, cpu.Fprop(cx, cw, at::Tensor()))) << "fprop, no bias " << where;
+      at::Tensor dx = at::full({m, k}, -std::numeric_limits<float>::infinity());
+      cpu.DgradInto(cdy, cw, dx);
+      EXPECT_TRUE(bits(dx, cpu.Dgrad(cdy, cw))) << "dgrad " << where;
+      at::Tensor yt = at::full({n, m}, 3.0f).t();  // not contiguous: written through a copy
+      cpu.FpropInto(cx, cw, bias, yt);
+      EXPECT_TRUE(bits(yt, cpu.Fprop(cx, cw, bias))) << "fprop into a view " << where;
+    }
+  }
+  SetCpuGemm(before);
+}
+
+// A lone request's float32 output and (Linear) grad_input of 1 MiB or more are written by the
+// GEMM into the response's bytes (core/host/wire_destination.h): the bytes that leave are still
+// the reference's, for Linear (output and grad_input) and LayerNormLinear (output; its
+// grad_input leaves LayerNorm's backward, encoded as usual), per tensor and block-scaled.
+TEST(CpuOrderedGemm, LargeResultsWrittenIntoTheirResponseBytesAreTheReferenceBits) {
+  const OrderedGemmScope ordered;
+  const int64_t rows = 260, width = 1024;  // 260 x 1024 floats: just over 1 MiB
+  for (ModuleKind kind : {ModuleKind::kLinear, ModuleKind::kLayerNormLinear}) {
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kBlock}) {
+      ModuleSpec spec = MakeModuleSpec(kind, width, width, 0, 41);
+      spec.recipe.mode = mode;
+      ModuleHost ref_host(ContextLimits{}, nullptr, MakeReferenceBackend());
+      ModuleHost host(ContextLimits{}, nullptr, MakeCpuBackend());
+      auto ref_id = ref_host.Create(spec);
+      auto id = host.Create(spec);
+      ASSERT_TRUE(ref_id.ok() && id.ok());
+      const std::string where = std::string(kind == ModuleKind::kLinear ? "Linear" : "LNLinear") +
+                                (mode == ScalingMode::kBlock ? ", block" : ", current");
+      const at::Tensor x = RandN({rows, width}, 2.0), dy = RandN({rows, width}, 0.1);
+      auto want = TensorForward(ref_host, ref_id->module_id, x, true);
+      auto got = TensorForward(host, id->module_id, x, true);
+      ASSERT_TRUE(want.ok() && got.ok()) << where;
+      ASSERT_TRUE(got->output.equal(want->output)) << "output, " << where;
+      auto want_dx = TensorBackward(ref_host, want->context_id, dy, false, false);
+      auto got_dx = TensorBackward(host, got->context_id, dy, false, false);
+      ASSERT_TRUE(want_dx.ok() && got_dx.ok()) << where;
+      EXPECT_TRUE(got_dx->equal(*want_dx)) << "grad_input, " << where;
     }
   }
 }

@@ -15,6 +15,7 @@
 #include "server/core/host/module.h"
 #include "server/core/host/module_registry.h"
 #include "server/core/host/step_runner.h"
+#include "server/core/host/wire_destination.h"
 
 namespace gradwire::core {
 
@@ -320,6 +321,9 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
   KindBackwardArgs args;
   std::shared_ptr<SavedTensors> stacked;
   Fp8Tensor grad_codes;  // the members' grad_output codes, stacked (args.grad_output_fp8)
+  // A lone request's float32 grad_input, written by a Linear's dgrad GEMM into its response's
+  // bytes; declared before the result that views them.
+  WireDestination into;
   absl::StatusOr<KindBackwardResult> r = absl::InternalError("not run");
   try {
     args.backend = &b;
@@ -342,6 +346,11 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
       args.grad_output = members[0].grad_output;
       args.grad_layernorm_output = members[0].grad_layernorm_output;
       args.saved = members[0].lease.saved.get();
+      if (!skip && m.kind->DgradIsGradInput() &&
+          reqs_[members[0].index]->grad_input_dtype == wire::DType::kF32) {
+        into.Prepare(b, members[0].grad_output.size(0), m.spec.in_features);
+        args.grad_input_into = into.view();
+      }
     } else {
       // One saved state stacking the members' by rows; null when they cannot run together (a
       // checkpointed context recomputes its forward with its own casts).
@@ -395,11 +404,16 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
       }
       at = 0;
       for (size_t j = 0; j < n; ++j) {
-        // FP8 under a block-scaled recipe: its gradients' row blocks (1 x 128, 1 x 32).
-        encoded[j] =
-            b.ToWireScaled(rows_of(grad_input, j, at), reqs_[members[j].index]->grad_input_dtype,
-                           members[j].lease.saved->input_shape,
-                           {device::ActivationBlockLength(m.spec.recipe.mode), false});
+        // FP8 under a block-scaled recipe: its gradients' row blocks (1 x 128, 1 x 32). The bytes
+        // the GEMM wrote move on whole, and grad_input keeps viewing them where they go.
+        if (alone && into.Holds(grad_input)) {
+          encoded[j] = into.Take(members[j].lease.saved->input_shape);
+        } else {
+          encoded[j] =
+              b.ToWireScaled(rows_of(grad_input, j, at), reqs_[members[j].index]->grad_input_dtype,
+                             members[j].lease.saved->input_shape,
+                             {device::ActivationBlockLength(m.spec.recipe.mode), false});
+        }
         at += (*groups)[j];
       }
     }

@@ -12,6 +12,7 @@
 #include "server/core/host/module.h"
 #include "server/core/host/module_registry.h"
 #include "server/core/host/step_runner.h"
+#include "server/core/host/wire_destination.h"
 
 namespace gradwire::core {
 
@@ -120,6 +121,12 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
     args.weight_version = m.weights.version;
     args.workspace = m.steps.workspace;
     args.training = training;
+    // A lone request's float32 output is written by the GEMM into its response's bytes.
+    WireDestination into;
+    if (alone && !args.bf16_output && reqs_[members[0]]->output_dtype == wire::DType::kF32) {
+      into.Prepare(b, x.size(0), m.spec.out_features);
+      args.output_into = into.view();
+    }
     absl::StatusOr<KindForwardResult> done = m.kind->Forward(args);
     if (!done.ok()) {
       if (!alone) return apart();
@@ -141,8 +148,13 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
         WireForwardOutput& out = encoded[j];
         std::vector<int64_t> out_shape = req.input.shape;
         out_shape.back() = m.spec.out_features;
-        out.output = b.ToWireScaled(alone ? r.output : r.output.narrow(0, row, rows),
-                                    req.output_dtype, std::move(out_shape), wire_scaling);
+        if (alone && into.Holds(r.output)) {
+          out.output = into.Take(std::move(out_shape));
+          r.output = at::Tensor();  // it viewed those bytes
+        } else {
+          out.output = b.ToWireScaled(alone ? r.output : r.output.narrow(0, row, rows),
+                                      req.output_dtype, std::move(out_shape), wire_scaling);
+        }
         if (r.layernorm_output.defined()) {
           out.layernorm_output =
               b.ToWireScaled(alone ? r.layernorm_output : r.layernorm_output.narrow(0, row, rows),

@@ -128,7 +128,12 @@ at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows) {
 }
 
 at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
-                     const at::Tensor& bias, bool bf16) {
+                     const at::Tensor& bias, bool bf16, const at::Tensor& into) {
+  if (into.defined() && !x.grouped() && !bf16) {
+    at::Tensor y = into;
+    backend.FpropInto(x, w, bias, y);
+    return y;
+  }
   if (x.grouped()) {
     at::Tensor y = backend.FpropGroups(x, w, bias);
     return bf16 ? backend.NarrowBf16(y) : y;
@@ -136,7 +141,13 @@ at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor
   return bf16 ? backend.FpropBf16(x, w, bias) : backend.Fprop(x, w, bias);
 }
 
-at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w) {
+at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w,
+                     const at::Tensor& into) {
+  if (into.defined() && !dy.grouped()) {
+    at::Tensor dx = into;
+    backend.DgradInto(dy, w, dx);
+    return dx;
+  }
   return dy.grouped() ? backend.DgradGroups(dy, w) : backend.Dgrad(dy, w);
 }
 

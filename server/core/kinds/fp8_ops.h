@@ -102,12 +102,15 @@ Fp8Tensor StackRows(std::vector<Fp8Tensor> parts);
 at::Tensor RowsOf(const at::Tensor& t, int64_t row, int64_t rows);
 // y = x . w^T (+ bias) for x row-grouped or not: Backend::FpropGroups or Backend::Fprop. With
 // bf16, y in bfloat16 (a module's output for a bf16 response): FpropBf16, or NarrowBf16 of
-// FpropGroups.
+// FpropGroups. With `into` defined (KindForwardArgs::output_into) and x not grouped and not bf16,
+// y is written there (Backend::FpropInto) and `into` is returned.
 at::Tensor FpropRows(const Backend& backend, const Fp8Tensor& x, const Fp8Tensor& w,
-                     const at::Tensor& bias, bool bf16 = false);
+                     const at::Tensor& bias, bool bf16 = false, const at::Tensor& into = {});
 
-// dx = dy . w for dy row-grouped or not: Backend::DgradGroups or Backend::Dgrad.
-at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w);
+// dx = dy . w for dy row-grouped or not: Backend::DgradGroups or Backend::Dgrad; into `into` as
+// FpropRows.
+at::Tensor DgradRows(const Backend& backend, const Fp8Tensor& dy, const Fp8Tensor& w,
+                     const at::Tensor& into = {});
 
 // The backend a module's arguments name, or the reference backend when they name none.
 const Backend& BackendOr(const Backend* backend);

@@ -113,7 +113,7 @@ absl::StatusOr<KindForwardResult> LayerNormLinearForward(const KindForwardArgs& 
   GW_ASSIGN_OR_RETURN(Fp8Tensor x, LayerNormHead(b, args, q, {true, keep_columnwise}, &result,
                                                  grouped ? nullptr : saved.get(), &ln));
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = FpropRows(b, x, w, p[Param::kBias], args.bf16_output);
+  result.output = FpropRows(b, x, w, p[Param::kBias], args.bf16_output, args.output_into);
   result.amaxes = {{kInputRole, x.scalars}, {kWeightRole, w.scalars}};
   if (saved && grouped) {  // a batch: each request keeps its own rows
     int64_t row = 0;

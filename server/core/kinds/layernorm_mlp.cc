@@ -57,7 +57,7 @@ absl::StatusOr<KindForwardResult> LayerNormMlpForward(const KindForwardArgs& arg
                                             grouped ? nullptr : saved.get(), &ln));
   GW_RETURN_IF_ERROR(Hidden(b, w1, p[Param::kFc1Bias], args.spec->activation, w2.cols,
                             q[kFc2InputRole], {true, keep}, &h));
-  result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias], args.bf16_output);
+  result.output = FpropRows(b, h.act_q, w2, p[Param::kFc2Bias], args.bf16_output, args.output_into);
   result.amaxes = {{kFc1InputRole, h.ln_q.scalars},
                    {kFc1WeightRole, w1.scalars},
                    {kFc2InputRole, h.act_q.scalars},

@@ -55,7 +55,7 @@ absl::StatusOr<KindForwardResult> LinearForward(const KindForwardArgs& args) {
                                     {/*rowwise=*/true, /*columnwise=*/args.training}));
   }
   const Fp8Tensor& w = result.workspace->weights[0];
-  result.output = FpropRows(b, x, w, args.params[Param::kBias], args.bf16_output);
+  result.output = FpropRows(b, x, w, args.params[Param::kBias], args.bf16_output, args.output_into);
   result.amaxes = {{kInputRole, x.scalars}, {kWeightRole, w.scalars}};
   if (args.training) {
     const WorkspacePtr pinned = PinForBackward(result.workspace);
@@ -90,7 +90,7 @@ absl::StatusOr<KindBackwardResult> LinearBackward(const KindBackwardArgs& args) 
                       GradOutputCast(b, args, kGradOutputRole,
                                      {/*rowwise=*/args.compute_grad_input, /*columnwise=*/true}));
   KindBackwardResult result;
-  if (args.compute_grad_input) result.grad_input = DgradRows(b, dy, w);
+  if (args.compute_grad_input) result.grad_input = DgradRows(b, dy, w, args.grad_input_into);
   args.grads->Wgrad(Param::kWeight, dy, x);
   // dbias from the unquantized gradient, as the fused cast does (|grad_output| <= its amax), or
   // as the request summed it.
@@ -141,6 +141,7 @@ class LinearKindOps final : public ModuleKindOps {
   bool UsesBf16Input() const override { return true; }
   bool UsesBf16GradOutput() const override { return true; }
   std::optional<size_t> Fp8GradOutputRole() const override { return kGradOutputRole; }
+  bool DgradIsGradInput() const override { return true; }
   absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& a) const override {
     return LinearForward(a);
   }

@@ -82,6 +82,10 @@ struct KindForwardArgs {
   // The output leaves as bf16: the last GEMM's output comes back so (FpropRows with bf16), bit
   // for bit the bf16 rounding of the fp32 output.
   bool bf16_output = false;
+  // Where defined: float32 [M, out_features] on the backend's device, the response's bytes; the
+  // kind's last GEMM may write its output there (FpropRows with `into`) and return it as its
+  // output, so that nothing is copied to encode it. A kind may ignore it.
+  at::Tensor output_into;
 };
 
 struct KindForwardResult {
@@ -114,6 +118,9 @@ struct KindBackwardArgs {
   GradientSink* grads = nullptr;            // every parameter gradient goes here
   std::vector<QuantizerConfig> quantizers;  // one per role
   bool compute_grad_input = true;
+  // Where defined: float32 [M, in_features], the response's bytes, which a kind whose
+  // grad_input is a GEMM's output may have it write (DgradRows with `into`), as output_into.
+  at::Tensor grad_input_into;
   // A batch of backwards (docs/batching.md): the requests' rows, in order, which `saved` (from
   // StackSaved), grad_output and the gradient roles' quantizers share; null: one backward.
   std::shared_ptr<const std::vector<int64_t>> row_groups;
@@ -149,6 +156,10 @@ class ModuleKindOps : public KindDescription {
   // GradOutputBiasGrad): it then takes grad_output's FP8 codes as they arrive and column sums
   // given with them. nullopt: it reads grad_output otherwise.
   virtual std::optional<size_t> Fp8GradOutputRole() const { return std::nullopt; }
+  // Whether the backward's grad_input is its dgrad GEMM's output as it is, so that it writes it
+  // into KindBackwardArgs::grad_input_into (a LayerNorm kind's goes on through the LayerNorm's
+  // backward). Every kind's forward output is its last GEMM's and takes output_into.
+  virtual bool DgradIsGradInput() const { return false; }
   virtual absl::StatusOr<KindForwardResult> Forward(const KindForwardArgs& args) const = 0;
   virtual absl::StatusOr<KindBackwardResult> Backward(const KindBackwardArgs& args) const = 0;
   // A batch of backwards: one saved state stacking `parts` (contexts of this kind and of one
