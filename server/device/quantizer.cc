@@ -269,17 +269,27 @@ Fp8Tensor FromBlockCodes(const wire::TensorView& v, int64_t rows, int64_t cols, 
   return out;
 }
 
+namespace {
+
+// Whether FP8 codes that arrived as `v` are a block-scaled cast `q`'s: its row blocks with
+// power-of-two scales in the block range, and, when `columnwise`, its columnwise copy so too.
+bool BlockCodesServe(const wire::TensorView& v, const QuantizerConfig& q, bool columnwise) {
+  auto is = [](const wire::BlockScales& b, kernels::BlockShape shape) {
+    return b.present() && b.block_rows == shape.rows && b.block_cols == shape.cols &&
+           b.PowersOfTwoInRange();
+  };
+  return is(v.blocks, q.rowwise_block) && (!columnwise || is(v.columnwise, q.columnwise_block));
+}
+
+}  // namespace
+
 bool CodesServeInput(const wire::TensorView& v, ScalingMode mode, bool training) {
   if (!wire::IsFp8(v.dtype)) return false;
   if (!BlockScaled(mode)) return !v.blocks.present();
-  if (!v.blocks.present() || v.dtype != wire::DType::kFp8E4M3) return false;
+  if (v.dtype != wire::DType::kFp8E4M3) return false;
   QuantizerConfig q;
   SetBlockScaling(q, mode, /*weight=*/false);
-  auto is = [](const wire::BlockScales& b, kernels::BlockShape shape) {
-    return b.block_rows == shape.rows && b.block_cols == shape.cols && b.PowersOfTwoInRange();
-  };
-  if (!is(v.blocks, q.rowwise_block)) return false;
-  return !training || (v.columnwise.present() && is(v.columnwise, q.columnwise_block));
+  return BlockCodesServe(v, q, training);
 }
 
 bool CodesServeGradient(const wire::TensorView& v, const QuantizerConfig& q) {
@@ -287,11 +297,7 @@ bool CodesServeGradient(const wire::TensorView& v, const QuantizerConfig& q) {
       q.format == kernels::Fp8Format::kE4M3 ? wire::DType::kFp8E4M3 : wire::DType::kFp8E5M2;
   if (v.dtype != format) return false;
   if (!q.block_scaled) return !v.blocks.present();
-  auto is = [](const wire::BlockScales& b, kernels::BlockShape shape) {
-    return b.present() && b.block_rows == shape.rows && b.block_cols == shape.cols &&
-           b.PowersOfTwoInRange();
-  };
-  return is(v.blocks, q.rowwise_block) && is(v.columnwise, q.columnwise_block);
+  return BlockCodesServe(v, q, /*columnwise=*/true);
 }
 
 at::Tensor Dequantize(const Fp8Tensor& t, bool rowwise) {

@@ -68,13 +68,14 @@ int main(int argc, char** argv) {
   std::vector<int64_t> rows_list = {16, 256, 4096};
   int64_t in = 1024, out = 1024;
   double seconds = 2.0;
-  std::string json_path, cpu_gemm = "blas";
+  std::string json_path, cpu_gemm = "ordered";  // the server's defaults
   app.add_option("--rows", rows_list, "rows per step")->delimiter(',')->capture_default_str();
   app.add_option("--in", in, "in_features")->capture_default_str();
   app.add_option("--out", out, "out_features")->capture_default_str();
   app.add_option("--seconds", seconds, "time per measurement")->capture_default_str();
   app.add_option("--cpu-gemm", cpu_gemm,
-                 "the forward and input-gradient GEMMs: blas or ordered (core/cpu_gemm.h)")
+                 "the CPU GEMMs, as the server's --cpu-gemm: ordered (the FP8 GEMM, the server's "
+                 "default) or blas")
       ->check(CLI::IsMember({"blas", "ordered"}))
       ->capture_default_str();
   std::string device = "cpu";
