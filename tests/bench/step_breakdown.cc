@@ -87,14 +87,15 @@ int main(int argc, char** argv) {
                  "--device cuda: wire crossings through pinned staging, as the server's flag")
       ->check(CLI::Range(0, 1024))
       ->capture_default_str();
-  std::string recipe = "block";
+  std::string recipe;
   app.add_option("--recipe", recipe,
-                 "the module's FP8 recipe (the server's --default-recipe is block): current, "
-                 "delayed, block or mxfp8")
-      ->check(CLI::IsMember({"current", "delayed", "block", "mxfp8"}))
-      ->capture_default_str();
+                 "the module's FP8 recipe: current, delayed, block or mxfp8 (default: block, the "
+                 "server's --default-recipe, on the CPU; current on CUDA, which has no "
+                 "block-scaled path)")
+      ->check(CLI::IsMember({"current", "delayed", "block", "mxfp8"}));
   app.add_option("--json", json_path, "write the table as JSON");
   CLI11_PARSE(app, argc, argv);
+  if (recipe.empty()) recipe = device == "cuda" ? "current" : "block";
   gradwire::device::ScalingMode mode = gradwire::device::ScalingMode::kBlock;
   gradwire::device::ScalingModeByName(recipe, &mode);
   gradwire::device::SetCpuGemm(cpu_gemm == "ordered" ? gradwire::device::CpuGemm::kOrdered
