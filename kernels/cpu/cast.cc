@@ -217,12 +217,14 @@ void TransposeTile(const uint8_t* in, int64_t ld_in, int64_t rows, int64_t cols,
   }
 }
 
-// The line-blocked cast's statistics of one block of a row (LineBlocks below), as bits of |x| in
-// one vectorisable pass: returns the largest finite |x|; raises *all to the largest |x| of every
-// element (NaN above +inf, as AbsMaxBits orders them) and, with colmax, colmax[i] to x[i]'s
-// finite |x|.
-GRADWIRE_VECTOR_CLONES
-uint32_t BlockStats(const float* x, int64_t n, uint32_t* all) {
+// The line-blocked cast's statistics of one block of a row (QuantizeLineBlocks), as bits of |x|
+// in one vectorisable pass: returns the largest finite |x|; raises *all to the largest |x| of
+// every element (NaN above +inf, as AbsMaxBits orders them) and, kColumns, colmax[i] to x[i]'s
+// finite |x|. Inlined into each clone below, so each is vectorised for its own instruction set.
+template <bool kColumns>
+__attribute__((always_inline)) inline uint32_t BlockStatsOf(const float* x, int64_t n,
+                                                            uint32_t* __restrict colmax,
+                                                            uint32_t* all) {
   // The finite |x| as a mask, not a selection: GCC vectorises the two reductions only so.
   uint32_t fin = 0, any = *all;
   for (int64_t i = 0; i < n; ++i) {
@@ -230,23 +232,20 @@ uint32_t BlockStats(const float* x, int64_t n, uint32_t* all) {
     any = any < a ? a : any;
     const uint32_t f = a & (0u - uint32_t(a < 0x7F800000u));
     fin = fin < f ? f : fin;
+    if constexpr (kColumns) colmax[i] = colmax[i] < f ? f : colmax[i];
   }
   *all = any;
   return fin;
 }
 
 GRADWIRE_VECTOR_CLONES
+uint32_t BlockStats(const float* x, int64_t n, uint32_t* all) {
+  return BlockStatsOf<false>(x, n, nullptr, all);
+}
+
+GRADWIRE_VECTOR_CLONES
 uint32_t BlockStatsColumns(const float* x, int64_t n, uint32_t* __restrict colmax, uint32_t* all) {
-  uint32_t fin = 0, any = *all;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t a = __builtin_bit_cast(uint32_t, x[i]) & 0x7FFFFFFFu;
-    any = any < a ? a : any;
-    const uint32_t f = a & (0u - uint32_t(a < 0x7F800000u));
-    fin = fin < f ? f : fin;
-    colmax[i] = colmax[i] < f ? f : colmax[i];
-  }
-  *all = any;
-  return fin;
+  return BlockStatsOf<true>(x, n, colmax, all);
 }
 
 // The line-blocked cast's row and tile loops (cast_isa.h) on the loops above.
