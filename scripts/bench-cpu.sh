@@ -40,7 +40,7 @@ kill $server_pid; wait $server_pid 2>/dev/null || true
 /usr/bin/python3 tests/bench/torch_peer.py --cases "$(echo $cases | tr ' ' ,)" \
   --duration "$secs" --threads "$(nproc)" --json "$tmp/torch.json"
 /usr/bin/python3 - "$tmp" "$out_json" "$cases" "$backend" <<'PY'
-import json, sys
+import json, os, sys
 sys.path.insert(0, "scripts/lib")
 from machine import describe
 tmp, out, cases, backend = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4]
@@ -83,6 +83,13 @@ json.dump({"machine": describe(allocator="glibc; gradwire-server and gradwire-lo
                                          "blocks (--heap-retain), PyTorch runs with the defaults",
                                server=backend),
            "command": "scripts/bench-cpu.sh", "unit": "training steps per second (forward + backward)",
+           "server_flags": os.environ.get("BENCH_SERVER_FLAGS", ""),
+           "load_flags": os.environ.get("BENCH_LOAD_FLAGS", ""),
+           # The recipe of modules created without one (gradwire-load and the Python client
+           # leave it to the server), as the server's log says.
+           "server_default_recipe": next(
+               (line.split(" get ")[1].split()[0] for line in open(f"{tmp}/server.log")
+                if "modules created without a recipe get" in line), "unknown"),
            "torch": th["torch"], "blas": "OpenBLAS (libopenblas0-pthread) for PyTorch; gradwire: the server's --cpu-gemm "
                    "(the FP8 GEMM unless BENCH_SERVER_FLAGS says blas)",
            "cases": rows}, open(out, "w"), indent=2)
