@@ -32,6 +32,11 @@ struct CastLoops {
                       Fp8Format format, uint8_t* out, int64_t out_ld);
 };
 
+// The helpers below are compiled into each copy's file with that file's instruction set: an
+// unnamed namespace keeps each file's own, so the linker never hands baseline code a copy built
+// for AVX-512.
+namespace {
+
 // kernels::BlockScaleExponent of a finite amax >= 0 given as its bits, without libm: with
 // amax = (1 + fa) 2^ea and Fp8Max = (1 + fm) 2^em (both normal), amax <= Fp8Max 2^e first holds
 // at e = ea - em when fa <= fm, else one above; a subnormal amax lies far under the clamp.
@@ -49,6 +54,8 @@ inline int ScaleExponentOfBits(uint32_t amax_bits, Fp8Format format) {
 
 // 2^e as a float, exact for e in [kBlockScaleExponentMin, kBlockScaleExponentMax] (normal).
 inline float Pow2(int e) { return __builtin_bit_cast(float, uint32_t(127 + e) << 23); }
+
+}  // namespace
 
 // The AVX-512F loops (x86-64 builds only).
 const CastLoops* Avx512CastLoops();

@@ -106,7 +106,10 @@ struct HostStats {
   int64_t compute_calls = 0;      // forwards and backwards started (housekeeping's idle test)
   int64_t batched_forwards = 0;   // forwards computed in a batch with others
   int64_t batched_backwards = 0;  // backwards computed in a batch with others
-  int64_t modules_expired = 0;    // modules released unused for --module-ttl (ExpireIdleModules)
+  // Float32 results (a forward's output, a Linear's grad_input) the GEMM wrote straight into
+  // their response's bytes (core/host/wire_destination.h).
+  int64_t results_in_place = 0;
+  int64_t modules_expired = 0;  // modules released unused for --module-ttl (ExpireIdleModules)
 };
 
 }  // namespace gradwire::core

@@ -112,6 +112,7 @@ HostStats ModuleHost::Stats() const {
   s.modules_expired = modules_->expired();
   s.batched_forwards = steps_->batched_forwards();
   s.batched_backwards = steps_->batched_backwards();
+  s.results_in_place = steps_->results_in_place();
   return s;
 }
 

@@ -502,7 +502,9 @@ class CpuBackend final : public ReferenceBackend {
     Gemm(false, rowwise, x.rows, w.rows, x.cols, x.scale_inv() * w.scale_inv(), a.floats(),
          b.floats(), bias_data != nullptr ? 1.0f : 0.0f, y.data_ptr<float>());
   }
-  bool GemmsWriteInPlace() const override { return true; }
+  // On the FP8 GEMM every product writes in place; under --cpu-gemm blas a block-scaled one runs
+  // the reference's GEMM and is copied in.
+  bool GemmsWriteInPlace() const override { return GetCpuGemm() == CpuGemm::kOrdered; }
   // Whether t is a float32, contiguous host tensor of rows x cols: a destination the GEMMs here
   // write in place.
   static bool IntoHostF32(const at::Tensor& t, int64_t rows, int64_t cols) {

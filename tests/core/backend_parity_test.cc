@@ -1247,8 +1247,41 @@ TEST(CpuOrderedGemm, LargeResultsWrittenIntoTheirResponseBytesAreTheReferenceBit
       auto got_dx = TensorBackward(host, got->context_id, dy, false, false);
       ASSERT_TRUE(want_dx.ok() && got_dx.ok()) << where;
       EXPECT_TRUE(got_dx->equal(*want_dx)) << "grad_input, " << where;
+      // The CPU host wrote the output, and a Linear's grad_input, in place; the reference host,
+      // whose GEMMs do not write in place, encoded them as usual.
+      EXPECT_EQ(host.Stats().results_in_place, kind == ModuleKind::kLinear ? 2 : 1) << where;
+      EXPECT_EQ(ref_host.Stats().results_in_place, 0) << where;
     }
   }
+}
+
+// A grad_input whose bound does not prove it finite (a gradient near fp32's range, per-tensor
+// scaling keeping it so through the cast) is measured after its bytes moved into the response:
+// still the reference's bits, and the call succeeds.
+TEST(CpuOrderedGemm, AGradInputMeasuredAfterItMovedIntoItsResponseIsTheReferenceBits) {
+  const OrderedGemmScope ordered;
+  const int64_t rows = 260, width = 1024;
+  ModuleSpec spec = MakeModuleSpec(ModuleKind::kLinear, width, width, 0, 43);
+  spec.recipe.mode = ScalingMode::kCurrent;
+  ModuleHost ref_host(ContextLimits{}, nullptr, MakeReferenceBackend());
+  ModuleHost host(ContextLimits{}, nullptr, MakeCpuBackend());
+  auto ref_id = ref_host.Create(spec);
+  auto id = host.Create(spec);
+  ASSERT_TRUE(ref_id.ok() && id.ok());
+  // max |dy| near 1.3e37: K max|dy| max|w| is past a quarter of FLT_MAX, while each grad_input
+  // sum and the weight and bias gradients stay far inside it.
+  const at::Tensor x = RandN({rows, width}, 0.1), dy = RandN({rows, width}, 3e36);
+  auto want = TensorForward(ref_host, ref_id->module_id, x, true);
+  auto got = TensorForward(host, id->module_id, x, true);
+  ASSERT_TRUE(want.ok() && got.ok());
+  auto want_dx = TensorBackward(ref_host, want->context_id, dy, false, false);
+  auto got_dx = TensorBackward(host, got->context_id, dy, false, false);
+  ASSERT_TRUE(want_dx.ok()) << want_dx.status();
+  ASSERT_TRUE(got_dx.ok()) << got_dx.status();
+  EXPECT_TRUE(got_dx->equal(*want_dx));
+  EXPECT_TRUE(std::isfinite(got_dx->abs().max().item<float>()));
+  EXPECT_GT(got_dx->abs().max().item<float>(), 1e34f) << "the gradient kept its range";
+  EXPECT_EQ(host.Stats().results_in_place, 2);
 }
 
 // A batch whose FP8 inputs came in both wire formats (E4M3 and E5M2 codes, each with its own

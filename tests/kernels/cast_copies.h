@@ -5,15 +5,20 @@
 
 #include <gtest/gtest.h>
 
-#include <optional>
+#include <string>
 
 #include "gradwire/kernels/cpu/ordered_gemm.h"
 
 namespace gradwire::kernels {
 
-// Runs body() once per cast copy this CPU has, then goes back to the best copy.
+// Runs body() once per cast copy this CPU has, then goes back to the copy that ran before, even
+// when body() throws.
 template <typename Body>
 void ForEachCastCopy(Body&& body) {
+  struct Restore {
+    cpu::OrderedGemmCopy before = cpu::OrderedGemmActiveCopy();
+    ~Restore() { cpu::SetOrderedGemmCopy(before); }
+  } restore;
   for (cpu::OrderedGemmCopy copy :
        {cpu::OrderedGemmCopy::kBaseline, cpu::OrderedGemmCopy::kAvx512}) {
     if (!cpu::OrderedGemmCopySupported(copy)) continue;
@@ -21,7 +26,6 @@ void ForEachCastCopy(Body&& body) {
     SCOPED_TRACE(std::string("cast loops of the ") + cpu::OrderedGemmCopyName(copy) + " copy");
     body();
   }
-  cpu::SetOrderedGemmCopy(std::nullopt);
 }
 
 }  // namespace gradwire::kernels

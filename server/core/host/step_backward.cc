@@ -408,6 +408,7 @@ size_t StepRunner::BackwardRun::RunGroup(Module& m, std::vector<Member>& members
         // the GEMM wrote move on whole, and grad_input keeps viewing them where they go.
         if (alone && into.Holds(grad_input)) {
           encoded[j] = into.Take(members[j].lease.saved->input_shape);
+          runner_.results_in_place_.fetch_add(1, std::memory_order_relaxed);
         } else {
           encoded[j] =
               b.ToWireScaled(rows_of(grad_input, j, at), reqs_[members[j].index]->grad_input_dtype,

@@ -150,6 +150,7 @@ bool StepRunner::ForwardRun::Run(const std::vector<size_t>& members) {
         out_shape.back() = m.spec.out_features;
         if (alone && into.Holds(r.output)) {
           out.output = into.Take(std::move(out_shape));
+          runner_.results_in_place_.fetch_add(1, std::memory_order_relaxed);
           r.output = at::Tensor();  // it viewed those bytes
         } else {
           out.output = b.ToWireScaled(alone ? r.output : r.output.narrow(0, row, rows),

@@ -73,6 +73,7 @@ class StepRunner {
   int64_t compute_calls() const { return compute_calls_.load(); }
   int64_t batched_forwards() const { return batched_forwards_.load(); }
   int64_t batched_backwards() const { return batched_backwards_.load(); }
+  int64_t results_in_place() const { return results_in_place_.load(); }
 
  private:
   class ForwardRun;
@@ -86,6 +87,7 @@ class StepRunner {
   std::atomic<int64_t> compute_calls_{0};
   std::atomic<int64_t> batched_forwards_{0};
   std::atomic<int64_t> batched_backwards_{0};
+  std::atomic<int64_t> results_in_place_{0};
 };
 
 }  // namespace gradwire::core
