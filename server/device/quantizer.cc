@@ -57,30 +57,6 @@ Fp8Tensor QuantizeBlocked(const float* data, const QuantizerConfig& config, Cast
   const kernels::BlockShape as_x{config.columnwise_block.cols, config.columnwise_block.rows};
   const bool same = usage.rowwise && usage.columnwise && as_x.rows == config.rowwise_block.rows &&
                     as_x.cols == config.rowwise_block.cols;
-  float max_scale_inv = 0.0f;
-  // Both copies (or the one wanted) blocked 1 x length along their own rows: one pass.
-  const int64_t length = usage.rowwise ? config.rowwise_block.cols : as_x.rows;
-  if (loops.line != nullptr && (!usage.rowwise || config.rowwise_block.rows == 1) &&
-      (!usage.columnwise || (as_x.cols == 1 && as_x.rows == length))) {
-    if (usage.rowwise) {
-      out.rowwise_scale_inv =
-          at::empty({out.rows, kernels::BlockGridCols(out.cols, config.rowwise_block)}, f32);
-    }
-    if (usage.columnwise) {
-      out.columnwise_scale_inv = at::empty({out.cols, kernels::BlockGridRows(out.rows, as_x)}, f32);
-    }
-    float amax = 0.0f;
-    loops.line(data, out.rows, out.cols, length, config.format,
-               usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr,
-               usage.rowwise ? out.rowwise_scale_inv.data_ptr<float>() : nullptr,
-               usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr,
-               usage.columnwise ? out.columnwise_scale_inv.data_ptr<float>() : nullptr, &amax);
-    if (usage.rowwise) max_scale_inv = MaxOf(out.rowwise_scale_inv);
-    if (usage.columnwise) max_scale_inv = std::max(max_scale_inv, MaxOf(out.columnwise_scale_inv));
-    out.max_scale_inv = max_scale_inv > 0.0f ? max_scale_inv : 1.0f;
-    out.scalars = CastScalars(1.0f, 1.0f, amax);
-    return out;
-  }
   if (usage.rowwise) {
     out.rowwise_scale_inv = at::empty({kernels::BlockGridRows(out.rows, config.rowwise_block),
                                        kernels::BlockGridCols(out.cols, config.rowwise_block)},
@@ -90,21 +66,35 @@ Fp8Tensor QuantizeBlocked(const float* data, const QuantizerConfig& config, Cast
     out.columnwise_scale_inv = at::empty(
         {kernels::BlockGridCols(out.cols, as_x), kernels::BlockGridRows(out.rows, as_x)}, f32);
   }
-  if (usage.rowwise) {
-    loops.quantize(data, out.rows, out.cols, config.rowwise_block, config.format,
-                   out.rowwise.data_ptr<uint8_t>(), out.rowwise_scale_inv.data_ptr<float>(),
-                   same ? out.columnwise.data_ptr<uint8_t>() : nullptr,
-                   same ? out.columnwise_scale_inv.data_ptr<float>() : nullptr);
-    max_scale_inv = MaxOf(out.rowwise_scale_inv);
+  uint8_t* rowwise = usage.rowwise ? out.rowwise.data_ptr<uint8_t>() : nullptr;
+  float* rowwise_scale = usage.rowwise ? out.rowwise_scale_inv.data_ptr<float>() : nullptr;
+  uint8_t* columnwise = usage.columnwise ? out.columnwise.data_ptr<uint8_t>() : nullptr;
+  float* columnwise_scale = usage.columnwise ? out.columnwise_scale_inv.data_ptr<float>() : nullptr;
+  // The source's amax (NaN when a value is NaN), for the finite checks and the roles' records.
+  float amax = 0.0f;
+  // Both copies (or the one wanted) blocked 1 x length along their own rows: one pass, which
+  // measures the amax on the way.
+  const int64_t length = usage.rowwise ? config.rowwise_block.cols : as_x.rows;
+  if (loops.line != nullptr && (!usage.rowwise || config.rowwise_block.rows == 1) &&
+      (!usage.columnwise || (as_x.cols == 1 && as_x.rows == length))) {
+    loops.line(data, out.rows, out.cols, length, config.format, rowwise, rowwise_scale, columnwise,
+               columnwise_scale, &amax);
+  } else {
+    if (usage.rowwise) {
+      loops.quantize(data, out.rows, out.cols, config.rowwise_block, config.format, rowwise,
+                     rowwise_scale, same ? columnwise : nullptr, same ? columnwise_scale : nullptr);
+    }
+    if (usage.columnwise && !same) {
+      loops.quantize(data, out.rows, out.cols, as_x, config.format, nullptr, nullptr, columnwise,
+                     columnwise_scale);
+    }
+    amax = loops.amax(data, out.rows * out.cols);
   }
-  if (usage.columnwise && !same) {
-    loops.quantize(data, out.rows, out.cols, as_x, config.format, nullptr, nullptr,
-                   out.columnwise.data_ptr<uint8_t>(), out.columnwise_scale_inv.data_ptr<float>());
-  }
+  float max_scale_inv = 0.0f;
+  if (usage.rowwise) max_scale_inv = MaxOf(out.rowwise_scale_inv);
   if (usage.columnwise) max_scale_inv = std::max(max_scale_inv, MaxOf(out.columnwise_scale_inv));
   out.max_scale_inv = max_scale_inv > 0.0f ? max_scale_inv : 1.0f;
-  // The source's amax (NaN when a value is NaN), for the finite checks and the roles' records.
-  out.scalars = CastScalars(1.0f, 1.0f, loops.amax(data, out.rows * out.cols));
+  out.scalars = CastScalars(1.0f, 1.0f, amax);
   return out;
 }
 
